@@ -1,0 +1,94 @@
+"""Tier names, residency states and byte-budget accounting.
+
+Three tiers hold tensors: ``DEVICE`` (accelerator memory; ordinary memory on a
+machine without CUDA), ``HOST`` (a pinned host arena; plain memory without
+CUDA) and ``NVME`` (a directory holding a zarr v3 group). Every tensor has one
+*home* tier. Its presence on the compute device is tracked separately by the
+:class:`Residency` state machine owned by :class:`storage.store.TieredStore`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["Budget", "Residency", "Tier", "format_bytes"]
+
+
+class Tier(str, enum.Enum):
+    """Where a tensor's authoritative copy lives."""
+
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class Residency(str, enum.Enum):
+    """Whether a tensor is usable on the compute device.
+
+    Legal transitions: ``RELEASED -> IN_FLIGHT -> RESIDENT -> RELEASED``.
+    A tensor whose home tier is ``DEVICE`` is always ``RESIDENT``.
+    """
+
+    RELEASED = "released"
+    IN_FLIGHT = "in_flight"
+    RESIDENT = "resident"
+
+
+def format_bytes(n: float) -> str:
+    """Format a byte count with binary units, e.g. ``1.50 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024.0 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024.0
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Budget:
+    """Byte accounting for one tier.
+
+    ``capacity`` is the tier's budget in bytes; ``used`` the bytes currently
+    reserved. :meth:`reserve` raises :class:`ValueError` naming the tensor,
+    the tier, the bytes needed and the bytes free when the budget cannot hold
+    a request.
+    """
+
+    tier: Tier
+    capacity: int
+    """Budget of the tier, in bytes."""
+    used: int = 0
+    """Bytes currently reserved, in bytes."""
+    _by_name: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def free(self) -> int:
+        """Bytes still available under the budget."""
+        return self.capacity - self.used
+
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Reserve ``nbytes`` for tensor ``name`` or raise ``ValueError``."""
+        if nbytes < 0:
+            raise ValueError(f"tensor {name!r}: negative size {nbytes} bytes")
+        if name in self._by_name:
+            raise ValueError(f"tensor {name!r} already holds bytes on tier {self.tier.value}")
+        if nbytes > self.free:
+            raise ValueError(
+                f"tensor {name!r} needs {format_bytes(nbytes)} ({nbytes} bytes) on tier "
+                f"{self.tier.value}, but only {format_bytes(self.free)} ({self.free} bytes) of "
+                f"its {format_bytes(self.capacity)} budget are free: raise the {self.tier.value} "
+                f"budget or home the tensor on another tier"
+            )
+        self._by_name[name] = nbytes
+        self.used += nbytes
+
+    def release(self, name: str) -> int:
+        """Return the bytes held by ``name`` to the budget; returns how many."""
+        nbytes = self._by_name.pop(name)
+        self.used -= nbytes
+        return nbytes
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` holds bytes on this tier."""
+        return name in self._by_name
