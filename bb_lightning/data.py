@@ -1,0 +1,407 @@
+"""Lightning data modules: packed text for training, prompt batches for bulk generation.
+
+:class:`TextDataModule` reads ``.txt`` files (one document each) and ``.jsonl``
+files (one document per row, in its ``"text"`` field), tokenises the
+documents in file order, appends the eos token to each, concatenates them and
+cuts the stream into rows of ``seq_len`` tokens (the tail shorter than a row
+is dropped). Training batches are ``{"input_ids": LongTensor[batch, seq_len]}``.
+
+:class:`PromptsDataModule` reads a ``.jsonl`` of ``{"id", "prompt"}`` rows and
+yields left-padded batches for ``predict``.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from bb_lightning.tokenizer import ByteTokenizer, Tokenizer, encode_text, eos_id, load_tokenizer
+from bb_lightning.tokenizer import pad_id as tokenizer_pad_id
+
+__all__ = [
+    "PromptsDataModule",
+    "SeededSampler",
+    "TextDataModule",
+    "pack_documents",
+    "read_documents",
+    "resolve_files",
+]
+
+
+def resolve_files(paths: str | list[str], max_files: int | None = None) -> list[Path]:
+    """Files matched by the glob patterns (``**`` recurses), sorted per pattern, deduplicated.
+
+    Raises ValueError naming a pattern that matches no file.
+    """
+    patterns = [paths] if isinstance(paths, str) else list(paths)
+    if not patterns:
+        raise ValueError("paths is empty: pass at least one glob such as 'data/*.txt'")
+    if max_files is not None and max_files < 1:
+        raise ValueError(f"max_files={max_files} must be >= 1 (or None for all files)")
+    files: list[Path] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        matched = sorted(
+            p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)
+        )
+        if not matched:
+            raise ValueError(f"pattern {pattern!r} matches no file: check the path and the glob")
+        for p in matched:
+            key = os.path.realpath(p)
+            if key not in seen:
+                seen.add(key)
+                files.append(Path(p))
+    return files[:max_files] if max_files is not None else files
+
+
+def read_documents(path: Path) -> Iterator[str]:
+    """Documents of one file: the whole text of a ``.txt``, each row's ``"text"`` of a ``.jsonl``.
+
+    Raises ValueError naming ``file:line`` for a row that is not JSON or has no string ``"text"``.
+    """
+    if path.suffix != ".jsonl":
+        yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = _json_row(path, lineno, line)
+            text = row.get("text")
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}:{lineno}: row has no string field 'text' (keys: {sorted(row)}); "
+                    'each .jsonl row must look like {"text": "..."}'
+                )
+            yield text
+
+
+def _json_row(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line"
+        ) from e
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    return np.asarray(encode_text(tokenizer, text), dtype=np.int32)
+
+
+def pack_documents(
+    files: list[Path], tokenizer: Tokenizer, seq_len: int, max_tokens: int | None = None
+) -> Tensor:
+    """Tokenise the documents of ``files`` in order, each followed by eos, into rows.
+
+    Returns an int32 tensor ``[rows, seq_len]`` (tokens); the stream is cut
+    at ``max_tokens`` first, and a tail shorter than ``seq_len`` is dropped.
+    Raises ValueError when the text gives fewer than ``seq_len`` tokens.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens per row)")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise ValueError(
+            f"max_tokens={max_tokens} < seq_len={seq_len}: no row fits; raise max_tokens"
+        )
+    eos = np.asarray([eos_id(tokenizer)], dtype=np.int32)
+    chunks: list[np.ndarray] = []
+    total = 0
+    for path in files:
+        for text in read_documents(path):
+            chunks += [_encode(tokenizer, text), eos]
+            total += len(chunks[-2]) + 1
+            if max_tokens is not None and total >= max_tokens:
+                break
+        if max_tokens is not None and total >= max_tokens:
+            break
+    stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    rows = len(stream) // seq_len
+    if rows == 0:
+        raise ValueError(
+            f"{len(stream)} tokens from {len(files)} file(s) < seq_len={seq_len}: "
+            "add text or lower seq_len"
+        )
+    return torch.from_numpy(stream[: rows * seq_len].reshape(rows, seq_len).copy())
+
+
+class SeededSampler(Sampler[int]):
+    """Indices in an order fixed by ``(seed, epoch)``, so a resumed run replays it.
+
+    Lightning calls :meth:`set_epoch` at the start of each epoch.
+    """
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool = True) -> None:
+        self.size = size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of epoch ``epoch`` (0-based)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=gen).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _Rows(Dataset[dict[str, Tensor]]):
+    def __init__(self, rows: Tensor, indices: Tensor) -> None:
+        self.rows = rows
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"input_ids": self.rows[int(self.indices[i])].long()}
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Packed causal-LM training data from ``.txt`` and ``.jsonl`` files.
+
+    Rows are split into train and validation by a permutation seeded with
+    ``seed``; the training order of each epoch depends only on ``seed`` and
+    the epoch. With ``cache_dir`` the packed rows are stored there (keyed by
+    file names, sizes, modification times and the settings) and reused;
+    without it nothing is written anywhere.
+    """
+
+    def __init__(
+        self,
+        paths: str | list[str],
+        *,
+        tokenizer: str | None = None,
+        seq_len: int = 512,
+        batch_size: int = 1,
+        val_fraction: float = 0.05,
+        max_files: int | None = None,
+        max_tokens: int | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        """Configure the module; files are read in :meth:`setup`.
+
+        Args:
+            paths: glob pattern(s) of ``.txt`` / ``.jsonl`` files.
+            tokenizer: ``None``/``"byte"`` for :class:`ByteTokenizer`, else a HF tokenizer.
+            seq_len: tokens per row.
+            batch_size: rows per batch.
+            val_fraction: share of rows held out for validation, in [0, 1).
+            max_files: read at most this many files (after sorting).
+            max_tokens: use at most this many tokens of the packed stream.
+            seed: seed of the train/validation split and of the shuffling.
+            num_workers: DataLoader worker processes.
+            cache_dir: directory for the packed-rows cache; ``None`` caches nothing.
+        """
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); 0 disables it")
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens per row)")
+        self.save_hyperparameters()
+        self.paths = paths
+        self.tokenizer_name = tokenizer
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.max_files = max_files
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.num_workers = num_workers
+        self.cache_dir = cache_dir
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        self.rows: Tensor | None = None
+        """Packed rows ``[rows, seq_len]`` in stream order (int32), after :meth:`setup`."""
+        self.train_indices: Tensor | None = None
+        self.val_indices: Tensor | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can produce (a model's vocabulary must be at least this)."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self.tokenizer.vocab_size
+        return len(self.tokenizer)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read, tokenise and pack the files once; split rows into train and validation."""
+        if self.rows is not None:
+            return
+        files = resolve_files(self.paths, self.max_files)
+        self.rows = self._load_cached(files)
+        n = len(self.rows)
+        n_val = round(n * self.val_fraction)
+        if self.val_fraction > 0.0 and n >= 2:
+            n_val = min(max(n_val, 1), n - 1)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
+        self.val_indices = perm[:n_val].sort().values
+        self.train_indices = perm[n_val:].sort().values
+
+    def _load_cached(self, files: list[Path]) -> Tensor:
+        if self.cache_dir is None:
+            return pack_documents(files, self.tokenizer, self.seq_len, self.max_tokens)
+        stats = [(os.path.realpath(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        key = json.dumps(
+            [stats, self.tokenizer_name or "byte", self.seq_len, self.max_tokens], sort_keys=True
+        )
+        cache = Path(self.cache_dir) / f"packed-{hashlib.sha256(key.encode()).hexdigest()[:24]}.npy"
+        if cache.exists():
+            return torch.from_numpy(np.load(cache))
+        rows = pack_documents(files, self.tokenizer, self.seq_len, self.max_tokens)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, rows.numpy())
+        os.replace(tmp, cache)
+        return rows
+
+    def _loader(self, indices: Tensor | None, *, shuffle: bool) -> DataLoader[dict[str, Tensor]]:
+        if self.rows is None or indices is None:
+            raise RuntimeError("TextDataModule.setup() must run before its dataloaders")
+        data = _Rows(self.rows, indices)
+        sampler = SeededSampler(len(data), seed=self.seed, shuffle=shuffle)
+        return DataLoader(
+            data, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers
+        )
+
+    def train_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        """Training rows, reshuffled each epoch by ``(seed, epoch)``."""
+        return self._loader(self.train_indices, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        """Validation rows in stream order (empty when ``val_fraction`` is 0)."""
+        return self._loader(self.val_indices, shuffle=False)
+
+
+class PromptsDataModule(pl.LightningDataModule):
+    """Prompts for bulk generation from a ``.jsonl`` of ``{"id": ..., "prompt": ...}`` rows.
+
+    ``id`` is optional (the 1-based line number when absent). Batches are
+    ``{"id": list[str], "input_ids": LongTensor[b, s], "attention_mask":
+    LongTensor[b, s], "error": list[str | None]}``, left-padded. A prompt
+    longer than ``max_prompt_len`` tokens, or one that encodes to no token,
+    does not stop the run: its ``error`` entry says why and its row is all
+    padding with an all-zero attention mask; consumers skip such rows and
+    report the error for that id.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        tokenizer: str | None = None,
+        batch_size: int = 1,
+        max_prompt_len: int = 2048,
+        num_workers: int = 0,
+    ) -> None:
+        """Configure the module; the file is read in :meth:`setup`.
+
+        Args:
+            path: the ``.jsonl`` file.
+            tokenizer: ``None``/``"byte"`` for :class:`ByteTokenizer`, else a HF tokenizer
+                (which adds its own special tokens, e.g. bos).
+            batch_size: prompts per batch.
+            max_prompt_len: longest prompt accepted (tokens).
+            num_workers: DataLoader worker processes.
+        """
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 (tokens)")
+        self.save_hyperparameters()
+        self.path = Path(path)
+        self.batch_size = batch_size
+        self.max_prompt_len = max_prompt_len
+        self.num_workers = num_workers
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        self.records: list[dict[str, Any]] | None = None
+        """One ``{"id", "input_ids", "error"}`` per prompt, in file order, after :meth:`setup`."""
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and tokenise the prompts once."""
+        if self.records is not None:
+            return
+        if not self.path.is_file():
+            raise ValueError(f"prompts file {self.path} does not exist")
+        special = not isinstance(self.tokenizer, ByteTokenizer)
+        records: list[dict[str, Any]] = []
+        with self.path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                row = _json_row(self.path, lineno, line)
+                prompt = row.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ValueError(
+                        f"{self.path}:{lineno}: row has no string field 'prompt'; "
+                        'each row must look like {"id": "...", "prompt": "..."}'
+                    )
+                ids = encode_text(self.tokenizer, prompt, add_special_tokens=special)
+                error = None
+                if not ids:
+                    error = "prompt encodes to 0 tokens"
+                elif len(ids) > self.max_prompt_len:
+                    error = f"prompt has {len(ids)} tokens > max_prompt_len={self.max_prompt_len}"
+                rid = row.get("id", lineno)
+                records.append({"id": str(rid), "input_ids": ids, "error": error})
+        if not records:
+            raise ValueError(f"prompts file {self.path} holds no prompt: add jsonl rows")
+        self.records = records
+
+    def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Left-pad a list of records into one batch (see the class docstring)."""
+        pad = tokenizer_pad_id(self.tokenizer)
+        valid = [len(r["input_ids"]) for r in records if r["error"] is None]
+        width = max(valid, default=1)
+        input_ids = torch.full((len(records), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(records), width), dtype=torch.long)
+        for i, r in enumerate(records):
+            if r["error"] is None:
+                n = len(r["input_ids"])
+                input_ids[i, width - n :] = torch.tensor(r["input_ids"], dtype=torch.long)
+                mask[i, width - n :] = 1
+        return {
+            "id": [r["id"] for r in records],
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "error": [r["error"] for r in records],
+        }
+
+    def predict_dataloader(self) -> DataLoader[dict[str, Any]]:
+        """Prompt batches in file order."""
+        if self.records is None:
+            raise RuntimeError("PromptsDataModule.setup() must run before its dataloaders")
+        return DataLoader(
+            self.records,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )

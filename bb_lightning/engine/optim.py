@@ -1,0 +1,290 @@
+"""Host-side AdamW over flat fp32 buffers, one transformer block at a time.
+
+Offloaded training keeps fp32 master weights and the two AdamW moments of each
+block as flat, contiguous fp32 tensors (about 16 bytes per parameter with the
+gradient). :class:`HostAdamW` updates one such block in place with a single
+vectorised kernel: ``torch._fused_adamw_`` where the build provides it, the
+``torch._foreach_*`` ops otherwise. Both compute the update of
+``torch.optim.AdamW`` (Loshchilov & Hutter, "Decoupled Weight Decay
+Regularization", ICLR 2019, Algorithm 2, with PyTorch's bias corrections):
+
+    p <- p * (1 - lr * wd)
+    m <- b1 * m + (1 - b1) * g
+    v <- b2 * v + (1 - b2) * g^2
+    p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+Gradient clipping and averaging over accumulation steps fold into one scalar,
+``grad_scale``, which multiplies the gradient before the update (see
+:func:`global_grad_norm` and :func:`clip_coefficient`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AdamWConfig",
+    "HostAdamW",
+    "clip_coefficient",
+    "copy_bf16_",
+    "flat_views",
+    "global_grad_norm",
+]
+
+Kernel = Literal["auto", "fused", "foreach"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig:
+    """Hyperparameters of AdamW with decoupled weight decay (``torch.optim.AdamW`` semantics)."""
+
+    lr: float = 1e-4
+    """Base learning rate (dimensionless step size); a scheduler may pass another per step."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Decay rates of the first and second moment averages, each in [0, 1)."""
+    eps: float = 1e-8
+    """Term added to the denominator for numerical stability (gradient units), >= 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay per unit of learning rate (parameters shrink by ``lr * wd``)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr >= 0.0):
+            raise ValueError(f"AdamW lr={self.lr!r} must be finite and >= 0: pass e.g. lr=1e-4")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(
+                f"AdamW betas={self.betas!r} must be two values in [0, 1): pass e.g. (0.9, 0.95)"
+            )
+        if not (math.isfinite(self.eps) and self.eps >= 0.0):
+            raise ValueError(f"AdamW eps={self.eps!r} must be finite and >= 0: pass e.g. 1e-8")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise ValueError(
+                f"AdamW weight_decay={self.weight_decay!r} must be finite and >= 0: "
+                "pass 0.0 to disable it"
+            )
+
+
+def _fused_available() -> bool:
+    return hasattr(torch, "_fused_adamw_")
+
+
+class HostAdamW:
+    """Stateless AdamW stepper: all state lives in the caller's flat buffers.
+
+    The stepper holds only its :class:`AdamWConfig` and the choice of kernel, so
+    one instance can update every block, from any thread, in any order.
+    """
+
+    def __init__(self, config: AdamWConfig | None = None, *, kernel: Kernel = "auto") -> None:
+        """Create a stepper.
+
+        Args:
+            config: hyperparameters; ``AdamWConfig()`` when None.
+            kernel: ``"fused"`` (``torch._fused_adamw_``), ``"foreach"``
+                (``torch._foreach_*`` ops) or ``"auto"`` (fused where available).
+        """
+        if kernel not in ("auto", "fused", "foreach"):
+            raise ValueError(f"kernel={kernel!r} is not one of 'auto', 'fused', 'foreach'")
+        if kernel == "fused" and not _fused_available():
+            raise ValueError(
+                f"kernel='fused' but torch {torch.__version__} has no torch._fused_adamw_: "
+                "pass kernel='foreach' or 'auto'"
+            )
+        self.config = config if config is not None else AdamWConfig()
+        self.kernel: Literal["fused", "foreach"] = (
+            "foreach" if kernel == "foreach" or not _fused_available() else "fused"
+        )
+
+    def step_block(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        *,
+        step: int,
+        lr: float | None = None,
+        grad_scale: float = 1.0,
+    ) -> None:
+        """Apply one AdamW update to a block's flat fp32 buffers, in place.
+
+        Args:
+            master: fp32 master weights of the block, contiguous, updated in place.
+            grad: fp32 gradient, same shape; overwritten with ``grad * grad_scale``.
+            exp_avg: fp32 first moment, same shape, updated in place (zeros before step 1).
+            exp_avg_sq: fp32 second moment, same shape, updated in place (zeros before step 1).
+            step: 1-based index of this update (the bias corrections use it).
+            lr: learning rate of this step (from a scheduler); ``config.lr`` when None.
+            grad_scale: factor applied to the gradient first (clip coefficient
+                times 1 / accumulation steps), finite and > 0.
+        """
+        lr = self.config.lr if lr is None else float(lr)
+        if step < 1:
+            raise ValueError(f"step={step} must be >= 1 (the first update is step 1)")
+        if not (math.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"lr={lr!r} must be finite and >= 0")
+        if not (math.isfinite(grad_scale) and grad_scale > 0.0):
+            raise ValueError(
+                f"grad_scale={grad_scale!r} must be finite and > 0: "
+                "skip the step instead of scaling by 0"
+            )
+        _check_buffers(master, grad, exp_avg, exp_avg_sq)
+        if self.kernel == "fused":
+            self._step_fused(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
+        else:
+            self._step_foreach(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
+
+    def _step_fused(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        step: int,
+        lr: float,
+        grad_scale: float,
+    ) -> None:
+        cfg = self.config
+        device = master.device
+        # The fused kernel divides the gradient by its `grad_scale` (the AMP
+        # unscale) and stores the result back into `grad`; pass the reciprocal.
+        scale = None
+        if grad_scale != 1.0:
+            scale = torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=device)
+        torch._fused_adamw_(
+            [master],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [torch.tensor(float(step), dtype=torch.float32, device=device)],
+            lr=lr,
+            beta1=cfg.betas[0],
+            beta2=cfg.betas[1],
+            weight_decay=cfg.weight_decay,
+            eps=cfg.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=scale,
+            found_inf=None,
+        )
+
+    def _step_foreach(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        step: int,
+        lr: float,
+        grad_scale: float,
+    ) -> None:
+        cfg = self.config
+        beta1, beta2 = cfg.betas
+        params, grads, avgs, avg_sqs = [master], [grad], [exp_avg], [exp_avg_sq]
+        if grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale)
+        if cfg.weight_decay != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * cfg.weight_decay)
+        torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(avg_sqs, beta2)
+        torch._foreach_addcmul_(avg_sqs, grads, grads, 1.0 - beta2)
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+        denom = torch._foreach_sqrt(avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, cfg.eps)
+        torch._foreach_addcdiv_(params, avgs, denom, -lr / bias_correction1)
+
+
+def _check_buffers(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+    named = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    for name, t in named.items():
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} has dtype {t.dtype}; HostAdamW needs torch.float32 buffers")
+        if t.shape != master.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but master has {tuple(master.shape)}: "
+                "all four buffers of a block must have the same shape"
+            )
+        if t.device != master.device:
+            raise ValueError(f"{name} is on {t.device} but master is on {master.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: pass flat buffers (see flat_views)")
+
+
+def flat_views(flat: Tensor, shapes: Sequence[Sequence[int] | torch.Size]) -> list[Tensor]:
+    """Views of consecutive slices of a 1-D buffer with the given shapes (no copy).
+
+    Args:
+        flat: contiguous 1-D tensor holding at least ``sum(prod(shape))`` elements.
+        shapes: shapes of the tensors laid end to end in ``flat``.
+
+    Returns:
+        One view per shape, sharing storage with ``flat``.
+    """
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(
+            f"flat has shape {tuple(flat.shape)} (contiguous={flat.is_contiguous()}): "
+            "pass a contiguous 1-D buffer"
+        )
+    sizes = [math.prod(s) for s in shapes]
+    total = sum(sizes)
+    if total > flat.numel():
+        raise ValueError(
+            f"shapes need {total} elements but flat holds {flat.numel()}: "
+            "allocate the buffer with the sum of the tensors' numel"
+        )
+    views = []
+    offset = 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        views.append(flat[offset : offset + size].view(tuple(shape)))
+        offset += size
+    return views
+
+
+def copy_bf16_(dst_bf16: Tensor, master_fp32: Tensor) -> Tensor:
+    """Round fp32 master weights to nearest-even bf16 into ``dst_bf16`` (in place); returns it."""
+    if dst_bf16.dtype != torch.bfloat16:
+        raise ValueError(f"dst_bf16 has dtype {dst_bf16.dtype}; expected torch.bfloat16")
+    if master_fp32.dtype != torch.float32:
+        raise ValueError(f"master_fp32 has dtype {master_fp32.dtype}; expected torch.float32")
+    if dst_bf16.numel() != master_fp32.numel():
+        raise ValueError(
+            f"dst_bf16 holds {dst_bf16.numel()} elements but master_fp32 holds "
+            f"{master_fp32.numel()}: the buffers must describe the same block"
+        )
+    return dst_bf16.copy_(master_fp32.view(dst_bf16.shape))
+
+
+def global_grad_norm(grads: Iterable[Tensor]) -> float:
+    """Total 2-norm of all gradients taken together, accumulated in fp32.
+
+    Matches ``torch.nn.utils.clip_grad_norm_(..., norm_type=2)``: the 2-norm of
+    the per-tensor 2-norms. Blocks may pass their flat gradient buffers.
+    """
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]
+    if not norms:
+        return 0.0
+    devices = {n.device for n in norms}
+    if len(devices) > 1:
+        norms = [n.cpu() for n in norms]
+    return float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Factor that scales gradients of norm ``total_norm`` to at most ``max_norm``.
+
+    ``min(1, max_norm / (total_norm + 1e-6))``, the coefficient of
+    ``torch.nn.utils.clip_grad_norm_`` (used by Lightning's ``gradient_clip_val``).
+    """
+    if not (math.isfinite(max_norm) and max_norm > 0.0):
+        raise ValueError(f"max_norm={max_norm!r} must be finite and > 0")
+    if total_norm < 0.0:
+        raise ValueError(f"total_norm={total_norm!r} must be >= 0 (it is a norm)")
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,316 @@
+"""``CausalLMModule``: any Hugging Face causal LM as a LightningModule.
+
+The model is built in :meth:`CausalLMModule.configure_model`, Lightning's hook
+for deferred construction, so a strategy can build it on the meta device and
+stream weights into its tiers. :meth:`CausalLMModule.model_config` and
+:attr:`CausalLMModule.checkpoint_dir` tell such a strategy what to build and
+where the weights are; :meth:`CausalLMModule.adamw_config` gives the optimizer
+hyperparameters for a host-side AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from bb_lightning.engine.optim import AdamWConfig
+from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
+
+__all__ = ["DEFAULT_MODEL", "CausalLMModule", "LinearWarmup", "resolve_model_config"]
+
+DEFAULT_MODEL = "tiny-llama"
+"""Built-in model (``bb_lightning.planner.models``) used when ``model`` is None."""
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _builtin_config(name: str) -> dict[str, Any] | None:
+    """The built-in config dict called ``name`` (see ``bb_lightning.planner.models``), or None."""
+    if name.strip().lower() not in BUILTIN_MODELS:
+        return None
+    return builtin_config(name)
+
+
+def _config_from_dict(values: dict[str, Any]) -> PretrainedConfig:
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(
+            f"model config dict has no 'model_type' (keys: {sorted(values)}): "
+            "add e.g. 'model_type': 'llama'"
+        )
+    return AutoConfig.for_model(model_type, **values)
+
+
+def resolve_model_config(
+    model: str | os.PathLike[str] | dict[str, Any] | PretrainedConfig | None,
+) -> tuple[PretrainedConfig, Path | str | None]:
+    """The configuration of ``model`` and where its weights are (None: initialise randomly).
+
+    ``model`` is a built-in name, a local checkpoint directory (``config.json``
+    plus weights, or only ``config.json``), a ``config.json`` path, a dict with
+    ``model_type``, a ``PretrainedConfig``, or a hub id (needs the network).
+    """
+    if model is None:
+        model = DEFAULT_MODEL
+    if isinstance(model, PretrainedConfig):
+        return model, None
+    if isinstance(model, dict):
+        return _config_from_dict(model), None
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json: pass a checkpoint dir")
+        config = AutoConfig.from_pretrained(path)
+        has_weights = any((path / f).is_file() for f in _WEIGHT_FILES)
+        return config, path if has_weights else None
+    if path.is_file():
+        with path.open() as f:
+            return _config_from_dict(json.load(f)), None
+    builtin = _builtin_config(str(model))
+    if builtin is not None:
+        return _config_from_dict(builtin), None
+    text = str(model)
+    if path.is_absolute() or text.startswith((".", "~")) or text.endswith(".json"):
+        raise ValueError(
+            f"model path {text!r} does not exist: pass an existing checkpoint directory, "
+            "a config.json, a built-in name or a hub id"
+        )
+    return AutoConfig.from_pretrained(str(model)), str(model)
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed every generator for the block, then restore the caller's random state."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass(frozen=True)
+class LinearWarmup:
+    """LR factor rising linearly to 1 over ``warmup_steps`` optimizer steps, then constant.
+
+    Step ``i`` (0-based) gets ``min(1, (i + 1) / warmup_steps)``, so the first
+    step already moves. A class rather than a lambda so schedulers pickle.
+    """
+
+    warmup_steps: int
+    """Optimizer steps to reach the full learning rate."""
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.warmup_steps)
+
+
+class CausalLMModule(pl.LightningModule):
+    """Fine-tune (fit/validate) or bulk-generate (predict) with a causal LM.
+
+    Batches for ``fit``/``validate``: ``{"input_ids": LongTensor[b, s],
+    "attention_mask"?: LongTensor[b, s], "labels"?: LongTensor[b, s]}``;
+    labels default to ``input_ids`` (the model shifts them). Batches for
+    ``predict``: ``{"id": list[str], "input_ids", "attention_mask",
+    "error"?: list[str | None]}``, left-padded (see
+    :class:`~bb_lightning.data.PromptsDataModule`).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | dict[str, Any] | PretrainedConfig | None = None,
+        *,
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        tokenizer: str | None = None,
+    ) -> None:
+        """Configure the module; the network is built in :meth:`configure_model`.
+
+        Args:
+            model: what to build (see :func:`resolve_model_config`); ``"tiny-llama"`` if None.
+            learning_rate: peak AdamW learning rate.
+            weight_decay: decoupled AdamW weight decay.
+            betas: AdamW moment decay rates.
+            eps: AdamW denominator epsilon.
+            warmup_steps: optimizer steps of linear warm-up (0: none).
+            max_new_tokens: tokens generated per prompt in ``predict``.
+            temperature: sampling temperature; 0 means greedy decoding.
+            top_k: sample among the k most likely tokens (0: all).
+            top_p: nucleus sampling threshold in (0, 1].
+            seed: seed of the random initial weights and of sampling.
+            tokenizer: ``"byte"`` or a HF tokenizer dir/name to decode predictions; None: ids only.
+        """
+        super().__init__()
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 (tokens)")
+        if temperature < 0.0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p} must be in (0, 1]")
+        if top_k < 0:
+            raise ValueError(f"top_k={top_k} must be >= 0 (0: no limit)")
+        self._adamw = AdamWConfig(
+            lr=learning_rate,
+            betas=cast(tuple[float, float], tuple(betas)),  # a CLI may pass a list
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        self.save_hyperparameters()
+        if isinstance(model, PretrainedConfig):
+            self.hparams["model"] = model.to_dict()
+        elif isinstance(model, os.PathLike):
+            self.hparams["model"] = os.fspath(model)
+        self._config, self.checkpoint_dir = resolve_model_config(model)
+        self.model: PreTrainedModel | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    def model_config(self) -> PretrainedConfig:
+        """The Hugging Face configuration of the network (available before it is built)."""
+        return self._config
+
+    def adamw_config(self) -> AdamWConfig:
+        """The AdamW hyperparameters, for an optimizer that runs outside ``configure_optimizers``."""
+        return self._adamw
+
+    def configure_model(self) -> None:
+        """Build the network once (later calls do nothing).
+
+        Random initial weights come from a generator seeded with ``seed``,
+        without touching the global random state; a checkpoint directory is
+        loaded with ``from_pretrained``.
+        """
+        if self.model is not None:
+            return
+        if self.checkpoint_dir is not None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
+        else:
+            with _seeded(int(self.hparams["seed"])):
+                self.model = AutoModelForCausalLM.from_config(self._config)
+
+    def _net(self) -> PreTrainedModel:
+        if self.model is None:
+            raise RuntimeError("the model is not built yet: call configure_model() first")
+        return self.model
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """Mean next-token cross-entropy of the batch (nats per predicted token)."""
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels", input_ids)
+        out = self._net()(
+            input_ids=input_ids, attention_mask=batch.get("attention_mask"), labels=labels
+        )
+        return out.loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self(batch)
+        self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        """``torch.optim.AdamW`` over all parameters, with linear warm-up per step if asked."""
+        cfg = self._adamw
+        optimizer = torch.optim.AdamW(
+            self._net().parameters(),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
+        warmup = int(self.hparams["warmup_steps"])
+        if warmup == 0:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(warmup))
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    def generation_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``generate`` from the decoding hyperparameters."""
+        hp = self.hparams
+        kwargs: dict[str, Any] = {"max_new_tokens": int(hp["max_new_tokens"])}
+        if hp["temperature"] > 0.0:
+            kwargs.update(
+                do_sample=True,
+                temperature=float(hp["temperature"]),
+                top_k=int(hp["top_k"]),
+                top_p=float(hp["top_p"]),
+            )
+        else:
+            kwargs.update(do_sample=False)
+        return kwargs
+
+    def predict_step(
+        self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
+    ) -> list[dict[str, Any]]:
+        """Generate for each prompt; returns ``{"id", "token_ids", "text"?}`` per prompt.
+
+        ``token_ids`` are the new tokens, cut before the first eos. Prompts
+        flagged with an ``error`` in the batch are not run and come back as
+        ``{"id", "error"}``.
+        """
+        net = self._net()
+        ids: list[str] = list(batch["id"])
+        errors: list[str | None] = list(batch.get("error") or [None] * len(ids))
+        keep = [i for i, e in enumerate(errors) if e is None]
+        results: dict[int, dict[str, Any]] = {
+            i: {"id": ids[i], "error": e} for i, e in enumerate(errors) if e is not None
+        }
+        if keep:
+            rows = torch.tensor(keep, device=batch["input_ids"].device)
+            input_ids = batch["input_ids"].index_select(0, rows)
+            mask = batch["attention_mask"].index_select(0, rows)
+            eos = net.generation_config.eos_token_id
+            eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            pad = net.generation_config.pad_token_id
+            if pad is None:
+                pad = min(eos_ids) if eos_ids else 0
+            with _seeded(int(self.hparams["seed"]) * 1_000_003 + batch_idx):
+                out = cast(Any, net).generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    pad_token_id=pad,
+                    **self.generation_kwargs(),
+                )
+            new = out[:, input_ids.shape[1] :].tolist()
+            for row, tokens in zip(keep, new, strict=True):
+                cut = next((j for j, t in enumerate(tokens) if t in eos_ids), len(tokens))
+                record: dict[str, Any] = {"id": ids[row], "token_ids": tokens[:cut]}
+                if self.tokenizer is not None:
+                    record["text"] = decode_ids(self.tokenizer, tokens[:cut])
+                results[row] = record
+        return [results[i] for i in range(len(ids))]
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer used to decode predictions (loaded on first use), or None."""
+        name = self.hparams.get("tokenizer")
+        if name is None:
+            return None
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(name)
+        return self._tokenizer
