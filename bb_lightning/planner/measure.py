@@ -1,0 +1,336 @@
+"""Measure this machine's :class:`HardwareProfile` in a few seconds, cached per machine.
+
+Probes, each given a share of ``max_seconds`` and sized to fit it:
+
+- compute: best of repeated bf16 matrix products (1024² up to 4096² on the CPU,
+  up to 8192² on CUDA), FLOP/s = ``2 n³ / seconds``;
+- copy links: on CUDA, pinned host -> device and device -> host copies of a
+  large buffer; on the CPU, where device and host tiers share RAM, the memcpy
+  bandwidth of a large tensor copy stands for both (bytes/s);
+- NVMe: write then read a few files (up to 384 MiB in all) under ``nvme_path``
+  through :func:`storage.io.open_backend`, with ``fsync`` on write and a cold
+  page cache on read (``O_DIRECT`` where the filesystem accepts it, else
+  ``posix_fadvise(DONTNEED)``); capacity is the free space there;
+- optimizer: fused ``torch.optim.AdamW`` steps on 16 Mi fp32 host parameters
+  (4 Mi when ``max_seconds`` < 8), 256 MiB of parameter, gradient and moments,
+  more than a CPU cache holds; the median step, since the step shares host memory
+  bandwidth with everything else (parameter updates/s).
+
+Memory on the CPU: device and host tiers share RAM, so the device tier gets
+:data:`CPU_DEVICE_SHARE` and the host tier :data:`CPU_HOST_SHARE` of the RAM
+available now (the rest is left to the process and the OS). On CUDA the device
+tier gets :data:`CUDA_DEVICE_SHARE` of the free device memory and the host tier
+:data:`HOST_SHARE` of the available RAM.
+
+The result is cached as JSON in ``$BB_CACHE_DIR`` (default
+``~/.cache/balance_beam``) under a name derived from the machine identity
+(hostname, CPU model, GPU name, NVMe path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from bb_lightning.planner.profile import HardwareProfile
+
+__all__ = [
+    "CACHE_ENV",
+    "CPU_DEVICE_SHARE",
+    "CPU_HOST_SHARE",
+    "CUDA_DEVICE_SHARE",
+    "HOST_SHARE",
+    "cache_path",
+    "machine_identity",
+    "measure",
+]
+
+CACHE_ENV = "BB_CACHE_DIR"
+"""Environment variable naming the cache directory (default ``~/.cache/balance_beam``)."""
+CPU_DEVICE_SHARE = 0.25
+"""Share of available RAM given to the device tier when the CPU is the device."""
+CPU_HOST_SHARE = 0.60
+"""Share of available RAM given to the host tier when the CPU is the device."""
+CUDA_DEVICE_SHARE = 0.90
+"""Share of free CUDA memory given to the device tier (the rest: workspaces, fragmentation)."""
+HOST_SHARE = 0.80
+"""Share of available RAM given to the host tier next to a CUDA device."""
+
+_SHARES = {"flops": 0.25, "copy": 0.15, "nvme": 0.40, "adam": 0.20}
+"""Share of ``max_seconds`` each probe may spend."""
+_NVME_MAX_BYTES = 384 << 20
+_NVME_MIN_BYTES = 16 << 20
+_NVME_ASSUMED_RATE = 100e6
+"""Bytes/s assumed when sizing the NVMe probe to its time share (a slow disk)."""
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_identity(nvme_path: str | None) -> dict[str, str]:
+    """What a cached profile is valid for: hostname, CPU model, GPU name and NVMe path."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "gpu": gpu,
+        "nvme_path": os.path.realpath(nvme_path) if nvme_path else "",
+    }
+
+
+def cache_path(identity: dict[str, str]) -> Path:
+    """Cache file for ``identity``: ``<cache dir>/hardware-<hostname>-<hash>.json``."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "balance_beam")
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in identity["hostname"])
+    return Path(root) / f"hardware-{host}-{digest}.json"
+
+
+def _rates(work: float, run: Callable[[], None], seconds: float, min_runs: int) -> list[float]:
+    """``work / seconds`` of repeated ``run()`` calls within ``seconds`` (at least min_runs)."""
+    rates: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(rates) < min_runs or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        run()
+        rates.append(work / max(time.perf_counter() - t0, 1e-9))
+    return rates
+
+
+def _best_rate(work: float, run: Callable[[], None], seconds: float, min_runs: int = 2) -> float:
+    """Best ``work / seconds`` over repeated ``run()`` calls (peak of a device or link)."""
+    return max(_rates(work, run, seconds, min_runs))
+
+
+def _median_rate(work: float, run: Callable[[], None], seconds: float, min_runs: int = 3) -> float:
+    """Median ``work / seconds`` over repeated ``run()`` calls (typical of a shared resource)."""
+    return statistics.median(_rates(work, run, seconds, min_runs))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _probe_flops(device: torch.device, seconds: float) -> float:
+    """Dense bf16 matrix-product FLOP/s: ``2 n³`` per product, best of repeats."""
+    sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 4096)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(torch.bfloat16)
+        b = torch.randn(n, n, device=device).to(torch.bfloat16)
+        out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+        torch.matmul(a, b, out=out)  # warm-up
+        _sync(device)
+
+        def run(a: torch.Tensor = a, b: torch.Tensor = b, out: torch.Tensor = out) -> None:
+            torch.matmul(a, b, out=out)
+            _sync(device)
+
+        t0 = time.perf_counter()
+        run()
+        first = time.perf_counter() - t0
+        best = max(best, 2.0 * n**3 / max(first, 1e-9))
+        left = deadline - time.perf_counter()
+        best = max(best, _best_rate(2.0 * n**3, run, left / 2, min_runs=1))
+        if time.perf_counter() + 8 * first > deadline:
+            break  # the next size costs 8x as much
+    return best
+
+
+def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> tuple[float, float]:
+    """(host -> device, device -> host) bytes/s; on the CPU both are memcpy bandwidth."""
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def h2d() -> None:
+            dev.copy_(host, non_blocking=True)
+            _sync(device)
+
+        def d2h() -> None:
+            host.copy_(dev, non_blocking=True)
+            _sync(device)
+
+        h2d()
+        d2h()
+        return (
+            _best_rate(nbytes, h2d, seconds / 2),
+            _best_rate(nbytes, d2h, seconds / 2),
+        )
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    copy()  # fault the pages in
+    rate = _best_rate(nbytes, copy, seconds)
+    return rate, rate
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _probe_nvme(nvme_path: str, seconds: float) -> tuple[float, float, int]:
+    """(read bytes/s, write bytes/s, free bytes) of the filesystem holding ``nvme_path``."""
+    from storage.io import aligned_empty, open_backend
+
+    total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
+    files = 4
+    per_file = (total // files) >> 20 << 20 or 1 << 20
+    buffers = [aligned_empty(per_file) for _ in range(files)]
+    for i, buf in enumerate(buffers):
+        buf.fill_(i + 1)
+    with tempfile.TemporaryDirectory(prefix="bb-measure-", dir=nvme_path) as tmp:
+        paths = [os.path.join(tmp, f"probe-{i}.bin") for i in range(files)]
+        with open_backend() as backend:
+            t0 = time.perf_counter()
+            writes = [
+                backend.write_async(p, b, per_file) for p, b in zip(paths, buffers, strict=True)
+            ]
+            for w in writes:
+                w.wait()
+            write_s = time.perf_counter() - t0
+            for p in paths:
+                _drop_cache(p)
+            t0 = time.perf_counter()
+            reads = [
+                backend.read_async(p, b, per_file) for p, b in zip(paths, buffers, strict=True)
+            ]
+            for r in reads:
+                r.wait()
+            read_s = time.perf_counter() - t0
+    if int(buffers[-1][0]) != files:
+        raise AssertionError("NVMe probe read back other bytes than it wrote")
+    moved = float(files * per_file)
+    free = shutil.disk_usage(nvme_path).free
+    return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free)
+
+
+def _probe_adam(seconds: float, numel: int) -> float:
+    """Fused AdamW parameter updates/s on host fp32 parameters (4 tensors of ``numel/4``)."""
+    params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        opt.step()
+    except (RuntimeError, ValueError):  # fused kernel unavailable in this build
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        opt.step()
+    count = sum(p.numel() for p in params)
+    return _median_rate(float(count), opt.step, seconds)
+
+
+def _measure_now(nvme_path: str | None, max_seconds: float) -> HardwareProfile:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    small = max_seconds < 8
+    flops = _probe_flops(device, max_seconds * _SHARES["flops"])
+    copy_bytes = (64 << 20) if small else (256 << 20)
+    h2d, d2h = _probe_copy(device, max_seconds * _SHARES["copy"], copy_bytes)
+    if nvme_path:
+        nvme_read, nvme_write, nvme_free = _probe_nvme(nvme_path, max_seconds * _SHARES["nvme"])
+    else:
+        nvme_read, nvme_write, nvme_free = 0.0, 0.0, 0
+    adam = _probe_adam(max_seconds * _SHARES["adam"], (4 << 20) if small else (16 << 20))
+    available = psutil.virtual_memory().available
+    if cuda:
+        free_device = torch.cuda.mem_get_info(device)[0]
+        device_memory = int(free_device * CUDA_DEVICE_SHARE)
+        host_memory = int(available * HOST_SHARE)
+        name = f"measured: {torch.cuda.get_device_name(device)} / {_cpu_model()}"
+    else:
+        device_memory = int(available * CPU_DEVICE_SHARE)
+        host_memory = int(available * CPU_HOST_SHARE)
+        name = f"measured: {_cpu_model()}"
+    return HardwareProfile(
+        name=name,
+        device_type=device.type,
+        device_memory=device_memory,
+        device_flops=flops,
+        h2d_bandwidth=h2d,
+        d2h_bandwidth=d2h,
+        host_memory=host_memory,
+        nvme_read_bandwidth=nvme_read,
+        nvme_write_bandwidth=nvme_write,
+        nvme_capacity=nvme_free,
+        host_adam_params_per_s=adam,
+        cores=_cores(),
+    )
+
+
+def _read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        if data.get("identity") != identity:
+            return None
+        return HardwareProfile.from_dict(data["profile"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing, unreadable or from an older layout: measure again
+
+
+def measure(
+    *, nvme_path: str | None = None, cache: bool = True, max_seconds: float = 20.0
+) -> HardwareProfile:
+    """Measure this machine's profile in about ``max_seconds`` seconds (see the module doc).
+
+    ``nvme_path`` is a directory on the disk that will hold the NVMe tier; ``None``
+    leaves the NVMe fields at 0. With ``cache`` a profile measured before for the
+    same machine identity is returned without measuring; ``cache=False`` measures
+    afresh (and refreshes the cache).
+    """
+    if not max_seconds > 0:
+        raise ValueError(f"max_seconds = {max_seconds} must be > 0: pass e.g. 20.0 seconds")
+    if nvme_path is not None and not os.path.isdir(nvme_path):
+        raise ValueError(
+            f"nvme_path {nvme_path!r} is not a directory: create it or pass None for no NVMe tier"
+        )
+    identity = machine_identity(nvme_path)
+    path = cache_path(identity)
+    if cache:
+        cached = _read_cache(path, identity)
+        if cached is not None:
+            return cached
+    profile = _measure_now(nvme_path, max_seconds)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"identity": identity, "profile": profile.to_dict()}, indent=2))
+    os.replace(tmp, path)
+    return profile

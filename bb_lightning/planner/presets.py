@@ -1,0 +1,156 @@
+"""Hardware presets: a data table for planning machines one does not have.
+
+Every figure is a datasheet value times a stated realistic efficiency. Units:
+bytes for memory and capacity, bytes/s for bandwidths, FLOP/s for compute and
+parameter updates per second for the host optimizer. The factors below apply
+to all entries unless an entry says otherwise; override any field of a preset
+with :meth:`bb_lightning.planner.profile.HardwareProfile.replace`.
+
+Shared assumptions:
+
+- ``device_memory``: datasheet capacity (as reported by ``nvidia-smi``) × 0.90
+  usable (the CUDA context, cuBLAS workspaces and allocator fragmentation take
+  the rest).
+- ``device_flops``: datasheet dense (no 2:4 sparsity) bf16 tensor-core FLOP/s
+  × 0.60, the share large bf16 GEMMs sustain in practice.
+- ``h2d_bandwidth`` / ``d2h_bandwidth``: PCIe x16 theoretical per direction
+  (Gen3 15.75 GB/s, Gen4 31.5 GB/s, Gen5 63.0 GB/s) × 0.80 for pinned copies.
+- ``host_memory``: a typical host for one such GPU, × 0.80 usable.
+- NVMe: one drive of the stated class, datasheet sequential figures × 0.85.
+- ``host_adam_params_per_s``: a fused AdamW update reads parameter, gradient
+  and two moments and writes parameter and two moments, 7 × 4 = 28 bytes of
+  fp32 per parameter, so it is bound by memory bandwidth: sustained host
+  bandwidth / 28 bytes. A server socket with 8 DDR4-3200 channels
+  (204.8 GB/s theoretical × 0.5 sustained by one process ≈ 102 GB/s) gives
+  ≈ 3.6e9 updates/s; a dual-channel DDR5-5600 desktop (89.6 GB/s × 0.6 ≈
+  54 GB/s) ≈ 1.9e9; a cloud VM with a slice of a socket (≈ 60 GB/s) ≈ 2.1e9.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 1024**3
+GB = 1e9
+TB = 1e12
+
+_MEM_USABLE = 0.90
+_FLOPS_EFF = 0.60
+_PCIE_EFF = 0.80
+_HOST_USABLE = 0.80
+_NVME_EFF = 0.85
+
+_PCIE_GEN3 = 15.75 * GB  # bytes/s per direction, x16
+_PCIE_GEN4 = 31.5 * GB
+_PCIE_GEN5 = 63.0 * GB
+
+_ADAM_SERVER = 204.8 * GB * 0.5 / 28  # updates/s, 8 x DDR4-3200 socket
+_ADAM_DESKTOP = 89.6 * GB * 0.6 / 28  # updates/s, 2 x DDR5-5600
+_ADAM_CLOUD_VM = 60.0 * GB / 28  # updates/s, part of a socket
+
+# Datacenter PCIe 4 NVMe (e.g. Samsung PM9A3 3.84 TB class): 6.5 GB/s read, 3.5 GB/s write.
+_NVME_DC_GEN4 = {"read": 6.5 * GB, "write": 3.5 * GB, "capacity": 3.84 * TB}
+# Datacenter PCIe 5 NVMe (e.g. Micron 9550 class): 14 GB/s read, 7 GB/s write (mixed-size writes).
+_NVME_DC_GEN5 = {"read": 14.0 * GB, "write": 7.0 * GB, "capacity": 7.68 * TB}
+# Consumer PCIe 4 NVMe (e.g. Samsung 990 Pro 2 TB): 7.45 GB/s read; writes past the SLC
+# cache sustain about 2 GB/s, the figure that matters for multi-GB write-back.
+_NVME_CONSUMER_GEN4 = {"read": 7.45 * GB, "write": 2.0 * GB, "capacity": 2.0 * TB}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "a100-40gb": {
+        "name": "A100-40GB SXM (preset)",
+        "memory": 40 * GIB,  # datasheet 40 GB HBM2 (nvidia-smi: 40960 MiB)
+        "flops": 312e12,  # datasheet dense bf16 tensor core
+        "pcie": _PCIE_GEN4,
+        "host": 256 * GIB,  # typical: 2 TB DGX A100 / 8 GPUs
+        "nvme": _NVME_DC_GEN4,
+        "adam": _ADAM_SERVER,
+        "cores": 32,
+    },
+    "a100-80gb": {
+        "name": "A100-80GB SXM (preset)",
+        "memory": 80 * GIB,  # datasheet 80 GB HBM2e (nvidia-smi: 81920 MiB)
+        "flops": 312e12,  # datasheet dense bf16 tensor core
+        "pcie": _PCIE_GEN4,
+        "host": 256 * GIB,  # typical: 2 TB DGX A100 / 8 GPUs
+        "nvme": _NVME_DC_GEN4,
+        "adam": _ADAM_SERVER,
+        "cores": 32,
+    },
+    "h100": {
+        "name": "H100 SXM 80GB (preset)",
+        "memory": 80 * GIB,  # datasheet 80 GB HBM3 (nvidia-smi: 81559 MiB)
+        "flops": 989e12,  # datasheet dense bf16 tensor core (1979 with sparsity)
+        "pcie": _PCIE_GEN5,
+        "host": 256 * GIB,  # typical: 2 TB DGX H100 / 8 GPUs
+        "nvme": _NVME_DC_GEN5,
+        "adam": _ADAM_SERVER,
+        "cores": 56,  # typical: 2 x 56-core Xeon 8480C / 2 sockets
+    },
+    "h200": {
+        "name": "H200 SXM 141GB (preset)",
+        "memory": 141 * GB,  # datasheet 141 GB HBM3e (nvidia-smi: 143771 MiB)
+        "flops": 989e12,  # datasheet dense bf16 tensor core, same GH100 compute as H100
+        "pcie": _PCIE_GEN5,
+        "host": 256 * GIB,  # typical: 2 TB DGX H200 / 8 GPUs
+        "nvme": _NVME_DC_GEN5,
+        "adam": _ADAM_SERVER,
+        "cores": 56,
+    },
+    "rtx4090": {
+        "name": "GeForce RTX 4090 24GB (preset)",
+        "memory": 24 * GIB,  # datasheet 24 GB GDDR6X (nvidia-smi: 24564 MiB)
+        "flops": 165.2e12,  # Ada whitepaper: dense bf16 tensor, fp32 accumulate
+        "pcie": _PCIE_GEN4,
+        "host": 64 * GIB,  # typical workstation
+        "nvme": _NVME_CONSUMER_GEN4,
+        "adam": _ADAM_DESKTOP,
+        "cores": 16,
+    },
+    "l4": {
+        "name": "L4 24GB (preset)",
+        "memory": 24 * GB,  # datasheet 24 GB GDDR6 (nvidia-smi: 23034 MiB)
+        # datasheet 242 TFLOP/s bf16 is with sparsity: dense 121; the 72 W power cap
+        # holds large GEMMs lower, so the efficiency is 0.50 instead of 0.60.
+        "flops": 121e12,
+        "flops_eff": 0.50,
+        "pcie": _PCIE_GEN4,
+        "host": 128 * GIB,  # typical cloud instance with one L4 (e.g. 32 vCPU)
+        "nvme": _NVME_DC_GEN4,
+        "adam": _ADAM_CLOUD_VM,
+        "cores": 16,
+    },
+    "t4": {
+        "name": "T4 16GB (preset)",
+        "memory": 16 * GB,  # datasheet 16 GB GDDR6 (nvidia-smi: 15360 MiB)
+        # Turing has no bf16: this is the datasheet fp16 tensor figure (65 TFLOP/s), with
+        # efficiency 0.50 for the 70 W power cap. bf16 models run in fp16 on it.
+        "flops": 65e12,
+        "flops_eff": 0.50,
+        "pcie": _PCIE_GEN3,
+        "host": 64 * GIB,  # typical cloud instance with one T4 (e.g. 16 vCPU)
+        "nvme": _NVME_DC_GEN4,
+        "adam": _ADAM_CLOUD_VM,
+        "cores": 8,
+    },
+}
+
+
+def preset_fields(key: str) -> dict[str, Any]:
+    """Turn one table row into ``HardwareProfile`` keyword arguments (units as there)."""
+    row = PRESETS[key]
+    nvme = row["nvme"]
+    return {
+        "name": row["name"],
+        "device_type": "cuda",
+        "device_memory": int(row["memory"] * _MEM_USABLE),
+        "device_flops": float(row["flops"] * row.get("flops_eff", _FLOPS_EFF)),
+        "h2d_bandwidth": float(row["pcie"] * _PCIE_EFF),
+        "d2h_bandwidth": float(row["pcie"] * _PCIE_EFF),
+        "host_memory": int(row["host"] * _HOST_USABLE),
+        "nvme_read_bandwidth": float(nvme["read"] * _NVME_EFF),
+        "nvme_write_bandwidth": float(nvme["write"] * _NVME_EFF),
+        "nvme_capacity": int(nvme["capacity"]),
+        "host_adam_params_per_s": float(row["adam"]),
+        "cores": int(row["cores"]),
+    }

@@ -1,0 +1,270 @@
+"""Profiles the planner reasons on: what the machine can do, what the model needs.
+
+:class:`HardwareProfile` holds capacities (bytes), bandwidths (bytes/s) and
+throughputs (FLOP/s, parameter updates/s) of one machine, from a preset
+(:func:`preset`) or a short measurement (:func:`measure`). :class:`ModelProfile`
+holds the per-block parameter counts, FLOPs and activation bytes of a causal
+LM, found by introspection of the model's structure (no per-architecture
+tables). Both are frozen data with a JSON-friendly ``to_dict``/``from_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from bb_lightning.planner.presets import PRESETS, preset_fields
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+__all__ = ["HardwareProfile", "ModelProfile", "measure", "preset", "preset_names"]
+
+BF16_BYTES = 2
+"""Bytes per bf16 element."""
+
+_T = TypeVar("_T")
+
+
+def _from_dict(cls: type[_T], d: dict[str, Any]) -> _T:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown {cls.__name__} field(s) {unknown}: known fields are {sorted(names)}; "
+            "remove the unknown keys"
+        )
+    return cls(**d)
+
+
+def _check_non_negative(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ValueError(f"{type(obj).__name__}.{name} = {value} is negative: it must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """What one machine can do, in bytes, bytes/s and FLOP/s."""
+
+    name: str
+    """Human-readable origin, e.g. ``"A100-80GB SXM (preset)"`` or ``"measured: <cpu model>"``."""
+    device_type: str
+    """``"cuda"`` or ``"cpu"`` (on ``"cpu"`` the CPU computes; device and host tiers share RAM)."""
+    device_memory: int
+    """Bytes usable for the device tier."""
+    device_flops: float
+    """Realistic dense bf16 matrix-product throughput, FLOP/s."""
+    h2d_bandwidth: float
+    """Pinned host -> device copy bandwidth, bytes/s."""
+    d2h_bandwidth: float
+    """Device -> pinned host copy bandwidth, bytes/s."""
+    host_memory: int
+    """Bytes usable for the host tier."""
+    nvme_read_bandwidth: float
+    """Sequential read bandwidth of the NVMe tier, bytes/s (0.0 when there is no NVMe path)."""
+    nvme_write_bandwidth: float
+    """Sequential write bandwidth of the NVMe tier, bytes/s (0.0 when there is no NVMe path)."""
+    nvme_capacity: int
+    """Free bytes for the NVMe tier (0 = no NVMe path)."""
+    host_adam_params_per_s: float
+    """Fused AdamW parameter updates per second on the host (fp32 master + 2 moments)."""
+    cores: int
+    """CPU cores available to the process."""
+    compute_efficiency: float = 1.0
+    """Multiplier on ``device_flops`` learnt from measured steps (1.0 = as profiled)."""
+    h2d_efficiency: float = 1.0
+    """Multiplier on ``h2d_bandwidth`` learnt from measured steps (1.0 = as profiled)."""
+    d2h_efficiency: float = 1.0
+    """Multiplier on ``d2h_bandwidth`` learnt from measured steps (1.0 = as profiled)."""
+    nvme_efficiency: float = 1.0
+    """Multiplier on both NVMe bandwidths learnt from measured steps (1.0 = as profiled)."""
+    optimizer_efficiency: float = 1.0
+    """Multiplier on ``host_adam_params_per_s`` learnt from measured steps (1.0 = as profiled)."""
+
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(
+                f"HardwareProfile.device_type = {self.device_type!r}: use 'cuda' or 'cpu'"
+            )
+        _check_non_negative(
+            self,
+            (
+                "device_memory",
+                "device_flops",
+                "h2d_bandwidth",
+                "d2h_bandwidth",
+                "host_memory",
+                "nvme_read_bandwidth",
+                "nvme_write_bandwidth",
+                "nvme_capacity",
+                "host_adam_params_per_s",
+                "cores",
+            ),
+        )
+        for name in (
+            "compute_efficiency",
+            "h2d_efficiency",
+            "d2h_efficiency",
+            "nvme_efficiency",
+            "optimizer_efficiency",
+        ):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(
+                    f"HardwareProfile.{name} = {value} must be > 0 (1.0 = as profiled)"
+                )
+
+    def replace(self, **changes: Any) -> HardwareProfile:
+        """Return a copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of all fields (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        return _from_dict(cls, d)
+
+
+def preset_names() -> list[str]:
+    """Names accepted by :func:`preset`, e.g. ``"a100-80gb"``, ``"h100"``, ``"t4"``."""
+    return sorted(PRESETS)
+
+
+def preset(name: str) -> HardwareProfile:
+    """The preset profile called ``name`` (case-insensitive); see ``presets.py`` for sources."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise ValueError(
+            f"unknown hardware preset {name!r}: known presets are {preset_names()}; "
+            "pick one of them or measure this machine with measure()"
+        )
+    return HardwareProfile(**preset_fields(key))
+
+
+def measure(
+    *, nvme_path: str | None = None, cache: bool = True, max_seconds: float = 20.0
+) -> HardwareProfile:
+    """Measure this machine (cached per machine); see :func:`bb_lightning.planner.measure.measure`."""
+    from bb_lightning.planner.measure import measure as _measure
+
+    return _measure(nvme_path=nvme_path, cache=cache, max_seconds=max_seconds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """Sizes and costs of a decoder-only causal LM, per repeated block and for the rest."""
+
+    name: str
+    """Model name (config ``_name_or_path`` or ``model_type``)."""
+    num_blocks: int
+    """Number of repeated blocks (decoder layers)."""
+    hidden_size: int
+    """Width of the residual stream, elements."""
+    num_heads: int
+    """Attention query heads."""
+    num_kv_heads: int
+    """Attention key/value heads (== ``num_heads`` without grouped-query attention)."""
+    head_dim: int
+    """Elements per attention head."""
+    vocab_size: int
+    """Vocabulary size, tokens."""
+    max_positions: int
+    """Context length in tokens (``max_position_embeddings`` or ``n_positions``; 0 if unknown)."""
+    block_params: int
+    """Parameters of ONE repeated block (all blocks have the same shapes)."""
+    block_matmul_params: int
+    """Of ``block_params``, those in matrix-product weights (Linear / Conv1D)."""
+    embed_params: int
+    """Input embedding and everything that runs before the first block, parameters."""
+    head_params: int
+    """Output head parameters not shared with the embedding (0 when tied)."""
+    final_params: int
+    """Parameters after the last block other than the head (final norm, projections)."""
+    tied_embeddings: bool
+    """Whether the output head reuses the input embedding weight."""
+    act_bytes_per_token_checkpointed: int
+    """Bytes per token per block kept across forward with per-block checkpointing (bf16 input)."""
+    act_bytes_per_token_full: int
+    """Bytes per token per block saved for backward without checkpointing (bf16, introspected)."""
+    kv_bytes_per_token: int
+    """Bytes per token per block of the bf16 K and V cache: ``2 * num_kv_heads * head_dim * 2``."""
+
+    def __post_init__(self) -> None:
+        _check_non_negative(
+            self,
+            tuple(
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name not in ("name", "tied_embeddings")
+            ),
+        )
+
+    def block_flops_per_token(self, context: int) -> float:
+        """Forward FLOPs per token of one block attending over ``context`` tokens.
+
+        ``2 * block_matmul_params + 4 * num_heads * head_dim * context``: two FLOPs
+        (multiply, add) per matmul weight, plus ``Q K^T`` and ``A V`` against the
+        context, each ``2 * num_heads * head_dim`` FLOPs per attended token
+        (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1;
+        Hoffmann et al. 2022, Chinchilla, Appendix F). Backward costs about twice
+        the forward.
+        """
+        if context < 0:
+            raise ValueError(f"context = {context} tokens is negative: pass >= 0")
+        return 2.0 * self.block_matmul_params + 4.0 * self.num_heads * self.head_dim * context
+
+    def head_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the output head: ``2 * hidden_size * vocab_size``."""
+        return 2.0 * self.hidden_size * self.vocab_size
+
+    @property
+    def total_params(self) -> int:
+        """All parameters: blocks, embedding side, final side and an untied head."""
+        return (
+            self.num_blocks * self.block_params
+            + self.embed_params
+            + self.head_params
+            + self.final_params
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's parameters in bf16 (2 bytes/param)."""
+        return self.block_params * BF16_BYTES
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of all fields (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        return _from_dict(cls, d)
+
+    @classmethod
+    def from_config(
+        cls, config: PretrainedConfig | dict[str, Any] | str | os.PathLike[str]
+    ) -> ModelProfile:
+        """Profile the model a config describes, built on the meta device (no weights).
+
+        ``config`` is a ``PretrainedConfig``, a dict with ``model_type``, a path to a
+        ``config.json`` or to a directory holding one, or a hub id (needs network).
+        """
+        from bb_lightning.structure import profile_fields_from_config
+
+        return cls(**profile_fields_from_config(config))
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module) -> ModelProfile:
+        """Profile an instantiated Hugging Face causal LM (any device, meta included)."""
+        from bb_lightning.structure import profile_fields_from_module
+
+        return cls(**profile_fields_from_module(model))

@@ -1,0 +1,448 @@
+"""The parts of any Hugging Face causal LM, found by structure and one meta-device trace.
+
+No class names, no attribute names: the repeated blocks are the ``nn.ModuleList``
+with the most parameters whose children all share one type; the input
+embedding and output head come from ``get_input_embeddings()`` /
+``get_output_embeddings()``; every other parameter is placed by when the
+forward first touches it, before the first block (embedding side) or after the
+last one (final side). The forward runs on the meta device with meta stand-ins
+for the parameters, so it costs no memory and no arithmetic and never changes
+the model.
+
+The same trace records which block parameters feed matrix products and how many
+bytes each block saves for backward, which :class:`ModelProfile` needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "TRACE_CONTEXT",
+    "ModelParts",
+    "find_block_list",
+    "find_parts",
+    "profile_fields_from_config",
+    "profile_fields_from_module",
+]
+
+TRACE_CONTEXT = 256
+"""Tokens of the single sequence the meta trace runs (batch 1)."""
+
+_FUSED_ATTENTION = "bb_fused_meta"
+"""Attention implementation name used only during the meta trace."""
+
+_MATMUL_OPERANDS: dict[str, tuple[int, int]] = {
+    "aten::mm": (0, 1),
+    "aten::bmm": (0, 1),
+    "aten::matmul": (0, 1),
+    "aten::_grouped_mm": (0, 1),
+    "aten::addmm": (1, 2),
+    "aten::baddbmm": (1, 2),
+}
+"""Matrix-product ops and the positions of their two matrix operands (not the bias)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParts:
+    """Where the embedding, repeated blocks, final part and head of a causal LM live."""
+
+    blocks_path: str
+    """Module path of the repeated block list, e.g. ``"model.layers"``."""
+    block_names: tuple[str, ...]
+    """Module paths of the blocks in execution order, e.g. ``("model.layers.0", ...)``."""
+    block_param_names: tuple[tuple[str, ...], ...]
+    """Parameter names of each block (model-level names), one tuple per block."""
+    embed_param_names: tuple[str, ...]
+    """Parameters first used before the first block (input embedding, positions, projections)."""
+    final_param_names: tuple[str, ...]
+    """Parameters first used after the last block, other than the head (final norm, ...)."""
+    head_param_names: tuple[str, ...]
+    """Output head parameters not shared with the input embedding (empty when tied)."""
+    unused_param_names: tuple[str, ...]
+    """Parameters outside the blocks that the forward never touches."""
+    input_embedding: str
+    """Module path of ``model.get_input_embeddings()``."""
+    output_head: str | None
+    """Module path of ``model.get_output_embeddings()`` (``None`` when the model has none)."""
+    tied_embeddings: bool
+    """Whether the output head's weight is the input embedding's weight object."""
+
+
+@dataclass
+class _Trace:
+    """What one meta forward (+ loss) recorded."""
+
+    first_use: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> index of the first dispatched op that read it."""
+    block_spans: list[tuple[int, int]] = field(default_factory=list)
+    """Per block: (op index at entry, op index at exit)."""
+    matmul_params: set[str] = field(default_factory=set)
+    """Parameter names read by a matrix-product op."""
+    saved_bytes: list[int] = field(default_factory=list)
+    """Per block: bytes of distinct non-parameter storages saved for backward."""
+    tokens: int = 0
+    """Tokens in the traced batch."""
+
+
+def _module_path(model: nn.Module, target: nn.Module) -> str:
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    raise AssertionError("module is not a submodule of the model")
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Path and module of the repeated block list (see the module docstring)."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        n = _count(module)
+        if n > 0 and (best is None or n > best[0]):
+            best = (n, name, module)
+    if best is None:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList of same-typed children holding "
+            "parameters, so its repeated blocks cannot be found: keep the decoder layers in "
+            "one nn.ModuleList (as Hugging Face causal LMs do)"
+        )
+    return best[1], best[2]
+
+
+class _Recorder(TorchDispatchMode):
+    """Counts dispatched ops; notes first reads of parameters and matmul operands."""
+
+    def __init__(self, storage_to_name: dict[int, str], trace: _Trace) -> None:
+        super().__init__()
+        self.ops = 0
+        self.storage_to_name = storage_to_name
+        self.trace = trace
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.ops += 1
+        flat, _ = tree_flatten((args, kwargs or {}))
+        for arg in flat:
+            if isinstance(arg, torch.Tensor):
+                name = self.storage_to_name.get(arg.untyped_storage()._cdata)
+                if name is not None:
+                    self.trace.first_use.setdefault(name, self.ops)
+        for pos in _MATMUL_OPERANDS.get(func._schema.name, ()):
+            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                name = self.storage_to_name.get(args[pos].untyped_storage()._cdata)
+                if name is not None:
+                    self.trace.matmul_params.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _FusedAttentionStandIn(torch.autograd.Function):
+    """Shape-only attention that saves what fused (flash-style) kernels keep for backward.
+
+    Saved: query, key, value (key/value at their own head count), the output and
+    a float32 log-sum-exp per head and query token, as PyTorch's fused SDPA kernels
+    (flash on CPU and CUDA, memory-efficient on CUDA) save them. The ``T x T`` score matrix is
+    not kept: fused kernels recompute it in backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # (batch, tokens, heads, dim) memory, seen as (batch, heads, tokens, dim): the layout
+        # fused kernels return, so the caller's transpose back is free, as with them.
+        b, h, t, _ = q.shape
+        out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise AssertionError("the meta trace never runs backward")
+
+
+def _fused_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    out = _FusedAttentionStandIn.apply(query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _trace_attention(model: nn.Module) -> Iterator[None]:
+    """Route attention through :func:`_fused_attention` for the duration of the trace."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_FUSED_ATTENTION, _fused_attention)
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if config is not None:
+        config._attn_implementation = _FUSED_ATTENTION
+    try:
+        yield
+    finally:
+        if config is not None:
+            config._attn_implementation = previous
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta stand-in for a parameter: bf16 when floating point, as the engine computes."""
+    dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+    return torch.empty_like(t, device="meta", dtype=dtype)
+
+
+def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT) -> _Trace:
+    """Run forward + loss on meta stand-ins (bf16) for batch 1 x ``context`` tokens."""
+    checkpointing = (
+        model.is_activation_checkpointing
+        if hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
+        else getattr(model, "is_gradient_checkpointing", False)
+    )
+    if checkpointing:
+        raise ValueError(
+            f"{type(model).__name__} has activation (gradient) checkpointing enabled, which "
+            "hides the activations a block saves for backward: disable it (e.g. "
+            "model.gradient_checkpointing_disable()) before profiling or finding its parts"
+        )
+    trace = _Trace(tokens=context)
+    params = dict(model.named_parameters())
+    stand_ins: dict[str, torch.Tensor] = {n: _meta_like(p) for n, p in params.items()}
+    stand_ins.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
+    storage_to_name = {stand_ins[n].untyped_storage()._cdata: n for n in params}
+    const_storages = {t.untyped_storage()._cdata for t in stand_ins.values()}
+
+    recorder = _Recorder(storage_to_name, trace)
+    current: list[int | None] = [None]
+    seen: list[set[int]] = [set() for _ in blocks]
+    trace.saved_bytes = [0] * len(blocks)
+    trace.block_spans = [(0, 0)] * len(blocks)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        i = current[0]
+        if i is not None:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in const_storages and key not in seen[i]:
+                seen[i].add(key)
+                trace.saved_bytes[i] += storage.nbytes()
+        return t
+
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def pre(_m: nn.Module, _a: Any, i: int = i) -> None:
+            current[0] = i
+            trace.block_spans[i] = (recorder.ops, recorder.ops)
+
+        def post(_m: nn.Module, _a: Any, _o: Any, i: int = i) -> None:
+            current[0] = None
+            trace.block_spans[i] = (trace.block_spans[i][0], recorder.ops)
+
+        handles.append(block.register_forward_pre_hook(pre))
+        handles.append(block.register_forward_hook(post))
+
+    ids = torch.zeros((1, context), dtype=torch.long, device="meta")
+    was_training = model.training
+    model.train()
+    try:
+        with (
+            _trace_attention(model),
+            recorder,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            stand_ins_req = {
+                n: t.requires_grad_(True) if n in params and t.is_floating_point() else t
+                for n, t in stand_ins.items()
+            }
+            torch.func.functional_call(
+                model, stand_ins_req, (), {"input_ids": ids, "labels": ids}, strict=False
+            )
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return trace
+
+
+def _find_parts(model: nn.Module) -> tuple[ModelParts, _Trace, nn.ModuleList]:
+    blocks_path, blocks = find_block_list(model)
+    trace = _trace(model, blocks)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    embedding = model.get_input_embeddings()  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    embed_ids = {id(p) for p in embedding.parameters()}
+    tied = head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
+    block_params = tuple(tuple(names[id(p)] for p in block.parameters()) for block in blocks)
+    in_blocks = {n for group in block_params for n in group}
+    head_names = (
+        tuple(names[id(p)] for p in head.parameters() if id(p) not in embed_ids)
+        if head is not None
+        else ()
+    )
+    start = min(s for s, _ in trace.block_spans)
+    end = max(e for _, e in trace.block_spans)
+    embed: list[str] = [names[i] for i in embed_ids]
+    final: list[str] = []
+    unused: list[str] = []
+    for name in names.values():
+        if name in in_blocks or name in head_names or name in embed:
+            continue
+        used = trace.first_use.get(name)
+        if used is None:
+            unused.append(name)
+        elif used <= start:
+            embed.append(name)
+        elif used > end:
+            final.append(name)
+        else:
+            raise ValueError(
+                f"parameter {name!r} of {type(model).__name__} is outside the block list "
+                f"{blocks_path!r} but first used between its blocks, so it belongs to neither "
+                "the embedding side nor the final side: move it into the blocks"
+            )
+    parts = ModelParts(
+        blocks_path=blocks_path,
+        block_names=tuple(f"{blocks_path}.{i}" for i in range(len(blocks))),
+        block_param_names=block_params,
+        embed_param_names=tuple(embed),
+        final_param_names=tuple(final),
+        head_param_names=head_names,
+        unused_param_names=tuple(unused),
+        input_embedding=_module_path(model, embedding),
+        output_head=_module_path(model, head) if head is not None else None,
+        tied_embeddings=bool(tied),
+    )
+    return parts, trace, blocks
+
+
+def find_parts(model: nn.Module) -> ModelParts:
+    """Find the embedding side, repeated blocks, final side and head of a causal LM.
+
+    Runs one forward on the meta device with meta stand-ins for the parameters; the
+    model itself is not changed. Raises ``ValueError`` when no repeated block list
+    exists.
+    """
+    return _find_parts(model)[0]
+
+
+def _config_int(config: Any, *names: str, default: int | None = None) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    if default is None:
+        raise ValueError(
+            f"{type(config).__name__} has none of the attributes {list(names)}: "
+            "set one of them in the config"
+        )
+    return default
+
+
+def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments of ``ModelProfile`` for ``model`` (counts in parameters, bytes)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(
+            f"{type(model).__name__} has no .config: pass a Hugging Face causal LM "
+            "(an AutoModelForCausalLM instance)"
+        )
+    parts, trace, blocks = _find_parts(model)
+    params = dict(model.named_parameters())
+
+    def total(group: tuple[str, ...]) -> int:
+        return sum(params[n].numel() for n in group)
+
+    block_counts = {total(group) for group in parts.block_param_names}
+    if len(block_counts) != 1:
+        raise ValueError(
+            f"blocks of {parts.blocks_path!r} have different parameter counts "
+            f"{sorted(block_counts)}: a ModelProfile needs identical blocks"
+        )
+    first = parts.block_param_names[0]
+    hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
+    num_heads = _config_int(config, "num_attention_heads", "n_head", "num_heads")
+    kv_heads = _config_int(config, "num_key_value_heads", "n_head_kv", default=num_heads)
+    head_dim = _config_int(config, "head_dim", default=hidden // num_heads)
+    act_full = -(-max(trace.saved_bytes) // trace.tokens)
+    return {
+        "name": str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")),
+        "num_blocks": len(blocks),
+        "hidden_size": hidden,
+        "num_heads": num_heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": int(model.get_input_embeddings().weight.shape[0]),  # type: ignore[operator]
+        "max_positions": _config_int(
+            config, "max_position_embeddings", "n_positions", "seq_length", default=0
+        ),
+        "block_params": total(first),
+        "block_matmul_params": total(tuple(n for n in first if n in trace.matmul_params)),
+        "embed_params": total(parts.embed_param_names),
+        "head_params": total(parts.head_param_names),
+        "final_params": total(parts.final_param_names) + total(parts.unused_param_names),
+        "tied_embeddings": parts.tied_embeddings,
+        "act_bytes_per_token_checkpointed": hidden * 2,
+        "act_bytes_per_token_full": act_full,
+        "kv_bytes_per_token": 2 * kv_heads * head_dim * 2,
+    }
+
+
+def _load_config(config: Any) -> Any:
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, dict):
+        d = dict(config)
+        if "model_type" not in d:
+            raise ValueError(
+                f"config dict without 'model_type' (keys {sorted(d)}): add e.g. "
+                "'model_type': 'llama'"
+            )
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isfile(path):
+            with open(path) as f:
+                return _load_config(json.load(f))
+        return AutoConfig.from_pretrained(path)
+    raise ValueError(
+        f"config of type {type(config).__name__} is not supported: pass a PretrainedConfig, "
+        "a dict with 'model_type', a config.json path, a model directory or a hub id"
+    )
+
+
+def profile_fields_from_config(config: Any) -> dict[str, Any]:
+    """Keyword arguments of ``ModelProfile`` for the model ``config`` describes (meta build)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _load_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return profile_fields_from_module(model)

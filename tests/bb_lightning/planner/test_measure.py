@@ -1,0 +1,83 @@
+"""measure() on this machine: sane figures, a per-machine cache, and its key."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from bb_lightning.planner.measure import cache_path, machine_identity, measure
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("BB_CACHE_DIR", str(root))
+    return root
+
+
+def test_measure_is_sane_and_cached(tmp_path: Path, cache_dir: Path) -> None:
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    t0 = time.perf_counter()
+    first = measure(nvme_path=str(disk), max_seconds=2.0)
+    took = time.perf_counter() - t0
+    assert took < 10.0
+    assert first.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert 1e9 < first.device_flops < 1e16
+    assert 1e8 < first.h2d_bandwidth < 1e12 and 1e8 < first.d2h_bandwidth < 1e12
+    assert 1e6 < first.nvme_read_bandwidth < 1e11 and 1e6 < first.nvme_write_bandwidth < 1e11
+    assert 1e6 < first.host_adam_params_per_s < 1e11
+    assert first.nvme_capacity == pytest.approx(shutil.disk_usage(disk).free, rel=0.05)
+    total_ram = psutil.virtual_memory().total
+    assert 0 < first.host_memory < total_ram and 0 < first.device_memory
+    assert first.cores == len(os.sched_getaffinity(0))
+    assert list(disk.iterdir()) == []  # probe files removed
+
+    t0 = time.perf_counter()
+    second = measure(nvme_path=str(disk), max_seconds=2.0)
+    assert time.perf_counter() - t0 < 0.5
+    assert second == first
+    path = cache_path(machine_identity(str(disk)))
+    assert path.parent == cache_dir
+    assert cached_profile_dict(path) == first.to_dict()
+
+
+def cached_profile_dict(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text())["profile"]
+
+
+def test_without_nvme_and_cache_refresh(cache_dir: Path) -> None:
+    p = measure(max_seconds=1.0, cache=False)
+    assert p.nvme_read_bandwidth == p.nvme_write_bandwidth == 0.0 and p.nvme_capacity == 0
+    path = cache_path(machine_identity(None))
+    stamp = path.stat().st_mtime_ns
+    time.sleep(0.01)
+    measure(max_seconds=1.0, cache=False)  # measures again and rewrites the cache
+    assert path.stat().st_mtime_ns > stamp
+
+
+def test_cache_key(tmp_path: Path, cache_dir: Path) -> None:
+    a = machine_identity(str(tmp_path))
+    assert machine_identity(str(tmp_path)) == a
+    assert set(a) == {"hostname", "cpu", "gpu", "nvme_path"}
+    path = cache_path(a)
+    assert path.parent == cache_dir
+    assert path.name.startswith("hardware-") and path.suffix == ".json"
+    assert cache_path(dict(a)) == path
+    assert cache_path(a | {"nvme_path": "/elsewhere"}) != path
+    assert cache_path(a | {"gpu": "NVIDIA H200"}) != path
+    assert cache_path(a | {"hostname": "other"}).name.startswith("hardware-other-")
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_seconds = 0"):
+        measure(max_seconds=0)
+    with pytest.raises(ValueError, match="is not a directory"):
+        measure(nvme_path=str(tmp_path / "missing"))
