@@ -1,0 +1,240 @@
+"""Run a model's repeated blocks through the pager, with per-block activation checkpointing.
+
+:class:`PagedBlocks` replaces each block's ``forward`` (an instance attribute, so
+module hooks still fire and :meth:`PagedBlocks.remove` restores the class
+method). With grad enabled the block runs inside :class:`_PagedBlockFunction`:
+
+- forward: page the block in, prefetch the next blocks of the schedule, run it
+  under ``no_grad``, keep only its input, release it;
+- backward: page it in again (prefetching earlier blocks), recompute it with
+  grad from the saved input (same RNG state), take the input and parameter
+  gradients with ``torch.autograd.grad``, hand the parameter gradients to the
+  gradient sink (fp32 host accumulators), release the block.
+
+Without grad (validation, prediction, ``inference_mode``) a block is paged in,
+run and released, with the next blocks prefetched cyclically so that the next
+batch finds block 0 in flight. Only ``hidden_states`` (the first positional
+argument, or the keyword) carries gradient; other arguments pass through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bb_lightning.engine.pager import BlockPager, GradSink
+
+__all__ = ["PagedBlocks"]
+
+# Keyword arguments through which Hugging Face layers read and write a KV cache. A
+# recomputed block must not write its cache a second time, so with grad enabled they
+# are dropped, as transformers' own gradient checkpointing does.
+_CACHE_KWARGS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+Call = Callable[[Tensor], Any]
+
+
+class PagedBlocks:
+    """Installs and removes the paged forward of every block; owns the visit schedule."""
+
+    def __init__(self, blocks: Sequence[nn.Module], pager: BlockPager, grads: GradSink) -> None:
+        if len(blocks) != pager.num_blocks:
+            raise ValueError(
+                f"{len(blocks)} blocks but the pager holds {pager.num_blocks}: "
+                "build the pager from the same block list"
+            )
+        self.blocks = list(blocks)
+        self.pager = pager
+        self.grads = grads
+        self._installed = False
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    @property
+    def installed(self) -> bool:
+        """Whether the paged forwards are in place."""
+        return self._installed
+
+    def install(self) -> None:
+        """Replace each block's forward with the paged one; a second call does nothing."""
+        if self._installed:
+            return
+        for i, block in enumerate(self.blocks):
+            original = type(block).forward.__get__(block)
+            block.forward = self._make_forward(i, original)  # type: ignore[method-assign]
+        self._installed = True
+
+    def remove(self) -> None:
+        """Restore the blocks' own forwards and release every paged block."""
+        if not self._installed:
+            return
+        for block in self.blocks:
+            del block.forward
+        self.pager.release_all_except(())
+        self._installed = False
+
+    def _make_forward(self, i: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def paged_forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return self._run_no_grad(i, original, args, kwargs)
+            hidden, call = _split(original, args, kwargs)
+            holder: list[Any] = []
+            out = _PagedBlockFunction.apply(self, i, call, holder, self._dummy, hidden)
+            return _repack(holder[0], out)
+
+        return paged_forward
+
+    # -- the visit schedule -------------------------------------------------
+
+    def _upcoming(self, i: int, phase: str) -> list[int]:
+        """Blocks visited after block ``i`` in ``phase``, up to the prefetch depth."""
+        n, depth = self.pager.num_blocks, self.pager.placement.prefetch_depth
+        if phase == "forward_grad":
+            order = list(range(i + 1, n)) + list(range(n - 1, -1, -1))
+        elif phase == "forward":
+            order = [(i + k) % n for k in range(1, n)]
+        else:
+            order = list(range(i - 1, -1, -1))
+        return order[:depth]
+
+    def enter(self, i: int, phase: str) -> list[int]:
+        """Page block ``i`` in and prefetch the next ones; the blocks kept after it."""
+        upcoming = self._upcoming(i, phase)
+        if phase != "backward" and i == 0:
+            self.pager.release_all_except([0, *upcoming])
+        self.pager.acquire(i)
+        self.pager.prefetch(upcoming)
+        return upcoming
+
+    def leave(self, i: int, upcoming: Sequence[int]) -> None:
+        """Release block ``i`` unless the schedule visits it again within the window."""
+        if i not in upcoming:
+            self.pager.release(i)
+
+    def _run_no_grad(
+        self, i: int, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        upcoming = self.enter(i, "forward")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.leave(i, upcoming)
+
+
+def _split(
+    original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Tensor, Call]:
+    """The hidden states (the forward's first parameter) and a call running the block on others.
+
+    Cache arguments, positional or keyword, are set to None and ``use_cache`` to False.
+    """
+    sig = inspect.signature(original)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as err:
+        raise ValueError(
+            f"block forward{sig} cannot take the arguments it was given: {err}"
+        ) from err
+    arguments = bound.arguments
+    for key, param in sig.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and key in arguments:
+            arguments[key] = _without_cache(dict(arguments[key]))
+    arguments.update(_without_cache({k: v for k, v in arguments.items() if k in _NO_CACHE}))
+    first = next(iter(sig.parameters))
+    hidden = arguments.get(first)
+    if not isinstance(hidden, Tensor):
+        raise ValueError(
+            f"block hidden states {first!r} are a {type(hidden).__name__}, not a Tensor: pass "
+            "the hidden states as the block's first argument"
+        )
+
+    def call(h: Tensor) -> Any:
+        arguments[first] = h
+        return original(*bound.args, **bound.kwargs)
+
+    return hidden, call
+
+
+_NO_CACHE = (*_CACHE_KWARGS, "use_cache")
+
+
+def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    for key in _CACHE_KWARGS:
+        if key in kwargs:
+            kwargs[key] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _first(out: Any) -> Tensor:
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(first, Tensor):
+        raise ValueError(f"block returned {type(out).__name__} without a leading Tensor")
+    return first
+
+
+def _repack(out: Any, first: Tensor) -> Any:
+    """The block's output structure with its first tensor replaced by ``first``."""
+    if isinstance(out, tuple):
+        return (first, *out[1:])
+    if isinstance(out, list):
+        return [first, *out[1:]]
+    return first
+
+
+@contextlib.contextmanager
+def _rng_restored(state: tuple[Tensor, Tensor | None]) -> Iterator[None]:
+    devices = [torch.cuda.current_device()] if state[1] is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+        yield
+
+
+class _PagedBlockFunction(torch.autograd.Function):
+    """One block with per-block checkpointing: only the input is saved."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        runner: PagedBlocks,
+        i: int,
+        call: Call,
+        holder: list[Any],
+        dummy: Tensor,
+        hidden: Tensor,
+    ) -> Tensor:
+        cuda_state = torch.cuda.get_rng_state() if hidden.is_cuda else None
+        ctx.rng = (torch.get_rng_state(), cuda_state)
+        ctx.runner, ctx.i, ctx.call = runner, i, call
+        upcoming = runner.enter(i, "forward_grad")
+        try:
+            out = call(hidden)
+        finally:
+            runner.leave(i, upcoming)
+        holder.append(out)
+        ctx.save_for_backward(hidden)
+        return _first(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (hidden,) = ctx.saved_tensors
+        runner: PagedBlocks = ctx.runner
+        i: int = ctx.i
+        upcoming = runner.enter(i, "backward")
+        try:
+            params = runner.pager.params[i]
+            with torch.enable_grad(), _rng_restored(ctx.rng):
+                h = hidden.detach().requires_grad_(True)
+                first = _first(ctx.call(h))
+                grads = torch.autograd.grad(first, [h, *params], grad_out, allow_unused=True)
+            runner.grads.add_async(runner.pager.states[i].grad_views, grads[1:])
+        finally:
+            runner.leave(i, upcoming)
+        return None, None, None, None, None, grads[0]

@@ -1,0 +1,135 @@
+"""Tiny models, fixed data and a plain-Lightning reference run for the strategy tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from bb_lightning.module import CausalLMModule
+
+VOCAB = 256
+SEQ = 32
+BATCH = 2
+
+
+def tiny_llama(layers: int = 4) -> dict[str, Any]:
+    """A Llama config dict: hidden 64, ``layers`` blocks, vocab 256."""
+    return {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+    }
+
+
+def tiny_gpt2() -> dict[str, Any]:
+    """A GPT-2 config dict (learned positions, tied head, Conv1D), dropout off."""
+    return {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 3,
+        "n_head": 4,
+        "vocab_size": VOCAB,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``n`` batches of random tokens (batch 2, seq 32), the same for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)} for _ in range(n)]
+
+
+def loader(n: int, seed: int = 0) -> DataLoader[Any]:
+    """A loader over :func:`batches` in a fixed order."""
+    return DataLoader(batches(n, seed), batch_size=None, shuffle=False)  # type: ignore[arg-type]
+
+
+class LossRecorder(pl.Callback):
+    """Records the loss of every training micro-batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def make_trainer(strategy: Any, steps: int, **kwargs: Any) -> tuple[pl.Trainer, LossRecorder]:
+    """A quiet CPU trainer running ``steps`` optimizer steps, with a loss recorder."""
+    recorder = LossRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        **kwargs,
+    )
+    return trainer, recorder
+
+
+def make_module(config: dict[str, Any]) -> CausalLMModule:
+    """The module under test: seeded weights, lr high enough that steps move weights."""
+    return CausalLMModule(config, learning_rate=1e-3, weight_decay=0.01, seed=0)
+
+
+RunFn = Callable[..., tuple[list[float], dict[str, torch.Tensor]]]
+
+
+@pytest.fixture(scope="session")
+def reference_run() -> RunFn:
+    """Plain Lightning CPU training: (per-micro-batch losses, final fp32 state dict); cached."""
+    cache: dict[tuple[Any, ...], tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+    def run(config: dict[str, Any], steps: int, **kwargs: Any) -> Any:
+        key = (repr(sorted(config.items())), steps, repr(sorted(kwargs.items())))
+        if key not in cache:
+            module = make_module(config)
+            accum = kwargs.get("accumulate_grad_batches", 1)
+            trainer, recorder = make_trainer("auto", steps, **kwargs)
+            trainer.fit(module, loader(steps * accum))
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            cache[key] = (recorder.losses, state)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny() -> SimpleNamespace:
+    """The helpers above, for test modules (a conftest is not importable by name)."""
+    return SimpleNamespace(
+        tiny_llama=tiny_llama,
+        tiny_gpt2=tiny_gpt2,
+        batches=batches,
+        loader=loader,
+        make_trainer=make_trainer,
+        make_module=make_module,
+    )

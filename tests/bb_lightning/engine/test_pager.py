@@ -1,0 +1,125 @@
+"""The paging engine without Lightning: paged forward/backward equal Hugging Face's own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+from storage.store import StoreConfig, TieredStore
+from storage.tiers import Residency, Tier
+
+
+def _model() -> torch.nn.Module:
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.fixture
+def engine_and_reference() -> tuple[TrainingEngine, torch.nn.Module, TieredStore]:
+    reference = _model()
+    model = copy.deepcopy(reference)
+    store = TieredStore(StoreConfig(device_budget=8 << 20, host_budget=16 << 20, device="cpu"))
+    placement = Placement(
+        weights=(Tier.HOST, Tier.DEVICE, Tier.HOST), master=(Tier.HOST,) * 3, prefetch_depth=2
+    )
+    engine = TrainingEngine(
+        model,
+        model.model.layers,
+        store,
+        placement,
+        compute_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    yield engine, reference, store
+    engine.close()
+    store.close()
+
+
+def test_paged_backward_equals_plain_backward(engine_and_reference) -> None:
+    engine, reference, _ = engine_and_reference
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # two micro-batches accumulate
+        loss = engine.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        engine.after_backward()
+        want = reference(input_ids=ids, labels=ids).loss
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    names = {id(p): n for n, p in reference.named_parameters()}
+    ref_params = dict(reference.named_parameters())
+    got: dict[str, torch.Tensor] = {}
+    for params, state in [
+        *zip(engine.pager.params, engine.pager.states, strict=True),
+        (engine.resident_params, engine.resident),
+    ]:
+        model_names = {id(p): n for n, p in engine.model.named_parameters()}
+        for p, g in zip(params, state.grad_views, strict=True):
+            got[model_names[id(p)]] = g
+    assert len(got) == len(names)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_no_grad_forward_pages_within_the_window(engine_and_reference) -> None:
+    engine, reference, store = engine_and_reference
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    seen: list[int] = []
+    hooks = [
+        b.register_forward_hook(lambda *_: seen.append(_resident(engine, store)))
+        for b in engine.paged.blocks
+    ]
+    with torch.inference_mode():
+        got = engine.model(input_ids=ids).logits
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert max(seen) <= engine.pager.placement.prefetch_depth + 1
+    assert all(p.numel() == 0 for p in engine.pager.params[0])  # released block holds nothing
+
+
+def _resident(engine: TrainingEngine, store: TieredStore) -> int:
+    return sum(store.state(n) is not Residency.RELEASED for n in engine.pager.names)
+
+
+def test_install_once_and_remove_restores_forward(engine_and_reference) -> None:
+    engine, _, _ = engine_and_reference
+    forwards = [b.forward for b in engine.paged.blocks]
+    engine.paged.install()
+    assert [b.forward for b in engine.paged.blocks] == forwards
+    engine.paged.remove()
+    assert all("forward" not in vars(b) for b in engine.paged.blocks)
+
+
+def test_required_budgets_counts_each_tier() -> None:
+    placement = Placement(
+        weights=(Tier.DEVICE, Tier.HOST, Tier.NVME),
+        master=(Tier.HOST, Tier.NVME, Tier.HOST),
+        prefetch_depth=2,
+    )
+    need = required_budgets([1024, 1024, 2048], 512, placement, torch.bfloat16)
+    assert need[Tier.DEVICE] == 4096 + 3 * 4096  # resident block 0 + 3 slots of the largest
+    assert need[Tier.HOST] == 4096 + 3 * 4096 + 3 * 8192 + 3 * 4096
+    assert need[Tier.NVME] == 4096 + 3 * 4096
+
+
+def test_placement_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="prefetch_depth=0"):
+        Placement.uniform(2, weights=Tier.HOST, prefetch_depth=0)
+    with pytest.raises(ValueError, match="2 weight tiers but 1 master"):
+        Placement(weights=(Tier.HOST, Tier.HOST), master=(Tier.HOST,))
