@@ -1,0 +1,208 @@
+"""Small pure cost functions of the profiles: FLOPs, seconds, bytes.
+
+Each function states its formula and where it comes from. Times are seconds,
+sizes bytes, bandwidths bytes/s, compute FLOP/s. Functions that take byte or
+FLOP counts also accept numpy arrays, so the search can price many placements
+at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+
+__all__ = [
+    "ADAM_STATE_BYTES",
+    "BF16_BYTES",
+    "FP32_BYTES",
+    "GIB",
+    "activation_bytes",
+    "compute_seconds",
+    "device_budget",
+    "forward_flops_per_token",
+    "grad_bytes_in_flight",
+    "hide_tokens_per_pass",
+    "host_adam_seconds",
+    "host_budget",
+    "kv_cache_bytes",
+    "link_seconds",
+    "logits_bytes",
+    "matmul_params",
+    "model_flops_per_token",
+    "nvme_budget",
+    "optimizer_exposed_seconds",
+    "pass_exposed_seconds",
+    "train_flops_per_token",
+]
+
+Num = TypeVar("Num", float, npt.NDArray[np.float64])
+
+BF16_BYTES = 2
+"""Bytes per bf16 element (weights, activations, KV cache, gradients on the link)."""
+FP32_BYTES = 4
+"""Bytes per fp32 element (gradient accumulators, logits for the loss)."""
+ADAM_STATE_BYTES = 12
+"""fp32 master weight + AdamW first and second moments, bytes per parameter."""
+GIB = 1024**3
+"""Bytes in a GiB."""
+
+DEVICE_MARGIN_FRACTION = 0.10
+"""Share of device memory never planned (allocator fragmentation, kernels' workspaces)."""
+DEVICE_MARGIN_BYTES = GIB
+"""Bytes of device memory never planned on top of the fraction (CUDA context, cuBLAS)."""
+HOST_MARGIN_FRACTION = 0.05
+"""Share of host memory (and of NVMe capacity) never planned."""
+MIN_BANDWIDTH = 1.0
+"""A link with no bandwidth is priced at this many bytes/s (so it is never chosen)."""
+
+
+# ---------------------------------------------------------------- budgets (bytes)
+def device_budget(hw: HardwareProfile) -> int:
+    """Plannable device bytes: ``device_memory - (10% of it + 1 GiB)``, at least 0."""
+    margin = DEVICE_MARGIN_FRACTION * hw.device_memory + DEVICE_MARGIN_BYTES
+    return max(0, int(hw.device_memory - margin))
+
+
+def host_budget(hw: HardwareProfile) -> int:
+    """Plannable host bytes: ``host_memory`` less 5%."""
+    return int(hw.host_memory * (1.0 - HOST_MARGIN_FRACTION))
+
+
+def nvme_budget(hw: HardwareProfile) -> int:
+    """Plannable NVMe bytes: ``nvme_capacity`` less 5% (0 without an NVMe path)."""
+    if hw.nvme_read_bandwidth <= 0 or hw.nvme_write_bandwidth <= 0:
+        return 0
+    return int(hw.nvme_capacity * (1.0 - HOST_MARGIN_FRACTION))
+
+
+# ---------------------------------------------------------------- FLOPs
+def forward_flops_per_token(model: ModelProfile, context: float) -> float:
+    """Forward FLOPs per token of the whole model attending over ``context`` tokens.
+
+    ``num_blocks * (2 * block_matmul_params + 4 * num_heads * head_dim * context)``
+    plus the head's ``2 * hidden * vocab`` (Kaplan et al. 2020, Table 1, which counts
+    attention against the full context); the embedding is a lookup (no FLOPs).
+    """
+    block = 2.0 * model.block_matmul_params + 4.0 * model.num_heads * model.head_dim * context
+    return model.num_blocks * block + model.head_flops_per_token()
+
+
+def train_flops_per_token(model: ModelProfile, seq_len: int, checkpointing: bool) -> float:
+    """Training FLOPs per token: forward + backward (2x forward) + recompute.
+
+    Backward costs twice the forward (Kaplan et al. 2020, C ~ 6N per token). With
+    per-block activation checkpointing each block's forward runs again before its
+    backward (Korthikanti et al. 2022, "Reducing Activation Recomputation"), so the
+    blocks cost 4x forward, else 3x. The head is not checkpointed: 3x.
+    """
+    blocks = forward_flops_per_token(model, seq_len) - model.head_flops_per_token()
+    return blocks * (4.0 if checkpointing else 3.0) + 3.0 * model.head_flops_per_token()
+
+
+def backward_fraction(checkpointing: bool) -> float:
+    """Share of a training pass's block FLOPs spent in recompute + backward (3/4 or 2/3)."""
+    return 3.0 / 4.0 if checkpointing else 2.0 / 3.0
+
+
+def matmul_params(model: ModelProfile) -> int:
+    """``N`` for MFU: matrix-product parameters of the blocks and the head (tied or not)."""
+    return model.num_blocks * model.block_matmul_params + model.hidden_size * model.vocab_size
+
+
+def model_flops_per_token(model: ModelProfile, task: str) -> float:
+    """Model FLOPs per token for MFU: ``6 N`` training, ``2 N`` generation (PaLM, App. B)."""
+    return (6.0 if task == "fit" else 2.0) * matmul_params(model)
+
+
+# ---------------------------------------------------------------- seconds
+def link_seconds(nbytes: Num, bandwidth: float, efficiency: float = 1.0) -> Num:
+    """Seconds to move ``nbytes`` over a link: ``bytes / (bandwidth * efficiency)``."""
+    return nbytes / max(bandwidth * efficiency, MIN_BANDWIDTH)
+
+
+def compute_seconds(flops: Num, hw: HardwareProfile) -> Num:
+    """Seconds of device compute: ``FLOPs / (device_flops * compute_efficiency)``."""
+    return flops / max(hw.device_flops * hw.compute_efficiency, MIN_BANDWIDTH)
+
+
+def host_adam_seconds(params: Num, hw: HardwareProfile) -> Num:
+    """Seconds of host AdamW: ``params / (host_adam_params_per_s * optimizer_efficiency)``."""
+    return params / max(hw.host_adam_params_per_s * hw.optimizer_efficiency, MIN_BANDWIDTH)
+
+
+def pass_exposed_seconds(compute_s: Num, links: Mapping[str, Num]) -> Num:
+    """Seconds of one pass not hidden behind its compute.
+
+    Overlap model: the links (NVMe read, NVMe write, H2D, D2H) run concurrently with
+    compute and with each other, so a pass takes ``max(compute, each link's time)``
+    and ``max(...) - compute`` is exposed. Bytes from NVMe to the device cross two
+    links (NVMe read, then H2D): both carry them, each priced on its own.
+    """
+    longest = compute_s
+    for seconds in links.values():
+        longest = np.maximum(longest, seconds)
+    return longest - compute_s
+
+
+def optimizer_exposed_seconds(optimizer_s: Num, backward_s: Num, units: Num, clipping: bool) -> Num:
+    """Seconds of the optimizer step not hidden behind the last backward.
+
+    Each block's host AdamW starts as soon as its gradients are final, while backward
+    still works on earlier blocks, so only ``max(0, optimizer - backward)`` plus the
+    last unit's share ``optimizer / units`` is exposed. Global-norm clipping needs
+    every gradient first: then the whole step is exposed.
+    """
+    if clipping:
+        return optimizer_s
+    return np.maximum(0.0, optimizer_s - backward_s) + optimizer_s / np.maximum(units, 1.0)
+
+
+def hide_tokens_per_pass(
+    flops_per_token_per_param: float, bytes_per_param: float, device_flops: float, link: float
+) -> float:
+    """Tokens per pass at which a weight pass hides behind compute.
+
+    ``(device FLOP/s / link bytes/s) * (bytes per param / FLOPs per param per token)``.
+    """
+    return device_flops / max(link, MIN_BANDWIDTH) * bytes_per_param / flops_per_token_per_param
+
+
+# ---------------------------------------------------------------- bytes
+def activation_bytes(
+    model: ModelProfile, micro_batch: int, seq_len: int, checkpointing: bool
+) -> int:
+    """Device bytes of training activations for one micro-batch.
+
+    Checkpointing keeps each block's input (``act_bytes_per_token_checkpointed`` per
+    token per block) plus one block's full activations while it is recomputed;
+    without it every block keeps its full activations.
+    """
+    tokens = micro_batch * seq_len
+    if checkpointing:
+        per_token = (
+            model.act_bytes_per_token_checkpointed * model.num_blocks
+            + model.act_bytes_per_token_full
+        )
+    else:
+        per_token = model.act_bytes_per_token_full * model.num_blocks
+    return tokens * per_token
+
+
+def logits_bytes(model: ModelProfile, tokens: int) -> int:
+    """Device bytes of fp32 logits for the loss: ``tokens * vocab * 4``."""
+    return tokens * model.vocab_size * FP32_BYTES
+
+
+def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:
+    """Bytes of the bf16 KV cache of all blocks: ``seqs * tokens * kv_bytes * num_blocks``."""
+    return seqs * tokens_per_seq * model.kv_bytes_per_token * model.num_blocks
+
+
+def grad_bytes_in_flight(model: ModelProfile) -> int:
+    """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied."""
+    return 2 * model.block_params * BF16_BYTES

@@ -1,0 +1,431 @@
+"""Candidates and pricing of fine-tuning plans (used by :func:`search.make_plan`).
+
+A candidate is (checkpointing, prefetch depth, micro-batch, kF, kW): ``kF`` blocks
+fully on the device (bf16 weights, fp32 gradients, master and moments: the
+optimizer runs there), ``kW`` blocks with resident weights whose gradients and
+optimizer state live off the device, the rest paged. Off-device state is placed on
+the host by benefit per byte of NVMe traffic saved per step (paged weights
+``4 GA + 2`` bytes per 2, gradient accumulators ``8 GA`` per 4, optimizer state 24
+per 12), the rest on NVMe. All (kF, kW) of three fill orders are priced at once
+with numpy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from bb_lightning.planner import cost
+from bb_lightning.planner.cost import ADAM_STATE_BYTES, BF16_BYTES, FP32_BYTES
+from bb_lightning.planner.job import FitJob
+from bb_lightning.planner.plan import (
+    Plan,
+    PlanOverrides,
+    PredictedTime,
+    Roofline,
+    TierMemory,
+    placement_tiers,
+)
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Tier, format_bytes
+
+Arr = npt.NDArray[np.float64]
+FULL_DEVICE_BYTES = BF16_BYTES + FP32_BYTES + ADAM_STATE_BYTES
+"""Device bytes per parameter of a block trained entirely on the device."""
+
+
+def ladder(cap: int) -> list[int]:
+    """Powers of two below ``cap``, then ``cap``."""
+    out, v = [], 1
+    while v < cap:
+        out.append(v)
+        v *= 2
+    return [*out, cap]
+
+
+def states(n: int, ov: PlanOverrides) -> tuple[Arr, Arr]:
+    """(kF, kW) pairs: weights-first, full-first and weights-then-full fill orders."""
+    pairs = {(0, k) for k in range(n + 1)} | {(k, 0) for k in range(n + 1)}
+    pairs |= {(j, n - j) for j in range(n + 1)}
+    keep = []
+    for kf, kw in sorted(pairs):
+        if ov.resident_blocks is not None and kf + kw != ov.resident_blocks:
+            continue
+        if ov.weights_tier is Tier.DEVICE and kf + kw != n:
+            continue
+        if ov.weights_tier in (Tier.HOST, Tier.NVME) and kf + kw != 0:
+            continue
+        if ov.master_tier is Tier.DEVICE and kf != n:
+            continue
+        if ov.master_tier in (Tier.HOST, Tier.NVME) and kf != 0:
+            continue
+        keep.append((kf, kw))
+    arr = np.array(keep, dtype=np.float64).reshape(-1, 2)
+    return arr[:, 0], arr[:, 1]
+
+
+@dataclass
+class Priced:
+    """One priced candidate (scalars) picked from the arrays."""
+
+    checkpointing: bool
+    depth: int
+    micro_batch: int
+    values: dict[str, float]
+
+
+def _fill(
+    free: Arr, count: Arr, each: float, forced: Tier | None
+) -> tuple[Arr, npt.NDArray[np.bool_]]:
+    """Blocks of ``each`` bytes placed on the host from ``free``; returns (placed, ok)."""
+    if forced is Tier.NVME:
+        return np.zeros_like(count), np.ones_like(count, dtype=bool)
+    placed = np.minimum(count, np.floor(np.maximum(free, 0.0) / max(each, 1.0)))
+    ok = placed >= count if forced is Tier.HOST else np.ones_like(count, dtype=bool)
+    return placed, ok
+
+
+def price(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    budgets: tuple[int, int, int],
+    ckpt: bool,
+    depth: int,
+    mb: int,
+    kf: Arr,
+    kw: Arr,
+) -> dict[str, Arr]:
+    """Bytes per tier and seconds per step of every (kF, kW) for one batch shape."""
+    n, p = model.num_blocks, float(model.block_params)
+    bb = p * BF16_BYTES
+    nb = float(model.embed_params + model.head_params + model.final_params)
+    g, s = job.seqs_per_step, job.seq_len
+    ga = math.ceil(g / mb)
+    np_ = n - kf - kw  # paged blocks
+    off = n - kf  # blocks whose optimizer runs on the host
+    paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
+    in_flight = np.where(off > 0, float(cost.grad_bytes_in_flight(model)), 0.0)
+    dev = (
+        nb * BF16_BYTES
+        + kw * bb
+        + kf * p * FULL_DEVICE_BYTES
+        + paging
+        + in_flight
+        + cost.activation_bytes(model, mb, s, ckpt)
+        + cost.logits_bytes(model, mb * s)
+    )
+    mandatory = paging + in_flight + nb * (FP32_BYTES + ADAM_STATE_BYTES)
+    free = budgets[1] - mandatory
+    w_h, ok_w = _fill(free, np_, bb, ov.weights_tier)
+    free = free - w_h * bb
+    m_forced = ov.master_tier
+    if m_forced is Tier.HOST:  # forced state is reserved before the gradients
+        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * p, m_forced)
+        free = free - m_h * ADAM_STATE_BYTES * p
+        g_h, _ = _fill(free, off, FP32_BYTES * p, None)
+        free = free - g_h * FP32_BYTES * p
+    else:
+        g_h, _ = _fill(free, off, FP32_BYTES * p, None)
+        free = free - g_h * FP32_BYTES * p
+        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * p, m_forced)
+        free = free - m_h * ADAM_STATE_BYTES * p
+    host = budgets[1] - free
+    nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * p + (off - m_h) * ADAM_STATE_BYTES * p
+    feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2]) & ok_w & ok_m
+
+    compute = cost.compute_seconds(float(g * s) * cost.train_flops_per_token(model, s, ckpt), hw)
+    c_pass = compute / ga
+    nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
+    grads_nvme = (off - g_h) * FP32_BYTES * p  # read-modify-write per micro-batch
+    links = {
+        "h2d": cost.link_seconds(2.0 * np_ * bb, hw.h2d_bandwidth, hw.h2d_efficiency),
+        "nvme_read": cost.link_seconds(
+            2.0 * (np_ - w_h) * bb + grads_nvme, nvme_r, hw.nvme_efficiency
+        ),
+        "nvme_write": cost.link_seconds(grads_nvme, nvme_w, hw.nvme_efficiency),
+        "d2h": cost.link_seconds((off * p + nb) * BF16_BYTES, hw.d2h_bandwidth, hw.d2h_efficiency),
+    }
+    exposed_pass = cost.pass_exposed_seconds(np.full_like(kf, c_pass), links)
+    adam = cost.host_adam_seconds(off * p + nb, hw)
+    opt_links = {
+        "nvme_read": cost.link_seconds(
+            (off - m_h) * ADAM_STATE_BYTES * p + grads_nvme, nvme_r, hw.nvme_efficiency
+        ),
+        "nvme_write": cost.link_seconds(
+            (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * bb, nvme_w, hw.nvme_efficiency
+        ),
+        "h2d": cost.link_seconds((kw * p + nb) * BF16_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency),
+    }
+    pipeline = adam
+    for t in opt_links.values():
+        pipeline = np.maximum(pipeline, t)
+    opt_exposed = cost.optimizer_exposed_seconds(
+        pipeline,
+        np.full_like(kf, c_pass * cost.backward_fraction(ckpt)),
+        off + (1.0 if nb > 0 else 0.0),
+        job.grad_clipping,
+    )
+    total = compute + ga * exposed_pass + opt_exposed
+    out = {
+        "feasible": feasible.astype(np.float64),
+        "total": total,
+        "per_token": total / (g * s),
+        "exposed_pass": exposed_pass,
+        "optimizer": adam,
+        "device": dev,
+        "host": host,
+        "nvme": nvme,
+        "mandatory": mandatory,
+        "w_h": w_h,
+        "g_h": g_h,
+        "m_h": m_h,
+        "kf": kf,
+        "kw": kw,
+    }
+    for link in ("h2d", "nvme_read", "nvme_write", "d2h"):
+        out[link] = ga * links[link] + opt_links.get(link, 0.0)
+    out["compute"] = np.full_like(kf, compute)
+    return out
+
+
+def _options(job: FitJob, ov: PlanOverrides) -> tuple[list[bool], list[int], list[int]]:
+    ckpt = ov.checkpointing if ov.checkpointing is not None else job.checkpointing
+    ckpts = [True, False] if ckpt is None else [ckpt]
+    depths = [ov.prefetch_depth] if ov.prefetch_depth else [1, 2]
+    g = job.seqs_per_step
+    if ov.micro_batch:
+        mbs = [ov.micro_batch]
+    elif ov.grad_accum:
+        mbs = [math.ceil(g / ov.grad_accum)]
+    else:
+        mbs = ladder(g)
+    return ckpts, depths, mbs
+
+
+def search(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    budgets: tuple[int, int, int],
+) -> Priced | None:
+    """The fastest feasible candidate per token, or ``None`` when none fits."""
+    kf, kw = states(model.num_blocks, ov)
+    if kf.size == 0:
+        return None
+    best: tuple[tuple[float, ...], Priced] | None = None
+    ckpts, depths, mbs = _options(job, ov)
+    for ckpt in ckpts:
+        for depth in depths:
+            for mb in mbs:
+                a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw)
+                ok = np.flatnonzero(a["feasible"] > 0)
+                if ok.size == 0:
+                    continue
+                keys = np.lexsort((a["device"][ok], a["per_token"][ok]))
+                i = int(ok[keys[0]])
+                key = (float(a["per_token"][i]), float(mb), float(a["device"][i]))
+                if best is None or key < best[0]:
+                    vals = {k: float(v[i]) for k, v in a.items()}
+                    best = (
+                        key,
+                        Priced(checkpointing=ckpt, depth=depth, micro_batch=mb, values=vals),
+                    )
+    return None if best is None else best[1]
+
+
+def diagnose(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    budgets: tuple[int, int, int],
+) -> str:
+    """Why nothing fits: the shortfall per tier and the smallest change that fits."""
+    ckpts, depths, mbs = _options(job, ov)
+    ckpt, depth, mb = ckpts[0], depths[0], mbs[0]
+    kf, kw = states(model.num_blocks, ov)
+    if kf.size == 0:
+        return f"no block placement satisfies the overrides {ov}: relax them"
+    a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf[:1], kw[:1])
+    dev, mand, nvme = float(a["device"][0]), float(a["mandatory"][0]), float(a["nvme"][0])
+    dev_b, host_b, nvme_b = budgets
+    fmt = format_bytes
+    if dev > dev_b:
+        fits = [
+            s
+            for s in (2**k for k in range(4, 20))
+            if s < job.seq_len
+            and float(
+                price(
+                    model,
+                    hw,
+                    FitJob(seq_len=s, global_batch_seqs=1),
+                    ov,
+                    budgets,
+                    ckpt,
+                    depth,
+                    1,
+                    kf[:1],
+                    kw[:1],
+                )["device"][0]
+            )
+            <= dev_b
+        ]
+        fix = (
+            f"use a shorter sequence (<= {fits[-1]} fits)"
+            if fits
+            else f"use a device with >= {fmt((dev + cost.GIB) / 0.9)} of memory"
+        )
+        return (
+            f"even micro-batch {mb} at seq {job.seq_len} needs {fmt(dev)} on the device "
+            f"(activations {fmt(cost.activation_bytes(model, mb, job.seq_len, ckpt))}, logits, "
+            f"paging slots, embedding and head) but the device budget is {fmt(dev_b)} "
+            f"({fmt(hw.device_memory)} less a 10% + 1 GiB margin): {fix}"
+        )
+    if mand > host_b:
+        return (
+            f"needs {fmt(mand)} of host memory for pinned staging and the embedding/head "
+            f"optimizer state, have {fmt(host_b)} ({fmt(hw.host_memory)} less 5%): raise host "
+            f"memory to >= {fmt(mand / 0.95)}"
+        )
+    need = float(a["host"][0]) - 0.0 + nvme
+    off_dev = need if nvme > nvme_b else 0.0
+    nvme_desc = f"{fmt(nvme_b)} NVMe" if nvme_b else "no NVMe path"
+    if off_dev:
+        return (
+            f"needs {fmt(need)} of host+NVMe for weights, gradients and optimizer state "
+            f"({model.total_params / 1e9:.2f} B params), have {fmt(host_b)} host and {nvme_desc}: "
+            f"add an NVMe path with >= {fmt(nvme / 0.95)} (--nvme-capacity) or more host memory "
+            f"(>= {fmt(need / 0.95)})"
+        )
+    return (
+        f"no placement satisfies the overrides {ov}: device needs {fmt(dev)} of {fmt(dev_b)}, "
+        f"host {fmt(float(a['host'][0]))} of {fmt(host_b)}, NVMe {fmt(nvme)} of {fmt(nvme_b)}: "
+        "relax the overrides"
+    )
+
+
+def build_plan(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    overrides: PlanOverrides | None,
+    best: Priced,
+    budgets: tuple[int, int, int],
+) -> Plan:
+    """Turn the chosen candidate into a :class:`Plan` with reasons."""
+    v, n = best.values, model.num_blocks
+    kf, kw = int(v["kf"]), int(v["kw"])
+    w_h, g_h, m_h = int(v["w_h"]), int(v["g_h"]), int(v["m_h"])
+    ga = math.ceil(job.seqs_per_step / best.micro_batch)
+    tokens_pass = best.micro_batch * job.seq_len
+    exposed = v["total"] - v["compute"]
+    pred = PredictedTime(
+        compute=v["compute"],
+        nvme_read=v["nvme_read"],
+        nvme_write=v["nvme_write"],
+        h2d=v["h2d"],
+        d2h=v["d2h"],
+        optimizer=v["optimizer"],
+        exposed=max(0.0, exposed),
+        total=v["total"],
+    )
+    if v["exposed_pass"] <= 1e-12 * max(v["compute"], 1e-30):
+        limited = "hidden"
+    elif best.micro_batch >= job.seqs_per_step:
+        limited = "batch"
+    else:
+        limited = "memory"
+    tok_s = job.tokens_per_step / v["total"]
+    paged = n - kf - kw
+    fpt = cost.train_flops_per_token(model, job.seq_len, best.checkpointing)
+    bw = {
+        "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
+        "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,
+        "d2h": hw.d2h_bandwidth * hw.d2h_efficiency,
+    }
+    roof = Roofline(
+        flops_per_token=fpt,
+        device_flops=hw.device_flops * hw.compute_efficiency,
+        bytes_per_pass={
+            "h2d": 2.0 * paged * model.block_bytes,
+            "nvme_read": 2.0 * (paged - w_h) * model.block_bytes,
+            "d2h": float((n - kf) * model.block_params * BF16_BYTES),
+        },
+        bandwidth={k: b for k, b in bw.items() if b > 0},
+    )
+    hide = cost.hide_tokens_per_pass(
+        8.0 if best.checkpointing else 6.0, 4.0, roof.device_flops, bw["h2d"]
+    )
+    reasons = [
+        f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per pass "
+        f"(device {roof.device_flops / 1e12:.3g} TFLOP/s over H2D {bw['h2d'] / 1e9:.3g} GB/s); "
+        f"chosen {best.micro_batch} x {job.seq_len} = {tokens_pass:,} tokens, "
+        f"{ga} accumulation step(s) make the global batch (limited by {limited})",
+        f"checkpointing {'on' if best.checkpointing else 'off'}: activations take "
+        f"{format_bytes(cost.activation_bytes(model, best.micro_batch, job.seq_len, best.checkpointing))}"
+        f" per micro-batch; "
+        + (
+            "recompute costs a quarter more block FLOPs"
+            if best.checkpointing
+            else "no recompute needed"
+        ),
+        f"{kf + kw} of {n} blocks resident with leftover device memory ({kf} with gradients and "
+        f"optimizer on the device); each resident block saves "
+        f"{format_bytes(2 * model.block_bytes * ga)} of H2D per step",
+        f"host holds {w_h} paged blocks' weights, {g_h} gradient accumulators and {m_h} "
+        f"optimizer states by benefit per byte; the rest goes to NVMe",
+        f"host AdamW {v['optimizer']:.3g} s per step runs block by block during backward"
+        + (" (exposed: gradient clipping waits for every gradient)" if job.grad_clipping else ""),
+    ]
+    if hw.device_type == "cpu":
+        reasons.append(
+            f"CPU device: device and host tiers share RAM, planned against the split "
+            f"{format_bytes(hw.device_memory)} device / {format_bytes(hw.host_memory)} host"
+        )
+    nb_host = Tier.DEVICE
+    return Plan(
+        task="fit",
+        job=job,
+        model=model,
+        hardware=hw,
+        overrides=overrides,
+        micro_batch=best.micro_batch,
+        grad_accum=ga,
+        concurrent_seqs=0,
+        tokens_per_pass=tokens_pass,
+        prefetch_depth=best.depth,
+        checkpointing=best.checkpointing,
+        weights=placement_tiers(n, kf + kw, w_h),
+        master=placement_tiers(n, kf, m_h),
+        grads=placement_tiers(n, kf, g_h),
+        embed=nb_host,
+        head=nb_host,
+        final=nb_host,
+        kv_cache=None,
+        memory=_memory(hw, budgets, v),
+        predicted=pred,
+        tokens_per_s=tok_s,
+        mfu=cost.model_flops_per_token(model, "fit") * tok_s / hw.device_flops,
+        limited_by=limited,
+        roofline=roof,
+        reasons=tuple(reasons),
+    )
+
+
+def _memory(
+    hw: HardwareProfile, budgets: tuple[int, int, int], v: dict[str, Any]
+) -> tuple[TierMemory, ...]:
+    caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
+    used = (v["device"], v["host"], v["nvme"])
+    return tuple(
+        TierMemory(tier=t, used=int(u), budget=b, capacity=c)
+        for t, u, b, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, budgets, caps, strict=True)
+    )

@@ -1,0 +1,354 @@
+"""The Plan: frozen data the engine executes and a person reads (:meth:`Plan.explain`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from bb_lightning.planner.job import FitJob, PredictJob
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Tier, format_bytes
+
+__all__ = [
+    "LINKS",
+    "Plan",
+    "PlanOverrides",
+    "PredictedTime",
+    "Roofline",
+    "TierMemory",
+    "placement_tiers",
+]
+
+LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+"""Copy links the cost model prices: NVMe->host, host->NVMe, host->device, device->host."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOverrides:
+    """Choices forced on the search (``None`` = let the search choose)."""
+
+    micro_batch: int | None = None
+    """Sequences per forward/backward pass (fit) or per prefill kernel (predict)."""
+    grad_accum: int | None = None
+    """Micro-batches per optimizer step (fit)."""
+    concurrent_seqs: int | None = None
+    """Sequences generated together, i.e. tokens per decode pass (predict)."""
+    prefetch_depth: int | None = None
+    """Blocks paged in ahead of the one computing (>= 1)."""
+    checkpointing: bool | None = None
+    """Per-block activation checkpointing (fit)."""
+    resident_blocks: int | None = None
+    """Blocks whose bf16 weights stay on the device."""
+    weights_tier: Tier | None = None
+    """Home tier of every block's bf16 weights."""
+    master_tier: Tier | None = None
+    """Tier of every block's fp32 master weights and AdamW moments (fit)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (tiers as their names)."""
+        d = dataclasses.asdict(self)
+        for key in ("weights_tier", "master_tier"):
+            if d[key] is not None:
+                d[key] = Tier(d[key]).value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanOverrides:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        for key in ("weights_tier", "master_tier"):
+            if d.get(key) is not None:
+                d[key] = Tier(d[key])
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictedTime:
+    """Predicted seconds per step (fit: one optimizer step; predict: one batch of prompts)."""
+
+    compute: float
+    """Device compute, seconds."""
+    nvme_read: float
+    """Busy time of the NVMe read link, seconds."""
+    nvme_write: float
+    """Busy time of the NVMe write link, seconds."""
+    h2d: float
+    """Busy time of the host-to-device link, seconds."""
+    d2h: float
+    """Busy time of the device-to-host link, seconds."""
+    optimizer: float
+    """Host AdamW arithmetic, seconds (0 for predict)."""
+    exposed: float
+    """Seconds of transfers and optimizer not hidden behind compute."""
+    total: float
+    """Step time, seconds: ``compute + exposed``."""
+
+    @property
+    def transfer(self) -> dict[str, float]:
+        """Busy seconds per link."""
+        return {link: getattr(self, link) for link in LINKS}
+
+    @property
+    def bottleneck(self) -> str:
+        """``compute`` when under 1% of the step is exposed, else the busiest link or optimizer."""
+        if self.exposed <= 0.01 * self.total:
+            return "compute"
+        phases = {**self.transfer, "optimizer": self.optimizer}
+        return max(phases, key=lambda k: phases[k])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierMemory:
+    """Bytes planned on one tier."""
+
+    tier: Tier
+    """The tier."""
+    used: int
+    """Bytes the plan places there."""
+    budget: int
+    """Bytes the plan may use there (capacity less the safety margin)."""
+    capacity: int
+    """Bytes the hardware profile offers."""
+
+    @property
+    def headroom(self) -> int:
+        """``budget - used``, bytes."""
+        return self.budget - self.used
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roofline:
+    """Per-pass quantities for a roofline plot (tokens per pass vs tokens/s)."""
+
+    flops_per_token: float
+    """Device FLOPs per token of a pass."""
+    device_flops: float
+    """Effective device FLOP/s."""
+    bytes_per_pass: dict[str, float] = field(default_factory=dict)
+    """Bytes each link carries per pass regardless of its tokens (weights)."""
+    bytes_per_token: dict[str, float] = field(default_factory=dict)
+    """Bytes each link carries per token of a pass (gradients excluded; KV cache)."""
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    """Effective bytes/s of each link."""
+
+    def tokens_per_s(self, tokens_per_pass: float) -> float:
+        """Predicted tokens/s of one pass of ``tokens_per_pass`` tokens (optimizer aside)."""
+        seconds = tokens_per_pass * self.flops_per_token / self.device_flops
+        for link, bw in self.bandwidth.items():
+            nbytes = self.bytes_per_pass.get(link, 0.0)
+            nbytes += self.bytes_per_token.get(link, 0.0) * tokens_per_pass
+            seconds = max(seconds, nbytes / bw)
+        return tokens_per_pass / seconds
+
+
+def _tier_runs(placement: list[tuple[str, ...]]) -> list[tuple[int, int, tuple[str, ...]]]:
+    runs: list[tuple[int, int, tuple[str, ...]]] = []
+    for i, key in enumerate(placement):
+        if runs and runs[-1][2] == key:
+            runs[-1] = (runs[-1][0], i, key)
+        else:
+            runs.append((i, i, key))
+    return runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Where every tensor lives, the batch shape, and the predicted step time."""
+
+    task: str
+    """``"fit"`` or ``"predict"``."""
+    job: FitJob | PredictJob
+    """The job planned for."""
+    model: ModelProfile
+    """The model profile planned on."""
+    hardware: HardwareProfile
+    """The hardware profile planned on (efficiency factors included)."""
+    overrides: PlanOverrides | None
+    """Choices forced on the search, kept so that re-planning keeps them."""
+    micro_batch: int
+    """Sequences per forward/backward pass (fit) or per prefill kernel (predict)."""
+    grad_accum: int
+    """Micro-batches per optimizer step (fit; 1 for predict)."""
+    concurrent_seqs: int
+    """Sequences generated together (predict; 0 for fit)."""
+    tokens_per_pass: int
+    """Tokens each streamed weight pass serves (fit: micro_batch x seq_len; predict: decode)."""
+    prefetch_depth: int
+    """Blocks paged in ahead of the computing one."""
+    checkpointing: bool
+    """Per-block activation checkpointing (False for predict)."""
+    weights: tuple[Tier, ...]
+    """Home tier of each block's bf16 weights (DEVICE = resident)."""
+    master: tuple[Tier, ...]
+    """Tier of each block's fp32 master weights and AdamW moments (empty for predict)."""
+    grads: tuple[Tier, ...]
+    """Tier of each block's fp32 gradient accumulators (empty for predict)."""
+    embed: Tier
+    """Home of the embedding's bf16 weights."""
+    head: Tier
+    """Home of the untied head's bf16 weights."""
+    final: Tier
+    """Home of the final norm's bf16 weights."""
+    kv_cache: Tier | None
+    """Tier of the KV cache (predict; None for fit)."""
+    memory: tuple[TierMemory, ...]
+    """Bytes used and budgeted per tier (device, host, NVMe)."""
+    predicted: PredictedTime
+    """Predicted seconds per step."""
+    tokens_per_s: float
+    """Predicted throughput: trained tokens/s (fit) or generated tokens/s (predict)."""
+    mfu: float
+    """Model FLOPs utilisation: 6N (fit) / 2N (predict) FLOPs per processed token over device_flops."""
+    limited_by: str
+    """Why tokens per pass stopped rising: ``hidden``, ``memory`` or ``batch``."""
+    roofline: Roofline
+    """Per-pass data for the roofline plot."""
+    reasons: tuple[str, ...] = ()
+    """Why each choice was made, for people."""
+
+    # ------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict; :meth:`from_dict` inverts it."""
+        return {
+            "task": self.task,
+            "job": dataclasses.asdict(self.job),
+            "model": self.model.to_dict(),
+            "hardware": self.hardware.to_dict(),
+            "overrides": None if self.overrides is None else self.overrides.to_dict(),
+            **{
+                k: getattr(self, k)
+                for k in (
+                    "micro_batch",
+                    "grad_accum",
+                    "concurrent_seqs",
+                    "tokens_per_pass",
+                    "prefetch_depth",
+                    "checkpointing",
+                    "tokens_per_s",
+                    "mfu",
+                    "limited_by",
+                )
+            },
+            **{k: [t.value for t in getattr(self, k)] for k in ("weights", "master", "grads")},
+            **{k: getattr(self, k).value for k in ("embed", "head", "final")},
+            "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
+            "memory": [
+                {"tier": m.tier.value, "used": m.used, "budget": m.budget, "capacity": m.capacity}
+                for m in self.memory
+            ],
+            "predicted": dataclasses.asdict(self.predicted),
+            "roofline": dataclasses.asdict(self.roofline),
+            "reasons": list(self.reasons),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Rebuild a Plan from :meth:`to_dict` output."""
+        d = dict(d)
+        job_cls = FitJob if d["task"] == "fit" else PredictJob
+        return cls(
+            job=job_cls(**d.pop("job")),
+            model=ModelProfile.from_dict(d.pop("model")),
+            hardware=HardwareProfile.from_dict(d.pop("hardware")),
+            overrides=None if d["overrides"] is None else PlanOverrides.from_dict(d["overrides"]),
+            weights=tuple(Tier(t) for t in d.pop("weights")),
+            master=tuple(Tier(t) for t in d.pop("master")),
+            grads=tuple(Tier(t) for t in d.pop("grads")),
+            embed=Tier(d.pop("embed")),
+            head=Tier(d.pop("head")),
+            final=Tier(d.pop("final")),
+            kv_cache=None if d["kv_cache"] is None else Tier(d["kv_cache"]),
+            memory=tuple(
+                TierMemory(
+                    tier=Tier(m["tier"]), used=m["used"], budget=m["budget"], capacity=m["capacity"]
+                )
+                for m in d.pop("memory")
+            ),
+            predicted=PredictedTime(**d.pop("predicted")),
+            roofline=Roofline(**d.pop("roofline")),
+            reasons=tuple(d.pop("reasons")),
+            **{k: v for k, v in d.items() if k not in ("overrides", "kv_cache")},
+        )
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------ explain
+    def explain(self) -> str:
+        """A compact table: job, batch shape, placement, memory, predicted time."""
+        m, hw, p = self.model, self.hardware, self.predicted
+        lines = [
+            f"plan: {self.task} {m.name} ({m.total_params / 1e9:.2f} B params, "
+            f"{m.num_blocks} blocks of {format_bytes(m.block_bytes)}) on {hw.name}"
+        ]
+        if isinstance(self.job, FitJob):
+            lines.append(
+                f"job: seq {self.job.seq_len} tokens, global batch {self.job.seqs_per_step} seqs "
+                f"({self.job.tokens_per_step} tokens) per optimizer step"
+            )
+            lines.append(
+                f"batch: micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
+                f"{self.tokens_per_pass} tokens per pass, prefetch depth {self.prefetch_depth}, "
+                f"checkpointing {'on' if self.checkpointing else 'off'} (limited by "
+                f"{self.limited_by})"
+            )
+        else:
+            lines.append(
+                f"job: {self.job.num_prompts} prompts of {self.job.prompt_len} tokens, "
+                f"{self.job.new_tokens} new tokens each"
+            )
+            lines.append(
+                f"batch: {self.concurrent_seqs} concurrent sequences ({self.tokens_per_pass} "
+                f"tokens per decode pass), prefill micro-batch {self.micro_batch}, prefetch depth "
+                f"{self.prefetch_depth}, KV cache on {self.kv_cache.value if self.kv_cache else '-'}"
+                f" (limited by {self.limited_by})"
+            )
+        lines.append("placement:")
+        per_block: list[tuple[str, ...]] = []
+        for i, w in enumerate(self.weights):
+            key = [f"weights {w.value}" + (" (resident)" if w is Tier.DEVICE else " (paged)")]
+            if self.master:
+                key.append(f"master {self.master[i].value}")
+                key.append(f"grads {self.grads[i].value}")
+            per_block.append(tuple(key))
+        for first, last, run in _tier_runs(per_block):
+            span = f"block {first}" if first == last else f"blocks {first}-{last}"
+            lines.append(f"  {span}: " + " · ".join(run))
+        lines.append(
+            f"  embedding {self.embed.value} · head {self.head.value} · final norm "
+            f"{self.final.value}"
+        )
+        lines.append("memory:          used      budget    headroom")
+        for mem in self.memory:
+            lines.append(
+                f"  {mem.tier.value:<7} {format_bytes(mem.used):>11} {format_bytes(mem.budget):>11}"
+                f" {format_bytes(mem.headroom):>11}"
+            )
+        lines.append(
+            f"step: {p.total:.3g} s = compute {p.compute:.3g} s + exposed {p.exposed:.3g} s "
+            f"(bottleneck: {p.bottleneck})"
+        )
+        lines.append(
+            "  busy: "
+            + " · ".join(f"{k} {v:.3g} s" for k, v in p.transfer.items())
+            + f" · optimizer {p.optimizer:.3g} s"
+        )
+        unit = "trained" if self.task == "fit" else "generated"
+        lines.append(f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s, MFU {self.mfu:.1%}")
+        if self.reasons:
+            lines.append("why:")
+            lines.extend(f"  - {r}" for r in self.reasons)
+        return "\n".join(lines)
+
+
+def placement_tiers(count: int, device: int, host: int) -> tuple[Tier, ...]:
+    """``device`` blocks on DEVICE, then ``host`` on HOST, the rest of ``count`` on NVME."""
+    return (Tier.DEVICE,) * device + (Tier.HOST,) * host + (Tier.NVME,) * (count - device - host)

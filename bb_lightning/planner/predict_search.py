@@ -1,0 +1,306 @@
+"""Candidates and pricing of bulk-generation plans (used by :func:`search.make_plan`).
+
+Generation is layer-major: each block's weights are paged in once per pass and
+serve every concurrent sequence, so the tokens of a decode pass are the
+concurrent sequences. A candidate is (prefetch depth, concurrent sequences, KV
+cache tier, resident blocks); paged weights home on the host when it holds them,
+else NVMe. Prefill runs in micro-batches of about :data:`PREFILL_TOKENS` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bb_lightning.planner import cost
+from bb_lightning.planner.cost import BF16_BYTES, FP32_BYTES
+from bb_lightning.planner.fit_search import ladder
+from bb_lightning.planner.job import PredictJob
+from bb_lightning.planner.plan import (
+    Plan,
+    PlanOverrides,
+    PredictedTime,
+    Roofline,
+    TierMemory,
+    placement_tiers,
+)
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Tier, format_bytes
+
+Arr = npt.NDArray[np.float64]
+PREFILL_TOKENS = 8192
+"""Tokens per prefill micro-batch (enough rows for efficient matrix products)."""
+
+
+@dataclass
+class Priced:
+    """One priced candidate (scalars)."""
+
+    depth: int
+    concurrent: int
+    kv: Tier
+    values: dict[str, float]
+
+
+def price(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    ov: PlanOverrides,
+    budgets: tuple[int, int, int],
+    depth: int,
+    c: int,
+    kv: Tier,
+    kw: Arr,
+) -> dict[str, Arr]:
+    """Bytes per tier and seconds per batch of ``c`` prompts for every resident count."""
+    n, bb = model.num_blocks, float(model.block_bytes)
+    nb = float(model.embed_params + model.head_params + model.final_params)
+    plen, new = job.prompt_len, job.new_tokens
+    ctx = plen + new / 2.0  # mean attended context of a decode pass
+    mb = ov.micro_batch or min(c, max(1, math.ceil(PREFILL_TOKENS / plen)))
+    np_ = n - kw
+    paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
+    kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
+    kv_dev = kv_all if kv is Tier.DEVICE else 2.0 * kv_all / n  # else: one block, double-buffered
+    dev = (
+        nb * BF16_BYTES
+        + kw * bb
+        + paging
+        + c * plen * model.hidden_size * BF16_BYTES  # hidden states of all sequences
+        + mb * plen * model.act_bytes_per_token_full
+        + c * model.vocab_size * FP32_BYTES
+        + kv_dev
+    )
+    mandatory = paging + (kv_all if kv is Tier.HOST else 0.0)
+    free = budgets[1] - mandatory
+    if ov.weights_tier is Tier.NVME:
+        w_h = np.zeros_like(kw)
+    else:
+        w_h = np.minimum(np_, np.floor(np.maximum(free, 0.0) / bb))
+    host = mandatory + w_h * bb
+    nvme = (np_ - w_h) * bb
+    feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2])
+    if ov.weights_tier is Tier.HOST:
+        feasible &= w_h >= np_
+
+    head = model.head_flops_per_token()
+    blocks_prefill = cost.forward_flops_per_token(model, plen) - head
+    c_pre = cost.compute_seconds(c * plen * blocks_prefill + c * head, hw)
+    c_dec = cost.compute_seconds(c * cost.forward_flops_per_token(model, ctx), hw)
+    steps = new - 1
+    kv_tok = float(model.kv_bytes_per_token * n)
+    on_host = kv is Tier.HOST
+    w_h2d = np_ * bb
+    nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)
+    h2d = hw.h2d_bandwidth, hw.h2d_efficiency
+    d2h = hw.d2h_bandwidth, hw.d2h_efficiency
+    pre_links = {
+        "h2d": cost.link_seconds(w_h2d, *h2d),
+        "nvme_read": nvme_s,
+        "d2h": cost.link_seconds(np.full_like(kw, c * plen * kv_tok if on_host else 0.0), *d2h),
+    }
+    dec_links = {
+        "h2d": cost.link_seconds(w_h2d + (c * ctx * kv_tok if on_host else 0.0), *h2d),
+        "nvme_read": nvme_s,
+        "d2h": cost.link_seconds(np.full_like(kw, c * kv_tok if on_host else 0.0), *d2h),
+    }
+    c_pre_a, c_dec_a = np.full_like(kw, c_pre), np.full_like(kw, c_dec)
+    exp_pre = cost.pass_exposed_seconds(c_pre_a, pre_links)
+    exp_dec = cost.pass_exposed_seconds(c_dec_a, dec_links)
+    compute = c_pre + steps * c_dec
+    total = compute + exp_pre + steps * exp_dec
+    out = {
+        "feasible": feasible.astype(np.float64),
+        "total": total,
+        "per_token": total / (c * new),
+        "compute": np.full_like(kw, compute),
+        "exposed_pass": exp_dec if steps > 0 else exp_pre,
+        "device": dev,
+        "host": host,
+        "nvme": nvme,
+        "mandatory": mandatory,
+        "w_h": w_h,
+        "kw": kw,
+        "micro_batch": np.full_like(kw, mb),
+        "nvme_write": np.zeros_like(kw),
+    }
+    for link in ("h2d", "nvme_read", "d2h"):
+        out[link] = pre_links[link] + steps * dec_links[link]
+    return out
+
+
+def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
+    depths = [ov.prefetch_depth] if ov.prefetch_depth else [1, 2]
+    cs = [ov.concurrent_seqs] if ov.concurrent_seqs else ladder(job.num_prompts)
+    if ov.resident_blocks is not None:
+        ks = [ov.resident_blocks]
+    elif ov.weights_tier is Tier.DEVICE:
+        ks = [n]
+    elif ov.weights_tier is not None:
+        ks = [0]
+    else:
+        ks = list(range(n + 1))
+    return depths, cs, np.array(ks, dtype=np.float64)
+
+
+def search(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    ov: PlanOverrides,
+    budgets: tuple[int, int, int],
+) -> Priced | None:
+    """The fastest feasible candidate per generated token, or ``None``."""
+    depths, cs, kw = _options(model.num_blocks, job, ov)
+    best: tuple[tuple[float, ...], Priced] | None = None
+    for depth in depths:
+        for c in cs:
+            for kv in (Tier.DEVICE, Tier.HOST):
+                a = price(model, hw, job, ov, budgets, depth, c, kv, kw)
+                ok = np.flatnonzero(a["feasible"] > 0)
+                if ok.size == 0:
+                    continue
+                i = int(ok[np.lexsort((a["device"][ok], a["per_token"][ok]))[0]])
+                # Ties go to more concurrency: decoding few sequences is bound by device
+                # memory bandwidth, which the profile does not model.
+                key = (float(a["per_token"][i]), -float(c), float(a["device"][i]))
+                if best is None or key < best[0]:
+                    vals = {k: float(v[i]) for k, v in a.items()}
+                    best = (key, Priced(depth=depth, concurrent=c, kv=kv, values=vals))
+    return None if best is None else best[1]
+
+
+def diagnose(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    ov: PlanOverrides,
+    budgets: tuple[int, int, int],
+) -> str:
+    """Why nothing fits: the shortfall per tier and the smallest change that fits."""
+    depths, cs, kw = _options(model.num_blocks, job, ov)
+    a = price(model, hw, job, ov, budgets, depths[0], cs[0], Tier.HOST, kw[:1])
+    dev, host, nvme = (float(a[k][0]) for k in ("device", "host", "nvme"))
+    fmt = format_bytes
+    dev_b, host_b, nvme_b = budgets
+    if dev > dev_b:
+        return (
+            f"even {cs[0]} sequence(s) with a {job.prompt_len}-token prompt need {fmt(dev)} on "
+            f"the device (embedding, head, paging slots, activations) but the device budget is "
+            f"{fmt(dev_b)}: use shorter prompts or a device with >= {fmt((dev + cost.GIB) / 0.9)}"
+        )
+    need = host + nvme
+    nvme_desc = f"{fmt(nvme_b)} NVMe" if nvme_b else "no NVMe path"
+    return (
+        f"needs {fmt(need)} of host+NVMe for the weights and KV cache, have {fmt(host_b)} host "
+        f"and {nvme_desc}: add an NVMe path with >= {fmt(nvme / 0.95)} (--nvme-capacity) or "
+        "more host memory"
+    )
+
+
+def build_plan(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    overrides: PlanOverrides | None,
+    best: Priced,
+    budgets: tuple[int, int, int],
+) -> Plan:
+    """Turn the chosen candidate into a :class:`Plan` with reasons."""
+    v, n, c = best.values, model.num_blocks, best.concurrent
+    kw, w_h = int(v["kw"]), int(v["w_h"])
+    pred = PredictedTime(
+        compute=v["compute"],
+        nvme_read=v["nvme_read"],
+        nvme_write=0.0,
+        h2d=v["h2d"],
+        d2h=v["d2h"],
+        optimizer=0.0,
+        exposed=max(0.0, v["total"] - v["compute"]),
+        total=v["total"],
+    )
+    if v["exposed_pass"] <= 1e-12 * max(v["compute"], 1e-30):
+        limited = "hidden"
+    elif c >= job.num_prompts:
+        limited = "batch"
+    else:
+        limited = "memory"
+    tok_s = c * job.new_tokens / v["total"]
+    processed = c * (job.prompt_len + job.new_tokens - 1) / v["total"]
+    ctx = job.prompt_len + job.new_tokens / 2.0
+    eff_flops = hw.device_flops * hw.compute_efficiency
+    bw = {
+        "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
+        "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,
+        "d2h": hw.d2h_bandwidth * hw.d2h_efficiency,
+    }
+    kv_tok = float(model.kv_bytes_per_token * n) if best.kv is Tier.HOST else 0.0
+    roof = Roofline(
+        flops_per_token=cost.forward_flops_per_token(model, ctx),
+        device_flops=eff_flops,
+        bytes_per_pass={
+            "h2d": float((n - kw) * model.block_bytes),
+            "nvme_read": float((n - kw - w_h) * model.block_bytes),
+        },
+        bytes_per_token={"h2d": ctx * kv_tok, "d2h": kv_tok},
+        bandwidth={k: b for k, b in bw.items() if b > 0},
+    )
+    hide = cost.hide_tokens_per_pass(2.0, 2.0, eff_flops, bw["h2d"])
+    kv_bytes = cost.kv_cache_bytes(model, c, job.total_len)
+    reasons = [
+        f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per decode "
+        f"pass; chosen {c} concurrent sequences (limited by {limited})",
+        f"KV cache of {c} sequences x {job.total_len} tokens = {format_bytes(kv_bytes)} on "
+        f"{best.kv.value}"
+        + (
+            " (streamed to the device block by block each decode pass)"
+            if best.kv is Tier.HOST
+            else ""
+        ),
+        f"{kw} of {n} blocks resident with the device memory left; {w_h} paged blocks home on "
+        "host, the rest on NVMe",
+    ]
+    if hw.device_type == "cpu":
+        reasons.append(
+            f"CPU device: device and host tiers share RAM, planned against the split "
+            f"{format_bytes(hw.device_memory)} device / {format_bytes(hw.host_memory)} host"
+        )
+    caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
+    used = (v["device"], v["host"], v["nvme"])
+    memory = tuple(
+        TierMemory(tier=t, used=int(u), budget=b, capacity=cap)
+        for t, u, b, cap in zip(
+            (Tier.DEVICE, Tier.HOST, Tier.NVME), used, budgets, caps, strict=True
+        )
+    )
+    return Plan(
+        task="predict",
+        job=job,
+        model=model,
+        hardware=hw,
+        overrides=overrides,
+        micro_batch=int(v["micro_batch"]),
+        grad_accum=1,
+        concurrent_seqs=c,
+        tokens_per_pass=c,
+        prefetch_depth=best.depth,
+        checkpointing=False,
+        weights=placement_tiers(n, kw, w_h),
+        master=(),
+        grads=(),
+        embed=Tier.DEVICE,
+        head=Tier.DEVICE,
+        final=Tier.DEVICE,
+        kv_cache=best.kv,
+        memory=memory,
+        predicted=pred,
+        tokens_per_s=tok_s,
+        mfu=cost.model_flops_per_token(model, "predict") * processed / hw.device_flops,
+        limited_by=limited,
+        roofline=roof,
+        reasons=tuple(reasons),
+    )

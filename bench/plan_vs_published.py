@@ -1,0 +1,87 @@
+"""Sanity check of the cost model: OPT-30B bulk generation, planned vs published figures.
+
+Job: 4096 prompts of 512 tokens, 32 new tokens each (the FlexGen setting), on the
+T4-16GB preset with 208 GB of host memory (the FlexGen machine), beside the
+throughputs published in Sheng et al. 2023, "FlexGen", Table 2 (OPT-30B, T4,
+generation throughput in tokens/s). Then the same job planned for this machine's
+measured profile. This compares a prediction with other systems' measurements on
+other hardware: a sanity check of the cost model, not a claim.
+
+Run: ``.venv/bin/python bench/plan_vs_published.py [--num-prompts N] [--no-measure]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+
+import psutil
+
+from bb_lightning.planner import ModelProfile, PlanError, PredictJob, make_plan, measure, preset
+from bb_lightning.planner.models import builtin_config
+
+PUBLISHED = {  # tokens/s, FlexGen paper Table 2, OPT-30B on one T4 (16 GB), 208 GB DRAM
+    "FlexGen": 7.32,
+    "DeepSpeed ZeRO-Inference": 0.60,
+    "Hugging Face Accelerate": 0.62,
+}
+
+
+def machine() -> str:
+    """CPU model, cores, RAM and the filesystem of the working directory."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    fs = "?"
+    cwd = os.getcwd()
+    best = ""
+    for part in psutil.disk_partitions(all=True):
+        if cwd.startswith(part.mountpoint) and len(part.mountpoint) > len(best):
+            best, fs = part.mountpoint, f"{part.fstype} at {part.mountpoint}"
+    ram = psutil.virtual_memory().total / 2**30
+    return f"{cpu}, {psutil.cpu_count()} cores, {ram:.1f} GiB RAM, filesystem {fs}"
+
+
+def main() -> None:
+    """Print the planned throughput beside the published ones, with ratios."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--num-prompts", type=int, default=4096)
+    ap.add_argument("--no-measure", action="store_true", help="skip this machine's profile")
+    args = ap.parse_args()
+    print(f"machine: {machine()}")
+    print("NOTE: a sanity check of the cost model against published measurements on other")
+    print("      hardware and software, not a claim about this library's speed.")
+    model = ModelProfile.from_config(builtin_config("opt-30b"))
+    model = model.__class__(**{**model.to_dict(), "name": "opt-30b"})
+    job = PredictJob(prompt_len=512, new_tokens=32, num_prompts=args.num_prompts)
+    hw = preset("t4").replace(host_memory=208 * 10**9)
+    plan = make_plan(model, hw, job)
+    print(
+        f"\nOPT-30B, {job.num_prompts} prompts x 512 tokens, 32 new tokens, {hw.name}, 208 GB host:"
+    )
+    print(plan.explain())
+    print(f"\n{'system':<38}{'tokens/s':>10}{'planned / system':>18}")
+    print(f"{'this planner (predicted)':<38}{plan.tokens_per_s:>10.2f}{'':>18}")
+    for name, tps in PUBLISHED.items():
+        print(f"{name + ' (published)':<38}{tps:>10.2f}{plan.tokens_per_s / tps:>18.2f}")
+    if args.no_measure:
+        return
+    with tempfile.TemporaryDirectory(prefix="bb-nvme-") as nvme_dir:
+        local = measure(nvme_path=nvme_dir)
+    print(f"\nsame job planned for this machine ({local.name}):")
+    try:
+        lp = make_plan(model, local, job)
+    except PlanError as err:
+        print(f"  no plan: {err}")
+        return
+    print(lp.explain())
+    print(f"this machine / T4 preset (both predicted): {lp.tokens_per_s / plan.tokens_per_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Cost functions against hand-derived references (numpy / closed forms)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bb_lightning.planner import cost
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+
+
+def _model(**kw: object) -> ModelProfile:
+    d: dict[str, object] = dict(
+        name="m",
+        num_blocks=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        vocab_size=1000,
+        max_positions=2048,
+        block_params=800_000,
+        block_matmul_params=790_000,
+        embed_params=256_000,
+        head_params=256_000,
+        final_params=256,
+        tied_embeddings=False,
+        act_bytes_per_token_checkpointed=512,
+        act_bytes_per_token_full=12_000,
+        kv_bytes_per_token=1024,
+    )
+    d.update(kw)
+    return ModelProfile(**d)  # type: ignore[arg-type]
+
+
+def _hw(**kw: object) -> HardwareProfile:
+    d: dict[str, object] = dict(
+        name="hw",
+        device_type="cuda",
+        device_memory=16 * 2**30,
+        device_flops=1e14,
+        h2d_bandwidth=2e10,
+        d2h_bandwidth=2e10,
+        host_memory=64 * 2**30,
+        nvme_read_bandwidth=5e9,
+        nvme_write_bandwidth=3e9,
+        nvme_capacity=10**12,
+        host_adam_params_per_s=2e9,
+        cores=8,
+    )
+    d.update(kw)
+    return HardwareProfile(**d)  # type: ignore[arg-type]
+
+
+def test_train_flops_are_6n_plus_attention_and_8n_with_recompute() -> None:
+    m = _model()
+    # Kaplan et al. 2020: forward 2N per token + 2 * n_layer * n_ctx * d_attn (QK^T and AV).
+    n_mat = m.num_blocks * m.block_matmul_params + m.hidden_size * m.vocab_size
+    attn = 4 * m.num_blocks * m.num_heads * m.head_dim * 128
+    assert cost.forward_flops_per_token(m, 128) == pytest.approx(2 * n_mat + attn)
+    assert cost.train_flops_per_token(m, 128, False) == pytest.approx(6 * n_mat + 3 * attn)
+    head = 2 * m.hidden_size * m.vocab_size
+    blocks = 2 * m.num_blocks * m.block_matmul_params + attn
+    assert cost.train_flops_per_token(m, 128, True) == pytest.approx(4 * blocks + 3 * head)
+    assert cost.model_flops_per_token(m, "fit") == 6 * n_mat
+    assert cost.model_flops_per_token(m, "predict") == 2 * n_mat
+
+
+def test_seconds_scale_with_efficiency_and_arrays() -> None:
+    hw = _hw(compute_efficiency=0.5, optimizer_efficiency=2.0)
+    assert cost.compute_seconds(1e14, hw) == pytest.approx(2.0)
+    assert cost.host_adam_seconds(4e9, hw) == pytest.approx(1.0)
+    nbytes = np.array([0.0, 1e10, 4e10])
+    np.testing.assert_allclose(cost.link_seconds(nbytes, 2e10, 0.5), [0.0, 1.0, 4.0])
+    assert cost.link_seconds(0.0, 0.0) == 0.0
+    assert cost.link_seconds(1e9, 0.0) >= 1e9  # no bandwidth: priced prohibitively
+
+
+def test_overlap_model_exposes_only_the_excess_of_the_slowest_link() -> None:
+    links = {"h2d": np.array([1.0, 3.0, 5.0]), "nvme_read": np.array([2.5, 0.5, 6.0])}
+    exposed = cost.pass_exposed_seconds(np.array([2.0, 2.0, 2.0]), links)
+    ref = np.maximum.reduce([np.full(3, 2.0), links["h2d"], links["nvme_read"]]) - 2.0
+    np.testing.assert_allclose(exposed, ref)
+    np.testing.assert_allclose(exposed, [0.5, 1.0, 4.0])
+
+
+def test_optimizer_overlap_and_clipping() -> None:
+    assert cost.optimizer_exposed_seconds(10.0, 4.0, 10.0, False) == pytest.approx(6.0 + 1.0)
+    assert cost.optimizer_exposed_seconds(2.0, 4.0, 10.0, False) == pytest.approx(0.2)
+    assert cost.optimizer_exposed_seconds(2.0, 4.0, 10.0, True) == 2.0
+
+
+def test_budgets_keep_the_stated_margins() -> None:
+    hw = _hw(device_memory=20 * 2**30, host_memory=100 * 2**30)
+    assert cost.device_budget(hw) == int(20 * 2**30 * 0.9 - 2**30)
+    assert cost.host_budget(hw) == int(100 * 2**30 * 0.95)
+    assert cost.nvme_budget(hw.replace(nvme_read_bandwidth=0.0)) == 0
+
+
+def test_memory_terms() -> None:
+    m = _model()
+    assert cost.activation_bytes(m, 2, 100, True) == 200 * (512 * 4 + 12_000)
+    assert cost.activation_bytes(m, 2, 100, False) == 200 * 12_000 * 4
+    assert cost.logits_bytes(m, 10) == 10 * 1000 * 4
+    assert cost.kv_cache_bytes(m, 3, 50) == 3 * 50 * 1024 * 4
+
+
+def test_hide_tokens_matches_design_example() -> None:
+    # DESIGN.md: A100 (312 TFLOP/s) over ~25 GB/s, 2 bytes per param per link and 8 FLOPs
+    # per param per token with recompute, two weight passes -> about 12,000 tokens per pass.
+    t = cost.hide_tokens_per_pass(8.0, 4.0, 312e12, 25e9)
+    assert 5_000 < t < 13_000
