@@ -1,0 +1,541 @@
+"""The NVMe tier: a directory holding a plain zarr v3 group.
+
+Each tensor is one array at the group's root, named by the tensor name, with
+ONE uncompressed chunk equal to its shape (codecs: just ``bytes``, little
+endian), fill value 0. ``bfloat16`` is stored as ``uint16``; every array
+carries the real dtype in its attributes (``{"torch_dtype": "bfloat16"}``).
+Any zarr reader opens the group; the hot path reads and writes the raw chunk
+file through an :class:`~storage.io.IOBackend`.
+
+Crash safety: a write goes to ``<chunk>.partial-<pid>-<n>`` in the chunk's
+directory, is fsynced, renamed onto the chunk and the directory fsynced. A
+crash leaves the previous version (or no chunk) and a stale partial file,
+which the next opener removes. One process at a time holds a store, through
+``fcntl.flock`` on ``<path>/.bb-lock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import json
+import math
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storage.io import IOBackend, IOFuture
+from storage.tiers import Budget, Tier, format_bytes
+
+__all__ = [
+    "DTYPES",
+    "ArraySpec",
+    "CorruptTensorError",
+    "NvmeError",
+    "NvmeTier",
+    "StoreLockedError",
+    "UnsupportedArrayError",
+]
+
+LOCK_NAME = ".bb-lock"
+PARTIAL = ".partial-"
+DTYPE_ATTR = "torch_dtype"
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "uint16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint16: "uint16",
+    torch.uint32: "uint32",
+    torch.uint64: "uint64",
+    torch.bool: "bool",
+}
+"""Supported torch dtypes and the zarr ``data_type`` each is stored as."""
+
+_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in DTYPES}
+_DEFAULT_FOR_ZARR = {z: dt for dt, z in DTYPES.items() if dt is not torch.bfloat16}
+
+
+class NvmeError(RuntimeError):
+    """Base of NVMe tier errors; messages name the tensor and the file."""
+
+
+class StoreLockedError(NvmeError):
+    """Another NvmeTier (this process or another) holds the store directory."""
+
+
+class CorruptTensorError(NvmeError):
+    """Chunk missing (write never completed), truncated, or disagreeing with its metadata."""
+
+
+class UnsupportedArrayError(NvmeError):
+    """An array of the group is not laid out as this tier requires (compressed, chunked...)."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What the NVMe tier knows about one stored tensor."""
+
+    name: str
+    """Tensor name, also the zarr array name."""
+    shape: tuple[int, ...]
+    """Tensor shape (elements per dimension)."""
+    dtype: torch.dtype
+    """The tensor's torch dtype (``bfloat16`` even though zarr stores ``uint16``)."""
+    nbytes: int
+    """Size of the chunk file, in bytes."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f"{path.name}{PARTIAL}{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def check_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` can be a zarr array at the group root."""
+    bad = (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or set(name) == {"."}
+        or name.startswith("__")
+        or PARTIAL in name
+        or name in (LOCK_NAME, "zarr.json")
+    )
+    if bad:
+        raise ValueError(
+            f"tensor name {name!r} cannot be a zarr array at the group root: names must be "
+            f"non-empty, hold no '/', '\\' or NUL, not be only dots, not start with '__' and not "
+            f"contain {PARTIAL!r}; rename the tensor (e.g. 'model.layers.0.mlp.up_proj.weight')"
+        )
+
+
+def array_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
+    """The ``zarr.json`` of a single-chunk uncompressed array holding a ``dtype`` tensor."""
+    zdtype = DTYPES[dtype]
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if torch.empty((), dtype=dtype).element_size() > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    fill: Any = False if dtype is torch.bool else (0.0 if dtype.is_floating_point else 0)
+    if dtype is torch.bfloat16:
+        fill = 0
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": zdtype,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": [max(1, d) for d in shape]},
+        },
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": [bytes_codec],
+        "attributes": {DTYPE_ATTR: str(dtype).removeprefix("torch.")},
+        "storage_transformers": [],
+    }
+
+
+def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
+    """Validate one array's ``zarr.json``; return its spec and chunk file path."""
+    where = f"tensor {name!r} (file {meta_path})"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        shape = tuple(int(d) for d in meta["shape"])
+        chunks = tuple(int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        grid = meta["chunk_grid"]["name"]
+        zdtype = meta["data_type"]
+        codecs = meta.get("codecs", [])
+        keys = meta.get("chunk_key_encoding", {"name": "default"})
+        attrs = meta.get("attributes", {}) or {}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptTensorError(f"{where}: unreadable array metadata: {exc!r}") from exc
+    fix = "rewrite it as one uncompressed chunk (codecs: bytes, little endian) of its shape"
+    if grid != "regular" or len(chunks) != len(shape):
+        raise CorruptTensorError(
+            f"{where}: chunk grid {grid!r} {chunks} does not fit shape {shape}"
+        )
+    if any(s > 0 and c < s for s, c in zip(shape, chunks, strict=True)):
+        raise UnsupportedArrayError(
+            f"{where}: shape {shape} is split into several chunks of {chunks}: {fix}"
+        )
+    if any(s > 0 and c != s for s, c in zip(shape, chunks, strict=True)):
+        raise CorruptTensorError(f"{where}: shape {shape} disagrees with its chunk shape {chunks}")
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little") if codecs else None
+    if len(codecs) != 1 or codecs[0].get("name") != "bytes" or endian != "little":
+        raise UnsupportedArrayError(f"{where}: codecs {codecs} are not a plain 'bytes': {fix}")
+    if meta.get("storage_transformers"):
+        raise UnsupportedArrayError(f"{where}: storage transformers are not supported: {fix}")
+    sep = (keys.get("configuration") or {}).get("separator", "/")
+    if keys.get("name") != "default" or sep not in ("/", "."):
+        raise UnsupportedArrayError(f"{where}: chunk key encoding {keys} is not zarr's default")
+    if DTYPE_ATTR in attrs:
+        dtype = _BY_NAME.get(str(attrs[DTYPE_ATTR]))
+        if dtype is None or DTYPES[dtype] != zdtype:
+            raise CorruptTensorError(
+                f"{where}: attribute {DTYPE_ATTR}={attrs[DTYPE_ATTR]!r} does not fit "
+                f"data_type {zdtype!r}"
+            )
+    elif zdtype in _DEFAULT_FOR_ZARR:
+        dtype = _DEFAULT_FOR_ZARR[zdtype]
+    else:
+        raise UnsupportedArrayError(
+            f"{where}: data_type {zdtype!r} is not one of {sorted(_DEFAULT_FOR_ZARR)}"
+        )
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    key = "c" if not shape else "c" + sep + sep.join("0" * len(shape))
+    return ArraySpec(name, shape, dtype, nbytes), meta_path.parent.joinpath(*key.split("/"))
+
+
+def _scan(root: Path) -> dict[str, tuple[ArraySpec, Path]]:
+    """Index the arrays at the group root (read only)."""
+    found: dict[str, tuple[ArraySpec, Path]] = {}
+    if not root.is_dir():
+        return found
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        meta = Path(entry.path, "zarr.json")
+        if not entry.is_dir() or not meta.is_file():
+            continue
+        try:
+            node_type = json.loads(meta.read_text(encoding="utf-8")).get("node_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CorruptTensorError(
+                f"tensor {entry.name!r}: unreadable metadata file {meta}: {exc!r}"
+            ) from exc
+        if node_type == "array":
+            found[entry.name] = parse_array(entry.name, meta)
+    return found
+
+
+class NvmeTier:
+    """Named tensors as single-chunk arrays of a zarr v3 group in directory ``path``.
+
+    ``capacity`` is the tier's budget in bytes; the filesystem must have that
+    much free, less the bytes already stored. ``create=False`` requires the
+    directory to exist. The constructor checks all of this before writing
+    anything, then locks the directory against other openers
+    (:class:`StoreLockedError`), creates or opens the group, indexes the arrays
+    already there and removes stale partial-write files. Use it as a context
+    manager or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        capacity: int,
+        backend: IOBackend,
+        create: bool = True,
+    ) -> None:
+        self.path = Path(path).absolute()
+        self.backend = backend
+        self._lock_fd: int | None = None
+        self._mutex = threading.Lock()
+        self._counter = itertools.count()
+        if capacity < 0:
+            raise ValueError(f"NVMe capacity {capacity} bytes is negative: pass a size >= 0")
+        probe = self._check_path(create)
+        existing = _scan(self.path)
+        stored = sum(spec.nbytes for spec, _ in existing.values())
+        if stored > capacity:
+            raise ValueError(
+                f"NVMe store {self.path} already holds {format_bytes(stored)} ({stored} bytes), "
+                f"more than the capacity {format_bytes(capacity)} ({capacity} bytes): raise "
+                f"capacity to at least {stored} bytes or delete tensors from the store"
+            )
+        free = shutil.disk_usage(probe).free
+        if free < capacity - stored:
+            raise ValueError(
+                f"NVMe capacity {format_bytes(capacity)} ({capacity} bytes) at {self.path} needs "
+                f"{format_bytes(capacity - stored)} ({capacity - stored} bytes) of free disk, but "
+                f"the filesystem has {format_bytes(free)} ({free} bytes) free: lower capacity to "
+                f"at most {stored + free} bytes, free disk space, or pick another directory"
+            )
+        self._budget = Budget(Tier.NVME, capacity)
+        self._arrays: dict[str, tuple[ArraySpec, Path]] = {}
+        self.path.mkdir(exist_ok=True)
+        self._lock()
+        try:
+            self._open_group()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_path(self, create: bool) -> Path:
+        """Validate the directory (or its parent); return an existing directory on its disk."""
+        target = self.path if self.path.exists() or not create else self.path.parent
+        if not target.exists():
+            what = "its parent directory" if create else "the directory"
+            raise ValueError(
+                f"NVMe store {self.path}: {what} {target} does not exist: create it first"
+                + ("" if create else " or pass create=True")
+            )
+        if not target.is_dir():
+            raise ValueError(
+                f"NVMe store {self.path}: {target} is not a directory: pick a directory path"
+            )
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"NVMe store {self.path}: {target} is not writable: fix its permissions or "
+                f"pick a writable directory"
+            )
+        return target
+
+    def _lock(self) -> None:
+        lock_path = self.path / LOCK_NAME
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise StoreLockedError(
+                    f"NVMe store {self.path} is locked by process {holder} (lock file "
+                    f"{lock_path}): close its NvmeTier or end that process first"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else the holder removed the file while we waited: retry
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _open_group(self) -> None:
+        group = self.path / "zarr.json"
+        if group.is_file():
+            node_type = json.loads(group.read_text(encoding="utf-8")).get("node_type")
+            if node_type != "group":
+                raise ValueError(
+                    f"NVMe store {self.path}: {group} describes a zarr {node_type}, not a group: "
+                    f"pick another directory"
+                )
+        else:
+            _write_json_atomic(group, {"zarr_format": 3, "node_type": "group", "attributes": {}})
+        for root, _dirs, files in os.walk(self.path):
+            for file in files:
+                if PARTIAL in file:
+                    os.unlink(os.path.join(root, file))
+        self._arrays = _scan(self.path)
+        for spec, _chunk in self._arrays.values():
+            self._budget.reserve(spec.name, spec.nbytes)
+
+    # -- catalogue ---------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Budget of the tier, in bytes."""
+        return self._budget.capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes reserved by the tensors of the store."""
+        return self._budget.used
+
+    def contains(self, name: str) -> bool:
+        """Whether tensor ``name`` is in the store (created, not necessarily written)."""
+        return name in self._arrays
+
+    def names(self) -> list[str]:
+        """Names of the stored tensors, sorted."""
+        return sorted(self._arrays)
+
+    def spec(self, name: str) -> ArraySpec:
+        """Shape, dtype and size of tensor ``name``; ``KeyError`` if absent."""
+        return self._entry(name)[0]
+
+    def chunk_path(self, name: str) -> Path:
+        """The file holding the bytes of tensor ``name`` (the one plain zarr reads)."""
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple[ArraySpec, Path]:
+        try:
+            return self._arrays[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in NVMe store {self.path}") from None
+
+    def create(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ArraySpec:
+        """Add tensor ``name`` (metadata only) and reserve its bytes under the capacity."""
+        self._check_open()
+        check_name(name)
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"tensor {name!r}: shape {dims} has a negative dimension")
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"tensor {name!r}: dtype {dtype} is not supported by the NVMe tier: use one of "
+                f"{sorted(_BY_NAME)}"
+            )
+        with self._mutex:
+            if name in self._arrays:
+                raise ValueError(
+                    f"tensor {name!r} already exists in NVMe store {self.path}: delete it first"
+                )
+            nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+            self._budget.reserve(name, nbytes)
+            try:
+                array_dir = self.path / name
+                array_dir.mkdir(exist_ok=True)
+                _write_json_atomic(array_dir / "zarr.json", array_metadata(dims, dtype))
+                _fsync_dir(self.path)
+                entry = parse_array(name, array_dir / "zarr.json")
+            except BaseException:
+                self._budget.release(name)
+                raise
+            self._arrays[name] = entry
+        return entry[0]
+
+    def delete(self, name: str) -> None:
+        """Remove tensor ``name`` and its files; its bytes return to the budget.
+
+        Transfers of this tensor must have completed (``wait()``) first.
+        """
+        self._check_open()
+        with self._mutex:
+            self._entry(name)
+            del self._arrays[name]
+            if self._budget.holds(name):
+                self._budget.release(name)
+            shutil.rmtree(self.path / name)
+            _fsync_dir(self.path)
+
+    # -- data --------------------------------------------------------------------------------
+
+    def write_async(self, name: str, src: torch.Tensor) -> IOFuture:
+        """Write tensor ``name``'s bytes from ``src``, atomically.
+
+        ``src`` is a contiguous ``uint8`` buffer holding the tensor's bytes at
+        its start: a CPU tensor of at least ``padded(nbytes)`` bytes (see
+        :func:`storage.io.aligned_empty`), or a CUDA tensor with the kvikio
+        backend. The future completes once the new chunk replaced the old one
+        on stable storage; until then readers see the previous version.
+        """
+        self._check_open()
+        spec, chunk = self._entry(name)
+        if spec.nbytes == 0:
+            return IOFuture.completed(0, path=str(chunk))
+        self._ensure_dir(chunk.parent)
+        tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
+        try:
+            inner = self.backend.write_async(tmp, src, spec.nbytes, fsync=True)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from exc
+        except OSError as exc:
+            raise NvmeError(f"tensor {name!r}: cannot write {tmp}: {exc}") from exc
+
+        def commit(_nbytes: int) -> None:
+            os.replace(tmp, chunk)
+            _fsync_dir(chunk.parent)
+
+        def clean(done: IOFuture) -> None:
+            if done._error is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+        inner.add_done_callback(clean)
+        return inner.then(commit)
+
+    def read_async(self, name: str, dst: torch.Tensor) -> IOFuture:
+        """Read tensor ``name``'s bytes into the start of ``dst`` (same buffer rule as writes).
+
+        Raises :class:`CorruptTensorError` naming the tensor and file, before
+        reading, when the chunk is missing (its write never completed) or its
+        size differs from the metadata.
+        """
+        self._check_open()
+        spec, chunk = self._entry(name)
+        if spec.nbytes == 0:
+            return IOFuture.completed(0, path=str(chunk))
+        try:
+            size = os.stat(chunk).st_size
+        except FileNotFoundError:
+            raise CorruptTensorError(
+                f"tensor {name!r}: chunk file {chunk} is missing: the tensor was created but its "
+                f"write is incomplete (never completed); write it again"
+            ) from None
+        if size != spec.nbytes:
+            raise CorruptTensorError(
+                f"tensor {name!r}: chunk file {chunk} holds {size} bytes but its metadata "
+                f"(shape {spec.shape}, {spec.dtype}) needs {spec.nbytes} bytes: the file is "
+                f"truncated or the metadata was changed; write the tensor again"
+            )
+        try:
+            return self.backend.read_async(chunk, dst, spec.nbytes)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from exc
+        except OSError as exc:
+            raise CorruptTensorError(f"tensor {name!r}: cannot read {chunk}: {exc}") from exc
+
+    def _ensure_dir(self, directory: Path) -> None:
+        if directory.is_dir():
+            return
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for new in reversed(missing):
+            new.mkdir(exist_ok=True)
+            _fsync_dir(new.parent)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise NvmeError(f"NVMe store {self.path} is closed: open a new NvmeTier")
+
+    def close(self) -> None:
+        """Release the directory lock (and remove the lock file); idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.path / LOCK_NAME)
+        except FileNotFoundError:
+            pass
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def __enter__(self) -> NvmeTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            self.close()
