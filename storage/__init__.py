@@ -1,0 +1,36 @@
+"""Mechanism of Balance Beam: named tensors on device / pinned host / NVMe tiers.
+
+:class:`TieredStore` is the entry point; :mod:`storage.io` and
+:mod:`storage.nvme` are the file layer beneath it. Nothing here knows about
+models or Lightning.
+"""
+
+from storage.device import ArenaFullError, slot_bytes
+from storage.io import ALIGNMENT, IOConfig, aligned_empty, open_backend, padded
+from storage.nvme import ArraySpec, CorruptTensorError, NvmeError, NvmeTier, StoreLockedError
+from storage.store import LinkStats, StateError, StoreConfig, Ticket, TieredStore
+from storage.tiers import Budget, Residency, Tier, format_bytes
+
+__all__ = [
+    "ALIGNMENT",
+    "ArenaFullError",
+    "ArraySpec",
+    "Budget",
+    "CorruptTensorError",
+    "IOConfig",
+    "LinkStats",
+    "NvmeError",
+    "NvmeTier",
+    "Residency",
+    "StateError",
+    "StoreConfig",
+    "StoreLockedError",
+    "Ticket",
+    "Tier",
+    "TieredStore",
+    "aligned_empty",
+    "format_bytes",
+    "open_backend",
+    "padded",
+    "slot_bytes",
+]

@@ -1,0 +1,398 @@
+"""TieredStore: contents, residency transitions, budgets, stats, reopening."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from storage.device import ArenaFullError
+from storage.io import IOConfig
+from storage.nvme import StoreLockedError
+from storage.store import ResidencyMachine, StateError, StoreConfig, TieredStore
+from storage.tiers import Residency, Tier
+
+MiB = 1 << 20
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64, torch.bool]
+TIERS = [Tier.DEVICE, Tier.HOST, Tier.NVME]
+
+
+def make_config(path: Path, **overrides: object) -> StoreConfig:
+    base: dict[str, object] = {
+        "device_budget": 8 * MiB,
+        "host_budget": 8 * MiB,
+        "nvme_path": str(path / "nvme"),
+        "nvme_budget": 64 * MiB,
+        "staging_buffers": 2,
+        "staging_bytes": 1 * MiB,
+        "io": IOConfig(backend="posix", threads=2, task_size=256 << 10),
+        "device": "cpu",
+    }
+    base.update(overrides)
+    return StoreConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    with TieredStore(make_config(tmp_path)) as s:
+        yield s
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...] = (5, 37), seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+def zarr_contents(store_dir: Path, name: str) -> np.ndarray:
+    """The tensor as plain zarr reads it (bf16 is stored as uint16)."""
+    return np.asarray(zarr.open_array(str(store_dir / "nvme" / name), mode="r")[...])
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@pytest.mark.parametrize("home", TIERS, ids=lambda t: t.value)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_every_dtype_and_tier(
+    store: TieredStore, home: Tier, dtype: torch.dtype
+) -> None:
+    x = sample(dtype)
+    store.register("w", x, home=home)
+    assert store.home("w") is home
+    assert torch.equal(store.read("w"), x)
+    expected_state = Residency.RESIDENT if home is Tier.DEVICE else Residency.RELEASED
+    assert store.state("w") is expected_state
+    got = store.prefetch_async("w").wait()["w"]
+    assert got.dtype == dtype and got.shape == x.shape and torch.equal(got, x)
+    assert torch.equal(store.get("w"), x)
+    store.release("w")
+    assert store.state("w") is expected_state
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (4097,)], ids=str)
+@pytest.mark.parametrize("home", TIERS, ids=lambda t: t.value)
+def test_odd_shapes(store: TieredStore, home: Tier, shape: tuple[int, ...]) -> None:
+    x = sample(torch.float32, shape)
+    store.register("w", x, home=home)
+    assert torch.equal(store.read("w"), x)
+    assert torch.equal(store.prefetch_async(["w"]).wait()["w"], x)
+
+
+@pytest.mark.parametrize("home", TIERS, ids=lambda t: t.value)
+def test_register_from_shape_is_zeros(store: TieredStore, tmp_path: Path, home: Tier) -> None:
+    store.register("z", shape=(3, 1000), dtype=torch.bfloat16, home=home)
+    zeros = torch.zeros(3, 1000, dtype=torch.bfloat16)
+    assert store.spec("z").nbytes == 6000
+    if home is Tier.NVME:  # metadata only until the first write
+        assert not (tmp_path / "nvme" / "z" / "c").exists()
+        assert zarr.open_array(str(tmp_path / "nvme" / "z"), mode="r").shape == (3, 1000)
+    assert torch.equal(store.read("z"), zeros)
+    assert torch.equal(store.prefetch_async("z").wait()["z"], zeros)
+
+
+def test_page_in_lifecycle_and_several_tickets(store: TieredStore) -> None:
+    xs = {f"t{i}": sample(torch.float32, (64, 100), seed=i) for i in range(6)}
+    for i, (name, x) in enumerate(xs.items()):
+        store.register(name, x, home=Tier.NVME if i % 2 else Tier.HOST)
+    tickets = [store.prefetch_async(["t0", "t1"]), store.prefetch_async("t2"),
+               store.prefetch_async(("t3", "t4", "t5"))]  # fmt: skip
+    assert {store.state(n) for n in xs} == {Residency.IN_FLIGHT}
+    got: dict[str, torch.Tensor] = {}
+    for ticket in reversed(tickets):
+        got.update(ticket.wait())
+        assert ticket.done()
+    assert {store.state(n) for n in xs} == {Residency.RESIDENT}
+    for name, x in xs.items():
+        assert torch.equal(got[name], x) and torch.equal(store.get(name), x)
+    ptrs = {t.data_ptr() for t in got.values()}
+    assert len(ptrs) == 6  # distinct slots
+    store.release(list(xs))
+    assert {store.state(n) for n in xs} == {Residency.RELEASED}
+    assert store.usage()[Tier.DEVICE][0] == 0
+
+
+def test_illegal_transitions_raise(store: TieredStore) -> None:
+    store.register("a", sample(torch.float32), home=Tier.NVME)
+    with pytest.raises(StateError, match=r"'a' is RELEASED.*'release'"):
+        store.release("a")
+    with pytest.raises(StateError, match=r"'a' is RELEASED"):
+        store.get("a")
+    with pytest.raises(StateError, match=r"'a' is RELEASED"):
+        store.write_back_async("a")
+    ticket = store.prefetch_async("a")
+    with pytest.raises(StateError, match=r"'a' is IN_FLIGHT.*'release'.*wait on its ticket"):
+        store.release("a")
+    with pytest.raises(StateError, match=r"'a' is IN_FLIGHT.*'page_in'"):
+        store.prefetch_async("a")
+    with pytest.raises(StateError, match=r"'a' is IN_FLIGHT"):
+        store.get("a")
+    with pytest.raises(StateError, match=r"'a' is IN_FLIGHT.*move"):
+        store.move("a", Tier.HOST)
+    ticket.wait()
+    with pytest.raises(StateError, match=r"'a' is RESIDENT.*'page_in'"):
+        store.prefetch_async("a")
+    with pytest.raises(StateError, match=r"'a' is RESIDENT.*move"):
+        store.move("a", Tier.HOST)
+    # a failed check in a batch starts nothing
+    store.register("b", sample(torch.float32), home=Tier.HOST)
+    with pytest.raises(StateError):
+        store.prefetch_async(["b", "a"])
+    assert store.state("b") is Residency.RELEASED
+    assert issubclass(StateError, ValueError)
+    with pytest.raises(KeyError, match="'nope' is not registered"):
+        store.get("nope")
+
+
+def test_transition_table_is_the_only_way() -> None:
+    events = {event for _, event in ResidencyMachine.TRANSITIONS}
+    for state, event in itertools.product(Residency, events):
+        machine = ResidencyMachine("x", state)
+        nxt = ResidencyMachine.TRANSITIONS.get((state, event))
+        if nxt is None:
+            with pytest.raises(StateError, match=rf"'x' is {state.value.upper()}.*'{event}'"):
+                machine.apply(event)
+            assert machine.state is state
+        else:
+            assert machine.apply(event) is nxt
+
+
+def test_device_home_is_always_resident(store: TieredStore) -> None:
+    x = sample(torch.float16)
+    store.register("d", x, home=Tier.DEVICE)
+    first = store.get("d")
+    assert torch.equal(store.prefetch_async("d").wait()["d"], x)
+    store.release("d")  # a no-op for DEVICE home
+    assert store.state("d") is Residency.RESIDENT
+    assert store.get("d").data_ptr() == first.data_ptr()
+
+
+@pytest.mark.parametrize("home", TIERS, ids=lambda t: t.value)
+def test_write_back_then_read(store: TieredStore, tmp_path: Path, home: Tier) -> None:
+    x = sample(torch.bfloat16, (33, 65))
+    store.register("w", x, home=home)
+    dev = store.prefetch_async("w").wait()["w"]
+    dev.mul_(2)
+    store.write_back_async("w").wait()
+    assert torch.equal(store.get("w"), x * 2)  # the device copy stays usable
+    assert torch.equal(store.read("w"), x * 2)
+    y = sample(torch.bfloat16, (33, 65), seed=9)
+    store.write_back_async("w", y).wait()
+    assert torch.equal(store.read("w"), y)
+    if home is Tier.NVME:
+        np.testing.assert_array_equal(zarr_contents(tmp_path, "w"), as_numpy(y))
+
+
+def test_page_in_waits_for_write_back_in_flight(store: TieredStore) -> None:
+    """A page-in issued right after a write-back must see the new contents."""
+    for rnd in range(3):
+        x = sample(torch.float32, (1024, 1024), seed=rnd)  # 4 MiB: several I/O tasks
+        name = f"big{rnd}"
+        store.register(name, shape=x.shape, dtype=x.dtype, home=Tier.NVME)
+        store.write_back_async(name, x)  # not waited on
+        assert torch.equal(store.prefetch_async(name).wait()[name], x)
+        dev = store.get(name)
+        dev.add_(1)
+        store.write_back_async(name)
+        store.release(name)  # waits for the write-back still reading the slot
+        assert torch.equal(store.prefetch_async(name).wait()[name], x + 1)
+        store.release(name)
+
+
+def test_write_updates_home_and_device_copy(store: TieredStore, tmp_path: Path) -> None:
+    store.register("w", sample(torch.int64), home=Tier.NVME)
+    store.prefetch_async("w").wait()
+    y = sample(torch.int64, seed=3)
+    store.write("w", y)
+    assert torch.equal(store.get("w"), y)
+    assert torch.equal(store.read("w"), y)
+    np.testing.assert_array_equal(zarr_contents(tmp_path, "w"), y.numpy())
+    out = torch.empty_like(y)
+    assert store.read("w", out) is out and torch.equal(out, y)
+    with pytest.raises(ValueError, match=r"shape \(5, 37\).*given tensor has \(2,\)"):
+        store.write("w", torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(TIERS, 2)),
+                         ids=lambda t: t.value)  # fmt: skip
+def test_move_keeps_contents(store: TieredStore, tmp_path: Path, src: Tier, dst: Tier) -> None:
+    x = sample(torch.bfloat16, (17, 300))
+    store.register("m", x, home=src)
+    before = store.usage()
+    store.move("m", dst)
+    after = store.usage()
+    footprint = {Tier.DEVICE: 12288, Tier.HOST: 12288, Tier.NVME: 17 * 300 * 2}  # 4 KiB slots
+    assert after[src][0] == before[src][0] - footprint[src]
+    assert after[dst][0] == before[dst][0] + footprint[dst]
+    assert store.home("m") is dst
+    assert torch.equal(store.read("m"), x)
+    expected = Residency.RESIDENT if dst is Tier.DEVICE else Residency.RELEASED
+    assert store.state("m") is expected
+    assert torch.equal(store.prefetch_async("m").wait()["m"], x)
+    if dst is Tier.NVME:
+        np.testing.assert_array_equal(zarr_contents(tmp_path, "m"), as_numpy(x))
+    if src is Tier.NVME:
+        assert not (tmp_path / "nvme" / "m").exists()
+
+
+def test_over_budget_register_and_move_change_nothing(tmp_path: Path) -> None:
+    config = make_config(tmp_path, device_budget=64 << 10, host_budget=64 << 10,
+                         nvme_budget=70_000)  # fmt: skip
+    with TieredStore(config) as store:
+        x = sample(torch.float32, (100, 100))  # 40000 bytes
+        store.register("a", x, home=Tier.HOST)
+        store.register("n", x, home=Tier.NVME)
+        usage = store.usage()
+        with pytest.raises(ValueError, match=r"'b'.*40960 bytes.*host.*24576 bytes"):
+            store.register("b", x, home=Tier.HOST)
+        with pytest.raises(ValueError, match=r"'c' needs.*40000 bytes.*nvme.*30000 bytes"):
+            store.register("c", torch.zeros(10_000), home=Tier.NVME)
+        store.register("d", x, home=Tier.DEVICE)
+        with pytest.raises(ValueError, match=r"'a'.*40960 bytes.*device.*24576 bytes"):
+            store.move("a", Tier.DEVICE)
+        with pytest.raises(ValueError, match=r"'d' needs.*40000 bytes.*nvme.*30000 bytes"):
+            store.move("d", Tier.NVME)
+        assert store.names() == ["a", "d", "n"]
+        assert store.usage()[Tier.HOST] == usage[Tier.HOST]
+        assert store.usage()[Tier.NVME] == usage[Tier.NVME]
+        assert store.home("a") is Tier.HOST and store.home("d") is Tier.DEVICE
+        assert all(torch.equal(store.read(n), x) for n in ("a", "d", "n"))
+        # page-ins beyond the device arena fail before anything starts
+        store.register("s", torch.ones(10), home=Tier.HOST)
+        with pytest.raises(ArenaFullError, match=r"'n'.*40960 bytes.*device arena.*20480 bytes"):
+            store.prefetch_async(["s", "n"])
+        assert store.state("s") is Residency.RELEASED and store.usage()[Tier.DEVICE][0] == 40960
+
+
+def test_stats_count_bytes_per_link(store: TieredStore) -> None:
+    h, n = sample(torch.float32, (100, 50)), sample(torch.int8, (3000,))
+    store.register("h", h, home=Tier.HOST)
+    store.register("n", n, home=Tier.NVME)
+    before = store.stats()
+    store.prefetch_async(["h", "n"]).wait()
+    store.write_back_async("h").wait()
+    store.write_back_async("n").wait()
+    store.read("n")
+    after = store.stats()
+    moved = {k: (after[k].bytes - before[k].bytes, after[k].count - before[k].count)
+             for k in after}  # fmt: skip
+    assert moved == {
+        "host->device": (20000, 1),
+        "nvme->device": (3000, 1),
+        "device->host": (20000, 1),
+        "device->nvme": (3000, 1),
+        "nvme->host": (3000, 1),
+        "host->nvme": (0, 0),
+    }
+    assert after["nvme->device"].seconds > before["nvme->device"].seconds
+
+
+def test_reopen_adopts_nvme_tensors(tmp_path: Path) -> None:
+    x, y = sample(torch.bfloat16, (8, 9)), sample(torch.bool, (4,))
+    with TieredStore(make_config(tmp_path)) as first:
+        first.register("x", x, home=Tier.NVME)
+        first.register("y", y, home=Tier.NVME)
+        first.register("z", shape=(2,), dtype=torch.int8, home=Tier.NVME)  # never written
+        with pytest.raises(StoreLockedError):
+            TieredStore(make_config(tmp_path))
+    with TieredStore(make_config(tmp_path)) as second:
+        second.register("x", home=Tier.NVME)  # spec from the group
+        second.register("y", shape=(4,), dtype=torch.bool, home=Tier.NVME)
+        second.register("z", home=Tier.NVME)
+        with pytest.raises(ValueError, match=r"'x' is already registered"):
+            second.register("x", home=Tier.NVME)
+        assert torch.equal(second.read("x"), x) and torch.equal(second.read("y"), y)
+        assert torch.equal(second.prefetch_async("z").wait()["z"], torch.zeros(2, dtype=torch.int8))
+        assert second.usage()[Tier.NVME][0] == 8 * 9 * 2 + 4 + 2
+    with TieredStore(make_config(tmp_path)) as third:
+        with pytest.raises(ValueError, match=r"holds it with shape \(8, 9\).*not \(9, 8\)"):
+            third.register("x", shape=(9, 8), dtype=torch.bfloat16, home=Tier.NVME)
+        assert third.names() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"device_budget": -1}, r"device_budget=-1 must be an int >= 0"),
+        ({"nvme_path": None}, r"nvme_budget=.* but nvme_path is None"),
+        ({"nvme_budget": 0}, r"nvme_budget=0 bytes.*budget > 0"),
+        ({"staging_bytes": 5000}, r"staging_bytes=5000.*multiple of 4096.*8192"),
+        ({"device": "tpu"}, r"device='tpu'"),
+        ({"copy_threads": 0}, r"copy_threads=0"),
+    ],
+)
+def test_config_validation(tmp_path: Path, overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_config(tmp_path, **overrides)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only machine")
+def test_cuda_device_without_cuda_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="CUDA is not available: use 'cpu'"):
+        make_config(tmp_path, device="cuda")
+
+
+def test_without_nvme_tier(tmp_path: Path) -> None:
+    config = make_config(tmp_path, nvme_path=None, nvme_budget=0)
+    with TieredStore(config) as store:
+        with pytest.raises(ValueError, match=r"'w' cannot be homed on nvme.*nvme_path"):
+            store.register("w", sample(torch.float32), home=Tier.NVME)
+        assert store.usage()[Tier.NVME] == (0, 0)
+
+
+def test_closed_store_refuses_work(tmp_path: Path) -> None:
+    store = TieredStore(make_config(tmp_path))
+    store.register("w", sample(torch.float32), home=Tier.NVME)
+    store.write_back_async("w", sample(torch.float32, seed=5))
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        store.read("w")
+    with TieredStore(make_config(tmp_path)) as again:  # lock released, write completed
+        again.register("w", home=Tier.NVME)
+        assert torch.equal(again.read("w"), sample(torch.float32, seed=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("home", TIERS, ids=lambda t: t.value)
+def test_cuda_round_trip_and_write_back(tmp_path: Path, home: Tier) -> None:
+    with TieredStore(make_config(tmp_path, device="cuda", io=IOConfig())) as store:
+        x = sample(torch.bfloat16, (256, 513))
+        store.register("w", x, home=home)
+        dev = store.prefetch_async("w").wait()["w"]
+        assert dev.is_cuda and torch.equal(dev.cpu(), x)
+        dev.mul_(3)  # on the current stream; the write-back must wait for it
+        store.write_back_async("w").wait()
+        store.release("w")
+        assert torch.equal(store.read("w"), x * 3)
+        assert torch.equal(store.prefetch_async("w").wait()["w"].cpu(), x * 3)
+        assert store.stats()["device->host"].count + store.stats()["device->nvme"].count >= 0
+
+
+def test_overlap_benchmark_smoke(tmp_path: Path) -> None:
+    """bench/overlap.py runs end to end at a tiny size (timings not checked)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "overlap.py"
+    spec = importlib.util.spec_from_file_location("bench_overlap", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        args = ["--total-gib", "0.004", "--tensors", "4", "--repeats", "1", "--dir", str(tmp_path)]
+        result = module.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(result) == {"io", "compute", "wall", "ratio"}
+    assert all(v > 0 for v in result.values())
