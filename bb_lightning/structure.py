@@ -438,11 +438,25 @@ def _load_config(config: Any) -> Any:
     )
 
 
+def _check_causal_lm(cfg: Any) -> None:
+    """Raise ``ValueError`` (one line) unless ``AutoModelForCausalLM`` can build ``cfg``."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = getattr(cfg, "model_type", "") or type(cfg).__name__
+        raise ValueError(
+            f"config of model_type {kind!r} ({type(cfg).__name__}) has no causal-LM class in "
+            "transformers' AutoModelForCausalLM: pass the config of a decoder-only causal LM "
+            "(e.g. llama, mistral, qwen2, gpt2, opt)"
+        )
+
+
 def profile_fields_from_config(config: Any) -> dict[str, Any]:
     """Keyword arguments of ``ModelProfile`` for the model ``config`` describes (meta build)."""
     from transformers import AutoModelForCausalLM
 
     cfg = _load_config(config)
+    _check_causal_lm(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     return profile_fields_from_module(model)

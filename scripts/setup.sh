@@ -7,7 +7,10 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade "pip>=24" >/dev/null
+# Where a local wheel folder exists (the reference machines keep the CPU torch
+# wheel there), let pip look in it.
+FIND_LINKS=()
+if [ -d /opt/wheels ]; then FIND_LINKS=(--find-links /opt/wheels); fi
 # torch first, from its exact pin: any other request would pull a CUDA build.
-.venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+.venv/bin/python -m pip install -q "${FIND_LINKS[@]}" -c constraints.txt "torch==2.13.0"
+.venv/bin/python -m pip install -q "${FIND_LINKS[@]}" -c constraints.txt -e ".[dev]"

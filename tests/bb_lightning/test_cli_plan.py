@@ -106,7 +106,13 @@ def test_memory_options_override_the_preset(capsys: pytest.CaptureFixture[str]) 
             "--nvme-capacity",
         ),
         (["plan", "--hardware", "t4", "--global-batch", "many"], "--global-batch"),
-        (["fit"], "not available in this build"),
+        (["plan", "--hardware", "t4", "--seq-len", "0"], "seq_len = 0"),
+        (["plan", "--hardware", "t4", "--task", "predict", "--prompt-len", "0"], "prompt_len = 0"),
+        (
+            ["plan", "--hardware", "t4", "--task", "predict", "--prompt-len", "100000"],
+            "exceeds tiny-llama's context",
+        ),
+        (["plan", "--hardware", "t4", "--plot", "/nonexistent/dir/x.png"], "does not exist"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
@@ -115,6 +121,32 @@ def test_bad_arguments_exit_2_with_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_bad_plot_path_fails_before_planning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--hardware", "t4", "--plot", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "is a directory" in err and "\n" not in err.strip()
+
+
+def test_config_of_another_family_gives_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import T5Config
+
+    T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=2).save_pretrained(tmp_path)
+    assert main(["plan", "--hardware", "t4", "--model", str(tmp_path / "config.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'t5'" in err and "causal" in err and "\n" not in err
+
+
+def test_top_level_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "plan" in out and ":data:" not in out and "``" not in out
 
 
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

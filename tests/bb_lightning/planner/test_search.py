@@ -121,7 +121,7 @@ def test_plans_stay_within_budgets_or_raise(
     hw=machines(),
     job=jobs,
     more=st.floats(1.0, 8.0),
-    link=st.sampled_from(["device_memory", "h2d", "nvme"]),
+    link=st.sampled_from(["device_memory", "host_memory", "h2d", "d2h", "nvme"]),
 )
 def test_more_memory_or_faster_links_never_predict_slower(
     m: ModelProfile, hw: HardwareProfile, job: FitJob | PredictJob, more: float, link: str
@@ -129,6 +129,10 @@ def test_more_memory_or_faster_links_never_predict_slower(
     base = _plan_or_none(m, hw, job)
     if link == "device_memory":
         better = hw.replace(device_memory=int(hw.device_memory * more))
+    elif link == "host_memory":
+        better = hw.replace(host_memory=int(hw.host_memory * more))
+    elif link == "d2h":
+        better = hw.replace(d2h_bandwidth=hw.d2h_bandwidth * more)
     elif link == "h2d":
         better = hw.replace(h2d_bandwidth=hw.h2d_bandwidth * more)
     else:
