@@ -1,0 +1,370 @@
+"""Checkpoints of a :class:`~bb_lightning.engine.trainer_engine.TrainingEngine` as directories.
+
+A checkpoint at ``path`` is a directory::
+
+    path/
+      state.zarr/                 zarr v3 group; attributes: format, version, step
+        master/<param>            fp32 master weights, one array per parameter
+        exp_avg/<param>           fp32 first AdamW moment (absent when weights_only)
+        exp_avg_sq/<param>        fp32 second AdamW moment (absent when weights_only)
+      trainer_state.pt            torch.save of everything else (loops, callbacks, schedulers,
+                                  hyperparameters, persistent buffers under "buffers")
+      meta.json                   format, version, step, Hugging Face config, parameter list
+
+``<param>`` is the parameter's name in the module (``model.model.layers.0.mlp.up_proj.weight``);
+a parameter shared under several names is stored once under its first name, the others listed
+as its aliases in ``meta.json``. Each subgroup is laid out as the store's NVMe tier lays out
+tensors (:class:`storage.nvme.NvmeTier`: one uncompressed chunk per array), so plain
+``zarr.open_group`` reads it.
+
+Crash safety: the directory is written as ``<path>.partial-<pid>`` (every file fsynced,
+``meta.json`` last), an existing ``path`` is renamed to ``<path>.old-<pid>``, the new directory
+renamed onto ``path``, and only then is the old one deleted. :func:`recover` (run before every
+save and load) puts an old directory back when a crash left no ``path``, and removes leftovers
+of processes that are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from bb_lightning.engine.trainer_engine import STATE_KINDS, StateKind, TrainingEngine
+from storage.io import aligned_empty, open_backend, padded
+from storage.nvme import NvmeTier, parse_array
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointStateDict",
+    "load_checkpoint",
+    "model_info",
+    "read_meta",
+    "recover",
+    "remove_checkpoint",
+    "restore_optimizer",
+    "restore_weights",
+    "save_checkpoint",
+]
+
+FORMAT = "balance_beam.checkpoint"
+VERSION = 1
+STATE_DIR = "state.zarr"
+TRAINER_STATE = "trainer_state.pt"
+META = "meta.json"
+PARTIAL = ".partial-"
+OLD = ".old-"
+
+
+def _after_array(name: str) -> None:
+    """Called after each array ``<kind>/<param>`` is written (a hook for crash tests)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that is missing, not a balance_beam checkpoint, or not of this model."""
+
+
+def model_info(model: torch.nn.Module) -> dict[str, Any]:
+    """Prefix, class and config of the first Hugging Face model inside ``model`` (or empty)."""
+    for prefix, sub in model.named_modules():
+        if isinstance(sub, PreTrainedModel):
+            return {
+                "prefix": f"{prefix}." if prefix else "",
+                "architectures": [type(sub).__name__],
+                "config": json.loads(sub.config.to_json_string(use_diff=False)),
+            }
+    return {}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _siblings(path: Path, marker: str) -> list[tuple[Path, int]]:
+    """Leftovers ``<path><marker><pid>`` next to ``path``, with their pids."""
+    found = []
+    if path.parent.is_dir():
+        for entry in path.parent.iterdir():
+            tail = entry.name.removeprefix(path.name + marker)
+            if tail != entry.name and tail.isdigit():
+                found.append((entry, int(tail)))
+    return found
+
+
+def _complete(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / META).read_text(encoding="utf-8"))["format"] == FORMAT)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def recover(path: str | os.PathLike[str]) -> None:
+    """Finish or undo a save that a crash interrupted, and remove dead processes' leftovers.
+
+    When ``path`` is missing but a complete ``<path>.old-<pid>`` exists (the crash fell
+    between the two renames), the old checkpoint is put back.
+    """
+    final = Path(path)
+    for old, pid in _siblings(final, OLD):
+        if pid != os.getpid() and _alive(pid):
+            continue
+        if not final.exists() and _complete(old):
+            os.replace(old, final)
+            _fsync_dir(final.parent)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for partial, pid in _siblings(final, PARTIAL):
+        if pid == os.getpid() or not _alive(pid):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _group_json(path: Path, attributes: dict[str, Any]) -> None:
+    path.mkdir(exist_ok=True)
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+    _write_synced(path / "zarr.json", json.dumps(doc, indent=2).encode())
+
+
+def _write_state(engine: TrainingEngine, root: Path, kinds: tuple[StateKind, ...]) -> None:
+    """Every parameter's state in ``kinds`` as arrays of subgroups of ``root`` (fp32)."""
+    named = engine.named_states()
+    total = sum(padded(s.numel * 4) for s, _ in named)
+    largest = max(math.prod(shape) for s, _ in named for shape in s.shapes)
+    buf = aligned_empty(padded(largest * 4))
+    backend = open_backend()
+    tiers = {k: NvmeTier(root / k, capacity=total, backend=backend) for k in kinds}
+    try:
+        for name, state in engine.iter_state(kinds):
+            for kind, value in state.items():
+                tier = tiers[kind]
+                tier.create(name, tuple(value.shape), torch.float32)
+                nbytes = value.numel() * 4
+                buf[:nbytes].copy_(value.contiguous().view(-1).view(torch.uint8))
+                tier.write_async(name, buf).wait()
+                _after_array(f"{kind}/{name}")
+    finally:
+        for tier in tiers.values():
+            tier.close()
+        backend.close()
+
+
+def save_checkpoint(
+    engine: TrainingEngine,
+    path: str | os.PathLike[str],
+    trainer_state: Mapping[str, Any],
+    *,
+    weights_only: bool = False,
+) -> Path:
+    """Write the engine's state and ``trainer_state`` as a checkpoint directory at ``path``.
+
+    ``trainer_state`` is Lightning's checkpoint dict; its ``state_dict`` entry contributes
+    only the persistent buffers (parameters come from the engine, streamed one flat state
+    at a time). ``weights_only`` leaves out the AdamW moments. Returns the final path.
+    """
+    final = Path(path).absolute()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover(final)
+    tmp = final.with_name(f"{final.name}{PARTIAL}{os.getpid()}")
+    tmp.mkdir()
+    kinds: tuple[StateKind, ...] = ("master",) if weights_only else STATE_KINDS
+    named = engine.named_states()
+    params = {key for _, keys in named for key in keys}
+    attributes = {"format": FORMAT, "version": VERSION, "step": engine.step_count}
+    _group_json(tmp / STATE_DIR, attributes)
+    _write_state(engine, tmp / STATE_DIR, kinds)
+
+    rest = {k: v for k, v in trainer_state.items() if k != "state_dict"}
+    sd = trainer_state.get("state_dict", {})
+    aliases: dict[str, list[str]] = {key: [] for key in params}
+    first = {id(p): key for key, p in reversed(list(engine.model.named_parameters()))}
+    for key, p in engine.model.named_parameters(remove_duplicate=False):
+        if key != first[id(p)]:
+            aliases[first[id(p)]].append(key)
+    alias_names = {a for names in aliases.values() for a in names}
+    rest["buffers"] = {
+        k: v.detach().cpu() for k, v in sd.items() if k not in params and k not in alias_names
+    }
+    with open(tmp / TRAINER_STATE, "wb") as f:
+        torch.save(rest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    meta = {
+        **attributes,
+        "weights_only": weights_only,
+        "model": model_info(engine.model),
+        "parameters": [
+            {"name": key, "shape": list(shape), "aliases": aliases[key]}
+            for state, keys in named
+            for key, shape in zip(keys, state.shapes, strict=True)
+        ],
+    }
+    _write_synced(tmp / META, json.dumps(meta, indent=2).encode())
+    _fsync_dir(tmp)
+
+    old = final.with_name(f"{final.name}{OLD}{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint at ``path``; :class:`CheckpointError` if none."""
+    root = Path(path)
+    recover(root)
+    if not root.exists():
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} does not exist: pass the path of a directory written by "
+            "trainer.save_checkpoint under strategy='balance_beam'"
+        )
+    if not _complete(root):
+        raise CheckpointError(
+            f"{str(root)!r} is not a balance_beam checkpoint (no {META} with format {FORMAT!r}): "
+            "pass a directory written by trainer.save_checkpoint under strategy='balance_beam'"
+        )
+    meta: dict[str, Any] = json.loads((root / META).read_text(encoding="utf-8"))
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} has format version {meta.get('version')!r}; this version "
+            f"of balance_beam reads version {VERSION}: convert it or use a matching release"
+        )
+    return meta
+
+
+def read_array(path: str | os.PathLike[str], kind: str, name: str) -> Tensor:
+    """One parameter's ``kind`` array (``master``, ``exp_avg``, ``exp_avg_sq``) as a tensor."""
+    spec, chunk = parse_array(name, Path(path, STATE_DIR, kind, name, "zarr.json"))
+    if spec.nbytes == 0:
+        return torch.zeros(spec.shape, dtype=spec.dtype)
+    raw = np.fromfile(chunk, dtype=np.uint8, count=spec.nbytes)
+    if raw.size != spec.nbytes:
+        raise CheckpointError(
+            f"{chunk} holds {raw.size} bytes, {spec.nbytes} expected: the checkpoint is damaged"
+        )
+    return torch.from_numpy(raw).view(spec.dtype).view(spec.shape)
+
+
+class CheckpointStateDict(Mapping[str, Tensor]):
+    """The module state dict of a checkpoint, each parameter read from disk when asked for."""
+
+    def __init__(self, path: str | os.PathLike[str], buffers: Mapping[str, Tensor]) -> None:
+        self.path = Path(path)
+        self.meta = read_meta(path)
+        self.buffers = dict(buffers)
+        self._source = {p["name"]: p["name"] for p in self.meta["parameters"]}
+        for p in self.meta["parameters"]:
+            self._source.update(dict.fromkeys(p["aliases"], p["name"]))
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key in self.buffers:
+            return self.buffers[key]
+        return read_array(self.path, "master", self._source[key])
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._source
+        yield from self.buffers
+
+    def __len__(self) -> int:
+        return len(self._source) + len(self.buffers)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """Lightning's checkpoint dict, with a lazy :class:`CheckpointStateDict` as ``state_dict``.
+
+    ``trainer_state.pt`` is unpickled (``weights_only`` as in ``torch.load``; default False,
+    as for Lightning checkpoints): load only checkpoints you trust.
+    """
+    read_meta(path)
+    state: dict[str, Any] = torch.load(
+        Path(path, TRAINER_STATE), map_location="cpu", weights_only=bool(weights_only)
+    )
+    state["state_dict"] = CheckpointStateDict(path, state.pop("buffers", {}))
+    return state
+
+
+def _check_matches(engine: TrainingEngine, meta: Mapping[str, Any], path: Path) -> None:
+    want = [
+        (key, tuple(shape))
+        for state, keys in engine.named_states()
+        for key, shape in zip(keys, state.shapes, strict=True)
+    ]
+    got = [(p["name"], tuple(p["shape"])) for p in meta["parameters"]]
+    for i in range(max(len(want), len(got))):
+        w = want[i] if i < len(want) else None
+        g = got[i] if i < len(got) else None
+        if w != g:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not match the model: parameter {i} is {g} in "
+                f"the checkpoint but {w} in the model: load it into the model it was saved from"
+            )
+
+
+def restore_weights(engine: TrainingEngine, state_dict: CheckpointStateDict) -> None:
+    """Masters (and the compute-dtype weights derived from them) and buffers from disk."""
+    _check_matches(engine, state_dict.meta, state_dict.path)
+
+    def fill(key: str, kind: StateKind, out: Tensor) -> None:
+        out.copy_(read_array(state_dict.path, kind, key))
+
+    engine.load_state(fill, ("master",))
+    for key, value in state_dict.buffers.items():
+        engine.model.get_buffer(key).copy_(value)
+
+
+def restore_optimizer(engine: TrainingEngine, state_dict: CheckpointStateDict) -> None:
+    """AdamW moments and step count from disk; :class:`CheckpointError` if weights only."""
+    if state_dict.meta["weights_only"]:
+        raise CheckpointError(
+            f"checkpoint {str(state_dict.path)!r} holds weights only, no optimizer state: "
+            "resume from a full checkpoint or load it with trainer.validate / predict"
+        )
+    _check_matches(engine, state_dict.meta, state_dict.path)
+
+    def fill(key: str, kind: StateKind, out: Tensor) -> None:
+        out.copy_(read_array(state_dict.path, kind, key))
+
+    engine.load_state(fill, ("exp_avg", "exp_avg_sq"))
+    engine.step_count = int(state_dict.meta["step"])
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete the checkpoint directory at ``path`` (and leftovers of interrupted saves)."""
+    final = Path(path)
+    recover(final)
+    if final.is_dir():
+        shutil.rmtree(final)
+    elif final.exists():
+        final.unlink()
