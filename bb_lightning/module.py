@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,14 +21,23 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 
-__all__ = ["DEFAULT_MODEL", "CausalLMModule", "LinearWarmup", "resolve_model_config"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "CausalLMModule",
+    "LinearWarmup",
+    "SafetensorsCheckpoint",
+    "resolve_model_config",
+]
 
 DEFAULT_MODEL = "tiny-llama"
 """Built-in model (``bb_lightning.planner.models``) used when ``model`` is None."""
@@ -90,6 +100,55 @@ def resolve_model_config(
     return AutoConfig.from_pretrained(str(model)), str(model)
 
 
+class SafetensorsCheckpoint:
+    """Reads single tensors of a local safetensors checkpoint (one file or sharded).
+
+    A sharded checkpoint's ``model.safetensors.index.json`` maps each tensor name to
+    its file; each :meth:`get` reads one tensor (memory-mapped file, one copy).
+    """
+
+    INDEX = "model.safetensors.index.json"
+    SINGLE = "model.safetensors"
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        """Index ``directory``; ``ValueError`` when it holds no safetensors weights."""
+        self.directory = Path(directory)
+        index, single = self.directory / self.INDEX, self.directory / self.SINGLE
+        if index.is_file():
+            with index.open() as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            self.files = {k: self.directory / v for k, v in weight_map.items()}
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        else:
+            raise ValueError(
+                f"{self.directory} holds neither {self.SINGLE} nor {self.INDEX}: save the model "
+                "with save_pretrained(safe_serialization=True)"
+            )
+
+    @classmethod
+    def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
+        """Whether ``directory`` is local and holds safetensors weights."""
+        path = Path(directory)
+        return (path / cls.INDEX).is_file() or (path / cls.SINGLE).is_file()
+
+    def keys(self) -> list[str]:
+        """Tensor names in the checkpoint."""
+        return sorted(self.files)
+
+    def get(self, key: str) -> Tensor:
+        """Tensor ``key`` as a CPU tensor; ``ValueError`` naming the file when absent."""
+        path = self.files.get(key)
+        if path is None:
+            raise ValueError(
+                f"tensor {key!r} is not in the checkpoint {self.directory} "
+                f"({len(self.files)} tensors): the checkpoint does not match the model config"
+            )
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key)
+
+
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Seed every generator for the block, then restore the caller's random state."""
@@ -140,6 +199,7 @@ class CausalLMModule(pl.LightningModule):
         top_p: float = 1.0,
         seed: int = 0,
         tokenizer: str | None = None,
+        stop_strings: list[str] | None = None,
     ) -> None:
         """Configure the module; the network is built in :meth:`configure_model`.
 
@@ -156,6 +216,7 @@ class CausalLMModule(pl.LightningModule):
             top_p: nucleus sampling threshold in (0, 1].
             seed: seed of the random initial weights and of sampling.
             tokenizer: ``"byte"`` or a HF tokenizer dir/name to decode predictions; None: ids only.
+            stop_strings: texts that end a generated sequence (needs ``tokenizer``).
         """
         super().__init__()
         if warmup_steps < 0:
@@ -168,6 +229,10 @@ class CausalLMModule(pl.LightningModule):
             raise ValueError(f"top_p={top_p} must be in (0, 1]")
         if top_k < 0:
             raise ValueError(f"top_k={top_k} must be >= 0 (0: no limit)")
+        if stop_strings and tokenizer is None:
+            raise ValueError(
+                f"stop_strings={stop_strings!r} need a tokenizer to decode: pass tokenizer="
+            )
         self._adamw = AdamWConfig(
             lr=learning_rate,
             betas=cast(tuple[float, float], tuple(betas)),  # a CLI may pass a list
@@ -182,6 +247,7 @@ class CausalLMModule(pl.LightningModule):
         self._config, self.checkpoint_dir = resolve_model_config(model)
         self.model: PreTrainedModel | None = None
         self._tokenizer: Tokenizer | None = None
+        self._generator: LayerMajorGenerator | None = None
 
     def model_config(self) -> PretrainedConfig:
         """The Hugging Face configuration of the network (available before it is built)."""
@@ -196,15 +262,31 @@ class CausalLMModule(pl.LightningModule):
 
         Random initial weights come from a generator seeded with ``seed``,
         without touching the global random state; a checkpoint directory is
-        loaded with ``from_pretrained``.
+        loaded with ``from_pretrained``, except under a strategy that streams
+        weights (``streams_weights``) from a local safetensors checkpoint: then the
+        parameters stay on the meta device and the strategy reads them
+        (:class:`SafetensorsCheckpoint`).
         """
         if self.model is not None:
             return
-        if self.checkpoint_dir is not None:
+        if self.checkpoint_dir is not None and self._streams_weights():
+            # Parameters on the meta device (buffers real): the strategy reads each tensor
+            # from the checkpoint straight into its tier, never the whole model at once.
+            with init_empty_weights(include_buffers=False):
+                self.model = AutoModelForCausalLM.from_config(self._config)
+        elif self.checkpoint_dir is not None:
             self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
         else:
             with _seeded(int(self.hparams["seed"])):
                 self.model = AutoModelForCausalLM.from_config(self._config)
+
+    def _streams_weights(self) -> bool:
+        """Whether the attached strategy reads a local safetensors checkpoint itself."""
+        trainer = self._trainer
+        strategy = trainer.strategy if trainer is not None else None
+        if not getattr(strategy, "streams_weights", False) or self.checkpoint_dir is None:
+            return False
+        return SafetensorsCheckpoint.holds_weights(self.checkpoint_dir)
 
     def _net(self) -> PreTrainedModel:
         if self.model is None:
@@ -264,44 +346,67 @@ class CausalLMModule(pl.LightningModule):
             kwargs.update(do_sample=False)
         return kwargs
 
+    def generation_config(self) -> GenerationConfig:
+        """Decoding settings for the layer-major generator, from the hyperparameters."""
+        net = self._net()
+        eos = net.generation_config.eos_token_id
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        pad = net.generation_config.pad_token_id
+        if pad is None:
+            pad = min(eos_ids) if eos_ids else 0
+        hp = self.hparams
+        return GenerationConfig(
+            max_new_tokens=int(hp["max_new_tokens"]),
+            temperature=float(hp["temperature"]),
+            top_k=int(hp["top_k"]),
+            top_p=float(hp["top_p"]),
+            eos_token_ids=eos_ids,
+            pad_token_id=int(pad),
+            stop_strings=tuple(hp.get("stop_strings") or ()),
+        )
+
+    def prompt_seed(self, prompt_id: str) -> int:
+        """Sampling seed of one prompt: a hash of ``seed`` and its id (not of its batch)."""
+        return zlib.crc32(f"{int(self.hparams['seed'])}\0{prompt_id}".encode())
+
     def predict_step(
         self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
     ) -> list[dict[str, Any]]:
         """Generate for each prompt; returns ``{"id", "token_ids", "text"?}`` per prompt.
 
-        ``token_ids`` are the new tokens, cut before the first eos. Prompts
-        flagged with an ``error`` in the batch are not run and come back as
-        ``{"id", "error"}``.
+        Runs :class:`~bb_lightning.engine.generate.LayerMajorGenerator` over the whole
+        batch (each block once per step). ``token_ids`` are the new tokens, cut before
+        the first eos or stop string. Prompts flagged with an ``error`` in the batch, or
+        too long for the model's context, are not run and come back as ``{"id", "error"}``.
         """
         net = self._net()
+        if self._generator is None or self._generator.model is not net:
+            self._generator = LayerMajorGenerator(net)
+        gen = self._generator
         ids: list[str] = list(batch["id"])
         errors: list[str | None] = list(batch.get("error") or [None] * len(ids))
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        errors = [e or gen.check_prompt(int(n)) for e, n in zip(errors, lengths, strict=True)]
         keep = [i for i, e in enumerate(errors) if e is None]
         results: dict[int, dict[str, Any]] = {
             i: {"id": ids[i], "error": e} for i, e in enumerate(errors) if e is not None
         }
         if keep:
             rows = torch.tensor(keep, device=batch["input_ids"].device)
-            input_ids = batch["input_ids"].index_select(0, rows)
             mask = batch["attention_mask"].index_select(0, rows)
-            eos = net.generation_config.eos_token_id
-            eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-            pad = net.generation_config.pad_token_id
-            if pad is None:
-                pad = min(eos_ids) if eos_ids else 0
-            with _seeded(int(self.hparams["seed"]) * 1_000_003 + batch_idx):
-                out = cast(Any, net).generate(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    pad_token_id=pad,
-                    **self.generation_kwargs(),
-                )
-            new = out[:, input_ids.shape[1] :].tolist()
-            for row, tokens in zip(keep, new, strict=True):
-                cut = next((j for j, t in enumerate(tokens) if t in eos_ids), len(tokens))
-                record: dict[str, Any] = {"id": ids[row], "token_ids": tokens[:cut]}
-                if self.tokenizer is not None:
-                    record["text"] = decode_ids(self.tokenizer, tokens[:cut])
+            width = int(mask.sum(-1).max())  # drop columns that only pad the skipped rows
+            tok = self.tokenizer
+            out = gen.generate(
+                batch["input_ids"].index_select(0, rows)[:, -width:],
+                mask[:, -width:],
+                self.generation_config(),
+                seeds=[self.prompt_seed(ids[i]) for i in keep],
+                decode=None if tok is None else (lambda t: decode_ids(tok, t)),
+            )
+            for row, g in zip(keep, out, strict=True):
+                record: dict[str, Any] = {"id": ids[row], "token_ids": g.token_ids}
+                if g.text is not None:
+                    record["text"] = g.text
                 results[row] = record
         return [results[i] for i in range(len(ids))]
 

@@ -8,12 +8,35 @@ repeated blocks, decides a :class:`~bb_lightning.engine.pager.Placement`
 only the embedding, final norm and head on the device. Lightning's torch
 optimizer stays for its bookkeeping (learning-rate schedulers, hooks), but its
 ``step`` runs the engine's host AdamW.
+
+Planning: with no ``placement`` the strategy profiles the model (on the meta
+device when it was built there), takes the hardware profile (``measure()``,
+cached per machine, or a preset), derives a :class:`~bb_lightning.planner.FitJob`
+from the Trainer (sequence length from the datamodule's ``seq_len`` or the first
+batch, global batch = micro-batch x ``accumulate_grad_batches``) and plans the
+batch shape the DataLoader actually runs, printing the plan and the planner's
+recommended micro-batch beside it. After ``warmup_steps`` optimizer steps it
+compares measured with predicted phase times (:attr:`plan_metrics`) and, when they
+differ by more than ``adapt_tolerance``, re-plans with :func:`~bb_lightning.planner.adapt`
+and moves the blocks' homes to the new placement.
+
+Optimizer: without gradient clipping, each block's host AdamW step runs while
+backward continues on earlier blocks (``overlap_optimizer``).
+
+Lifecycle: the engine and its store outlive ``teardown`` so that ``fit``,
+``validate`` and ``fit`` again reuse them (parameters stay empty between calls:
+the weights live in the store). :meth:`close`, or garbage collection of the
+strategy, closes the store (NVMe lock released, temporary directory removed).
+:meth:`gather_full_model` puts the fp32 master weights back into the module's
+parameters and closes the store; ``gather_on_teardown=True`` does it at the end
+of every ``trainer.*`` call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
+import weakref
 from collections.abc import Callable, Generator, Mapping
 from typing import Any, Literal
 
@@ -24,14 +47,31 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedModel
 
+from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
+    ParamLoader,
     TrainingEngine,
     adamw_from_optimizer,
     required_budgets,
 )
-from bb_lightning.planner import FitJob, ModelProfile, PlanOverrides, make_plan, measure, preset
+from bb_lightning.module import SafetensorsCheckpoint
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    MeasuredTimes,
+    ModelProfile,
+    Plan,
+    PlanError,
+    PlanOverrides,
+    adapt,
+    make_plan,
+    measure,
+    plan_differs,
+    preset,
+)
 from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
@@ -48,6 +88,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     """Single-device strategy that pages transformer blocks through a three-tier store."""
 
     strategy_name = "balance_beam"
+    streams_weights = True
+    """Modules may leave parameters on the meta device: the engine reads their checkpoint."""
 
     def __init__(
         self,
@@ -58,7 +100,11 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         compute_dtype: ComputeDtype | None = None,
         overrides: PlanOverrides | None = None,
         job: FitJob | None = None,
-        hardware: str | None = None,
+        hardware: str | HardwareProfile | None = None,
+        warmup_steps: int = 3,
+        adapt_tolerance: float | None = 0.25,
+        overlap_optimizer: bool = True,
+        gather_on_teardown: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any | None = None,
         precision_plugin: Any | None = None,
@@ -69,16 +115,24 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             store: budgets (bytes) and NVMe directory of the tensor store; None sizes
                 the budgets from the placement (what it needs, plus 1 MiB each).
             placement: per-block homes and prefetch depth; None asks the planner.
-            nvme_path: NVMe directory when ``store`` is None and the placement uses NVMe
-                (None: a temporary directory, removed at close).
+            nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
+                directory, removed at close, only when overrides force NVMe tiers).
             compute_dtype: ``"bf16"`` or ``"fp32"``; None follows the Trainer's precision
                 (``"bf16-true"``/``"bf16-mixed"`` -> bf16, ``"32-true"`` -> fp32).
-            overrides: passed to the planner; without ``job`` only ``weights_tier``,
-                ``master_tier`` and ``prefetch_depth`` are read (default host, host, 1).
-            job: the fit job (sequence length, global batch) for the planner; with it and
-                no ``placement`` the planner decides the placement and its explanation is
-                printed. The Trainer's batch size and accumulation stay the caller's.
-            hardware: planner hardware profile: a preset name or ``"measure"`` (default).
+            overrides: choices forced on the planner (tiers, prefetch depth). Where no
+                plan can be made (no Hugging Face model, or not fitting) only
+                ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
+            job: the fit job (sequence length, global batch); None derives it from the
+                Trainer and the first batch. The DataLoader's batch size and the
+                accumulation stay the caller's.
+            hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
+                (measure this machine, cached).
+            warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
+            adapt_tolerance: relative difference of measured and predicted phase times
+                that triggers a re-plan; None only logs the comparison.
+            overlap_optimizer: step each block during backward when no clipping is set.
+            gather_on_teardown: put the trained weights back into the module's parameters
+                (and close the store) at the end of every ``trainer.*`` call.
         """
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         super().__init__(
@@ -89,6 +143,23 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         )
         if compute_dtype is not None and compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype!r}: use 'bf16' or 'fp32'")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 1 optimizer steps")
+        if adapt_tolerance is not None and not adapt_tolerance >= 0:
+            raise ValueError(f"adapt_tolerance={adapt_tolerance} must be >= 0 (0.25 = 25%) or None")
+        self.warmup_steps = warmup_steps
+        self.adapt_tolerance = adapt_tolerance
+        self.overlap_optimizer = overlap_optimizer
+        self.gather_on_teardown = gather_on_teardown
+        self.plan: Plan | None = None
+        """The plan in force (None when the placement was given or no plan could be made)."""
+        self.plan_history: list[Plan] = []
+        """Every plan applied in this run, first to last."""
+        self.plan_metrics: dict[str, float] = {}
+        """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
+        self._links0: dict[str, float] = {}
+        self._busy0 = 0.0
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self.store_config = store
         self.placement = placement
         self.nvme_path = nvme_path
@@ -117,7 +188,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         assert module is not None
         if self.engine is None or self.engine.model is not module:
-            self._build_engine(module)
+            self._build_engine(module, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -136,15 +207,17 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             "'bf16-mixed' or '32-true'"
         )
 
-    def _build_engine(self, module: pl.LightningModule) -> None:
+    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         self.close()
         _, blocks = find_block_list(module)
         dtype = self.resolved_dtype()
-        placement = self.placement or self._plan(module, len(blocks))
+        loader = checkpoint_loader(module)
+        placement = self.placement or self._plan(module, len(blocks), trainer)
         numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         rest = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
         self.store = TieredStore(self._store_config(numels, rest, placement, dtype))
+        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
         self.engine = TrainingEngine(
             module,
             list(blocks),
@@ -152,11 +225,13 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             placement,
             compute_dtype=dtype,
             device=self.root_device,
+            loader=loader,
         )
 
-    def _plan(self, module: pl.LightningModule, num_blocks: int) -> Placement:
-        if self.job is not None:
-            return self._plan_with_planner(module)
+    def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.job is not None or (fitting and _hf_model(module) is not None):
+            return self._plan_with_planner(module, trainer)
         tiers = [getattr(self.overrides, k, None) for k in ("weights_tier", "master_tier")]
         depth = getattr(self.overrides, "prefetch_depth", None) or 1
         if tiers[0] is None:
@@ -171,23 +246,60 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             prefetch_depth=depth,
         )
 
-    def _plan_with_planner(self, module: pl.LightningModule) -> Placement:
-        nets = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-        if not nets or self.job is None:
+    def _plan_with_planner(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
+        net = _hf_model(module)
+        if net is None:
             raise ValueError(
                 f"{type(module).__name__} holds no Hugging Face model to profile: pass placement="
             )
-        name = self.hardware or "measure"
-        hardware = measure() if name == "measure" else preset(name)
-        plan = make_plan(
-            ModelProfile.from_module(nets[0]), hardware, self.job, overrides=self.overrides
-        )
+        job, micro, accum = self.job, 0, 0
+        if job is None:
+            seq_len, micro = first_batch_shape(trainer)
+            accum = int(trainer.accumulate_grad_batches)
+            clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
+            job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
+        model, hardware = ModelProfile.from_module(net), self._hardware()
+        best = make_plan(model, hardware, job, overrides=self.overrides)
+        plan = best
+        if micro and (best.micro_batch, best.grad_accum) != (micro, accum):
+            ov = self.overrides or PlanOverrides()
+            forced = _replace(ov, micro_batch=micro, grad_accum=accum)
+            try:
+                plan = make_plan(model, hardware, job, overrides=forced)
+            except PlanError as err:
+                rank_zero_info(f"balance_beam: the batch in use cannot be planned ({err})")
         rank_zero_info(plan.explain())
-        return Placement(
-            weights=tuple(plan.weights),
-            master=tuple(plan.master),
-            prefetch_depth=plan.prefetch_depth,
+        if micro:
+            rank_zero_info(
+                f"balance_beam: planner recommends micro-batch {best.micro_batch} x "
+                f"accumulation {best.grad_accum} ({best.tokens_per_s:.4g} tokens/s); running "
+                f"micro-batch {micro} x accumulate_grad_batches {accum} "
+                f"({plan.tokens_per_s:.4g} tokens/s predicted)"
+            )
+        self._adopt(plan)
+        return _placement(plan)
+
+    def _hardware(self) -> HardwareProfile:
+        spec = self.hardware
+        if isinstance(spec, HardwareProfile):
+            hardware = spec
+        elif spec is None or spec == "measure":
+            hardware = measure(nvme_path=self.nvme_path)
+        else:
+            hardware = preset(spec)
+        forced = Tier.NVME in (
+            getattr(self.overrides, "weights_tier", None),
+            getattr(self.overrides, "master_tier", None),
         )
+        if self.nvme_path is None and not forced:
+            hardware = hardware.replace(
+                nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
+            )
+        return hardware
+
+    def _adopt(self, plan: Plan) -> None:
+        self.plan = plan
+        self.plan_history.append(plan)
 
     def _store_config(
         self, numels: list[int], rest: int, placement: Placement, dtype: torch.dtype
@@ -195,6 +307,18 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         if self.store_config is not None:
             return self.store_config
         need = required_budgets(numels, rest, placement, dtype)
+        if self.plan is not None:  # room for re-plans, within what the plan may use
+            n = len(numels)
+            most = {
+                t: required_budgets(
+                    numels, rest, Placement.uniform(n, weights=t, master=t, prefetch_depth=n), dtype
+                )[t]
+                for t in Tier
+            }
+            for mem in self.plan.memory:
+                need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
+            if self.nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
+                need[Tier.NVME] = 0
         path = self.nvme_path
         if need[Tier.NVME] and path is None:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
@@ -216,18 +340,98 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     def _host_step(self, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
         def step(closure: Callable[[], Any] | None = None) -> Any:
-            loss = closure() if closure is not None else None
+            # Called at the accumulation boundary, before the window's last backward (in
+            # the closure); the lr read now is this step's (schedulers step afterwards).
             trainer = self.lightning_module.trainer if self.lightning_module else None
             clip = ClipConfig(
                 value=None if trainer is None else trainer.gradient_clip_val,
                 algorithm=str(getattr(trainer, "gradient_clip_algorithm", None) or "norm"),
             )
-            assert self.engine is not None
-            self.engine.optimizer_step(adamw_from_optimizer(optimizer), clip)
+            adamw = adamw_from_optimizer(optimizer)
+            engine = self.engine
+            assert engine is not None
+            if self.overlap_optimizer and clip.value is None and closure is not None:
+                engine.begin_overlapped_step(adamw)
+            loss = closure() if closure is not None else None
+            engine.optimizer_step(adamw, clip)
             optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers
+            self._after_step()
             return loss
 
         return step
+
+    # -- measure, then adapt -------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Start timing the optimizer step this micro-batch belongs to."""
+        engine = self.engine
+        if engine is not None and not engine.timer.in_step:
+            if len(engine.timer.steps) == self._skip():
+                self._links0 = _link_seconds(engine)
+                self._busy0 = engine.optimizer_busy_s
+            engine.timer.begin_step()
+
+    def _skip(self) -> int:
+        return 1 if self.warmup_steps > 1 else 0
+
+    def _after_step(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        engine.timer.end_step()
+        if self.plan is None or len(engine.timer.steps) != self.warmup_steps:
+            return
+        mean = engine.timer.mean(skip=self._skip())
+        assert mean is not None
+        steps = self.warmup_steps - self._skip()
+        links = {
+            k: (v - self._links0.get(k, 0.0)) / steps for k, v in _link_seconds(engine).items()
+        }
+        measured = _measured(mean, links, (engine.optimizer_busy_s - self._busy0) / steps)
+        self._report(self.plan, measured)
+        tol = self.adapt_tolerance
+        if tol is not None and plan_differs(self.plan, measured, tol):
+            self._replan(adapt(self.plan, measured), measured)
+
+    def _report(self, plan: Plan, measured: MeasuredTimes, prefix: str = "") -> None:
+        p = plan.predicted
+        pairs = {
+            "step": (p.total, measured.step_s),
+            "compute": (p.compute, measured.compute_s),
+            "h2d": (p.h2d, measured.h2d_s),
+            "optimizer": (p.optimizer, measured.optimizer_s),
+        }
+        for phase, (pred, meas) in pairs.items():
+            self.plan_metrics[f"bb/{prefix}predicted_{phase}_s"] = pred
+            if meas is not None:
+                self.plan_metrics[f"bb/measured_{phase}_s"] = meas
+            rank_zero_info(
+                f"balance_beam {prefix}{phase}: predicted {pred:.4g} s, measured "
+                f"{'-' if meas is None else f'{meas:.4g}'} s per step"
+            )
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if trainer is not None and trainer.logger is not None:
+            trainer.logger.log_metrics(dict(self.plan_metrics), step=trainer.global_step)
+
+    def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
+        engine, store = self.engine, self.store
+        assert engine is not None and store is not None
+        placement = _placement(plan)
+        numels = [s.numel for s in engine.pager.states]
+        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype)
+        room = {t: cap for t, (_, cap) in store.usage().items()}
+        short = [t.value for t in Tier if need[t] > room[t]]
+        if short:
+            rank_zero_info(
+                f"balance_beam: re-plan needs more {short} than the store holds; "
+                "keeping the placement"
+            )
+        else:
+            engine.apply_placement(placement)
+        self._adopt(plan)
+        rank_zero_info(
+            "balance_beam: measured times differ from the plan; re-planned:\n" + plan.explain()
+        )
+        self._report(plan, measured, prefix="replanned_")
 
     # -- training hooks ------------------------------------------------------
 
@@ -250,32 +454,98 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         return dict(self.engine.state_dict())
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a full state dict into the engine (or the module before setup)."""
+        """Load a state dict (plain, or a checkpoint directory's) into the engine or module."""
+        state_dict = checkpoint["state_dict"]
         if self.engine is None:
-            super().load_model_state_dict(checkpoint, strict=strict)
+            super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
+        elif isinstance(state_dict, ckpt.CheckpointStateDict):
+            ckpt.restore_weights(self.engine, state_dict)
         else:
-            self.engine.load_state_dict(checkpoint["state_dict"])
+            self.engine.load_state_dict(state_dict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Lightning's optimizer state (learning rates), then moments and step count."""
+        super().load_optimizer_state_dict(checkpoint)
+        state_dict = checkpoint.get("state_dict")
+        if self.engine is not None and isinstance(state_dict, ckpt.CheckpointStateDict):
+            ckpt.restore_optimizer(self.engine, state_dict)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the engine, which :meth:`setup` builds: restore after it."""
+        return True
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write a checkpoint directory at ``filepath`` (:mod:`bb_lightning.engine.checkpoint`)."""
+        if storage_options is not None:
+            raise ValueError(
+                f"storage_options={storage_options!r}: balance_beam checkpoints take none: "
+                "pass storage_options=None"
+            )
+        if self.engine is None:
+            raise ValueError(
+                f"cannot save {filepath!r}: the balance_beam engine is built in setup; "
+                "save after trainer.fit has started"
+            )
+        if self.is_global_zero:
+            weights_only = "optimizer_states" not in checkpoint
+            ckpt.save_checkpoint(self.engine, filepath, checkpoint, weights_only=weights_only)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's checkpoint dict of a checkpoint directory; parameters read lazily."""
+        return ckpt.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint directory (``ModelCheckpoint``'s ``save_top_k`` rotation)."""
+        if self.is_global_zero:
+            ckpt.remove_checkpoint(filepath)
 
     # -- teardown -----------------------------------------------------------
 
     def teardown(self) -> None:
-        """Release paged blocks; the store stays open for the next ``trainer.*`` call."""
+        """Release paged blocks; the store stays open unless ``gather_on_teardown``."""
         if self.engine is not None:
             self.engine.grads.wait()
             self.engine.pager.release_all_except(())
+            if self.gather_on_teardown:
+                self.gather_full_model()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def gather_full_model(self) -> torch.nn.Module:
+        """Put the fp32 master weights into the module's parameters (host); close the store.
+
+        The module then runs without the strategy (ordinary forwards, every parameter
+        materialised on the CPU in fp32); a later ``trainer.*`` call pages it again from
+        these values (the AdamW moments are not kept). Returns the module.
+        """
+        module = self.lightning_module
+        assert module is not None
+        if self.engine is None:
+            return module
+        state = self.engine.state_dict()
+        self.close()
+        for key, p in module.named_parameters(remove_duplicate=False):
+            p.data = state[key]
+        return module
 
     def close(self) -> None:
         """Remove the engine's wrappers and close the store (NVMe lock released)."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self.store is not None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        elif self.store is not None:
             self.store.close()
-            self.store = None
+        self.store = None
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
@@ -287,3 +557,95 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="pages blocks through a tiered store"
             )
+
+
+# -- helpers (glue between the Trainer, the planner and the engine) ---------------------
+
+
+def _release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:
+    """Close ``store`` and remove its temporary directory (also run at garbage collection)."""
+    store.close()
+    if tmpdir is not None:
+        tmpdir.cleanup()
+
+
+def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
+    """The first Hugging Face model inside ``module`` (None when it holds none)."""
+    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _placement(plan: Plan) -> Placement:
+    return Placement(
+        weights=tuple(plan.weights), master=tuple(plan.master), prefetch_depth=plan.prefetch_depth
+    )
+
+
+def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
+    return PlanOverrides(**{**overrides.__dict__, **changes})
+
+
+def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
+    """(sequence length in tokens, sequences per micro-batch) of the training data.
+
+    Read from the datamodule's ``seq_len`` and ``batch_size`` when it has them, else
+    from the first batch of the training DataLoader (its ``input_ids``, or its first
+    2-D tensor).
+    """
+    dm = getattr(trainer, "datamodule", None)
+    seq_len, batch = getattr(dm, "seq_len", None), getattr(dm, "batch_size", None)
+    if isinstance(seq_len, int) and isinstance(batch, int):
+        return seq_len, batch
+    source = trainer.fit_loop._data_source
+    first = next(iter(source.dataloader()), None) if source.is_defined() else None
+    if isinstance(first, Mapping):
+        first = first.get("input_ids", next(iter(first.values()), None))
+    elif isinstance(first, (list, tuple)):
+        first = next((t for t in first if isinstance(t, torch.Tensor) and t.dim() == 2), None)
+    if not isinstance(first, torch.Tensor) or first.dim() != 2:
+        raise ValueError(
+            f"balance_beam cannot tell the sequence length from the first training batch "
+            f"({type(first).__name__}): pass job=FitJob(seq_len=..., global_batch_seqs=...) or "
+            "placement="
+        )
+    return int(first.shape[1]), int(first.shape[0])
+
+
+def _link_seconds(engine: TrainingEngine) -> dict[str, float]:
+    """Busy seconds of the store's links since it opened, as the planner names the links."""
+    stats = {k: v.seconds for k, v in engine.store.stats().items()}
+    return {
+        "h2d": stats.get("host->device", 0.0),
+        "nvme_read": stats.get("nvme->host", 0.0) + stats.get("nvme->device", 0.0),
+        "nvme_write": stats.get("host->nvme", 0.0) + stats.get("device->nvme", 0.0),
+    }
+
+
+def _measured(mean: StepTimes, links: Mapping[str, float], optimizer_s: float) -> MeasuredTimes:
+    """Measured seconds per step; device-to-host is not measured (gradients bypass the store)."""
+    return MeasuredTimes(
+        compute_s=mean.compute,
+        h2d_s=links["h2d"],
+        nvme_read_s=links["nvme_read"],
+        nvme_write_s=links["nvme_write"],
+        optimizer_s=optimizer_s,
+        step_s=mean.step,
+    )
+
+
+def checkpoint_loader(module: torch.nn.Module) -> ParamLoader | None:
+    """Reads meta-device parameters from the module's local safetensors checkpoint.
+
+    None when no parameter is on the meta device (the engine reads the parameters).
+    """
+    if not any(p.is_meta for p in module.parameters()):
+        return None
+    net = _hf_model(module)
+    source = getattr(module, "checkpoint_dir", None)
+    if net is None or source is None:
+        raise ValueError(
+            f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
+            "model with a local checkpoint_dir to read them from: build the model with weights"
+        )
+    reader = SafetensorsCheckpoint(source)
+    keys = {id(p): key for key, p in net.named_parameters()}
+    return lambda p: reader.get(keys[id(p)])

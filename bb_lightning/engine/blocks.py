@@ -9,7 +9,8 @@ method). With grad enabled the block runs inside :class:`_PagedBlockFunction`:
 - backward: page it in again (prefetching earlier blocks), recompute it with
   grad from the saved input (same RNG state), take the input and parameter
   gradients with ``torch.autograd.grad``, hand the parameter gradients to the
-  gradient sink (fp32 host accumulators), release the block.
+  gradient sink (fp32 host accumulators), release the block, and tell
+  :attr:`PagedBlocks.on_block_backward` (which may start the block's optimizer step).
 
 Without grad (validation, prediction, ``inference_mode``) a block is paged in,
 run and released, with the next blocks prefetched cyclically so that the next
@@ -53,6 +54,9 @@ class PagedBlocks:
         self.grads = grads
         self._installed = False
         self._dummy = torch.empty(0, requires_grad=True)
+        self.on_block_backward: Callable[[int], None] | None = None
+        """Called with ``i`` once block ``i``'s backward has queued its gradients and released
+        the block (the engine starts the block's optimizer step from it)."""
 
     @property
     def installed(self) -> bool:
@@ -237,4 +241,6 @@ class _PagedBlockFunction(torch.autograd.Function):
             runner.grads.add_async(runner.pager.states[i].grad_views, grads[1:])
         finally:
             runner.leave(i, upcoming)
+        if runner.on_block_backward is not None:
+            runner.on_block_backward(i)
         return None, None, None, None, None, grads[0]

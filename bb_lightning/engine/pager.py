@@ -17,18 +17,33 @@ The fp32 gradient accumulators are plain host tensors owned by
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.engine.timing import PhaseTimer
 from storage.store import Ticket, TieredStore
 from storage.tiers import Residency, Tier
 
-__all__ = ["BlockPager", "FlatState", "GradSink", "Placement", "block_params"]
+__all__ = [
+    "BlockLoader",
+    "BlockPager",
+    "FlatState",
+    "GradSink",
+    "Placement",
+    "block_params",
+    "flatten_fp32",
+    "set_data",
+]
+
+BlockLoader = Callable[[int], Tensor]
+"""Block index -> the block's parameters as one flat fp32 CPU tensor, laid out like its
+:class:`FlatState` (used to fill the store from a checkpoint one block at a time)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,17 +87,29 @@ class FlatState:
     """fp32 master weights, AdamW moments (in the store) and a host gradient accumulator.
 
     ``params`` are laid end to end in one flat buffer of ``numel`` elements.
-    The master weights are initialised from the parameters' current values.
+    The master weights are initialised from ``initial`` (flat fp32) when given,
+    else from the parameters' current values (which may then not be on the meta device).
     """
 
     def __init__(
-        self, store: TieredStore, name: str, params: Sequence[Tensor], *, home: Tier
+        self,
+        store: TieredStore,
+        name: str,
+        params: Sequence[Tensor],
+        *,
+        home: Tier,
+        initial: Tensor | None = None,
     ) -> None:
         self.store = store
         self.name = name
         self.shapes = [tuple(p.shape) for p in params]
         self.numel = sum(math.prod(s) for s in self.shapes)
-        master = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        master = initial if initial is not None else flatten_fp32(params)
+        if master.shape != (self.numel,) or master.dtype != torch.float32:
+            raise ValueError(
+                f"initial values of {name!r} have shape {tuple(master.shape)} and {master.dtype}; "
+                f"expected ({self.numel},) and torch.float32: lay the parameters end to end"
+            )
         zeros = torch.zeros(self.numel, dtype=torch.float32)
         store.register(self.master_name, master, home=home)
         store.register(f"{name}.exp_avg", zeros, home=home)
@@ -110,6 +137,31 @@ class FlatState:
         """Per-parameter views of a flat buffer laid out like this state."""
         return _views(flat, self.shapes)
 
+    def move(self, home: Tier) -> None:
+        """Change the home tier of the master weights and moments (they must be released)."""
+        for name in self.state_names:
+            self.store.move(name, home)
+
+
+def set_data(param: Tensor, value: Tensor) -> None:
+    """``param.data = value``, also for a parameter on the meta device (swapped in place,
+    so the parameter object and every reference to it stay the same)."""
+    if param.is_meta and not value.is_meta:
+        new = nn.Parameter(value, requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, new)
+    else:
+        param.data = value
+
+
+def flatten_fp32(params: Sequence[Tensor]) -> Tensor:
+    """The parameters laid end to end as one flat fp32 CPU tensor."""
+    if any(p.is_meta for p in params):
+        raise ValueError(
+            "parameters are on the meta device and no initial values were given: "
+            "load the weights (or pass a BlockLoader) before paging the model"
+        )
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+
 
 def _views(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
     views = []
@@ -129,10 +181,12 @@ class GradSink:
     point of a backward pass.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timer: PhaseTimer | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-grads")
         self._futures: list[Future[None]] = []
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.timer = timer
+        """Times :meth:`wait` as phase ``wait_grads`` when set."""
 
     def add_async(self, dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Add each gradient (any dtype, device) into the matching host fp32 view, later."""
@@ -155,16 +209,28 @@ class GradSink:
             host = [None if g is None else g.to("cpu", torch.float32) for g in grads]
         _add_all(dst, host)
 
-    def wait(self) -> None:
-        """Block until every queued addition is done; re-raises a worker's exception."""
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the worker after every addition queued so far (FIFO order)."""
+        self._futures.append(self._pool.submit(work))
+
+    def wait(self, phase: str | None = "wait_grads") -> None:
+        """Block until every queued task is done; re-raises a worker's exception.
+
+        The wait is timed as ``phase`` when a timer is set (None: not timed).
+        """
         futures, self._futures = self._futures, []
-        for future in futures:
-            future.result()
+        with _timed(None if phase is None else self.timer, phase or ""):
+            for future in futures:
+                future.result()
 
     def close(self) -> None:
         """Finish queued work and stop the worker."""
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+def _timed(timer: PhaseTimer | None, phase: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if timer is None else timer.phase(phase)
 
 
 def _add_all(dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
@@ -189,7 +255,16 @@ class BlockPager:
         compute_dtype: torch.dtype,
         device: torch.device,
         prefix: str = "block",
+        loader: BlockLoader | None = None,
+        timer: PhaseTimer | None = None,
     ) -> None:
+        """Register every block's tensors in ``store`` and unbind its parameters.
+
+        Args:
+            loader: block values when the parameters are on the meta device (streamed
+                from a checkpoint); None reads the parameters themselves.
+            timer: times waits on page-ins as phase ``wait_page_in`` when set.
+        """
         if len(placement.weights) != len(blocks):
             raise ValueError(
                 f"placement covers {len(placement.weights)} blocks but the model has "
@@ -198,14 +273,19 @@ class BlockPager:
         self.store = store
         self.placement = placement
         self.compute_dtype = compute_dtype
+        self.timer = timer
         self.params = [[p for _, p in block_params(b)] for b in blocks]
         self.names = [f"{prefix}.{i}.weight" for i in range(len(blocks))]
         self.states: list[FlatState] = []
         self._tickets: dict[int, Ticket] = {}
         for i, params in enumerate(self.params):
-            flat = torch.cat([p.detach().reshape(-1).to("cpu", compute_dtype) for p in params])
-            store.register(self.names[i], flat, home=placement.weights[i])
-            self.states.append(FlatState(store, f"{prefix}.{i}", params, home=placement.master[i]))
+            master = loader(i) if loader is not None else flatten_fp32(params)
+            store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
+            state = FlatState(
+                store, f"{prefix}.{i}", params, home=placement.master[i], initial=master
+            )
+            self.states.append(state)
+            del master
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         for i in range(len(blocks)):
             self._unbind(i)
@@ -232,7 +312,11 @@ class BlockPager:
         ticket = self._tickets.pop(i, None)
         if ticket is None and self.store.state(name) is Residency.RELEASED:
             ticket = self.store.prefetch_async([name])
-        flat = ticket.wait()[name] if ticket is not None else self.store.get(name)
+        if ticket is not None:
+            with _timed(self.timer, "wait_page_in"):
+                flat = ticket.wait()[name]
+        else:
+            flat = self.store.get(name)
         views = _views(flat, [tuple(s) for s in self.states[i].shapes])
         for p, v in zip(self.params[i], views, strict=True):
             p.data = v
@@ -255,7 +339,7 @@ class BlockPager:
 
     def _unbind(self, i: int) -> None:
         for p in self.params[i]:
-            p.data = self._empty
+            set_data(p, self._empty)
 
     def write_weights(self, i: int, master: Tensor, scratch: Tensor) -> None:
         """Cast fp32 ``master`` into ``scratch`` (compute dtype) and store it as block ``i``'s weights."""
@@ -265,6 +349,26 @@ class BlockPager:
         out = scratch[: master.numel()]
         out.copy_(master)
         self.store.write(self.names[i], out)
+
+    def apply(self, placement: Placement) -> None:
+        """Re-home every block's tensors as ``placement`` says (moves through the store).
+
+        Every block is released first; the store checks each destination's budget
+        and raises ``ValueError`` when one does not fit (blocks moved before stay moved).
+        """
+        if len(placement.weights) != self.num_blocks:
+            raise ValueError(
+                f"placement covers {len(placement.weights)} blocks but the pager holds "
+                f"{self.num_blocks}: build the placement for this model"
+            )
+        self.release_all_except(())
+        # Free a tier before filling it: moves off a tier go first.
+        order = sorted(range(self.num_blocks), key=lambda i: placement.weights[i] is Tier.DEVICE)
+        for i in order:
+            self.store.move(self.names[i], placement.weights[i])
+        for i, state in enumerate(self.states):
+            state.move(placement.master[i])
+        self.placement = placement
 
     def device_bytes(self) -> int:
         """Bytes of compute-dtype weights one block occupies (the largest block)."""

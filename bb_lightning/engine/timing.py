@@ -1,0 +1,107 @@
+"""Cheap phase timers for the measure-then-adapt loop.
+
+A :class:`PhaseTimer` accumulates seconds per named phase with
+``time.perf_counter`` (a few hundred nanoseconds per phase entry). The engine
+times what the caller's thread waits for (page-ins, gradient copies, the
+optimizer step) and the wall time of each optimizer step; the compute time of a
+step is what remains. On CUDA, kernels are asynchronous, so the caller's clock
+covers them only up to a synchronisation: the step boundary synchronises (the
+optimizer waits for the gradients), and ``sync`` lets a timer synchronise the
+device before it reads the clock at the end of a step.
+
+:class:`StepTimes` is one step's split, in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["PHASES", "PhaseTimer", "StepTimes"]
+
+PHASES = ("wait_page_in", "wait_grads", "optimizer")
+"""Phases timed on the caller's thread: waits on page-ins (exposed host-to-device or NVMe
+transfer), waits on gradient copies to the host (exposed device-to-host transfer) and the
+host optimizer step (the part not overlapped with backward)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimes:
+    """Seconds of one optimizer step, measured on the caller's thread."""
+
+    step: float
+    """Wall time from the first micro-batch of the step to the end of its optimizer step."""
+    wait_page_in: float
+    """Time spent waiting for blocks to arrive on the device (exposed transfer)."""
+    wait_grads: float
+    """Time spent waiting for gradients to reach the host accumulators (exposed transfer)."""
+    optimizer: float
+    """Time spent in the optimizer step after backward (overlapped work not counted)."""
+
+    @property
+    def compute(self) -> float:
+        """The rest of the step: forward, backward and recomputation, seconds."""
+        return max(0.0, self.step - self.wait_page_in - self.wait_grads - self.optimizer)
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase and closes one :class:`StepTimes` per optimizer step.
+
+    Not thread-safe: phases are timed on the caller's (training) thread only.
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        """Create a timer; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before step ends."""
+        self._sync = sync
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._start: float | None = None
+        self.steps: list[StepTimes] = []
+        """Every closed step, oldest first."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the time spent inside the block to phase ``name`` (one of :data:`PHASES`)."""
+        if name not in self._totals:
+            raise ValueError(f"unknown phase {name!r}: use one of {PHASES}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._totals[name] += time.perf_counter() - start
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step was begun and not yet ended."""
+        return self._start is not None
+
+    def begin_step(self) -> None:
+        """Mark the start of an optimizer step's first micro-batch (later calls do nothing)."""
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def end_step(self) -> StepTimes | None:
+        """Close the current step and return its times (None when no step was begun)."""
+        if self._start is None:
+            return None
+        if self._sync is not None:
+            self._sync()
+        times = StepTimes(step=time.perf_counter() - self._start, **self._totals)
+        self.steps.append(times)
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._start = None
+        return times
+
+    def mean(self, skip: int = 1) -> StepTimes | None:
+        """Mean of the closed steps after the first ``skip`` ones (None when there are none)."""
+        steps = self.steps[skip:] or self.steps[-1:]
+        if not steps:
+            return None
+        n = len(steps)
+        return StepTimes(
+            step=sum(s.step for s in steps) / n,
+            wait_page_in=sum(s.wait_page_in for s in steps) / n,
+            wait_grads=sum(s.wait_grads for s in steps) / n,
+            optimizer=sum(s.optimizer for s in steps) / n,
+        )

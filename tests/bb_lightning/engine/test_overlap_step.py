@@ -1,0 +1,57 @@
+"""Overlapped optimizer step: block updates during backward give the non-overlapped result."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.pager import Placement
+from storage.tiers import Tier
+
+
+def _run(
+    tiny: SimpleNamespace, overlap: bool, steps: int = 3, **kwargs: Any
+) -> tuple[list[float], dict[str, torch.Tensor], BalanceBeamStrategy]:
+    placement = Placement(
+        weights=(Tier.HOST, Tier.DEVICE, Tier.HOST, Tier.HOST),
+        master=(Tier.HOST,) * 4,
+        prefetch_depth=1,
+    )
+    strategy = BalanceBeamStrategy(
+        placement=placement, compute_dtype="fp32", overlap_optimizer=overlap
+    )
+    trainer, recorder = tiny.make_trainer(strategy, steps, **kwargs)
+    accum = kwargs.get("accumulate_grad_batches", 1)
+    trainer.fit(tiny.make_module(tiny.tiny_llama()), tiny.loader(steps * accum))
+    state = strategy.lightning_module_state_dict()
+    return recorder.losses, state, strategy
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_overlapped_step_equals_serial_step(tiny: SimpleNamespace, accumulate: int) -> None:
+    got = _run(tiny, True, accumulate_grad_batches=accumulate)
+    want = _run(tiny, False, accumulate_grad_batches=accumulate)
+    assert got[0] == want[0]
+    for key, value in want[1].items():
+        torch.testing.assert_close(got[1][key], value, rtol=0, atol=0, msg=key)
+    engine = got[2].engine
+    assert engine is not None
+    # Every block was stepped during backward, the last block first, and the first
+    # block update began before the backward pass returned.
+    blocks = [i for i, _ in engine.overlap_starts]
+    assert sorted(blocks) == [0, 1, 2, 3] and blocks[0] == 3
+    assert min(t for _, t in engine.overlap_starts) < engine.backward_end
+    assert engine.step_count == 3
+    assert want[2].engine is not None and want[2].engine.overlap_starts == []
+    got[2].close()
+    want[2].close()
+
+
+def test_clipping_keeps_the_step_after_backward(tiny: SimpleNamespace) -> None:
+    _, _, strategy = _run(tiny, True, steps=2, gradient_clip_val=0.5)
+    assert strategy.engine is not None and strategy.engine.overlap_starts == []
+    strategy.close()
