@@ -24,7 +24,8 @@ import torch
 from storage.io import ALIGNMENT, aligned_empty
 from storage.tiers import format_bytes
 
-__all__ = ["Arena", "ArenaFullError", "DeviceArena", "Slot", "SlotAllocator", "slot_bytes"]
+__all__ = ["Arena", "ArenaFullError", "DeviceArena", "Slot", "SlotAllocator", "resolve_device"]
+__all__ += ["slot_bytes"]
 
 
 class ArenaFullError(ValueError):
@@ -215,3 +216,29 @@ class DeviceArena(Arena):
             buffer = aligned_empty(capacity)[:capacity]
         super().__init__(buffer, label="device")
         self.device = device
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    """The compute device for ``StoreConfig.device`` (``ValueError`` when unusable)."""
+    if spec is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"StoreConfig.device={spec!r} is not a device: use 'cuda' or 'cpu'"
+        ) from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"StoreConfig.device={spec!r}: only 'cuda[:N]' and 'cpu' are supported")
+    if not torch.cuda.is_available():
+        raise ValueError(f"StoreConfig.device={spec!r} but CUDA is not available: use 'cpu'")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"StoreConfig.device={spec!r} but only {torch.cuda.device_count()} CUDA devices exist"
+        )
+    return torch.device("cuda", index)

@@ -230,23 +230,37 @@ class IOBackend(abc.ABC):
     """``"posix"`` or ``"kvikio"``."""
 
     @abc.abstractmethod
-    def read_async(self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int) -> IOFuture:
-        """Read the first ``nbytes`` of file ``path`` into ``dst``.
+    def read_async(
+        self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int, *, offset: int = 0
+    ) -> IOFuture:
+        """Read ``nbytes`` of file ``path``, from byte ``offset`` on, into the start of ``dst``.
 
         ``dst`` is a contiguous ``uint8`` tensor of at least ``padded(nbytes)``
-        bytes (host; kvikio also takes CUDA tensors). Raises ``ValueError`` for
-        a bad buffer and an ``OSError`` naming the file if it is missing or
-        holds fewer than ``nbytes`` bytes.
+        bytes (host; kvikio also takes CUDA tensors); ``offset`` (bytes) is a
+        multiple of :data:`ALIGNMENT`. Raises ``ValueError`` for a bad buffer
+        or offset and an ``OSError`` naming the file if it is missing or
+        holds fewer than ``offset + nbytes`` bytes.
         """
 
     @abc.abstractmethod
     def write_async(
-        self, path: str | os.PathLike[str], src: torch.Tensor, nbytes: int, *, fsync: bool = True
+        self,
+        path: str | os.PathLike[str],
+        src: torch.Tensor,
+        nbytes: int,
+        *,
+        fsync: bool = True,
+        offset: int = 0,
     ) -> IOFuture:
-        """Create or truncate file ``path`` and write exactly ``nbytes`` bytes from ``src``.
+        """Write ``nbytes`` bytes from the start of ``src`` to file ``path`` at byte ``offset``.
 
-        Same buffer rule as :meth:`read_async`. With ``fsync`` the data is on
-        stable storage before the future completes.
+        ``offset=0`` creates or truncates the file, which then holds exactly
+        ``nbytes`` bytes. ``offset > 0`` (a multiple of :data:`ALIGNMENT`)
+        writes one piece of a file written in parts, in increasing offsets:
+        the file is created if missing, never truncated first, and ends at
+        ``offset + nbytes`` when that piece is the last one. Same buffer rule
+        as :meth:`read_async`. With ``fsync`` the data is on stable storage
+        before the future completes.
         """
 
     @abc.abstractmethod
@@ -258,6 +272,15 @@ class IOBackend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_offset(offset: int, *, path: str) -> None:
+    """Raise ``ValueError`` unless ``offset`` is a file offset a backend takes (bytes)."""
+    if not isinstance(offset, int) or offset < 0 or offset % ALIGNMENT:
+        raise ValueError(
+            f"{path}: file offset {offset!r} bytes must be an int >= 0 and a multiple of "
+            f"{ALIGNMENT} bytes: split transfers at multiples of {ALIGNMENT} bytes"
+        )
 
 
 def short_file_error(path: str, size: int, nbytes: int) -> OSError:
@@ -386,39 +409,53 @@ class PosixBackend(IOBackend):
                     raise
         return os.open(path, flags, 0o644), False
 
-    def read_async(self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int) -> IOFuture:
+    def read_async(
+        self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int, *, offset: int = 0
+    ) -> IOFuture:
         p = os.fspath(path)
         check_buffer(dst, nbytes, path=p, allow_cuda=False)
+        check_offset(offset, path=p)
         fd, direct = self._open(p, os.O_RDONLY, dst.data_ptr() % ALIGNMENT == 0)
         try:
             size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise short_file_error(p, size, nbytes)
+            if size < offset + nbytes:
+                raise short_file_error(p, size, offset + nbytes)
         except BaseException:
             os.close(fd)
             raise
         length = padded(nbytes) if direct else nbytes
-        return self._submit(fd, p, dst, length, nbytes, direct, finish=lambda: os.close(fd))
+        return self._submit(
+            fd, p, dst, length, nbytes, direct, finish=lambda: os.close(fd), base=offset
+        )
 
     def write_async(
-        self, path: str | os.PathLike[str], src: torch.Tensor, nbytes: int, *, fsync: bool = True
+        self,
+        path: str | os.PathLike[str],
+        src: torch.Tensor,
+        nbytes: int,
+        *,
+        fsync: bool = True,
+        offset: int = 0,
     ) -> IOFuture:
         p = os.fspath(path)
         check_buffer(src, nbytes, path=p, allow_cuda=False)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        check_offset(offset, path=p)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)
         fd, direct = self._open(p, flags, src.data_ptr() % ALIGNMENT == 0)
         length = padded(nbytes) if direct else nbytes
 
         def finish() -> None:
             try:
                 if length != nbytes:
-                    os.ftruncate(fd, nbytes)
+                    os.ftruncate(fd, offset + nbytes)
                 if fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
 
-        return self._submit(fd, p, src, length, nbytes, direct, finish=finish, write=True)
+        return self._submit(
+            fd, p, src, length, nbytes, direct, finish=finish, write=True, base=offset
+        )
 
     def _submit(
         self,
@@ -431,7 +468,9 @@ class PosixBackend(IOBackend):
         *,
         finish: Callable[[], None],
         write: bool = False,
+        base: int = 0,
     ) -> IOFuture:
+        """Split ``length`` bytes of ``buf`` into tasks; buffer byte ``i`` is file byte ``base + i``."""
         if self._closed:
             os.close(fd)
             raise RuntimeError(f"{path}: the posix I/O backend is closed: open a new one")
@@ -448,10 +487,11 @@ class PosixBackend(IOBackend):
             try:
                 if transfer.error is None:
                     end = min(offset + step, length)
+                    piece, at = view[offset:end], base + offset
                     if write:
-                        _pwrite_all(fd, view[offset:end], offset, path)
+                        _pwrite_all(fd, piece, at, path)
                     else:
-                        _pread_all(fd, view[offset:end], offset, path, min(end, nbytes) - offset)
+                        _pread_all(fd, piece, at, path, min(end, nbytes) - offset)
             except BaseException as exc:
                 error = exc
             transfer.task_done(error)
@@ -534,30 +574,42 @@ class KvikioBackend(IOBackend):
         self._pool.submit(wait)
         return future
 
-    def read_async(self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int) -> IOFuture:
+    def read_async(
+        self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int, *, offset: int = 0
+    ) -> IOFuture:
         p = os.fspath(path)
         check_buffer(dst, nbytes, path=p, allow_cuda=True)
+        check_offset(offset, path=p)
         size = os.stat(p).st_size
-        if size < nbytes:
-            raise short_file_error(p, size, nbytes)
+        if size < offset + nbytes:
+            raise short_file_error(p, size, offset + nbytes)
         handle = self._kvikio.CuFile(p, "r")
         kfuture = None
         if nbytes:
             kfuture = handle.pread(
-                self._target(dst, nbytes), nbytes, 0, task_size=self.config.task_size
+                self._target(dst, nbytes), nbytes, offset, task_size=self.config.task_size
             )
         return self._finish(p, handle, kfuture, fsync=False)
 
     def write_async(
-        self, path: str | os.PathLike[str], src: torch.Tensor, nbytes: int, *, fsync: bool = True
+        self,
+        path: str | os.PathLike[str],
+        src: torch.Tensor,
+        nbytes: int,
+        *,
+        fsync: bool = True,
+        offset: int = 0,
     ) -> IOFuture:
         p = os.fspath(path)
         check_buffer(src, nbytes, path=p, allow_cuda=True)
-        handle = self._kvikio.CuFile(p, "w")
+        check_offset(offset, path=p)
+        if offset:  # a later piece: keep what the earlier ones wrote ("r+" does not truncate)
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o644))
+        handle = self._kvikio.CuFile(p, "w" if offset == 0 else "r+")
         kfuture = None
         if nbytes:
             kfuture = handle.pwrite(
-                self._target(src, nbytes), nbytes, 0, task_size=self.config.task_size
+                self._target(src, nbytes), nbytes, offset, task_size=self.config.task_size
             )
         return self._finish(p, handle, kfuture, fsync=fsync)
 

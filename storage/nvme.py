@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from storage.io import IOBackend, IOFuture
+from storage.io import ALIGNMENT, IOBackend, IOFuture
 from storage.tiers import Budget, Tier, format_bytes
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "CorruptTensorError",
     "NvmeError",
     "NvmeTier",
+    "NvmeWrite",
     "StoreLockedError",
     "UnsupportedArrayError",
 ]
@@ -470,16 +471,30 @@ class NvmeTier:
         inner.add_done_callback(clean)
         return inner.then(commit)
 
-    def read_async(self, name: str, dst: torch.Tensor) -> IOFuture:
+    def begin_write(self, name: str) -> NvmeWrite:
+        """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`), atomically."""
+        self._check_open()
+        spec, chunk = self._entry(name)
+        self._ensure_dir(chunk.parent)
+        tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
+        return NvmeWrite(spec, chunk, tmp, self.backend)
+
+    def read_async(
+        self, name: str, dst: torch.Tensor, *, offset: int = 0, nbytes: int | None = None
+    ) -> IOFuture:
         """Read tensor ``name``'s bytes into the start of ``dst`` (same buffer rule as writes).
 
-        Raises :class:`CorruptTensorError` naming the tensor and file, before
+        ``offset`` and ``nbytes`` (bytes) select a piece: bytes ``[offset,
+        offset + nbytes)`` of the tensor, by default all from ``offset`` on;
+        ``offset`` is a multiple of :data:`storage.io.ALIGNMENT`. Raises
+        :class:`CorruptTensorError` naming the tensor and file, before
         reading, when the chunk is missing (its write never completed) or its
         size differs from the metadata.
         """
         self._check_open()
         spec, chunk = self._entry(name)
-        if spec.nbytes == 0:
+        count = _check_piece(spec, offset, nbytes)
+        if count == 0:
             return IOFuture.completed(0, path=str(chunk))
         try:
             size = os.stat(chunk).st_size
@@ -495,7 +510,7 @@ class NvmeTier:
                 f"truncated or the metadata was changed; write the tensor again"
             )
         try:
-            return self.backend.read_async(chunk, dst, spec.nbytes)
+            return self.backend.read_async(chunk, dst, count, offset=offset)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
@@ -539,3 +554,106 @@ class NvmeTier:
     def __del__(self) -> None:
         if getattr(self, "_lock_fd", None) is not None:
             self.close()
+
+
+def _check_piece(spec: ArraySpec, offset: int, nbytes: int | None) -> int:
+    """The byte count of piece ``[offset, offset + nbytes)`` of ``spec``; ``ValueError`` if bad."""
+    count = spec.nbytes - offset if nbytes is None else nbytes
+    if not isinstance(offset, int) or offset < 0 or offset % ALIGNMENT or offset > spec.nbytes:
+        raise ValueError(
+            f"tensor {spec.name!r}: offset {offset!r} bytes must be a multiple of {ALIGNMENT} "
+            f"bytes in [0, {spec.nbytes}]: split the tensor at multiples of {ALIGNMENT} bytes"
+        )
+    if count < 0 or offset + count > spec.nbytes:
+        raise ValueError(
+            f"tensor {spec.name!r}: {count} bytes from offset {offset} pass its end at "
+            f"{spec.nbytes} bytes: pass nbytes <= {spec.nbytes - offset}"
+        )
+    return count
+
+
+class NvmeWrite:
+    """One atomic write of a tensor in pieces, from :meth:`NvmeTier.begin_write`.
+
+    Pieces go into a temporary file beside the chunk, in increasing offsets
+    (:meth:`write_async`); :meth:`commit` checks that they cover the tensor,
+    fsyncs the file, renames it onto the chunk and fsyncs the directory, once.
+    Until then readers see the previous version; :meth:`abort` (or leaving a
+    ``with`` block without committing) removes the temporary file, and a
+    crash leaves it for the next opener to remove.
+    """
+
+    def __init__(self, spec: ArraySpec, chunk: Path, tmp: Path, backend: IOBackend) -> None:
+        self.spec = spec
+        """The tensor being written."""
+        self._chunk, self._tmp, self._backend = chunk, tmp, backend
+        self._written = 0
+        self._done = False
+
+    def write_async(
+        self, src: torch.Tensor, *, offset: int = 0, nbytes: int | None = None
+    ) -> IOFuture:
+        """Write bytes ``[offset, offset + nbytes)`` of the tensor from the start of ``src``.
+
+        ``nbytes`` defaults to the rest of the tensor; ``offset`` (bytes) is a
+        multiple of :data:`storage.io.ALIGNMENT` and follows the previous
+        piece's end (pieces are written in order, each one after the previous
+        one's future completed).
+        """
+        name = self.spec.name
+        if self._done:
+            raise NvmeError(f"tensor {name!r}: this write was committed or aborted: begin another")
+        count = _check_piece(self.spec, offset, nbytes)
+        if offset != self._written:
+            raise ValueError(
+                f"tensor {name!r}: piece at offset {offset} bytes does not follow the "
+                f"{self._written} bytes written so far: write pieces in order from offset 0"
+            )
+        try:
+            fut = self._backend.write_async(self._tmp, src, count, fsync=False, offset=offset)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from exc
+        except OSError as exc:
+            raise NvmeError(f"tensor {name!r}: cannot write {self._tmp}: {exc}") from exc
+        self._written = offset + count
+        return fut
+
+    def commit(self) -> None:
+        """Make the written pieces the tensor's contents (blocks: fsync, rename, fsync)."""
+        name = self.spec.name
+        if self._done:
+            raise NvmeError(f"tensor {name!r}: this write was committed or aborted: begin another")
+        self._done = True
+        if self.spec.nbytes == 0:
+            return
+        try:
+            size = os.stat(self._tmp).st_size if self._written else 0
+            if self._written != self.spec.nbytes or size != self.spec.nbytes:
+                raise NvmeError(
+                    f"tensor {name!r}: {self._written} of {self.spec.nbytes} bytes were written "
+                    f"({size} bytes in {self._tmp}): write every piece before commit()"
+                )
+            fd = os.open(self._tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(self._tmp, self._chunk)
+            _fsync_dir(self._chunk.parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self._tmp.unlink()
+            raise
+
+    def abort(self) -> None:
+        """Drop the pieces written so far; the tensor keeps its previous contents. Idempotent."""
+        if not self._done:
+            self._done = True
+            with contextlib.suppress(OSError):
+                self._tmp.unlink()
+
+    def __enter__(self) -> NvmeWrite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()

@@ -17,7 +17,9 @@ Memory: the device arena and the host arena are carved once at setup; a
 page-in takes a temporary slot of the device arena, ``DEVICE``-home tensors a
 permanent one, ``HOST``-home tensors a slot of the host arena. NVMe
 transfers land straight in aligned slots where the backend allows (CPU; kvikio
-on CUDA), else they pass through the staging pool.
+on CUDA), else they stream through the staging pool piece by piece, so no
+tensor is limited by the size of a staging buffer (see
+:mod:`storage.transfers`; residency lives in :mod:`storage.residency`).
 
 Re-opening: ``register(name, home=Tier.NVME)`` with no tensor, shape or dtype
 adopts an array already in the NVMe group (as does giving its exact shape and
@@ -29,127 +31,31 @@ All methods are called from one thread (the training loop's).
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
-from storage.device import DeviceArena, Slot
+from storage.device import DeviceArena, Slot, resolve_device
 from storage.host import HostArena, StagingPool
-from storage.io import ALIGNMENT, IOBackend, IOConfig, aligned_empty, open_backend, padded
+from storage.io import ALIGNMENT, IOBackend, IOConfig, open_backend, padded
 from storage.nvme import ArraySpec, NvmeTier
-from storage.tiers import Residency, Tier, format_bytes
+from storage.residency import Record, ResidencyMachine, StateError, Ticket
+from storage.tiers import Residency, Tier
+from storage.transfers import (
+    LINKS,
+    Events,
+    LinkStats,
+    Transfers,
+    Work,
+    done_future,
+    flat_bytes,
+    settled,
+)
 
 __all__ = ["LINKS", "LinkStats", "ResidencyMachine", "StateError", "StoreConfig", "Ticket"]
-__all__ += ["TieredStore"]
-
-LINKS = ("nvme->host", "host->device", "device->host", "host->nvme", "nvme->device", "device->nvme")
-"""Copy links counted by :meth:`TieredStore.stats`; ``nvme->device`` / ``device->nvme`` are file
-transfers that land in (or leave from) a device-arena slot without staging."""
-
-_Events = tuple[torch.cuda.Event, ...]
-_Work = Callable[[_Events], "torch.cuda.Event | None"]
-
-
-class StateError(ValueError):
-    """An illegal residency transition: names the tensor, its state and the attempt."""
-
-
-class ResidencyMachine:
-    """The residency of one tensor, changed only through the transition table."""
-
-    TRANSITIONS: ClassVar[dict[tuple[Residency, str], Residency]] = {
-        (Residency.RELEASED, "page_in"): Residency.IN_FLIGHT,
-        (Residency.IN_FLIGHT, "arrive"): Residency.RESIDENT,
-        (Residency.IN_FLIGHT, "fail"): Residency.RELEASED,
-        (Residency.RESIDENT, "release"): Residency.RELEASED,
-        (Residency.RELEASED, "home_on_device"): Residency.RESIDENT,
-        (Residency.RESIDENT, "home_off_device"): Residency.RELEASED,
-    }
-    """``(state, event) -> next state``; any other pair is illegal."""
-    _HINTS: ClassVar[dict[Residency, str]] = {
-        Residency.RELEASED: "prefetch_async() it and wait on the ticket first",
-        Residency.IN_FLIGHT: "wait on its ticket first",
-        Residency.RESIDENT: "it is already on the device: use get(), or release() it first",
-    }
-
-    def __init__(self, name: str, state: Residency = Residency.RELEASED) -> None:
-        self.name = name
-        self.state = state
-
-    def check(self, event: str) -> Residency:
-        """The state ``event`` leads to; raises :class:`StateError` if illegal now."""
-        nxt = self.TRANSITIONS.get((self.state, event))
-        if nxt is None:
-            raise StateError(
-                f"tensor {self.name!r} is {self.state.value.upper()}: transition {event!r} is "
-                f"illegal from that state; {self._HINTS[self.state]}"
-            )
-        return nxt
-
-    def apply(self, event: str) -> Residency:
-        """Take the transition ``event`` (see :attr:`TRANSITIONS`)."""
-        self.state = self.check(event)
-        return self.state
-
-
-@dataclass(frozen=True)
-class LinkStats:
-    """Traffic on one copy link since the store opened."""
-
-    bytes: int
-    """Bytes moved."""
-    seconds: float
-    """Seconds during which at least one transfer was running on the link."""
-    count: int
-    """Transfers completed."""
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per busy second (bytes/s); 0 before any transfer."""
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
-
-
-class _Meter:
-    """Thread-safe byte and busy-time counter of one link (overlapping transfers counted once)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._bytes = self._count = self._active = 0
-        self._busy = self._since = 0.0
-
-    @contextlib.contextmanager
-    def timing(self, nbytes: int) -> Iterator[None]:
-        with self._lock:
-            if self._active == 0:
-                self._since = time.perf_counter()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._bytes += nbytes
-                self._count += 1
-                if self._active == 0:
-                    self._busy += time.perf_counter() - self._since
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self._bytes, self._count, self._busy = (
-                self._bytes + nbytes,
-                self._count + 1,
-                self._busy + seconds,
-            )
-
-    def snapshot(self) -> LinkStats:
-        with self._lock:
-            busy = self._busy + (time.perf_counter() - self._since if self._active else 0.0)
-            return LinkStats(bytes=self._bytes, seconds=busy, count=self._count)
+__all__ += ["TieredStore", "flat_bytes", "resolve_device"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,8 +73,11 @@ class StoreConfig:
     staging_buffers: int = 4
     """Aligned host buffers (pinned on CUDA) for NVMe transfers that cannot go direct."""
     staging_bytes: int = 64 << 20
-    """Bytes of each staging buffer (a multiple of 4096); on CUDA with the POSIX backend it
-    bounds the size of one NVMe-home tensor."""
+    """Bytes of each staging buffer (a multiple of 4096): the piece size of staged NVMe
+    transfers, which stream a tensor of any size through one buffer at a time."""
+    stage_nvme: bool = False
+    """Stage every NVMe transfer, piece by piece, even where it could land straight in an
+    arena slot (on the CPU, or with kvikio); off by default."""
     io: IOConfig = field(default_factory=IOConfig)
     """I/O backend of the NVMe tier."""
     device: str | None = None
@@ -203,111 +112,6 @@ class StoreConfig:
         resolve_device(self.device)
 
 
-def resolve_device(spec: str | None) -> torch.device:
-    """The compute device for ``StoreConfig.device`` (``ValueError`` when unusable)."""
-    if spec is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"StoreConfig.device={spec!r} is not a device: use 'cuda' or 'cpu'"
-        ) from exc
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"StoreConfig.device={spec!r}: only 'cuda[:N]' and 'cpu' are supported")
-    if not torch.cuda.is_available():
-        raise ValueError(f"StoreConfig.device={spec!r} but CUDA is not available: use 'cpu'")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"StoreConfig.device={spec!r} but only {torch.cuda.device_count()} CUDA devices exist"
-        )
-    return torch.device("cuda", index)
-
-
-def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``tensor`` as a 1-D ``uint8`` tensor (a view when contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-@dataclass(eq=False)
-class _Record:
-    """Everything the store knows about one tensor."""
-
-    spec: ArraySpec
-    home: Tier
-    residency: ResidencyMachine
-    home_slot: Slot | None = None
-    """Its slot in the device arena (``DEVICE`` home) or host arena (``HOST`` home)."""
-    device_slot: Slot | None = None
-    """Its slot in the device arena while paged in (the home slot for ``DEVICE`` home)."""
-    written: bool = True
-    """``NVME`` home: whether its chunk file exists (never-written tensors read as zeros)."""
-    last: Future[torch.cuda.Event | None] | None = None
-    """The last operation issued on it; the next one waits for it."""
-
-    def device_view(self) -> torch.Tensor:
-        assert self.device_slot is not None, f"{self.spec.name} has no device slot"
-        return self.device_slot.view(self.spec.shape, self.spec.dtype)
-
-
-class Ticket:
-    """Handle of page-ins or write-backs in flight; :meth:`wait` is their sync point."""
-
-    def __init__(
-        self,
-        entries: list[tuple[_Record, Future[torch.cuda.Event | None]]],
-        *,
-        paged: frozenset[str],
-        results: dict[str, torch.Tensor],
-        on_fail: Callable[[_Record], None],
-        device: torch.device,
-    ) -> None:
-        self._entries = entries
-        self._device = device
-        self._paged = paged
-        self._results = results
-        self._on_fail = on_fail
-        self._waited = False
-
-    def done(self) -> bool:
-        """Whether every transfer has been issued and finished on the host side; never blocks."""
-        return all(fut.done() for _, fut in self._entries)
-
-    def wait(self) -> dict[str, torch.Tensor]:
-        """Block until the transfers completed; page-ins become ``RESIDENT``.
-
-        Returns ``name -> device tensor`` (views into the device arena for
-        page-ins, the written source for write-backs). On CUDA the current
-        stream is made to wait for the copies instead of the host. Re-raises
-        the first transfer error (failed page-ins go back to ``RELEASED``).
-        """
-        if self._waited:
-            return dict(self._results)
-        error: BaseException | None = None
-        for rec, fut in self._entries:
-            try:
-                event = fut.result()
-            except BaseException as exc:
-                error = error or exc
-                if rec.spec.name in self._paged:
-                    self._on_fail(rec)
-                self._results.pop(rec.spec.name, None)
-                continue
-            if event is not None:
-                torch.cuda.current_stream(self._device).wait_event(event)
-            if rec.spec.name in self._paged:
-                rec.residency.apply("arrive")
-        self._waited = True
-        if error is not None:
-            raise error
-        return dict(self._results)
-
-
 class TieredStore:
     """Named tensors on DEVICE / HOST / NVME tiers with asynchronous page-in and write-back.
 
@@ -323,10 +127,7 @@ class TieredStore:
         self.config = config
         self.device = resolve_device(config.device)
         self._cuda = self.device.type == "cuda"
-        self._records: dict[str, _Record] = {}
-        self._meters = {link: _Meter() for link in LINKS}
-        self._timings: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
-        self._timings_lock = threading.Lock()
+        self._records: dict[str, Record] = {}
         self._closed = True
         self._device_arena = DeviceArena(config.device_budget, self.device)
         self._host_arena = HostArena(config.host_budget)
@@ -344,14 +145,14 @@ class TieredStore:
                 raise
             self._backend = backend
             self._staging = StagingPool(config.staging_buffers, config.staging_bytes)
-        # NVMe transfers land in device-arena slots directly on the CPU and with kvikio
-        self._direct = not self._cuda or (
-            self._backend is not None and self._backend.name == "kvikio"
+        self._io = Transfers(
+            self.device,
+            nvme=self._nvme,
+            staging=self._staging,
+            direct_device=self._backend is not None and self._backend.name == "kvikio",
+            stage_nvme=config.stage_nvme,
+            threads=config.copy_threads,
         )
-        self._streams: dict[str, torch.cuda.Stream] = {}
-        if self._cuda:
-            self._streams = {d: torch.cuda.Stream(self.device) for d in ("h2d", "d2h")}
-        self._pool = ThreadPoolExecutor(config.copy_threads, thread_name_prefix="bb-store")
         self._closed = False
 
     # -- registry --------------------------------------------------------------------------
@@ -405,10 +206,9 @@ class TieredStore:
             raise ValueError(f"tensor {name!r}: shape {dims} has a negative dimension")
         nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
         spec = ArraySpec(name=name, shape=dims, dtype=dtype, nbytes=nbytes)
-        rec = _Record(spec=spec, home=home, residency=ResidencyMachine(name))
+        rec = Record(spec=spec, home=home, residency=ResidencyMachine(name))
         if home is Tier.NVME:
             assert nvme is not None
-            self._check_staging(spec)
             if existing is not None:
                 if (existing.shape, existing.dtype) != (dims, dtype):
                     raise ValueError(
@@ -428,10 +228,10 @@ class TieredStore:
                 rec.residency.apply("home_on_device")
         try:
             if tensor is not None:
-                self._settled(self._store(rec, flat_bytes(tensor), self._tier_of(tensor), None, ()))
+                settled(self._io.store(rec, flat_bytes(tensor), self._tier_of(tensor), None, ()))
             elif home is not Tier.NVME:
                 assert rec.home_slot is not None
-                self._settled(self._fill_zero(rec.home_slot.raw()[:nbytes], ()))
+                settled(self._io.fill_zero(rec.home_slot.raw()[:nbytes], ()))
         except BaseException:
             self._drop_home(rec, delete_nvme=existing is None)
             raise
@@ -466,7 +266,7 @@ class TieredStore:
         for rec in records:
             if rec.home is not Tier.DEVICE:
                 rec.residency.check("page_in")
-        ready = self._ready()
+        ready = self._io.ready()
         slots: list[Slot] = []
         try:
             for rec in records:
@@ -476,7 +276,7 @@ class TieredStore:
             for slot in slots:
                 self._device_arena.free(slot)
             raise
-        entries: list[tuple[_Record, Future[torch.cuda.Event | None]]] = []
+        entries: list[tuple[Record, Future[torch.cuda.Event | None]]] = []
         paged = frozenset(r.spec.name for r in records if r.home is not Tier.DEVICE)
         results: dict[str, torch.Tensor] = {}
         it = iter(slots)
@@ -487,7 +287,7 @@ class TieredStore:
                 rec.device_slot = slot
                 entries.append((rec, self._submit(rec, self._page_in_work(rec, slot, ready))))
             else:
-                entries.append((rec, rec.last or _done_future()))
+                entries.append((rec, rec.last or done_future()))
             results[rec.spec.name] = rec.device_view()
         return Ticket(
             entries, paged=paged, results=results, on_fail=self._abort, device=self.device
@@ -500,10 +300,10 @@ class TieredStore:
         """
         rec = self._record(name)
         if rec.residency.state is not Residency.RESIDENT:
-            hint = ResidencyMachine._HINTS[rec.residency.state]
+            hint = rec.residency.hint()
             raise StateError(f"tensor {name!r} is {rec.residency.state.value.upper()}: {hint}")
         if rec.home is Tier.DEVICE and rec.last is not None:  # a write_back_async(name, src)
-            event = self._settle(rec)
+            event = self._io.settle(rec)
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
         return rec.device_view()
@@ -518,7 +318,7 @@ class TieredStore:
         for rec in records:
             rec.residency.check("release")
         for rec in records:
-            event = self._settle(rec)
+            event = self._io.settle(rec)
             if event is not None:  # later kernels and page-ins into this slot come after it
                 torch.cuda.current_stream(self.device).wait_event(event)
             rec.residency.apply("release")
@@ -539,11 +339,11 @@ class TieredStore:
             if rec.residency.state is not Residency.RESIDENT:
                 raise StateError(
                     f"tensor {name!r} is {rec.residency.state.value.upper()}: write-back needs "
-                    f"its device copy; {ResidencyMachine._HINTS[rec.residency.state]}"
+                    f"its device copy; {rec.residency.hint()}"
                 )
             out = rec.device_view()
             if rec.home is Tier.DEVICE:
-                return Ticket([(rec, rec.last or _done_future())], paged=frozenset(),
+                return Ticket([(rec, rec.last or done_future())], paged=frozenset(),
                               results={name: out}, on_fail=self._abort, device=self.device)  # fmt: skip
             assert rec.device_slot is not None
             data, tier, src_raw = (
@@ -555,9 +355,11 @@ class TieredStore:
             self._check_like(rec, src)
             out, data, tier = src, flat_bytes(src), self._tier_of(src)
             if data.is_cuda and self._cuda:
-                data.record_stream(self._streams["d2h"])
-        ready = self._ready()
-        fut = self._submit(rec, lambda after: self._store(rec, data, tier, src_raw, after + ready))
+                data.record_stream(self._io.streams["d2h"])
+        ready = self._io.ready()
+        fut = self._submit(
+            rec, lambda after: self._io.store(rec, data, tier, src_raw, after + ready)
+        )
         return Ticket([(rec, fut)], paged=frozenset(), results={name: out}, on_fail=self._abort,
                       device=self.device)  # fmt: skip
 
@@ -578,19 +380,9 @@ class TieredStore:
                     f"tensor {name!r}: out must be a contiguous CPU tensor, got one on "
                     f"{out.device}: pass out=None to get a new one"
                 )
-        self._settle(rec, sync=True)
+        self._io.settle(rec, sync=True)
         if rec.home is Tier.NVME and rec.written and spec.nbytes:
-            fits = self._staging is not None and padded(spec.nbytes) <= self._staging.buffer_bytes
-            if out is None or not fits:
-                buf = aligned_empty(spec.nbytes)
-                self._nvme_read(rec, buf, Tier.HOST)
-                result = buf[: spec.nbytes].view(spec.dtype).view(spec.shape)
-                return result if out is None else out.copy_(result)
-            assert self._staging is not None
-            with self._staging.borrow() as buf:
-                self._nvme_read(rec, buf, Tier.HOST)
-                flat_bytes(out).copy_(buf[: spec.nbytes])
-            return out
+            return self._io.read_home(rec, out)
         result = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
         if rec.home is Tier.NVME:
             return result.zero_()
@@ -598,7 +390,7 @@ class TieredStore:
         dst = result.view(-1).view(torch.uint8) if spec.nbytes else result
         if spec.nbytes:
             src = rec.home_slot.raw()[: spec.nbytes]
-            self._settled(self._copy(dst, Tier.HOST, src, rec.home, self._ready()))
+            settled(self._io.copy(dst, Tier.HOST, src, rec.home, self._io.ready()))
         return result
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -609,13 +401,13 @@ class TieredStore:
         """
         rec = self._record(name)
         self._check_like(rec, tensor)
-        self._settle(rec, sync=True)
+        self._io.settle(rec, sync=True)
         data = flat_bytes(tensor)
-        ready = self._ready()
-        self._settled(self._store(rec, data, self._tier_of(tensor), None, ready))
+        ready = self._io.ready()
+        settled(self._io.store(rec, data, self._tier_of(tensor), None, ready))
         if rec.home is not Tier.DEVICE and rec.device_slot is not None:
             dst = rec.device_slot.raw()[: rec.spec.nbytes]
-            self._settled(self._copy(dst, Tier.DEVICE, data, self._tier_of(tensor), ready))
+            settled(self._io.copy(dst, Tier.DEVICE, data, self._tier_of(tensor), ready))
 
     def move(self, name: str, tier: Tier) -> None:
         """Change the home tier of ``name``, keeping its contents.
@@ -630,13 +422,12 @@ class TieredStore:
         if rec.home is not Tier.DEVICE and rec.residency.state is not Residency.RELEASED:
             raise StateError(
                 f"tensor {name!r} is {rec.residency.state.value.upper()}: move() to "
-                f"{tier.value} needs it RELEASED; {ResidencyMachine._HINTS[rec.residency.state]}"
+                f"{tier.value} needs it RELEASED; {rec.residency.hint()}"
             )
-        self._settle(rec, sync=True)
-        new = _Record(spec=rec.spec, home=tier, residency=rec.residency, written=False)
+        self._io.settle(rec, sync=True)
+        new = Record(spec=rec.spec, home=tier, residency=rec.residency, written=False)
         if tier is Tier.NVME:
             nvme = self._nvme_for(name)
-            self._check_staging(rec.spec)
             if nvme.contains(name):
                 raise ValueError(
                     f"tensor {name!r}: the NVMe group already holds an unregistered array of "
@@ -650,11 +441,11 @@ class TieredStore:
             if tier is Tier.NVME:
                 assert rec.home_slot is not None
                 raw = rec.home_slot.raw()
-                event = self._store(new, raw[: rec.spec.nbytes], rec.home, raw, self._ready())
+                event = self._io.store(new, raw[: rec.spec.nbytes], rec.home, raw, self._io.ready())
             else:
                 assert new.home_slot is not None
-                event = self._load(rec, new.home_slot, tier, self._ready())
-            self._settled(event)
+                event = self._io.load(rec, new.home_slot, tier, self._io.ready())
+            settled(event)
         except BaseException:
             self._drop_home(new, delete_nvme=True)
             raise
@@ -667,167 +458,14 @@ class TieredStore:
             rec.residency.apply("home_on_device")
             rec.device_slot = rec.home_slot
 
-    # -- transfers (run on the copy threads, or in the caller for synchronous calls) ------
+    # -- transfers (run on the copy threads, each after the previous one on its tensor) ----
 
-    def _page_in_work(self, rec: _Record, slot: Slot, ready: _Events) -> _Work:
-        return lambda after: self._load(rec, slot, Tier.DEVICE, after + ready)
+    def _page_in_work(self, rec: Record, slot: Slot, ready: Events) -> Work:
+        return lambda after: self._io.load(rec, slot, Tier.DEVICE, after + ready)
 
-    def _load(
-        self, rec: _Record, slot: Slot, tier: Tier, after: _Events
-    ) -> torch.cuda.Event | None:
-        """Copy the home contents of ``rec`` into ``slot`` of the ``tier`` arena."""
-        nbytes = rec.spec.nbytes
-        dst = slot.raw()
-        if rec.home is not Tier.NVME:
-            assert rec.home_slot is not None
-            return self._copy(dst[:nbytes], tier, rec.home_slot.raw()[:nbytes], rec.home, after)
-        if not rec.written or nbytes == 0:
-            return self._fill_zero(dst[:nbytes], after)
-        if not dst.is_cuda or self._direct:
-            self._settled_all(after)
-            self._nvme_read(rec, dst, tier)
-            return None
-        assert self._staging is not None
-        with self._staging.borrow() as buf:
-            self._nvme_read(rec, buf, Tier.HOST)
-            event = self._copy(dst[:nbytes], tier, buf[:nbytes], Tier.HOST, after)
-            self._settled(event)  # the staging buffer is reused once the copy is done
-        return event
-
-    def _store(
-        self,
-        rec: _Record,
-        data: torch.Tensor,
-        tier: Tier,
-        raw: torch.Tensor | None,
-        after: _Events,
-    ) -> torch.cuda.Event | None:
-        """Copy ``data`` (flat bytes on ``tier``) to the home of ``rec``.
-
-        ``raw`` is ``data``'s whole padded arena slot when it is one, so an
-        NVMe write can leave from it directly.
-        """
-        nbytes = rec.spec.nbytes
-        if rec.home is not Tier.NVME:
-            assert rec.home_slot is not None
-            return self._copy(rec.home_slot.raw()[:nbytes], rec.home, data, tier, after)
-        if nbytes == 0:
-            rec.written = True
-            return None
-        if raw is not None and (not raw.is_cuda or self._direct):
-            self._settled_all(after)
-            self._nvme_write(rec, raw, tier)
-        elif self._staging is not None and padded(nbytes) <= self._staging.buffer_bytes:
-            with self._staging.borrow() as buf:
-                self._settled(self._copy(buf[:nbytes], Tier.HOST, data, tier, after))
-                self._nvme_write(rec, buf, Tier.HOST)
-        else:  # larger than a staging buffer: only on the CPU (see _check_staging)
-            buf = aligned_empty(nbytes)
-            self._settled(self._copy(buf[:nbytes], Tier.HOST, data, tier, after))
-            self._nvme_write(rec, buf, Tier.HOST)
-        rec.written = True
-        return None
-
-    def _copy(
-        self, dst: torch.Tensor, dst_tier: Tier, src: torch.Tensor, src_tier: Tier, after: _Events
-    ) -> torch.cuda.Event | None:
-        """Copy flat bytes; on CUDA a ``non_blocking`` copy on a side stream, returning its event."""
-        link = f"{src_tier.value}->{dst_tier.value}"
-        nbytes = dst.numel()
-        if self._cuda and (dst.is_cuda or src.is_cuda):
-            stream = self._streams["d2h" if src.is_cuda and not dst.is_cuda else "h2d"]
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                for event in after:
-                    stream.wait_event(event)
-                start.record(stream)
-                dst.copy_(src, non_blocking=True)
-                end.record(stream)
-            if link in self._meters:
-                with self._timings_lock:
-                    self._timings.append((link, nbytes, start, end))
-            return end
-        self._settled_all(after)
-        meter = self._meters.get(link)
-        with meter.timing(nbytes) if meter is not None else contextlib.nullcontext():
-            dst.copy_(src)
-        return None
-
-    def _fill_zero(self, dst: torch.Tensor, after: _Events) -> torch.cuda.Event | None:
-        if not dst.is_cuda:
-            self._settled_all(after)
-            dst.zero_()
-            return None
-        stream = self._streams["h2d"]
-        with torch.cuda.stream(stream):
-            for event in after:
-                stream.wait_event(event)
-            dst.zero_()
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
-
-    def _nvme_read(self, rec: _Record, buf: torch.Tensor, tier: Tier) -> None:
-        assert self._nvme is not None
-        with self._meters[f"nvme->{tier.value}"].timing(rec.spec.nbytes):
-            self._nvme.read_async(rec.spec.name, buf).wait()
-
-    def _nvme_write(self, rec: _Record, buf: torch.Tensor, tier: Tier) -> None:
-        assert self._nvme is not None
-        with self._meters[f"{tier.value}->nvme"].timing(rec.spec.nbytes):
-            self._nvme.write_async(rec.spec.name, buf).wait()
-
-    # -- ordering and synchronisation ------------------------------------------------------
-
-    def _submit(self, rec: _Record, work: _Work) -> Future[torch.cuda.Event | None]:
-        """Run ``work`` on a copy thread after the previous operation on ``rec``."""
+    def _submit(self, rec: Record, work: Work) -> Future[torch.cuda.Event | None]:
         self._check_open()
-        prev = rec.last
-
-        def job() -> torch.cuda.Event | None:
-            after: _Events = ()
-            if prev is not None:
-                try:
-                    event = prev.result()
-                except BaseException:  # reported through that operation's ticket
-                    event = None
-                after = () if event is None else (event,)
-            return work(after)
-
-        rec.last = self._pool.submit(job)
-        return rec.last
-
-    def _settle(self, rec: _Record, *, sync: bool = False) -> torch.cuda.Event | None:
-        """Wait for the operations issued on ``rec``; re-raises the last one's error once.
-
-        Returns the CUDA event of the last copy (synchronised with ``sync``).
-        """
-        fut, rec.last = rec.last, None
-        if fut is None:
-            return None
-        event = fut.result()
-        if sync:
-            self._settled(event)
-        return event
-
-    def _ready(self) -> _Events:
-        """An event on the caller's current stream: side-stream copies start after it."""
-        if not self._cuda:
-            return ()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return (event,)
-
-    @staticmethod
-    def _settled(event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            event.synchronize()
-
-    @staticmethod
-    def _settled_all(events: _Events) -> None:
-        for event in events:
-            event.synchronize()
+        return self._io.submit(rec, work)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -835,14 +473,14 @@ class TieredStore:
         if self._closed:
             raise ValueError("the TieredStore is closed: open a new one")
 
-    def _record(self, name: str) -> _Record:
+    def _record(self, name: str) -> Record:
         self._check_open()
         try:
             return self._records[name]
         except KeyError:
             raise KeyError(f"tensor {name!r} is not registered: register() it first") from None
 
-    def _records_of(self, names: str | Sequence[str]) -> list[_Record]:
+    def _records_of(self, names: str | Sequence[str]) -> list[Record]:
         listed = [names] if isinstance(names, str) else list(names)
         if len(set(listed)) != len(listed):
             raise ValueError(f"tensor names {listed} repeat a name: list each tensor once")
@@ -859,17 +497,7 @@ class TieredStore:
             )
         return self._nvme
 
-    def _check_staging(self, spec: ArraySpec) -> None:
-        """On CUDA with the POSIX backend every NVMe transfer fits one staging buffer."""
-        assert self._staging is not None
-        if not self._direct and padded(spec.nbytes) > self._staging.buffer_bytes:
-            raise ValueError(
-                f"tensor {spec.name!r} of {format_bytes(spec.nbytes)} ({spec.nbytes} bytes) "
-                f"cannot pass through a staging buffer of {self._staging.buffer_bytes} bytes: "
-                f"raise StoreConfig.staging_bytes to at least {padded(spec.nbytes)}"
-            )
-
-    def _check_like(self, rec: _Record, tensor: torch.Tensor) -> None:
+    def _check_like(self, rec: Record, tensor: torch.Tensor) -> None:
         spec = rec.spec
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(
@@ -880,14 +508,14 @@ class TieredStore:
     def _tier_of(self, tensor: torch.Tensor) -> Tier:
         return Tier.DEVICE if tensor.device == self.device else Tier.HOST
 
-    def _abort(self, rec: _Record) -> None:
+    def _abort(self, rec: Record) -> None:
         """A page-in failed: back to RELEASED, slot freed."""
         rec.residency.apply("fail")
         assert rec.device_slot is not None
         self._device_arena.free(rec.device_slot)
         rec.device_slot = None
 
-    def _drop_home(self, rec: _Record, *, delete_nvme: bool) -> None:
+    def _drop_home(self, rec: Record, *, delete_nvme: bool) -> None:
         """Free what the home tier of ``rec`` holds for it."""
         if rec.home is Tier.NVME:
             if delete_nvme:
@@ -902,15 +530,7 @@ class TieredStore:
 
     def stats(self) -> dict[str, LinkStats]:
         """Traffic per link in :data:`LINKS` since the store opened (bytes, busy s, count)."""
-        with self._timings_lock:
-            pending = []
-            for link, nbytes, start, end in self._timings:
-                if end.query():
-                    self._meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
-                else:
-                    pending.append((link, nbytes, start, end))
-            self._timings = pending
-        return {link: meter.snapshot() for link, meter in self._meters.items()}
+        return self._io.stats()
 
     def usage(self) -> dict[Tier, tuple[int, int]]:
         """``(used, capacity)`` bytes per tier; arena slots count padded to 4 KiB.
@@ -931,8 +551,8 @@ class TieredStore:
         self._closed = True
         for rec in self._records.values():
             with contextlib.suppress(BaseException):
-                self._settle(rec, sync=True)
-        self._pool.shutdown(wait=True)
+                self._io.settle(rec, sync=True)
+        self._io.shutdown()
         if self._cuda:
             torch.cuda.synchronize(self.device)
             self.stats()
@@ -946,9 +566,3 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _done_future() -> Future[torch.cuda.Event | None]:
-    fut: Future[torch.cuda.Event | None] = Future()
-    fut.set_result(None)
-    return fut

@@ -50,6 +50,9 @@ class Model:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    STAGE_NVME = False
+    """Whether every NVMe transfer goes through the (one, 8 KiB) staging buffer in pieces."""
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="bb-store-prop-")
@@ -60,6 +63,7 @@ class StoreMachine(RuleBasedStateMachine):
             nvme_budget=BUDGET[Tier.NVME],
             staging_buffers=1,
             staging_bytes=8 << 10,
+            stage_nvme=self.STAGE_NVME,
             io=IOConfig(backend="posix", threads=2, task_size=4096),
             device="cpu",
         )
@@ -280,3 +284,18 @@ StoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestStoreMachine = pytest.mark.slow(StoreMachine.TestCase)
+
+
+class StagedStoreMachine(StoreMachine):
+    """The same model with NVMe tensors streamed through 8 KiB staging pieces."""
+
+    STAGE_NVME = True
+
+
+StagedStoreMachine.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStagedStoreMachine = pytest.mark.slow(StagedStoreMachine.TestCase)

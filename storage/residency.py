@@ -1,0 +1,149 @@
+"""Residency of stored tensors: one state machine per tensor, and the record that holds it.
+
+Each tensor of a :class:`storage.store.TieredStore` is ``RELEASED``,
+``IN_FLIGHT`` or ``RESIDENT`` on the compute device, and changes state only
+through :attr:`ResidencyMachine.TRANSITIONS`; any other change raises
+:class:`StateError`. :class:`Record` gathers everything the store knows about
+one tensor: its spec, home tier, residency, arena slots and the last
+operation issued on it. A :class:`Ticket` is the sync point of transfers in
+flight: waiting on it takes page-ins to ``RESIDENT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from storage.device import Slot
+from storage.nvme import ArraySpec
+from storage.tiers import Residency, Tier
+
+__all__ = ["Record", "ResidencyMachine", "StateError", "Ticket"]
+
+
+class StateError(ValueError):
+    """An illegal residency transition: names the tensor, its state and the attempt."""
+
+
+class ResidencyMachine:
+    """The residency of one tensor, changed only through the transition table."""
+
+    TRANSITIONS: ClassVar[dict[tuple[Residency, str], Residency]] = {
+        (Residency.RELEASED, "page_in"): Residency.IN_FLIGHT,
+        (Residency.IN_FLIGHT, "arrive"): Residency.RESIDENT,
+        (Residency.IN_FLIGHT, "fail"): Residency.RELEASED,
+        (Residency.RESIDENT, "release"): Residency.RELEASED,
+        (Residency.RELEASED, "home_on_device"): Residency.RESIDENT,
+        (Residency.RESIDENT, "home_off_device"): Residency.RELEASED,
+    }
+    """``(state, event) -> next state``; any other pair is illegal."""
+    _HINTS: ClassVar[dict[Residency, str]] = {
+        Residency.RELEASED: "prefetch_async() it and wait on the ticket first",
+        Residency.IN_FLIGHT: "wait on its ticket first",
+        Residency.RESIDENT: "it is already on the device: use get(), or release() it first",
+    }
+
+    def __init__(self, name: str, state: Residency = Residency.RELEASED) -> None:
+        self.name = name
+        self.state = state
+
+    def check(self, event: str) -> Residency:
+        """The state ``event`` leads to; raises :class:`StateError` if illegal now."""
+        nxt = self.TRANSITIONS.get((self.state, event))
+        if nxt is None:
+            raise StateError(
+                f"tensor {self.name!r} is {self.state.value.upper()}: transition {event!r} is "
+                f"illegal from that state; {self._HINTS[self.state]}"
+            )
+        return nxt
+
+    def apply(self, event: str) -> Residency:
+        """Take the transition ``event`` (see :attr:`TRANSITIONS`)."""
+        self.state = self.check(event)
+        return self.state
+
+    def hint(self) -> str:
+        """What to do before an operation that the current state does not allow."""
+        return self._HINTS[self.state]
+
+
+@dataclass(eq=False)
+class Record:
+    """Everything the store knows about one tensor."""
+
+    spec: ArraySpec
+    """Name, shape, dtype and size (bytes)."""
+    home: Tier
+    """The tier holding the authoritative copy."""
+    residency: ResidencyMachine
+    """Whether a copy is usable on the compute device."""
+    home_slot: Slot | None = None
+    """Its slot in the device arena (``DEVICE`` home) or host arena (``HOST`` home)."""
+    device_slot: Slot | None = None
+    """Its slot in the device arena while paged in (the home slot for ``DEVICE`` home)."""
+    written: bool = True
+    """``NVME`` home: whether its chunk file exists (never-written tensors read as zeros)."""
+    last: Future[torch.cuda.Event | None] | None = None
+    """The last operation issued on it; the next one waits for it."""
+
+    def device_view(self) -> torch.Tensor:
+        """The device copy, shaped and typed as the tensor (a view into its slot)."""
+        assert self.device_slot is not None, f"{self.spec.name} has no device slot"
+        return self.device_slot.view(self.spec.shape, self.spec.dtype)
+
+
+class Ticket:
+    """Handle of page-ins or write-backs in flight; :meth:`wait` is their sync point."""
+
+    def __init__(
+        self,
+        entries: list[tuple[Record, Future[torch.cuda.Event | None]]],
+        *,
+        paged: frozenset[str],
+        results: dict[str, torch.Tensor],
+        on_fail: Callable[[Record], None],
+        device: torch.device,
+    ) -> None:
+        self._entries = entries
+        self._device = device
+        self._paged = paged
+        self._results = results
+        self._on_fail = on_fail
+        self._waited = False
+
+    def done(self) -> bool:
+        """Whether every transfer has been issued and finished on the host side; never blocks."""
+        return all(fut.done() for _, fut in self._entries)
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """Block until the transfers completed; page-ins become ``RESIDENT``.
+
+        Returns ``name -> device tensor`` (views into the device arena for
+        page-ins, the written source for write-backs). On CUDA the current
+        stream is made to wait for the copies instead of the host. Re-raises
+        the first transfer error (failed page-ins go back to ``RELEASED``).
+        """
+        if self._waited:
+            return dict(self._results)
+        error: BaseException | None = None
+        for rec, fut in self._entries:
+            try:
+                event = fut.result()
+            except BaseException as exc:
+                error = error or exc
+                if rec.spec.name in self._paged:
+                    self._on_fail(rec)
+                self._results.pop(rec.spec.name, None)
+                continue
+            if event is not None:
+                torch.cuda.current_stream(self._device).wait_event(event)
+            if rec.spec.name in self._paged:
+                rec.residency.apply("arrive")
+        self._waited = True
+        if error is not None:
+            raise error
+        return dict(self._results)

@@ -1,0 +1,360 @@
+"""The copy machinery of a :class:`storage.store.TieredStore`: page-in, write-back, staging.
+
+:class:`Transfers` moves flat bytes between the arenas and the NVMe tier and
+counts the traffic per copy link (:data:`LINKS`). On CUDA a copy is a
+``non_blocking`` copy on one of two side streams (``h2d`` / ``d2h``), ordered
+after the events it is given, and returns its own event; on the CPU it runs
+in the calling thread (a copy thread of the store) and returns ``None``.
+
+NVMe transfers land straight in (or leave from) a 4 KiB-aligned arena slot
+where the I/O backend can reach it: host memory, or device memory with
+kvikio. Otherwise they stream through the staging pool piece by piece, one
+staging buffer at a time, so a tensor of any size passes through buffers of
+``StoreConfig.staging_bytes``; a staged write still replaces the chunk
+atomically (:meth:`storage.nvme.NvmeTier.begin_write`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from storage.device import Slot
+from storage.host import StagingPool
+from storage.io import aligned_empty
+from storage.nvme import NvmeTier
+from storage.residency import Record
+from storage.tiers import Tier
+
+__all__ = ["LINKS", "Events", "LinkStats", "Transfers", "Work", "done_future", "flat_bytes"]
+__all__ += ["settled", "settled_all"]
+
+LINKS = ("nvme->host", "host->device", "device->host", "host->nvme", "nvme->device", "device->nvme")
+"""Copy links counted by :meth:`TieredStore.stats`; ``nvme->device`` / ``device->nvme`` are file
+transfers that land in (or leave from) a device-arena slot without staging."""
+
+Events = tuple[torch.cuda.Event, ...]
+"""CUDA events a copy must wait for (empty on the CPU)."""
+Work = Callable[[Events], "torch.cuda.Event | None"]
+"""A transfer to run after the given events; returns the event of its last copy (CUDA)."""
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """Traffic on one copy link since the store opened."""
+
+    bytes: int
+    """Bytes moved."""
+    seconds: float
+    """Seconds during which at least one transfer was running on the link."""
+    count: int
+    """Transfers completed (a staged transfer counts once per piece)."""
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per busy second (bytes/s); 0 before any transfer."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Meter:
+    """Thread-safe byte and busy-time counter of one link (overlapping transfers counted once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = self._count = self._active = 0
+        self._busy = self._since = 0.0
+
+    @contextlib.contextmanager
+    def timing(self, nbytes: int) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._bytes += nbytes
+                self._count += 1
+                if self._active == 0:
+                    self._busy += time.perf_counter() - self._since
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._bytes, self._count, self._busy = (
+                self._bytes + nbytes,
+                self._count + 1,
+                self._busy + seconds,
+            )
+
+    def snapshot(self) -> LinkStats:
+        with self._lock:
+            busy = self._busy + (time.perf_counter() - self._since if self._active else 0.0)
+            return LinkStats(bytes=self._bytes, seconds=busy, count=self._count)
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor`` as a 1-D ``uint8`` tensor (a view when contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def done_future() -> Future[torch.cuda.Event | None]:
+    """A future that is already done, with no event: an operation with nothing left to wait for."""
+    fut: Future[torch.cuda.Event | None] = Future()
+    fut.set_result(None)
+    return fut
+
+
+def settled(event: torch.cuda.Event | None) -> None:
+    """Block the host until ``event`` (if any) has completed."""
+    if event is not None:
+        event.synchronize()
+
+
+def settled_all(events: Events) -> None:
+    """Block the host until every event of ``events`` has completed."""
+    for event in events:
+        event.synchronize()
+
+
+class Transfers:
+    """Copies between arenas and files for one store, metered per link.
+
+    Transfers run on ``threads`` copy threads (:meth:`submit`), each after the
+    previous operation on its tensor, so a page-in never reads contents that a
+    write-back in flight is still replacing. ``direct_device`` says whether
+    the I/O backend reads into and writes from device memory (kvikio);
+    ``stage_nvme`` routes every NVMe transfer through ``staging`` even where
+    it could go direct.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        nvme: NvmeTier | None,
+        staging: StagingPool | None,
+        direct_device: bool,
+        stage_nvme: bool = False,
+        threads: int = 2,
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.nvme = nvme
+        self.staging = staging
+        self._direct_device = direct_device
+        self._stage_all = stage_nvme
+        self.meters = {link: _Meter() for link in LINKS}
+        self._timings: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._timings_lock = threading.Lock()
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        if self.cuda:
+            self.streams = {d: torch.cuda.Stream(device) for d in ("h2d", "d2h")}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store")
+
+    # -- ordering --------------------------------------------------------------------------
+
+    def submit(self, rec: Record, work: Work) -> Future[torch.cuda.Event | None]:
+        """Run ``work`` on a copy thread after the previous operation on ``rec``."""
+        prev = rec.last
+
+        def job() -> torch.cuda.Event | None:
+            after: Events = ()
+            if prev is not None:
+                try:
+                    event = prev.result()
+                except BaseException:  # reported through that operation's ticket
+                    event = None
+                after = () if event is None else (event,)
+            return work(after)
+
+        rec.last = self._pool.submit(job)
+        return rec.last
+
+    @staticmethod
+    def settle(rec: Record, *, sync: bool = False) -> torch.cuda.Event | None:
+        """Wait for the operations issued on ``rec``; re-raises the last one's error once.
+
+        Returns the CUDA event of the last copy (synchronised with ``sync``).
+        """
+        fut, rec.last = rec.last, None
+        if fut is None:
+            return None
+        event = fut.result()
+        if sync:
+            settled(event)
+        return event
+
+    def shutdown(self) -> None:
+        """Wait for the copy threads to finish their work and stop them."""
+        self._pool.shutdown(wait=True)
+
+    def _direct(self, buf: torch.Tensor) -> bool:
+        """Whether an NVMe transfer can use ``buf`` (an aligned slot) without staging."""
+        return not self._stage_all and (not buf.is_cuda or self._direct_device)
+
+    # -- whole transfers -------------------------------------------------------------------
+
+    def load(self, rec: Record, slot: Slot, tier: Tier, after: Events) -> torch.cuda.Event | None:
+        """Copy the home contents of ``rec`` into ``slot`` of the ``tier`` arena."""
+        nbytes = rec.spec.nbytes
+        dst = slot.raw()
+        if rec.home is not Tier.NVME:
+            assert rec.home_slot is not None
+            return self.copy(dst[:nbytes], tier, rec.home_slot.raw()[:nbytes], rec.home, after)
+        if not rec.written or nbytes == 0:
+            return self.fill_zero(dst[:nbytes], after)
+        if self._direct(dst):
+            settled_all(after)
+            self._nvme_read(rec, dst, tier, 0, nbytes)
+            return None
+        return self._staged_read(rec, dst[:nbytes], tier, after)
+
+    def store(
+        self,
+        rec: Record,
+        data: torch.Tensor,
+        tier: Tier,
+        raw: torch.Tensor | None,
+        after: Events,
+    ) -> torch.cuda.Event | None:
+        """Copy ``data`` (flat bytes on ``tier``) to the home of ``rec``.
+
+        ``raw`` is ``data``'s whole padded arena slot when it is one, so an
+        NVMe write can leave from it directly.
+        """
+        nbytes = rec.spec.nbytes
+        if rec.home is not Tier.NVME:
+            assert rec.home_slot is not None
+            return self.copy(rec.home_slot.raw()[:nbytes], rec.home, data, tier, after)
+        if nbytes == 0:
+            rec.written = True
+            return None
+        if raw is not None and self._direct(raw):
+            settled_all(after)
+            assert self.nvme is not None
+            with self.meters[f"{tier.value}->nvme"].timing(nbytes):
+                self.nvme.write_async(rec.spec.name, raw).wait()
+        else:
+            self._staged_write(rec, data, tier, after)
+        rec.written = True
+        return None
+
+    def read_home(self, rec: Record, out: torch.Tensor | None) -> torch.Tensor:
+        """The written NVMe contents of ``rec`` in ``out`` (contiguous, CPU) or a new tensor."""
+        spec = rec.spec
+        if out is None:
+            buf = aligned_empty(spec.nbytes)
+            self._nvme_read(rec, buf, Tier.HOST, 0, spec.nbytes)
+            return buf[: spec.nbytes].view(spec.dtype).view(spec.shape)
+        self._staged_read(rec, flat_bytes(out), Tier.HOST, ())
+        return out
+
+    # -- staged transfers (piece by piece through one staging buffer) ----------------------
+
+    def _pieces(self, nbytes: int) -> Iterator[tuple[int, int]]:
+        assert self.staging is not None
+        step = self.staging.buffer_bytes
+        for offset in range(0, nbytes, step):
+            yield offset, min(step, nbytes - offset)
+
+    def _staged_read(
+        self, rec: Record, dst: torch.Tensor, tier: Tier, after: Events
+    ) -> torch.cuda.Event | None:
+        """Read the chunk of ``rec`` into flat bytes ``dst`` on ``tier`` through staging."""
+        assert self.staging is not None
+        event = None
+        with self.staging.borrow() as buf:
+            for offset, n in self._pieces(rec.spec.nbytes):
+                self._nvme_read(rec, buf, Tier.HOST, offset, n)
+                event = self.copy(dst[offset : offset + n], tier, buf[:n], Tier.HOST, after)
+                settled(event)  # the buffer takes the next piece once this copy is done
+        return event
+
+    def _staged_write(self, rec: Record, data: torch.Tensor, tier: Tier, after: Events) -> None:
+        """Write flat bytes ``data`` on ``tier`` to the chunk of ``rec`` through staging."""
+        assert self.nvme is not None and self.staging is not None
+        nbytes = rec.spec.nbytes
+        meter = self.meters["host->nvme"]
+        with self.nvme.begin_write(rec.spec.name) as handle, self.staging.borrow() as buf:
+            for offset, n in self._pieces(nbytes):
+                settled(self.copy(buf[:n], Tier.HOST, data[offset : offset + n], tier, after))
+                with meter.timing(n):
+                    handle.write_async(buf, offset=offset, nbytes=n).wait()
+                    if offset + n == nbytes:
+                        handle.commit()
+
+    def _nvme_read(self, rec: Record, buf: torch.Tensor, tier: Tier, offset: int, n: int) -> None:
+        assert self.nvme is not None
+        with self.meters[f"nvme->{tier.value}"].timing(n):
+            self.nvme.read_async(rec.spec.name, buf, offset=offset, nbytes=n).wait()
+
+    # -- copies ----------------------------------------------------------------------------
+
+    def copy(
+        self, dst: torch.Tensor, dst_tier: Tier, src: torch.Tensor, src_tier: Tier, after: Events
+    ) -> torch.cuda.Event | None:
+        """Copy flat bytes; on CUDA a ``non_blocking`` copy on a side stream, returning its event."""
+        link = f"{src_tier.value}->{dst_tier.value}"
+        nbytes = dst.numel()
+        if self.cuda and (dst.is_cuda or src.is_cuda):
+            stream = self.streams["d2h" if src.is_cuda and not dst.is_cuda else "h2d"]
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                for event in after:
+                    stream.wait_event(event)
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            if link in self.meters:
+                with self._timings_lock:
+                    self._timings.append((link, nbytes, start, end))
+            return end
+        settled_all(after)
+        meter = self.meters.get(link)
+        with meter.timing(nbytes) if meter is not None else contextlib.nullcontext():
+            dst.copy_(src)
+        return None
+
+    def fill_zero(self, dst: torch.Tensor, after: Events) -> torch.cuda.Event | None:
+        """Zero flat bytes ``dst``; on CUDA on the ``h2d`` stream, returning its event."""
+        if not dst.is_cuda:
+            settled_all(after)
+            dst.zero_()
+            return None
+        stream = self.streams["h2d"]
+        with torch.cuda.stream(stream):
+            for event in after:
+                stream.wait_event(event)
+            dst.zero_()
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def ready(self) -> Events:
+        """An event on the caller's current stream: side-stream copies start after it."""
+        if not self.cuda:
+            return ()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return (event,)
+
+    def stats(self) -> dict[str, LinkStats]:
+        """Traffic per link in :data:`LINKS` (bytes, busy seconds, count)."""
+        with self._timings_lock:
+            pending = []
+            for link, nbytes, start, end in self._timings:
+                if end.query():
+                    self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
+                else:
+                    pending.append((link, nbytes, start, end))
+            self._timings = pending
+        return {link: meter.snapshot() for link, meter in self.meters.items()}
