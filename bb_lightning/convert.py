@@ -1,0 +1,245 @@
+"""``bb-lightning convert``: a Hugging Face safetensors checkpoint -> an NVMe-tier zarr store.
+
+Tensors are streamed one at a time (``safetensors.safe_open``) and written in
+pieces of at most ``piece_bytes`` through the store's I/O backend into a plain
+zarr v3 group (:class:`storage.nvme.NvmeTier`): one uncompressed chunk per
+tensor, named by its checkpoint key. Each tensor's write is atomic, so an
+interrupted run leaves only complete tensors; a rerun skips those (same shape
+and dtype, chunk of the right size) and writes the rest. ``config.json`` and
+``generation_config.json`` go into the group's attributes (``hf_config``,
+``hf_generation_config``), so the store describes its model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from storage.io import IOConfig, aligned_empty, open_backend, padded
+from storage.nvme import NvmeTier, parse_array
+from storage.tiers import format_bytes
+
+__all__ = ["ConvertReport", "checkpoint_files", "convert_checkpoint"]
+
+_CONFIG_FILES = {"config.json": "hf_config", "generation_config.json": "hf_generation_config"}
+"""Source files copied into the group's attributes (file -> attribute name)."""
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertReport:
+    """What one conversion did."""
+
+    target: Path
+    """The zarr store directory."""
+    written: int
+    """Tensors written by this run."""
+    skipped: int
+    """Tensors already complete in the target (left as they were)."""
+    bytes_written: int
+    """Bytes written by this run."""
+    seconds: float
+    """Wall time of the run (seconds)."""
+
+    def summary(self) -> str:
+        """One line for a person."""
+        rate = self.bytes_written / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"converted {self.written} tensors ({format_bytes(self.bytes_written)}), skipped "
+            f"{self.skipped} already complete, in {self.seconds:.1f} s "
+            f"({format_bytes(int(rate))}/s) -> {self.target}"
+        )
+
+
+def checkpoint_files(source: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of checkpoint directory ``source``, in index order.
+
+    Uses ``model.safetensors.index.json`` when present, else every ``*.safetensors``.
+    """
+    root = Path(source)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint {root} is not a directory: pass a local checkpoint dir")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        names = list(dict.fromkeys(weight_map.values()))
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ValueError(
+                f"{index} lists shards missing from {root}: {missing[:3]}: download every shard"
+            )
+        return [root / n for n in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"checkpoint {root} holds no *.safetensors file: convert .bin checkpoints with "
+            "transformers (save_pretrained(..., safe_serialization=True)) first"
+        )
+    return files
+
+
+def _specs(
+    files: list[Path], dtype: torch.dtype | None
+) -> list[tuple[Path, str, tuple[int, ...], torch.dtype]]:
+    from safetensors import safe_open
+
+    specs = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                src = _ST_DTYPES.get(piece.get_dtype())
+                if src is None:
+                    raise ValueError(
+                        f"{path}: tensor {key!r} has dtype {piece.get_dtype()}, which the NVMe "
+                        f"tier does not store: use one of {sorted(_ST_DTYPES)}"
+                    )
+                out = dtype if dtype is not None and src.is_floating_point else src
+                specs.append((path, key, tuple(piece.get_shape()), out))
+    return specs
+
+
+def _complete(tier: NvmeTier, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether ``name`` is in ``tier`` with this shape and dtype and its whole chunk written."""
+    if not tier.contains(name):
+        return False
+    spec = tier.spec(name)
+    if spec.shape != shape or spec.dtype != dtype:
+        return False
+    chunk = tier.chunk_path(name)
+    return spec.nbytes == 0 or (chunk.is_file() and chunk.stat().st_size == spec.nbytes)
+
+
+def convert_checkpoint(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    capacity: int | None = None,
+    io: IOConfig | None = None,
+    piece_bytes: int = 64 << 20,
+    progress: bool = True,
+) -> ConvertReport:
+    """Convert checkpoint directory ``source`` into the zarr store at ``target``.
+
+    Args:
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` for the floating-point
+            tensors; None keeps the checkpoint's dtypes (integer tensors are kept).
+        capacity: bytes the store may hold; None: the converted tensors' total.
+        io: I/O backend settings (None: the default, kvikio where a CUDA driver exists).
+        piece_bytes: bytes written per I/O call (bounds the host buffer); a multiple of 4096.
+        progress: show a progress bar (bytes) on stderr.
+    """
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or None (keep)")
+    if piece_bytes <= 0 or piece_bytes % 4096:
+        raise ValueError(f"piece_bytes={piece_bytes} must be a positive multiple of 4096 bytes")
+    files = checkpoint_files(source)
+    specs = _specs(files, _DTYPES[dtype] if dtype else None)
+    sizes = [_nbytes(shape, dt) for _, _, shape, dt in specs]
+    total = sum(sizes)
+    if capacity is not None and capacity < total:
+        raise ValueError(
+            f"capacity {format_bytes(capacity)} ({capacity} bytes) < the checkpoint's "
+            f"{format_bytes(total)} ({total} bytes): raise --capacity or omit it"
+        )
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    written = skipped = moved = 0
+    piece = min(piece_bytes, padded(max(sizes, default=1)))
+    buf = aligned_empty(piece)
+    backend = open_backend(io)
+    try:
+        room = capacity or total + _stored_bytes(Path(target))  # changed tensors are replaced
+        with NvmeTier(target, capacity=room, backend=backend) as tier:
+            bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress)
+            for (path, key, shape, dt), size in zip(specs, sizes, strict=True):
+                bar.set_postfix_str(key[-40:], refresh=False)
+                if _complete(tier, key, shape, dt):
+                    skipped += 1
+                    bar.update(size)
+                    continue
+                if tier.contains(key):
+                    tier.delete(key)
+                tier.create(key, shape, dt)
+                _write_tensor(tier, key, _load(path, key, dt), buf, piece, bar.update)
+                written += 1
+                moved += size
+            bar.close()
+    finally:
+        backend.close()
+    _describe(Path(source), Path(target))
+    return ConvertReport(
+        target=Path(target),
+        written=written,
+        skipped=skipped,
+        bytes_written=moved,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _stored_bytes(target: Path) -> int:
+    """Bytes of the arrays already in the store at ``target`` (0 when it does not exist)."""
+    if not target.is_dir():
+        return 0
+    metas = [d / "zarr.json" for d in target.iterdir() if (d / "zarr.json").is_file()]
+    return sum(parse_array(m.parent.name, m)[0].nbytes for m in metas)
+
+
+def _describe(source: Path, target: Path) -> None:
+    """Copy the model's config files into the group attributes of ``target`` (atomic)."""
+    group = target / "zarr.json"
+    doc = json.loads(group.read_text(encoding="utf-8"))
+    for name, attr in _CONFIG_FILES.items():
+        if (source / name).is_file():
+            doc.setdefault("attributes", {})[attr] = json.loads(
+                (source / name).read_text(encoding="utf-8")
+            )
+    tmp = group.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    os.replace(tmp, group)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _load(path: Path, key: str, dtype: torch.dtype) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(key).to(dtype).contiguous()
+
+
+def _write_tensor(
+    tier: NvmeTier,
+    name: str,
+    tensor: torch.Tensor,
+    buf: torch.Tensor,
+    piece: int,
+    advance: Callable[[int], object],
+) -> None:
+    """Write ``tensor`` as ``name`` in pieces through ``buf`` (aligned host bytes), atomically."""
+    data = tensor.reshape(-1).view(torch.uint8)
+    with tier.begin_write(name) as write:
+        for offset in range(0, data.numel(), piece):
+            count = min(piece, data.numel() - offset)
+            buf[:count].copy_(data[offset : offset + count])
+            write.write_async(buf, offset=offset, nbytes=count).wait()
+            advance(count)
+        write.commit()

@@ -1,0 +1,86 @@
+"""Every recipe parses against the code and plans on its machine; tiny-cpu runs end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bb_lightning.cli import UsageError, main, parse_recipe
+from bb_lightning.planner import FitJob, ModelProfile, PlanOverrides, PredictJob, make_plan, preset
+from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+def _header(path: Path, key: str) -> str | None:
+    m = re.search(rf"^# {key}:\s*(.+?)(\s{{2,}}\(.*)?$", path.read_text(), re.MULTILINE)
+    return m.group(1).strip() if m else None
+
+
+def test_the_expected_recipes_exist() -> None:
+    names = {p.stem for p in RECIPES}
+    assert {"tiny-cpu", "llama-30b-full", "opt-30b-full", "llama-7b-24gb"} <= names
+    assert any(n.endswith("-predict") for n in names)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_keys_validate_and_plan_on_its_preset(recipe: Path) -> None:
+    task = "predict" if recipe.stem.endswith("-predict") else "fit"
+    cfg = parse_recipe([task, "--config", str(recipe)])
+    hardware = _header(recipe, "preset")
+    assert hardware is not None, f"{recipe.name} has no '# preset:' line"
+    if hardware == "measure":
+        return  # planned on this machine by the end-to-end test below
+    model = cfg.model.init_args.model
+    spec = _header(recipe, "plan-as") or model
+    config = builtin_config(spec) if spec in BUILTIN_MODELS else json.loads(spec)
+    profile = ModelProfile.from_config(config)
+    data = cfg.data.init_args
+    if task == "fit":
+        accum = cfg.trainer.accumulate_grad_batches
+        job = FitJob(seq_len=data.seq_len, global_batch_seqs=data.batch_size * accum)
+        forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
+        plan = make_plan(profile, preset(hardware), job, overrides=forced)
+        assert (plan.micro_batch, plan.grad_accum) == (data.batch_size, accum)
+    else:
+        fields = dict(kv.split("=") for kv in (_header(recipe, "predict") or "").split())
+        job = PredictJob(**{k: int(v) for k, v in fields.items()})
+        plan = make_plan(profile, preset(hardware), job)
+    assert plan.predicted.total > 0
+
+
+def test_a_bad_key_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_stepz: 3\n")
+    with pytest.raises(UsageError, match="max_stepz"):
+        parse_recipe(["fit", "--config", str(bad)])
+
+
+@pytest.mark.slow
+def test_tiny_cpu_recipe_runs_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = next(p for p in RECIPES if p.stem == "tiny-cpu")
+    run = tmp_path / "run"
+    argv = [
+        "fit", "--config", str(recipe),
+        "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+        f"--trainer.strategy.init_args.nvme_path={run / 'nvme'}",
+        "--data.init_args.max_tokens=40000", "--data.init_args.cache_dir=null",
+        "--samples=[def ]", "--sample_tokens=4",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "plan used:" in out and "samples (4 new tokens each" in out
+    assert any((run / "nvme").rglob("zarr.json"))  # the NVMe tier held the blocks
+    rows = list(csv.DictReader(next(run.rglob("metrics.csv")).open()))
+    losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    assert losses and all(loss == loss for loss in losses)
+    assert any(float(r["tokens/s"]) > 0 for r in rows if r.get("tokens/s"))
