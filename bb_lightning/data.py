@@ -16,7 +16,7 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +343,8 @@ class PromptsDataModule(pl.LightningDataModule):
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.records: list[dict[str, Any]] | None = None
         """One ``{"id", "input_ids", "error"}`` per prompt, in file order, after :meth:`setup`."""
+        self.skipped: frozenset[str] = frozenset()
+        """Ids left out of :meth:`predict_dataloader` (already predicted, see :meth:`skip_ids`)."""
 
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenise the prompts once."""
@@ -394,12 +396,17 @@ class PromptsDataModule(pl.LightningDataModule):
             "error": [r["error"] for r in records],
         }
 
+    def skip_ids(self, ids: Collection[str]) -> None:
+        """Leave prompts with these ids out of the batches (a resumed run's finished ones)."""
+        self.skipped = frozenset(str(i) for i in ids)
+
     def predict_dataloader(self) -> DataLoader[dict[str, Any]]:
-        """Prompt batches in file order."""
+        """Prompt batches in file order, without the ids given to :meth:`skip_ids`."""
         if self.records is None:
             raise RuntimeError("PromptsDataModule.setup() must run before its dataloaders")
+        records = [r for r in self.records if r["id"] not in self.skipped]
         return DataLoader(
-            self.records,  # type: ignore[arg-type]
+            records,  # type: ignore[arg-type]
             batch_size=self.batch_size,
             shuffle=False,
             collate_fn=self.collate,

@@ -1,0 +1,356 @@
+"""Layer-major bulk generation: every block once per step for the whole generation batch.
+
+:class:`LayerMajorGenerator` runs a prefill over the whole (left-padded)
+batch of prompts, then one decode step per new token. Each phase is one
+forward of the Hugging Face model over *all* running sequences, so when the
+model's blocks are paged (:class:`~bb_lightning.engine.blocks.PagedBlocks`,
+installed by the ``balance_beam`` strategy) each block's weights are paged in
+once per step, applied to every sequence, released, and the next blocks are
+prefetched while it computes: the weight traffic of a step is amortised over
+the batch, which is what the planner's ``concurrent_seqs`` sizes.
+
+The decode loop is ours, not ``generate``'s: a preallocated static KV cache
+(:class:`~bb_lightning.engine.kv.KVCache`), an attention-mask buffer of the
+final length written in place, position ids advanced in place, and one
+host read of the chosen tokens per step (the step's one sync point). Positions
+follow ``generate``'s rule for left padding (``cumsum(mask) - 1``), so greedy
+tokens equal ``generate``'s. Sequences that finish (eos, a stop string, or the
+model's context) leave the batch: once at most half the rows are still running,
+the cache and the buffers are compacted to those rows.
+
+Sampling draws one uniform number per sequence and step from a generator
+seeded per sequence, and picks the token by inverse CDF over the filtered
+distribution (temperature, top-k, top-p): a sequence's tokens depend on its
+seed and its logits, not on the other sequences in the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from bb_lightning.engine.kv import KVCache
+from storage.tiers import Tier
+
+__all__ = ["Generated", "GenerationConfig", "LayerMajorGenerator", "model_context"]
+
+FinishReason = Literal["eos", "stop", "length", "context"]
+_CACHE_ROUND = 64
+"""KV cache lengths are multiples of this many tokens (see ``LayerMajorGenerator._cache``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """How to extend each prompt."""
+
+    max_new_tokens: int = 32
+    """Tokens generated per prompt at most."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy decoding (argmax)."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens (0: no limit)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches ``top_p``."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end a sequence (not included in the result)."""
+    pad_token_id: int = 0
+    """Token fed for finished sequences still in the batch and under left padding."""
+    stop_strings: tuple[str, ...] = ()
+    """Texts that end a sequence; the result is cut before the first one (needs a decoder)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1 (tokens)")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0: no limit)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]: use 1.0 to disable it")
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"stop_strings={self.stop_strings!r} holds an empty string: drop it")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding takes the argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass
+class Generated:
+    """One sequence's result."""
+
+    token_ids: list[int]
+    """New tokens, cut before the eos token or the stop string."""
+    finish_reason: FinishReason
+    """Why it stopped: ``eos``, ``stop`` (string), ``length`` (max_new_tokens) or ``context``."""
+    text: str | None = None
+    """Decoded new tokens (cut before the stop string), when a decoder was given."""
+
+
+def model_context(config: Any) -> int | None:
+    """The model's context length in tokens (``max_position_embeddings`` or ``n_positions``)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class LayerMajorGenerator:
+    """Generates for whole batches of prompts with one model forward per step."""
+
+    def __init__(self, model: nn.Module, *, kv_tier: Tier | None = None) -> None:
+        """Wrap a Hugging Face causal LM (its blocks paged or not).
+
+        Args:
+            model: the ``PreTrainedModel``; its ``config`` gives the context length.
+            kv_tier: where the KV cache lives (the plan's ``kv_cache``); None: the device.
+        """
+        self.model = model
+        self.kv_tier = kv_tier
+        self.context = model_context(getattr(model, "config", None))
+        """Longest sequence the model takes (tokens), or None when the config has no limit."""
+        self._kv: KVCache | None = None
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._logits_kw = "logits_to_keep" in params
+        self.steps = 0
+        """Forward passes (prefill and decode steps) run so far."""
+
+    def _cache(self, rows: int, max_len: int) -> KVCache:
+        """The KV cache for a batch, reused while batches have as many rows and fit its length.
+
+        Lengths are rounded up to 64 tokens so that batches of ragged prompts share one cache.
+        """
+        if self._kv is None or not self._kv.fits(rows, max_len):
+            max_len = -(-max_len // _CACHE_ROUND) * _CACHE_ROUND
+            self._kv = None  # free the old buffers before allocating new ones
+            config = self.model.config
+            assert isinstance(config, PretrainedConfig), "a Hugging Face model has a config"
+            self._kv = KVCache(config, rows=rows, max_len=max_len, tier=self.kv_tier)
+        self._kv.reset()
+        return self._kv
+
+    def _forward(
+        self, ids: Tensor, mask: Tensor, pos: Tensor, cache_pos: Tensor, kv: KVCache
+    ) -> Tensor:
+        kwargs: dict[str, Any] = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": pos,
+            "cache_position": cache_pos,
+            "use_cache": True,
+            self._cache_kw: kv.cache,
+        }
+        if self._logits_kw:
+            kwargs["logits_to_keep"] = 1
+        self.steps += 1
+        logits: Tensor = self.model(**kwargs).logits
+        return logits[:, -1, :]
+
+    def check_prompt(self, length: int) -> str | None:
+        """Why a prompt of ``length`` tokens cannot run (None: it can)."""
+        if length < 1:
+            return "prompt has 0 tokens"
+        if self.context is not None and length >= self.context:
+            return (
+                f"prompt has {length} tokens >= the model's context of {self.context}: "
+                f"shorten it below {self.context} tokens"
+            )
+        return None
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        config: GenerationConfig,
+        *,
+        seeds: Sequence[int] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> list[Generated]:
+        """Extend every row of a left-padded batch; one :class:`Generated` per row.
+
+        Args:
+            input_ids: ``[batch, prompt_len]`` token ids, left-padded.
+            attention_mask: ``[batch, prompt_len]``, 1 on prompt tokens, 0 on padding.
+            config: decoding settings.
+            seeds: one sampling seed per row (needed when ``config`` samples).
+            decode: token ids -> text, for ``text`` and stop strings.
+
+        Raises ``ValueError`` when a row has no token or is too long for the model's
+        context (check rows with :meth:`check_prompt` first to report them per prompt).
+        """
+        if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                f"{tuple(attention_mask.shape)} must be the same [batch, prompt_len] shape"
+            )
+        if config.stop_strings and decode is None:
+            raise ValueError(f"stop_strings={config.stop_strings!r} need a decode function")
+        rows, plen = input_ids.shape
+        if not config.greedy and (seeds is None or len(seeds) != rows):
+            raise ValueError(
+                f"sampling needs one seed per row: got {None if seeds is None else len(seeds)} "
+                f"seeds for {rows} rows"
+            )
+        lengths = attention_mask.sum(-1).tolist()
+        for n in lengths:
+            if (why := self.check_prompt(int(n))) is not None:
+                raise ValueError(why)
+        device = _device_of(self.model)
+        total = plen + config.max_new_tokens
+        if self.context is not None:
+            total = min(total, self.context + plen - int(max(lengths)))
+        return _Run(self, config, rows, plen, total, device, seeds, decode).run(
+            input_ids.to(device), attention_mask.to(device)
+        )
+
+
+class _Run:
+    """The state of one generation batch: buffers, live rows, results."""
+
+    def __init__(
+        self,
+        gen: LayerMajorGenerator,
+        config: GenerationConfig,
+        rows: int,
+        plen: int,
+        total: int,
+        device: torch.device,
+        seeds: Sequence[int] | None,
+        decode: Callable[[list[int]], str] | None,
+    ) -> None:
+        self.gen, self.config, self.plen, self.total = gen, config, plen, total
+        self.decode = decode
+        self.kv = gen._cache(rows, total)
+        self.mask = torch.zeros(rows, total, dtype=torch.long, device=device)
+        self.cache_pos = torch.arange(total, device=device)
+        self.live = list(range(rows))
+        """Original row index of each row still in the batch."""
+        self.results: list[Generated | None] = [None] * rows
+        self.raw: list[list[int]] = [[] for _ in range(rows)]
+        self.longest_stop = max((len(x) for x in config.stop_strings), default=0)
+        self.gens = (
+            None
+            if config.greedy or seeds is None
+            else [torch.Generator().manual_seed(int(s)) for s in seeds]
+        )
+
+    def run(self, input_ids: Tensor, attention_mask: Tensor) -> list[Generated]:
+        plen, total = self.plen, self.total
+        self.mask[:, :plen] = attention_mask
+        pos = attention_mask.long().cumsum(-1) - 1
+        pos.masked_fill_(attention_mask == 0, 1)
+        logits = self.gen._forward(
+            input_ids, self.mask[:, :plen], pos, self.cache_pos[:plen], self.kv
+        )
+        step_pos = pos[:, -1:] + 1
+        for cur in range(plen, total + 1):
+            tokens = self._choose(logits)
+            host = tokens.tolist()  # the step's one sync point
+            done = self._record(host, at_limit=cur == total)
+            if len(done) == len(self.live):
+                break
+            if done and 2 * (len(self.live) - len(done)) <= self.mask.shape[0]:
+                tokens, step_pos = self._compact(done, tokens, step_pos)
+            self.mask[:, cur] = 1
+            logits = self.gen._forward(
+                tokens[:, None], self.mask[:, : cur + 1], step_pos, self.cache_pos[cur : cur + 1],
+                self.kv,
+            )  # fmt: skip
+            step_pos += 1
+        out = [r for r in self.results if r is not None]
+        assert len(out) == len(self.results), "every row finishes"
+        return out
+
+    def _choose(self, logits: Tensor) -> Tensor:
+        if self.gens is None:
+            return logits.argmax(-1)
+        return _sample(logits.float(), self.config, [self.gens[i] for i in self.live])
+
+    def _record(self, tokens: list[int], *, at_limit: bool) -> list[int]:
+        """Append each live row's token; finish rows; return batch positions that finished."""
+        cfg = self.config
+        done: list[int] = []
+        for b, (row, t) in enumerate(zip(self.live, tokens, strict=True)):
+            if self.results[row] is not None:
+                continue  # finished but not compacted away yet
+            raw = self.raw[row]
+            reason: FinishReason | None = None
+            if t in cfg.eos_token_ids:
+                reason = "eos"
+            else:
+                raw.append(t)
+                if cfg.stop_strings and self._stopped(raw):
+                    reason = "stop"
+                elif len(raw) >= cfg.max_new_tokens:
+                    reason = "length"
+                elif at_limit:
+                    reason = "context"
+            if reason is not None:
+                self.results[row] = self._finish(raw, reason)
+                done.append(b)
+        done += [b for b, row in enumerate(self.live) if self.results[row] is not None]
+        return sorted(set(done))
+
+    def _stopped(self, raw: list[int]) -> bool:
+        """Whether the text of the last tokens holds a stop string (a token is >= 1 char)."""
+        assert self.decode is not None
+        tail = self.decode(raw[-(4 * self.longest_stop + 4) :])
+        return any(s in tail for s in self.config.stop_strings)
+
+    def _finish(self, raw: list[int], reason: FinishReason) -> Generated:
+        if self.decode is None:
+            return Generated(token_ids=list(raw), finish_reason=reason)
+        text = self.decode(raw)
+        ids = list(raw)
+        if reason == "stop":
+            text = text[: min(text.find(s) for s in self.config.stop_strings if s in text)]
+            while ids and len(self.decode(ids)) > len(text):
+                ids.pop()
+        return Generated(token_ids=ids, finish_reason=reason, text=text)
+
+    def _compact(self, done: list[int], tokens: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        gone = set(done)
+        keep_b = [b for b in range(len(self.live)) if b not in gone]
+        keep = torch.tensor(keep_b, device=tokens.device)
+        self.kv.compact(keep)
+        n = len(keep_b)
+        self.mask[:n] = self.mask.index_select(0, keep)
+        self.mask = self.mask[:n]
+        self.live = [self.live[b] for b in keep_b]
+        return tokens.index_select(0, keep), pos.index_select(0, keep)
+
+
+def _sample(logits: Tensor, cfg: GenerationConfig, gens: Sequence[torch.Generator]) -> Tensor:
+    """One token per row: temperature, top-k, top-p, then inverse CDF of a seeded uniform."""
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    cdf = sorted_p.cumsum(-1)
+    if cfg.top_p < 1.0:
+        # keep the smallest prefix reaching top_p: drop a token when the mass before it does
+        sorted_p = sorted_p.masked_fill(cdf - sorted_p >= cfg.top_p, 0.0)
+        cdf = sorted_p.cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g) for g in gens]).to(logits.device)
+    u = u * cdf[:, -1]
+    idx = torch.searchsorted(cdf, u[:, None]).clamp_(max=cdf.shape[-1] - 1)
+    return order.gather(-1, idx).squeeze(-1)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.numel() > 0:
+            return p.device
+    return torch.device("cpu")

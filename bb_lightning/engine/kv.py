@@ -1,0 +1,91 @@
+"""Preallocated KV caches for layer-major generation, reused across generation batches.
+
+:class:`KVCache` wraps a transformers ``StaticCache``: every layer's keys and
+values are ``[batch, heads, max_len, head_dim]`` tensors filled in place, so a
+decode step allocates no cache memory. The buffers are kept between batches
+of the same shape (``reset`` zeroes the lengths only) and are rebuilt only
+when a batch needs more rows or more positions.
+
+When sequences finish, :meth:`KVCache.compact` moves the rows still running
+to the front of each layer's buffers and narrows the layers to views of
+those rows, so finished sequences stop costing attention and projection work;
+:meth:`KVCache.reset` widens the views again for the next batch.
+
+Placement: on a CUDA device with ``tier`` :attr:`Tier.HOST` the cache uses
+transformers' offloaded static layers (host copies, each layer moved to the
+device on a side stream while the previous layer computes). Elsewhere it lives
+on the model's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig, StaticCache
+
+from storage.tiers import Tier
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """A static KV cache of ``rows`` sequences of at most ``max_len`` tokens each."""
+
+    def __init__(
+        self, config: PretrainedConfig, *, rows: int, max_len: int, tier: Tier | None = None
+    ) -> None:
+        """Allocate nothing yet: each layer's buffers appear at its first update (prefill).
+
+        Args:
+            config: the model's configuration (layer count and types).
+            rows: sequences the buffers hold (the generation batch).
+            max_len: tokens per sequence, prompt and generated together.
+            tier: where the plan puts the cache; HOST offloads on CUDA, else ignored.
+        """
+        if rows < 1 or max_len < 1:
+            raise ValueError(
+                f"KV cache of rows={rows} x max_len={max_len} tokens: both must be >= 1"
+            )
+        self.rows = rows
+        self.max_len = max_len
+        self.tier = tier
+        offload = tier is Tier.HOST and torch.cuda.is_available()
+        self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
+        self._full: list[tuple[Tensor, Tensor]] = []
+
+    def fits(self, rows: int, max_len: int) -> bool:
+        """Whether a batch of ``rows`` sequences of ``max_len`` tokens can use these buffers.
+
+        Positions past a batch's length are masked, so a longer cache serves it as is.
+        """
+        return rows == self.rows and max_len <= self.max_len
+
+    def reset(self) -> None:
+        """Forget every cached token and widen compacted layers back to all rows."""
+        layers: list[Any] = list(self.cache.layers)
+        if self._full:
+            for layer, (keys, values) in zip(layers, self._full, strict=True):
+                layer.keys, layer.values, layer.batch_size = keys, values, self.rows
+            self._full = []
+        for layer in layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.zero_()
+
+    def compact(self, keep: Tensor) -> None:
+        """Keep only the rows ``keep`` (ascending indices of the current rows), in order.
+
+        The kept rows move to the front of each layer's buffers, which are then
+        narrowed to views of them: no new cache memory.
+        """
+        layers: list[Any] = list(self.cache.layers)
+        if not self._full:
+            self._full = [(layer.keys, layer.values) for layer in layers]
+        n = int(keep.numel())
+        for layer in layers:
+            for attr in ("keys", "values"):
+                buf: Tensor = getattr(layer, attr)
+                buf[:n] = buf.index_select(0, keep)
+                setattr(layer, attr, buf[:n])
+            layer.batch_size = n
