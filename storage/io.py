@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import errno
+import fcntl
 import functools
 import importlib
 import importlib.util
@@ -387,10 +388,13 @@ class PosixBackend(IOBackend):
     """Thread-pool backend: ``task_size`` pieces with ``os.preadv`` / ``os.pwritev``.
 
     Files are opened with ``O_DIRECT`` when ``config.direct`` is set and the
-    buffer is ALIGNMENT-aligned; a filesystem that refuses it (``EINVAL``) gets
-    buffered I/O for that file. Direct writes write the padded length, then
-    truncate the file to ``nbytes``; direct reads read the padded length (the
-    last read comes back short at end of file).
+    buffer is ALIGNMENT-aligned; a filesystem that refuses it (``EINVAL``), at
+    ``open()`` or at the first direct ``pread``/``pwrite``, gets buffered I/O
+    for that file (the failed piece is redone buffered). Direct writes write
+    the padded length, then truncate the file to ``nbytes``; direct reads ask
+    for the padded length and stop once the wanted bytes came (the last read
+    comes back short at end of file), so every direct request starts at an
+    aligned offset.
     """
 
     name = "posix"
@@ -415,6 +419,7 @@ class PosixBackend(IOBackend):
         p = os.fspath(path)
         check_buffer(dst, nbytes, path=p, allow_cuda=False)
         check_offset(offset, path=p)
+        self._check_open(p)
         fd, direct = self._open(p, os.O_RDONLY, dst.data_ptr() % ALIGNMENT == 0)
         try:
             size = os.fstat(fd).st_size
@@ -440,6 +445,7 @@ class PosixBackend(IOBackend):
         p = os.fspath(path)
         check_buffer(src, nbytes, path=p, allow_cuda=False)
         check_offset(offset, path=p)
+        self._check_open(p)  # before open(): O_TRUNC would empty the file
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)
         fd, direct = self._open(p, flags, src.data_ptr() % ALIGNMENT == 0)
         length = padded(nbytes) if direct else nbytes
@@ -456,6 +462,10 @@ class PosixBackend(IOBackend):
         return self._submit(
             fd, p, src, length, nbytes, direct, finish=finish, write=True, base=offset
         )
+
+    def _check_open(self, path: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{path}: the posix I/O backend is closed: open a new one")
 
     def _submit(
         self,
@@ -482,16 +492,27 @@ class PosixBackend(IOBackend):
         offsets = list(range(0, length, step)) or [0]
         transfer = _Transfer(future, len(offsets), finish)
 
+        def piece(offset: int) -> None:
+            end = min(offset + step, length)
+            part, at = view[offset:end], base + offset
+            if write:
+                _pwrite_all(fd, part, at, path)
+            else:
+                _pread_all(fd, part, at, path, min(end, nbytes) - offset)
+
         def run(offset: int) -> None:
             error: BaseException | None = None
             try:
                 if transfer.error is None:
-                    end = min(offset + step, length)
-                    piece, at = view[offset:end], base + offset
-                    if write:
-                        _pwrite_all(fd, piece, at, path)
-                    else:
-                        _pread_all(fd, piece, at, path, min(end, nbytes) - offset)
+                    try:
+                        piece(offset)
+                    except OSError as exc:
+                        # a filesystem that opened the file O_DIRECT but refuses the transfer
+                        if not (direct and exc.errno == errno.EINVAL):
+                            raise
+                        _drop_direct(fd)
+                        future.direct = False
+                        piece(offset)  # pread/pwrite of one piece is idempotent
             except BaseException as exc:
                 error = exc
             transfer.task_done(error)
@@ -506,10 +527,22 @@ class PosixBackend(IOBackend):
             self._pool.shutdown(wait=True)
 
 
+def _drop_direct(fd: int) -> None:
+    """Turn ``O_DIRECT`` off on ``fd``: its transfers are buffered from now on (idempotent)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & os.O_DIRECT:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+
+
 def _pread_all(fd: int, view: memoryview, offset: int, path: str, need: int) -> None:
-    """Fill ``view`` from ``offset`` until it is full or the file ends; ``need`` bytes must come."""
+    """Read into ``view`` from ``offset`` until ``need`` bytes came; the file may end after them.
+
+    Each request asks for the rest of ``view`` (a padded length for ``O_DIRECT``)
+    and the loop stops as soon as ``need`` bytes arrived, so a short read at end of
+    file is never followed by a request at an unaligned offset.
+    """
     done = 0
-    while done < len(view):
+    while done < need:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
             break
@@ -552,6 +585,10 @@ class KvikioBackend(IOBackend):
         # CUDA tensors expose __cuda_array_interface__; host ones go through numpy.
         return part if part.device.type == "cuda" else part.detach().numpy()
 
+    def _check_open(self, path: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{path}: the kvikio I/O backend is closed: open a new one")
+
     def _finish(self, path: str, handle: Any, kfuture: Any, fsync: bool) -> IOFuture:
         future = IOFuture(path)
         start = time.perf_counter()
@@ -580,6 +617,7 @@ class KvikioBackend(IOBackend):
         p = os.fspath(path)
         check_buffer(dst, nbytes, path=p, allow_cuda=True)
         check_offset(offset, path=p)
+        self._check_open(p)
         size = os.stat(p).st_size
         if size < offset + nbytes:
             raise short_file_error(p, size, offset + nbytes)
@@ -603,6 +641,7 @@ class KvikioBackend(IOBackend):
         p = os.fspath(path)
         check_buffer(src, nbytes, path=p, allow_cuda=True)
         check_offset(offset, path=p)
+        self._check_open(p)  # before CuFile(p, "w"), which empties the file
         if offset:  # a later piece: keep what the earlier ones wrote ("r+" does not truncate)
             os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o644))
         handle = self._kvikio.CuFile(p, "w" if offset == 0 else "r+")

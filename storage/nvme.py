@@ -444,7 +444,11 @@ class NvmeTier:
         its start: a CPU tensor of at least ``padded(nbytes)`` bytes (see
         :func:`storage.io.aligned_empty`), or a CUDA tensor with the kvikio
         backend. The future completes once the new chunk replaced the old one
-        on stable storage; until then readers see the previous version.
+        on stable storage; until then readers see the previous version. Two
+        writes of one tensor in flight at once land in the order they
+        complete, not the order they started: wait for one before starting the
+        next (:class:`storage.store.TieredStore` chains the operations on each
+        tensor, so its write-backs land in the order they were issued).
         """
         self._check_open()
         spec, chunk = self._entry(name)

@@ -25,12 +25,19 @@ Re-opening: ``register(name, home=Tier.NVME)`` with no tensor, shape or dtype
 adopts an array already in the NVMe group (as does giving its exact shape and
 dtype); a different shape or dtype raises ``ValueError``.
 
-All methods are called from one thread (the training loop's).
+Threads: methods may run on several threads at once for different tensors
+(say, a worker thread reading and writing optimizer state with :meth:`read` /
+:meth:`write` while the training loop pages blocks in and out); the arenas,
+staging pool, NVMe catalogue, link meters and the per-tensor order of
+operations are thread-safe, and residency checks with their transitions are
+taken under one lock. Registering, moving and closing are setup steps: run
+them while no other thread uses the store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -129,6 +136,7 @@ class TieredStore:
         self._cuda = self.device.type == "cuda"
         self._records: dict[str, Record] = {}
         self._closed = True
+        self._lock = threading.RLock()  # residency check + transition + slot, as one step
         self._device_arena = DeviceArena(config.device_budget, self.device)
         self._host_arena = HostArena(config.host_budget)
         self._backend: IOBackend | None = None
@@ -263,6 +271,10 @@ class TieredStore:
         hold the tensors in flight (nothing starts then).
         """
         records = self._records_of(names)
+        with self._lock:
+            return self._prefetch_locked(records)
+
+    def _prefetch_locked(self, records: list[Record]) -> Ticket:
         for rec in records:
             if rec.home is not Tier.DEVICE:
                 rec.residency.check("page_in")
@@ -315,16 +327,18 @@ class TieredStore:
         Raises :class:`StateError` for a tensor not RESIDENT (nothing released then).
         """
         records = [r for r in self._records_of(names) if r.home is not Tier.DEVICE]
-        for rec in records:
-            rec.residency.check("release")
+        with self._lock:
+            for rec in records:
+                rec.residency.check("release")
         for rec in records:
             event = self._io.settle(rec)
             if event is not None:  # later kernels and page-ins into this slot come after it
                 torch.cuda.current_stream(self.device).wait_event(event)
-            rec.residency.apply("release")
-            assert rec.device_slot is not None
-            self._device_arena.free(rec.device_slot)
-            rec.device_slot = None
+            with self._lock:
+                rec.residency.apply("release")
+                assert rec.device_slot is not None
+                self._device_arena.free(rec.device_slot)
+                rec.device_slot = None
 
     def write_back_async(self, name: str, src: torch.Tensor | None = None) -> Ticket:
         """Copy the device copy of ``name`` (or ``src``) to its home tier, overlapped.

@@ -158,12 +158,16 @@ class Transfers:
         if self.cuda:
             self.streams = {d: torch.cuda.Stream(device) for d in ("h2d", "d2h")}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store")
+        self._order = threading.Lock()  # guards Record.last across caller threads
 
     # -- ordering --------------------------------------------------------------------------
 
     def submit(self, rec: Record, work: Work) -> Future[torch.cuda.Event | None]:
-        """Run ``work`` on a copy thread after the previous operation on ``rec``."""
-        prev = rec.last
+        """Run ``work`` on a copy thread after the previous operation on ``rec``.
+
+        Callable from several threads: the operation is chained after whichever one on
+        ``rec`` was issued last, by any thread.
+        """
 
         def job() -> torch.cuda.Event | None:
             after: Events = ()
@@ -175,19 +179,26 @@ class Transfers:
                 after = () if event is None else (event,)
             return work(after)
 
-        rec.last = self._pool.submit(job)
-        return rec.last
+        with self._order:
+            prev = rec.last
+            rec.last = fut = self._pool.submit(job)
+        return fut
 
-    @staticmethod
-    def settle(rec: Record, *, sync: bool = False) -> torch.cuda.Event | None:
+    def settle(self, rec: Record, *, sync: bool = False) -> torch.cuda.Event | None:
         """Wait for the operations issued on ``rec``; re-raises the last one's error once.
 
         Returns the CUDA event of the last copy (synchronised with ``sync``).
         """
-        fut, rec.last = rec.last, None
+        with self._order:
+            fut = rec.last
         if fut is None:
             return None
-        event = fut.result()
+        try:
+            event = fut.result()
+        finally:  # operations issued meanwhile keep their place in the chain
+            with self._order:
+                if rec.last is fut:
+                    rec.last = None
         if sync:
             settled(event)
         return event

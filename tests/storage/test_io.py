@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,6 +180,68 @@ def test_direct_refused_falls_back_to_buffered(
     assert r.direct is False and torch.equal(dst[: data.numel()], data)
 
 
+def _is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+@pytest.mark.parametrize("op", ["pwritev", "preadv"])
+def test_direct_transfer_refused_after_open_falls_back(
+    posix_backend: IOBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """A filesystem that opens O_DIRECT but fails the first direct transfer with EINVAL."""
+    if not _direct_open_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT at open(); no direct transfer to fail")
+    data = random_bytes(200_001, seed=6)  # several 64 KiB tasks and a short last block
+    path = tmp_path / "f.bin"
+    real = getattr(os, op)
+    refused: list[int] = []
+
+    def refuse_first_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if _is_direct(fd) and not refused:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return int(real(fd, buffers, offset))
+
+    if op == "preadv":  # write it buffered first, then fail the direct read
+        path.write_bytes(data.numpy().tobytes())
+    monkeypatch.setattr(sio.os, op, refuse_first_direct)
+    if op == "pwritev":
+        w = posix_backend.write_async(path, filled(data), data.numel())
+        w.wait()
+        assert w.direct is False
+        assert path.read_bytes() == data.numpy().tobytes()
+    else:
+        dst = aligned_empty(data.numel())
+        r = posix_backend.read_async(path, dst, data.numel())
+        r.wait()
+        assert r.direct is False and torch.equal(dst[: data.numel()], data)
+    assert len(refused) == 1
+
+
+def test_direct_read_never_asks_at_an_unaligned_offset(
+    posix_backend: IOBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _direct_open_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT; no direct reads to check")
+    data = random_bytes(3 * ALIGNMENT + 123, seed=8)  # ends mid-block: a short last read
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    real = os.preadv
+    direct_offsets: list[int] = []
+
+    def watch(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if _is_direct(fd):
+            direct_offsets.append(offset)
+        return int(real(fd, buffers, offset))
+
+    monkeypatch.setattr(sio.os, "preadv", watch)
+    dst = aligned_empty(data.numel())
+    r = posix_backend.read_async(path, dst, data.numel())
+    r.wait()
+    assert r.direct is True and torch.equal(dst[: data.numel()], data)
+    assert direct_offsets and all(o % ALIGNMENT == 0 for o in direct_offsets), direct_offsets
+
+
 def test_unaligned_buffer_uses_buffered_io(posix_backend: IOBackend, tmp_path: Path) -> None:
     data = random_bytes(10_000, seed=9)
     buf = aligned_empty(20_000)[1 : 1 + padded(10_000)]
@@ -195,6 +258,13 @@ def test_closed_backend_refuses(tmp_path: Path) -> None:
     b.close()
     with pytest.raises(RuntimeError, match="closed"):
         b.write_async(tmp_path / "x", aligned_empty(1), 1)
+    kept = tmp_path / "kept.bin"
+    kept.write_bytes(b"previous contents")
+    with pytest.raises(RuntimeError, match="closed"):
+        b.write_async(kept, aligned_empty(1), 1)
+    assert kept.read_bytes() == b"previous contents"  # refused before open(O_TRUNC)
+    with pytest.raises(RuntimeError, match="closed"):
+        b.read_async(kept, aligned_empty(4), 4)
 
 
 # -- helpers, config and backend choice -------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,14 +14,17 @@ import pytest
 import torch
 import zarr
 
+import storage.io as sio
+import storage.transfers as transfers
 from storage.device import ArenaFullError
 from storage.io import IOConfig
+from storage.nvme import DTYPES as NVME_DTYPES
 from storage.nvme import StoreLockedError
 from storage.store import ResidencyMachine, StateError, StoreConfig, TieredStore
 from storage.tiers import Residency, Tier
 
 MiB = 1 << 20
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64, torch.bool]
+DTYPES = list(NVME_DTYPES)  # every dtype the store supports (bf16, fp16, fp32, int8, ...)
 TIERS = [Tier.DEVICE, Tier.HOST, Tier.NVME]
 
 
@@ -259,10 +264,14 @@ def test_over_budget_register_and_move_change_nothing(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=r"'c' needs.*40000 bytes.*nvme.*30000 bytes"):
             store.register("c", torch.zeros(10_000), home=Tier.NVME)
         store.register("d", x, home=Tier.DEVICE)
+        with pytest.raises(ValueError, match=r"'e'.*40960 bytes.*device.*24576 bytes"):
+            store.register("e", shape=(100, 100), dtype=torch.float32, home=Tier.DEVICE)
         with pytest.raises(ValueError, match=r"'a'.*40960 bytes.*device.*24576 bytes"):
             store.move("a", Tier.DEVICE)
         with pytest.raises(ValueError, match=r"'d' needs.*40000 bytes.*nvme.*30000 bytes"):
             store.move("d", Tier.NVME)
+        with pytest.raises(ValueError, match=r"'n'.*40960 bytes.*host.*24576 bytes"):
+            store.move("n", Tier.HOST)
         assert store.names() == ["a", "d", "n"]
         assert store.usage()[Tier.HOST] == usage[Tier.HOST]
         assert store.usage()[Tier.NVME] == usage[Tier.NVME]
@@ -273,6 +282,106 @@ def test_over_budget_register_and_move_change_nothing(tmp_path: Path) -> None:
         with pytest.raises(ArenaFullError, match=r"'n'.*40960 bytes.*device arena.*20480 bytes"):
             store.prefetch_async(["s", "n"])
         assert store.state("s") is Residency.RELEASED and store.usage()[Tier.DEVICE][0] == 40960
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["direct", "staged"])
+def test_page_in_allocates_no_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: bool
+) -> None:
+    """Page-ins land in arena slots (through staging buffers): no tensor is allocated."""
+    with TieredStore(make_config(tmp_path, stage_nvme=stage)) as store:
+        xs = {"h": sample(torch.float32, (300, 100)), "n": sample(torch.bfloat16, (700, 1000))}
+        store.register("h", xs["h"], home=Tier.HOST)
+        store.register("n", xs["n"], home=Tier.NVME)  # 1.4 MB: two 1 MiB staging pieces
+        calls: list[str] = []
+
+        def forbidden(what: str) -> object:
+            def allocate(*args: object, **kwargs: object) -> torch.Tensor:
+                calls.append(what)
+                raise AssertionError(f"{what} called on the page-in path")
+
+            return allocate
+
+        for module, attr in [(torch, "empty"), (torch, "empty_like"), (torch, "zeros"),
+                             (sio, "aligned_empty"), (transfers, "aligned_empty")]:  # fmt: skip
+            monkeypatch.setattr(module, attr, forbidden(f"{module.__name__}.{attr}"))
+        got = store.prefetch_async(["h", "n"]).wait()
+        store.release(["h", "n"])
+        monkeypatch.undo()
+        assert calls == []
+        assert torch.equal(got["h"], xs["h"]) and torch.equal(got["n"], xs["n"])
+
+
+def test_write_backs_in_flight_land_in_issue_order(
+    store: TieredStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two write-backs of one tensor in flight: the second one issued is the one kept."""
+    store.register("w", shape=(1000,), dtype=torch.int32, home=Tier.NVME)
+    nvme = store._nvme
+    assert nvme is not None
+    real = nvme.backend.write_async
+    second_started = threading.Event()
+    started: list[int] = []
+
+    def slow_first(path: object, src: torch.Tensor, *args: object, **kwargs: object) -> object:
+        pattern = int(src[:4].view(torch.int32)[0])  # 1: the first write, 0: the second
+        started.append(pattern)
+        if pattern == 1:  # the first write waits (briefly) for the second to start,
+            if second_started.wait(timeout=0.3):  # which happens only when they are not ordered
+                time.sleep(0.2)  # and lets it finish first
+        else:
+            second_started.set()
+        return real(path, src, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme.backend, "write_async", slow_first)
+    first, second = torch.full((1000,), 1, dtype=torch.int32), torch.arange(1000, dtype=torch.int32)
+    t1 = store.write_back_async("w", first)
+    t2 = store.write_back_async("w", second)
+    t2.wait()
+    t1.wait()
+    assert started == [1, 0]
+    assert torch.equal(store.read("w"), second)
+
+
+def test_worker_thread_reads_and_writes_while_pages_move(tmp_path: Path) -> None:
+    """read()/write() on one thread while another pages other tensors in and out."""
+    config = make_config(tmp_path, stage_nvme=True, staging_buffers=2, copy_threads=2)
+    with TieredStore(config) as store:
+        shape = (64, 1000)  # 256 KB each
+        for i in range(4):
+            home = Tier.NVME if i % 2 else Tier.HOST
+            store.register(f"opt{i}", sample(torch.int32, shape, seed=i), home=home)
+            store.register(f"blk{i}", sample(torch.int32, shape, seed=10 + i), home=home)
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                buf = torch.empty(shape, dtype=torch.int32)
+                for _ in range(15):
+                    for i in range(4):
+                        store.read(f"opt{i}", out=buf)
+                        buf.add_(1)
+                        store.write(f"opt{i}", buf)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        bumps = dict.fromkeys(range(4), 0)
+        while thread.is_alive() or not bumps[0]:
+            for i in range(4):
+                name = f"blk{i}"
+                dev = store.prefetch_async(name).wait()[name]
+                dev.add_(1)
+                store.write_back_async(name)
+                store.release(name)
+                bumps[i] += 1
+        thread.join()
+        assert errors == []
+        for i in range(4):
+            assert torch.equal(store.read(f"opt{i}"), sample(torch.int32, shape, seed=i) + 15)
+            expected = sample(torch.int32, shape, seed=10 + i) + bumps[i]
+            assert torch.equal(store.read(f"blk{i}"), expected)
 
 
 def test_stats_count_bytes_per_link(store: TieredStore) -> None:
