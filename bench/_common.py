@@ -1,0 +1,296 @@
+"""Shared pieces of the training benchmarks: machine description, step timer, memory sampler.
+
+Not a benchmark itself. The scripts in this folder import it as ``_common``
+(the script's folder is on ``sys.path`` when run as ``python bench/x.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import psutil
+import torch
+import transformers
+from torch.utils.data import DataLoader, Dataset
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+
+
+def mount_of(path: Path) -> tuple[str, str, str]:
+    """(mount point, filesystem type, device) holding ``path``."""
+    best = ("/", "?", "?")
+    real = str(path.resolve())
+    with open("/proc/mounts", encoding="utf-8") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best[0]):
+                best = (mnt, fstype, dev)
+    return best
+
+
+def nvme_base(given: str | None) -> Path:
+    """``given`` (created), else ``<tmp>/bb-bench-nvme`` on a real disk (never tmpfs).
+
+    The directory is stable across runs so that the planner's measured hardware
+    profile (cached per NVMe path) is measured once.
+    """
+    if given is not None:
+        path = Path(given)
+    else:
+        tmp = Path(tempfile.gettempdir())
+        base = REPO / "bench" / "results" if mount_of(tmp)[1] in ("tmpfs", "ramfs") else tmp
+        path = base / "bb-bench-nvme"
+    path.mkdir(parents=True, exist_ok=True)
+    fstype = mount_of(path)[1]
+    if fstype in ("tmpfs", "ramfs"):
+        print(f"warning: {path} is on {fstype}, not a disk: NVMe figures measure RAM")
+    return path
+
+
+def cpu_model() -> str:
+    """The CPU model name from ``/proc/cpuinfo`` (``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
+def machine(nvme_dir: Path | None) -> str:
+    """Lines describing this machine, the NVMe directory's filesystem and the versions."""
+    mem = psutil.virtual_memory()
+    lines = [
+        f"machine: CPU {cpu_model()}, {os.cpu_count()} cores, "
+        f"RAM {mem.total / GIB:.1f} GiB ({mem.available / GIB:.1f} GiB available), "
+        f"kernel {platform.release()}",
+        "load average (1/5/15 min): " + " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+        f"versions: python {platform.python_version()}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), lightning {lightning.__version__}, "
+        f"transformers {transformers.__version__}",
+    ]
+    if nvme_dir is not None:
+        mnt, fstype, dev = mount_of(nvme_dir)
+        free = psutil.disk_usage(str(nvme_dir)).free
+        lines.append(
+            f"NVMe dir: {nvme_dir} on {fstype} {dev} (mounted at {mnt}), {free / GIB:.1f} GiB free"
+        )
+    return "\n".join(lines)
+
+
+class RandomTokens(Dataset[dict[str, torch.Tensor]]):
+    """``count`` sequences of ``seq_len`` uniformly random token ids below ``vocab``."""
+
+    def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (count, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i]}
+
+
+def token_loader(
+    micro_batch: int, batches: int, seq_len: int, vocab: int
+) -> DataLoader[dict[str, torch.Tensor]]:
+    """``batches`` micro-batches of ``micro_batch`` x ``seq_len`` random tokens, in order."""
+    data = RandomTokens(micro_batch * batches, seq_len, vocab)
+    return DataLoader(data, batch_size=micro_batch, shuffle=False)
+
+
+PHASES = ("forward", "backward", "after_backward", "optimizer")
+
+
+@dataclass
+class StepRecord:
+    """Seconds spent in each phase of one optimizer step (summed over its micro-batches)."""
+
+    seconds: float = 0.0
+    """Wall time of the whole optimizer step, seconds."""
+    cpu_seconds: float = 0.0
+    """CPU time of this process (all threads, user + system) during the step, seconds."""
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    """Seconds per phase: forward, backward (autograd), after_backward (strategy's gradient
+    hand-off and overlapped optimizer work), optimizer (the step itself)."""
+
+
+def _cpu_time() -> float:
+    """User + system CPU seconds of this process, all threads."""
+    t = os.times()
+    return t.user + t.system
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each optimizer step and of its phases, from Lightning's hooks.
+
+    forward: batch start -> ``on_before_backward``; backward: -> ``on_after_backward``;
+    after_backward: -> ``on_before_optimizer_step`` or the batch end (the strategy's
+    gradient hand-off, and optimizer work it overlaps with backward); optimizer:
+    ``on_before_optimizer_step`` -> batch end.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[StepRecord] = []
+        self._current = StepRecord()
+        self._step_start = 0.0
+        self._mark = 0.0
+        self._phase = "forward"
+        self._cpu_start = 0.0
+
+    def _advance(self, next_phase: str) -> None:
+        now = time.perf_counter()
+        self._current.phases[self._phase] += now - self._mark
+        self._mark, self._phase = now, next_phase
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_start = time.perf_counter()
+        self._cpu_start = _cpu_time()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark, self._phase = time.perf_counter(), "forward"
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._advance("backward")
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._advance("after_backward")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._advance("optimizer")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._advance("forward")
+        if trainer.global_step > len(self.steps):
+            now = time.perf_counter()
+            cpu = _cpu_time()
+            self._current.seconds = now - self._step_start
+            self._current.cpu_seconds = cpu - self._cpu_start
+            self.steps.append(self._current)
+            self._current, self._step_start, self._cpu_start = StepRecord(), now, cpu
+
+    def timed(self, warmup: int) -> list[StepRecord]:
+        """The records after the first ``warmup`` steps."""
+        return self.steps[warmup:]
+
+
+def summarize(records: list[StepRecord], tokens_per_step: int) -> tuple[float, float, str]:
+    """(tokens/s, mean step seconds, phase breakdown line) over ``records``."""
+    if not records:
+        raise ValueError("no timed optimizer steps: raise --steps above 0")
+    total = sum(r.seconds for r in records)
+    mean = total / len(records)
+    parts = []
+    for phase in PHASES:
+        s = sum(r.phases[phase] for r in records) / len(records)
+        parts.append(f"{phase} {s:.2f} s ({100 * s / mean:.0f}%)")
+    cpu = sum(r.cpu_seconds for r in records) / total / (os.cpu_count() or 1)
+    parts.append(f"CPU busy {100 * cpu:.0f}% of {os.cpu_count()} cores")
+    parts.append(f"load average {os.getloadavg()[0]:.1f}")
+    return tokens_per_step * len(records) / total, mean, ", ".join(parts)
+
+
+class RssSampler:
+    """Peak resident set size of this process, sampled on a thread every ``interval`` s."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = 0
+        """Highest sampled RSS since the start or the last :meth:`mark`, bytes."""
+        self.marks: dict[str, int] = {}
+        """Peak RSS of each marked phase, bytes."""
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def mark(self, label: str) -> None:
+        """Record the peak so far under ``label`` and restart the peak from the current RSS."""
+        rss = self._process.memory_info().rss
+        self.marks[label] = max(self.peak, rss)
+        self.peak = rss
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+
+class PhaseMarker(pl.Callback):
+    """Marks the end of setup (training start) on an :class:`RssSampler`."""
+
+    def __init__(self, sampler: RssSampler) -> None:
+        self.sampler = sampler
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.sampler.mark("setup")
+
+
+def quiet() -> None:
+    """Silence Lightning's banner lines and warnings that do not concern the measurement."""
+    import logging
+    import warnings
+
+    for name in (
+        "lightning.pytorch",
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric",
+        "lightning.fabric.utilities.rank_zero",
+    ):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+
+
+def rss() -> int:
+    """Current resident set size of this process, bytes."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def max_rss() -> int:
+    """``ru_maxrss`` of this process, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def quiet_trainer(
+    strategy: Any, *, steps: int, accumulate: int, callbacks: list[pl.Callback]
+) -> pl.Trainer:
+    """A CPU bf16-true Trainer running ``steps`` optimizer steps, without logging or saving."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-true",
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+
+
+def gib(nbytes: float) -> str:
+    """``nbytes`` as GiB with two decimals."""
+    return f"{nbytes / GIB:.2f} GiB"

@@ -1,0 +1,266 @@
+"""Train a model whose training state exceeds this machine's RAM, within a host budget.
+
+A Llama-shaped model (default hidden 2048, 24 layers, ffn 8192, vocab 32000: about
+1.74B parameters, so weights + fp32 master + two fp32 moments + fp32 gradients
+take about 16 bytes/param = 28 GB, more than 24 GiB of RAM) trains with
+``Trainer(strategy="balance_beam", precision="bf16-true")``: every block's bf16
+weights and its fp32 master weights and AdamW moments on NVMe (``--nvme-dir``),
+the store's host arena capped at ``--host-budget-gib``. Printed: the peak resident
+memory of the process (psutil RSS sampled every 50 ms, and ``ru_maxrss``) during
+setup and during training, against host budget + 2 GiB (pass / fail), where that
+memory is expected to go, trained tokens/s and the time per step by phase.
+
+Building the model (``--init``): ``checkpoint`` first writes random
+weights (normal, std 0.02; norms 1) as a sharded safetensors checkpoint, one
+block per shard, never holding more than one block; the module then builds the
+model on the meta device and the strategy streams each tensor from the
+checkpoint into its tier. ``module`` lets the module's ``configure_model`` build
+the whole model under Lightning's bf16-true init context (2 bytes/param at once)
+before the strategy copies each block into the store. ``auto`` (default) tries
+``checkpoint`` and, when that fails, prints why and runs ``module``.
+
+    .venv/bin/python bench/train_large.py [--steps 3] [--warmup 1] [--host-budget-gib 8]
+        [--layers 24] [--hidden 2048] [--ffn 8192] [--nvme-dir D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _common
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.module import CausalLMModule
+from bb_lightning.structure import find_block_list
+from storage.io import padded
+from storage.store import StoreConfig
+from storage.tiers import Tier
+
+SLACK = 1 << 20
+"""Bytes added to the device and NVMe budgets (allocator alignment)."""
+
+
+def config_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's config dict (Llama, untied head, no GQA)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": max(2048, args.seq),
+        "tie_word_embeddings": False,
+    }
+
+
+def hf_config(config: dict[str, Any]) -> PretrainedConfig:
+    """The Hugging Face config of a config dict with ``model_type``."""
+    cfg = dict(config)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def sizes(config: dict[str, Any]) -> tuple[list[int], int]:
+    """(parameters per block, parameters outside the blocks), from a meta-device build."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(config))
+    _, blocks = find_block_list(model)
+    numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    return numels, sum(p.numel() for p in model.parameters()) - sum(numels)
+
+
+def write_random_checkpoint(config: dict[str, Any], directory: Path, seed: int = 0) -> int:
+    """Write random bf16 weights as a sharded safetensors checkpoint, one block at a time.
+
+    Matrices and embeddings ~ N(0, 0.02^2), 1-D weights (norms) = 1. Shard ``k`` holds
+    block ``k``'s tensors; the last shard holds the rest. Returns bytes written.
+    """
+    hf = hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    groups: dict[str, list[str]] = {}
+    for key in shapes:
+        match = re.search(r"\.layers\.(\d+)\.", key)
+        groups.setdefault(f"block{int(match.group(1)):03d}" if match else "rest", []).append(key)
+    g = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, keys in groups.items():
+        tensors = {}
+        for key in keys:
+            shape = shapes[key]
+            if len(shape) == 1:
+                tensors[key] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                tensors[key] = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+            total += tensors[key].numel() * 2
+        name = f"model-{shard}.safetensors"
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, name))
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    hf.save_pretrained(directory)
+    return total
+
+
+def train(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    placement: Placement,
+    need: dict[Tier, int],
+    limit: int,
+    base: Path,
+    init: str,
+) -> None:
+    """Fit ``--warmup + --steps`` steps, the model built per ``init``; print the figures."""
+    with tempfile.TemporaryDirectory(prefix="large-", dir=base) as run_dir:
+        store = StoreConfig(
+            device_budget=need[Tier.DEVICE] + SLACK,
+            host_budget=int(args.host_budget_gib * _common.GIB),
+            nvme_path=str(Path(run_dir) / "store"),
+            nvme_budget=need[Tier.NVME] + SLACK,
+            device="cpu",
+        )
+        strategy = BalanceBeamStrategy(store=store, placement=placement, compute_dtype="bf16")
+        source: str | dict[str, Any] = config
+        if init == "checkpoint":
+            ckpt = Path(run_dir) / "checkpoint"
+            ckpt.mkdir()
+            t0 = time.perf_counter()
+            nbytes = write_random_checkpoint(config, ckpt)
+            print(
+                f"wrote a random bf16 checkpoint of {_common.gib(nbytes)} block by block in "
+                f"{time.perf_counter() - t0:.1f} s (RSS {_common.gib(_common.rss())})",
+                flush=True,
+            )
+            source = str(ckpt)
+        module = CausalLMModule(source, learning_rate=1e-4, seed=0)
+        timer = _common.StepTimer()
+        sampler = _common.RssSampler()
+        steps = args.warmup + args.steps
+        trainer = _common.quiet_trainer(
+            strategy,
+            steps=steps,
+            accumulate=args.accumulate,
+            callbacks=[timer, _common.PhaseMarker(sampler)],
+        )
+        data = _common.token_loader(args.micro_batch, steps * args.accumulate, args.seq, args.vocab)
+        start = time.perf_counter()
+        with sampler:
+            trainer.fit(module, data)
+        wall = time.perf_counter() - start
+        stats = strategy.store.stats() if strategy.store is not None else {}
+        strategy.close()
+    tokens = args.micro_batch * args.seq * args.accumulate
+    tps, step_s, phases = _common.summarize(timer.timed(args.warmup), tokens)
+    setup_peak = sampler.marks.get("setup", 0)
+    train_peak = sampler.peak
+    peak = max(setup_peak, train_peak, _common.max_rss())
+    print(
+        f"trained {steps} optimizer steps ({args.warmup} untimed) of micro-batch "
+        f"{args.micro_batch} x accumulation {args.accumulate} x seq {args.seq} in {wall:.1f} s "
+        "(setup included)"
+    )
+    print(f"per step: {phases}")
+    for link, s in stats.items():
+        if s.count:
+            print(
+                f"  store {link}: {s.bytes / 1e9:.2f} GB in {s.seconds:.1f} s busy "
+                f"({s.bandwidth / 1e9:.2f} GB/s) over all {steps} steps and setup"
+            )
+    print(
+        f"peak RSS: setup {_common.gib(setup_peak)}, training {_common.gib(train_peak)}, "
+        f"ru_maxrss {_common.gib(_common.max_rss())}; limit host budget + 2 GiB = "
+        f"{_common.gib(limit)} -> {'PASS' if peak <= limit else 'FAIL'} "
+        f"(peak / limit = {peak / limit:.2f})"
+    )
+    print(f"throughput: {tps:.1f} trained tokens/s, {step_s:.2f} s/step")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prefetch", type=int, default=1, help="prefetch depth (blocks)")
+    parser.add_argument("--host-budget-gib", type=float, default=8.0, help="store host arena")
+    parser.add_argument("--nvme-dir", default=None, help="directory on the disk under test")
+    parser.add_argument(
+        "--init",
+        choices=("auto", "checkpoint", "module"),
+        default="auto",
+        help="see above; auto tries checkpoint, then module",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+    _common.quiet()
+
+    base = _common.nvme_base(args.nvme_dir)
+    print(_common.machine(base), flush=True)
+    config = config_of(args)
+    numels, rest = sizes(config)
+    params = sum(numels) + rest
+    ram = _common.psutil.virtual_memory().total
+    print(
+        f"model: Llama {params / 1e9:.2f}B params ({args.layers} x hidden {args.hidden}, ffn "
+        f"{args.ffn}, vocab {args.vocab}); full training state at 16 bytes/param "
+        f"{_common.gib(16 * params)} vs RAM {_common.gib(ram)}"
+        + (" (exceeds RAM)" if 16 * params > ram else " (FITS in RAM: not a large-model test)")
+    )
+    placement = Placement.uniform(
+        args.layers, weights=Tier.NVME, master=Tier.NVME, prefetch_depth=args.prefetch
+    )
+    need = required_budgets(numels, rest, placement, torch.bfloat16)
+    host_budget = int(args.host_budget_gib * _common.GIB)
+    if need[Tier.HOST] > host_budget:
+        raise ValueError(
+            f"the store needs {_common.gib(need[Tier.HOST])} of host arena (fp32 state of the "
+            f"parameters outside the blocks) > --host-budget-gib {args.host_budget_gib}: "
+            "raise the budget"
+        )
+    limit = host_budget + 2 * _common.GIB
+    grads = sum(4 * padded(n) for n in [*numels, rest])  # fp32 accumulators, outside the store
+    print(
+        f"expected host memory: store host arena {_common.gib(need[Tier.HOST])} "
+        f"(budget {args.host_budget_gib:.1f} GiB), device tier (RAM on this CPU) "
+        f"{_common.gib(need[Tier.DEVICE])} + resident bf16 params {_common.gib(2 * rest)}, "
+        f"fp32 gradient accumulators (not in any store budget) {_common.gib(grads)}, "
+        f"bf16 model while built {_common.gib(2 * params) + ' (--init module)'}"
+        f"; RSS limit {_common.gib(limit)}",
+        flush=True,
+    )
+    if args.init != "auto":
+        train(args, config, placement, need, limit, base, args.init)
+        return
+    try:
+        train(args, config, placement, need, limit, base, "checkpoint")
+    except Exception as exc:  # report, then build the model whole instead
+        print(f"streaming from a checkpoint failed: {type(exc).__name__}: {exc}")
+        print("falling back to --init module (the whole model built in bf16 first)", flush=True)
+        train(args, config, placement, need, limit, base, "module")
+
+
+if __name__ == "__main__":
+    main()

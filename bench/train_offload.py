@@ -1,0 +1,318 @@
+"""Offloaded training throughput: ``balance_beam`` against plain Lightning, same run.
+
+A Llama-shaped model (default about 370M parameters: hidden 1024, 24 layers,
+ffn 2816, 16 heads, vocab 32000) with random weights from its config trains on
+random tokens, bf16 compute, sequence 512, with AdamW:
+
+1. plain Lightning: ``Trainer(accelerator="cpu", precision="bf16-true")``, everything
+   in memory, torch AdamW;
+2. ``balance_beam`` with the same micro-batch and accumulation: a quarter of the
+   blocks (``--resident``, default 6 of 24) resident on the device tier, the other
+   blocks' bf16 weights homed on the host (or NVMe with ``--weights-on-nvme``), every
+   block's fp32 master weights and AdamW moments on NVMe (``--nvme-dir``, a real disk);
+3. ``balance_beam`` at the micro-batch, accumulation and placement the planner
+   recommends for a global batch of ``--plan-global-seqs`` sequences (default: the
+   same as 1 and 2), optimizer state on NVMe.
+
+Each run takes ``--warmup`` optimizer steps, then ``--steps`` timed ones. Printed:
+trained tokens/s of each (tokens = micro-batch x sequence x accumulation per step),
+the ratio balance_beam / plain (target >= 0.8), the planner's predicted step time
+next to the measured one (target within +-25%), and where each step's time went
+(forward, backward, gradient hand-off, optimizer; link busy times of the store).
+
+    .venv/bin/python bench/train_offload.py [--steps 3] [--warmup 3] [--micro-batch 1]
+        [--accumulate 4] [--layers 24] [--hidden 1024] [--weights-on-nvme] [--nvme-dir D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _common
+import psutil
+import torch
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.pager import Placement
+from bb_lightning.module import CausalLMModule
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    ModelProfile,
+    Plan,
+    PlanOverrides,
+    make_plan,
+    measure,
+)
+from bb_lightning.planner.plan import placement_tiers
+from storage.tiers import Tier
+
+SEED = 0
+
+
+def llama_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark model's config dict (Llama, untied head, no GQA)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": max(2048, args.seq),
+        "tie_word_embeddings": False,
+    }
+
+
+@dataclass
+class Result:
+    """One timed run."""
+
+    name: str
+    tokens_per_s: float
+    """Trained tokens per second over the timed steps."""
+    step_s: float
+    """Mean seconds per optimizer step."""
+    phases: str
+    """Where each step's time went."""
+    micro_batch: int
+    accumulate: int
+    links: str = ""
+    """Store link traffic over the whole run (balance_beam only)."""
+
+
+def train(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    name: str,
+    strategy: Any,
+    micro_batch: int,
+    accumulate: int,
+) -> Result:
+    """Fit ``--warmup + --steps`` optimizer steps; time the last ``--steps``."""
+    torch.manual_seed(SEED)
+    module = CausalLMModule(config, learning_rate=1e-4, seed=SEED)
+    timer = _common.StepTimer()
+    steps = args.warmup + args.steps
+    trainer = _common.quiet_trainer(strategy, steps=steps, accumulate=accumulate, callbacks=[timer])
+    data = _common.token_loader(micro_batch, steps * accumulate, args.seq, args.vocab)
+    profiler = cProfile.Profile() if args.profile else None
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    trainer.fit(module, data)
+    if profiler is not None:
+        profiler.disable()
+    wall = time.perf_counter() - start
+    tokens = micro_batch * args.seq * accumulate
+    tps, step_s, phases = _common.summarize(timer.timed(args.warmup), tokens)
+    links = ""
+    if isinstance(strategy, BalanceBeamStrategy) and strategy.store is not None:
+        parts = []
+        for link, s in strategy.store.stats().items():
+            if s.count:
+                parts.append(
+                    f"{link} {s.bytes / 1e9:.2f} GB in {s.seconds:.1f} s busy "
+                    f"({s.bandwidth / 1e9:.2f} GB/s)"
+                )
+        links = f"store traffic over all {steps} steps: " + "; ".join(parts)
+        strategy.close()
+    print(
+        f"[{name}] micro-batch {micro_batch} x accumulation {accumulate} x seq {args.seq}: "
+        f"{tps:.1f} tokens/s, {step_s:.2f} s/step (fit wall {wall:.1f} s incl. setup), "
+        f"RSS now {_common.gib(psutil.Process().memory_info().rss)}",
+        flush=True,
+    )
+    print(f"[{name}] per step: {phases}", flush=True)
+    if links:
+        print(f"[{name}] {links}", flush=True)
+    if profiler is not None:
+        print(f"[{name}] cProfile (main thread), top {args.profile} by own time:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+    del trainer, module
+    gc.collect()
+    return Result(name, tps, step_s, phases, micro_batch, accumulate, links)
+
+
+def offload_tiers(args: argparse.Namespace) -> tuple[Tier, Tier]:
+    """(home of the non-resident blocks' weights, home of the optimizer state)."""
+    return (Tier.NVME if args.weights_on_nvme else Tier.HOST), Tier.NVME
+
+
+def strategy_for(args: argparse.Namespace, placement: Placement, run_dir: Path) -> Any:
+    """A balance_beam strategy with ``placement``, its NVMe tier under ``run_dir``."""
+    return BalanceBeamStrategy(placement=placement, nvme_path=str(run_dir), compute_dtype="bf16")
+
+
+def forced_plan(
+    args: argparse.Namespace, model: ModelProfile, hw: HardwareProfile
+) -> tuple[Plan, Placement]:
+    """The planner's prediction for the forced configuration, and that placement.
+
+    The planner rejects ``resident_blocks`` together with ``weights_tier`` (the latter
+    forces every block), so only the residency and the optimizer tier are forced; a
+    note is printed when it homes the paged blocks elsewhere than the run does.
+    """
+    weights, master = offload_tiers(args)
+    overrides = PlanOverrides(
+        micro_batch=args.micro_batch,
+        grad_accum=args.accumulate,
+        resident_blocks=args.resident,
+        master_tier=master,
+        prefetch_depth=args.prefetch,
+        checkpointing=True,
+    )
+    job = FitJob(seq_len=args.seq, global_batch_seqs=args.micro_batch * args.accumulate)
+    plan = make_plan(model, hw, job, overrides=overrides)
+    n = args.layers
+    placement = Placement(
+        weights=placement_tiers(n, args.resident, n - args.resident if weights is Tier.HOST else 0),
+        master=(master,) * n,
+        prefetch_depth=args.prefetch,
+    )
+    if plan.weights != placement.weights:
+        print(
+            "note: the planner homes the paged blocks on "
+            + ", ".join(sorted({t.value for t in plan.weights if t is not Tier.DEVICE}))
+            + f", the run on {weights.value}: its prediction is for its own placement"
+        )
+    return plan, placement
+
+
+def recommended_plan(
+    args: argparse.Namespace, model: ModelProfile, hw: HardwareProfile
+) -> tuple[Plan, Placement]:
+    """The planner's micro-batch, accumulation, placement and prefetch (optimizer on NVMe)."""
+    _, master = offload_tiers(args)
+    ram = psutil.virtual_memory().available
+    job = FitJob(seq_len=args.seq, global_batch_seqs=args.plan_global_seqs)
+    overrides = PlanOverrides(master_tier=master, checkpointing=True)
+    plan = make_plan(model, hw, job, overrides=overrides)
+    used = sum(m.used for m in plan.memory if m.tier is not Tier.NVME)
+    if plan.micro_batch > args.max_micro_batch or used > ram:
+        cap = min(args.max_micro_batch, plan.micro_batch // 2 if used > ram else plan.micro_batch)
+        print(f"capping the planner's micro-batch {plan.micro_batch} to {cap} (RAM / option)")
+        overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master, checkpointing=True)
+        plan = make_plan(model, hw, job, overrides=overrides)
+    placement = Placement(
+        weights=plan.weights, master=plan.master, prefetch_depth=plan.prefetch_depth
+    )
+    return plan, placement
+
+
+def predicted_line(name: str, plan: Plan, result: Result) -> str:
+    """Predicted against measured step time, with the ratio."""
+    p = plan.predicted
+    return (
+        f"[{name}] planner predicted {p.total:.2f} s/step (compute {p.compute:.2f} s, exposed "
+        f"{p.exposed:.2f} s, optimizer busy {p.optimizer:.2f} s, bottleneck {p.bottleneck}); "
+        f"measured {result.step_s:.2f} s/step; measured / predicted = "
+        f"{result.step_s / p.total:.2f} (target 0.75-1.25)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
+    parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--resident", type=int, default=None, help="blocks kept on the device")
+    parser.add_argument("--prefetch", type=int, default=1, help="prefetch depth (blocks)")
+    parser.add_argument("--weights-on-nvme", action="store_true", help="page weights from NVMe")
+    parser.add_argument("--nvme-dir", default=None, help="directory on the disk under test")
+    parser.add_argument(
+        "--plan-global-seqs",
+        type=int,
+        default=None,
+        help="global batch (sequences) the planner splits; default micro-batch x accumulate",
+    )
+    parser.add_argument("--max-micro-batch", type=int, default=8, help="cap on the planner's")
+    parser.add_argument("--measure-seconds", type=float, default=20.0, help="hardware probe")
+    parser.add_argument("--skip-recommended", action="store_true", help="only runs 1 and 2")
+    parser.add_argument("--profile", type=int, default=0, help="print top N cProfile rows")
+    args = parser.parse_args(argv)
+    _common.quiet()
+    if args.resident is None:
+        args.resident = args.layers // 4
+    if args.plan_global_seqs is None:
+        args.plan_global_seqs = args.micro_batch * args.accumulate
+    if not 0 <= args.resident <= args.layers:
+        raise ValueError(f"--resident {args.resident} outside 0..{args.layers}: pass fewer")
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+
+    base = _common.nvme_base(args.nvme_dir)
+    print(_common.machine(base), flush=True)
+    config = llama_config(args)
+    model = ModelProfile.from_config(config)
+    print(
+        f"model: Llama {model.total_params / 1e6:.0f}M params ({args.layers} x hidden "
+        f"{args.hidden}, ffn {args.ffn}, {args.heads} heads, vocab {args.vocab}), seq {args.seq}, "
+        f"bf16 compute, AdamW; {args.warmup} warm-up + {args.steps} timed optimizer steps"
+    )
+    hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+    print(
+        f"hardware profile: {hw.device_flops / 1e12:.2f} TFLOP/s, NVMe read "
+        f"{hw.nvme_read_bandwidth / 1e9:.2f} / write {hw.nvme_write_bandwidth / 1e9:.2f} GB/s, "
+        f"host AdamW {hw.host_adam_params_per_s / 1e6:.0f} M params/s",
+        flush=True,
+    )
+    plan, placement = forced_plan(args, model, hw)
+    weights, _ = offload_tiers(args)
+    print(
+        f"offloaded placement: {args.resident} of {args.layers} blocks resident, the other "
+        f"{args.layers - args.resident} on {weights.value}, master + moments on NVMe, "
+        f"prefetch depth {args.prefetch}",
+        flush=True,
+    )
+
+    plain = train(args, config, "plain", "auto", args.micro_batch, args.accumulate)
+    results = {"plain": plain}
+    with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
+        strategy = strategy_for(args, placement, Path(run_dir))
+        bb = train(args, config, "balance_beam", strategy, args.micro_batch, args.accumulate)
+    results["balance_beam"] = bb
+    print(predicted_line("balance_beam", plan, bb))
+    if not args.skip_recommended:
+        rec_plan, rec_placement = recommended_plan(args, model, hw)
+        print(rec_plan.explain())
+        with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
+            strategy = strategy_for(args, rec_placement, Path(run_dir))
+            rec = train(
+                args, config, "planned", strategy, rec_plan.micro_batch, rec_plan.grad_accum
+            )
+        results["planned"] = rec
+        print(predicted_line("planned", rec_plan, rec))
+
+    print("\nsummary (trained tokens/s):")
+    for r in results.values():
+        print(
+            f"  {r.name:<13} micro-batch {r.micro_batch} x accum {r.accumulate}: "
+            f"{r.tokens_per_s:9.1f} tokens/s  ({r.step_s:.2f} s/step)"
+        )
+    print(
+        f"ratio balance_beam / plain = {bb.tokens_per_s / plain.tokens_per_s:.2f} "
+        "(target >= 0.80, same micro-batch and accumulation)"
+    )
+    if "planned" in results:
+        print(f"ratio planned / plain = {results['planned'].tokens_per_s / plain.tokens_per_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The training benchmarks run as scripts at tiny sizes and print their ratio lines."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+TINY = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--vocab", "256"]
+TINY += ["--seq", "32", "--steps", "2", "--warmup", "1"]
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> str:
+    env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, str(BENCH / script), *TINY, "--nvme-dir", str(tmp_path / "nvme")]
+    done = subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _number(pattern: str, text: str) -> float:
+    match = re.search(pattern, text)
+    assert match is not None, f"no line matching {pattern!r} in:\n{text}"
+    value = float(match.group(1))
+    assert math.isfinite(value) and value > 0, match.group(0)
+    return value
+
+
+@pytest.mark.slow
+def test_train_offload_prints_ratios(tmp_path: Path) -> None:
+    out = _run("train_offload.py", tmp_path, "--measure-seconds", "1")
+    assert "machine: CPU" in out and f"NVMe dir: {tmp_path / 'nvme'}" in out
+    plain = _number(r"\[plain\] micro-batch 1 x accumulation 4 x seq 32: ([\d.]+) tokens/s", out)
+    bb = _number(
+        r"\[balance_beam\] micro-batch 1 x accumulation 4 x seq 32: ([\d.]+) tokens/s", out
+    )
+    ratio = _number(r"ratio balance_beam / plain = ([\d.]+)", out)
+    assert ratio == pytest.approx(bb / plain, rel=0.01, abs=0.006)
+    _number(r"\[balance_beam\] .*measured / predicted = ([\d.]+)", out)
+    _number(r"\[planned\] .*measured / predicted = ([\d.]+)", out)
+    _number(r"ratio planned / plain = ([\d.]+)", out)
+    assert "plan: fit llama" in out  # the planner's explanation of the recommended run
+
+
+@pytest.mark.slow
+def test_train_large_reports_peak_memory(tmp_path: Path) -> None:
+    out = _run("train_large.py", tmp_path, "--host-budget-gib", "0.5")
+    peak = _number(r"ru_maxrss ([\d.]+) GiB", out)
+    limit = _number(r"limit host budget \+ 2 GiB = ([\d.]+) GiB", out)
+    assert limit == pytest.approx(2.5, abs=0.01)
+    verdict = "PASS" if peak <= limit else "FAIL"
+    assert re.search(rf"-> {verdict} \(peak / limit = [\d.]+\)", out), out
+    _number(r"throughput: ([\d.]+) trained tokens/s", out)
+    assert "FITS in RAM" in out  # the tiny model says it is not a large-model test
+    assert "wrote a random bf16 checkpoint" in out
+
+
+@pytest.mark.slow
+def test_train_large_rejects_a_host_budget_below_the_store_need(tmp_path: Path) -> None:
+    env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, str(BENCH / "train_large.py"), *TINY, "--host-budget-gib", "0.00001"]
+    done = subprocess.run(
+        [*cmd, "--nvme-dir", str(tmp_path / "nvme")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "ValueError" in done.stderr and "raise the budget" in done.stderr
