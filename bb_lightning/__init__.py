@@ -5,9 +5,11 @@ Importing the package registers ``Trainer(strategy="balance_beam")``.
 
 from __future__ import annotations
 
+from bb_lightning.data import PromptsDataModule, TextDataModule
+from bb_lightning.module import CausalLMModule
 from bb_lightning.strategy import BalanceBeamStrategy
 
-__all__ = ["BalanceBeamStrategy"]
+__all__ = ["BalanceBeamStrategy", "CausalLMModule", "PromptsDataModule", "TextDataModule"]
 
 
 def _register() -> None:
