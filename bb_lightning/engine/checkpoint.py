@@ -210,8 +210,10 @@ def save_checkpoint(
         if key != first[id(p)]:
             aliases[first[id(p)]].append(key)
     alias_names = {a for names in aliases.values() for a in names}
+    # Only the keys that are not parameters are read: a lazy state dict (the strategy's
+    # EngineStateDict) never materialises the parameters here.
     rest["buffers"] = {
-        k: v.detach().cpu() for k, v in sd.items() if k not in params and k not in alias_names
+        k: sd[k].detach().cpu() for k in list(sd) if k not in params and k not in alias_names
     }
     with open(tmp / TRAINER_STATE, "wb") as f:
         torch.save(rest, f)

@@ -12,6 +12,7 @@ bits (relative spacing 2**-8 = 4e-3), a few roundings on the way to the loss.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +28,14 @@ STEPS = 3
 LOSS_RTOL = 2e-2
 
 
-def _reference(config: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> Any:
+def _reference(
+    config: dict[str, Any],
+    batches: list[dict[str, torch.Tensor]],
+    accumulate: int = 1,
+    clip: float | None = None,
+) -> Any:
+    """Per-micro-batch losses (divided by ``accumulate``, as Lightning reports them), initial
+    and final fp32 masters of bf16 compute with ``torch.optim.AdamW`` on fp32 masters."""
     cfg = dict(config)
     with torch.random.fork_rng():
         torch.manual_seed(0)  # CausalLMModule(seed=0) initialises the same way
@@ -40,17 +48,22 @@ def _reference(config: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -
         master.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01
     )
     losses = []
-    for batch in batches:
-        with torch.no_grad():
-            for p, m in zip(compute.parameters(), master.parameters(), strict=True):
-                p.copy_(m)
-        loss = compute(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+    for k, batch in enumerate(batches):
+        if k % accumulate == 0:
+            with torch.no_grad():
+                for p, m in zip(compute.parameters(), master.parameters(), strict=True):
+                    p.copy_(m)
+        loss = compute(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss / accumulate
         loss.backward()
+        losses.append(float(loss))
+        if (k + 1) % accumulate:
+            continue
         for p, m in zip(compute.parameters(), master.parameters(), strict=True):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         optimizer.step()
-        losses.append(float(loss))
     final = {k: v.detach().clone() for k, v in master.state_dict().items()}
     return losses, initial, final
 
@@ -73,9 +86,45 @@ def test_bf16_blocks_with_fp32_masters_match_reference(
     torch.testing.assert_close(
         torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
     )
-    state = strategy.lightning_module_state_dict()
+    state = dict(strategy.lightning_module_state_dict())
     assert all(v.dtype == torch.float32 for k, v in state.items() if k.endswith("weight"))
     # Masters moved as the reference's did: much closer to them than to the start.
+    for key, want in final_ref.items():
+        got = state[f"model.{key}"]
+        moved = (want - initial[key]).norm()
+        assert (got - want).norm() < 0.5 * moved, key
+    strategy.close()
+
+
+@pytest.mark.slow
+def test_bf16_accumulation_and_clipping_on_every_tier_match_reference(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """bf16 with accumulation 2 and norm clipping, blocks on NVMe, host and device."""
+    config, accumulate, clip = tiny.tiny_llama(), 2, 0.5
+    batches = tiny.batches(STEPS * accumulate)
+    losses_ref, initial, final_ref = _reference(config, batches, accumulate, clip)
+    module = tiny.make_module(config)
+    module.configure_model()
+    placement = Placement(
+        weights=(Tier.NVME, Tier.HOST, Tier.DEVICE, Tier.HOST),
+        master=(Tier.HOST, Tier.NVME, Tier.HOST, Tier.DEVICE),
+        prefetch_depth=1,
+    )
+    strategy = BalanceBeamStrategy(placement=placement, nvme_path=str(tmp_path))
+    trainer, recorder = tiny.make_trainer(
+        strategy,
+        STEPS,
+        precision="bf16-true",
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+    )
+    trainer.fit(module, tiny.loader(STEPS * accumulate))
+    assert strategy.engine is not None and strategy.engine.step_count == STEPS
+    torch.testing.assert_close(
+        torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
+    )
+    state = dict(strategy.lightning_module_state_dict())
     for key, want in final_ref.items():
         got = state[f"model.{key}"]
         moved = (want - initial[key]).norm()

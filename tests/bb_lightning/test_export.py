@@ -30,7 +30,7 @@ def _trained(
     assert module is not None
     with torch.no_grad():
         logits = module.model(input_ids=tiny.batches(1, seed=5)[0]["input_ids"]).logits.cpu()
-    return strategy, strategy.lightning_module_state_dict(), logits
+    return strategy, dict(strategy.lightning_module_state_dict()), logits
 
 
 def _logits(out: Path, tiny: SimpleNamespace) -> torch.Tensor:

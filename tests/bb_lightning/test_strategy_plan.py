@@ -66,7 +66,7 @@ def test_strategy_by_name_plans_from_the_first_batch(
     assert strategy.engine is not None
     assert strategy.engine.pager.placement.weights == plan.weights
     want = reference_run(tiny.tiny_llama(), 2, accumulate_grad_batches=2)
-    _assert_same((recorder.losses, strategy.lightning_module_state_dict()), want)
+    _assert_same((recorder.losses, dict(strategy.lightning_module_state_dict())), want)
     strategy.close()
 
 
@@ -82,7 +82,7 @@ def test_overrides_force_tiers_and_depth(tiny: SimpleNamespace, reference_run: A
     assert placement.weights == (Tier.HOST,) * 4 and placement.master == (Tier.HOST,) * 4
     assert placement.prefetch_depth == 2
     _assert_same(
-        (recorder.losses, strategy.lightning_module_state_dict()),
+        (recorder.losses, dict(strategy.lightning_module_state_dict())),
         reference_run(tiny.tiny_llama(), 2),
     )
     strategy.close()
@@ -139,7 +139,7 @@ def test_gather_full_model_and_close_on_collection(tiny: SimpleNamespace, tmp_pa
     assert strategy.store is not None and strategy._tmpdir is not None
     nvme_dir = Path(strategy._tmpdir.name)
     assert nvme_dir.is_dir()
-    want = strategy.lightning_module_state_dict()
+    want = dict(strategy.lightning_module_state_dict())
     gathered = strategy.gather_full_model()
     assert strategy.engine is None and strategy.store is None and not nvme_dir.exists()
     for key, p in gathered.named_parameters():

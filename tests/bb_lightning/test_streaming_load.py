@@ -60,7 +60,7 @@ def test_sharded_checkpoint_streams_into_the_tiers(
     assert all(p.device.type != "meta" for p in module.model.parameters())
     # Each tensor read once, alone; nothing else read.
     assert sorted(reads) == sorted(dict(module.model.named_parameters()))
-    state = strategy.lightning_module_state_dict()
+    state = dict(strategy.lightning_module_state_dict())
     for key, value in saved.items():
         torch.testing.assert_close(state[f"model.{key}"], value, rtol=0, atol=0, msg=key)
     strategy.close()
@@ -92,7 +92,7 @@ def test_own_module_with_hf_model_uses_its_materialised_weights(
     trainer.fit_loop.epoch_loop.max_steps = 0  # set up the engine, take no step
     trainer.fit(module, tiny.loader(1))
     assert strategy.engine is not None
-    state = strategy.lightning_module_state_dict()
+    state = dict(strategy.lightning_module_state_dict())
     for key, value in saved.items():
         torch.testing.assert_close(state[f"net.{key}"], value, rtol=0, atol=0, msg=key)
     strategy.close()

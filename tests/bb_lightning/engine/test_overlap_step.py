@@ -27,7 +27,7 @@ def _run(
     trainer, recorder = tiny.make_trainer(strategy, steps, **kwargs)
     accum = kwargs.get("accumulate_grad_batches", 1)
     trainer.fit(tiny.make_module(tiny.tiny_llama()), tiny.loader(steps * accum))
-    state = strategy.lightning_module_state_dict()
+    state = dict(strategy.lightning_module_state_dict())
     return recorder.losses, state, strategy
 
 
