@@ -316,7 +316,7 @@ class PromptsDataModule(pl.LightningDataModule):
         path: str,
         *,
         tokenizer: str | None = None,
-        batch_size: int = 1,
+        batch_size: int | None = 1,
         max_prompt_len: int = 2048,
         num_workers: int = 0,
     ) -> None:
@@ -326,18 +326,22 @@ class PromptsDataModule(pl.LightningDataModule):
             path: the ``.jsonl`` file.
             tokenizer: ``None``/``"byte"`` for :class:`ByteTokenizer`, else a HF tokenizer
                 (which adds its own special tokens, e.g. bos).
-            batch_size: prompts per batch.
+            batch_size: prompts per batch; None takes the planner's concurrent sequences
+                (a planning strategy such as ``balance_beam`` calls
+                :meth:`use_planned_batch_size` before the batches are drawn).
             max_prompt_len: longest prompt accepted (tokens).
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1, or None for the plan's")
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 (tokens)")
         self.save_hyperparameters()
         self.path = Path(path)
         self.batch_size = batch_size
+        self.planned_batch_size: int | None = None
+        """Prompts per batch chosen by the planner (used when ``batch_size`` is None)."""
         self.max_prompt_len = max_prompt_len
         self.num_workers = num_workers
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
@@ -400,14 +404,40 @@ class PromptsDataModule(pl.LightningDataModule):
         """Leave prompts with these ids out of the batches (a resumed run's finished ones)."""
         self.skipped = frozenset(str(i) for i in ids)
 
-    def predict_dataloader(self) -> DataLoader[dict[str, Any]]:
-        """Prompt batches in file order, without the ids given to :meth:`skip_ids`."""
+    def _pending(self) -> list[dict[str, Any]]:
         if self.records is None:
             raise RuntimeError("PromptsDataModule.setup() must run before its dataloaders")
-        records = [r for r in self.records if r["id"] not in self.skipped]
+        return [r for r in self.records if r["id"] not in self.skipped]
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts still to run (not skipped, no error), after :meth:`setup`."""
+        return sum(r["error"] is None for r in self._pending())
+
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt still to run (1 when none), after :meth:`setup`."""
+        return max((len(r["input_ids"]) for r in self._pending() if r["error"] is None),
+                   default=1)  # fmt: skip
+
+    def use_planned_batch_size(self, concurrent_seqs: int) -> None:
+        """Run batches of ``concurrent_seqs`` prompts when ``batch_size`` is None."""
+        if concurrent_seqs < 1:
+            raise ValueError(f"concurrent_seqs={concurrent_seqs} must be >= 1 prompts")
+        self.planned_batch_size = concurrent_seqs
+
+    def predict_dataloader(self) -> DataLoader[dict[str, Any]]:
+        """Prompt batches in file order, without the ids given to :meth:`skip_ids`."""
+        records = self._pending()
+        batch_size = self.batch_size or self.planned_batch_size
+        if batch_size is None:
+            raise ValueError(
+                "PromptsDataModule(batch_size=None) takes its batch size from a planning "
+                "strategy, but none was set: pass batch_size= or use strategy='balance_beam'"
+            )
         return DataLoader(
             records,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
+            batch_size=batch_size,
             shuffle=False,
             collate_fn=self.collate,
             num_workers=self.num_workers,

@@ -30,6 +30,7 @@ from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
+from storage.tiers import Tier
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -248,6 +249,8 @@ class CausalLMModule(pl.LightningModule):
         self.model: PreTrainedModel | None = None
         self._tokenizer: Tokenizer | None = None
         self._generator: LayerMajorGenerator | None = None
+        self.kv_cache_tier: Tier | None = None
+        """Where ``predict`` keeps the KV cache (a planning strategy sets it); None: device."""
 
     def model_config(self) -> PretrainedConfig:
         """The Hugging Face configuration of the network (available before it is built)."""
@@ -380,9 +383,9 @@ class CausalLMModule(pl.LightningModule):
         too long for the model's context, are not run and come back as ``{"id", "error"}``.
         """
         net = self._net()
-        if self._generator is None or self._generator.model is not net:
-            self._generator = LayerMajorGenerator(net)
         gen = self._generator
+        if gen is None or gen.model is not net or gen.kv_tier is not self.kv_cache_tier:
+            gen = self._generator = LayerMajorGenerator(net, kv_tier=self.kv_cache_tier)
         ids: list[str] = list(batch["id"])
         errors: list[str | None] = list(batch.get("error") or [None] * len(ids))
         lengths = batch["attention_mask"].sum(-1).tolist()

@@ -6,15 +6,19 @@ checkpoint. ``--prompts`` random prompts of ``--prompt-len`` tokens are each
 extended by ``--new-tokens`` greedy tokens, in bf16:
 
 - ours: ``trainer.predict(CausalLMModule(checkpoint))`` under ``BalanceBeamStrategy``
-  with every block's weights on the NVMe tier, at the planner's batch
-  (``plan.concurrent_seqs``);
+  planning the predict job with every block's weights forced onto the NVMe tier
+  (predict-only: compute-dtype weights, no optimizer state), at the planner's batch
+  (``plan.concurrent_seqs``); the time split into prefill, decode and page-in waits;
 - Hugging Face ``generate`` with the model in memory, at each ``--hf-batches``;
 - Accelerate's ``disk_offload`` (weights in an offload folder) at each ``--acc-batches``.
 
+``--hf-max-batches`` / ``--acc-max-batches`` time only the first batches of a
+baseline (its tokens/s is then the rate over those batches, said in the output).
 Printed: the machine, tokens/s (generated tokens per second of generation) of
 each, the ratios ours / best HF and ours / best Accelerate, the share of
-sequences whose tokens equal the in-memory run at the same batch shape, and the
-plan's predicted tokens/s. Run ``python bench/predict_offload.py --help``.
+sequences whose tokens equal the in-memory run at the same batch shape (bf16,
+and fp32 over ``--check-prompts`` prompts), and the plan's predicted tokens/s.
+Run ``python bench/predict_offload.py --help``.
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import machine, nvme_base
+from _common import machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import ModelProfile, PredictJob, make_plan, measure
+from bb_lightning.planner import (
+    HardwareProfile,
+    ModelProfile,
+    Plan,
+    PlanOverrides,
+    PredictJob,
+    make_plan,
+    measure,
+)
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
@@ -51,6 +62,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--hf-batches", default="8,32,128", help="HF generate batch sizes to try")
     p.add_argument("--acc-batches", default="32,128", help="Accelerate batch sizes ('' skips)")
+    p.add_argument("--hf-max-batches", type=int, default=0, help="time HF's first N (0: all)")
+    p.add_argument("--acc-max-batches", type=int, default=1, help="time Accelerate's first N")
+    p.add_argument("--check-prompts", type=int, default=8, help="prompts compared in fp32")
     p.add_argument("--batch", type=int, default=None, help="our batch (default: the plan's)")
     p.add_argument("--nvme-dir", default=None, help="directory on the disk for the NVMe tier")
     p.add_argument("--measure-seconds", type=float, default=10.0)
@@ -66,12 +80,18 @@ def _prompts(args: argparse.Namespace) -> torch.Tensor:
     return torch.randint(3, args.vocab, (args.prompts, args.prompt_len), generator=g)
 
 
-def _hf_generate(model: Any, prompts: torch.Tensor, batch: int, new: int) -> tuple[float, list]:
-    """(generated tokens/s, token ids per prompt) of ``generate`` at ``batch``."""
+def _hf_generate(
+    model: Any, prompts: torch.Tensor, batch: int, new: int, max_batches: int = 0
+) -> tuple[float, list[list[int]]]:
+    """(generated tokens/s, token ids per prompt) of ``generate`` at ``batch``.
+
+    With ``max_batches`` > 0 only the first ``max_batches`` batches run.
+    """
     out: list[list[int]] = []
+    starts = list(range(0, len(prompts), batch))
     start = time.perf_counter()
     with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
+        for i in starts[:max_batches] if max_batches > 0 else starts:
             ids = prompts[i : i + batch]
             gen = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
@@ -96,32 +116,62 @@ class _Timer(pl.Callback):
         self.seconds += time.perf_counter() - self._t
 
 
-def _ours(args: argparse.Namespace, ckpt: Path, nvme: Path, batch: int) -> tuple[float, list]:
-    prompts = _prompts(args)
+def _ours(
+    args: argparse.Namespace,
+    ckpt: Path,
+    nvme: Path,
+    prompts: torch.Tensor,
+    plan: Plan,
+    dtype: str = "bf16",
+) -> tuple[float, list[list[int]]]:
+    """(generated tokens/s, token ids per prompt) of ``trainer.predict`` at the plan's batch."""
     rows = [
         {"id": str(i), "input_ids": p, "attention_mask": torch.ones_like(p), "error": None}
         for i, p in enumerate(prompts)
     ]
+    batch = plan.concurrent_seqs
     loader = DataLoader(rows, batch_size=batch, collate_fn=_collate)  # type: ignore[arg-type]
     module = CausalLMModule(str(ckpt), max_new_tokens=args.new_tokens)
     strategy = BalanceBeamStrategy(
-        placement=Placement.uniform(args.layers, weights=Tier.NVME, master=Tier.NVME),
-        compute_dtype="bf16",
+        job=plan.job, hardware=plan.hardware, overrides=plan.overrides, compute_dtype=dtype,
         nvme_path=str(nvme),
-    )
+    )  # fmt: skip
     timer = _Timer()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, _PageWaits()],
     )  # fmt: skip
     start = time.perf_counter()
     out = trainer.predict(module, dataloaders=loader)
     total = time.perf_counter() - start
+    engine = strategy.inference
+    assert engine is not None and out is not None, "predict runs on the weights-only engine"
+    waits = engine.timer.end_step()
+    gen = module._generator
+    assert gen is not None and strategy.plan is not None
     strategy.close()
-    assert out is not None
     tokens = [r["token_ids"] for b in out for r in b]  # type: ignore[union-attr]
-    print(f"[ours] setup + teardown {total - timer.seconds:.1f} s (paging weights to NVMe)")
-    return sum(map(len, tokens)) / timer.seconds, tokens
+    tok_s = sum(map(len, tokens)) / timer.seconds
+    if dtype == "bf16":
+        wait = waits.wait_page_in if waits is not None else 0.0
+        print(
+            f"[ours] setup + teardown {total - timer.seconds:.1f} s (weights to the NVMe tier); "
+            f"generation {timer.seconds:.1f} s = prefill {gen.seconds['prefill']:.1f} s + decode "
+            f"{gen.seconds['decode']:.1f} s ({args.new_tokens - 1} steps), of which waiting for "
+            f"page-ins {wait:.1f} s"
+        )
+        print(f"[ours] plan in force: {strategy.plan.concurrent_seqs} concurrent sequences, "
+              f"KV cache on {getattr(strategy.plan.kv_cache, 'value', 'device')}")  # fmt: skip
+    return tok_s, tokens
+
+
+class _PageWaits(pl.Callback):
+    """Starts the weights-only engine's phase timer when predict begins."""
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "inference", None)
+        if engine is not None:
+            engine.timer.begin_step()
 
 
 def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -139,8 +189,10 @@ def _same(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main() -> None:
     args = _args()
+    quiet()
     base = nvme_base(args.nvme_dir)
     print(machine(base))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=args.vocab,
@@ -160,35 +212,35 @@ def main() -> None:
             f"job: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
             "tokens each, greedy"
         )
-
         hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
-        job = PredictJob(
-            prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.prompts
-        )
-        plan = make_plan(ModelProfile.from_config(config), hw, job)
+        plan = _plan(args, config, hw)
         print(plan.explain())
-        batch = args.batch or plan.concurrent_seqs
-        ours, ours_tokens = _ours(args, ckpt, work / "nvme", batch)
+        batch = plan.concurrent_seqs
+        prompts = _prompts(args)
+        ours, ours_tokens = _ours(args, ckpt, work / "nvme", prompts, plan)
         print(f"[ours] NVMe weights, batch {batch}: {ours:.1f} tokens/s")
         print(f"[plan] predicted: {plan.tokens_per_s:.1f} tokens/s; measured / predicted = "
               f"{ours / plan.tokens_per_s:.2f}")  # fmt: skip
 
-        prompts = _prompts(args)
         model.eval()
         hf: dict[int, float] = {}
         same_shape: list[list[int]] | None = None
+        cap = args.hf_max_batches
         for b in sorted({*_batches(args.hf_batches), batch}):
-            hf[b], tokens = _hf_generate(model, prompts, b, args.new_tokens)
-            print(f"[hf generate] in memory, batch {b}: {hf[b]:.1f} tokens/s")
+            hf[b], tokens = _hf_generate(model, prompts, b, args.new_tokens, cap)
+            part = f" (first {len(tokens)} prompts)" if len(tokens) < len(prompts) else ""
+            print(f"[hf generate] in memory, batch {b}: {hf[b]:.1f} tokens/s{part}")
             if b == batch:
                 same_shape = tokens
-        tried = [b for b in hf if str(b) in args.hf_batches.split(",")] or list(hf)
+        tried = [b for b in hf if b in _batches(args.hf_batches)] or list(hf)
         best_hf = max(tried, key=lambda b: hf[b])
         print(f"ratio ours / hf generate (best, batch {best_hf}) = {ours / hf[best_hf]:.2f}")
         assert same_shape is not None
+        share = _same(ours_tokens[: len(same_shape)], same_shape)
         print(f"identical sequences vs in-memory generate at batch {batch} (bf16): "
-              f"{_same(ours_tokens, same_shape):.1%}")  # fmt: skip
+              f"{share:.1%} of {len(same_shape)}")  # fmt: skip
         del model
+        _fp32_check(args, config, hw, ckpt, work / "nvme32", prompts)
 
         acc = _accelerate(args, ckpt, work / "offload", prompts)
         if acc:
@@ -197,6 +249,36 @@ def main() -> None:
                   f"{ours / acc[best_acc]:.2f}")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:
+    """The predict plan with every block's weights on the NVMe tier (``--batch`` forced)."""
+    job = PredictJob(
+        prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.prompts
+    )
+    ov = PlanOverrides(weights_tier=Tier.NVME, concurrent_seqs=args.batch)
+    return make_plan(ModelProfile.from_config(config), hw, job, overrides=ov)
+
+
+def _fp32_check(
+    args: argparse.Namespace,
+    config: LlamaConfig,
+    hw: HardwareProfile,
+    ckpt: Path,
+    nvme: Path,
+    prompts: torch.Tensor,
+) -> None:
+    """Share of identical sequences against in-memory generate, both in fp32."""
+    n = min(args.check_prompts, len(prompts))
+    if n < 1:
+        return
+    sub = argparse.Namespace(**{**vars(args), "prompts": n, "batch": None})
+    plan = _plan(sub, config, hw)
+    _, ours = _ours(sub, ckpt, nvme, prompts[:n], plan, dtype="fp32")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    _, ref = _hf_generate(model, prompts[:n], plan.concurrent_seqs, args.new_tokens)
+    print(f"identical sequences vs in-memory generate at batch {plan.concurrent_seqs} (fp32): "
+          f"{_same(ours, ref):.1%} of {n}")  # fmt: skip
 
 
 def _accelerate(
@@ -208,8 +290,9 @@ def _accelerate(
     for b in _batches(args.acc_batches):
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
         disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
-        out[b], _ = _hf_generate(model, prompts, b, args.new_tokens)
-        print(f"[accelerate] disk offload, batch {b}: {out[b]:.1f} tokens/s")
+        out[b], tokens = _hf_generate(model, prompts, b, args.new_tokens, args.acc_max_batches)
+        part = f" (rate over the first {len(tokens)} prompts)" if len(tokens) < len(prompts) else ""
+        print(f"[accelerate] disk offload, batch {b}: {out[b]:.1f} tokens/s{part}")
         del model
         shutil.rmtree(folder, ignore_errors=True)
     return out

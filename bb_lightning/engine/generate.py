@@ -27,6 +27,7 @@ seed and its logits, not on the other sequences in the batch.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -123,6 +124,9 @@ class LayerMajorGenerator:
         self._logits_kw = "logits_to_keep" in params
         self.steps = 0
         """Forward passes (prefill and decode steps) run so far."""
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        """Wall seconds spent so far in prefill and in decode steps (host read of the tokens
+        included: the step's sync point)."""
 
     def _cache(self, rows: int, max_len: int) -> KVCache:
         """The KV cache for a batch, reused while batches have as many rows and fit its length.
@@ -245,7 +249,8 @@ class _Run:
         )
 
     def run(self, input_ids: Tensor, attention_mask: Tensor) -> list[Generated]:
-        plen, total = self.plen, self.total
+        plen, total, seconds = self.plen, self.total, self.gen.seconds
+        start = time.perf_counter()
         self.mask[:, :plen] = attention_mask
         pos = attention_mask.long().cumsum(-1) - 1
         pos.masked_fill_(attention_mask == 0, 1)
@@ -256,6 +261,9 @@ class _Run:
         for cur in range(plen, total + 1):
             tokens = self._choose(logits)
             host = tokens.tolist()  # the step's one sync point
+            now = time.perf_counter()
+            seconds["prefill" if cur == plen else "decode"] += now - start
+            start = now
             done = self._record(host, at_limit=cur == total)
             if len(done) == len(self.live):
                 break

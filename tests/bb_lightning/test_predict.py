@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from bb_lightning.data import PromptsDataModule
 from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.planner import HardwareProfile, PredictJob
 from bb_lightning.strategy import BalanceBeamStrategy
 from bb_lightning.tokenizer import ByteTokenizer
 from bb_lightning.writer import JsonlPredictionWriter
@@ -32,6 +37,42 @@ CONFIG: dict[str, Any] = {
     "pad_token_id": 256,
 }
 PROMPTS = ["The quick brown", "fox", "y" * 50, "jumps over the", "lazy dog", "a"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cpu(**changes: Any) -> HardwareProfile:
+    """A small CPU machine without NVMe (figures of the order measured on 2 cores)."""
+    base = HardwareProfile(
+        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
+        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,
+        nvme_write_bandwidth=0.0, nvme_capacity=0, host_adam_params_per_s=2e8, cores=2,
+    )  # fmt: skip
+    return base.replace(**changes)
+
+
+def _generate(module: CausalLMModule, texts: list[str], new: int) -> dict[int, list[int]]:
+    """Hugging Face greedy tokens of each prompt alone (cut before eos), by index."""
+    assert module.model is not None
+    tok, out = ByteTokenizer(), {}
+    for i, text in enumerate(texts):
+        ids = torch.tensor([tok.encode(text)])
+        if ids.shape[1] >= CONFIG["max_position_embeddings"]:
+            continue
+        with torch.no_grad():
+            want = module.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                do_sample=False, pad_token_id=256, eos_token_id=258,
+            )[0, ids.shape[1] :].tolist()  # fmt: skip
+        out[i] = want[: want.index(258)] if 258 in want else want
+    return out
 
 
 def _trainer(strategy: Any, out: Path) -> pl.Trainer:
@@ -55,7 +96,7 @@ def _prompts(tmp_path: Path, texts: list[str]) -> Path:
 
 
 def test_predict_pages_from_nvme_and_equals_generate(tmp_path: Path) -> None:
-    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=8, tokenizer="byte")
+    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=6, tokenizer="byte")
     strategy = BalanceBeamStrategy(
         placement=Placement.uniform(3, weights=Tier.NVME, master=Tier.HOST),
         compute_dtype="fp32",
@@ -65,6 +106,14 @@ def test_predict_pages_from_nvme_and_equals_generate(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     trainer = _trainer(strategy, out)
     trainer.predict(module, datamodule=dm, return_predictions=False)
+    # predict-only: the store holds each block's compute-dtype weights and nothing else
+    assert strategy.engine is None and strategy.store is not None
+    assert sorted(strategy.store.names()) == [f"block.{i}.weight" for i in range(3)]
+    assert strategy.inference is not None
+    block = sum(math.prod(shape) for shape in strategy.inference.pager.shapes[0])
+    used = strategy.store.usage()
+    assert used[Tier.NVME][0] == pytest.approx(3 * 4 * block, abs=3 * 4096)  # fp32 weights
+    assert used[Tier.HOST][0] < 3 * 12 * block  # staging only: no masters and moments
     strategy.close()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == [f"p{i}" for i in range(len(PROMPTS))]
@@ -72,23 +121,92 @@ def test_predict_pages_from_nvme_and_equals_generate(tmp_path: Path) -> None:
         "id": "p2",
         "error": "prompt has 50 tokens >= the model's context of 48: shorten it below 48 tokens",
     }
+    reference = CausalLMModule(CONFIG, seed=4)
+    reference.configure_model()
+    tok = ByteTokenizer()
+    for i, want in _generate(reference, PROMPTS, 6).items():
+        assert records[i]["token_ids"] == want, records[i]["id"]
+        assert records[i]["text"] == tok.decode(want)
 
+
+def test_predict_is_planned_and_takes_the_planned_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    texts = [t for t in PROMPTS if len(t) < 40]
+    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=5)
+    strategy = BalanceBeamStrategy(hardware=_cpu(), compute_dtype="fp32")
+    dm = PromptsDataModule(str(_prompts(tmp_path, texts)), batch_size=None)
+    with caplog.at_level(logging.INFO):
+        _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
+    plan = strategy.plan
+    assert plan is not None and plan.task == "predict"
+    longest = max(len(ByteTokenizer().encode(t)) for t in texts)
+    assert (plan.job.prompt_len, plan.job.new_tokens) == (longest, 5)  # type: ignore[union-attr]
+    assert plan.job.num_prompts == len(texts)  # type: ignore[union-attr]
+    assert dm.planned_batch_size == plan.concurrent_seqs
+    assert module.kv_cache_tier is plan.kv_cache
+    assert strategy.inference is not None
+    assert strategy.inference.pager.placement.weights == plan.weights
+    assert "plan: predict" in caplog.text
+    assert f"recommends {plan.concurrent_seqs} concurrent sequences" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    strategy.close()
+    reference = CausalLMModule(CONFIG, seed=4)
+    reference.configure_model()
+    assert [r["token_ids"] for r in records] == list(_generate(reference, texts, 5).values())
+
+
+def test_predict_after_fit_reuses_the_trained_weights(tmp_path: Path) -> None:
+    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=4, learning_rate=1e-2)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=Tier.HOST, master=Tier.HOST), compute_dtype="fp32"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[JsonlPredictionWriter(tmp_path / "out.jsonl")],
+    )  # fmt: skip
+    data = [{"input_ids": torch.randint(0, 256, (2, 16), generator=torch.Generator())}]
+    trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    engine = strategy.engine
+    assert engine is not None
+    trained = engine.state_dict()
+    dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
+    trainer.predict(module, datamodule=dm, return_predictions=False)
+    assert strategy.engine is engine and strategy.inference is None
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    strategy.close()
     reference = CausalLMModule(CONFIG, seed=4)
     reference.configure_model()
     assert reference.model is not None
-    tok = ByteTokenizer()
-    for i, text in enumerate(PROMPTS):
-        if i == 2:
-            continue
-        ids = torch.tensor([tok.encode(text)])
-        with torch.no_grad():
-            want = reference.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                do_sample=False, pad_token_id=256, eos_token_id=258,
-            )[0, ids.shape[1] :].tolist()  # fmt: skip
-        want = want[: want.index(258)] if 258 in want else want
-        assert records[i]["token_ids"] == want, records[i]["id"]
-        assert records[i]["text"] == tok.decode(want)
+    reference.load_state_dict(trained)
+    assert [r["token_ids"] for r in records] == list(_generate(reference, PROMPTS[:2], 4).values())
+
+
+def test_validate_without_fit_then_fit(tmp_path: Path) -> None:
+    module = CausalLMModule(CONFIG, seed=4)
+    reference = CausalLMModule(CONFIG, seed=4)
+    reference.configure_model()
+    batch = {"input_ids": torch.randint(0, 256, (2, 16), generator=torch.Generator())}
+    with torch.no_grad():
+        want = float(reference(batch))
+    strategy = BalanceBeamStrategy(compute_dtype="fp32")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    loader = DataLoader([batch], batch_size=None)  # type: ignore[arg-type]
+    (metrics,) = trainer.validate(module, loader)
+    assert strategy.inference is not None and strategy.engine is None
+    assert metrics["val_loss"] == pytest.approx(want, rel=1e-5)
+    assert not any(".master" in n or ".exp_avg" in n for n in strategy.store.names())  # type: ignore[union-attr]
+    trainer.fit(module, loader)  # the fit engine starts from the same weights
+    assert strategy.inference is None and strategy.engine is not None
+    state = strategy.engine.state_dict()
+    strategy.close()
+    assert all(torch.isfinite(v).all() for v in state.values())
+    moved = max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items())
+    assert 0 < moved < 0.1  # one AdamW step of lr 1e-4 away from the initial weights
 
 
 def test_empty_prompt_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -96,3 +214,38 @@ def test_empty_prompt_file_is_a_clear_error(tmp_path: Path) -> None:
     dm = PromptsDataModule(str(_prompts(tmp_path, [])))
     with pytest.raises(ValueError, match="holds no prompt"):
         _trainer("balance_beam", tmp_path / "out.jsonl").predict(module, datamodule=dm)
+
+
+def test_predict_streams_a_safetensors_checkpoint(tmp_path: Path) -> None:
+    reference = CausalLMModule(CONFIG, seed=7)
+    reference.configure_model()
+    assert reference.model is not None
+    reference.model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    module = CausalLMModule(str(tmp_path / "ckpt"), max_new_tokens=4)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=Tier.HOST), compute_dtype="fp32"
+    )
+    dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
+    _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
+    assert module.model is not None and all(  # streamed: never materialised in the module
+        p.numel() == 0 for p in module.model.model.layers.parameters()
+    )
+    strategy.close()  # back on the meta device: a later engine reads the checkpoint again
+    assert all(p.is_meta for p in module.model.parameters())
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in records] == list(_generate(reference, PROMPTS[:2], 4).values())
+
+
+def test_predict_job_from_a_plain_dataloader(tmp_path: Path) -> None:
+    rows = [
+        {"id": str(i), "input_ids": torch.full((7,), 65 + i), "attention_mask": torch.ones(7)}
+        for i in range(5)
+    ]
+    loader = DataLoader(rows, batch_size=2)  # type: ignore[arg-type]
+    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=3)
+    strategy = BalanceBeamStrategy(hardware=_cpu(), compute_dtype="fp32")
+    out = _trainer(strategy, tmp_path / "out.jsonl").predict(module, dataloaders=loader)
+    strategy.close()
+    assert strategy.plan is not None
+    assert strategy.plan.job == PredictJob(prompt_len=7, new_tokens=3, num_prompts=5)
+    assert out is not None and sum(len(b) for b in out) == 5  # type: ignore[arg-type]

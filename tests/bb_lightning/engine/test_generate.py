@@ -13,8 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
@@ -47,6 +47,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "word_embed_proj_dim": 64,
     },
 }
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _model(arch: str) -> torch.nn.Module:
@@ -106,7 +115,8 @@ def test_greedy_equals_generate_with_mid_eos(arch: str) -> None:
 
 @pytest.fixture(params=[Tier.DEVICE, Tier.HOST, Tier.NVME], ids=lambda t: t.value)
 def paged(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any, list[int]]]:
-    """A Llama whose blocks are paged from one tier, its unpaged twin, and acquire counts."""
+    """A Llama whose blocks' weights alone are paged from one tier, its unpaged twin, and
+    the blocks acquired."""
     reference = _model("llama")
     model = copy.deepcopy(reference)
     tier: Tier = request.param
@@ -121,7 +131,7 @@ def paged(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any,
         )
     )
     _, blocks = find_block_list(model)
-    engine = TrainingEngine(
+    engine = InferenceEngine(
         model,
         list(blocks),
         store,
@@ -137,9 +147,12 @@ def paged(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any,
         return acquire(i)
 
     engine.pager.acquire = counting  # type: ignore[method-assign]
+    assert sorted(store.names()) == [f"block.{i}.weight" for i in range(len(blocks))]
     yield model, reference, acquired
     engine.close()
     store.close()
+    for key, value in reference.state_dict().items():  # the module has its weights back
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
 
 
 def test_paged_greedy_equals_generate_each_block_once_per_step(paged: Any) -> None:
@@ -216,3 +229,29 @@ def test_context_limit_and_bad_input() -> None:
         gen.generate(ids, mask, GenerationConfig(temperature=1.0))
     with pytest.raises(ValueError, match=r"top_p=0\.0"):
         GenerationConfig(top_p=0.0)
+
+
+def test_inference_engine_loads_a_state_dict(tmp_path: Path) -> None:
+    model, other = _model("llama"), _model("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    store = TieredStore(StoreConfig(device_budget=16 << 20, host_budget=16 << 20, device="cpu"))
+    _, blocks = find_block_list(model)
+    engine = InferenceEngine(
+        model,
+        list(blocks),
+        store,
+        Placement.uniform(len(blocks), weights=Tier.HOST),
+        compute_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    engine.load_state_dict(other.state_dict())
+    ids, mask = _prompts()
+    out = LayerMajorGenerator(model).generate(ids, mask, GenerationConfig(max_new_tokens=NEW))
+    assert [g.token_ids for g in out] == _reference(other)
+    bad = dict(other.state_dict(), **{"lm_head.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \(3, 3\)"):
+        engine.load_state_dict(bad)
+    engine.close()
+    store.close()

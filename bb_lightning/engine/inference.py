@@ -1,0 +1,210 @@
+"""Paged inference without optimizer state: what ``predict`` and ``validate`` need.
+
+:class:`InferenceEngine` registers only each block's weights in the compute
+dtype in a :class:`storage.store.TieredStore` (homes per
+:class:`~bb_lightning.engine.pager.Placement`, ``master`` not read), keeps the
+other parameters (embedding, final norm, head) on the device in the compute
+dtype, and installs the paged forwards. No fp32 master weights, no AdamW
+moments, no gradient accumulators: a bf16 block costs 2 bytes per parameter
+in its home tier, where the training engine needs 14.
+
+The engine serves forwards without grad only (``predict`` under
+``inference_mode``, ``validate`` under ``no_grad``). :meth:`InferenceEngine.close`
+gives the module its parameters back: from the checkpoint again (back on the
+meta device) when they were streamed from one, else the store's compute-dtype
+weights cast to fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from bb_lightning.engine.blocks import PagedBlocks
+from bb_lightning.engine.pager import BlockPager, GradSink, Placement, block_params, set_data
+from bb_lightning.engine.timing import PhaseTimer
+from storage.device import slot_bytes
+from storage.store import TieredStore
+from storage.tiers import Tier
+
+__all__ = ["InferenceEngine", "weights_budgets"]
+
+ParamLoader = Callable[[Tensor], Tensor]
+"""A (meta) parameter -> its value as a CPU tensor, read from a checkpoint."""
+
+
+def weights_budgets(
+    block_numels: Sequence[int], placement: Placement, compute_dtype: torch.dtype
+) -> dict[Tier, int]:
+    """Bytes each tier needs to page these blocks' weights (no optimizer state).
+
+    Each block's weights count :func:`storage.device.slot_bytes` of their size
+    (bytes, padded like the arenas) on their home tier; the device also holds
+    ``prefetch_depth + 1`` paging slots of the largest block. Parameters outside
+    the blocks are ordinary device tensors, not counted.
+    """
+    elem = torch.empty(0, dtype=compute_dtype).element_size()
+    need = dict.fromkeys(Tier, 0)
+    for n, w in zip(block_numels, placement.weights, strict=True):
+        need[w] += slot_bytes(n * elem)
+    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(max(block_numels) * elem)
+    return need
+
+
+def _flat_fp32(params: Sequence[Tensor], load: ParamLoader) -> Tensor:
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+    offset = 0
+    for p in params:
+        value = load(p)
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(value.shape)} but the model expects "
+                f"{tuple(p.shape)}: the checkpoint does not match the model config"
+            )
+        flat[offset : offset + p.numel()].copy_(value.reshape(-1))
+        offset += p.numel()
+    return flat
+
+
+class InferenceEngine:
+    """Executes a placement for forwards without grad: paged compute-dtype weights only."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        store: TieredStore,
+        placement: Placement,
+        *,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        loader: ParamLoader | None = None,
+    ) -> None:
+        """Put ``blocks``' weights in ``store`` and the other parameters on ``device``.
+
+        ``loader`` gives parameter values when the model was built on the meta device
+        (each block read into the store one tensor at a time); None reads the
+        parameters themselves.
+        """
+        self.model = model
+        self.store = store
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.streamed = loader is not None
+        """Whether the weights were read from a checkpoint (the module's are on meta)."""
+        self.timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
+        """Phase times (``wait_page_in``) of the caller's thread."""
+        in_blocks = {id(p) for b in blocks for _, p in block_params(b)}
+        self.resident_params = [p for _, p in model.named_parameters() if id(p) not in in_blocks]
+        for p in self.resident_params:
+            value = loader(p) if loader is not None and p.is_meta else p.detach()
+            set_data(p, value.to(device, compute_dtype))
+        block_lists = [[p for _, p in block_params(b)] for b in blocks]
+        self.pager = BlockPager(
+            store,
+            blocks,
+            placement,
+            compute_dtype=compute_dtype,
+            device=device,
+            loader=None if loader is None else (lambda i: _flat_fp32(block_lists[i], loader)),
+            timer=self.timer,
+            weights_only=True,
+        )
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    dtype = compute_dtype if buf.is_floating_point() else buf.dtype
+                    module._buffers[key] = buf.to(device, dtype)
+        self._grads = GradSink()  # never fed: forwards with grad are not served
+        self.paged = PagedBlocks(blocks, self.pager, self._grads)
+        self.paged.install()
+
+    def _block_names(self) -> list[list[str]]:
+        first: dict[int, str] = {}
+        for key, p in self.model.named_parameters():
+            first.setdefault(id(p), key)
+        return [[first[id(p)] for p in params] for params in self.pager.params]
+
+    def load_weights(self, get: Callable[[str], Tensor]) -> None:
+        """Set every parameter from ``get(name)`` (any dtype; cast to the compute dtype).
+
+        Raises ``ValueError`` naming a parameter whose value has another shape.
+        """
+        self.pager.release_all_except(())
+        largest = max(sum(math.prod(s) for s in shapes) for shapes in self.pager.shapes)
+        scratch = torch.empty(largest, dtype=self.compute_dtype)
+        for i, names in enumerate(self._block_names()):
+            shapes = self.pager.shapes[i]
+            flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32)
+            offset = 0
+            for key, shape in zip(names, shapes, strict=True):
+                n = math.prod(shape)
+                flat[offset : offset + n].copy_(_checked(key, shape, get).reshape(-1))
+                offset += n
+            self.pager.write_weights(i, flat, scratch)
+        first = {id(p): k for k, p in reversed(list(self.model.named_parameters()))}
+        for p in self.resident_params:
+            p.data.copy_(_checked(first[id(p)], tuple(p.shape), get))
+
+    def load_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Set the weights from a full state dict; ``ValueError`` names a missing key."""
+        missing = [k for k, _ in self.model.named_parameters() if k not in state_dict]
+        if missing:
+            raise ValueError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        self.load_weights(lambda key: state_dict[key])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The model's state dict, parameters as fp32 host copies of the compute weights."""
+        self.pager.release_all_except(())
+        values: dict[int, Tensor] = {}
+        for i, params in enumerate(self.pager.params):
+            flat = self.store.read(self.pager.names[i]).to(torch.float32)
+            offset = 0
+            for p, shape in zip(params, self.pager.shapes[i], strict=True):
+                n = math.prod(shape)
+                values[id(p)] = flat[offset : offset + n].view(shape).clone()
+                offset += n
+        for p in self.resident_params:
+            values[id(p)] = p.detach().to("cpu", torch.float32)
+        out: dict[str, Tensor] = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            out[key] = values[id(t)] if id(t) in values else t.detach().to("cpu")
+        return out
+
+    def close(self) -> None:
+        """Restore the blocks' forwards and give the module its parameters back.
+
+        Streamed weights go back to the meta device (a later engine reads the
+        checkpoint again); other parameters get the stored weights, cast to fp32.
+        The store stays open (its owner closes it).
+        """
+        state = None if self.streamed else self.state_dict()
+        self.paged.remove()
+        self._grads.close()
+        shapes: dict[int, tuple[int, ...]] = {}
+        for params, block_shapes in zip(self.pager.params, self.pager.shapes, strict=True):
+            shapes.update((id(p), s) for p, s in zip(params, block_shapes, strict=True))
+        for key, p in self.model.named_parameters():
+            if state is not None:
+                set_data(p, state[key])
+            else:
+                shape = shapes.get(id(p), tuple(p.shape))
+                _to_meta(p, torch.empty(shape, dtype=torch.float32, device="meta"))
+
+
+def _checked(key: str, shape: tuple[int, ...], get: Callable[[str], Tensor]) -> Tensor:
+    value = get(key)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"parameter {key!r} has shape {tuple(value.shape)} in the state dict but "
+            f"{tuple(shape)} in the model: load a state dict of this model"
+        )
+    return value
+
+
+def _to_meta(param: Tensor, value: Tensor) -> None:
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, new)

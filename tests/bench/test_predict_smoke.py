@@ -1,0 +1,46 @@
+"""The bulk-generation benchmark runs as a script at tiny sizes and prints its ratio lines."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "predict_offload.py"
+TINY = ["--hidden", "64", "--layers", "2", "--ffn", "128", "--heads", "4", "--vocab", "256"]
+TINY += ["--prompts", "4", "--prompt-len", "8", "--new-tokens", "3", "--hf-batches", "2,4"]
+TINY += ["--acc-batches", "4", "--check-prompts", "2", "--measure-seconds", "0.5"]
+
+
+def _number(pattern: str, text: str) -> float:
+    match = re.search(pattern, text)
+    assert match is not None, f"no line matching {pattern!r} in:\n{text}"
+    value = float(match.group(1))
+    assert math.isfinite(value) and value >= 0, match.group(0)
+    return value
+
+
+@pytest.mark.slow
+def test_predict_offload_prints_ratios(tmp_path: Path) -> None:
+    env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH), *TINY, "--nvme-dir", str(tmp_path / "nvme")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "machine: CPU" in out and "plan: predict" in out
+    ours = _number(r"\[ours\] NVMe weights, batch \d+: ([\d.]+) tokens/s", out)
+    hf = {int(b): float(v) for b, v in re.findall(r"in memory, batch (\d+): ([\d.]+)", out)}
+    assert set(hf) >= {2, 4}
+    best = max((2, 4), key=lambda b: hf[b])
+    ratio = _number(rf"ratio ours / hf generate \(best, batch {best}\) = ([\d.]+)", out)
+    assert ratio == pytest.approx(ours / hf[best], rel=0.01, abs=0.006)
+    _number(r"ratio ours / accelerate disk offload \(best, batch 4\) = ([\d.]+)", out)
+    _number(r"\[plan\] predicted: ([\d.]+) tokens/s", out)
+    _number(r"prefill ([\d.]+) s \+ decode", out)
+    # greedy fp32 tokens equal in-memory generate's on the same batch shape
+    assert _number(r"\(fp32\): ([\d.]+)% of 2", out) == 100.0
