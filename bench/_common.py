@@ -1,4 +1,4 @@
-"""Shared pieces of the training benchmarks: machine description, step timer, memory sampler.
+"""Shared pieces of the benchmarks: machine description, step timer, memory sampler.
 
 Not a benchmark itself. The scripts in this folder import it as ``_common``
 (the script's folder is on ``sys.path`` when run as ``python bench/x.py``).

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -23,49 +22,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
+import _common
 import torch
 
 from storage.io import IOConfig, aligned_empty, open_backend
 from storage.nvme import NvmeTier
 
-REPO = Path(__file__).resolve().parent.parent
 DD_BLOCK = 4 << 20  # bytes per dd block
-
-
-def mount_of(path: Path) -> tuple[str, str, str]:
-    """(mount point, filesystem type, device) holding ``path``."""
-    best = ("/", "?", "?")
-    real = str(path.resolve())
-    with open("/proc/mounts", encoding="utf-8") as f:
-        for line in f:
-            dev, mnt, fstype = line.split()[:3]
-            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-            if inside and len(mnt) >= len(best[0]):
-                best = (mnt, fstype, dev)
-    return best
 
 
 def default_dir() -> Path:
     """A scratch directory on a real disk: the temp dir unless it is tmpfs, else the repo's."""
     tmp = Path(tempfile.gettempdir())
-    base = REPO if mount_of(tmp)[1] in ("tmpfs", "ramfs") else tmp
+    base = _common.REPO if _common.mount_of(tmp)[1] in ("tmpfs", "ramfs") else tmp
     return Path(tempfile.mkdtemp(prefix="bb-nvme-bench-", dir=base))
-
-
-def machine(directory: Path) -> str:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    mnt, fstype, dev = mount_of(directory)
-    return (
-        f"CPU {cpu}, {os.cpu_count()} cores, RAM {psutil.virtual_memory().total / 2**30:.1f} GiB, "
-        f"kernel {platform.release()}\nfilesystem {fstype} on {dev} mounted at {mnt}, "
-        f"directory {directory}, load average {os.getloadavg()[0]:.1f}"
-    )
 
 
 def drop_cache(path: Path) -> None:
@@ -143,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if shutil.disk_usage(root).free < 2 * total + (1 << 30):
         raise SystemExit(f"{root}: need {2 * total / 1e9:.1f} GB free plus 1 GiB headroom")
     config = IOConfig(backend="posix", threads=args.threads, task_size=int(args.task_mib * 2**20))
-    print(machine(root))
+    print(_common.machine(root))
     print(
         f"{count} tensors x {tensor_bytes / 2**20:.0f} MiB = {total / 2**30:.2f} GiB; posix backend "
         f"threads={config.threads} task_size={config.task_size >> 10} KiB, "

@@ -13,11 +13,10 @@ Run: ``.venv/bin/python bench/plan_vs_published.py [--num-prompts N] [--no-measu
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import tempfile
+from pathlib import Path
 
-import psutil
+import _common
 
 from bb_lightning.planner import ModelProfile, PlanError, PredictJob, make_plan, measure, preset
 from bb_lightning.planner.models import builtin_config
@@ -29,31 +28,13 @@ PUBLISHED = {  # tokens/s, FlexGen paper Table 2, OPT-30B on one T4 (16 GB), 208
 }
 
 
-def machine() -> str:
-    """CPU model, cores, RAM and the filesystem of the working directory."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    fs = "?"
-    cwd = os.getcwd()
-    best = ""
-    for part in psutil.disk_partitions(all=True):
-        if cwd.startswith(part.mountpoint) and len(part.mountpoint) > len(best):
-            best, fs = part.mountpoint, f"{part.fstype} at {part.mountpoint}"
-    ram = psutil.virtual_memory().total / 2**30
-    return f"{cpu}, {psutil.cpu_count()} cores, {ram:.1f} GiB RAM, filesystem {fs}"
-
-
 def main() -> None:
     """Print the planned throughput beside the published ones, with ratios."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-prompts", type=int, default=4096)
     ap.add_argument("--no-measure", action="store_true", help="skip this machine's profile")
     args = ap.parse_args()
-    print(f"machine: {machine()}")
+    print(_common.machine(Path(tempfile.gettempdir())))  # where the NVMe probe runs
     print("NOTE: a sanity check of the cost model against published measurements on other")
     print("      hardware and software, not a claim about this library's speed.")
     model = ModelProfile.from_config(builtin_config("opt-30b"))

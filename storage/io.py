@@ -293,6 +293,37 @@ def short_file_error(path: str, size: int, nbytes: int) -> OSError:
     )
 
 
+class _PooledBackend(IOBackend):
+    """What both backends share: config, a worker pool, argument checks and closing."""
+
+    accepts_cuda: bool = False
+    """Whether buffers may be CUDA tensors (else host tensors only)."""
+
+    def __init__(self, config: IOConfig | None, *, thread_name_prefix: str) -> None:
+        self.config = config or IOConfig()
+        self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix=thread_name_prefix)
+        self._closed = False
+
+    def _check_open(self, path: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{path}: the {self.name} I/O backend is closed: open a new one")
+
+    def _checked_path(
+        self, path: str | os.PathLike[str], buf: torch.Tensor, nbytes: int, offset: int
+    ) -> str:
+        """``path`` as a string, once buffer, offset and open state are valid (else raise)."""
+        p = os.fspath(path)
+        check_buffer(buf, nbytes, path=p, allow_cuda=self.accepts_cuda)
+        check_offset(offset, path=p)
+        self._check_open(p)
+        return p
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+
 @functools.lru_cache(maxsize=1)
 def kvikio_status() -> tuple[bool, str]:
     """Whether the kvikio backend can run here, and why (not).
@@ -384,7 +415,7 @@ class _Transfer:
             self.future.set_result(self.future._result, elapsed)
 
 
-class PosixBackend(IOBackend):
+class PosixBackend(_PooledBackend):
     """Thread-pool backend: ``task_size`` pieces with ``os.preadv`` / ``os.pwritev``.
 
     Files are opened with ``O_DIRECT`` when ``config.direct`` is set and the
@@ -400,9 +431,7 @@ class PosixBackend(IOBackend):
     name = "posix"
 
     def __init__(self, config: IOConfig | None = None) -> None:
-        self.config = config or IOConfig()
-        self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="bb-io")
-        self._closed = False
+        super().__init__(config, thread_name_prefix="bb-io")
 
     def _open(self, path: str, flags: int, aligned: bool) -> tuple[int, bool]:
         if self.config.direct and aligned and hasattr(os, "O_DIRECT"):
@@ -416,10 +445,7 @@ class PosixBackend(IOBackend):
     def read_async(
         self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int, *, offset: int = 0
     ) -> IOFuture:
-        p = os.fspath(path)
-        check_buffer(dst, nbytes, path=p, allow_cuda=False)
-        check_offset(offset, path=p)
-        self._check_open(p)
+        p = self._checked_path(path, dst, nbytes, offset)
         fd, direct = self._open(p, os.O_RDONLY, dst.data_ptr() % ALIGNMENT == 0)
         try:
             size = os.fstat(fd).st_size
@@ -442,10 +468,7 @@ class PosixBackend(IOBackend):
         fsync: bool = True,
         offset: int = 0,
     ) -> IOFuture:
-        p = os.fspath(path)
-        check_buffer(src, nbytes, path=p, allow_cuda=False)
-        check_offset(offset, path=p)
-        self._check_open(p)  # before open(): O_TRUNC would empty the file
+        p = self._checked_path(path, src, nbytes, offset)  # before open(): O_TRUNC empties it
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)
         fd, direct = self._open(p, flags, src.data_ptr() % ALIGNMENT == 0)
         length = padded(nbytes) if direct else nbytes
@@ -463,10 +486,6 @@ class PosixBackend(IOBackend):
             fd, p, src, length, nbytes, direct, finish=finish, write=True, base=offset
         )
 
-    def _check_open(self, path: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"{path}: the posix I/O backend is closed: open a new one")
-
     def _submit(
         self,
         fd: int,
@@ -483,7 +502,7 @@ class PosixBackend(IOBackend):
         """Split ``length`` bytes of ``buf`` into tasks; buffer byte ``i`` is file byte ``base + i``."""
         if self._closed:
             os.close(fd)
-            raise RuntimeError(f"{path}: the posix I/O backend is closed: open a new one")
+            self._check_open(path)  # raises
         future = IOFuture(path)
         future.direct = direct
         future._result = nbytes
@@ -521,11 +540,6 @@ class PosixBackend(IOBackend):
             self._pool.submit(run, offset)
         return future
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pool.shutdown(wait=True)
-
 
 def _drop_direct(fd: int) -> None:
     """Turn ``O_DIRECT`` off on ``fd``: its transfers are buffered from now on (idempotent)."""
@@ -562,7 +576,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += put
 
 
-class KvikioBackend(IOBackend):
+class KvikioBackend(_PooledBackend):
     """``kvikio.CuFile`` backend: GPUDirect Storage where present, compat mode otherwise.
 
     Takes host buffers and CUDA tensors; a CUDA source must be ready (its
@@ -572,22 +586,17 @@ class KvikioBackend(IOBackend):
     """
 
     name = "kvikio"
+    accepts_cuda = True
 
     def __init__(self, config: IOConfig | None = None) -> None:
-        self.config = config or IOConfig()
         self._kvikio: Any = importlib.import_module("kvikio")
-        self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="bb-kvikio")
-        self._closed = False
+        super().__init__(config, thread_name_prefix="bb-kvikio")
 
     @staticmethod
     def _target(buf: torch.Tensor, nbytes: int) -> Any:
         part = buf[:nbytes]
         # CUDA tensors expose __cuda_array_interface__; host ones go through numpy.
         return part if part.device.type == "cuda" else part.detach().numpy()
-
-    def _check_open(self, path: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"{path}: the kvikio I/O backend is closed: open a new one")
 
     def _finish(self, path: str, handle: Any, kfuture: Any, fsync: bool) -> IOFuture:
         future = IOFuture(path)
@@ -607,17 +616,14 @@ class KvikioBackend(IOBackend):
 
         if self._closed:
             handle.close()
-            raise RuntimeError(f"{path}: the kvikio I/O backend is closed: open a new one")
+            self._check_open(path)  # raises
         self._pool.submit(wait)
         return future
 
     def read_async(
         self, path: str | os.PathLike[str], dst: torch.Tensor, nbytes: int, *, offset: int = 0
     ) -> IOFuture:
-        p = os.fspath(path)
-        check_buffer(dst, nbytes, path=p, allow_cuda=True)
-        check_offset(offset, path=p)
-        self._check_open(p)
+        p = self._checked_path(path, dst, nbytes, offset)
         size = os.stat(p).st_size
         if size < offset + nbytes:
             raise short_file_error(p, size, offset + nbytes)
@@ -638,10 +644,7 @@ class KvikioBackend(IOBackend):
         fsync: bool = True,
         offset: int = 0,
     ) -> IOFuture:
-        p = os.fspath(path)
-        check_buffer(src, nbytes, path=p, allow_cuda=True)
-        check_offset(offset, path=p)
-        self._check_open(p)  # before CuFile(p, "w"), which empties the file
+        p = self._checked_path(path, src, nbytes, offset)  # before CuFile(p, "w") empties it
         if offset:  # a later piece: keep what the earlier ones wrote ("r+" does not truncate)
             os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o644))
         handle = self._kvikio.CuFile(p, "w" if offset == 0 else "r+")
@@ -651,8 +654,3 @@ class KvikioBackend(IOBackend):
                 self._target(src, nbytes), nbytes, offset, task_size=self.config.task_size
             )
         return self._finish(p, handle, kfuture, fsync=fsync)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pool.shutdown(wait=True)

@@ -101,7 +101,8 @@ class ArraySpec:
     """Size of the chunk file, in bytes."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush directory ``path`` to stable storage, so the renames and creations in it last."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -109,14 +110,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(f"{path.name}{PARTIAL}{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
+def write_synced(path: Path, data: bytes) -> None:
+    """Create or truncate file ``path``, write ``data`` and fsync it (not its directory)."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f"{path.name}{PARTIAL}{os.getpid()}")
+    write_synced(tmp, json.dumps(doc, indent=2).encode())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def check_name(name: str) -> None:
@@ -413,7 +419,7 @@ class NvmeTier:
                 array_dir = self.path / name
                 array_dir.mkdir(exist_ok=True)
                 _write_json_atomic(array_dir / "zarr.json", array_metadata(dims, dtype))
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
                 entry = parse_array(name, array_dir / "zarr.json")
             except BaseException:
                 self._budget.release(name)
@@ -433,7 +439,7 @@ class NvmeTier:
             if self._budget.holds(name):
                 self._budget.release(name)
             shutil.rmtree(self.path / name)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -465,7 +471,7 @@ class NvmeTier:
 
         def commit(_nbytes: int) -> None:
             os.replace(tmp, chunk)
-            _fsync_dir(chunk.parent)
+            fsync_dir(chunk.parent)
 
         def clean(done: IOFuture) -> None:
             if done._error is not None:
@@ -529,7 +535,7 @@ class NvmeTier:
             directory = directory.parent
         for new in reversed(missing):
             new.mkdir(exist_ok=True)
-            _fsync_dir(new.parent)
+            fsync_dir(new.parent)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -643,7 +649,7 @@ class NvmeWrite:
             finally:
                 os.close(fd)
             os.replace(self._tmp, self._chunk)
-            _fsync_dir(self._chunk.parent)
+            fsync_dir(self._chunk.parent)
         except BaseException:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()

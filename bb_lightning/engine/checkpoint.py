@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from bb_lightning.engine.trainer_engine import STATE_KINDS, StateKind, TrainingEngine
 from storage.io import aligned_empty, open_backend, padded
-from storage.nvme import NvmeTier, parse_array
+from storage.nvme import NvmeTier, fsync_dir, parse_array, write_synced
 
 __all__ = [
     "CheckpointError",
@@ -85,21 +85,6 @@ def model_info(model: torch.nn.Module) -> dict[str, Any]:
     return {}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -140,7 +125,7 @@ def recover(path: str | os.PathLike[str]) -> None:
             continue
         if not final.exists() and _complete(old):
             os.replace(old, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         else:
             shutil.rmtree(old, ignore_errors=True)
     for partial, pid in _siblings(final, PARTIAL):
@@ -151,7 +136,7 @@ def recover(path: str | os.PathLike[str]) -> None:
 def _group_json(path: Path, attributes: dict[str, Any]) -> None:
     path.mkdir(exist_ok=True)
     doc = {"zarr_format": 3, "node_type": "group", "attributes": attributes}
-    _write_synced(path / "zarr.json", json.dumps(doc, indent=2).encode())
+    write_synced(path / "zarr.json", json.dumps(doc, indent=2).encode())
 
 
 def _write_state(engine: TrainingEngine, root: Path, kinds: tuple[StateKind, ...]) -> None:
@@ -229,14 +214,14 @@ def save_checkpoint(
             for key, shape in zip(keys, state.shapes, strict=True)
         ],
     }
-    _write_synced(tmp / META, json.dumps(meta, indent=2).encode())
-    _fsync_dir(tmp)
+    write_synced(tmp / META, json.dumps(meta, indent=2).encode())
+    fsync_dir(tmp)
 
     old = final.with_name(f"{final.name}{OLD}{os.getpid()}")
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -209,7 +209,7 @@ def _drop_cache(path: str) -> None:
 
 def _probe_nvme(nvme_path: str, seconds: float) -> tuple[float, float, int]:
     """(read bytes/s, write bytes/s, free bytes) of the filesystem holding ``nvme_path``."""
-    from storage.io import aligned_empty, open_backend
+    from storage.io import IOFuture, aligned_empty, open_backend
 
     total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
     files = 4
@@ -220,22 +220,19 @@ def _probe_nvme(nvme_path: str, seconds: float) -> tuple[float, float, int]:
     with tempfile.TemporaryDirectory(prefix="bb-measure-", dir=nvme_path) as tmp:
         paths = [os.path.join(tmp, f"probe-{i}.bin") for i in range(files)]
         with open_backend() as backend:
-            t0 = time.perf_counter()
-            writes = [
-                backend.write_async(p, b, per_file) for p, b in zip(paths, buffers, strict=True)
-            ]
-            for w in writes:
-                w.wait()
-            write_s = time.perf_counter() - t0
+
+            def all_files(op: Callable[[str, torch.Tensor, int], IOFuture]) -> float:
+                """Seconds to run ``op`` on every probe file at once, until all are done."""
+                t0 = time.perf_counter()
+                futures = [op(p, b, per_file) for p, b in zip(paths, buffers, strict=True)]
+                for future in futures:
+                    future.wait()
+                return time.perf_counter() - t0
+
+            write_s = all_files(backend.write_async)
             for p in paths:
                 _drop_cache(p)
-            t0 = time.perf_counter()
-            reads = [
-                backend.read_async(p, b, per_file) for p, b in zip(paths, buffers, strict=True)
-            ]
-            for r in reads:
-                r.wait()
-            read_s = time.perf_counter() - t0
+            read_s = all_files(backend.read_async)
     if int(buffers[-1][0]) != files:
         raise AssertionError("NVMe probe read back other bytes than it wrote")
     moved = float(files * per_file)

@@ -9,51 +9,8 @@ from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 
 
-def _model(**kw: object) -> ModelProfile:
-    d: dict[str, object] = dict(
-        name="m",
-        num_blocks=4,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=64,
-        vocab_size=1000,
-        max_positions=2048,
-        block_params=800_000,
-        block_matmul_params=790_000,
-        embed_params=256_000,
-        head_params=256_000,
-        final_params=256,
-        tied_embeddings=False,
-        act_bytes_per_token_checkpointed=512,
-        act_bytes_per_token_full=12_000,
-        kv_bytes_per_token=1024,
-    )
-    d.update(kw)
-    return ModelProfile(**d)  # type: ignore[arg-type]
-
-
-def _hw(**kw: object) -> HardwareProfile:
-    d: dict[str, object] = dict(
-        name="hw",
-        device_type="cuda",
-        device_memory=16 * 2**30,
-        device_flops=1e14,
-        h2d_bandwidth=2e10,
-        d2h_bandwidth=2e10,
-        host_memory=64 * 2**30,
-        nvme_read_bandwidth=5e9,
-        nvme_write_bandwidth=3e9,
-        nvme_capacity=10**12,
-        host_adam_params_per_s=2e9,
-        cores=8,
-    )
-    d.update(kw)
-    return HardwareProfile(**d)  # type: ignore[arg-type]
-
-
-def test_train_flops_are_6n_plus_attention_and_8n_with_recompute() -> None:
-    m = _model()
+def test_train_flops_are_6n_plus_attention_and_8n_with_recompute(small_model: ModelProfile) -> None:
+    m = small_model
     # Kaplan et al. 2020: forward 2N per token + 2 * n_layer * n_ctx * d_attn (QK^T and AV).
     n_mat = m.num_blocks * m.block_matmul_params + m.hidden_size * m.vocab_size
     attn = 4 * m.num_blocks * m.num_heads * m.head_dim * 128
@@ -66,8 +23,8 @@ def test_train_flops_are_6n_plus_attention_and_8n_with_recompute() -> None:
     assert cost.model_flops_per_token(m, "predict") == 2 * n_mat
 
 
-def test_seconds_scale_with_efficiency_and_arrays() -> None:
-    hw = _hw(compute_efficiency=0.5, optimizer_efficiency=2.0)
+def test_seconds_scale_with_efficiency_and_arrays(small_gpu: HardwareProfile) -> None:
+    hw = small_gpu.replace(compute_efficiency=0.5, optimizer_efficiency=2.0)
     assert cost.compute_seconds(1e14, hw) == pytest.approx(2.0)
     assert cost.host_adam_seconds(4e9, hw) == pytest.approx(1.0)
     nbytes = np.array([0.0, 1e10, 4e10])
@@ -90,15 +47,15 @@ def test_optimizer_overlap_and_clipping() -> None:
     assert cost.optimizer_exposed_seconds(2.0, 4.0, 10.0, True) == 2.0
 
 
-def test_budgets_keep_the_stated_margins() -> None:
-    hw = _hw(device_memory=20 * 2**30, host_memory=100 * 2**30)
+def test_budgets_keep_the_stated_margins(small_gpu: HardwareProfile) -> None:
+    hw = small_gpu.replace(device_memory=20 * 2**30, host_memory=100 * 2**30)
     assert cost.device_budget(hw) == int(20 * 2**30 * 0.9 - 2**30)
     assert cost.host_budget(hw) == int(100 * 2**30 * 0.95)
     assert cost.nvme_budget(hw.replace(nvme_read_bandwidth=0.0)) == 0
 
 
-def test_memory_terms() -> None:
-    m = _model()
+def test_memory_terms(small_model: ModelProfile) -> None:
+    m = small_model
     assert cost.activation_bytes(m, 2, 100, True) == 200 * (512 * 4 + 12_000)
     assert cost.activation_bytes(m, 2, 100, False) == 200 * 12_000 * 4
     assert cost.logits_bytes(m, 10) == 10 * 1000 * 4

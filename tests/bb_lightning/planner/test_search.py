@@ -181,26 +181,10 @@ def test_transfers_hide_unless_memory_or_batch_stops_the_search(
     assert other.predicted.compute == pytest.approx(plan.predicted.compute)
 
 
-def test_bigger_device_on_a_small_model_keeps_everything_resident() -> None:
-    model = ModelProfile(
-        name="small",
-        num_blocks=4,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=64,
-        vocab_size=1000,
-        max_positions=2048,
-        block_params=800_000,
-        block_matmul_params=790_000,
-        embed_params=256_000,
-        head_params=256_000,
-        final_params=256,
-        tied_embeddings=False,
-        act_bytes_per_token_checkpointed=512,
-        act_bytes_per_token_full=12_000,
-        kv_bytes_per_token=1024,
-    )
+def test_bigger_device_on_a_small_model_keeps_everything_resident(
+    small_model: ModelProfile,
+) -> None:
+    model = small_model
     hw = HardwareProfile(
         name="big",
         device_type="cuda",
