@@ -14,7 +14,10 @@ extended by ``--new-tokens`` greedy tokens, in bf16:
 
 ``--hf-max-batches`` / ``--acc-max-batches`` time only the first batches of a
 baseline (its tokens/s is then the rate over those batches, said in the output).
-Printed: the machine, tokens/s (generated tokens per second of generation) of
+Every run (ours and the baselines) gets the same host allocator setting,
+:func:`~bb_lightning.engine.inference.keep_host_allocations` (which our engine
+applies on a CPU device), so that the comparison does not depend on the order of
+the runs. Printed: the machine, tokens/s (generated tokens per second of generation) of
 each, the ratios ours / best HF and ours / best Accelerate, the share of
 sequences whose tokens equal the in-memory run at the same batch shape (bf16,
 and fp32 over ``--check-prompts`` prompts), and the plan's predicted tokens/s.
@@ -24,6 +27,7 @@ Run ``python bench/predict_offload.py --help``.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -36,6 +40,7 @@ from _common import machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
     HardwareProfile,
@@ -193,6 +198,7 @@ def main() -> None:
     base = nvme_base(args.nvme_dir)
     print(machine(base))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"host allocator keeps freed memory (all runs): {keep_host_allocations()}")
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=args.vocab,
@@ -249,6 +255,9 @@ def main() -> None:
                   f"{ours / acc[best_acc]:.2f}")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(
+        "load average at the end (1/5/15 min): " + " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
 
 
 def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:

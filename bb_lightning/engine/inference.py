@@ -13,10 +13,18 @@ The engine serves forwards without grad only (``predict`` under
 gives the module its parameters back: from the checkpoint again (back on the
 meta device) when they were streamed from one, else the store's compute-dtype
 weights cast to fp32.
+
+On a CPU device the engine calls :func:`keep_host_allocations`: glibc then
+serves the forward's large activations (tens to hundreds of MB in a prefill)
+from its heap and keeps freed memory for the next ones, instead of mapping
+fresh pages for each and faulting them in (kernel time that the matrix
+products on the same cores need). The setting is process-wide.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -30,10 +38,41 @@ from storage.device import slot_bytes
 from storage.store import TieredStore
 from storage.tiers import Tier
 
-__all__ = ["InferenceEngine", "weights_budgets"]
+__all__ = ["InferenceEngine", "keep_host_allocations", "weights_budgets"]
 
 ParamLoader = Callable[[Tensor], Tensor]
 """A (meta) parameter -> its value as a CPU tensor, read from a checkpoint."""
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+"""glibc ``mallopt`` parameters (``malloc.h``)."""
+
+
+def keep_host_allocations(max_bytes: int = 1 << 30) -> bool:
+    """Serve host allocations of up to ``max_bytes`` bytes from glibc's heap and keep freed memory.
+
+    Sets glibc's ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` to ``max_bytes``
+    (bytes): allocations below it come from the heap instead of a fresh ``mmap``
+    each (whose pages the kernel zeroes at first touch), and up to ``max_bytes`` of
+    freed memory stays in the process for the next allocation. Process-wide.
+
+    Returns whether the C library accepted both settings (False where it is not glibc).
+    Raises ``ValueError`` for ``max_bytes`` outside [1 MiB, 2 GiB).
+    """
+    if not (1 << 20) <= max_bytes < (1 << 31):
+        raise ValueError(
+            f"max_bytes={max_bytes} must be in [1 MiB, 2 GiB) bytes: e.g. 1 << 30 (1 GiB)"
+        )
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, max_bytes)) & bool(mallopt(_M_TRIM_THRESHOLD, max_bytes))
 
 
 def weights_budgets(
@@ -95,6 +134,8 @@ class InferenceEngine:
         self.compute_dtype = compute_dtype
         self.streamed = loader is not None
         """Whether the weights were read from a checkpoint (the module's are on meta)."""
+        if device.type == "cpu":
+            keep_host_allocations()
         self.timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
         """Phase times (``wait_page_in``) of the caller's thread."""
         in_blocks = {id(p) for b in blocks for _, p in block_params(b)}
