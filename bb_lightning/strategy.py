@@ -20,6 +20,14 @@ compares measured with predicted phase times (:attr:`plan_metrics`) and, when th
 differ by more than ``adapt_tolerance``, re-plans with :func:`~bb_lightning.planner.adapt`
 and moves the blocks' homes to the new placement.
 
+Predict and validate without fit state build a weights-only
+:class:`~bb_lightning.engine.inference.InferenceEngine` (compute-dtype block
+weights in the store, no master weights, moments or gradient accumulators);
+after a ``fit`` on the same strategy they reuse the training engine's weights.
+``predict`` plans a :class:`~bb_lightning.planner.PredictJob` (:func:`predict_job`)
+and prints the plan; its KV-cache tier goes to the module's ``kv_cache_tier``, and a
+datamodule whose ``batch_size`` is None takes the plan's ``concurrent_seqs``.
+
 Optimizer: without gradient clipping, each block's host AdamW step runs while
 backward continues on earlier blocks (``overlap_optimizer``).
 
@@ -48,16 +56,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedModel
 
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.inference import InferenceEngine, weights_budgets
+from bb_lightning.engine.pager import Placement, set_data
 from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
     ParamLoader,
     TrainingEngine,
     adamw_from_optimizer,
+    check_budgets,
     required_budgets,
 )
-from bb_lightning.module import SafetensorsCheckpoint
+from bb_lightning.module import CausalLMModule, SafetensorsCheckpoint
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
@@ -66,6 +76,7 @@ from bb_lightning.planner import (
     Plan,
     PlanError,
     PlanOverrides,
+    PredictJob,
     adapt,
     make_plan,
     measure,
@@ -73,6 +84,7 @@ from bb_lightning.planner import (
     preset,
 )
 from bb_lightning.structure import find_block_list
+from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
@@ -99,7 +111,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         nvme_path: str | None = None,
         compute_dtype: ComputeDtype | None = None,
         overrides: PlanOverrides | None = None,
-        job: FitJob | None = None,
+        job: FitJob | PredictJob | None = None,
         hardware: str | HardwareProfile | None = None,
         warmup_steps: int = 3,
         adapt_tolerance: float | None = 0.25,
@@ -124,7 +136,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
             job: the fit job (sequence length, global batch); None derives it from the
                 Trainer and the first batch. The DataLoader's batch size and the
-                accumulation stay the caller's.
+                accumulation stay the caller's. A :class:`PredictJob` plans ``predict``
+                (None derives it: see :func:`predict_job`).
             hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
                 (measure this machine, cached).
             warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
@@ -168,6 +181,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.job = job
         self.hardware = hardware
         self.engine: TrainingEngine | None = None
+        self.inference: InferenceEngine | None = None
+        """The weights-only engine of ``predict`` / ``validate`` run without fit state."""
         self.store: TieredStore | None = None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -187,8 +202,12 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if self.engine is None or self.engine.model is not module:
-            self._build_engine(module, trainer)
+        fit_state = self.engine is not None and self.engine.model is module
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not fit_state:
+                self._build_engine(module, trainer)
+        elif not fit_state and (self.inference is None or self.inference.model is not module):
+            self._build_inference(module, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -216,21 +235,101 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         rest = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
-        self.store = TieredStore(self._store_config(numels, rest, placement, dtype))
+        config = self._store_config(numels, rest, placement, dtype)
+        check_budgets(required_budgets(numels, rest, placement, dtype), _arena_bytes(config))
+        self.store = TieredStore(config)
         self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        self.engine = TrainingEngine(
-            module,
-            list(blocks),
-            self.store,
-            placement,
-            compute_dtype=dtype,
-            device=self.root_device,
-            loader=loader,
+        try:
+            self.engine = TrainingEngine(
+                module,
+                list(blocks),
+                self.store,
+                placement,
+                compute_dtype=dtype,
+                device=self.root_device,
+                loader=loader,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_inference(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        """The weights-only engine: compute-dtype block weights in the store, nothing else."""
+        self.close()
+        _, blocks = find_block_list(module)
+        dtype = self.resolved_dtype()
+        loader = checkpoint_loader(module)
+        placement = self.placement or self._plan(module, len(blocks), trainer)
+        need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
+                               placement, dtype)  # fmt: skip
+        config = self.store_config
+        if config is None:
+            path = self.nvme_path
+            if need[Tier.NVME] and path is None:
+                self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
+                path = self._tmpdir.name
+            config = StoreConfig(
+                device_budget=need[Tier.DEVICE] + _SLACK,
+                host_budget=need[Tier.HOST] + _SLACK,
+                nvme_path=path if need[Tier.NVME] else None,
+                nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
+                device=str(self.root_device),
+            )
+        check_budgets(need, _arena_bytes(config))
+        self.store = TieredStore(config)
+        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
+        try:
+            self.inference = InferenceEngine(module, list(blocks), self.store, placement,
+                                             compute_dtype=dtype, device=self.root_device,
+                                             loader=loader)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
+            module.kv_cache_tier = None if self.plan is None else self.plan.kv_cache
+
+    def _inference(self) -> InferenceEngine:
+        assert self.inference is not None
+        return self.inference
+
+    def _plan_predict(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
+        """Plan the predict job; the DataLoader runs its own batch size, or the plan's."""
+        net = _hf_model(module)
+        assert net is not None
+        job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
+        dm = getattr(trainer, "datamodule", None)
+        batch = getattr(dm, "batch_size", None)
+        model, hardware = ModelProfile.from_module(net), self._hardware()
+        best = make_plan(model, hardware, job, overrides=self.overrides)
+        plan = best
+        if isinstance(batch, int) and batch != best.concurrent_seqs:
+            ov = _replace(self.overrides or PlanOverrides(),
+                          concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
+            try:
+                plan = make_plan(model, hardware, job, overrides=ov)
+            except PlanError as err:
+                rank_zero_info(f"balance_beam: the batch in use cannot be planned ({err})")
+        elif batch is None and callable(getattr(dm, "use_planned_batch_size", None)):
+            dm.use_planned_batch_size(plan.concurrent_seqs)  # type: ignore[union-attr]
+            batch = plan.concurrent_seqs
+        rank_zero_info(plan.explain())
+        running = "the DataLoader's batches" if batch is None else f"batches of {batch} prompts"
+        kv = "device" if plan.kv_cache is None else plan.kv_cache.value
+        rank_zero_info(
+            f"balance_beam: planner recommends {best.concurrent_seqs} concurrent sequences "
+            f"({best.tokens_per_s:.4g} tokens/s); running {running} "
+            f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
         )
+        self._adopt(plan)
+        weights = tuple(plan.weights)
+        return Placement(weights=weights, master=weights, prefetch_depth=plan.prefetch_depth)
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.job is not None or (fitting and _hf_model(module) is not None):
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        if predicting and _hf_model(module) is not None and not isinstance(self.job, FitJob):
+            return self._plan_predict(module, trainer)
+        if isinstance(self.job, FitJob) or (fitting and _hf_model(module) is not None):
             return self._plan_with_planner(module, trainer)
         tiers = [getattr(self.overrides, k, None) for k in ("weights_tier", "master_tier")]
         depth = getattr(self.overrides, "prefetch_depth", None) or 1
@@ -252,7 +351,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             raise ValueError(
                 f"{type(module).__name__} holds no Hugging Face model to profile: pass placement="
             )
-        job, micro, accum = self.job, 0, 0
+        job, micro, accum = (self.job if isinstance(self.job, FitJob) else None), 0, 0
         if job is None:
             seq_len, micro = first_batch_shape(trainer)
             accum = int(trainer.accumulate_grad_batches)
@@ -447,16 +546,26 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     # -- checkpoints ------------------------------------------------------------
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full state dict with fp32 master weights, so ordinary checkpoints work."""
+    def lightning_module_state_dict(self) -> Mapping[str, Any]:  # type: ignore[override]
+        """The module's state dict with fp32 master weights, read lazily from the store.
+
+        Under the engine this is a read-only :class:`~bb_lightning.engine.trainer_engine.
+        EngineStateDict`: Lightning's ``dump_checkpoint`` puts it into every checkpoint
+        dict without materialising the model on the host; each parameter is read when a
+        key is asked for (``dict(...)`` of it makes a full fp32 copy).
+        """
+        if self.engine is None and self.inference is not None:
+            return self.inference.state_dict()
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return dict(self.engine.state_dict())
+        return self.engine.lazy_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict (plain, or a checkpoint directory's) into the engine or module."""
         state_dict = checkpoint["state_dict"]
-        if self.engine is None:
+        if self.engine is None and self.inference is not None:
+            _load_inference(self.inference, state_dict)
+        elif self.engine is None:
             super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
         elif isinstance(state_dict, ckpt.CheckpointStateDict):
             ckpt.restore_weights(self.engine, state_dict)
@@ -508,6 +617,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     def teardown(self) -> None:
         """Release paged blocks; the store stays open unless ``gather_on_teardown``."""
+        if self.inference is not None:
+            self.inference.pager.release_all_except(())
+            if self.gather_on_teardown:
+                self.gather_full_model()
         if self.engine is not None:
             self.engine.grads.wait()
             self.engine.pager.release_all_except(())
@@ -527,16 +640,19 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        if self.engine is None:
+        if self.engine is None and self.inference is None:
             return module
-        state = self.engine.state_dict()
+        state = self.engine.state_dict() if self.engine else self._inference().state_dict()
         self.close()
         for key, p in module.named_parameters(remove_duplicate=False):
-            p.data = state[key]
+            set_data(p, state[key])
         return module
 
     def close(self) -> None:
         """Remove the engine's wrappers and close the store (NVMe lock released)."""
+        if self.inference is not None:
+            self.inference.close()  # the module gets its parameters back
+            self.inference = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -576,7 +692,10 @@ def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
 
 def _placement(plan: Plan) -> Placement:
     return Placement(
-        weights=tuple(plan.weights), master=tuple(plan.master), prefetch_depth=plan.prefetch_depth
+        weights=tuple(plan.weights),
+        master=tuple(plan.master),
+        prefetch_depth=plan.prefetch_depth,
+        grads=tuple(plan.grads),
     )
 
 
@@ -608,6 +727,59 @@ def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
             "placement="
         )
     return int(first.shape[1]), int(first.shape[0])
+
+
+def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
+    """The predict job of a Trainer: prompt length, new tokens and number of prompts.
+
+    Prompt length (tokens) and number of prompts come from the datamodule's
+    ``longest_prompt`` and ``num_prompts`` when it has them (``PromptsDataModule``),
+    else from the first batch of the predict DataLoader (its ``input_ids`` width and
+    the dataset's length); new tokens from the module's ``max_new_tokens``
+    hyperparameter.
+    """
+    new = getattr(module, "hparams", {}).get("max_new_tokens")
+    if not isinstance(new, int):
+        raise ValueError(
+            f"{type(module).__name__} has no max_new_tokens hyperparameter (got {new!r}): pass "
+            "job=PredictJob(prompt_len=..., new_tokens=..., num_prompts=...) or placement="
+        )
+    dm = getattr(trainer, "datamodule", None)
+    plen, count = getattr(dm, "longest_prompt", None), getattr(dm, "num_prompts", None)
+    if isinstance(plen, int) and isinstance(count, int):
+        return PredictJob(prompt_len=plen, new_tokens=new, num_prompts=max(1, count))
+    source = trainer.predict_loop._data_source
+    loader = source.dataloader() if source.is_defined() else None
+    first = next(iter(loader), None) if loader is not None else None  # type: ignore[call-overload]
+    ids = first.get("input_ids") if isinstance(first, Mapping) else first
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(
+            f"balance_beam cannot tell the prompt length from the first predict batch "
+            f"({type(first).__name__}): pass job=PredictJob(...) or placement="
+        )
+    dataset = getattr(loader, "dataset", None)
+    count = len(dataset) if hasattr(dataset, "__len__") else int(ids.shape[0])  # type: ignore[arg-type]
+    return PredictJob(prompt_len=int(ids.shape[1]), new_tokens=new, num_prompts=max(1, count))
+
+
+def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
+    """The bytes each tier of a store with ``config`` holds (arenas round down)."""
+    return {
+        Tier.DEVICE: config.device_budget - config.device_budget % ALIGNMENT,
+        Tier.HOST: config.host_budget - config.host_budget % ALIGNMENT,
+        Tier.NVME: config.nvme_budget,
+    }
+
+
+def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
+    """Weights of a plain state dict or a checkpoint directory into the inference engine."""
+    if isinstance(state_dict, ckpt.CheckpointStateDict):
+        path = state_dict.path
+        engine.load_weights(lambda key: ckpt.read_array(path, "master", key))
+        for key, value in state_dict.buffers.items():
+            engine.model.get_buffer(key).copy_(value)
+    else:
+        engine.load_state_dict(state_dict)
 
 
 def _link_seconds(engine: TrainingEngine) -> dict[str, float]:

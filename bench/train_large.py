@@ -241,14 +241,15 @@ def main(argv: list[str] | None = None) -> None:
             "raise the budget"
         )
     limit = host_budget + 2 * _common.GIB
-    grads = sum(4 * padded(n) for n in [*numels, rest])  # fp32 accumulators, outside the store
+    grads = sum(4 * padded(n) for n in numels)  # fp32 block accumulators, in the store
     print(
         f"expected host memory: store host arena {_common.gib(need[Tier.HOST])} "
-        f"(budget {args.host_budget_gib:.1f} GiB), device tier (RAM on this CPU) "
-        f"{_common.gib(need[Tier.DEVICE])} + resident bf16 params {_common.gib(2 * rest)}, "
-        f"fp32 gradient accumulators (not in any store budget) {_common.gib(grads)}, "
-        f"bf16 model while built {_common.gib(2 * params) + ' (--init module)'}"
-        f"; RSS limit {_common.gib(limit)}",
+        f"(budget {args.host_budget_gib:.1f} GiB: resident fp32 state and gradients, "
+        f"optimizer scratch), device tier (RAM on this CPU) "
+        f"{_common.gib(need[Tier.DEVICE])} + resident bf16 params {_common.gib(2 * rest)}; "
+        f"block fp32 gradient accumulators {_common.gib(grads)} on NVMe (never written with "
+        f"one micro-batch per step); bf16 model while built "
+        f"{_common.gib(2 * params) + ' (--init module)'}; RSS limit {_common.gib(limit)}",
         flush=True,
     )
     if args.init != "auto":

@@ -15,7 +15,11 @@ is still replacing.
 
 Memory: the device arena and the host arena are carved once at setup; a
 page-in takes a temporary slot of the device arena, ``DEVICE``-home tensors a
-permanent one, ``HOST``-home tensors a slot of the host arena. NVMe
+permanent one, ``HOST``-home tensors a slot of the host arena. When the compute
+device is the CPU, host and device memory are the same RAM: a page-in of a
+``HOST``-home tensor still goes RELEASED -> IN_FLIGHT -> RESIDENT, but its device
+copy is its home slot itself (no copy, no device slot), and its write-back is a
+no-op. NVMe
 transfers land straight in aligned slots where the backend allows (CPU; kvikio
 on CUDA), else they stream through the staging pool piece by piece, so no
 tensor is limited by the size of a staging buffer (see
@@ -117,6 +121,23 @@ class StoreConfig:
         if self.copy_threads < 1:
             raise ValueError(f"StoreConfig.copy_threads={self.copy_threads} must be >= 1")
         resolve_device(self.device)
+
+
+def _padded_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s bytes and those after it up to a multiple of 4 KiB, as one ``uint8``
+    view, when an NVMe write may leave from it directly: a contiguous CPU tensor at an
+    aligned address whose storage extends over the padding (an arena slot, or a view of
+    one); None otherwise. The padding is only read, and the chunk is cut to its size."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    if tensor.data_ptr() % ALIGNMENT:
+        return None
+    nbytes = padded(tensor.numel() * tensor.element_size())
+    storage = tensor.untyped_storage()
+    start = tensor.storage_offset() * tensor.element_size()
+    if start + nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,), (1,))
 
 
 class TieredStore:
@@ -282,7 +303,7 @@ class TieredStore:
         slots: list[Slot] = []
         try:
             for rec in records:
-                if rec.home is not Tier.DEVICE:
+                if rec.home is not Tier.DEVICE and not self._in_place(rec):
                     slots.append(self._allocate(self._device_arena, rec.spec))
         except BaseException:
             for slot in slots:
@@ -293,7 +314,11 @@ class TieredStore:
         results: dict[str, torch.Tensor] = {}
         it = iter(slots)
         for rec in records:
-            if rec.home is not Tier.DEVICE:
+            if self._in_place(rec):  # the host copy is already in device memory
+                rec.residency.apply("page_in")
+                rec.device_slot = rec.home_slot
+                entries.append((rec, self._submit(rec, lambda after: None)))
+            elif rec.home is not Tier.DEVICE:
                 slot = next(it)
                 rec.residency.apply("page_in")
                 rec.device_slot = slot
@@ -308,13 +333,15 @@ class TieredStore:
     def get(self, name: str) -> torch.Tensor:
         """The device tensor of RESIDENT tensor ``name`` (a view into the device arena).
 
-        For a DEVICE-home tensor it waits for a ``write_back_async(name, src)`` in flight.
+        For a DEVICE-home tensor (or a HOST-home one paged in place on a CPU device) it
+        waits for a ``write_back_async(name, src)`` in flight.
         """
         rec = self._record(name)
         if rec.residency.state is not Residency.RESIDENT:
             hint = rec.residency.hint()
             raise StateError(f"tensor {name!r} is {rec.residency.state.value.upper()}: {hint}")
-        if rec.home is Tier.DEVICE and rec.last is not None:  # a write_back_async(name, src)
+        in_place = rec.home is Tier.DEVICE or rec.device_slot is rec.home_slot
+        if in_place and rec.last is not None:  # a write_back_async(name, src)
             event = self._io.settle(rec)
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
@@ -337,7 +364,8 @@ class TieredStore:
             with self._lock:
                 rec.residency.apply("release")
                 assert rec.device_slot is not None
-                self._device_arena.free(rec.device_slot)
+                if rec.device_slot is not rec.home_slot:
+                    self._device_arena.free(rec.device_slot)
                 rec.device_slot = None
 
     def write_back_async(self, name: str, src: torch.Tensor | None = None) -> Ticket:
@@ -356,7 +384,7 @@ class TieredStore:
                     f"its device copy; {rec.residency.hint()}"
                 )
             out = rec.device_view()
-            if rec.home is Tier.DEVICE:
+            if rec.home is Tier.DEVICE or rec.device_slot is rec.home_slot:  # nothing to copy
                 return Ticket([(rec, rec.last or done_future())], paged=frozenset(),
                               results={name: out}, on_fail=self._abort, device=self.device)  # fmt: skip
             assert rec.device_slot is not None
@@ -368,6 +396,7 @@ class TieredStore:
         else:
             self._check_like(rec, src)
             out, data, tier = src, flat_bytes(src), self._tier_of(src)
+            src_raw = _padded_bytes(src) if rec.home is Tier.NVME else None
             if data.is_cuda and self._cuda:
                 data.record_stream(self._io.streams["d2h"])
         ready = self._io.ready()
@@ -419,9 +448,33 @@ class TieredStore:
         data = flat_bytes(tensor)
         ready = self._io.ready()
         settled(self._io.store(rec, data, self._tier_of(tensor), None, ready))
-        if rec.home is not Tier.DEVICE and rec.device_slot is not None:
+        if rec.home is not Tier.DEVICE and rec.device_slot not in (None, rec.home_slot):
+            assert rec.device_slot is not None
             dst = rec.device_slot.raw()[: rec.spec.nbytes]
             settled(self._io.copy(dst, Tier.DEVICE, data, self._tier_of(tensor), ready))
+
+    def host_view(self, name: str) -> torch.Tensor:
+        """The home contents of HOST-home ``name`` as a view of the host arena (no copy).
+
+        Waits for this tensor's pending operations first. Changes made through the view
+        are its new contents (as after :meth:`write`, without a device copy to update):
+        the caller must not change it while the tensor is paged in on a CUDA device or
+        while another thread reads or writes it. Raises ``ValueError`` for another home.
+        """
+        rec = self._record(name)
+        if rec.home is not Tier.HOST:
+            raise ValueError(
+                f"tensor {name!r} is homed on {rec.home.value}, not host: only HOST-home "
+                f"tensors have a host view; use read() and write() instead"
+            )
+        if self._cuda and rec.residency.state is not Residency.RELEASED:
+            raise StateError(
+                f"tensor {name!r} is {rec.residency.state.value.upper()} on {self.device}: "
+                f"a host view would miss its device copy; {rec.residency.hint()}"
+            )
+        self._io.settle(rec, sync=True)
+        assert rec.home_slot is not None
+        return rec.home_slot.view(rec.spec.shape, rec.spec.dtype)
 
     def move(self, name: str, tier: Tier) -> None:
         """Change the home tier of ``name``, keeping its contents.
@@ -519,6 +572,10 @@ class TieredStore:
                 f"tensor has {tuple(tensor.shape)} and {tensor.dtype}: pass a matching tensor"
             )
 
+    def _in_place(self, rec: Record) -> bool:
+        """A HOST-home tensor on a CPU compute device: its page-in is its home slot itself."""
+        return rec.home is Tier.HOST and self.device.type == "cpu"
+
     def _tier_of(self, tensor: torch.Tensor) -> Tier:
         return Tier.DEVICE if tensor.device == self.device else Tier.HOST
 
@@ -526,7 +583,8 @@ class TieredStore:
         """A page-in failed: back to RELEASED, slot freed."""
         rec.residency.apply("fail")
         assert rec.device_slot is not None
-        self._device_arena.free(rec.device_slot)
+        if rec.device_slot is not rec.home_slot:
+            self._device_arena.free(rec.device_slot)
         rec.device_slot = None
 
     def _drop_home(self, rec: Record, *, delete_nvme: bool) -> None:

@@ -12,6 +12,11 @@ method). With grad enabled the block runs inside :class:`_PagedBlockFunction`:
   gradient sink (fp32 host accumulators), release the block, and tell
   :attr:`PagedBlocks.on_block_backward` (which may start the block's optimizer step).
 
+Blocks listed in :attr:`PagedBlocks.autograd_blocks` (resident ones, whose weights
+stay on the device) run with ordinary autograd instead: their activations are kept
+and nothing is recomputed; their parameter gradients land in ``.grad`` and the
+engine collects them after backward.
+
 Without grad (validation, prediction, ``inference_mode``) a block is paged in,
 run and released, with the next blocks prefetched cyclically so that the next
 batch finds block 0 in flight. Only ``hidden_states`` (the first positional
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine.pager import BlockPager, GradSink
+from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
 
 __all__ = ["PagedBlocks"]
 
@@ -54,6 +59,13 @@ class PagedBlocks:
         self.grads = grads
         self._installed = False
         self._dummy = torch.empty(0, requires_grad=True)
+        self.on_block_grads: Callable[[int, Sequence[Tensor | None]], None] | None = None
+        """Called with ``i`` and block ``i``'s parameter gradients (device tensors, None for
+        unused parameters) in place of adding them to the block's accumulator through
+        the gradient sink; the engine sets it to sum and step blocks on its worker."""
+        self.autograd_blocks: frozenset[int] = frozenset()
+        """Blocks run with ordinary autograd (activations kept, no recompute); only
+        resident (DEVICE-home) blocks may be listed, their weights staying bound."""
         self.on_block_backward: Callable[[int], None] | None = None
         """Called with ``i`` once block ``i``'s backward has queued its gradients and released
         the block (the engine starts the block's optimizer step from it)."""
@@ -79,12 +91,17 @@ class PagedBlocks:
         for block in self.blocks:
             del block.forward
         self.pager.release_all_except(())
+        for i in self.autograd_blocks:  # bound since their last forward
+            self.pager.release(i)
         self._installed = False
 
     def _make_forward(self, i: int, original: Callable[..., Any]) -> Callable[..., Any]:
         def paged_forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return self._run_no_grad(i, original, args, kwargs)
+            if i in self.autograd_blocks:
+                self.enter(i, "forward_grad")  # stays bound until its backward has run
+                return original(*args, **kwargs)
             hidden, call = _split(original, args, kwargs)
             holder: list[Any] = []
             out = _PagedBlockFunction.apply(self, i, call, holder, self._dummy, hidden)
@@ -201,6 +218,10 @@ def _rng_restored(state: tuple[Tensor, Tensor | None]) -> Iterator[None]:
         yield
 
 
+def _sum_into(state: FlatState, grads: Sequence[Tensor | None]) -> None:
+    state.accumulate(grads, torch.empty(state.numel, dtype=torch.float32))
+
+
 class _PagedBlockFunction(torch.autograd.Function):
     """One block with per-block checkpointing: only the input is saved."""
 
@@ -238,9 +259,13 @@ class _PagedBlockFunction(torch.autograd.Function):
                 h = hidden.detach().requires_grad_(True)
                 first = _first(ctx.call(h))
                 grads = torch.autograd.grad(first, [h, *params], grad_out, allow_unused=True)
-            runner.grads.add_async(runner.pager.states[i].grad_views, grads[1:])
         finally:
             runner.leave(i, upcoming)
+        if runner.on_block_grads is not None:  # after the release: the handler may step it
+            runner.on_block_grads(i, grads[1:])
+        else:
+            state = runner.pager.states[i]
+            runner.grads.process_async(grads[1:], lambda g: _sum_into(state, g))
         if runner.on_block_backward is not None:
             runner.on_block_backward(i)
         return None, None, None, None, None, grads[0]

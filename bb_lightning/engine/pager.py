@@ -9,10 +9,11 @@ Per block ``i`` the store holds, each as one flat 1-D tensor:
 - ``<prefix>.<i>.weight``: the block's parameters in the compute dtype, laid end
   to end (home: ``Placement.weights[i]``; DEVICE means resident);
 - ``<prefix>.<i>.master``, ``.exp_avg``, ``.exp_avg_sq``: fp32 master weights and
-  AdamW moments (home: ``Placement.master[i]``), see :class:`FlatState`.
-
-The fp32 gradient accumulators are plain host tensors owned by
-:class:`FlatState`: they never page, so they have no residency.
+  AdamW moments (home: ``Placement.master[i]``), see :class:`FlatState`;
+- ``<prefix>.<i>.grad``: the fp32 gradient accumulator (home: ``Placement.grads[i]``),
+  summed over the micro-batches of an accumulation window. On HOST it is summed in
+  place; elsewhere it is read into a scratch buffer, summed and written back, and
+  only when the sum must outlive the backward pass (see :meth:`FlatState.accumulate`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class Placement:
     """Home tier of each block's fp32 master weights and AdamW moments."""
     prefetch_depth: int = 1
     """Blocks paged in ahead of the one computing (>= 1); the device holds depth + 1 blocks."""
+    grads: tuple[Tier, ...] | None = None
+    """Home tier of each block's fp32 gradient accumulator; None: as ``master``."""
+    recompute_resident: bool = False
+    """Checkpoint resident (DEVICE-home) blocks too, recomputing them in backward; False
+    keeps their activations (ordinary autograd: more activation memory, no recompute).
+    Paged blocks are always recomputed."""
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.master):
@@ -63,18 +70,36 @@ class Placement:
                 f"placement has {len(self.weights)} weight tiers but {len(self.master)} master "
                 "tiers: give one of each per block"
             )
+        if self.grads is not None and len(self.grads) != len(self.master):
+            raise ValueError(
+                f"placement has {len(self.grads)} gradient tiers but {len(self.master)} master "
+                "tiers: give one of each per block, or grads=None"
+            )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 1: pass 1 or more")
 
+    @property
+    def grad_tiers(self) -> tuple[Tier, ...]:
+        """Home tier of each block's gradient accumulator (``grads``, else ``master``)."""
+        return self.master if self.grads is None else self.grads
+
     @classmethod
     def uniform(
-        cls, num_blocks: int, *, weights: Tier, master: Tier = Tier.HOST, prefetch_depth: int = 1
+        cls,
+        num_blocks: int,
+        *,
+        weights: Tier,
+        master: Tier = Tier.HOST,
+        prefetch_depth: int = 1,
+        grads: Tier | None = None,
     ) -> Placement:
-        """Every block's weights on ``weights`` and optimizer state on ``master``."""
+        """Every block's weights on ``weights``, optimizer state on ``master``, gradient
+        accumulators on ``grads`` (None: ``master``)."""
         return cls(
             weights=(weights,) * num_blocks,
             master=(master,) * num_blocks,
             prefetch_depth=prefetch_depth,
+            grads=None if grads is None else (grads,) * num_blocks,
         )
 
 
@@ -84,11 +109,12 @@ def block_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 class FlatState:
-    """fp32 master weights, AdamW moments (in the store) and a host gradient accumulator.
+    """fp32 master weights, AdamW moments and gradient accumulator, in the store.
 
     ``params`` are laid end to end in one flat buffer of ``numel`` elements.
     The master weights are initialised from ``initial`` (flat fp32) when given,
     else from the parameters' current values (which may then not be on the meta device).
+    The gradient accumulator is homed on ``grad_home`` (None: ``home``).
     """
 
     def __init__(
@@ -99,6 +125,7 @@ class FlatState:
         *,
         home: Tier,
         initial: Tensor | None = None,
+        grad_home: Tier | None = None,
     ) -> None:
         self.store = store
         self.name = name
@@ -114,10 +141,66 @@ class FlatState:
         store.register(self.master_name, master, home=home)
         store.register(f"{name}.exp_avg", zeros, home=home)
         store.register(f"{name}.exp_avg_sq", zeros, home=home)
-        pin = torch.cuda.is_available()
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, pin_memory=pin)
-        """fp32 gradient accumulator on the host, zeroed after each optimizer step."""
-        self.grad_views = _views(self.grad, self.shapes)
+        store.register(
+            self.grad_name,
+            shape=(self.numel,),
+            dtype=torch.float32,
+            home=home if grad_home is None else grad_home,
+        )
+        self.grad_pending = False
+        """Whether the accumulator holds gradients since the last :meth:`clear_grad`."""
+
+    @property
+    def grad_name(self) -> str:
+        """Store name of the flat fp32 gradient accumulator."""
+        return f"{self.name}.grad"
+
+    def accumulate(
+        self, grads: Sequence[Tensor | None], scratch: Tensor | None, *, persist: bool = True
+    ) -> Tensor:
+        """Add per-parameter gradients (any dtype, host) to the accumulator; the flat sum.
+
+        A HOST-home accumulator is summed in place (``scratch`` unused). Otherwise the
+        sum is formed in ``scratch`` (fp32, at least ``numel`` elements; the stored sum
+        is read first when one is pending) and, with ``persist``, written to its home
+        before returning (call it off the training thread: the gradient worker does).
+        Without ``persist`` the sum lives only in ``scratch`` (the caller steps from it).
+        """
+        if self.store.home(self.grad_name) is Tier.HOST:
+            flat = self.store.host_view(self.grad_name)
+            if not self.grad_pending:
+                flat.zero_()
+            persist = False
+        else:
+            if scratch is None or scratch.numel() < self.numel:
+                raise ValueError(
+                    f"{self.grad_name!r} is homed on {self.store.home(self.grad_name).value}: "
+                    f"pass an fp32 scratch buffer of at least {self.numel} elements"
+                )
+            flat = self.gradient(scratch)
+        _add_all(_views(flat, self.shapes), grads)
+        self.grad_pending = True
+        if persist:
+            self.store.write(self.grad_name, flat)
+        return flat
+
+    def gradient(self, scratch: Tensor | None = None) -> Tensor:
+        """The accumulated gradient (zeros when none is pending), flat fp32 on the host.
+
+        A HOST-home accumulator is returned as a view of its home (no copy); another is
+        read into ``scratch`` (a new tensor when None).
+        """
+        if self.store.home(self.grad_name) is Tier.HOST:
+            flat = self.store.host_view(self.grad_name)
+            return flat if self.grad_pending else flat.zero_()
+        out = None if scratch is None else scratch[: self.numel]
+        if self.grad_pending:
+            return self.store.read(self.grad_name, out=out)
+        return torch.zeros(self.numel) if out is None else out.zero_()
+
+    def clear_grad(self) -> None:
+        """Forget the accumulated gradient (after the optimizer step); nothing is written."""
+        self.grad_pending = False
 
     @property
     def master_name(self) -> str:
@@ -137,10 +220,12 @@ class FlatState:
         """Per-parameter views of a flat buffer laid out like this state."""
         return _views(flat, self.shapes)
 
-    def move(self, home: Tier) -> None:
-        """Change the home tier of the master weights and moments (they must be released)."""
+    def move(self, home: Tier, grad_home: Tier | None = None) -> None:
+        """Change the home tier of the master weights and moments (they must be released)
+        and of the gradient accumulator (None: ``home``)."""
         for name in self.state_names:
             self.store.move(name, home)
+        self.store.move(self.grad_name, home if grad_home is None else grad_home)
 
 
 def set_data(param: Tensor, value: Tensor) -> None:
@@ -183,31 +268,43 @@ class GradSink:
 
     def __init__(self, timer: PhaseTimer | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-grads")
-        self._futures: list[Future[None]] = []
+        self._futures: list[Future[object]] = []
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.timer = timer
         """Times :meth:`wait` as phase ``wait_grads`` when set."""
 
     def add_async(self, dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Add each gradient (any dtype, device) into the matching host fp32 view, later."""
+        self.process_async(grads, lambda host: _add_all(dst, host))
+
+    def process_async(
+        self, grads: Sequence[Tensor | None], work: Callable[[Sequence[Tensor | None]], object]
+    ) -> None:
+        """Run ``work`` on the worker with the gradients on the host (FIFO order).
+
+        CUDA gradients are copied to fp32 host tensors on the side stream first.
+        """
         if self._stream is not None and any(g is not None and g.is_cuda for g in grads):
             event = torch.cuda.Event()
             event.record()
             for g in grads:
                 if g is not None:
                     g.record_stream(self._stream)
-            self._futures.append(self._pool.submit(self._add_cuda, dst, grads, event))
+            self._futures.append(self._pool.submit(self._on_host, grads, event, work))
         else:
-            self._futures.append(self._pool.submit(_add_all, dst, grads))
+            self._futures.append(self._pool.submit(work, grads))
 
-    def _add_cuda(
-        self, dst: Sequence[Tensor], grads: Sequence[Tensor | None], event: torch.cuda.Event
+    def _on_host(
+        self,
+        grads: Sequence[Tensor | None],
+        event: torch.cuda.Event,
+        work: Callable[[Sequence[Tensor | None]], object],
     ) -> None:
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(event)
             host = [None if g is None else g.to("cpu", torch.float32) for g in grads]
-        _add_all(dst, host)
+        work(host)
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the worker after every addition queued so far (FIFO order)."""
@@ -257,6 +354,7 @@ class BlockPager:
         prefix: str = "block",
         loader: BlockLoader | None = None,
         timer: PhaseTimer | None = None,
+        weights_only: bool = False,
     ) -> None:
         """Register every block's tensors in ``store`` and unbind its parameters.
 
@@ -264,6 +362,9 @@ class BlockPager:
             loader: block values when the parameters are on the meta device (streamed
                 from a checkpoint); None reads the parameters themselves.
             timer: times waits on page-ins as phase ``wait_page_in`` when set.
+            weights_only: register only the compute-dtype weights (inference): no
+                :class:`FlatState` (master weights, moments, gradient accumulators);
+                :attr:`states` is then empty and ``placement.master`` is not read.
         """
         if len(placement.weights) != len(blocks):
             raise ValueError(
@@ -277,12 +378,22 @@ class BlockPager:
         self.params = [[p for _, p in block_params(b)] for b in blocks]
         self.names = [f"{prefix}.{i}.weight" for i in range(len(blocks))]
         self.states: list[FlatState] = []
+        self.shapes = [[tuple(p.shape) for p in params] for params in self.params]
+        """Shapes of each block's parameters, in the order of its flat weights."""
         self._tickets: dict[int, Ticket] = {}
         for i, params in enumerate(self.params):
             master = loader(i) if loader is not None else flatten_fp32(params)
             store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
+            if weights_only:
+                del master
+                continue
             state = FlatState(
-                store, f"{prefix}.{i}", params, home=placement.master[i], initial=master
+                store,
+                f"{prefix}.{i}",
+                params,
+                home=placement.master[i],
+                initial=master,
+                grad_home=placement.grad_tiers[i],
             )
             self.states.append(state)
             del master
@@ -317,7 +428,7 @@ class BlockPager:
                 flat = ticket.wait()[name]
         else:
             flat = self.store.get(name)
-        views = _views(flat, [tuple(s) for s in self.states[i].shapes])
+        views = _views(flat, self.shapes[i])
         for p, v in zip(self.params[i], views, strict=True):
             p.data = v
         return views
@@ -341,14 +452,23 @@ class BlockPager:
         for p in self.params[i]:
             set_data(p, self._empty)
 
-    def write_weights(self, i: int, master: Tensor, scratch: Tensor) -> None:
-        """Cast fp32 ``master`` into ``scratch`` (compute dtype) and store it as block ``i``'s weights."""
+    def write_weights(self, i: int, master: Tensor, scratch: Tensor) -> Ticket | None:
+        """Store fp32 ``master`` as block ``i``'s weights in the compute dtype, asynchronously.
+
+        HOST-home weights are cast in place into their home (None returned). Others are
+        cast into ``scratch`` and written back on the store's copy threads: ``scratch``
+        must stay unchanged until the returned ticket is done; the store orders the
+        block's next page-in after the write.
+        """
         assert not self._paged(i) or self.store.state(self.names[i]) is Residency.RELEASED, (
             f"block {i} must be released before its weights are rewritten"
         )
+        if self.store.home(self.names[i]) is Tier.HOST:
+            self.store.host_view(self.names[i]).copy_(master)
+            return None
         out = scratch[: master.numel()]
         out.copy_(master)
-        self.store.write(self.names[i], out)
+        return self.store.write_back_async(self.names[i], out)
 
     def apply(self, placement: Placement) -> None:
         """Re-home every block's tensors as ``placement`` says (moves through the store).
@@ -362,15 +482,17 @@ class BlockPager:
                 f"{self.num_blocks}: build the placement for this model"
             )
         self.release_all_except(())
+        for i in range(self.num_blocks):  # resident blocks may still be bound
+            self._unbind(i)
         # Free a tier before filling it: moves off a tier go first.
         order = sorted(range(self.num_blocks), key=lambda i: placement.weights[i] is Tier.DEVICE)
         for i in order:
             self.store.move(self.names[i], placement.weights[i])
         for i, state in enumerate(self.states):
-            state.move(placement.master[i])
+            state.move(placement.master[i], placement.grad_tiers[i])
         self.placement = placement
 
     def device_bytes(self) -> int:
         """Bytes of compute-dtype weights one block occupies (the largest block)."""
         elem = torch.empty(0, dtype=self.compute_dtype).element_size()
-        return max(s.numel for s in self.states) * elem
+        return max(sum(math.prod(s) for s in shapes) for shapes in self.shapes) * elem

@@ -5,19 +5,29 @@
 weights and AdamW moments, homes per :class:`~bb_lightning.engine.pager.Placement`)
 and keeps the other parameters (embedding, final norm, head) resident on the
 device with ordinary autograd, their fp32 master state in the store's host
-tier. Every gradient leaves the device into fp32 host accumulators.
+tier. Every gradient leaves the device into fp32 accumulators in the store, homed
+per ``Placement.grads`` (see :meth:`~bb_lightning.engine.pager.FlatState.accumulate`).
 
 At the accumulation boundary :meth:`TrainingEngine.optimizer_step` computes the
 clipping scale over all gradients, steps each block with
 :class:`~bb_lightning.engine.optim.HostAdamW`, writes the block's weights back
-to their home tier in the compute dtype and zeroes the accumulators.
+to their home tier in the compute dtype and clears the accumulators.
 
 Without clipping the step of a block needs only that block's gradient: after
 :meth:`TrainingEngine.begin_overlapped_step`, the last backward of the window
-queues each block's AdamW step on the gradient worker as soon as the block's
-gradient is queued, so host updates run while backward continues on earlier
-blocks; :meth:`TrainingEngine.optimizer_step` then waits for them and steps
-only the parameters outside the blocks.
+sums each block's gradient and steps it on the gradient worker (with one
+micro-batch per step, a non-HOST accumulator is never written: the gradient
+goes from a scratch buffer straight into the step), so host updates run while
+backward continues on earlier blocks; :meth:`TrainingEngine.optimizer_step`
+then waits for them and steps only the parameters outside the blocks.
+
+Host memory: state homed on HOST is stepped in place in the host arena. State
+homed elsewhere passes through :data:`SCRATCH_SETS` sets of scratch buffers sized
+for the largest block, registered in the store's host arena (so the host budget
+covers them); writes from the optimizer go back asynchronously on the store's
+copy threads, a set waiting for its previous writes only when it is used again,
+so the written weights reach their home while the next forward starts (the store
+orders each block's next page-in after its write).
 """
 
 from __future__ import annotations
@@ -43,10 +53,17 @@ from bb_lightning.engine.pager import (
 )
 from bb_lightning.engine.timing import PhaseTimer
 from storage.device import slot_bytes
-from storage.store import TieredStore
+from storage.store import Ticket, TieredStore
 from storage.tiers import Tier
 
-__all__ = ["ClipConfig", "TrainingEngine", "adamw_from_optimizer", "required_budgets"]
+__all__ = [
+    "ClipConfig",
+    "EngineStateDict",
+    "TrainingEngine",
+    "adamw_from_optimizer",
+    "check_budgets",
+    "required_budgets",
+]
 
 StateKind = Literal["master", "exp_avg", "exp_avg_sq"]
 STATE_KINDS: tuple[StateKind, StateKind, StateKind] = ("master", "exp_avg", "exp_avg_sq")
@@ -54,6 +71,15 @@ STATE_KINDS: tuple[StateKind, StateKind, StateKind] = ("master", "exp_avg", "exp
 
 RESIDENT_PREFIX = "resident"
 """Store name prefix of the state of parameters outside the blocks."""
+
+SCRATCH_PREFIX = "engine.scratch"
+"""Store name prefix of the optimizer's host scratch buffers."""
+
+SCRATCH_SETS = 2
+"""Sets of host scratch buffers (one in use, one whose writes may still be in flight)."""
+
+SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
+"""fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,21 +148,66 @@ def required_budgets(
 
     Device: resident blocks' weights, ``prefetch_depth + 1`` paging slots of the
     largest block, and the parameters outside the blocks are not counted (they
-    are ordinary device tensors). Host / NVMe: paged weights homed there and the
-    fp32 master weights and two moments (12 bytes per parameter).
+    are ordinary device tensors). Host / NVMe: paged weights homed there, the
+    fp32 master weights and two moments (12 bytes per parameter) and the fp32
+    gradient accumulators (4 bytes per parameter, on ``placement.grads``); host
+    also: the resident parameters' 16 bytes per parameter and the optimizer's
+    :data:`SCRATCH_SETS` scratch sets (4 fp32 + 1 compute-dtype buffer of the
+    largest block each).
     """
     elem = torch.empty(0, dtype=compute_dtype).element_size()
     need = dict.fromkeys(Tier, 0)
-    for n, w, m in zip(block_numels, placement.weights, placement.master, strict=True):
+    tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
+    for n, (w, m, g) in zip(block_numels, tiers, strict=True):
         need[w] += slot_bytes(n * elem)
         need[m] += 3 * slot_bytes(n * 4)
-    need[Tier.HOST] += 3 * slot_bytes(resident_numel * 4)
-    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(max(block_numels) * elem)
+        need[g] += slot_bytes(n * 4)
+    need[Tier.HOST] += 4 * slot_bytes(resident_numel * 4)
+    largest = max(block_numels)
+    per_set = len(SCRATCH_FP32) * slot_bytes(largest * 4) + slot_bytes(largest * elem)
+    need[Tier.HOST] += SCRATCH_SETS * per_set
+    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(largest * elem)
     return need
+
+
+def check_budgets(need: Mapping[Tier, int], have: Mapping[Tier, int]) -> None:
+    """Raise ``ValueError`` naming every tier whose budget (bytes) is below ``need``.
+
+    Called before the store opens, so a placement that cannot fit fails before any
+    tensor is written.
+    """
+    short = [t for t in Tier if need[t] > have[t]]
+    if short:
+        lines = ", ".join(
+            f"{t.value} budget {have[t]} bytes < {need[t]} bytes needed" for t in short
+        )
+        raise ValueError(
+            f"the store budgets are too small for this model and placement: {lines}: raise "
+            "those budgets in StoreConfig, or pass store=None to size them automatically, "
+            "or home more blocks on a larger tier"
+        )
 
 
 ParamLoader = Callable[[Tensor], Tensor]
 """A (meta) parameter -> its value as a CPU tensor, read from a checkpoint."""
+
+
+@dataclass
+class _Scratch:
+    """One set of host scratch buffers and the writes still reading them."""
+
+    fp32: dict[str, Tensor]
+    """fp32 buffers by :data:`SCRATCH_FP32` name, each of the largest block's numel."""
+    cast: Tensor
+    """A compute-dtype buffer of the largest block's numel (weights being written)."""
+    tickets: list[Ticket] = field(default_factory=list)
+    """Asynchronous writes from these buffers not yet waited for."""
+
+    def settle(self) -> None:
+        """Wait for the writes from these buffers (they may then be overwritten)."""
+        tickets, self.tickets = self.tickets, []
+        for ticket in tickets:
+            ticket.wait()
 
 
 @dataclass
@@ -230,13 +301,40 @@ class TrainingEngine:
                     module._buffers[key] = buf.to(device, dtype)
         self.grads = GradSink(self.timer)
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
-        self.paged.on_block_backward = self._block_backward_done
+        self.paged.on_block_grads = self._block_grads
+        self._set_autograd_blocks(placement)
         self.paged.install()
         self.step_count = 0
         """Optimizer steps taken (the AdamW bias corrections use it)."""
-        largest = max(s.numel for s in self.states)
-        self._scratch = [torch.empty(largest, dtype=torch.float32) for _ in range(3)]
-        self._cast = torch.empty(largest, dtype=compute_dtype)
+        largest = max(s.numel for s in self.pager.states)
+        self._sets = [self._scratch_set(k, largest) for k in range(SCRATCH_SETS)]
+        self._next_set = 0
+
+    def _set_autograd_blocks(self, placement: Placement) -> None:
+        """Resident blocks run with ordinary autograd unless the placement recomputes them."""
+        resident = (i for i, w in enumerate(placement.weights) if w is Tier.DEVICE)
+        self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else resident)
+
+    def _scratch_set(self, k: int, numel: int) -> _Scratch:
+        store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
+        for name in SCRATCH_FP32:
+            store.register(f"{prefix}.{name}", shape=(numel,), dtype=torch.float32, home=Tier.HOST)
+        store.register(f"{prefix}.cast", shape=(numel,), dtype=self.compute_dtype, home=Tier.HOST)
+        return _Scratch(
+            fp32={name: store.host_view(f"{prefix}.{name}") for name in SCRATCH_FP32},
+            cast=store.host_view(f"{prefix}.cast"),
+        )
+
+    def _take_set(self) -> _Scratch:
+        """The next scratch set, its earlier writes done (one thread at a time uses sets)."""
+        scratch = self._sets[self._next_set]
+        self._next_set = (self._next_set + 1) % len(self._sets)
+        scratch.settle()
+        return scratch
+
+    def _settle_sets(self) -> None:
+        for scratch in self._sets:
+            scratch.settle()
 
     @property
     def states(self) -> list[FlatState]:
@@ -246,7 +344,17 @@ class TrainingEngine:
     def after_backward(self) -> None:
         """Move the resident parameters' gradients to the host and finish the block ones."""
         self.backward_end = time.perf_counter()
-        self.grads.add_async(self.resident.grad_views, [p.grad for p in self.resident_params])
+        for i in sorted(self.paged.autograd_blocks, reverse=True):
+            params = self.pager.params[i]
+            grads = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            self.pager.release(i)  # before its step may rewrite the weights
+            self._block_grads(i, grads)
+        resident = self.resident
+        self.grads.process_async(
+            [p.grad for p in self.resident_params], lambda g: resident.accumulate(g, None)
+        )
         for p in self.resident_params:
             p.grad = None
         self.grads.wait(phase="optimizer" if self._overlap is not None else "wait_grads")
@@ -263,29 +371,57 @@ class TrainingEngine:
         self.overlap_starts = []
         self._overlap = _Overlap(stepper=HostAdamW(adamw), lr=adamw.lr, step=self.step_count)
 
-    def _block_backward_done(self, i: int) -> None:
+    def _block_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
+        """Queue block ``i``'s gradients on the worker: summed, and stepped when overlapping."""
         overlap = self._overlap
+        state = self.pager.states[i]
         if overlap is not None and i not in overlap.done:
             overlap.done.add(i)
-            self.grads.submit(lambda: self._step_block(i, overlap))
+            self.grads.process_async(grads, lambda g: self._step_block(i, overlap, g))
+        else:
+            self.grads.process_async(
+                grads, lambda g: state.accumulate(g, self._grad_scratch(state))
+            )
 
-    def _step_block(self, i: int, overlap: _Overlap) -> None:
-        """One block's AdamW step and weight write-back (runs on the gradient worker)."""
+    def _grad_scratch(self, state: FlatState) -> Tensor | None:
+        """A scratch buffer to sum ``state``'s gradient in, None when it sums in place."""
+        if self.store.home(state.grad_name) is Tier.HOST:
+            return None
+        return self._take_set().fp32["grad"]
+
+    def _step_block(
+        self, i: int, overlap: _Overlap, grads: Sequence[Tensor | None] | None = None
+    ) -> None:
+        """Block ``i``'s AdamW step (its last ``grads`` summed in) and weight write-back."""
         self.overlap_starts.append((i, time.perf_counter()))
+        scratch = self._take_set()
+        state = self.pager.states[i]
+        if grads is None:
+            grad = state.gradient(scratch.fp32["grad"])
+        else:
+            grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
         master = self._step_state(
-            self.pager.states[i], overlap.stepper, overlap.lr, 1.0, overlap.step
+            state, overlap.stepper, overlap.lr, 1.0, overlap.step, scratch, grad
         )
-        self.pager.write_weights(i, master, self._cast)
+        self._write_weights(i, master, scratch)
+
+    def _write_weights(self, i: int, master: Tensor, scratch: _Scratch) -> None:
+        ticket = self.pager.write_weights(i, master, scratch.cast)
+        if ticket is not None:
+            scratch.tickets.append(ticket)
 
     def apply_placement(self, placement: Placement) -> None:
         """Re-home the blocks' weights and optimizer state (between optimizer steps)."""
         self.grads.wait(phase=None)
+        self._settle_sets()
         self.pager.apply(placement)
+        self._set_autograd_blocks(placement)
 
     def grad_norm(self) -> float:
         """Global 2-norm of the accumulated gradients (fp32)."""
         self.grads.wait()
-        return global_grad_norm(s.grad for s in self.states)
+        scratch = self._take_set().fp32["grad"]
+        return global_grad_norm(s.gradient(scratch) for s in self.states)
 
     def optimizer_step(self, adamw: AdamWConfig, clip: ClipConfig | None = None) -> None:
         """One AdamW step of every parameter from the accumulated gradients; zeroes them.
@@ -306,42 +442,67 @@ class TrainingEngine:
         for i in range(self.pager.num_blocks):
             if i not in overlap.done:
                 self._step_block(i, overlap)
-        master = self._step_state(self.resident, overlap.stepper, overlap.lr, 1.0, overlap.step)
-        for p, v in zip(self.resident_params, self.resident.master_views(master), strict=True):
+        resident = self.resident
+        master = self._step_state(
+            resident, overlap.stepper, overlap.lr, 1.0, overlap.step, None, resident.gradient()
+        )
+        for p, v in zip(self.resident_params, resident.master_views(master), strict=True):
             p.data.copy_(v)
 
     def _step_all(self, adamw: AdamWConfig, clip: ClipConfig | None) -> None:
-        scale = 1.0
+        scale, clamp = 1.0, None
         if clip is not None and clip.value is not None:
             if clip.algorithm == "norm":
                 scale = clip_coefficient(self.grad_norm(), clip.value)
             else:
-                for s in self.states:
-                    s.grad.clamp_(-clip.value, clip.value)
+                clamp = clip.value
         self.step_count += 1
         stepper = HostAdamW(adamw)
         for i, state in enumerate(self.pager.states):
-            master = self._step_state(state, stepper, adamw.lr, scale, self.step_count)
-            self.pager.write_weights(i, master, self._cast)
-        master = self._step_state(self.resident, stepper, adamw.lr, scale, self.step_count)
+            scratch = self._take_set()
+            grad = state.gradient(scratch.fp32["grad"])
+            if clamp is not None:
+                grad.clamp_(-clamp, clamp)
+            master = self._step_state(
+                state, stepper, adamw.lr, scale, self.step_count, scratch, grad
+            )
+            self._write_weights(i, master, scratch)
+        grad = self.resident.gradient()
+        if clamp is not None:
+            grad.clamp_(-clamp, clamp)
+        master = self._step_state(
+            self.resident, stepper, adamw.lr, scale, self.step_count, None, grad
+        )
         for p, v in zip(self.resident_params, self.resident.master_views(master), strict=True):
             p.data.copy_(v)
 
     def _step_state(
-        self, state: FlatState, stepper: HostAdamW, lr: float, scale: float, step: int
+        self,
+        state: FlatState,
+        stepper: HostAdamW,
+        lr: float,
+        scale: float,
+        step: int,
+        scratch: _Scratch | None,
+        grad: Tensor,
     ) -> Tensor:
+        """AdamW on one flat state: HOST-home tensors in place, others through ``scratch``
+        (read, stepped, written back asynchronously); the stepped fp32 master weights."""
         start = time.perf_counter()
-        bufs = [
-            self.store.read(name, out=buf[: state.numel])
-            for name, buf in zip(state.state_names, self._scratch, strict=True)
-        ]
+        bufs: list[Tensor] = []
+        for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
+            if self.store.home(name) is Tier.HOST:
+                bufs.append(self.store.host_view(name))
+            else:
+                assert scratch is not None, f"{name} is not on host and no scratch was given"
+                bufs.append(self.store.read(name, out=scratch.fp32[kind][: state.numel]))
         master, exp_avg, exp_avg_sq = bufs
-        stepper.step_block(
-            master, state.grad, exp_avg, exp_avg_sq, step=step, lr=lr, grad_scale=scale
-        )
+        stepper.step_block(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, grad_scale=scale)
         for name, buf in zip(state.state_names, bufs, strict=True):
-            self.store.write(name, buf)
-        state.grad.zero_()
+            if self.store.home(name) is not Tier.HOST:
+                assert scratch is not None
+                scratch.tickets.append(self.store.write_back_async(name, buf))
+        state.clear_grad()
         self.optimizer_busy_s += time.perf_counter() - start
         return master
 
@@ -365,16 +526,20 @@ class TrainingEngine:
     ) -> Iterator[tuple[str, dict[StateKind, Tensor]]]:
         """Each parameter's name and fp32 state (``master``, ``exp_avg``, ``exp_avg_sq``).
 
-        Reads one flat state at a time into the engine's scratch buffers: the
-        tensors yielded are views, valid until the next item (copy to keep them).
+        Reads one flat state at a time into the engine's scratch buffers (HOST-home
+        state is seen in place): the tensors yielded are views, valid until the next
+        item (copy to keep them).
         """
         self.grads.wait()
         self.pager.release_all_except(())
+        self._settle_sets()
+        scratch = self._sets[0].fp32
         for state, names in self.named_states():
             views: dict[StateKind, list[Tensor]] = {}
-            for kind, name, buf in zip(STATE_KINDS, state.state_names, self._scratch, strict=True):
+            for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                 if kind in kinds:
-                    views[kind] = state.master_views(self.store.read(name, out=buf[: state.numel]))
+                    flat = self._flat(name, scratch[kind], state.numel)
+                    views[kind] = state.master_views(self._read(name, flat))
             for j, key in enumerate(names):
                 yield key, {kind: v[j] for kind, v in views.items()}
 
@@ -388,22 +553,44 @@ class TrainingEngine:
         """
         self.grads.wait()
         self.pager.release_all_except(())
+        self._settle_sets()
+        scratch = self._sets[0]
         for i, (state, names) in enumerate(self.named_states()):
-            for kind, name, buf in zip(STATE_KINDS, state.state_names, self._scratch, strict=True):
+            flats: dict[StateKind, Tensor] = {}
+            for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                 if kind not in kinds:
                     continue
-                flat = buf[: state.numel]
+                flat = flats[kind] = self._flat(name, scratch.fp32[kind], state.numel)
                 for key, view in zip(names, state.master_views(flat), strict=True):
                     fill(key, kind, view)
-                self.store.write(name, flat)
+                if self.store.home(name) is not Tier.HOST:
+                    self.store.write(name, flat)
             if "master" not in kinds:
                 continue
-            master = self._scratch[0][: state.numel]
+            master = flats["master"]
             if i < self.pager.num_blocks:
-                self.pager.write_weights(i, master, self._cast)
+                ticket = self.pager.write_weights(i, master, scratch.cast)
+                if ticket is not None:
+                    ticket.wait()
             else:
                 for p, v in zip(self.resident_params, state.master_views(master), strict=True):
                     p.data.copy_(v)
+
+    def _flat(self, name: str, scratch: Tensor, numel: int) -> Tensor:
+        """Where the state ``name`` is worked on: its host view (HOST home) or ``scratch``."""
+        if self.store.home(name) is Tier.HOST:
+            return self.store.host_view(name)
+        return scratch[:numel]
+
+    def _read(self, name: str, flat: Tensor) -> Tensor:
+        """``flat`` holding the contents of ``name`` (read unless it is the host view)."""
+        if self.store.home(name) is Tier.HOST:
+            return flat
+        return self.store.read(name, out=flat)
+
+    def lazy_state_dict(self) -> EngineStateDict:
+        """The model's state dict, each parameter's fp32 master read when asked for."""
+        return EngineStateDict(self)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The model's state dict with every parameter as its fp32 master copy (host)."""
@@ -439,3 +626,54 @@ class TrainingEngine:
         """Restore the blocks' forwards and stop the gradient worker (the store stays open)."""
         self.paged.remove()
         self.grads.close()
+        self._settle_sets()
+
+
+class EngineStateDict(Mapping[str, Tensor]):
+    """The model's state dict with parameters as fp32 masters, read from the store on demand.
+
+    Nothing is read until a key is asked for; then the flat state holding that
+    parameter is read (one block's masters, kept until a key of another flat state
+    is asked for), and the parameter returned as a copy (host, fp32). Iterating it
+    therefore holds at most one block's masters besides the tensors the caller keeps,
+    where :meth:`TrainingEngine.state_dict` holds the whole model. Buffers and other
+    non-parameter entries are the module's own tensors (moved to the host).
+    """
+
+    def __init__(self, engine: TrainingEngine) -> None:
+        self.engine = engine
+        self._entries: dict[str, Tensor] = engine.model.state_dict(keep_vars=True)
+        first = {id(p): key for key, p in reversed(list(engine.model.named_parameters()))}
+        self._where: dict[str, tuple[int, int]] = {}
+        names_at = {key: (i, j) for i, (_, keys) in enumerate(engine.named_states())
+                    for j, key in enumerate(keys)}  # fmt: skip
+        for key, t in self._entries.items():
+            if id(t) in first:
+                self._where[key] = names_at[first[id(t)]]
+        self._cached: tuple[int, list[Tensor]] | None = None
+
+    @property
+    def parameter_keys(self) -> frozenset[str]:
+        """Keys whose values are parameters (fp32 masters in the store)."""
+        return frozenset(self._where)
+
+    def __getitem__(self, key: str) -> Tensor:
+        where = self._where.get(key)
+        if where is None:
+            return self._entries[key].detach().to("cpu")
+        i, j = where
+        if self._cached is None or self._cached[0] != i:
+            engine = self.engine
+            engine.grads.wait()
+            state = engine.states[i]
+            self._cached = (i, state.master_views(state.read_master()))
+        return self._cached[1][j].clone()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -9,7 +9,7 @@ at once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -92,16 +92,33 @@ def forward_flops_per_token(model: ModelProfile, context: float) -> float:
     return model.num_blocks * block + model.head_flops_per_token()
 
 
-def train_flops_per_token(model: ModelProfile, seq_len: int, checkpointing: bool) -> float:
+Arr = npt.NDArray[np.float64]
+
+
+@overload
+def train_flops_per_token(
+    model: ModelProfile, seq_len: int, checkpointing: bool, resident_blocks: float = 0.0
+) -> float: ...
+@overload
+def train_flops_per_token(
+    model: ModelProfile, seq_len: int, checkpointing: bool, resident_blocks: Arr
+) -> Arr: ...
+def train_flops_per_token(
+    model: ModelProfile, seq_len: int, checkpointing: bool, resident_blocks: float | Arr = 0.0
+) -> float | Arr:
     """Training FLOPs per token: forward + backward (2x forward) + recompute.
 
     Backward costs twice the forward (Kaplan et al. 2020, C ~ 6N per token). With
     per-block activation checkpointing each block's forward runs again before its
     backward (Korthikanti et al. 2022, "Reducing Activation Recomputation"), so the
-    blocks cost 4x forward, else 3x. The head is not checkpointed: 3x.
+    blocks cost 4x forward, else 3x; ``resident_blocks`` (weights kept on the device,
+    activations kept, never recomputed) cost 3x either way. The head is not
+    checkpointed: 3x. ``resident_blocks`` may be an array (one value per candidate).
     """
-    blocks = forward_flops_per_token(model, seq_len) - model.head_flops_per_token()
-    return blocks * (4.0 if checkpointing else 3.0) + 3.0 * model.head_flops_per_token()
+    head = model.head_flops_per_token()
+    per_block = (forward_flops_per_token(model, seq_len) - head) / max(model.num_blocks, 1)
+    recomputed = model.num_blocks - resident_blocks if checkpointing else 0.0 * resident_blocks
+    return per_block * (3.0 * model.num_blocks + recomputed) + 3.0 * head
 
 
 def backward_fraction(checkpointing: bool) -> float:
@@ -173,23 +190,38 @@ def hide_tokens_per_pass(
 
 
 # ---------------------------------------------------------------- bytes
+@overload
 def activation_bytes(
-    model: ModelProfile, micro_batch: int, seq_len: int, checkpointing: bool
-) -> int:
+    model: ModelProfile,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: bool,
+    resident_blocks: int = 0,
+) -> int: ...
+@overload
+def activation_bytes(
+    model: ModelProfile, micro_batch: int, seq_len: int, checkpointing: bool, resident_blocks: Arr
+) -> Arr: ...
+def activation_bytes(
+    model: ModelProfile,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: bool,
+    resident_blocks: int | Arr = 0,
+) -> int | Arr:
     """Device bytes of training activations for one micro-batch.
 
     Checkpointing keeps each block's input (``act_bytes_per_token_checkpointed`` per
     token per block) plus one block's full activations while it is recomputed;
-    without it every block keeps its full activations.
+    ``resident_blocks`` (never recomputed) and, without checkpointing, every block
+    keep their full activations. ``resident_blocks`` may be an array.
     """
     tokens = micro_batch * seq_len
+    full, ckpt = model.act_bytes_per_token_full, model.act_bytes_per_token_checkpointed
     if checkpointing:
-        per_token = (
-            model.act_bytes_per_token_checkpointed * model.num_blocks
-            + model.act_bytes_per_token_full
-        )
+        per_token = ckpt * (model.num_blocks - resident_blocks) + full * resident_blocks + full
     else:
-        per_token = model.act_bytes_per_token_full * model.num_blocks
+        per_token = full * model.num_blocks + 0 * resident_blocks
     return tokens * per_token
 
 

@@ -57,7 +57,8 @@ def states(n: int, ov: PlanOverrides) -> tuple[Arr, Arr]:
             continue
         if ov.weights_tier is Tier.DEVICE and kf + kw != n:
             continue
-        if ov.weights_tier in (Tier.HOST, Tier.NVME) and kf + kw != 0:
+        # With resident_blocks, weights_tier homes the other (paged) blocks.
+        if ov.weights_tier in (Tier.HOST, Tier.NVME) and ov.resident_blocks is None and kf + kw:
             continue
         if ov.master_tier is Tier.DEVICE and kf != n:
             continue
@@ -117,7 +118,7 @@ def price(
         + kf * p * FULL_DEVICE_BYTES
         + paging
         + in_flight
-        + cost.activation_bytes(model, mb, s, ckpt)
+        + cost.activation_bytes(model, mb, s, ckpt, kf + kw)
         + cost.logits_bytes(model, mb * s)
     )
     mandatory = paging + in_flight + nb * (FP32_BYTES + ADAM_STATE_BYTES)
@@ -139,7 +140,9 @@ def price(
     nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * p + (off - m_h) * ADAM_STATE_BYTES * p
     feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2]) & ok_w & ok_m
 
-    compute = cost.compute_seconds(float(g * s) * cost.train_flops_per_token(model, s, ckpt), hw)
+    # resident blocks keep their activations: never recomputed
+    flops = float(g * s) * cost.train_flops_per_token(model, s, ckpt, kf + kw)
+    compute = cost.compute_seconds(flops, hw)
     c_pass = compute / ga
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
     grads_nvme = (off - g_h) * FP32_BYTES * p  # read-modify-write per micro-batch
@@ -345,7 +348,7 @@ def build_plan(
         limited = "memory"
     tok_s = job.tokens_per_step / v["total"]
     paged = n - kf - kw
-    fpt = cost.train_flops_per_token(model, job.seq_len, best.checkpointing)
+    fpt = cost.train_flops_per_token(model, job.seq_len, best.checkpointing, float(kf + kw))
     bw = {
         "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
         "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,

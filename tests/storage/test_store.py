@@ -278,7 +278,7 @@ def test_over_budget_register_and_move_change_nothing(tmp_path: Path) -> None:
         assert store.home("a") is Tier.HOST and store.home("d") is Tier.DEVICE
         assert all(torch.equal(store.read(n), x) for n in ("a", "d", "n"))
         # page-ins beyond the device arena fail before anything starts
-        store.register("s", torch.ones(10), home=Tier.HOST)
+        store.register("s", torch.ones(10), home=Tier.NVME)  # host-home ones page in place
         with pytest.raises(ArenaFullError, match=r"'n'.*40960 bytes.*device arena.*20480 bytes"):
             store.prefetch_async(["s", "n"])
         assert store.state("s") is Residency.RELEASED and store.usage()[Tier.DEVICE][0] == 40960
@@ -396,10 +396,11 @@ def test_stats_count_bytes_per_link(store: TieredStore) -> None:
     after = store.stats()
     moved = {k: (after[k].bytes - before[k].bytes, after[k].count - before[k].count)
              for k in after}  # fmt: skip
+    host = (0, 0) if store.device.type == "cpu" else (20000, 1)  # CPU: paged in place
     assert moved == {
-        "host->device": (20000, 1),
+        "host->device": host,
         "nvme->device": (3000, 1),
-        "device->host": (20000, 1),
+        "device->host": host,
         "device->nvme": (3000, 1),
         "nvme->host": (3000, 1),
         "host->nvme": (0, 0),
@@ -505,3 +506,45 @@ def test_overlap_benchmark_smoke(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
     assert set(result) == {"io", "compute", "wall", "ratio"}
     assert all(v > 0 for v in result.values())
+
+
+def test_cpu_page_in_of_host_tensor_is_a_view_of_its_home(tmp_path: Path) -> None:
+    """On a CPU device a HOST-home page-in copies nothing and takes no device slot."""
+    x = sample(torch.float32, (64, 32))
+    with TieredStore(make_config(tmp_path, device="cpu")) as store:
+        store.register("h", x, home=Tier.HOST)
+        view = store.prefetch_async("h").wait()["h"]
+        assert store.state("h") is Residency.RESIDENT
+        assert store.usage()[Tier.DEVICE][0] == 0
+        home = store.host_view("h")
+        assert view.data_ptr() == home.data_ptr() and torch.equal(view, x)
+        view.mul_(2)  # changes through the resident copy are the home contents
+        store.write_back_async("h").wait()  # nothing to copy
+        store.release("h")
+        assert store.state("h") is Residency.RELEASED
+        torch.testing.assert_close(store.read("h"), x * 2)
+        store.write("h", x)
+        assert torch.equal(store.prefetch_async("h").wait()["h"], x)
+        store.release("h")
+        store.register("n", x, home=Tier.NVME)
+        with pytest.raises(ValueError, match=r"'n' is homed on nvme.*read\(\) and write\(\)"):
+            store.host_view("n")
+
+
+def test_write_back_from_an_aligned_host_buffer_goes_direct(tmp_path: Path) -> None:
+    """A write-back from an arena view leaves by direct I/O; an unaligned source is staged."""
+    x = sample(torch.float32, (3000,))
+    with TieredStore(make_config(tmp_path, device="cpu")) as store:
+        store.register("buf", shape=(3001,), dtype=torch.float32, home=Tier.HOST)
+        store.register("n", shape=(3000,), dtype=torch.float32, home=Tier.NVME)
+        buf = store.host_view("buf")
+        for src, staged in ((buf[:3000], False), (buf[1:], True)):
+            src.copy_(x)
+            before = store.stats()
+            store.write_back_async("n", src).wait()
+            after = store.stats()
+            moved = {k: after[k].count - before[k].count for k in after}
+            assert moved["device->host"] == int(staged)  # the copy into a staging buffer
+            assert moved["device->nvme" if not staged else "host->nvme"] == 1
+            assert torch.equal(store.read("n"), x)
+            x = x + 1

@@ -86,8 +86,8 @@ class StoreMachine(RuleBasedStateMachine):
             total += sum(
                 slot_bytes(m.nbytes)
                 for m in self.model.values()
-                if m.home is not Tier.DEVICE and m.state is not Residency.RELEASED
-            )
+                if m.home is Tier.NVME and m.state is not Residency.RELEASED
+            )  # on a CPU device, HOST-home tensors page in place, without a device slot
         return total
 
     def expect_budget_error(self, tier: Tier, nbytes: int, error: ValueError) -> None:
@@ -194,7 +194,7 @@ class StoreMachine(RuleBasedStateMachine):
         dev = self.store.get(name)
         dev.copy_(dev == 0) if m.dtype == torch.bool else dev.add_(1)
         m.device = to_np(dev)
-        if m.home is Tier.DEVICE:
+        if m.home is not Tier.NVME:  # DEVICE home, or HOST home paged in place (CPU)
             m.contents = m.device.copy()
 
     @precondition(lambda self: self.model)
@@ -206,7 +206,7 @@ class StoreMachine(RuleBasedStateMachine):
             src = make(m.dtype, m.nbytes // torch.empty((), dtype=m.dtype).element_size(), seed)
             self.store.write_back_async(name, src)  # not waited on: later operations order after
             m.contents = to_np(src)
-            if m.home is Tier.DEVICE:
+            if m.home is Tier.DEVICE or (m.home is Tier.HOST and m.device is not None):
                 m.device = m.contents.copy()
         elif m.state is Residency.RESIDENT:
             self.store.write_back_async(name).wait()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.engine.trainer_engine import SCRATCH_FP32, SCRATCH_SETS, required_budgets
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
@@ -19,13 +19,21 @@ def fill_like_the_engine(
     store: TieredStore, numels: list[int], resident: int, placement: Placement
 ) -> None:
     """Register what the training engine registers: per block a flat weight in the compute
-    dtype and three flat fp32 states (master, two moments); three fp32 resident states."""
-    for i, (n, w, m) in enumerate(zip(numels, placement.weights, placement.master, strict=True)):
+    dtype, three flat fp32 states (master, two moments) and an fp32 gradient; four fp32
+    resident states; the optimizer's scratch sets on the host."""
+    tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
+    for i, (n, (w, m, g)) in enumerate(zip(numels, tiers, strict=True)):
         store.register(f"block.{i}.weight", shape=(n,), dtype=DTYPE, home=w)
         for state in ("master", "exp_avg", "exp_avg_sq"):
             store.register(f"block.{i}.{state}", shape=(n,), dtype=torch.float32, home=m)
-    for state in ("master", "exp_avg", "exp_avg_sq"):
+        store.register(f"block.{i}.grad", shape=(n,), dtype=torch.float32, home=g)
+    for state in ("master", "exp_avg", "exp_avg_sq", "grad"):
         store.register(f"resident.{state}", shape=(resident,), dtype=torch.float32, home=Tier.HOST)
+    for k in range(SCRATCH_SETS):
+        for name in SCRATCH_FP32:
+            store.register(f"s.{k}.{name}", shape=(max(numels),), dtype=torch.float32,
+                           home=Tier.HOST)  # fmt: skip
+        store.register(f"s.{k}.cast", shape=(max(numels),), dtype=DTYPE, home=Tier.HOST)
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_paged_backward_equals_plain_backward(engine_and_reference) -> None:
         (engine.resident_params, engine.resident),
     ]:
         model_names = {id(p): n for n, p in engine.model.named_parameters()}
-        for p, g in zip(params, state.grad_views, strict=True):
+        for p, g in zip(params, state.master_views(state.gradient()), strict=True):
             got[model_names[id(p)]] = g
     assert len(got) == len(names)
     for name, grad in got.items():
@@ -114,8 +114,18 @@ def test_required_budgets_counts_each_tier() -> None:
     )
     need = required_budgets([1024, 1024, 2048], 512, placement, torch.bfloat16)
     assert need[Tier.DEVICE] == 4096 + 3 * 4096  # resident block 0 + 3 slots of the largest
-    assert need[Tier.HOST] == 4096 + 3 * 4096 + 3 * 8192 + 3 * 4096
-    assert need[Tier.NVME] == 4096 + 3 * 4096
+    # weights, masters + moments, gradients (as master), resident 16 B/param, 2 scratch sets
+    grads = 4096 + 8192
+    scratch = 2 * (4 * 8192 + 4096)
+    assert need[Tier.HOST] == 4096 + 3 * 4096 + 3 * 8192 + grads + 4 * 4096 + scratch
+    assert need[Tier.NVME] == 4096 + 3 * 4096 + 4096
+    apart = Placement(
+        weights=placement.weights, master=placement.master, grads=(Tier.NVME,) * 3,
+        prefetch_depth=2,
+    )  # fmt: skip
+    moved = required_budgets([1024, 1024, 2048], 512, apart, torch.bfloat16)
+    assert moved[Tier.HOST] == need[Tier.HOST] - grads
+    assert moved[Tier.NVME] == need[Tier.NVME] + grads
 
 
 def test_placement_rejects_bad_input() -> None:

@@ -1,0 +1,184 @@
+"""Gradient accumulators and optimizer state off the host: same steps as plain torch AdamW."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from bb_lightning.engine.optim import AdamWConfig
+from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.trainer_engine import ClipConfig, TrainingEngine, required_budgets
+from storage.io import IOConfig
+from storage.store import StoreConfig, TieredStore
+from storage.tiers import Tier
+
+LAYERS = 3
+
+
+def _model() -> torch.nn.Module:
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _store(tmp_path: Path, model: torch.nn.Module, placement: Placement) -> TieredStore:
+    blocks = model.model.layers
+    numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    rest = sum(p.numel() for p in model.parameters()) - sum(numels)
+    need = required_budgets(numels, rest, placement, torch.float32)
+    return TieredStore(
+        StoreConfig(
+            device_budget=need[Tier.DEVICE],
+            host_budget=need[Tier.HOST],  # exactly what the engine registers
+            nvme_path=str(tmp_path / "nvme"),
+            nvme_budget=need[Tier.NVME] + (1 << 20),
+            io=IOConfig(backend="posix", threads=2),
+            device="cpu",
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("grads", "accumulate", "overlap", "clip"),
+    [
+        (Tier.NVME, 1, True, None),  # the sum goes from scratch straight into the step
+        (Tier.NVME, 2, True, None),  # read-add-write on NVMe, then stepped during backward
+        (Tier.NVME, 2, False, 0.05),  # clipping: every gradient stored, then the norm
+        (Tier.HOST, 2, True, None),  # summed in place in the host arena
+    ],
+)
+def test_engine_steps_equal_torch_adamw(
+    tmp_path: Path, grads: Tier, accumulate: int, overlap: bool, clip: float | None
+) -> None:
+    reference = _model()
+    model = copy.deepcopy(reference)
+    placement = Placement(
+        weights=(Tier.NVME, Tier.DEVICE, Tier.HOST),
+        master=(Tier.NVME, Tier.HOST, Tier.NVME),
+        grads=(grads,) * LAYERS,
+        prefetch_depth=1,
+    )
+    adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        reference.parameters(), lr=adamw.lr, betas=adamw.betas, weight_decay=adamw.weight_decay
+    )
+    gen = torch.Generator().manual_seed(3)
+    with _store(tmp_path, model, placement) as store:
+        engine = TrainingEngine(
+            model,
+            model.model.layers,
+            store,
+            placement,
+            compute_dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        for _ in range(3):
+            for k in range(accumulate):
+                ids = torch.randint(0, 128, (2, 16), generator=gen)
+                if overlap and k == accumulate - 1:
+                    engine.begin_overlapped_step(adamw)
+                loss = engine.model(input_ids=ids, labels=ids).loss / accumulate
+                loss.backward()
+                engine.after_backward()
+                want = reference(input_ids=ids, labels=ids).loss / accumulate
+                want.backward()
+                torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+            engine.optimizer_step(adamw, ClipConfig(value=clip))
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        state = engine.state_dict()
+        engine.close()
+    stepped = sorted(i for i, _ in engine.overlap_starts)  # blocks stepped during backward
+    assert stepped == (list(range(LAYERS)) if overlap else [])
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> None:
+    """A DEVICE-home block keeps its activations (one forward per step); paged blocks
+    run twice (forward, then recompute in backward); gradients equal plain autograd."""
+    reference = _model()
+    model = copy.deepcopy(reference)
+    placement = Placement(
+        weights=(Tier.HOST, Tier.DEVICE, Tier.NVME),
+        master=(Tier.HOST,) * LAYERS,
+        prefetch_depth=1,
+        recompute_resident=recompute,
+    )
+    calls = [0] * LAYERS
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    with _store(tmp_path, model, placement) as store:
+        engine = TrainingEngine(
+            model,
+            model.model.layers,
+            store,
+            placement,
+            compute_dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        engine.model(input_ids=ids, labels=ids).loss.backward()
+        engine.after_backward()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        grads = [s.master_views(s.gradient()) for s in engine.states]
+        params = [*engine.pager.params, engine.resident_params]
+        engine.close()
+    assert calls == [2, 2 if recompute else 1, 2]
+    names = {id(p): n for n, p in model.named_parameters()}
+    want = dict(reference.named_parameters())
+    for group, views in zip(params, grads, strict=True):
+        for p, g in zip(group, views, strict=True):
+            torch.testing.assert_close(g, want[names[id(p)]].grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_optimizer_writes_leave_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """No fsync of an NVMe write runs on the training thread during training steps: the
+    optimizer's writes go back on the store's threads, ordered before the next page-in."""
+    model = _model()
+    placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME, prefetch_depth=1)
+    adamw = AdamWConfig(lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    with _store(tmp_path, model, placement) as store:
+        engine = TrainingEngine(
+            model,
+            model.model.layers,
+            store,
+            placement,
+            compute_dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        threads: list[str] = []
+        fsync = os.fsync
+        monkeypatch.setattr(
+            os, "fsync", lambda fd: (threads.append(threading.current_thread().name), fsync(fd))
+        )
+        for _ in range(2):
+            if overlap:
+                engine.begin_overlapped_step(adamw)
+            engine.model(input_ids=ids, labels=ids).loss.backward()
+            engine.after_backward()
+            engine.optimizer_step(adamw)
+        engine.close()
+    assert threads  # the weights and optimizer state were written to NVMe...
+    assert threading.main_thread().name not in threads  # ...never from the training thread
