@@ -291,6 +291,21 @@ def quiet_trainer(
     )
 
 
+def llama_config(args: Any) -> dict[str, Any]:
+    """A Llama config dict (untied head, no GQA) from parsed ``--hidden/--ffn/--layers/--heads/--vocab/--seq``."""
+    return {
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": max(2048, args.seq),
+        "tie_word_embeddings": False,
+    }
+
+
 def gib(nbytes: float) -> str:
     """``nbytes`` as GiB with two decimals."""
     return f"{nbytes / GIB:.2f} GiB"

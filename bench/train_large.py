@@ -51,21 +51,6 @@ SLACK = 1 << 20
 """Bytes added to the device and NVMe budgets (allocator alignment)."""
 
 
-def config_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The model's config dict (Llama, untied head, no GQA)."""
-    return {
-        "model_type": "llama",
-        "hidden_size": args.hidden,
-        "intermediate_size": args.ffn,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.heads,
-        "vocab_size": args.vocab,
-        "max_position_embeddings": max(2048, args.seq),
-        "tie_word_embeddings": False,
-    }
-
-
 def hf_config(config: dict[str, Any]) -> PretrainedConfig:
     """The Hugging Face config of a config dict with ``model_type``."""
     cfg = dict(config)
@@ -219,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = _common.nvme_base(args.nvme_dir)
     print(_common.machine(base), flush=True)
-    config = config_of(args)
+    config = _common.llama_config(args)
     numels, rest = sizes(config)
     params = sum(numels) + rest
     ram = _common.psutil.virtual_memory().total

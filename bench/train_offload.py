@@ -60,21 +60,6 @@ from storage.tiers import Tier
 SEED = 0
 
 
-def llama_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark model's config dict (Llama, untied head, no GQA)."""
-    return {
-        "model_type": "llama",
-        "hidden_size": args.hidden,
-        "intermediate_size": args.ffn,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.heads,
-        "vocab_size": args.vocab,
-        "max_position_embeddings": max(2048, args.seq),
-        "tie_word_embeddings": False,
-    }
-
-
 @dataclass
 class Result:
     """One timed run."""
@@ -286,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = _common.nvme_base(args.nvme_dir)
     print(_common.machine(base), flush=True)
-    config = llama_config(args)
+    config = _common.llama_config(args)
     model = ModelProfile.from_config(config)
     print(
         f"model: Llama {model.total_params / 1e6:.0f}M params ({args.layers} x hidden "

@@ -32,7 +32,15 @@ import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.blocks import PagedBlocks
-from bb_lightning.engine.pager import BlockPager, GradSink, Placement, block_params, set_data
+from bb_lightning.engine.pager import (
+    BlockPager,
+    GradSink,
+    Placement,
+    block_params,
+    buffers_to,
+    flat_from,
+    set_data,
+)
 from bb_lightning.engine.timing import PhaseTimer
 from storage.device import slot_bytes
 from storage.store import TieredStore
@@ -93,21 +101,6 @@ def weights_budgets(
     return need
 
 
-def _flat_fp32(params: Sequence[Tensor], load: ParamLoader) -> Tensor:
-    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-    offset = 0
-    for p in params:
-        value = load(p)
-        if tuple(value.shape) != tuple(p.shape):
-            raise ValueError(
-                f"checkpoint tensor has shape {tuple(value.shape)} but the model expects "
-                f"{tuple(p.shape)}: the checkpoint does not match the model config"
-            )
-        flat[offset : offset + p.numel()].copy_(value.reshape(-1))
-        offset += p.numel()
-    return flat
-
-
 class InferenceEngine:
     """Executes a placement for forwards without grad: paged compute-dtype weights only."""
 
@@ -150,15 +143,11 @@ class InferenceEngine:
             placement,
             compute_dtype=compute_dtype,
             device=device,
-            loader=None if loader is None else (lambda i: _flat_fp32(block_lists[i], loader)),
+            loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
             weights_only=True,
         )
-        for module in model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    dtype = compute_dtype if buf.is_floating_point() else buf.dtype
-                    module._buffers[key] = buf.to(device, dtype)
+        buffers_to(model, device, compute_dtype)
         self._grads = GradSink()  # never fed: forwards with grad are not served
         self.paged = PagedBlocks(blocks, self.pager, self._grads)
         self.paged.install()

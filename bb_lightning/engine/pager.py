@@ -248,6 +248,36 @@ def flatten_fp32(params: Sequence[Tensor]) -> Tensor:
     return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
 
 
+def flat_from(params: Sequence[Tensor], load: Callable[[Tensor], Tensor]) -> Tensor:
+    """The values ``load(p)`` of ``params`` laid end to end in one fp32 CPU buffer.
+
+    Reads one tensor at a time (a checkpoint never needs to be whole in memory);
+    raises ``ValueError`` when a loaded value's shape differs from its parameter's.
+    """
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+    offset = 0
+    for p in params:
+        value = load(p)
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(value.shape)} but the model expects "
+                f"{tuple(p.shape)}: the checkpoint does not match the model config"
+            )
+        flat[offset : offset + p.numel()].copy_(value.reshape(-1))
+        offset += p.numel()
+        del value
+    return flat
+
+
+def buffers_to(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """Move the model's buffers to ``device``; floating-point ones in ``compute_dtype``."""
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                dtype = compute_dtype if buf.is_floating_point() else buf.dtype
+                module._buffers[key] = buf.to(device, dtype)
+
+
 def _views(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
     views = []
     offset = 0

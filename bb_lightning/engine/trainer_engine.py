@@ -49,6 +49,8 @@ from bb_lightning.engine.pager import (
     GradSink,
     Placement,
     block_params,
+    buffers_to,
+    flat_from,
     set_data,
 )
 from bb_lightning.engine.timing import PhaseTimer
@@ -220,23 +222,6 @@ class _Overlap:
     done: set[int] = field(default_factory=set)
 
 
-def _flat_from(params: Sequence[Tensor], load: ParamLoader) -> Tensor:
-    """The parameters' values laid end to end in one fp32 buffer, read one tensor at a time."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-    offset = 0
-    for p in params:
-        value = load(p)
-        if tuple(value.shape) != tuple(p.shape):
-            raise ValueError(
-                f"checkpoint tensor has shape {tuple(value.shape)} but the model expects "
-                f"{tuple(p.shape)}: the checkpoint does not match the model config"
-            )
-        flat[offset : offset + p.numel()].copy_(value.reshape(-1))
-        offset += p.numel()
-        del value
-    return flat
-
-
 class TrainingEngine:
     """Executes a placement on a model: paged blocks plus host-side optimizer state."""
 
@@ -273,7 +258,7 @@ class TrainingEngine:
         self._overlap: _Overlap | None = None
         in_blocks = {id(p) for b in blocks for _, p in block_params(b)}
         self.resident_params = [p for _, p in model.named_parameters() if id(p) not in in_blocks]
-        initial = None if loader is None else _flat_from(self.resident_params, loader)
+        initial = None if loader is None else flat_from(self.resident_params, loader)
         self.resident = FlatState(
             store, RESIDENT_PREFIX, self.resident_params, home=Tier.HOST, initial=initial
         )
@@ -284,7 +269,7 @@ class TrainingEngine:
             placement,
             compute_dtype=compute_dtype,
             device=device,
-            loader=None if loader is None else (lambda i: _flat_from(block_lists[i], loader)),
+            loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
         )
         if initial is not None:
@@ -294,11 +279,7 @@ class TrainingEngine:
         else:
             for p in self.resident_params:
                 p.data = p.data.to(device, compute_dtype)
-        for module in model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    dtype = compute_dtype if buf.is_floating_point() else buf.dtype
-                    module._buffers[key] = buf.to(device, dtype)
+        buffers_to(model, device, compute_dtype)
         self.grads = GradSink(self.timer)
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads

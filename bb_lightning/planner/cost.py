@@ -238,3 +238,19 @@ def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:
 def grad_bytes_in_flight(model: ModelProfile) -> int:
     """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied."""
     return 2 * model.block_params * BF16_BYTES
+
+
+def effective_bandwidths(hw: HardwareProfile) -> dict[str, float]:
+    """Bytes/s of each copy link after the profile's efficiency factors."""
+    return {
+        "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
+        "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,
+        "d2h": hw.d2h_bandwidth * hw.d2h_efficiency,
+    }
+
+
+def limited_by(exposed_pass_s: float, compute_s: float, batch_reached: bool) -> str:
+    """Why tokens per pass stopped rising: transfers ``hidden``, the job's ``batch``, or ``memory``."""
+    if exposed_pass_s <= 1e-12 * max(compute_s, 1e-30):
+        return "hidden"
+    return "batch" if batch_reached else "memory"

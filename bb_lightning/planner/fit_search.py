@@ -340,20 +340,13 @@ def build_plan(
         exposed=max(0.0, exposed),
         total=v["total"],
     )
-    if v["exposed_pass"] <= 1e-12 * max(v["compute"], 1e-30):
-        limited = "hidden"
-    elif best.micro_batch >= job.seqs_per_step:
-        limited = "batch"
-    else:
-        limited = "memory"
+    limited = cost.limited_by(
+        v["exposed_pass"], v["compute"], best.micro_batch >= job.seqs_per_step
+    )
     tok_s = job.tokens_per_step / v["total"]
     paged = n - kf - kw
     fpt = cost.train_flops_per_token(model, job.seq_len, best.checkpointing, float(kf + kw))
-    bw = {
-        "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
-        "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,
-        "d2h": hw.d2h_bandwidth * hw.d2h_efficiency,
-    }
+    bw = cost.effective_bandwidths(hw)
     roof = Roofline(
         flops_per_token=fpt,
         device_flops=hw.device_flops * hw.compute_efficiency,

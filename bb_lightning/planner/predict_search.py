@@ -223,21 +223,12 @@ def build_plan(
         exposed=max(0.0, v["total"] - v["compute"]),
         total=v["total"],
     )
-    if v["exposed_pass"] <= 1e-12 * max(v["compute"], 1e-30):
-        limited = "hidden"
-    elif c >= job.num_prompts:
-        limited = "batch"
-    else:
-        limited = "memory"
+    limited = cost.limited_by(v["exposed_pass"], v["compute"], c >= job.num_prompts)
     tok_s = c * job.new_tokens / v["total"]
     processed = c * (job.prompt_len + job.new_tokens - 1) / v["total"]
     ctx = job.prompt_len + job.new_tokens / 2.0
     eff_flops = hw.device_flops * hw.compute_efficiency
-    bw = {
-        "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
-        "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,
-        "d2h": hw.d2h_bandwidth * hw.d2h_efficiency,
-    }
+    bw = cost.effective_bandwidths(hw)
     kv_tok = float(model.kv_bytes_per_token * n) if best.kv is Tier.HOST else 0.0
     roof = Roofline(
         flops_per_token=cost.forward_flops_per_token(model, ctx),

@@ -12,26 +12,6 @@ from storage.tiers import Tier
 
 GIB = 1 << 30
 
-MODEL = ModelProfile(
-    name="small",
-    num_blocks=4,
-    hidden_size=256,
-    num_heads=4,
-    num_kv_heads=4,
-    head_dim=64,
-    vocab_size=1000,
-    max_positions=2048,
-    block_params=800_000,
-    block_matmul_params=790_000,
-    embed_params=256_000,
-    head_params=256_000,
-    final_params=256,
-    tied_embeddings=False,
-    act_bytes_per_token_checkpointed=512,
-    act_bytes_per_token_full=12_000,
-    kv_bytes_per_token=1024,
-)
-
 HW = HardwareProfile(
     name="small-gpu",
     device_type="cuda",
@@ -49,22 +29,22 @@ HW = HardwareProfile(
 
 
 @pytest.mark.parametrize("tier", [Tier.HOST, Tier.NVME])
-def test_resident_blocks_with_weights_tier(tier: Tier) -> None:
+def test_resident_blocks_with_weights_tier(tier: Tier, small_model: ModelProfile) -> None:
     ov = PlanOverrides(resident_blocks=1, weights_tier=tier)
-    plan = make_plan(MODEL, HW, FitJob(seq_len=256, global_batch_seqs=4), overrides=ov)
+    plan = make_plan(small_model, HW, FitJob(seq_len=256, global_batch_seqs=4), overrides=ov)
     assert sorted(plan.weights, key=lambda t: t.value) == sorted(
         (Tier.DEVICE, tier, tier, tier), key=lambda t: t.value
     )
 
 
-def test_weights_tier_alone_still_pages_every_block() -> None:
+def test_weights_tier_alone_still_pages_every_block(small_model: ModelProfile) -> None:
     plan = make_plan(
-        MODEL, HW, FitJob(seq_len=256, global_batch_seqs=4),
+        small_model, HW, FitJob(seq_len=256, global_batch_seqs=4),
         overrides=PlanOverrides(weights_tier=Tier.NVME),
     )  # fmt: skip
     assert plan.weights == (Tier.NVME,) * 4
     with pytest.raises(PlanError):  # contradictory: all on the device, yet one resident
         make_plan(
-            MODEL, HW, FitJob(seq_len=256, global_batch_seqs=4),
+            small_model, HW, FitJob(seq_len=256, global_batch_seqs=4),
             overrides=PlanOverrides(resident_blocks=1, weights_tier=Tier.DEVICE),
         )  # fmt: skip
