@@ -173,6 +173,11 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self._links0: dict[str, float] = {}
         self._busy0 = 0.0
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
+            raise ValueError(
+                f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
+                "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
+            )
         self.store_config = store
         self.placement = placement
         self.nvme_path = nvme_path

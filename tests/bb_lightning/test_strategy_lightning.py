@@ -349,3 +349,15 @@ def test_state_dict_is_lazy_and_checkpoints_never_gather(
     trainer.save_checkpoint(tmp_path / "ck")  # streams masters; never gathers the model
     assert (tmp_path / "ck" / "state.zarr" / "master").is_dir()
     strategy.close()
+
+
+def test_nvme_path_given_twice_must_agree(tmp_path: Path) -> None:
+    store = StoreConfig(
+        device_budget=1 << 20,
+        host_budget=1 << 20,
+        nvme_path=str(tmp_path / "a"),
+        nvme_budget=1 << 20,
+    )
+    with pytest.raises(ValueError, match="disagree"):
+        BalanceBeamStrategy(store=store, nvme_path=str(tmp_path / "b"))
+    BalanceBeamStrategy(store=store, nvme_path=str(tmp_path / "a"))
