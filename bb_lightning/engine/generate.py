@@ -22,6 +22,10 @@ Sampling draws one uniform number per sequence and step from a generator
 seeded per sequence, and picks the token by inverse CDF over the filtered
 distribution (temperature, top-k, top-p): a sequence's tokens depend on its
 seed and its logits, not on the other sequences in the batch.
+
+Decode steps use :func:`~bb_lightning.engine.attention.decode_attention` (one
+query token over the cache as two batched products) on models that run
+transformers' ``sdpa`` attention; prefill keeps ``sdpa``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from bb_lightning.engine.attention import decode_attention_for
 from bb_lightning.engine.kv import KVCache
 from storage.tiers import Tier
 
@@ -213,9 +218,9 @@ class LayerMajorGenerator:
         total = plen + config.max_new_tokens
         if self.context is not None:
             total = min(total, self.context + plen - int(max(lengths)))
-        return _Run(self, config, rows, plen, total, device, seeds, decode).run(
-            input_ids.to(device), attention_mask.to(device)
-        )
+        run = _Run(self, config, rows, plen, total, device, seeds, decode)
+        with decode_attention_for(self.model):
+            return run.run(input_ids.to(device), attention_mask.to(device))
 
 
 class _Run:

@@ -1,0 +1,121 @@
+"""The decode-step attention against attention written out in float64, and its installation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from bb_lightning.engine.attention import DECODE_ATTENTION, decode_attention, decode_attention_for
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """softmax(q·Kᵀ·scale, masked) · V in float64, heads repeated per group; [b, 1, h, d]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~keep, -math.inf)
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("kind", ["bool", "additive", "none"])
+def test_decode_attention_equals_reference(heads: int, kv_heads: int, kind: str) -> None:
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    b, length, d = 3, 11, 16
+    q = torch.randn(b, heads, 1, d, generator=g)
+    k = torch.randn(b, kv_heads, length, d, generator=g)
+    v = torch.randn(b, kv_heads, length, d, generator=g)
+    keep = torch.ones(b, 1, 1, length, dtype=torch.bool)
+    keep[0, ..., :4] = False  # left padding
+    keep[1, ..., 9:] = False  # cache positions not written yet
+    mask: Tensor | None = keep
+    if kind == "additive":
+        mask = torch.zeros(b, 1, 1, length).masked_fill(~keep, torch.finfo(torch.float32).min)
+    elif kind == "none":
+        keep, mask = torch.ones_like(keep), None
+    out, weights = decode_attention(nn.Module(), q, k, v, mask, scaling=0.3)
+    assert weights is None
+    assert out.shape == (b, 1, heads, d)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, keep, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_bf16_close_to_reference() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=g).bfloat16() for n in (1, 40, 40))
+    keep = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    out, _ = decode_attention(nn.Module(), q, k, v, keep)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q, k, v, keep, 64**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_and_dropout_go_to_sdpa() -> None:
+    """Several query rows (prefill) use sdpa's causal path: equal to the reference with a causal mask."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    module = nn.Module()
+    module.is_causal = True  # type: ignore[assignment]
+    out, _ = decode_attention(module, q, k, v, None)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    ref = torch.cat([_reference(q[:, :, i : i + 1], k, v, causal[..., i : i + 1, :], 8**-0.5)
+                     for i in range(5)], dim=1)  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def _tiny(attn: str) -> nn.Module:
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def test_installed_only_on_sdpa_models_and_restored() -> None:
+    model = _tiny("sdpa")
+    with decode_attention_for(model) as on:
+        assert on
+        assert model.config._attn_implementation == DECODE_ATTENTION
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="boom"), decode_attention_for(model):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    eager = _tiny("eager")
+    with decode_attention_for(eager) as on:
+        assert not on
+        assert eager.config._attn_implementation == "eager"
+
+
+def test_model_decode_step_logits_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached decode step of a GQA Llama gives the same logits with either attention."""
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1].shape[2])  # query rows
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, DECODE_ATTENTION, counted)
+    torch.manual_seed(0)
+    model = _tiny("sdpa").eval()
+    ids = torch.randint(1, 64, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        full = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        pos = (full.cumsum(-1) - 1)[:, -1:]
+        ref = model(input_ids=nxt, attention_mask=full, position_ids=pos,
+                    cache=out.past_key_values).logits  # fmt: skip
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        with decode_attention_for(model):
+            got = model(input_ids=nxt, attention_mask=full, position_ids=pos,
+                        cache=out.past_key_values).logits  # fmt: skip
+    assert calls == [1, 1], "each layer's decode step went through decode_attention"
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
