@@ -14,7 +14,6 @@ with the ratio ours / dd.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -38,15 +37,6 @@ def default_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="bb-nvme-bench-", dir=base))
 
 
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def run_ours(tier: NvmeTier, names: list[str], buffers: list[torch.Tensor]) -> tuple[float, float]:
     """Seconds to write then read every tensor, ``len(buffers)`` transfers in flight."""
     start = time.perf_counter()
@@ -60,7 +50,7 @@ def run_ours(tier: NvmeTier, names: list[str], buffers: list[torch.Tensor]) -> t
         fut.wait()
     write_s = time.perf_counter() - start
     for name in names:
-        drop_cache(tier.chunk_path(name))
+        _common.drop_cache(tier.chunk_path(name))
     start = time.perf_counter()
     pending = [tier.read_async(n, buffers[i]) for i, n in enumerate(names[: len(buffers)])]
     for i, name in enumerate(names[len(buffers) :], start=len(buffers)):
@@ -81,7 +71,7 @@ def run_dd(path: Path, total: int) -> tuple[float, float]:
         capture_output=True,
     )
     write_s = time.perf_counter() - start
-    drop_cache(path)
+    _common.drop_cache(path)
     start = time.perf_counter()
     subprocess.run(
         ["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"],

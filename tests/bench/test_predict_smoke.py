@@ -39,7 +39,9 @@ def test_predict_offload_prints_ratios(tmp_path: Path) -> None:
     best = max((2, 4), key=lambda b: hf[b])
     ratio = _number(rf"ratio ours / hf generate \(best, batch {best}\) = ([\d.]+)", out)
     assert ratio == pytest.approx(ours / hf[best], rel=0.01, abs=0.006)
-    _number(r"ratio ours / accelerate disk offload \(best, batch 4\) = ([\d.]+)", out)
+    for cache in ("cold", "warm"):
+        pattern = rf"ratio ours / accelerate disk offload \({cache} page cache; best, batch 4\) = "
+        _number(pattern + r"([\d.]+)", out)
     _number(r"\[plan\] predicted: ([\d.]+) tokens/s", out)
     _number(r"prefill ([\d.]+) s \+ decode", out)
     # greedy fp32 tokens equal in-memory generate's on the same batch shape
