@@ -12,10 +12,16 @@ method). With grad enabled the block runs inside :class:`_PagedBlockFunction`:
   gradient sink (fp32 host accumulators), release the block, and tell
   :attr:`PagedBlocks.on_block_backward` (which may start the block's optimizer step).
 
-Blocks listed in :attr:`PagedBlocks.autograd_blocks` (resident ones, whose weights
-stay on the device) run with ordinary autograd instead: their activations are kept
-and nothing is recomputed; their parameter gradients land in ``.grad`` and the
-engine collects them after backward.
+Blocks listed in :attr:`PagedBlocks.autograd_blocks` (those whose weights are used
+where they live: resident on the device, or homed on the host when the device is the
+CPU) run with ordinary autograd instead: their activations are kept and nothing is
+recomputed. A post-accumulate hook on each of their parameters takes the gradient out
+of ``.grad`` as soon as autograd has produced it; once every parameter of the block
+has its gradient the block is released and handed on exactly like a recomputed one
+(gradient sink or :attr:`PagedBlocks.on_block_grads`, then
+:attr:`PagedBlocks.on_block_backward`), so its optimizer step can start while backward
+goes on. :meth:`PagedBlocks.take_pending` returns what a backward left incomplete
+(parameters that got no gradient).
 
 Without grad (validation, prediction, ``inference_mode``) a block is paged in,
 run and released, with the next blocks prefetched cyclically so that the next
@@ -64,8 +70,12 @@ class PagedBlocks:
         unused parameters) in place of adding them to the block's accumulator through
         the gradient sink; the engine sets it to sum and step blocks on its worker."""
         self.autograd_blocks: frozenset[int] = frozenset()
-        """Blocks run with ordinary autograd (activations kept, no recompute); only
-        resident (DEVICE-home) blocks may be listed, their weights staying bound."""
+        """Blocks run with ordinary autograd (activations kept, no recompute); only blocks
+        whose weights are used in place (DEVICE-home, or HOST-home on a CPU device) may be
+        listed: their weights stay bound from forward until their gradients are in."""
+        self._pending: dict[int, list[Tensor | None]] = {}
+        """Gradients collected so far of autograd blocks whose backward is under way."""
+        self._hooks: list[Any] = []
         self.on_block_backward: Callable[[int], None] | None = None
         """Called with ``i`` once block ``i``'s backward has queued its gradients and released
         the block (the engine starts the block's optimizer step from it)."""
@@ -82,6 +92,9 @@ class PagedBlocks:
         for i, block in enumerate(self.blocks):
             original = type(block).forward.__get__(block)
             block.forward = self._make_forward(i, original)  # type: ignore[method-assign]
+            for j, p in enumerate(self.pager.params[i]):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i, j)))
         self._installed = True
 
     def remove(self) -> None:
@@ -90,6 +103,10 @@ class PagedBlocks:
             return
         for block in self.blocks:
             del block.forward
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._pending = {}
         self.pager.release_all_except(())
         for i in self.autograd_blocks:  # bound since their last forward
             self.pager.release(i)
@@ -100,7 +117,8 @@ class PagedBlocks:
             if not torch.is_grad_enabled():
                 return self._run_no_grad(i, original, args, kwargs)
             if i in self.autograd_blocks:
-                self.enter(i, "forward_grad")  # stays bound until its backward has run
+                self.enter(i, "forward_grad")  # stays bound until its gradients are in
+                self._pending[i] = [None] * len(self.pager.params[i])
                 return original(*args, **kwargs)
             hidden, call = _split(original, args, kwargs)
             holder: list[Any] = []
@@ -108,6 +126,43 @@ class PagedBlocks:
             return _repack(holder[0], out)
 
         return paged_forward
+
+    # -- gradients of autograd blocks ---------------------------------------
+
+    def _hook(self, i: int, j: int) -> Callable[[Tensor], None]:
+        needed = sum(p.requires_grad for p in self.pager.params[i])
+
+        def take(param: Tensor) -> None:
+            pending = self._pending.get(i)
+            if pending is None:  # not an autograd pass of this block
+                return
+            pending[j], param.grad = param.grad, None
+            if sum(g is not None for g in pending) == needed:
+                del self._pending[i]
+                self.hand_off(i, pending)
+
+        return take
+
+    def hand_off(self, i: int, grads: Sequence[Tensor | None]) -> None:
+        """Release block ``i`` and pass on its parameter gradients (None: no gradient)."""
+        self.pager.release(i)  # before its optimizer step may rewrite the weights
+        if self.on_block_grads is not None:
+            self.on_block_grads(i, grads)
+        else:
+            state = self.pager.states[i]
+            self.grads.process_async(grads, lambda g: _sum_into(state, g))
+        if self.on_block_backward is not None:
+            self.on_block_backward(i)
+
+    def take_pending(self) -> dict[int, list[Tensor | None]]:
+        """Autograd blocks whose backward left parameters without a gradient, and what
+        they got (``.grad`` read for those the hooks did not see); forgets them."""
+        pending, self._pending = self._pending, {}
+        for i, grads in pending.items():
+            for j, p in enumerate(self.pager.params[i]):
+                if grads[j] is None and p.grad is not None:
+                    grads[j], p.grad = p.grad, None
+        return pending
 
     # -- the visit schedule -------------------------------------------------
 
@@ -261,11 +316,5 @@ class _PagedBlockFunction(torch.autograd.Function):
                 grads = torch.autograd.grad(first, [h, *params], grad_out, allow_unused=True)
         finally:
             runner.leave(i, upcoming)
-        if runner.on_block_grads is not None:  # after the release: the handler may step it
-            runner.on_block_grads(i, grads[1:])
-        else:
-            state = runner.pager.states[i]
-            runner.grads.process_async(grads[1:], lambda g: _sum_into(state, g))
-        if runner.on_block_backward is not None:
-            runner.on_block_backward(i)
+        runner.hand_off(i, grads[1:])
         return None, None, None, None, None, grads[0]

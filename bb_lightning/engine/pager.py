@@ -60,9 +60,10 @@ class Placement:
     grads: tuple[Tier, ...] | None = None
     """Home tier of each block's fp32 gradient accumulator; None: as ``master``."""
     recompute_resident: bool = False
-    """Checkpoint resident (DEVICE-home) blocks too, recomputing them in backward; False
-    keeps their activations (ordinary autograd: more activation memory, no recompute).
-    Paged blocks are always recomputed."""
+    """Checkpoint the blocks used in place too, recomputing them in backward: resident
+    (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
+    memory itself). False keeps their activations (ordinary autograd: more activation
+    memory, no recompute). Blocks copied in from another tier are always recomputed."""
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.master):

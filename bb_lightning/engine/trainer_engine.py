@@ -292,9 +292,13 @@ class TrainingEngine:
         self._next_set = 0
 
     def _set_autograd_blocks(self, placement: Placement) -> None:
-        """Resident blocks run with ordinary autograd unless the placement recomputes them."""
-        resident = (i for i, w in enumerate(placement.weights) if w is Tier.DEVICE)
-        self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else resident)
+        """Blocks used in place run with ordinary autograd unless the placement recomputes
+        them: resident (DEVICE-home) blocks, and on a CPU device HOST-home blocks too (the
+        store pages those in as their host memory itself, so keeping them bound costs
+        no copy and no device slot)."""
+        in_place = {Tier.DEVICE, Tier.HOST} if self.device.type == "cpu" else {Tier.DEVICE}
+        blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
+        self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
 
     def _scratch_set(self, k: int, numel: int) -> _Scratch:
         store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
@@ -325,13 +329,8 @@ class TrainingEngine:
     def after_backward(self) -> None:
         """Move the resident parameters' gradients to the host and finish the block ones."""
         self.backward_end = time.perf_counter()
-        for i in sorted(self.paged.autograd_blocks, reverse=True):
-            params = self.pager.params[i]
-            grads = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            self.pager.release(i)  # before its step may rewrite the weights
-            self._block_grads(i, grads)
+        for i, grads in sorted(self.paged.take_pending().items(), reverse=True):
+            self.paged.hand_off(i, grads)
         resident = self.resident
         self.grads.process_async(
             [p.grad for p in self.resident_params], lambda g: resident.accumulate(g, None)

@@ -123,8 +123,16 @@ def price(
     )
     mandatory = paging + in_flight + nb * (FP32_BYTES + ADAM_STATE_BYTES)
     free = budgets[1] - mandatory
-    w_h, ok_w = _fill(free, np_, bb, ov.weights_tier)
-    free = free - w_h * bb
+    # On a CPU device a host-home block is used in place: it keeps its activations (in
+    # the same RAM) instead of being recomputed, so it costs them on the host too.
+    in_place_act = (
+        float((model.act_bytes_per_token_full - model.act_bytes_per_token_checkpointed) * mb * s)
+        if ckpt and hw.device_type == "cpu"
+        else 0.0
+    )
+    w_h, ok_w = _fill(free, np_, bb + in_place_act, ov.weights_tier)
+    free = free - w_h * (bb + in_place_act)
+    in_place = w_h if in_place_act > 0 else 0.0 * w_h
     m_forced = ov.master_tier
     if m_forced is Tier.HOST:  # forced state is reserved before the gradients
         m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * p, m_forced)
@@ -140,8 +148,8 @@ def price(
     nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * p + (off - m_h) * ADAM_STATE_BYTES * p
     feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2]) & ok_w & ok_m
 
-    # resident blocks keep their activations: never recomputed
-    flops = float(g * s) * cost.train_flops_per_token(model, s, ckpt, kf + kw)
+    # resident blocks (and blocks used in place) keep their activations: never recomputed
+    flops = float(g * s) * cost.train_flops_per_token(model, s, ckpt, kf + kw + in_place)
     compute = cost.compute_seconds(flops, hw)
     c_pass = compute / ga
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
@@ -190,6 +198,7 @@ def price(
         "m_h": m_h,
         "kf": kf,
         "kw": kw,
+        "in_place": in_place,
     }
     for link in ("h2d", "nvme_read", "nvme_write", "d2h"):
         out[link] = ga * links[link] + opt_links.get(link, 0.0)
@@ -345,7 +354,10 @@ def build_plan(
     )
     tok_s = job.tokens_per_step / v["total"]
     paged = n - kf - kw
-    fpt = cost.train_flops_per_token(model, job.seq_len, best.checkpointing, float(kf + kw))
+    in_place = int(v.get("in_place", 0.0))
+    fpt = cost.train_flops_per_token(
+        model, job.seq_len, best.checkpointing, float(kf + kw + in_place)
+    )
     bw = cost.effective_bandwidths(hw)
     roof = Roofline(
         flops_per_token=fpt,
@@ -385,6 +397,12 @@ def build_plan(
         reasons.append(
             f"CPU device: device and host tiers share RAM, planned against the split "
             f"{format_bytes(hw.device_memory)} device / {format_bytes(hw.host_memory)} host"
+            + (
+                f"; the {in_place} host-home blocks run in place, keeping their activations "
+                "on the host instead of recomputing them"
+                if in_place
+                else ""
+            )
         )
     nb_host = Tier.DEVICE
     return Plan(

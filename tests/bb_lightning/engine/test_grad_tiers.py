@@ -112,8 +112,10 @@ def test_engine_steps_equal_torch_adamw(
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> None:
-    """A DEVICE-home block keeps its activations (one forward per step); paged blocks
-    run twice (forward, then recompute in backward); gradients equal plain autograd."""
+    """Blocks used in place (DEVICE-home, and HOST-home on a CPU device) keep their
+    activations (one forward per step); a block paged in from NVMe runs twice (forward,
+    then recompute in backward). Every block hands its gradients on during backward, in
+    reverse order; gradients equal plain autograd."""
     reference = _model()
     model = copy.deepcopy(reference)
     placement = Placement(
@@ -135,13 +137,16 @@ def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> 
             compute_dtype=torch.float32,
             device=torch.device("cpu"),
         )
+        handed: list[int] = []
+        engine.paged.on_block_backward = handed.append
         engine.model(input_ids=ids, labels=ids).loss.backward()
+        assert handed == [2, 1, 0], "each block's gradients leave as soon as they exist"
         engine.after_backward()
         reference(input_ids=ids, labels=ids).loss.backward()
         grads = [s.master_views(s.gradient()) for s in engine.states]
         params = [*engine.pager.params, engine.resident_params]
         engine.close()
-    assert calls == [2, 2 if recompute else 1, 2]
+    assert calls == ([2, 2, 2] if recompute else [1, 1, 2])
     names = {id(p): n for n, p in model.named_parameters()}
     want = dict(reference.named_parameters())
     for group, views in zip(params, grads, strict=True):
