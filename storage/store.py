@@ -63,6 +63,7 @@ from storage.transfers import (
     done_future,
     flat_bytes,
     settled,
+    settled_all,
 )
 
 __all__ = ["LINKS", "LinkStats", "ResidencyMachine", "StateError", "StoreConfig", "Ticket"]
@@ -412,29 +413,58 @@ class TieredStore:
         """The home-tier contents of ``name`` in a new (or the given) CPU tensor.
 
         Waits for this tensor's pending operations first. Changes made to a
-        paged-in device copy show here only after a write-back.
+        paged-in device copy show here only after a write-back. An NVMe read goes
+        straight into ``out`` when ``out`` starts at a 4 KiB-aligned address and the
+        tensor is a whole number of 4 KiB blocks (else through the staging buffers).
         """
         rec = self._record(name)
-        spec = rec.spec
         if out is not None:
-            self._check_like(rec, out)
-            if out.device.type != "cpu" or not out.is_contiguous():
-                raise ValueError(
-                    f"tensor {name!r}: out must be a contiguous CPU tensor, got one on "
-                    f"{out.device}: pass out=None to get a new one"
-                )
+            self._check_out(rec, out)
         self._io.settle(rec, sync=True)
-        if rec.home is Tier.NVME and rec.written and spec.nbytes:
-            return self._io.read_home(rec, out)
-        result = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
-        if rec.home is Tier.NVME:
-            return result.zero_()
-        assert rec.home_slot is not None
-        dst = result.view(-1).view(torch.uint8) if spec.nbytes else result
-        if spec.nbytes:
-            src = rec.home_slot.raw()[: spec.nbytes]
-            settled(self._io.copy(dst, Tier.HOST, src, rec.home, self._io.ready()))
+        if out is None and rec.home is Tier.NVME and rec.written and rec.spec.nbytes:
+            return self._io.read_home(rec, None)
+        result = torch.empty(rec.spec.shape, dtype=rec.spec.dtype) if out is None else out
+        settled(self._read_into(rec, result, self._io.ready()))
         return result
+
+    def read_async(self, name: str, out: torch.Tensor) -> Ticket:
+        """Start reading the home-tier contents of ``name`` into ``out`` on the copy threads.
+
+        ``out`` is a contiguous CPU tensor of the tensor's shape and dtype; it must not be
+        used until the ticket is done (:meth:`Ticket.wait` returns ``{name: out}``). The
+        read runs after this tensor's pending operations (a write-back in flight lands
+        first) and follows the same rules as :meth:`read`.
+        """
+        rec = self._record(name)
+        self._check_out(rec, out)
+        ready = self._io.ready()
+        fut = self._submit(rec, lambda after: self._read_into(rec, out, after + ready))
+        return Ticket([(rec, fut)], paged=frozenset(), results={name: out}, on_fail=self._abort,
+                      device=self.device)  # fmt: skip
+
+    def _check_out(self, rec: Record, out: torch.Tensor) -> None:
+        self._check_like(rec, out)
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(
+                f"tensor {rec.spec.name!r}: out must be a contiguous CPU tensor, got one on "
+                f"{out.device}: pass out=None to get a new one"
+            )
+
+    def _read_into(self, rec: Record, out: torch.Tensor, after: Events) -> torch.cuda.Event | None:
+        """Copy the home contents of ``rec`` into the CPU tensor ``out``."""
+        spec = rec.spec
+        if not spec.nbytes:
+            return None
+        if rec.home is Tier.NVME:
+            settled_all(after)
+            if rec.written:
+                self._io.read_home(rec, out)
+            else:
+                out.zero_()
+            return None
+        assert rec.home_slot is not None
+        src = rec.home_slot.raw()[: spec.nbytes]
+        return self._io.copy(flat_bytes(out), Tier.HOST, src, rec.home, after)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Set the contents of ``name`` from ``tensor`` (same shape and dtype, any device).

@@ -27,7 +27,7 @@ import torch
 
 from storage.device import Slot
 from storage.host import StagingPool
-from storage.io import aligned_empty
+from storage.io import ALIGNMENT, aligned_empty
 from storage.nvme import NvmeTier
 from storage.residency import Record
 from storage.tiers import Tier
@@ -265,7 +265,13 @@ class Transfers:
             buf = aligned_empty(spec.nbytes)
             self._nvme_read(rec, buf, Tier.HOST, 0, spec.nbytes)
             return buf[: spec.nbytes].view(spec.dtype).view(spec.shape)
-        self._staged_read(rec, flat_bytes(out), Tier.HOST, ())
+        dst = flat_bytes(out)
+        # Straight into ``out`` when no padding would be written past it: aligned address
+        # and a whole number of blocks.
+        if not (dst.data_ptr() % ALIGNMENT or spec.nbytes % ALIGNMENT) and self._direct(dst):
+            self._nvme_read(rec, dst, Tier.HOST, 0, spec.nbytes)
+        else:
+            self._staged_read(rec, dst, Tier.HOST, ())
         return out
 
     # -- staged transfers (piece by piece through one staging buffer) ----------------------

@@ -215,6 +215,42 @@ def test_page_in_waits_for_write_back_in_flight(store: TieredStore) -> None:
         store.release(name)
 
 
+@pytest.mark.parametrize("home", [Tier.HOST, Tier.NVME])
+@pytest.mark.parametrize("shape", [(128, 1024), (33, 65)])
+def test_read_async_after_write_back_in_flight(
+    store: TieredStore, monkeypatch: pytest.MonkeyPatch, home: Tier, shape: tuple[int, ...]
+) -> None:
+    """read_async lands after a write-back issued before it; a whole number of aligned
+    4 KiB blocks is read straight into an aligned out, anything else through staging."""
+    staged: list[int] = []
+    original = transfers.Transfers._staged_read
+
+    def counting(self: object, rec: object, *args: object) -> object:
+        staged.append(1)
+        return original(self, rec, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transfers.Transfers, "_staged_read", counting)
+    store.register("never", shape=shape, dtype=torch.float32, home=home)
+    out = torch.full(shape, 7.0)
+    assert torch.equal(store.read_async("never", out).wait()["never"], torch.zeros(shape))
+    for rnd in range(3):
+        x = sample(torch.float32, shape, seed=rnd)
+        name = f"t{rnd}"
+        store.register(name, shape=shape, dtype=torch.float32, home=home)
+        store.write_back_async(name, x)  # not waited on
+        aligned = sio.aligned_empty(x.numel() * 4).view(torch.float32)[: x.numel()].view(shape)
+        got = store.read_async(name, aligned).wait()[name]
+        assert got.data_ptr() == aligned.data_ptr() and torch.equal(got, x)
+        offset = torch.empty(x.numel() + 1)[1:].view(shape)  # 4 bytes past an aligned start
+        assert torch.equal(store.read(name, out=offset), x)
+    if home is Tier.NVME:
+        whole = shape == (128, 1024)
+        # aligned and whole: direct (staged only for the offset out); else staged each time
+        assert len(staged) == (3 if whole else 6)
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        store.read_async("t0", torch.empty(shape[::-1]).t())
+
+
 def test_write_updates_home_and_device_copy(store: TieredStore, tmp_path: Path) -> None:
     store.register("w", sample(torch.int64), home=Tier.NVME)
     store.prefetch_async("w").wait()
