@@ -27,12 +27,17 @@ for the largest block, registered in the store's host arena (so the host budget
 covers them); writes from the optimizer go back asynchronously on the store's
 copy threads, a set waiting for its previous writes only when it is used again,
 so the written weights reach their home while the next forward starts (the store
-orders each block's next page-in after its write).
+orders each block's next page-in after its write). When some optimizer state is
+homed off the host, :data:`READ_AHEAD` more sets of three fp32 buffers let the
+reads of the next blocks' state run on the store's threads while a block steps:
+from the start of the window's last forward in an overlapped step, from the start
+of the step otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +87,10 @@ SCRATCH_SETS = 2
 
 SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
 """fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
+
+READ_AHEAD = 2
+"""Blocks whose optimizer state (homed off the host) is read ahead of their step, each
+into its own set of three fp32 buffers of the largest block's numel."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +164,8 @@ def required_budgets(
     gradient accumulators (4 bytes per parameter, on ``placement.grads``); host
     also: the resident parameters' 16 bytes per parameter and the optimizer's
     :data:`SCRATCH_SETS` scratch sets (4 fp32 + 1 compute-dtype buffer of the
-    largest block each).
+    largest block each), and with state off the host :data:`READ_AHEAD` read-ahead
+    sets (3 fp32 buffers each).
     """
     elem = torch.empty(0, dtype=compute_dtype).element_size()
     need = dict.fromkeys(Tier, 0)
@@ -168,8 +178,15 @@ def required_budgets(
     largest = max(block_numels)
     per_set = len(SCRATCH_FP32) * slot_bytes(largest * 4) + slot_bytes(largest * elem)
     need[Tier.HOST] += SCRATCH_SETS * per_set
+    if reads_ahead(placement):
+        need[Tier.HOST] += READ_AHEAD * len(STATE_KINDS) * slot_bytes(largest * 4)
     need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(largest * elem)
     return need
+
+
+def reads_ahead(placement: Placement) -> bool:
+    """Whether the engine keeps read-ahead buffers: some optimizer state is off the host."""
+    return any(t is not Tier.HOST for t in placement.master)
 
 
 def check_budgets(need: Mapping[Tier, int], have: Mapping[Tier, int]) -> None:
@@ -204,11 +221,24 @@ class _Scratch:
     """A compute-dtype buffer of the largest block's numel (weights being written)."""
     tickets: list[Ticket] = field(default_factory=list)
     """Asynchronous writes from these buffers not yet waited for."""
+    reads: list[Ticket] = field(default_factory=list)
+    """Asynchronous reads into these buffers not yet waited for."""
 
     def settle(self) -> None:
-        """Wait for the writes from these buffers (they may then be overwritten)."""
+        """Wait for the reads into and writes from these buffers (then free to reuse)."""
+        self.wait_reads()
         tickets, self.tickets = self.tickets, []
         for ticket in tickets:
+            ticket.wait()
+
+    def idle(self) -> bool:
+        """Whether no read or write on these buffers is still running (never blocks)."""
+        return all(t.done() for t in (*self.reads, *self.tickets))
+
+    def wait_reads(self) -> None:
+        """Wait for the reads into these buffers."""
+        reads, self.reads = self.reads, []
+        for ticket in reads:
             ticket.wait()
 
 
@@ -290,6 +320,16 @@ class TrainingEngine:
         largest = max(s.numel for s in self.pager.states)
         self._sets = [self._scratch_set(k, largest) for k in range(SCRATCH_SETS)]
         self._next_set = 0
+        self._free_ahead = (
+            [self._ahead_set(k, largest) for k in range(READ_AHEAD)]
+            if reads_ahead(placement)
+            else []
+        )
+        self._ahead: dict[int, _Scratch] = {}
+        """Blocks whose state is being (or has been) read ahead, and the set it is read into."""
+        self._queue: list[int] = []
+        """Blocks still to step in this optimizer step, in step order, not yet read ahead."""
+        self._ahead_lock = threading.Lock()
 
     def _set_autograd_blocks(self, placement: Placement) -> None:
         """Blocks used in place run with ordinary autograd unless the placement recomputes
@@ -310,6 +350,51 @@ class TrainingEngine:
             cast=store.host_view(f"{prefix}.cast"),
         )
 
+    def _ahead_set(self, k: int, numel: int) -> _Scratch:
+        store, prefix = self.store, f"{SCRATCH_PREFIX}.ahead.{k}"
+        for name in STATE_KINDS:
+            store.register(f"{prefix}.{name}", shape=(numel,), dtype=torch.float32, home=Tier.HOST)
+        views: dict[str, Tensor] = {n: store.host_view(f"{prefix}.{n}") for n in STATE_KINDS}
+        return _Scratch(fp32=views, cast=torch.empty(0, dtype=self.compute_dtype))
+
+    def _plan_reads(self, order: Sequence[int]) -> None:
+        """Blocks ``order`` will step in this order: start reading their off-host state."""
+        with self._ahead_lock:
+            self._queue = [
+                i
+                for i in order
+                if any(
+                    self.store.home(n) is not Tier.HOST for n in self.pager.states[i].state_names
+                )
+            ]
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Issue state reads of the next queued blocks into free read-ahead sets whose
+        earlier writes are done (never waits: a set still writing is taken later)."""
+        with self._ahead_lock:
+            while self._queue and self._free_ahead and self._free_ahead[0].idle():
+                i = self._queue.pop(0)
+                if i in self._ahead:
+                    continue
+                buf = self._free_ahead.pop(0)
+                buf.settle()  # collects the finished writes
+                state = self.pager.states[i]
+                for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
+                    if self.store.home(name) is not Tier.HOST:
+                        out = buf.fp32[kind][: state.numel]
+                        buf.reads.append(self.store.read_async(name, out))
+                self._ahead[i] = buf
+
+    def _end_reads(self) -> None:
+        """Drop what is left of this step's read-ahead (sets back to the free list)."""
+        with self._ahead_lock:
+            self._queue = []
+            for buf in self._ahead.values():
+                buf.wait_reads()
+                self._free_ahead.append(buf)
+            self._ahead = {}
+
     def _take_set(self) -> _Scratch:
         """The next scratch set, its earlier writes done (one thread at a time uses sets)."""
         scratch = self._sets[self._next_set]
@@ -318,7 +403,8 @@ class TrainingEngine:
         return scratch
 
     def _settle_sets(self) -> None:
-        for scratch in self._sets:
+        self._end_reads()
+        for scratch in [*self._sets, *self._free_ahead]:
             scratch.settle()
 
     @property
@@ -350,6 +436,7 @@ class TrainingEngine:
         self.step_count += 1
         self.overlap_starts = []
         self._overlap = _Overlap(stepper=HostAdamW(adamw), lr=adamw.lr, step=self.step_count)
+        self._plan_reads(range(self.pager.num_blocks - 1, -1, -1))  # backward order
 
     def _block_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
         """Queue block ``i``'s gradients on the worker: summed, and stepped when overlapping."""
@@ -381,7 +468,7 @@ class TrainingEngine:
         else:
             grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
         master = self._step_state(
-            state, overlap.stepper, overlap.lr, 1.0, overlap.step, scratch, grad
+            state, overlap.stepper, overlap.lr, 1.0, overlap.step, scratch, grad, block=i
         )
         self._write_weights(i, master, scratch)
 
@@ -413,10 +500,13 @@ class TrainingEngine:
             self.grads.wait(phase=None)
             self.pager.release_all_except(())
             overlap, self._overlap = self._overlap, None
-            if overlap is not None:
-                self._finish_overlapped(overlap)
-            else:
-                self._step_all(adamw, clip)
+            try:
+                if overlap is not None:
+                    self._finish_overlapped(overlap)
+                else:
+                    self._step_all(adamw, clip)
+            finally:
+                self._end_reads()
 
     def _finish_overlapped(self, overlap: _Overlap) -> None:
         for i in range(self.pager.num_blocks):
@@ -438,13 +528,14 @@ class TrainingEngine:
                 clamp = clip.value
         self.step_count += 1
         stepper = HostAdamW(adamw)
+        self._plan_reads(range(self.pager.num_blocks))
         for i, state in enumerate(self.pager.states):
             scratch = self._take_set()
             grad = state.gradient(scratch.fp32["grad"])
             if clamp is not None:
                 grad.clamp_(-clamp, clamp)
             master = self._step_state(
-                state, stepper, adamw.lr, scale, self.step_count, scratch, grad
+                state, stepper, adamw.lr, scale, self.step_count, scratch, grad, block=i
             )
             self._write_weights(i, master, scratch)
         grad = self.resident.gradient()
@@ -465,14 +556,27 @@ class TrainingEngine:
         step: int,
         scratch: _Scratch | None,
         grad: Tensor,
+        *,
+        block: int | None = None,
     ) -> Tensor:
         """AdamW on one flat state: HOST-home tensors in place, others through ``scratch``
-        (read, stepped, written back asynchronously); the stepped fp32 master weights."""
+        or block ``block``'s read-ahead set (read, stepped, written back asynchronously);
+        the stepped fp32 master weights."""
         start = time.perf_counter()
+        with self._ahead_lock:
+            ahead = self._ahead.pop(block, None) if block is not None else None
+            if block in self._queue:
+                self._queue.remove(block)
+        self._read_ahead()  # the next blocks' reads run while this one steps
+        held = ahead if ahead is not None else scratch
+        if ahead is not None:
+            ahead.wait_reads()
         bufs: list[Tensor] = []
         for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
             if self.store.home(name) is Tier.HOST:
                 bufs.append(self.store.host_view(name))
+            elif ahead is not None:
+                bufs.append(ahead.fp32[kind][: state.numel])
             else:
                 assert scratch is not None, f"{name} is not on host and no scratch was given"
                 bufs.append(self.store.read(name, out=scratch.fp32[kind][: state.numel]))
@@ -480,8 +584,12 @@ class TrainingEngine:
         stepper.step_block(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, grad_scale=scale)
         for name, buf in zip(state.state_names, bufs, strict=True):
             if self.store.home(name) is not Tier.HOST:
-                assert scratch is not None
-                scratch.tickets.append(self.store.write_back_async(name, buf))
+                assert held is not None
+                held.tickets.append(self.store.write_back_async(name, buf))
+        if ahead is not None:
+            with self._ahead_lock:
+                self._free_ahead.append(ahead)  # reused once its writes are done
+            self._read_ahead()
         state.clear_grad()
         self.optimizer_busy_s += time.perf_counter() - start
         return master

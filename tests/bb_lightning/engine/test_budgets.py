@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import SCRATCH_FP32, SCRATCH_SETS, required_budgets
+from bb_lightning.engine.trainer_engine import (
+    READ_AHEAD,
+    SCRATCH_FP32,
+    SCRATCH_SETS,
+    reads_ahead,
+    required_budgets,
+)
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
@@ -34,6 +40,11 @@ def fill_like_the_engine(
             store.register(f"s.{k}.{name}", shape=(max(numels),), dtype=torch.float32,
                            home=Tier.HOST)  # fmt: skip
         store.register(f"s.{k}.cast", shape=(max(numels),), dtype=DTYPE, home=Tier.HOST)
+    if reads_ahead(placement):
+        for k in range(READ_AHEAD):
+            for state in ("master", "exp_avg", "exp_avg_sq"):
+                store.register(f"a.{k}.{state}", shape=(max(numels),), dtype=torch.float32,
+                               home=Tier.HOST)  # fmt: skip
 
 
 @pytest.mark.parametrize(

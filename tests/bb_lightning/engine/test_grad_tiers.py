@@ -18,6 +18,7 @@ from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
+STATES = ("exp_avg", "exp_avg_sq", "master")
 LAYERS = 3
 
 
@@ -86,6 +87,9 @@ def test_engine_steps_equal_torch_adamw(
             compute_dtype=torch.float32,
             device=torch.device("cpu"),
         )
+        ahead: list[str] = []
+        read_async = store.read_async
+        store.read_async = lambda name, out: (ahead.append(name), read_async(name, out))[1]  # type: ignore[method-assign]
         for _ in range(3):
             for k in range(accumulate):
                 ids = torch.randint(0, 128, (2, 16), generator=gen)
@@ -104,6 +108,9 @@ def test_engine_steps_equal_torch_adamw(
             opt.zero_grad()
         state = engine.state_dict()
         engine.close()
+    # the NVMe-homed state of blocks 0 and 2 is read ahead of each step
+    assert sorted(set(ahead)) == [f"block.{i}.{k}" for i in (0, 2) for k in STATES]
+    assert len(ahead) == 3 * 2 * 3
     stepped = sorted(i for i, _ in engine.overlap_starts)  # blocks stepped during backward
     assert stepped == (list(range(LAYERS)) if overlap else [])
     for key, value in reference.state_dict().items():

@@ -114,10 +114,12 @@ def test_required_budgets_counts_each_tier() -> None:
     )
     need = required_budgets([1024, 1024, 2048], 512, placement, torch.bfloat16)
     assert need[Tier.DEVICE] == 4096 + 3 * 4096  # resident block 0 + 3 slots of the largest
-    # weights, masters + moments, gradients (as master), resident 16 B/param, 2 scratch sets
+    # weights, masters + moments, gradients (as master), resident 16 B/param, 2 scratch
+    # sets, and (block 1's state is on NVMe) 2 read-ahead sets of 3 fp32 buffers
     grads = 4096 + 8192
     scratch = 2 * (4 * 8192 + 4096)
-    assert need[Tier.HOST] == 4096 + 3 * 4096 + 3 * 8192 + grads + 4 * 4096 + scratch
+    ahead = 2 * 3 * 8192
+    assert need[Tier.HOST] == 4096 + 3 * 4096 + 3 * 8192 + grads + 4 * 4096 + scratch + ahead
     assert need[Tier.NVME] == 4096 + 3 * 4096 + 4096
     apart = Placement(
         weights=placement.weights, master=placement.master, grads=(Tier.NVME,) * 3,
