@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +65,11 @@ class Placement:
     (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
     memory itself). False keeps their activations (ordinary autograd: more activation
     memory, no recompute). Blocks copied in from another tier are always recomputed."""
+    read_ahead: int = 2
+    """Blocks whose optimizer state, where homed off the host, is read ahead of their
+    optimizer step, each into its own host buffers (three fp32 tensors of the largest
+    block); >= 1. More blocks give the reads more of the step to run in, at
+    ``12 * largest block params`` host bytes each."""
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.master):
@@ -78,6 +84,8 @@ class Placement:
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 1: pass 1 or more")
+        if self.read_ahead < 1:
+            raise ValueError(f"read_ahead={self.read_ahead} must be >= 1: pass 1 or more")
 
     @property
     def grad_tiers(self) -> tuple[Tier, ...]:
@@ -167,10 +175,9 @@ class FlatState:
         before returning (call it off the training thread: the gradient worker does).
         Without ``persist`` the sum lives only in ``scratch`` (the caller steps from it).
         """
+        first = not self.grad_pending
         if self.store.home(self.grad_name) is Tier.HOST:
             flat = self.store.host_view(self.grad_name)
-            if not self.grad_pending:
-                flat.zero_()
             persist = False
         else:
             if scratch is None or scratch.numel() < self.numel:
@@ -178,8 +185,11 @@ class FlatState:
                     f"{self.grad_name!r} is homed on {self.store.home(self.grad_name).value}: "
                     f"pass an fp32 scratch buffer of at least {self.numel} elements"
                 )
-            flat = self.gradient(scratch)
-        _add_all(_views(flat, self.shapes), grads)
+            flat = scratch[: self.numel] if first else self.gradient(scratch)
+        if first:  # nothing to add to: the gradients are copied in (absent ones as zeros)
+            _copy_all(_views(flat, self.shapes), grads)
+        else:
+            _add_all(_views(flat, self.shapes), grads)
         self.grad_pending = True
         if persist:
             self.store.write(self.grad_name, flat)
@@ -361,10 +371,50 @@ def _timed(timer: PhaseTimer | None, phase: str) -> contextlib.AbstractContextMa
     return contextlib.nullcontext() if timer is None else timer.phase(phase)
 
 
+CONVERT_CHUNK = 1 << 18
+"""Elements converted at a time when adding a gradient of another dtype (1 MiB of fp32)."""
+_chunks = threading.local()
+
+
 def _add_all(dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
     for view, g in zip(dst, grads, strict=True):
         if g is not None:
-            view.add_(g.to(view.device))
+            add_converted(view, g.to(view.device))
+
+
+def _copy_all(dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    for view, g in zip(dst, grads, strict=True):
+        if g is None:
+            view.zero_()
+        else:
+            view.copy_(g)
+
+
+def add_converted(dst: Tensor, src: Tensor) -> None:
+    """``dst += src`` with ``src`` converted to ``dst``'s dtype first.
+
+    On the CPU, PyTorch's mixed-dtype ``add_`` (fp32 += bf16) runs several times
+    slower than a conversion plus a same-dtype add, so a contiguous CPU ``src`` of
+    another dtype is converted :data:`CONVERT_CHUNK` elements at a time into a
+    per-thread buffer (no allocation per call) and added from there.
+    """
+    if (
+        src.dtype == dst.dtype
+        or dst.device.type != "cpu"
+        or not (dst.is_contiguous() and src.is_contiguous())
+        or src.shape != dst.shape
+    ):
+        dst.add_(src)
+        return
+    buf: Tensor | None = getattr(_chunks, "buf", None)
+    if buf is None or buf.dtype != dst.dtype:
+        buf = _chunks.buf = torch.empty(CONVERT_CHUNK, dtype=dst.dtype)
+    flat_dst, flat_src, n = dst.view(-1), src.view(-1), dst.numel()
+    for start in range(0, n, CONVERT_CHUNK):
+        stop = min(start + CONVERT_CHUNK, n)
+        part = buf[: stop - start]
+        part.copy_(flat_src[start:stop])
+        flat_dst[start:stop].add_(part)
 
 
 class BlockPager:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.pager import CONVERT_CHUNK, Placement, add_converted
 from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Residency, Tier
@@ -128,10 +129,38 @@ def test_required_budgets_counts_each_tier() -> None:
     moved = required_budgets([1024, 1024, 2048], 512, apart, torch.bfloat16)
     assert moved[Tier.HOST] == need[Tier.HOST] - grads
     assert moved[Tier.NVME] == need[Tier.NVME] + grads
+    deeper = dataclasses.replace(placement, read_ahead=5)  # 3 more read-ahead sets
+    more = required_budgets([1024, 1024, 2048], 512, deeper, torch.bfloat16)
+    assert more[Tier.HOST] == need[Tier.HOST] + 3 * 3 * 8192
+    on_host = dataclasses.replace(deeper, master=(Tier.HOST,) * 3)  # nothing to read ahead
+    shallow = dataclasses.replace(on_host, read_ahead=1)
+    assert (
+        required_budgets([1024, 1024, 2048], 512, on_host, torch.bfloat16)[Tier.HOST]
+        == required_budgets([1024, 1024, 2048], 512, shallow, torch.bfloat16)[Tier.HOST]
+    )
 
 
 def test_placement_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="prefetch_depth=0"):
         Placement.uniform(2, weights=Tier.HOST, prefetch_depth=0)
+    with pytest.raises(ValueError, match="read_ahead=0"):
+        Placement(weights=(Tier.HOST,), master=(Tier.NVME,), read_ahead=0)
     with pytest.raises(ValueError, match="2 weight tiers but 1 master"):
         Placement(weights=(Tier.HOST, Tier.HOST), master=(Tier.HOST,))
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_converted_equals_the_exact_sum_rounded(src_dtype: torch.dtype) -> None:
+    """fp32 += gradient of any dtype, chunked through the conversion buffer: each element
+    is the float64 sum of the two values rounded to fp32, as a same-dtype add gives."""
+    g = torch.Generator().manual_seed(0)
+    n = 3 * CONVERT_CHUNK + 5  # a partial last chunk
+    dst = torch.randn(n, generator=g)
+    src = (torch.randn(n, generator=g) * 3).to(src_dtype)
+    want = (dst.double() + src.double()).float()
+    add_converted(dst, src)
+    assert torch.equal(dst, want)
+    rows = torch.zeros(8, 6)  # a non-contiguous destination takes PyTorch's own add
+    cols = rows.t()
+    add_converted(cols, torch.ones(6, 8, dtype=torch.bfloat16))
+    assert torch.equal(rows, torch.ones(8, 6))
