@@ -83,6 +83,7 @@ from bb_lightning.planner import (
     plan_differs,
     preset,
 )
+from bb_lightning.planner.calibrate import probe_train_compute
 from bb_lightning.structure import find_block_list
 from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
@@ -363,6 +364,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
             job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
         model, hardware = ModelProfile.from_module(net), self._hardware()
+        if self.hardware is None or self.hardware == "measure":
+            hardware = self._probe_compute(net, hardware, job, micro)
         best = make_plan(model, hardware, job, overrides=self.overrides)
         plan = best
         if micro and (best.micro_batch, best.grad_accum) != (micro, accum):
@@ -382,6 +385,28 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             )
         self._adopt(plan)
         return _placement(plan)
+
+    def _probe_compute(
+        self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
+    ) -> HardwareProfile:
+        """``hardware`` with the compute efficiency the model's own training pass sustains
+        on the device (see :mod:`bb_lightning.planner.calibrate`); unchanged when the
+        probe does not fit in memory."""
+        micro = micro or getattr(self.overrides, "micro_batch", None) or 1
+        probe = probe_train_compute(
+            net.config,
+            hardware,
+            seq_len=job.seq_len,
+            micro_batch=micro,
+            dtype=self.resolved_dtype(),
+            device=self.root_device,
+        )
+        if probe is None:
+            rank_zero_info("balance_beam: model too large for the compute probe; planning "
+                           "with the matrix-product rate")  # fmt: skip
+            return hardware
+        rank_zero_info(f"balance_beam {probe.describe(hardware)}")
+        return hardware.replace(compute_efficiency=probe.efficiency)
 
     def _hardware(self) -> HardwareProfile:
         spec = self.hardware
@@ -467,13 +492,17 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     # -- measure, then adapt -------------------------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Start timing the optimizer step this micro-batch belongs to."""
+        """Start timing the optimizer step this micro-batch belongs to; at the start of a
+        window that ends in an overlapped step, start reading its optimizer state ahead."""
         engine = self.engine
         if engine is not None and not engine.timer.in_step:
             if len(engine.timer.steps) == self._skip():
                 self._links0 = _link_seconds(engine)
                 self._busy0 = engine.optimizer_busy_s
             engine.timer.begin_step()
+            trainer = self.lightning_module.trainer if self.lightning_module else None
+            if self.overlap_optimizer and trainer is not None and not trainer.gradient_clip_val:
+                engine.read_state_ahead()  # this window ends in an overlapped step
 
     def _skip(self) -> int:
         return 1 if self.warmup_steps > 1 else 0
@@ -701,6 +730,7 @@ def _placement(plan: Plan) -> Placement:
         master=tuple(plan.master),
         prefetch_depth=plan.prefetch_depth,
         grads=tuple(plan.grads),
+        read_ahead=plan.read_ahead,
     )
 
 

@@ -28,10 +28,11 @@ covers them); writes from the optimizer go back asynchronously on the store's
 copy threads, a set waiting for its previous writes only when it is used again,
 so the written weights reach their home while the next forward starts (the store
 orders each block's next page-in after its write). When some optimizer state is
-homed off the host, :data:`READ_AHEAD` more sets of three fp32 buffers let the
-reads of the next blocks' state run on the store's threads while a block steps:
-from the start of the window's last forward in an overlapped step, from the start
-of the step otherwise.
+homed off the host, ``Placement.read_ahead`` more sets of three fp32 buffers let
+the reads of the next blocks' state run on the store's threads while a block steps:
+from the start of the accumulation window when the strategy announces an
+overlapped step (:meth:`TrainingEngine.read_state_ahead`), else from the start of the
+window's last forward in an overlapped step, from the start of the step otherwise.
 """
 
 from __future__ import annotations
@@ -87,10 +88,6 @@ SCRATCH_SETS = 2
 
 SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
 """fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
-
-READ_AHEAD = 2
-"""Blocks whose optimizer state (homed off the host) is read ahead of their step, each
-into its own set of three fp32 buffers of the largest block's numel."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,8 +161,8 @@ def required_budgets(
     gradient accumulators (4 bytes per parameter, on ``placement.grads``); host
     also: the resident parameters' 16 bytes per parameter and the optimizer's
     :data:`SCRATCH_SETS` scratch sets (4 fp32 + 1 compute-dtype buffer of the
-    largest block each), and with state off the host :data:`READ_AHEAD` read-ahead
-    sets (3 fp32 buffers each).
+    largest block each), and with state off the host ``placement.read_ahead``
+    read-ahead sets (3 fp32 buffers each).
     """
     elem = torch.empty(0, dtype=compute_dtype).element_size()
     need = dict.fromkeys(Tier, 0)
@@ -179,7 +176,7 @@ def required_budgets(
     per_set = len(SCRATCH_FP32) * slot_bytes(largest * 4) + slot_bytes(largest * elem)
     need[Tier.HOST] += SCRATCH_SETS * per_set
     if reads_ahead(placement):
-        need[Tier.HOST] += READ_AHEAD * len(STATE_KINDS) * slot_bytes(largest * 4)
+        need[Tier.HOST] += placement.read_ahead * len(STATE_KINDS) * slot_bytes(largest * 4)
     need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(largest * elem)
     return need
 
@@ -317,14 +314,14 @@ class TrainingEngine:
         self.paged.install()
         self.step_count = 0
         """Optimizer steps taken (the AdamW bias corrections use it)."""
-        largest = max(s.numel for s in self.pager.states)
-        self._sets = [self._scratch_set(k, largest) for k in range(SCRATCH_SETS)]
+        self._largest = max(s.numel for s in self.pager.states)
+        self._sets = [self._scratch_set(k, self._largest) for k in range(SCRATCH_SETS)]
         self._next_set = 0
-        self._free_ahead = (
-            [self._ahead_set(k, largest) for k in range(READ_AHEAD)]
-            if reads_ahead(placement)
-            else []
-        )
+        self._free_ahead: list[_Scratch] = []
+        """Read-ahead sets not holding a block's state (a set may still be writing)."""
+        self._ahead_sets = 0
+        """Read-ahead sets registered in the store (only grows)."""
+        self._ensure_ahead_sets(placement)
         self._ahead: dict[int, _Scratch] = {}
         """Blocks whose state is being (or has been) read ahead, and the set it is read into."""
         self._queue: list[int] = []
@@ -339,6 +336,14 @@ class TrainingEngine:
         in_place = {Tier.DEVICE, Tier.HOST} if self.device.type == "cpu" else {Tier.DEVICE}
         blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
         self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
+
+    def _ensure_ahead_sets(self, placement: Placement) -> None:
+        """Register read-ahead sets up to ``placement.read_ahead`` when state is off the host."""
+        if not reads_ahead(placement):
+            return
+        while self._ahead_sets < placement.read_ahead:
+            self._free_ahead.append(self._ahead_set(self._ahead_sets, self._largest))
+            self._ahead_sets += 1
 
     def _scratch_set(self, k: int, numel: int) -> _Scratch:
         store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
@@ -358,12 +363,14 @@ class TrainingEngine:
         return _Scratch(fp32=views, cast=torch.empty(0, dtype=self.compute_dtype))
 
     def _plan_reads(self, order: Sequence[int]) -> None:
-        """Blocks ``order`` will step in this order: start reading their off-host state."""
+        """Blocks ``order`` will step in this order: start reading their off-host state
+        (blocks already read ahead are kept)."""
         with self._ahead_lock:
             self._queue = [
                 i
                 for i in order
-                if any(
+                if i not in self._ahead
+                and any(
                     self.store.home(n) is not Tier.HOST for n in self.pager.states[i].state_names
                 )
             ]
@@ -426,6 +433,17 @@ class TrainingEngine:
         self.grads.wait(phase="optimizer" if self._overlap is not None else "wait_grads")
         self.pager.release_all_except(())
 
+    def read_state_ahead(self) -> None:
+        """Start reading off-host optimizer state for an overlapped step now.
+
+        Call at the start of an accumulation window that will end in an overlapped
+        step: the first read-ahead sets fill during the window's earlier micro-batches
+        instead of only its last forward. Reads are issued in the order the overlapped
+        step takes the blocks (last block first) and are ordered after any write of the
+        same state still in flight; :meth:`begin_overlapped_step` keeps what was read.
+        """
+        self._plan_reads(range(self.pager.num_blocks - 1, -1, -1))
+
     def begin_overlapped_step(self, adamw: AdamWConfig) -> None:
         """Step each block during the coming backward, as soon as its gradient is in.
 
@@ -436,7 +454,7 @@ class TrainingEngine:
         self.step_count += 1
         self.overlap_starts = []
         self._overlap = _Overlap(stepper=HostAdamW(adamw), lr=adamw.lr, step=self.step_count)
-        self._plan_reads(range(self.pager.num_blocks - 1, -1, -1))  # backward order
+        self.read_state_ahead()
 
     def _block_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
         """Queue block ``i``'s gradients on the worker: summed, and stepped when overlapping."""
@@ -482,6 +500,7 @@ class TrainingEngine:
         self.grads.wait(phase=None)
         self._settle_sets()
         self.pager.apply(placement)
+        self._ensure_ahead_sets(placement)
         self._set_autograd_blocks(placement)
 
     def grad_norm(self) -> float:

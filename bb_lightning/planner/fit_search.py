@@ -36,6 +36,12 @@ from storage.tiers import Tier, format_bytes
 Arr = npt.NDArray[np.float64]
 FULL_DEVICE_BYTES = BF16_BYTES + FP32_BYTES + ADAM_STATE_BYTES
 """Device bytes per parameter of a block trained entirely on the device."""
+MIN_READ_AHEAD = 2
+MIXED_IO_EFFICIENCY = 0.7
+"""Share of the serial read + write rate one disk keeps when optimizer-state reads and
+write-backs interleave on it (both in flight at once, as in the overlapped step)."""
+"""Read-ahead sets every placement with optimizer state off the host has (counted in
+the host budget by ``required_budgets`` with the scratch sets); the planner adds more."""
 
 
 def ladder(cap: int) -> list[int]:
@@ -173,14 +179,14 @@ def price(
         ),
         "h2d": cost.link_seconds((kw * p + nb) * BF16_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency),
     }
-    pipeline = adam
-    for t in opt_links.values():
-        pipeline = np.maximum(pipeline, t)
+    bwd = c_pass * cost.backward_fraction(ckpt)
+    k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
+    host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
+    disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
+    disk = disk + cost.link_seconds((np_ - w_h) * bb, nvme_w, hw.nvme_efficiency)
+    pipeline = np.maximum(np.maximum(adam, disk), opt_links["h2d"])
     opt_exposed = cost.optimizer_exposed_seconds(
-        pipeline,
-        np.full_like(kf, c_pass * cost.backward_fraction(ckpt)),
-        off + (1.0 if nb > 0 else 0.0),
-        job.grad_clipping,
+        pipeline, np.full_like(kf, bwd), off + (1.0 if nb > 0 else 0.0), job.grad_clipping
     )
     total = compute + ga * exposed_pass + opt_exposed
     out = {
@@ -199,11 +205,63 @@ def price(
         "kf": kf,
         "kw": kw,
         "in_place": in_place,
+        "read_ahead": k,
     }
     for link in ("h2d", "nvme_read", "nvme_write", "d2h"):
         out[link] = ga * links[link] + opt_links.get(link, 0.0)
     out["compute"] = np.full_like(kf, compute)
     return out
+
+
+def _state_reads(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    blocks: Arr,
+    free: Arr,
+    ahead_s: Arr,
+    backward_s: Arr,
+) -> tuple[Arr, Arr]:
+    """Read-ahead sets for ``blocks`` blocks whose optimizer state is on NVMe, and the
+    seconds from the start of the last backward until the disk has served the state
+    traffic the optimizer step waits for.
+
+    One disk serves the state's reads and write-backs (interleaved, at
+    :data:`MIXED_IO_EFFICIENCY` of their serial rate). A block's state
+    (:data:`ADAM_STATE_BYTES` per parameter) is read into a free read-ahead set before
+    its step and written back from it after, freeing the set. In an overlapped step the
+    reads start with the accumulation window: ``k`` sets are read in the ``ahead_s``
+    seconds before its last backward (what does not fit spills over). The last backward
+    (``backward_s``) hands the blocks' gradients over one by one; from the first, each
+    other block needs one set's write plus its own read. ``k`` is the fewest sets for
+    which all that fits the backward (more sets never cost time, only host memory), at
+    least :data:`MIN_READ_AHEAD`, at most ``blocks`` or what the host memory ``free``
+    has left. With clipping the step starts after backward: every read and the writes
+    that free sets are waited on.
+    """
+    state = ADAM_STATE_BYTES * float(model.block_params)
+    eff = hw.nvme_efficiency * MIXED_IO_EFFICIENCY
+    read = cost.link_seconds(state, hw.nvme_read_bandwidth, eff)
+    write = cost.link_seconds(state, hw.nvme_write_bandwidth, eff)
+    room = np.floor(np.maximum(free, 0.0) / max(state, 1.0))
+    cap = np.maximum(MIN_READ_AHEAD, np.minimum(room, blocks))
+    lead = backward_s / np.maximum(blocks, 1.0)  # until the first gradient is in
+
+    def seconds(k: Arr) -> Arr:
+        rest = np.maximum(blocks - k, 0.0)
+        if job.grad_clipping:
+            return blocks * read + rest * write
+        spill = np.maximum(np.minimum(k, blocks) * read - ahead_s, 0.0)
+        return spill + np.where(rest > 0, lead, 0.0) + rest * (read + write)
+
+    k = cap.copy()
+    chosen = np.zeros_like(k, dtype=bool)
+    for sets in range(MIN_READ_AHEAD, int(np.max(cap, initial=0.0)) + 1):
+        trial = np.full_like(k, float(sets))
+        fits = ~chosen & (trial <= cap) & (seconds(trial) <= backward_s)
+        k = np.where(fits, trial, k)
+        chosen |= fits
+    return k, np.where(blocks > 0, seconds(k), 0.0)
 
 
 def _options(job: FitJob, ov: PlanOverrides) -> tuple[list[bool], list[int], list[int]]:
@@ -393,6 +451,14 @@ def build_plan(
         f"host AdamW {v['optimizer']:.3g} s per step runs block by block during backward"
         + (" (exposed: gradient clipping waits for every gradient)" if job.grad_clipping else ""),
     ]
+    if n - kf - m_h > 0:
+        k = int(v["read_ahead"])
+        reasons.append(
+            f"optimizer state of {n - kf - m_h} blocks on NVMe is read ahead of each block's "
+            f"step through {k} host buffer sets "
+            f"({format_bytes(k * ADAM_STATE_BYTES * model.block_params)}), sized so that its "
+            "reads and write-backs fit the last backward where the host budget allows"
+        )
     if hw.device_type == "cpu":
         reasons.append(
             f"CPU device: device and host tiers share RAM, planned against the split "
@@ -420,6 +486,7 @@ def build_plan(
         weights=placement_tiers(n, kf + kw, w_h),
         master=placement_tiers(n, kf, m_h),
         grads=placement_tiers(n, kf, g_h),
+        read_ahead=int(v["read_ahead"]),
         embed=nb_host,
         head=nb_host,
         final=nb_host,

@@ -185,6 +185,9 @@ class Plan:
     """Tier of each block's fp32 master weights and AdamW moments (empty for predict)."""
     grads: tuple[Tier, ...]
     """Tier of each block's fp32 gradient accumulators (empty for predict)."""
+    read_ahead: int = 2
+    """Blocks whose off-host optimizer state is read ahead of their step, each into its
+    own host buffers (fit; ``Placement.read_ahead``)."""
     embed: Tier
     """Home of the embedding's bf16 weights."""
     head: Tier
@@ -225,6 +228,7 @@ class Plan:
                     "concurrent_seqs",
                     "tokens_per_pass",
                     "prefetch_depth",
+                    "read_ahead",
                     "checkpointing",
                     "tokens_per_s",
                     "mfu",

@@ -9,7 +9,6 @@ import torch
 
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import (
-    READ_AHEAD,
     SCRATCH_FP32,
     SCRATCH_SETS,
     reads_ahead,
@@ -41,7 +40,7 @@ def fill_like_the_engine(
                            home=Tier.HOST)  # fmt: skip
         store.register(f"s.{k}.cast", shape=(max(numels),), dtype=DTYPE, home=Tier.HOST)
     if reads_ahead(placement):
-        for k in range(READ_AHEAD):
+        for k in range(placement.read_ahead):
             for state in ("master", "exp_avg", "exp_avg_sq"):
                 store.register(f"a.{k}.{state}", shape=(max(numels),), dtype=torch.float32,
                                home=Tier.HOST)  # fmt: skip
@@ -64,6 +63,7 @@ def test_budgets_hold_the_engines_tensors_exactly(
         weights=tuple(tiers[i % 3] for i in range(len(numels))),
         master=tuple(Tier.HOST if i % 2 else Tier.NVME for i in range(len(numels))),
         prefetch_depth=2,
+        read_ahead=3,
     )
     need = required_budgets(numels, resident, placement, DTYPE)
     config = StoreConfig(

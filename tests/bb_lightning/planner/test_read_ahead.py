@@ -1,0 +1,134 @@
+"""The planner's read-ahead depth for optimizer state on NVMe, against a simulated disk."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from bb_lightning.planner import fit_search
+from bb_lightning.planner.cost import ADAM_STATE_BYTES
+from bb_lightning.planner.fit_search import MIN_READ_AHEAD, MIXED_IO_EFFICIENCY, _state_reads
+from bb_lightning.planner.job import FitJob
+from bb_lightning.planner.plan import PlanOverrides
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.planner.search import make_plan
+from storage.tiers import Tier
+
+
+def model(block_params: int) -> ModelProfile:
+    return ModelProfile(
+        name="m",
+        num_blocks=24,
+        hidden_size=1024,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=64,
+        vocab_size=32000,
+        max_positions=4096,
+        block_params=block_params,
+        block_matmul_params=block_params,
+        embed_params=32_768_000,
+        head_params=32_768_000,
+        final_params=1024,
+        tied_embeddings=False,
+        act_bytes_per_token_checkpointed=2048,
+        act_bytes_per_token_full=40_000,
+        kv_bytes_per_token=4096,
+    )
+
+
+def cpu(read_bw: float, write_bw: float) -> HardwareProfile:
+    return HardwareProfile(
+        name="cpu",
+        device_type="cpu",
+        device_memory=4 << 30,
+        device_flops=3e11,
+        h2d_bandwidth=1e10,
+        d2h_bandwidth=1e10,
+        host_memory=12 << 30,
+        nvme_read_bandwidth=read_bw,
+        nvme_write_bandwidth=write_bw,
+        nvme_capacity=1 << 40,
+        host_adam_params_per_s=1e9,
+        cores=2,
+    )
+
+
+def seconds_by_hand(blocks: int, k: int, read: float, write: float, ahead: float, bwd: float,
+                    clipping: bool) -> float:  # fmt: skip
+    """The disk time the docstring of ``_state_reads`` describes, written out per case."""
+    rest = max(blocks - k, 0)
+    if clipping:
+        return blocks * read + rest * write
+    spill = max(min(k, blocks) * read - ahead, 0.0)
+    return spill + (bwd / blocks if rest else 0.0) + rest * (read + write)
+
+
+@pytest.mark.parametrize("clipping", [False, True])
+@pytest.mark.parametrize(
+    ("blocks", "ahead", "bwd", "read_bw", "write_bw"),
+    [
+        (24, 12.0, 3.0, 1.3e9, 1.5e9),  # the 370M benchmark's shape: 4 micro-batches
+        (24, 1.0, 3.0, 1.3e9, 1.5e9),  # one micro-batch: the reads spill into backward
+        (40, 6.0, 2.0, 3e9, 2e9),
+        (8, 4.0, 10.0, 1e9, 1e9),  # a slow step hides everything with the minimum
+    ],
+)
+def test_chosen_depth_is_the_fewest_sets_that_hide_the_traffic(
+    blocks: int, ahead: float, bwd: float, read_bw: float, write_bw: float, clipping: bool
+) -> None:
+    m, hw = model(12_850_000), cpu(read_bw, write_bw)
+    job = FitJob(seq_len=512, global_batch_seqs=4, grad_clipping=clipping)
+    state = ADAM_STATE_BYTES * m.block_params
+    read = state / (read_bw * MIXED_IO_EFFICIENCY)
+    write = state / (write_bw * MIXED_IO_EFFICIENCY)
+
+    def run(room_sets: float) -> tuple[int, float]:
+        k, t = _state_reads(
+            m, hw, job, np.array([float(blocks)]), np.array([room_sets * state]),
+            np.array([ahead]), np.array([bwd]),
+        )  # fmt: skip
+        return int(k[0]), float(t[0])
+
+    k, priced = run(1e6)
+    assert MIN_READ_AHEAD <= k <= max(blocks, MIN_READ_AHEAD)
+    assert priced == pytest.approx(seconds_by_hand(blocks, k, read, write, ahead, bwd, clipping))
+    times = [seconds_by_hand(blocks, j, read, write, ahead, bwd, clipping)
+             for j in range(MIN_READ_AHEAD, blocks + 1)]  # fmt: skip
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(times))  # never slower
+    fitting = [j for j, t in zip(range(MIN_READ_AHEAD, blocks + 1), times, strict=True) if t <= bwd]
+    assert k == (fitting[0] if fitting else blocks)  # the fewest that fit, else all
+    if k > MIN_READ_AHEAD:  # a host with room for fewer sets gets fewer, and waits longer
+        k_less, t_less = run(k - 1)
+        assert k_less == k - 1 and t_less >= priced
+
+
+def test_host_room_caps_the_depth_and_the_price_shows_it() -> None:
+    m, hw = model(12_850_000), cpu(1.3e9, 1.5e9)
+    job = FitJob(seq_len=512, global_batch_seqs=4)
+    state = ADAM_STATE_BYTES * m.block_params
+    blocks, ahead, bwd = np.array([24.0]), np.array([12.0]), np.array([3.0])
+    k_free, t_free = _state_reads(m, hw, job, blocks, np.array([1e15]), ahead, bwd)
+    k_tight, t_tight = _state_reads(m, hw, job, blocks, np.array([5.5 * state]), ahead, bwd)
+    assert int(k_tight[0]) == 5 < int(k_free[0])
+    assert float(t_tight[0]) > float(t_free[0])
+    k_none, t_none = _state_reads(m, hw, job, np.array([0.0]), np.array([1e15]), ahead, bwd)
+    assert int(k_none[0]) == MIN_READ_AHEAD and float(t_none[0]) == 0.0
+
+
+def test_plans_carry_the_depth_into_memory_and_reasons() -> None:
+    m, hw = model(12_850_000), cpu(1.3e9, 1.5e9)
+    ov = PlanOverrides(master_tier=Tier.NVME, checkpointing=True, micro_batch=1)
+    plan = make_plan(m, hw, FitJob(seq_len=512, global_batch_seqs=4), overrides=ov)
+    assert plan.read_ahead > fit_search.MIN_READ_AHEAD
+    assert any(f"through {plan.read_ahead} host buffer sets" in r for r in plan.reasons)
+    on_host = make_plan(
+        m, hw, FitJob(seq_len=512, global_batch_seqs=4),
+        overrides=PlanOverrides(master_tier=Tier.HOST, checkpointing=True, micro_batch=1),
+    )  # fmt: skip
+    host = {t.tier: t.used for t in plan.memory}[Tier.HOST]
+    extra = (plan.read_ahead - MIN_READ_AHEAD) * ADAM_STATE_BYTES * m.block_params
+    assert host >= extra
+    assert on_host.read_ahead == MIN_READ_AHEAD
