@@ -32,6 +32,7 @@ __all__ = [
     "ModelParts",
     "find_block_list",
     "find_parts",
+    "load_config",
     "profile_fields_from_config",
     "profile_fields_from_module",
 ]
@@ -413,7 +414,9 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _load_config(config: Any) -> Any:
+def load_config(config: Any) -> Any:
+    """A ``PretrainedConfig`` from a config, a dict with ``model_type``, a config.json
+    path, a model directory or a hub id (needs network)."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
@@ -430,7 +433,7 @@ def _load_config(config: Any) -> Any:
         path = os.fspath(config)
         if os.path.isfile(path):
             with open(path) as f:
-                return _load_config(json.load(f))
+                return load_config(json.load(f))
         return AutoConfig.from_pretrained(path)
     raise ValueError(
         f"config of type {type(config).__name__} is not supported: pass a PretrainedConfig, "
@@ -455,7 +458,7 @@ def profile_fields_from_config(config: Any) -> dict[str, Any]:
     """Keyword arguments of ``ModelProfile`` for the model ``config`` describes (meta build)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _load_config(config)
+    cfg = load_config(config)
     _check_causal_lm(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)

@@ -17,8 +17,9 @@ random tokens, bf16 compute, sequence 512, with AdamW:
 Each run takes ``--warmup`` optimizer steps, then ``--steps`` timed ones. Printed:
 trained tokens/s of each (tokens = micro-batch x sequence x accumulation per step),
 the ratio balance_beam / plain (target >= 0.8), the planner's predicted step time
-next to the measured one (target within +-25%) from the hardware probe and from the
-compute rate the plain run sustained in this same process, and where each step's time went
+next to the measured one (target within +-25%) from the hardware probe with the
+model-shaped compute probe (what the strategy plans with at the start of fit) and from
+the compute rate the plain run sustained in this same process, and where each step's time went
 (forward, backward, gradient hand-off, optimizer; link busy times of the store).
 
     .venv/bin/python bench/train_offload.py [--steps 3] [--warmup 3] [--micro-batch 1]
@@ -54,6 +55,7 @@ from bb_lightning.planner import (
     make_plan,
     measure,
 )
+from bb_lightning.planner.calibrate import probe_train_compute
 from bb_lightning.planner.plan import placement_tiers
 from storage.tiers import Tier
 
@@ -166,6 +168,7 @@ def forced_plan(
         master=(master,) * n,
         prefetch_depth=args.prefetch,
         grads=plan.grads,
+        read_ahead=plan.read_ahead,
     )
     if plan.weights != placement.weights:
         print(
@@ -196,6 +199,7 @@ def recommended_plan(
         master=plan.master,
         prefetch_depth=plan.prefetch_depth,
         grads=plan.grads,
+        read_ahead=plan.read_ahead,
     )
     return plan, placement
 
@@ -285,12 +289,18 @@ def main(argv: list[str] | None = None) -> None:
         f"host AdamW {hw.host_adam_params_per_s / 1e6:.0f} M params/s",
         flush=True,
     )
+    matmul_hw = hw
+    probe = probe_train_compute(config, hw, seq_len=args.seq, micro_batch=args.micro_batch)
+    if probe is not None:
+        print(probe.describe(hw), flush=True)
+        hw = hw.replace(compute_efficiency=probe.efficiency)
     plan, placement = forced_plan(args, model, hw)
     weights, _ = offload_tiers(args)
     print(
         f"offloaded placement: {args.resident} of {args.layers} blocks resident, the other "
-        f"{args.layers - args.resident} on {weights.value}, master + moments on NVMe, "
-        f"prefetch depth {args.prefetch}",
+        f"{args.layers - args.resident} on {weights.value}, master + moments on NVMe "
+        f"(read ahead through {placement.read_ahead} host buffer sets), prefetch depth "
+        f"{args.prefetch}",
         flush=True,
     )
 
@@ -300,8 +310,10 @@ def main(argv: list[str] | None = None) -> None:
         strategy = strategy_for(args, placement, Path(run_dir))
         bb = train(args, config, "balance_beam", strategy, args.micro_batch, args.accumulate)
     results["balance_beam"] = bb
-    print(predicted_line("balance_beam", plan, bb))  # from the hardware probe
-    hw = calibrated(args, model, hw, plain)
+    # what the strategy predicts at the start of fit: the hardware probe with the
+    # model-shaped compute probe; then, as adapt() does after warm-up, from a measured run
+    print(predicted_line("balance_beam", plan, bb))
+    hw = calibrated(args, model, matmul_hw, plain)
     plan, _ = forced_plan(args, model, hw)
     print(predicted_line("balance_beam, calibrated", plan, bb))
     if not args.skip_recommended:
