@@ -127,9 +127,11 @@ def settled_all(events: Events) -> None:
 class Transfers:
     """Copies between arenas and files for one store, metered per link.
 
-    Transfers run on ``threads`` copy threads (:meth:`submit`), each after the
-    previous operation on its tensor, so a page-in never reads contents that a
-    write-back in flight is still replacing. ``direct_device`` says whether
+    Transfers run on copy threads (:meth:`submit`), each after the previous
+    operation on its tensor, so a page-in never reads contents that a write-back
+    in flight is still replacing. Tensors homed on NVMe use ``threads`` disk
+    threads; the others (copies between memory tiers) use ``threads`` threads of
+    their own, so a page-in from host memory never queues behind disk traffic. ``direct_device`` says whether
     the I/O backend reads into and writes from device memory (kvikio);
     ``stage_nvme`` routes every NVMe transfer through ``staging`` even where
     it could go direct.
@@ -158,6 +160,7 @@ class Transfers:
         if self.cuda:
             self.streams = {d: torch.cuda.Stream(device) for d in ("h2d", "d2h")}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store")
+        self._memory_pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store-mem")
         self._order = threading.Lock()  # guards Record.last across caller threads
 
     # -- ordering --------------------------------------------------------------------------
@@ -179,9 +182,10 @@ class Transfers:
                 after = () if event is None else (event,)
             return work(after)
 
+        pool = self._pool if rec.home is Tier.NVME else self._memory_pool
         with self._order:
             prev = rec.last
-            rec.last = fut = self._pool.submit(job)
+            rec.last = fut = pool.submit(job)
         return fut
 
     def settle(self, rec: Record, *, sync: bool = False) -> torch.cuda.Event | None:
@@ -206,6 +210,7 @@ class Transfers:
     def shutdown(self) -> None:
         """Wait for the copy threads to finish their work and stop them."""
         self._pool.shutdown(wait=True)
+        self._memory_pool.shutdown(wait=True)
 
     def _direct(self, buf: torch.Tensor) -> bool:
         """Whether an NVMe transfer can use ``buf`` (an aligned slot) without staging."""
