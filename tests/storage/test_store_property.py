@@ -204,8 +204,13 @@ class StoreMachine(RuleBasedStateMachine):
         m = self.model[name]
         if given:
             src = make(m.dtype, m.nbytes // torch.empty((), dtype=m.dtype).element_size(), seed)
-            self.store.write_back_async(name, src)  # not waited on: later operations order after
+            ticket = self.store.write_back_async(name, src)
             m.contents = to_np(src)
+            if m.home is Tier.HOST and m.device is not None:
+                # paged in place on the CPU: the device copy is the home itself, so it shows
+                # src once the write lands; a page-in ticket waited later does not order it
+                ticket.wait()
+            # otherwise not waited on: later operations on the tensor order after it
             if m.home is Tier.DEVICE or (m.home is Tier.HOST and m.device is not None):
                 m.device = m.contents.copy()
         elif m.state is Residency.RESIDENT:
