@@ -7,7 +7,8 @@ embeddings, attention and the loss, and its matrix products have the model's
 :func:`probe_train_compute` measures it before the first step: it builds the
 model's architecture from its config with one and with two blocks (random
 weights, the compute dtype, on the device), times a forward + backward of one
-micro-batch through each, and takes the difference as one block's time and the
+micro-batch through each (median of a few passes: a training step is not the best
+of several runs), and takes the difference as one block's time and the
 rest as the embedding, final norm, head and loss. The full model's pass is then
 ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
@@ -18,6 +19,7 @@ planner multiplies ``device_flops`` by.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -97,13 +99,13 @@ def _pass_seconds(
     device: torch.device,
     repeats: int,
 ) -> float:
-    """Best of ``repeats`` timed forward + backward passes (after one warm-up pass)."""
+    """Median of ``repeats`` timed forward + backward passes (after one warm-up pass)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         net = AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype)
     net.train()
-    best = float("inf")
+    times: list[float] = []
     try:
         for k in range(repeats + 1):
             _sync(device)
@@ -112,11 +114,11 @@ def _pass_seconds(
             out.loss.backward()
             _sync(device)
             if k:
-                best = min(best, time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
             net.zero_grad(set_to_none=True)
     finally:
         del net
-    return best
+    return statistics.median(times)
 
 
 def probe_train_compute(
@@ -127,7 +129,7 @@ def probe_train_compute(
     micro_batch: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> TrainCompute | None:
     """Time the model's training pass at ``micro_batch`` sequences of ``seq_len`` tokens.
 

@@ -189,6 +189,16 @@ def price(
         pipeline, np.full_like(kf, bwd), off + (1.0 if nb > 0 else 0.0), job.grad_clipping
     )
     total = compute + ga * exposed_pass + opt_exposed
+    shared = np.zeros_like(kf)
+    if hw.device_type == "cpu":
+        # The host work shares the compute's cores on a CPU device: the AdamW updates and
+        # the fp32 gradient accumulation (a conversion pass over each off-device
+        # gradient per micro-batch, at memory-copy speed) add to the step.
+        accumulate = cost.link_seconds(
+            (off * p + nb) * FP32_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency
+        )
+        shared = adam + ga * accumulate
+        total = total + shared
     out = {
         "feasible": feasible.astype(np.float64),
         "total": total,
@@ -206,6 +216,7 @@ def price(
         "kw": kw,
         "in_place": in_place,
         "read_ahead": k,
+        "shared": shared,
     }
     for link in ("h2d", "nvme_read", "nvme_write", "d2h"):
         out[link] = ga * links[link] + opt_links.get(link, 0.0)
@@ -469,6 +480,8 @@ def build_plan(
                 if in_place
                 else ""
             )
+            + f"; host AdamW and gradient accumulation take the same cores: "
+            f"+{v.get('shared', 0.0):.3g} s per step"
         )
     nb_host = Tier.DEVICE
     return Plan(

@@ -132,3 +132,22 @@ def test_plans_carry_the_depth_into_memory_and_reasons() -> None:
     extra = (plan.read_ahead - MIN_READ_AHEAD) * ADAM_STATE_BYTES * m.block_params
     assert host >= extra
     assert on_host.read_ahead == MIN_READ_AHEAD
+
+
+def test_cpu_device_adds_its_host_work_to_the_step() -> None:
+    """On a CPU device AdamW and the fp32 gradient accumulation run on the compute's
+    cores: the same plan on a CUDA-typed profile with the same numbers is faster by
+    exactly those seconds."""
+    m, hw = model(12_850_000), cpu(1.3e9, 1.5e9)
+    job = FitJob(seq_len=512, global_batch_seqs=4)
+    ov = PlanOverrides(
+        micro_batch=1, weights_tier=Tier.DEVICE, master_tier=Tier.NVME, checkpointing=True
+    )
+    on_cpu = make_plan(m, hw, job, overrides=ov)
+    on_gpu = make_plan(m, hw.replace(device_type="cuda"), job, overrides=ov)
+    params = m.num_blocks * m.block_params + m.embed_params + m.head_params + m.final_params
+    adam = params / hw.host_adam_params_per_s
+    accumulate = on_cpu.grad_accum * params * 4 / hw.h2d_bandwidth
+    assert on_cpu.predicted.compute == pytest.approx(on_gpu.predicted.compute)
+    assert on_cpu.predicted.total - on_gpu.predicted.total == pytest.approx(adam + accumulate)
+    assert any("take the same cores" in r for r in on_cpu.reasons)
