@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -584,3 +585,33 @@ def test_write_back_from_an_aligned_host_buffer_goes_direct(tmp_path: Path) -> N
             assert moved["device->nvme" if not staged else "host->nvme"] == 1
             assert torch.equal(store.read("n"), x)
             x = x + 1
+
+
+def test_memory_copies_do_not_queue_behind_disk_traffic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every disk thread held up by NVMe write-backs, copies between memory tiers
+    (a write-back to a device-home tensor, a page-in from host) still complete; and each
+    tensor's operations stay in order."""
+    gate = threading.Event()
+    with TieredStore(make_config(tmp_path, copy_threads=1)) as s:
+        original = s._io.store
+
+        def held(rec: Any, *args: Any) -> Any:
+            if rec.home is Tier.NVME:
+                assert gate.wait(timeout=30)
+            return original(rec, *args)
+
+        monkeypatch.setattr(s._io, "store", held)
+        x, y = sample(torch.float32, seed=1), sample(torch.float32, seed=2)
+        for name, home in (("disk", Tier.NVME), ("dev", Tier.DEVICE), ("host", Tier.HOST)):
+            s.register(name, shape=x.shape, dtype=torch.float32, home=home)
+        slow = [s.write_back_async("disk", x), s.write_back_async("disk", y)]
+        assert torch.equal(s.write_back_async("dev", y).wait()["dev"], y)
+        s.write("host", x)
+        assert torch.equal(s.prefetch_async("host").wait()["host"], x)
+        assert not any(t.done() for t in slow)  # the disk lane is still held
+        gate.set()
+        for t in slow:
+            t.wait()
+        assert torch.equal(s.read("disk"), y)  # the two disk writes landed in order
