@@ -7,8 +7,8 @@ embeddings, attention and the loss, and its matrix products have the model's
 :func:`probe_train_compute` measures it before the first step: it builds the
 model's architecture from its config with one and with two blocks (random
 weights, the compute dtype, on the device), times a forward + backward of one
-micro-batch through each (median of a few passes: a training step is not the best
-of several runs), and takes the difference as one block's time and the
+micro-batch through each (alternating, median of a few passes each: a training
+step is not the best of several runs), and takes the difference as one block's time and the
 rest as the embedding, final norm, head and loss. The full model's pass is then
 ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
@@ -74,8 +74,10 @@ def _with_layers(config: Any, layers: int) -> Any:
 
 
 def _fits(model: ModelProfile, seq_len: int, micro_batch: int, device: torch.device) -> bool:
-    """Whether a two-block copy (weights, gradients, activations) fits :data:`MEMORY_SHARE`."""
-    params = 2 * model.block_params + model.embed_params + model.head_params + model.final_params
+    """Whether the one- and two-block copies (weights, gradients, activations) fit
+    :data:`MEMORY_SHARE`."""
+    rest = model.embed_params + model.head_params + model.final_params
+    params = 3 * model.block_params + 2 * rest  # the one- and the two-block copy
     tokens = seq_len * micro_batch
     need = 2 * 2 * params  # bf16 weights and gradients
     need += 2 * tokens * model.act_bytes_per_token_full + 3 * 4 * tokens * model.vocab_size
@@ -93,32 +95,36 @@ def _sync(device: torch.device) -> None:
 
 def _pass_seconds(
     config: Any,
-    layers: int,
     tokens: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
     repeats: int,
-) -> float:
-    """Median of ``repeats`` timed forward + backward passes (after one warm-up pass)."""
+) -> tuple[float, float]:
+    """Median seconds of a forward + backward pass through the one- and the two-block
+    model, timed alternately (after one warm-up pass each) so that a disturbance on
+    the machine falls on both."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
-        net = AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype)
-    net.train()
-    times: list[float] = []
+        nets = [
+            AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype)
+            for layers in (1, 2)
+        ]
+    times: list[list[float]] = [[], []]
     try:
         for k in range(repeats + 1):
-            _sync(device)
-            t0 = time.perf_counter()
-            out = net(input_ids=tokens, labels=tokens)
-            out.loss.backward()
-            _sync(device)
-            if k:
-                times.append(time.perf_counter() - t0)
-            net.zero_grad(set_to_none=True)
+            for net, out in zip(nets, times, strict=True):
+                net.train()
+                _sync(device)
+                t0 = time.perf_counter()
+                net(input_ids=tokens, labels=tokens).loss.backward()
+                _sync(device)
+                if k:
+                    out.append(time.perf_counter() - t0)
+                net.zero_grad(set_to_none=True)
     finally:
-        del net
-    return statistics.median(times)
+        del nets
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def probe_train_compute(
@@ -135,8 +141,8 @@ def probe_train_compute(
 
     ``config`` is the model's Hugging Face config (or anything
     :func:`bb_lightning.structure.load_config` reads). Returns None when the
-    two-block copy would not fit :data:`MEMORY_SHARE` of the free memory. Takes
-    ``2 * (repeats + 1)`` passes of a one- and a two-block model (a few seconds on
+    copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
+    ``2 * (repeats + 1)`` passes, alternating a one- and a two-block model (a few seconds on
     a CPU for a 370M-parameter model at 512 tokens).
     """
     if seq_len < 1 or micro_batch < 1:
@@ -154,8 +160,7 @@ def probe_train_compute(
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        one = _pass_seconds(config, 1, tokens, dtype, dev, repeats)
-        two = _pass_seconds(config, 2, tokens, dtype, dev, repeats)
+        one, two = _pass_seconds(config, tokens, dtype, dev, repeats)
     block = max(two - one, 0.0)
     rest = max(one - block, 0.0)
     total = model.num_blocks * block + rest
