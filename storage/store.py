@@ -4,7 +4,9 @@ Each tensor has one *home* tier (``DEVICE``, ``HOST`` or ``NVME``) holding its
 authoritative copy, and one :class:`ResidencyMachine` saying whether a copy
 is usable on the compute device (``RELEASED -> IN_FLIGHT -> RESIDENT ->
 RELEASED``). Page-ins and write-backs run off the caller's thread: on the CPU
-on a small thread pool (file I/O through the I/O backend's own threads), on
+on small thread pools, one for tensors homed on NVMe and one for copies between
+memory tiers, so memory copies never wait behind disk traffic (file I/O through
+the I/O backend's own threads), on
 CUDA as ``non_blocking`` copies on two side streams with events, so they
 overlap the caller's compute. :meth:`Ticket.wait` is the one sync point of a
 batch of transfers.
@@ -95,7 +97,8 @@ class StoreConfig:
     device: str | None = None
     """Compute device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``; ``None`` = cuda when available."""
     copy_threads: int = 2
-    """Threads that run page-ins and write-backs (on CUDA they only issue copies)."""
+    """Threads that run page-ins and write-backs, per pool: one pool serves tensors homed
+    on NVMe, one the others (on CUDA they only issue copies)."""
 
     def __post_init__(self) -> None:
         for key in ("device_budget", "host_budget", "nvme_budget"):
