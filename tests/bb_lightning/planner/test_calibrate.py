@@ -12,6 +12,8 @@ from bb_lightning.planner import calibrate, cost
 from bb_lightning.planner.calibrate import probe_train_compute
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 
+from .test_read_ahead import CPU
+
 LAYERS, SEQ = 6, 128
 
 
@@ -30,20 +32,8 @@ def config() -> LlamaConfig:
 
 
 def cpu(flops: float = 1e11) -> HardwareProfile:
-    return HardwareProfile(
-        name="cpu",
-        device_type="cpu",
-        device_memory=8 << 30,
-        device_flops=flops,
-        h2d_bandwidth=1e10,
-        d2h_bandwidth=1e10,
-        host_memory=8 << 30,
-        nvme_read_bandwidth=1e9,
-        nvme_write_bandwidth=1e9,
-        nvme_capacity=1 << 40,
-        host_adam_params_per_s=1e9,
-        cores=2,
-    )
+    """A CPU profile; the probe reads only its device type and FLOP/s."""
+    return HardwareProfile.from_dict({**CPU, "device_flops": flops})
 
 
 def whole_pass_seconds(cfg: LlamaConfig, micro: int) -> float:

@@ -16,44 +16,43 @@ from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.planner.search import make_plan
 from storage.tiers import Tier
 
+LLAMA_370M = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
 
-def model(block_params: int) -> ModelProfile:
-    return ModelProfile(
-        name="m",
-        num_blocks=24,
-        hidden_size=1024,
-        num_heads=16,
-        num_kv_heads=16,
-        head_dim=64,
-        vocab_size=32000,
-        max_positions=4096,
-        block_params=block_params,
-        block_matmul_params=block_params,
-        embed_params=32_768_000,
-        head_params=32_768_000,
-        final_params=1024,
-        tied_embeddings=False,
-        act_bytes_per_token_checkpointed=2048,
-        act_bytes_per_token_full=40_000,
-        kv_bytes_per_token=4096,
-    )
+
+def model() -> ModelProfile:
+    """The benchmark's 370M Llama (24 blocks of 12.6M parameters)."""
+    return ModelProfile.from_config(LLAMA_370M)
 
 
 def cpu(read_bw: float, write_bw: float) -> HardwareProfile:
-    return HardwareProfile(
-        name="cpu",
-        device_type="cpu",
-        device_memory=4 << 30,
-        device_flops=3e11,
-        h2d_bandwidth=1e10,
-        d2h_bandwidth=1e10,
-        host_memory=12 << 30,
-        nvme_read_bandwidth=read_bw,
-        nvme_write_bandwidth=write_bw,
-        nvme_capacity=1 << 40,
-        host_adam_params_per_s=1e9,
-        cores=2,
+    """A 2-core CPU machine of the order measured here, with the given NVMe bandwidths."""
+    return HardwareProfile.from_dict(
+        {**CPU, "nvme_read_bandwidth": read_bw, "nvme_write_bandwidth": write_bw}
     )
+
+
+CPU = {
+    "name": "cpu",
+    "device_type": "cpu",
+    "device_memory": 4 << 30,
+    "device_flops": 3e11,
+    "h2d_bandwidth": 1e10,
+    "d2h_bandwidth": 1e10,
+    "host_memory": 12 << 30,
+    "nvme_read_bandwidth": 1e9,
+    "nvme_write_bandwidth": 1e9,
+    "nvme_capacity": 1 << 40,
+    "host_adam_params_per_s": 1e9,
+    "cores": 2,
+}
 
 
 def seconds_by_hand(blocks: int, k: int, read: float, write: float, ahead: float, bwd: float,
@@ -79,7 +78,7 @@ def seconds_by_hand(blocks: int, k: int, read: float, write: float, ahead: float
 def test_chosen_depth_is_the_fewest_sets_that_hide_the_traffic(
     blocks: int, ahead: float, bwd: float, read_bw: float, write_bw: float, clipping: bool
 ) -> None:
-    m, hw = model(12_850_000), cpu(read_bw, write_bw)
+    m, hw = model(), cpu(read_bw, write_bw)
     job = FitJob(seq_len=512, global_batch_seqs=4, grad_clipping=clipping)
     state = ADAM_STATE_BYTES * m.block_params
     read = state / (read_bw * MIXED_IO_EFFICIENCY)
@@ -106,7 +105,7 @@ def test_chosen_depth_is_the_fewest_sets_that_hide_the_traffic(
 
 
 def test_host_room_caps_the_depth_and_the_price_shows_it() -> None:
-    m, hw = model(12_850_000), cpu(1.3e9, 1.5e9)
+    m, hw = model(), cpu(1.3e9, 1.5e9)
     job = FitJob(seq_len=512, global_batch_seqs=4)
     state = ADAM_STATE_BYTES * m.block_params
     blocks, ahead, bwd = np.array([24.0]), np.array([12.0]), np.array([3.0])
@@ -119,7 +118,7 @@ def test_host_room_caps_the_depth_and_the_price_shows_it() -> None:
 
 
 def test_plans_carry_the_depth_into_memory_and_reasons() -> None:
-    m, hw = model(12_850_000), cpu(1.3e9, 1.5e9)
+    m, hw = model(), cpu(1.3e9, 1.5e9)
     ov = PlanOverrides(master_tier=Tier.NVME, checkpointing=True, micro_batch=1)
     plan = make_plan(m, hw, FitJob(seq_len=512, global_batch_seqs=4), overrides=ov)
     assert plan.read_ahead > fit_search.MIN_READ_AHEAD
@@ -138,7 +137,7 @@ def test_cpu_device_adds_its_host_work_to_the_step() -> None:
     """On a CPU device AdamW and the fp32 gradient accumulation run on the compute's
     cores: the same plan on a CUDA-typed profile with the same numbers is faster by
     exactly those seconds."""
-    m, hw = model(12_850_000), cpu(1.3e9, 1.5e9)
+    m, hw = model(), cpu(1.3e9, 1.5e9)
     job = FitJob(seq_len=512, global_batch_seqs=4)
     ov = PlanOverrides(
         micro_batch=1, weights_tier=Tier.DEVICE, master_tier=Tier.NVME, checkpointing=True
