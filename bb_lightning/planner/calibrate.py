@@ -5,10 +5,10 @@ products. A training step of a real model also runs norms, activations, rotary
 embeddings, attention and the loss, and its matrix products have the model's
 (often smaller) shapes; on a CPU that step sustains well under the probe's rate.
 :func:`probe_train_compute` measures it before the first step: it builds the
-model's architecture from its config with one and with two blocks (random
+model's architecture from its config with one and with three blocks (random
 weights, the compute dtype, on the device), times a forward + backward of one
 micro-batch through each (alternating, median of a few passes each: a training
-step is not the best of several runs), and takes the difference as one block's time and the
+step is not the best of several runs), and takes half the difference as one block's time and the
 rest as the embedding, final norm, head and loss. The full model's pass is then
 ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
@@ -33,8 +33,11 @@ from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 __all__ = ["TrainCompute", "probe_train_compute"]
 
 MEMORY_SHARE = 0.25
-"""Most of the device's free memory (RAM on the CPU) the probe's two-block model may
+"""Most of the device's free memory (RAM on the CPU) the probe's two copies may
 take, weights, gradients and activations together; a larger model is not probed."""
+SPAN = 2
+"""Blocks between the two timed copies (1 and ``1 + SPAN`` blocks): the block time is their
+difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan)."""
 
@@ -74,10 +77,10 @@ def _with_layers(config: Any, layers: int) -> Any:
 
 
 def _fits(model: ModelProfile, seq_len: int, micro_batch: int, device: torch.device) -> bool:
-    """Whether the one- and two-block copies (weights, gradients, activations) fit
+    """Whether the one- and three-block copies (weights, gradients, activations) fit
     :data:`MEMORY_SHARE`."""
     rest = model.embed_params + model.head_params + model.final_params
-    params = 3 * model.block_params + 2 * rest  # the one- and the two-block copy
+    params = (SPAN + 2) * model.block_params + 2 * rest  # the one- and three-block copies
     tokens = seq_len * micro_batch
     need = 2 * 2 * params  # bf16 weights and gradients
     need += 2 * tokens * model.act_bytes_per_token_full + 3 * 4 * tokens * model.vocab_size
@@ -100,7 +103,7 @@ def _pass_seconds(
     device: torch.device,
     repeats: int,
 ) -> tuple[float, float]:
-    """Median seconds of a forward + backward pass through the one- and the two-block
+    """Median seconds of a forward + backward pass through the one- and the three-block
     model, timed alternately (after one warm-up pass each) so that a disturbance on
     the machine falls on both."""
     from transformers import AutoModelForCausalLM
@@ -108,7 +111,7 @@ def _pass_seconds(
     with torch.device(device):
         nets = [
             AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype)
-            for layers in (1, 2)
+            for layers in (1, SPAN + 1)
         ]
     times: list[list[float]] = [[], []]
     try:
@@ -142,7 +145,7 @@ def probe_train_compute(
     ``config`` is the model's Hugging Face config (or anything
     :func:`bb_lightning.structure.load_config` reads). Returns None when the
     copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
-    ``2 * (repeats + 1)`` passes, alternating a one- and a two-block model (a few seconds on
+    ``2 * (repeats + 1)`` passes, alternating a one- and a three-block model (a few seconds on
     a CPU for a 370M-parameter model at 512 tokens).
     """
     if seq_len < 1 or micro_batch < 1:
@@ -160,8 +163,8 @@ def probe_train_compute(
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        one, two = _pass_seconds(config, tokens, dtype, dev, repeats)
-    block = max(two - one, 0.0)
+        one, more = _pass_seconds(config, tokens, dtype, dev, repeats)
+    block = max(more - one, 0.0) / SPAN
     rest = max(one - block, 0.0)
     total = model.num_blocks * block + rest
     flops = micro_batch * seq_len * cost.train_flops_per_token(model, seq_len, False)
