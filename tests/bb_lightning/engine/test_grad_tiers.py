@@ -36,6 +36,18 @@ def _model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def _engine(model: torch.nn.Module, store: TieredStore, placement: Placement) -> TrainingEngine:
+    """An fp32 training engine on the CPU over the model's decoder layers."""
+    return TrainingEngine(
+        model,
+        model.model.layers,
+        store,
+        placement,
+        compute_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
 def _store(tmp_path: Path, model: torch.nn.Module, placement: Placement) -> TieredStore:
     blocks = model.model.layers
     numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
@@ -88,14 +100,7 @@ def test_engine_steps_equal_torch_adamw(
     )
     gen = torch.Generator().manual_seed(3)
     with _store(tmp_path, model, placement) as store:
-        engine = TrainingEngine(
-            model,
-            model.model.layers,
-            store,
-            placement,
-            compute_dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
+        engine = _engine(model, store, placement)
         ahead: list[str] = []
         read_async = store.read_async
         store.read_async = lambda name, out: (ahead.append(name), read_async(name, out))[1]  # type: ignore[method-assign]
@@ -151,14 +156,7 @@ def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> 
         layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     with _store(tmp_path, model, placement) as store:
-        engine = TrainingEngine(
-            model,
-            model.model.layers,
-            store,
-            placement,
-            compute_dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
+        engine = _engine(model, store, placement)
         handed: list[int] = []
         engine.paged.on_block_backward = handed.append
         engine.model(input_ids=ids, labels=ids).loss.backward()
@@ -187,14 +185,7 @@ def test_optimizer_writes_leave_the_training_thread(
     adamw = AdamWConfig(lr=1e-2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
     with _store(tmp_path, model, placement) as store:
-        engine = TrainingEngine(
-            model,
-            model.model.layers,
-            store,
-            placement,
-            compute_dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
+        engine = _engine(model, store, placement)
         threads: list[str] = []
         fsync = os.fsync
         monkeypatch.setattr(
