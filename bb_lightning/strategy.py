@@ -384,7 +384,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 f"({plan.tokens_per_s:.4g} tokens/s predicted)"
             )
         self._adopt(plan)
-        return _placement(plan)
+        return Placement.from_plan(plan)
 
     def _probe_compute(
         self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
@@ -548,7 +548,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
         engine, store = self.engine, self.store
         assert engine is not None and store is not None
-        placement = _placement(plan)
+        placement = Placement.from_plan(plan)
         numels = [s.numel for s in engine.pager.states]
         need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype)
         room = {t: cap for t, (_, cap) in store.usage().items()}
@@ -722,16 +722,6 @@ def _release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None
 def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
     """The first Hugging Face model inside ``module`` (None when it holds none)."""
     return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
-
-
-def _placement(plan: Plan) -> Placement:
-    return Placement(
-        weights=tuple(plan.weights),
-        master=tuple(plan.master),
-        prefetch_depth=plan.prefetch_depth,
-        grads=tuple(plan.grads),
-        read_ahead=plan.read_ahead,
-    )
 
 
 def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:

@@ -194,14 +194,7 @@ def recommended_plan(
         print(f"capping the planner's micro-batch {plan.micro_batch} to {cap} (RAM / option)")
         overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master, checkpointing=True)
         plan = make_plan(model, hw, job, overrides=overrides)
-    placement = Placement(
-        weights=plan.weights,
-        master=plan.master,
-        prefetch_depth=plan.prefetch_depth,
-        grads=plan.grads,
-        read_ahead=plan.read_ahead,
-    )
-    return plan, placement
+    return plan, Placement.from_plan(plan)
 
 
 def calibrated(

@@ -24,11 +24,15 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from bb_lightning.planner.plan import Plan
 from storage.store import Ticket, TieredStore
 from storage.tiers import Residency, Tier
 
@@ -91,6 +95,17 @@ class Placement:
     def grad_tiers(self) -> tuple[Tier, ...]:
         """Home tier of each block's gradient accumulator (``grads``, else ``master``)."""
         return self.master if self.grads is None else self.grads
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Placement:
+        """The placement a fit plan chose (its homes, prefetch depth and read-ahead)."""
+        return cls(
+            weights=tuple(plan.weights),
+            master=tuple(plan.master),
+            prefetch_depth=plan.prefetch_depth,
+            grads=tuple(plan.grads),
+            read_ahead=plan.read_ahead,
+        )
 
     @classmethod
     def uniform(
