@@ -26,7 +26,11 @@ weights in the store, no master weights, moments or gradient accumulators);
 after a ``fit`` on the same strategy they reuse the training engine's weights.
 ``predict`` plans a :class:`~bb_lightning.planner.PredictJob` (:func:`predict_job`)
 and prints the plan; its KV-cache tier goes to the module's ``kv_cache_tier``, and a
-datamodule whose ``batch_size`` is None takes the plan's ``concurrent_seqs``.
+datamodule whose ``batch_size`` is None takes the plan's ``concurrent_seqs``. On a
+measured machine (``hardware`` None or ``"measure"``) the plan is priced with the
+rates the model's own prefill and decode passes sustain on the device
+(:func:`~bb_lightning.planner.calibrate.probe_predict_compute`, a few seconds on
+a CPU), as ``fit`` is with its training pass.
 
 Optimizer: without gradient clipping, each block's host AdamW step runs while
 backward continues on earlier blocks (``overlap_optimizer``).
@@ -56,6 +60,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedModel
 
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.generate import cache_length
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
 from bb_lightning.engine.pager import Placement, set_data
 from bb_lightning.engine.timing import StepTimes
@@ -83,7 +88,7 @@ from bb_lightning.planner import (
     plan_differs,
     preset,
 )
-from bb_lightning.planner.calibrate import probe_train_compute
+from bb_lightning.planner.calibrate import probe_predict_compute, probe_train_compute
 from bb_lightning.structure import find_block_list
 from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
@@ -307,6 +312,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         batch = getattr(dm, "batch_size", None)
         model, hardware = ModelProfile.from_module(net), self._hardware()
         best = make_plan(model, hardware, job, overrides=self.overrides)
+        if self.hardware is None or self.hardware == "measure":
+            rows = min(batch if isinstance(batch, int) else best.concurrent_seqs, job.num_prompts)
+            hardware = self._probe_predict(net, hardware, job, rows)
+            best = make_plan(model, hardware, job, overrides=self.overrides)
         plan = best
         if isinstance(batch, int) and batch != best.concurrent_seqs:
             ov = _replace(self.overrides or PlanOverrides(),
@@ -407,6 +416,32 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             return hardware
         rank_zero_info(f"balance_beam {probe.describe(hardware)}")
         return hardware.replace(compute_efficiency=probe.efficiency)
+
+    def _probe_predict(
+        self, net: PreTrainedModel, hardware: HardwareProfile, job: PredictJob, rows: int
+    ) -> HardwareProfile:
+        """``hardware`` with the prefill and decode rates the model's own passes sustain
+        on the device at ``rows`` concurrent sequences (see
+        :func:`~bb_lightning.planner.calibrate.probe_predict_compute`); unchanged when the
+        probe does not fit in memory."""
+        probe = probe_predict_compute(
+            net.config,
+            hardware,
+            prompt_len=job.prompt_len,
+            concurrent=max(1, rows),
+            cache_len=cache_length(job.total_len),
+            context=job.mean_context,
+            dtype=self.resolved_dtype(),
+            device=self.root_device,
+        )
+        if probe is None:
+            rank_zero_info("balance_beam: model too large for the predict compute probe; "
+                           "planning with the matrix-product rate")  # fmt: skip
+            return hardware
+        rank_zero_info(f"balance_beam {probe.describe(hardware)}")
+        return hardware.replace(
+            compute_efficiency=probe.efficiency, decode_efficiency=probe.decode_efficiency
+        )
 
     def _hardware(self) -> HardwareProfile:
         spec = self.hardware

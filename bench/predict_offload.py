@@ -24,7 +24,12 @@ applies on a CPU device), so that the comparison does not depend on the order of
 the runs. Printed: the machine, tokens/s (generated tokens per second of generation) of
 each, the ratios ours / best HF and ours / best Accelerate, the share of
 sequences whose tokens equal the in-memory run at the same batch shape (bf16,
-and fp32 over ``--check-prompts`` prompts), and the plan's predicted tokens/s.
+and fp32 over ``--check-prompts`` prompts), the plan's predicted tokens/s (priced at
+the matrix-product probe's rate, and at the rates of the model's own prefill and
+decode passes from :func:`~bb_lightning.planner.calibrate.probe_predict_compute`),
+and the floor of any schedule that reads the weights from NVMe on every pass
+(prefill FLOPs at the matrix-product rate, then the decode passes' reads at the
+NVMe rate) beside Accelerate's best.
 Run ``python bench/predict_offload.py --help``.
 """
 
@@ -44,6 +49,7 @@ from _common import drop_cache, machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from bb_lightning.engine.generate import cache_length
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
@@ -52,9 +58,11 @@ from bb_lightning.planner import (
     Plan,
     PlanOverrides,
     PredictJob,
+    cost,
     make_plan,
     measure,
 )
+from bb_lightning.planner.calibrate import probe_predict_compute
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
@@ -222,15 +230,18 @@ def main() -> None:
             f"job: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
             "tokens each, greedy"
         )
-        hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+        matmul_hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+        hw = _probed(args, config, matmul_hw)
         plan = _plan(args, config, hw)
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)
         ours, ours_tokens = _ours(args, ckpt, work / "nvme", prompts, plan)
         print(f"[ours] NVMe weights, batch {batch}: {ours:.1f} tokens/s")
-        print(f"[plan] predicted: {plan.tokens_per_s:.1f} tokens/s; measured / predicted = "
-              f"{ours / plan.tokens_per_s:.2f}")  # fmt: skip
+        for label, p in (("matrix-product probe", _plan(args, config, matmul_hw)),
+                         ("model-shaped probe", plan)):  # fmt: skip
+            print(f"[plan] predicted ({label}): {p.tokens_per_s:.1f} tokens/s; measured / "
+                  f"predicted = {ours / p.tokens_per_s:.2f}")  # fmt: skip
 
         model.eval()
         hf: dict[int, float] = {}
@@ -252,12 +263,15 @@ def main() -> None:
         del model
         _fp32_check(args, config, hw, ckpt, work / "nvme32", prompts)
 
+        best_cold = 0.0
         for cold in (True, False):
             acc = _accelerate(args, ckpt, work / "offload", prompts, cold=cold)
             if acc:
                 best_acc = max(acc, key=lambda b: acc[b])
+                best_cold = best_cold or acc[best_acc]
                 print(f"ratio ours / accelerate disk offload ({'cold' if cold else 'warm'} page "
                       f"cache; best, batch {best_acc}) = {ours / acc[best_acc]:.2f}")  # fmt: skip
+        _floor(args, config, matmul_hw, ours, best_cold)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
@@ -265,13 +279,67 @@ def main() -> None:
     )
 
 
-def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:
-    """The predict plan with every block's weights on the NVMe tier (``--batch`` forced)."""
-    job = PredictJob(
+def _probed(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> HardwareProfile:
+    """``hw`` with the prefill and decode rates of the model's own passes at the plan's batch."""
+    rows = args.batch or _plan(args, config, hw).concurrent_seqs
+    job = _job(args)
+    probe = probe_predict_compute(
+        config, hw, prompt_len=args.prompt_len, concurrent=rows,
+        cache_len=cache_length(job.total_len), context=job.mean_context,
+    )  # fmt: skip
+    if probe is None:
+        print("[plan] model too large for the predict probe: planning at the matrix-product rate")
+        return hw
+    print(f"[plan] {probe.describe(hw)}")
+    return hw.replace(
+        compute_efficiency=probe.efficiency, decode_efficiency=probe.decode_efficiency
+    )
+
+
+def _floor(
+    args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile, ours: float, acc: float
+) -> None:
+    """The fastest any schedule can be that reads every block's weights from NVMe each pass.
+
+    The sequences whose prefill ends last still need ``new_tokens - 1`` decode passes
+    after it, with no prefill left to hide their weight reads behind: those passes take
+    at least their reads at the NVMe probe's rate. Before them, all prefill runs: at
+    least its FLOPs at the matrix-product probe's rate.
+    """
+    model = ModelProfile.from_config(config)
+    head = model.head_flops_per_token()
+    flops = (
+        args.prompts
+        * args.prompt_len
+        * (cost.forward_flops_per_token(model, args.prompt_len) - head)
+    )
+    prefill = flops / hw.device_flops
+    pass_bytes = model.num_blocks * model.block_params * 2  # bf16 weights
+    decode = (args.new_tokens - 1) * pass_bytes / hw.nvme_read_bandwidth
+    best = args.prompts * args.new_tokens / (prefill + decode)
+    print(
+        f"[floor] any schedule reading the weights from NVMe each pass: prefill >= "
+        f"{prefill:.1f} s (its block FLOPs at {hw.device_flops / 1e12:.3g} TFLOP/s) + "
+        f"{args.new_tokens - 1} decode passes after it >= {decode:.1f} s "
+        f"({pass_bytes / 1e6:.0f} MB each at {hw.nvme_read_bandwidth / 1e9:.2f} GB/s) = "
+        f"{prefill + decode:.1f} s -> at most {best:.1f} tokens/s; ours reaches "
+        f"{ours / best:.0%} of it"
+    )
+    if acc > 0:
+        print(f"[floor] = {best / acc:.2f} x Accelerate's best (cold page cache); "
+              f"3 x would need {3 * acc:.1f} tokens/s")  # fmt: skip
+
+
+def _job(args: argparse.Namespace) -> PredictJob:
+    return PredictJob(
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.prompts
     )
+
+
+def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:
+    """The predict plan with every block's weights on the NVMe tier (``--batch`` forced)."""
     ov = PlanOverrides(weights_tier=Tier.NVME, concurrent_seqs=args.batch)
-    return make_plan(ModelProfile.from_config(config), hw, job, overrides=ov)
+    return make_plan(ModelProfile.from_config(config), hw, _job(args), overrides=ov)
 
 
 def _fp32_check(

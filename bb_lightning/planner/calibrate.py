@@ -14,11 +14,20 @@ rest as the embedding, final norm, head and loss. The full model's pass is then
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
 that time, divided by the probe's ``device_flops``, is the efficiency the
 planner multiplies ``device_flops`` by.
+
+:func:`probe_predict_compute` does the same for generation, forward only: a
+prefill of whole prompts (the last token's logits only, as the generator asks)
+and a decode pass of one token per sequence over a static KV cache of the
+generator's length, through :func:`~bb_lightning.engine.attention.decode_attention`.
+The prefill's rate gives ``compute_efficiency``; the decode pass's rate over the
+prefill's gives ``decode_efficiency`` (thin matrix products and cache reads run
+well below the prefill's rate on a CPU).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +39,7 @@ import torch
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 
-__all__ = ["TrainCompute", "probe_train_compute"]
+__all__ = ["PredictCompute", "TrainCompute", "probe_predict_compute", "probe_train_compute"]
 
 MEMORY_SHARE = 0.25
 """Most of the device's free memory (RAM on the CPU) the probe's two copies may
@@ -172,3 +181,218 @@ def probe_train_compute(
     eff = tflops * 1e12 / max(hw.device_flops, 1.0)
     eff = min(max(eff, MIN_EFFICIENCY), MAX_EFFICIENCY)
     return TrainCompute(block_s=block, rest_s=rest, pass_s=total, tflops=tflops, efficiency=eff)
+
+
+PREFILL_PROBE_TOKENS = 2048
+"""Prompt tokens the predict probe's prefill pass carries at most (whole prompts)."""
+
+
+@dataclass(frozen=True)
+class PredictCompute:
+    """What a generation batch's prefill and decode passes cost on this device."""
+
+    prefill_block_s: float
+    """Prefill of ``prefill_rows`` prompts through one block, seconds."""
+    prefill_rest_s: float
+    """The same prefill outside the blocks (embedding, final norm, last-token head), seconds."""
+    prefill_rows: int
+    """Prompts in the probed prefill pass."""
+    prefill_s: float
+    """The whole model's prefill of ``prefill_rows`` prompts,
+    ``num_blocks * prefill_block_s + prefill_rest_s``, seconds."""
+    decode_block_s: float
+    """One decode pass of ``decode_rows`` sequences through one block, seconds."""
+    decode_rest_s: float
+    """The same decode pass outside the blocks, seconds."""
+    decode_rows: int
+    """Sequences in the probed decode pass."""
+    decode_s: float
+    """The whole model's decode pass, ``num_blocks * decode_block_s + decode_rest_s``, seconds."""
+    efficiency: float
+    """Prefill FLOPs over the prefill pass time, over ``device_flops`` (clipped): the
+    profile's ``compute_efficiency``."""
+    decode_efficiency: float
+    """The decode pass's rate relative to the prefill's (clipped): the profile's
+    ``decode_efficiency``."""
+
+    def describe(self, hw: HardwareProfile) -> str:
+        """One line for the log."""
+        return (
+            f"model-shaped predict probe: one block {self.prefill_block_s * 1e3:.1f} ms per "
+            f"prefill of {self.prefill_rows} prompts, {self.decode_block_s * 1e3:.1f} ms per "
+            f"decode pass of {self.decode_rows} sequences; prefill at {self.efficiency:.2f} x "
+            f"the matrix-product probe's {hw.device_flops / 1e12:.3g} TFLOP/s, decode at "
+            f"{self.decode_efficiency:.2f} x the prefill rate"
+        )
+
+
+def _predict_fits(
+    model: ModelProfile,
+    rows: int,
+    prompt_len: int,
+    dec_rows: int,
+    cache_len: int,
+    dev: torch.device,
+) -> bool:
+    rest = model.embed_params + model.head_params + model.final_params
+    need = 2 * ((SPAN + 2) * model.block_params + 2 * rest)  # compute-dtype weights
+    need += rows * prompt_len * model.act_bytes_per_token_full
+    need += (SPAN + 2) * dec_rows * cache_len * model.kv_bytes_per_token
+    need += 4 * max(rows, dec_rows) * model.vocab_size
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    else:
+        free = psutil.virtual_memory().available
+    return need <= MEMORY_SHARE * free
+
+
+def _predict_seconds(
+    config: Any,
+    prompts: torch.Tensor,
+    decode_rows: int,
+    cache_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Median seconds of a prefill and of a decode pass through the one- and the
+    three-block model ((prefill one, three), (decode one, three)), timed alternately."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from bb_lightning.engine.attention import decode_attention_for
+
+    with torch.device(device):
+        nets = [
+            AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype).eval()
+            for layers in (1, SPAN + 1)
+        ]
+    last = cache_len - 1
+    token = prompts[:1, :1].expand(decode_rows, 1).contiguous()
+    step = {
+        "input_ids": token,
+        "attention_mask": torch.ones(decode_rows, cache_len, dtype=torch.long, device=device),
+        "position_ids": torch.full((decode_rows, 1), last, device=device),
+        "cache_position": torch.tensor([last], device=device),
+        "use_cache": True,
+    }
+    times: list[list[float]] = [[], [], [], []]
+    try:
+        with torch.inference_mode():
+            caches = [StaticCache(config=net.config, max_cache_len=cache_len) for net in nets]
+            for k in range(repeats + 1):
+                for i, (net, cache) in enumerate(zip(nets, caches, strict=True)):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    net(input_ids=prompts, use_cache=False, **_last_logits(net))
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    # the step's cost does not depend on what the cache holds: it attends
+                    # over all cache_len positions, as the engine's static cache does
+                    with decode_attention_for(net):
+                        net(**step, **{_cache_kw(net): cache}, **_last_logits(net))
+                    _sync(device)
+                    if k:
+                        times[i].append(t1 - t0)
+                        times[2 + i].append(time.perf_counter() - t1)
+    finally:
+        del nets
+    med = [statistics.median(t) for t in times]
+    return (med[0], med[1]), (med[2], med[3])
+
+
+def _last_logits(net: Any) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model takes it (the generator asks for the last token's)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(net) else {}
+
+
+def _cache_kw(net: Any) -> str:
+    """The name the model's forward takes its KV cache under."""
+    return "cache" if "cache" in _forward_params(net) else "past_key_values"
+
+
+def _forward_params(net: Any) -> Any:
+    return inspect.signature(net.forward).parameters
+
+
+def _split(one: float, more: float, blocks: int) -> tuple[float, float, float]:
+    """(block, rest, whole model) seconds from the one- and the ``1 + SPAN``-block times."""
+    block = max(more - one, 0.0) / SPAN
+    rest = max(one - block, 0.0)
+    return block, rest, blocks * block + rest
+
+
+def _clip(eff: float) -> float:
+    return min(max(eff, MIN_EFFICIENCY), MAX_EFFICIENCY)
+
+
+def probe_predict_compute(
+    config: Any,
+    hw: HardwareProfile,
+    *,
+    prompt_len: int,
+    concurrent: int,
+    cache_len: int,
+    context: float | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
+) -> PredictCompute | None:
+    """Time the model's prefill and decode passes at a generation batch's shapes.
+
+    Args:
+        config: the model's Hugging Face config (anything
+            :func:`bb_lightning.structure.load_config` reads).
+        hw: the hardware profile whose ``device_flops`` the rates are relative to.
+        prompt_len: tokens per prompt.
+        concurrent: sequences per decode pass (the plan's ``concurrent_seqs``).
+        cache_len: KV cache positions a decode pass attends over (the generator's static
+            cache length).
+        context: mean attended context (tokens) the planner counts decode FLOPs at;
+            None: ``cache_len``.
+        dtype, device: compute dtype and device (default: the profile's device type).
+        repeats: timed passes of each shape and model (after one warm-up).
+
+    The prefill pass carries ``min(concurrent, PREFILL_PROBE_TOKENS // prompt_len)``
+    prompts (at least one). Returns None when the copies and the cache would not fit
+    :data:`MEMORY_SHARE` of the free memory.
+    """
+    if min(prompt_len, concurrent, cache_len, repeats) < 1:
+        raise ValueError(
+            f"prompt_len={prompt_len}, concurrent={concurrent}, cache_len={cache_len}, "
+            f"repeats={repeats}: all must be >= 1 to probe"
+        )
+    from bb_lightning.structure import load_config
+
+    config = load_config(config)
+    dev = torch.device(device if device is not None else hw.device_type)
+    model = ModelProfile.from_config(config)
+    rows = max(1, min(concurrent, PREFILL_PROBE_TOKENS // prompt_len))
+    if not _predict_fits(model, rows, prompt_len, concurrent, cache_len, dev):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, int(model.vocab_size), (rows, prompt_len), generator=gen).to(dev)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        pre, dec = _predict_seconds(config, prompts, concurrent, cache_len, dtype, dev, repeats)
+    n, head = model.num_blocks, model.head_flops_per_token()
+    pre_block, pre_rest, pre_total = _split(*pre, n)
+    dec_block, dec_rest, dec_total = _split(*dec, n)
+    pre_flops = rows * prompt_len * (cost.forward_flops_per_token(model, prompt_len) - head)
+    pre_flops += rows * head
+    ctx = float(cache_len if context is None else context)
+    dec_flops = concurrent * cost.forward_flops_per_token(model, ctx)
+    peak = max(hw.device_flops, 1.0)
+    pre_rate = pre_flops / max(pre_total, 1e-9)
+    dec_rate = dec_flops / max(dec_total, 1e-9)
+    eff = _clip(pre_rate / peak)
+    return PredictCompute(
+        prefill_block_s=pre_block,
+        prefill_rest_s=pre_rest,
+        prefill_rows=rows,
+        prefill_s=pre_total,
+        decode_block_s=dec_block,
+        decode_rest_s=dec_rest,
+        decode_rows=concurrent,
+        decode_s=dec_total,
+        efficiency=eff,
+        decode_efficiency=_clip(dec_rate / (eff * peak)),
+    )

@@ -95,6 +95,11 @@ class PredictJob:
         """Tokens per sequence at the end of generation."""
         return self.prompt_len + self.new_tokens
 
+    @property
+    def mean_context(self) -> float:
+        """Tokens a decode pass attends over on average: ``prompt_len + new_tokens / 2``."""
+        return self.prompt_len + self.new_tokens / 2.0
+
     def validate(self, model: ModelProfile) -> None:
         """Raise ``ValueError`` when the job does not suit ``model``."""
         if model.max_positions and self.total_len > model.max_positions:

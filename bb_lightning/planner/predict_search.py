@@ -5,6 +5,9 @@ serve every concurrent sequence, so the tokens of a decode pass are the
 concurrent sequences. A candidate is (prefetch depth, concurrent sequences, KV
 cache tier, resident blocks); paged weights home on the host when it holds them,
 else NVMe. Prefill runs in micro-batches of about :data:`PREFILL_TOKENS` tokens.
+Decode passes compute at ``decode_efficiency`` times the rate of prefill (thin
+matrix products, attention over the cache). A KV cache on the host streams to a
+CUDA device block by block; a CPU device reads it in place.
 """
 
 from __future__ import annotations
@@ -60,12 +63,15 @@ def price(
     n, bb = model.num_blocks, float(model.block_bytes)
     nb = float(model.embed_params + model.head_params + model.final_params)
     plen, new = job.prompt_len, job.new_tokens
-    ctx = plen + new / 2.0  # mean attended context of a decode pass
+    ctx = job.mean_context
     mb = ov.micro_batch or min(c, max(1, math.ceil(PREFILL_TOKENS / plen)))
     np_ = n - kw
     paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
     kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
-    kv_dev = kv_all if kv is Tier.DEVICE else 2.0 * kv_all / n  # else: one block, double-buffered
+    # a host cache streams to the device one block at a time (double-buffered); a CPU
+    # device reads it where it lies
+    streamed = kv is Tier.HOST and hw.device_type != "cpu"
+    kv_dev = 2.0 * kv_all / n if streamed else kv_all if kv is Tier.DEVICE else 0.0
     dev = (
         nb * BF16_BYTES
         + kw * bb
@@ -91,9 +97,9 @@ def price(
     blocks_prefill = cost.forward_flops_per_token(model, plen) - head
     c_pre = cost.compute_seconds(c * plen * blocks_prefill + c * head, hw)
     c_dec = cost.compute_seconds(c * cost.forward_flops_per_token(model, ctx), hw)
+    c_dec /= hw.decode_efficiency
     steps = new - 1
     kv_tok = float(model.kv_bytes_per_token * n)
-    on_host = kv is Tier.HOST
     w_h2d = np_ * bb
     nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)
     h2d = hw.h2d_bandwidth, hw.h2d_efficiency
@@ -101,12 +107,12 @@ def price(
     pre_links = {
         "h2d": cost.link_seconds(w_h2d, *h2d),
         "nvme_read": nvme_s,
-        "d2h": cost.link_seconds(np.full_like(kw, c * plen * kv_tok if on_host else 0.0), *d2h),
+        "d2h": cost.link_seconds(np.full_like(kw, c * plen * kv_tok if streamed else 0.0), *d2h),
     }
     dec_links = {
-        "h2d": cost.link_seconds(w_h2d + (c * ctx * kv_tok if on_host else 0.0), *h2d),
+        "h2d": cost.link_seconds(w_h2d + (c * ctx * kv_tok if streamed else 0.0), *h2d),
         "nvme_read": nvme_s,
-        "d2h": cost.link_seconds(np.full_like(kw, c * kv_tok if on_host else 0.0), *d2h),
+        "d2h": cost.link_seconds(np.full_like(kw, c * kv_tok if streamed else 0.0), *d2h),
     }
     c_pre_a, c_dec_a = np.full_like(kw, c_pre), np.full_like(kw, c_dec)
     exp_pre = cost.pass_exposed_seconds(c_pre_a, pre_links)
@@ -226,10 +232,11 @@ def build_plan(
     limited = cost.limited_by(v["exposed_pass"], v["compute"], c >= job.num_prompts)
     tok_s = c * job.new_tokens / v["total"]
     processed = c * (job.prompt_len + job.new_tokens - 1) / v["total"]
-    ctx = job.prompt_len + job.new_tokens / 2.0
+    ctx = job.mean_context
     eff_flops = hw.device_flops * hw.compute_efficiency
     bw = cost.effective_bandwidths(hw)
-    kv_tok = float(model.kv_bytes_per_token * n) if best.kv is Tier.HOST else 0.0
+    streamed = best.kv is Tier.HOST and hw.device_type != "cpu"
+    kv_tok = float(model.kv_bytes_per_token * n) if streamed else 0.0
     roof = Roofline(
         flops_per_token=cost.forward_flops_per_token(model, ctx),
         device_flops=eff_flops,
@@ -240,18 +247,21 @@ def build_plan(
         bytes_per_token={"h2d": ctx * kv_tok, "d2h": kv_tok},
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
-    hide = cost.hide_tokens_per_pass(2.0, 2.0, eff_flops, bw["h2d"])
+    # the paged weights come over the slowest link they cross: NVMe when some home there
+    link = "nvme_read" if n - kw - w_h > 0 else "h2d"
+    hide = cost.hide_tokens_per_pass(2.0, 2.0, eff_flops * hw.decode_efficiency, bw[link])
     kv_bytes = cost.kv_cache_bytes(model, c, job.total_len)
+    where = ""
+    if streamed:
+        where = " (streamed to the device block by block each decode pass)"
+    elif best.kv is Tier.HOST:
+        where = " (RAM: the CPU reads it in place)"
     reasons = [
-        f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per decode "
-        f"pass; chosen {c} concurrent sequences (limited by {limited})",
+        f"a paged weight pass ({link.replace('_', ' ')}) hides behind compute from about "
+        f"{hide:,.0f} tokens per decode pass; chosen {c} concurrent sequences (limited by "
+        f"{limited})",
         f"KV cache of {c} sequences x {job.total_len} tokens = {format_bytes(kv_bytes)} on "
-        f"{best.kv.value}"
-        + (
-            " (streamed to the device block by block each decode pass)"
-            if best.kv is Tier.HOST
-            else ""
-        ),
+        f"{best.kv.value}{where}",
         f"{kw} of {n} blocks resident with the device memory left; {w_h} paged blocks home on "
         "host, the rest on NVMe",
     ]

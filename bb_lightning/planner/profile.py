@@ -85,6 +85,11 @@ class HardwareProfile:
     """Multiplier on both NVMe bandwidths learnt from measured steps (1.0 = as profiled)."""
     optimizer_efficiency: float = 1.0
     """Multiplier on ``host_adam_params_per_s`` learnt from measured steps (1.0 = as profiled)."""
+    decode_efficiency: float = 1.0
+    """Rate of a decode pass (one new token per sequence: thin matrix products, attention
+    over the whole KV cache) relative to a prefill or training pass, as a multiplier on
+    ``device_flops * compute_efficiency`` (1.0 = the same rate; see
+    :func:`bb_lightning.planner.calibrate.probe_predict_compute`)."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -112,6 +117,7 @@ class HardwareProfile:
             "d2h_efficiency",
             "nvme_efficiency",
             "optimizer_efficiency",
+            "decode_efficiency",
         ):
             value = getattr(self, name)
             if not value > 0:

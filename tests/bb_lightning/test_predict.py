@@ -156,6 +156,49 @@ def test_predict_is_planned_and_takes_the_planned_batch(
     assert [r["token_ids"] for r in records] == list(_generate(reference, texts, 5).values())
 
 
+def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import bb_lightning.strategy as strategy_module
+    from bb_lightning.planner import PlanOverrides, make_plan
+    from bb_lightning.planner.calibrate import PredictCompute
+
+    probed: list[dict[str, Any]] = []
+
+    def fake_probe(config: Any, hw: HardwareProfile, **kw: Any) -> PredictCompute:
+        probed.append(kw)
+        return PredictCompute(
+            prefill_block_s=1.0, prefill_rest_s=0.0, prefill_rows=1, prefill_s=1.0,
+            decode_block_s=1.0, decode_rest_s=0.0, decode_rows=1, decode_s=1.0,
+            efficiency=0.5, decode_efficiency=0.25,
+        )  # fmt: skip
+
+    monkeypatch.setattr(strategy_module, "measure", lambda **_: _cpu())
+    monkeypatch.setattr(strategy_module, "probe_predict_compute", fake_probe)
+    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=5)
+    strategy = BalanceBeamStrategy(compute_dtype="fp32")
+    dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
+    with caplog.at_level(logging.INFO):
+        _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
+    plan = strategy.plan
+    assert plan is not None and isinstance(plan.job, PredictJob)
+    job = plan.job
+    # probed at the batch in use, over the generator's cache (prompt + new, rounded to 64)
+    assert probed == [
+        {"prompt_len": job.prompt_len, "concurrent": 2, "cache_len": 64,
+         "context": job.prompt_len + 2.5, "dtype": torch.float32,
+         "device": torch.device("cpu")}
+    ]  # fmt: skip
+    hw = plan.hardware
+    assert (hw.compute_efficiency, hw.decode_efficiency) == (0.5, 0.25)
+    ov = PlanOverrides(concurrent_seqs=2)
+    again = make_plan(plan.model, hw, job, overrides=ov)
+    assert plan.tokens_per_s == pytest.approx(again.tokens_per_s)
+    assert again.tokens_per_s < make_plan(plan.model, _cpu(), job, overrides=ov).tokens_per_s
+    assert "model-shaped predict probe" in caplog.text
+    strategy.close()
+
+
 def test_predict_after_fit_reuses_the_trained_weights(tmp_path: Path) -> None:
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=4, learning_rate=1e-2)
     strategy = BalanceBeamStrategy(

@@ -42,7 +42,12 @@ def test_predict_offload_prints_ratios(tmp_path: Path) -> None:
     for cache in ("cold", "warm"):
         pattern = rf"ratio ours / accelerate disk offload \({cache} page cache; best, batch 4\) = "
         _number(pattern + r"([\d.]+)", out)
-    _number(r"\[plan\] predicted: ([\d.]+) tokens/s", out)
+    for label in ("matrix-product probe", "model-shaped probe"):
+        _number(rf"\[plan\] predicted \({label}\): ([\d.]+) tokens/s", out)
+    assert "[plan] model-shaped predict probe: one block" in out
+    floor = _number(r"-> at most ([\d.]+) tokens/s", out)
+    reached = _number(r"ours reaches (\d+)% of it", out)
+    assert reached == pytest.approx(100 * ours / floor, abs=1)
     _number(r"prefill ([\d.]+) s \+ decode", out)
     # greedy fp32 tokens equal in-memory generate's on the same batch shape
     assert _number(r"\(fp32\): ([\d.]+)% of 2", out) == 100.0

@@ -85,3 +85,67 @@ def test_probe_skips_models_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> 
 def test_probe_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="seq_len=0"):
         probe_train_compute(config(), cpu(), seq_len=0)
+
+
+def generator_seconds(cfg: LlamaConfig, rows: int, plen: int, new: int) -> tuple[float, float]:
+    """(prefill, one decode step) seconds of the layer-major generator on the full model,
+    fastest of three runs each (independent reference for the predict probe)."""
+    from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    gen = LayerMajorGenerator(net)
+    ids = torch.randint(0, cfg.vocab_size, (rows, plen))
+    prefill, decode = float("inf"), float("inf")
+    for k in range(4):
+        gen.seconds = {"prefill": 0.0, "decode": 0.0}
+        gen.generate(ids, torch.ones_like(ids), GenerationConfig(max_new_tokens=new))
+        if k:
+            prefill = min(prefill, gen.seconds["prefill"])
+            decode = min(decode, gen.seconds["decode"] / (new - 1))
+    return prefill, decode
+
+
+def clipped(efficiency: float) -> float:
+    return min(max(efficiency, calibrate.MIN_EFFICIENCY), calibrate.MAX_EFFICIENCY)
+
+
+def test_predict_probe_predicts_the_generators_passes() -> None:
+    cfg, hw = config(), cpu(1e12)
+    plen, new, rows = 32, 9, 16
+    probe = calibrate.probe_predict_compute(
+        cfg, hw, prompt_len=plen, concurrent=rows, cache_len=64, context=plen + new / 2
+    )
+    assert probe is not None
+    assert probe.prefill_rows == rows  # 16 x 32 tokens is under PREFILL_PROBE_TOKENS
+    assert probe.prefill_s == pytest.approx(LAYERS * probe.prefill_block_s + probe.prefill_rest_s)
+    assert probe.decode_s == pytest.approx(LAYERS * probe.decode_block_s + probe.decode_rest_s)
+    prefill, decode = generator_seconds(cfg, rows, plen, new)
+    # from one- and three-block copies, the six-block model's passes in the generator
+    # (a 64-position cache: plen + new rounded up) hold within a factor of two
+    assert prefill / 2 < probe.prefill_s < prefill * 2
+    assert decode / 2 < probe.decode_s < decode * 2
+    model = ModelProfile.from_config(cfg)
+    head = model.head_flops_per_token()
+    flops = rows * plen * (cost.forward_flops_per_token(model, plen) - head) + rows * head
+    assert probe.efficiency == pytest.approx(clipped(flops / probe.prefill_s / hw.device_flops))
+    dec_flops = rows * cost.forward_flops_per_token(model, plen + new / 2)
+    rate = dec_flops / probe.decode_s
+    want = clipped(rate / (probe.efficiency * hw.device_flops))
+    assert probe.decode_efficiency == pytest.approx(want)
+    assert "decode at" in probe.describe(hw)
+
+
+def test_predict_probe_caps_the_prefill_and_skips_what_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(calibrate, "PREFILL_PROBE_TOKENS", 64)
+    probe = calibrate.probe_predict_compute(
+        config(), cpu(), prompt_len=32, concurrent=8, cache_len=64, repeats=1
+    )
+    assert probe is not None and probe.prefill_rows == 2 and probe.decode_rows == 8
+    monkeypatch.setattr(calibrate, "MEMORY_SHARE", 1e-9)
+    args = {"prompt_len": 32, "concurrent": 8, "cache_len": 64}
+    assert calibrate.probe_predict_compute(config(), cpu(), **args) is None
+    with pytest.raises(ValueError, match="cache_len=0"):
+        calibrate.probe_predict_compute(config(), cpu(), prompt_len=32, concurrent=8, cache_len=0)

@@ -1,0 +1,65 @@
+"""Pricing of generation plans: decode rate, KV cache on a CPU, the hide threshold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bb_lightning.planner import cost
+from bb_lightning.planner.job import PredictJob
+from bb_lightning.planner.plan import PlanOverrides
+from bb_lightning.planner.predict_search import price
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.planner.search import make_plan
+from storage.tiers import Tier
+
+JOB = PredictJob(prompt_len=64, new_tokens=17, num_prompts=32)
+
+
+def test_decode_efficiency_scales_only_the_decode_passes(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    # every block resident: no links, the plan is compute only
+    ov = PlanOverrides(weights_tier=Tier.DEVICE, concurrent_seqs=32)
+    full = make_plan(small_model, small_gpu, JOB, overrides=ov)
+    slow = make_plan(small_model, small_gpu.replace(decode_efficiency=0.25), JOB, overrides=ov)
+    decode_pass = cost.compute_seconds(
+        32 * cost.forward_flops_per_token(small_model, 64 + 17 / 2), small_gpu
+    )
+    steps = JOB.new_tokens - 1
+    assert full.predicted.compute == pytest.approx(slow.predicted.compute - 3 * steps * decode_pass)
+    assert slow.predicted.total == pytest.approx(slow.predicted.compute)
+    assert slow.tokens_per_s < full.tokens_per_s
+
+
+def _kv_on_host(model: ModelProfile, hw: HardwareProfile) -> dict[str, float]:
+    budgets = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
+    a = price(model, hw, JOB, PlanOverrides(), budgets, 1, 32, Tier.HOST, np.array([0.0]))
+    return {k: float(v[0]) for k, v in a.items()}
+
+
+def test_a_host_kv_cache_streams_to_a_cuda_device_but_not_to_a_cpu(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    cpu = small_gpu.replace(device_type="cpu")
+    gpu, host = _kv_on_host(small_model, small_gpu), _kv_on_host(small_model, cpu)
+    kv_tok = small_model.kv_bytes_per_token * small_model.num_blocks
+    steps, ctx = JOB.new_tokens - 1, JOB.mean_context
+    streamed = steps * 32 * ctx * kv_tok / small_gpu.h2d_bandwidth
+    assert gpu["h2d"] - host["h2d"] == pytest.approx(streamed)
+    assert host["d2h"] == 0.0 and gpu["d2h"] > 0.0
+    kv = cost.kv_cache_bytes(small_model, 32, JOB.total_len)
+    # on the device: two blocks' share while streamed (CUDA), none on a CPU (read in place)
+    assert gpu["device"] - host["device"] == pytest.approx(2 * kv / small_model.num_blocks)
+    assert gpu["host"] == host["host"]
+
+
+def test_the_hide_threshold_names_the_link_the_paged_weights_cross(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    hw = small_gpu.replace(decode_efficiency=0.5)
+    for tier, link, bw in ((Tier.NVME, "nvme read", 5e9), (Tier.HOST, "h2d", 2e10)):
+        plan = make_plan(small_model, hw, JOB, overrides=PlanOverrides(weights_tier=tier))
+        # bf16 weights (2 bytes per parameter), 2 FLOPs per parameter and token
+        tokens = 1e14 * 0.5 / bw
+        assert f"({link}) hides behind compute from about {tokens:,.0f} tokens" in plan.explain()
