@@ -298,6 +298,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             raise
         if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
             module.kv_cache_tier = None if self.plan is None else self.plan.kv_cache
+        job = None if self.plan is None else self.plan.job
+        if isinstance(job, PredictJob):  # prefill in the planned micro-batches
+            assert self.plan is not None
+            self.inference.paged.max_tokens = self.plan.micro_batch * job.prompt_len
 
     def _inference(self) -> InferenceEngine:
         assert self.inference is not None

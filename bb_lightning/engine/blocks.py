@@ -25,7 +25,9 @@ goes on. :meth:`PagedBlocks.take_pending` returns what a backward left incomplet
 
 Without grad (validation, prediction, ``inference_mode``) a block is paged in,
 run and released, with the next blocks prefetched cyclically so that the next
-batch finds block 0 in flight. Only ``hidden_states`` (the first positional
+batch finds block 0 in flight; with :attr:`PagedBlocks.max_tokens` set, a batch
+of more tokens runs through the block in chunks of rows while it is paged in
+(the planner's prefill micro-batch). Only ``hidden_states`` (the first positional
 argument, or the keyword) carries gradient; other arguments pass through.
 """
 
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
+from bb_lightning.engine.rows import call_in_row_chunks
 
 __all__ = ["PagedBlocks"]
 
@@ -79,6 +82,10 @@ class PagedBlocks:
         self.on_block_backward: Callable[[int], None] | None = None
         """Called with ``i`` once block ``i``'s backward has queued its gradients and released
         the block (the engine starts the block's optimizer step from it)."""
+        self.max_tokens: int | None = None
+        """Tokens a forward without grad runs through a block at once: a larger batch runs
+        in chunks of rows while the block stays paged in
+        (:func:`~bb_lightning.engine.rows.call_in_row_chunks`); None: the whole batch."""
 
     @property
     def installed(self) -> bool:
@@ -196,7 +203,9 @@ class PagedBlocks:
     ) -> Any:
         upcoming = self.enter(i, "forward")
         try:
-            return original(*args, **kwargs)
+            if self.max_tokens is None:
+                return original(*args, **kwargs)
+            return call_in_row_chunks(original, args, kwargs, self.max_tokens)
         finally:
             self.leave(i, upcoming)
 

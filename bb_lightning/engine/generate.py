@@ -5,8 +5,9 @@ batch of prompts, then one decode step per new token. Each phase is one
 forward of the Hugging Face model over *all* running sequences, so when the
 model's blocks are paged (:class:`~bb_lightning.engine.blocks.PagedBlocks`,
 installed by the ``balance_beam`` strategy) each block's weights are paged in
-once per step, applied to every sequence, released, and the next blocks are
-prefetched while it computes: the weight traffic of a step is amortised over
+once per step, applied to every sequence (a prefill in the plan's micro-batches
+of prompts: :attr:`~bb_lightning.engine.blocks.PagedBlocks.max_tokens`), released,
+and the next blocks are prefetched while it computes: the weight traffic of a step is amortised over
 the batch, which is what the planner's ``concurrent_seqs`` sizes.
 
 The decode loop is ours, not ``generate``'s: a preallocated static KV cache

@@ -147,6 +147,8 @@ def test_predict_is_planned_and_takes_the_planned_batch(
     assert module.kv_cache_tier is plan.kv_cache
     assert strategy.inference is not None
     assert strategy.inference.pager.placement.weights == plan.weights
+    # prefill runs through each block in the plan's micro-batches of prompts
+    assert strategy.inference.paged.max_tokens == plan.micro_batch * longest
     assert "plan: predict" in caplog.text
     assert f"recommends {plan.concurrent_seqs} concurrent sequences" in caplog.text
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]

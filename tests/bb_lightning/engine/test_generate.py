@@ -255,3 +255,46 @@ def test_inference_engine_loads_a_state_dict(tmp_path: Path) -> None:
         engine.load_state_dict(bad)
     engine.close()
     store.close()
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("max_tokens", [2, 18])
+def test_row_chunked_blocks_equal_generate(arch: str, max_tokens: int) -> None:
+    """Blocks run on chunks of rows (prefill of 9-token prompts: 1 or 2 rows a chunk; decode
+    steps: 2 rows a chunk, or whole) while paged in once per step; greedy tokens stay
+    ``generate``'s, then with EOS mid-way (the batch compacts)."""
+    reference = _model(arch)
+    model = copy.deepcopy(reference)
+    store = TieredStore(StoreConfig(device_budget=16 << 20, host_budget=16 << 20, device="cpu"))
+    _, blocks = find_block_list(model)
+    engine = InferenceEngine(
+        model, list(blocks), store, Placement.uniform(len(blocks), weights=Tier.HOST),
+        compute_dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    engine.paged.max_tokens = max_tokens
+    acquired: list[int] = []
+    acquire = engine.pager.acquire
+    engine.pager.acquire = lambda i: acquired.append(i) or acquire(i)  # type: ignore[method-assign,func-returns-value]
+    rows_seen: list[tuple[int, int]] = []  # (rows, tokens) of each call inside block 0
+
+    def record(_: Any, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
+            rows_seen.append(tuple(args[0].shape[:2]))  # type: ignore[arg-type]
+
+    leaves = [m for m in blocks[0].modules() if not list(m.children())]
+    handles = [m.register_forward_pre_hook(record) for m in leaves]
+    gen = LayerMajorGenerator(model)
+    ids, mask = _prompts()
+    out = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW))
+    assert [g.token_ids for g in out] == _reference(reference)
+    assert acquired == [0, 1, 2] * gen.steps  # each block paged in once per step
+    per_chunk = max(1, max_tokens // 9)
+    assert max(r for r, t in rows_seen if t == 9) == per_chunk  # prefill ran chunked
+    assert max(r for r, t in rows_seen if t == 1) == min(4, max_tokens)
+    for h in handles:
+        h.remove()
+    eos = _mid_eos([g.token_ids for g in out])
+    cut = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)))
+    assert [g.token_ids for g in cut] == _reference(reference, eos)
+    engine.close()
+    store.close()
