@@ -7,6 +7,8 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
 - copy links: on CUDA, pinned host -> device and device -> host copies of a
   large buffer; on the CPU, where device and host tiers share RAM, the memcpy
   bandwidth of a large tensor copy stands for both (bytes/s);
+- device memory: a copy within the device (RAM on the CPU), counted as its reads
+  and writes together (``device_memory_bandwidth``, bytes/s);
 - NVMe: write then read a few files (up to 384 MiB in all) under ``nvme_path``
   through :func:`storage.io.open_backend`, with ``fsync`` on write and a cold
   page cache on read (``O_DIRECT`` where the filesystem accepts it, else
@@ -167,6 +169,20 @@ def _probe_flops(device: torch.device, seconds: float) -> float:
     return best
 
 
+def _probe_memory(device: torch.device, seconds: float, nbytes: int) -> float:
+    """Bytes/s of device memory traffic (a copy within the device reads and writes
+    ``nbytes`` each: twice ``nbytes`` per copy)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy() -> None:
+        dst.copy_(src)
+        _sync(device)
+
+    copy()  # fault the pages in
+    return _best_rate(2.0 * nbytes, copy, seconds)
+
+
 def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> tuple[float, float]:
     """(host -> device, device -> host) bytes/s; on the CPU both are memcpy bandwidth."""
     if device.type == "cuda":
@@ -261,7 +277,8 @@ def _measure_now(nvme_path: str | None, max_seconds: float) -> HardwareProfile:
     small = max_seconds < 8
     flops = _probe_flops(device, max_seconds * _SHARES["flops"])
     copy_bytes = (64 << 20) if small else (256 << 20)
-    h2d, d2h = _probe_copy(device, max_seconds * _SHARES["copy"], copy_bytes)
+    h2d, d2h = _probe_copy(device, max_seconds * _SHARES["copy"] * 0.75, copy_bytes)
+    memory_bw = _probe_memory(device, max_seconds * _SHARES["copy"] * 0.25, copy_bytes)
     if nvme_path:
         nvme_read, nvme_write, nvme_free = _probe_nvme(nvme_path, max_seconds * _SHARES["nvme"])
     else:
@@ -290,6 +307,7 @@ def _measure_now(nvme_path: str | None, max_seconds: float) -> HardwareProfile:
         nvme_capacity=nvme_free,
         host_adam_params_per_s=adam,
         cores=_cores(),
+        device_memory_bandwidth=memory_bw,
     )
 
 

@@ -6,7 +6,9 @@ concurrent sequences. A candidate is (prefetch depth, concurrent sequences, KV
 cache tier, resident blocks); paged weights home on the host when it holds them,
 else NVMe. Prefill runs in micro-batches of about :data:`PREFILL_TOKENS` tokens.
 Decode passes compute at ``decode_efficiency`` times the rate of prefill (thin
-matrix products, attention over the cache). A KV cache on the host streams to a
+matrix products, attention over the cache), and no faster than the device streams
+every block's weights, the head and the KV cache from its memory
+(``device_memory_bandwidth``, where the profile has it). A KV cache on the host streams to a
 CUDA device block by block; a CPU device reads it in place.
 """
 
@@ -100,6 +102,10 @@ def price(
     c_dec /= hw.decode_efficiency
     steps = new - 1
     kv_tok = float(model.kv_bytes_per_token * n)
+    if hw.device_memory_bandwidth > 0:  # a decode pass streams the weights and the cache
+        head_bytes = (model.head_params or model.embed_params) * BF16_BYTES
+        dec_bytes = n * bb + head_bytes + c * (ctx + 1.0) * kv_tok
+        c_dec = max(c_dec, dec_bytes / hw.device_memory_bandwidth)
     w_h2d = np_ * bb
     nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)
     h2d = hw.h2d_bandwidth, hw.h2d_efficiency
@@ -171,9 +177,11 @@ def search(
                 if ok.size == 0:
                     continue
                 i = int(ok[np.lexsort((a["device"][ok], a["per_token"][ok]))[0]])
-                # Ties go to more concurrency: decoding few sequences is bound by device
-                # memory bandwidth, which the profile does not model.
-                key = (float(a["per_token"][i]), -float(c), float(a["device"][i]))
+                # Ties go to more concurrency (a profile without device memory bandwidth
+                # does not see that decoding few sequences is bound by it), then to a KV
+                # cache on the device (no transfers to overlap), then to less device memory.
+                tie = (-float(c), float(kv is Tier.HOST), float(a["device"][i]))
+                key = (float(a["per_token"][i]), *tie)
                 if best is None or key < best[0]:
                     vals = {k: float(v[i]) for k, v in a.items()}
                     best = (key, Priced(depth=depth, concurrent=c, kv=kv, values=vals))

@@ -15,6 +15,8 @@ Shared assumptions:
   × 0.60, the share large bf16 GEMMs sustain in practice.
 - ``h2d_bandwidth`` / ``d2h_bandwidth``: PCIe x16 theoretical per direction
   (Gen3 15.75 GB/s, Gen4 31.5 GB/s, Gen5 63.0 GB/s) × 0.80 for pinned copies.
+- ``device_memory_bandwidth``: datasheet memory bandwidth × 0.80, the share a
+  streaming read sustains.
 - ``host_memory``: a typical host for one such GPU, × 0.80 usable.
 - NVMe: one drive of the stated class, datasheet sequential figures × 0.85.
 - ``host_adam_params_per_s``: a fused AdamW update reads parameter, gradient
@@ -39,6 +41,7 @@ _FLOPS_EFF = 0.60
 _PCIE_EFF = 0.80
 _HOST_USABLE = 0.80
 _NVME_EFF = 0.85
+_HBM_EFF = 0.80
 
 _PCIE_GEN3 = 15.75 * GB  # bytes/s per direction, x16
 _PCIE_GEN4 = 31.5 * GB
@@ -59,6 +62,7 @@ _NVME_CONSUMER_GEN4 = {"read": 7.45 * GB, "write": 2.0 * GB, "capacity": 2.0 * T
 PRESETS: dict[str, dict[str, Any]] = {
     "a100-40gb": {
         "name": "A100-40GB SXM (preset)",
+        "bandwidth": 1555 * GB,  # datasheet HBM2, bytes/s
         "memory": 40 * GIB,  # datasheet 40 GB HBM2 (nvidia-smi: 40960 MiB)
         "flops": 312e12,  # datasheet dense bf16 tensor core
         "pcie": _PCIE_GEN4,
@@ -69,6 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "a100-80gb": {
         "name": "A100-80GB SXM (preset)",
+        "bandwidth": 2039 * GB,  # datasheet HBM2e, bytes/s
         "memory": 80 * GIB,  # datasheet 80 GB HBM2e (nvidia-smi: 81920 MiB)
         "flops": 312e12,  # datasheet dense bf16 tensor core
         "pcie": _PCIE_GEN4,
@@ -79,6 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "h100": {
         "name": "H100 SXM 80GB (preset)",
+        "bandwidth": 3.35 * TB,  # datasheet HBM3, bytes/s
         "memory": 80 * GIB,  # datasheet 80 GB HBM3 (nvidia-smi: 81559 MiB)
         "flops": 989e12,  # datasheet dense bf16 tensor core (1979 with sparsity)
         "pcie": _PCIE_GEN5,
@@ -89,6 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "h200": {
         "name": "H200 SXM 141GB (preset)",
+        "bandwidth": 4.8 * TB,  # datasheet HBM3e, bytes/s
         "memory": 141 * GB,  # datasheet 141 GB HBM3e (nvidia-smi: 143771 MiB)
         "flops": 989e12,  # datasheet dense bf16 tensor core, same GH100 compute as H100
         "pcie": _PCIE_GEN5,
@@ -99,6 +106,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "rtx4090": {
         "name": "GeForce RTX 4090 24GB (preset)",
+        "bandwidth": 1008 * GB,  # datasheet GDDR6X, bytes/s
         "memory": 24 * GIB,  # datasheet 24 GB GDDR6X (nvidia-smi: 24564 MiB)
         "flops": 165.2e12,  # Ada whitepaper: dense bf16 tensor, fp32 accumulate
         "pcie": _PCIE_GEN4,
@@ -109,6 +117,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "l4": {
         "name": "L4 24GB (preset)",
+        "bandwidth": 300 * GB,  # datasheet GDDR6, bytes/s
         "memory": 24 * GB,  # datasheet 24 GB GDDR6 (nvidia-smi: 23034 MiB)
         # datasheet 242 TFLOP/s bf16 is with sparsity: dense 121; the 72 W power cap
         # holds large GEMMs lower, so the efficiency is 0.50 instead of 0.60.
@@ -122,6 +131,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "t4": {
         "name": "T4 16GB (preset)",
+        "bandwidth": 320 * GB,  # datasheet GDDR6, bytes/s
         "memory": 16 * GB,  # datasheet 16 GB GDDR6 (nvidia-smi: 15360 MiB)
         # Turing has no bf16: this is the datasheet fp16 tensor figure (65 TFLOP/s), with
         # efficiency 0.50 for the 70 W power cap. bf16 models run in fp16 on it.
@@ -153,4 +163,5 @@ def preset_fields(key: str) -> dict[str, Any]:
         "nvme_capacity": int(nvme["capacity"]),
         "host_adam_params_per_s": float(row["adam"]),
         "cores": int(row["cores"]),
+        "device_memory_bandwidth": float(row["bandwidth"] * _HBM_EFF),
     }

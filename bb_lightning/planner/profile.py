@@ -75,6 +75,10 @@ class HardwareProfile:
     """Fused AdamW parameter updates per second on the host (fp32 master + 2 moments)."""
     cores: int
     """CPU cores available to the process."""
+    device_memory_bandwidth: float = 0.0
+    """Bytes/s the device streams its own memory at, reads and writes together (0.0: not
+    modelled). A decode pass reads every block's weights and the KV cache once for a few
+    tokens per sequence; it takes at least those bytes over this bandwidth."""
     compute_efficiency: float = 1.0
     """Multiplier on ``device_flops`` learnt from measured steps (1.0 = as profiled)."""
     h2d_efficiency: float = 1.0
@@ -109,6 +113,7 @@ class HardwareProfile:
                 "nvme_capacity",
                 "host_adam_params_per_s",
                 "cores",
+                "device_memory_bandwidth",
             ),
         )
         for name in (

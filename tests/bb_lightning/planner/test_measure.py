@@ -32,6 +32,7 @@ def test_measure_is_sane_and_cached(tmp_path: Path, cache_dir: Path) -> None:
     assert first.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert 1e9 < first.device_flops < 1e16
     assert 1e8 < first.h2d_bandwidth < 1e12 and 1e8 < first.d2h_bandwidth < 1e12
+    assert 1e8 < first.device_memory_bandwidth < 1e13
     assert 1e6 < first.nvme_read_bandwidth < 1e11 and 1e6 < first.nvme_write_bandwidth < 1e11
     assert 1e6 < first.host_adam_params_per_s < 1e11
     assert first.nvme_capacity == pytest.approx(shutil.disk_usage(disk).free, rel=0.05)

@@ -22,21 +22,21 @@ def test_preset_names_cover_the_table() -> None:
 
 @pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100", "h200", "rtx4090", "l4", "t4"])
 def test_presets_are_below_their_datasheets(name: str) -> None:
-    # datasheet peaks: device memory (bytes), dense bf16 (fp16 on T4) FLOP/s, PCIe x16 bytes/s
+    # datasheet peaks: device memory (bytes), dense bf16 (fp16 on T4) FLOP/s, PCIe x16 bytes/s,
+    # memory bandwidth (bytes/s)
     datasheet = {
-        "a100-40gb": (40 * 2**30, 312e12, 31.5 * GB),
-        "a100-80gb": (80 * 2**30, 312e12, 31.5 * GB),
-        "h100": (80 * 2**30, 989e12, 63 * GB),
-        "h200": (141 * GB, 989e12, 63 * GB),
-        "rtx4090": (24 * 2**30, 165.2e12, 31.5 * GB),
-        "l4": (24 * GB, 121e12, 31.5 * GB),
-        "t4": (16 * GB, 65e12, 15.75 * GB),
+        "a100-40gb": (40 * 2**30, 312e12, 31.5 * GB, 1555 * GB),
+        "a100-80gb": (80 * 2**30, 312e12, 31.5 * GB, 2039 * GB),
+        "h100": (80 * 2**30, 989e12, 63 * GB, 3350 * GB),
+        "h200": (141 * GB, 989e12, 63 * GB, 4800 * GB),
+        "rtx4090": (24 * 2**30, 165.2e12, 31.5 * GB, 1008 * GB),
+        "l4": (24 * GB, 121e12, 31.5 * GB, 300 * GB),
+        "t4": (16 * GB, 65e12, 15.75 * GB, 320 * GB),
     }[name]
     p = preset(name)
     assert p.device_type == "cuda"
-    for value, peak in zip(
-        (p.device_memory, p.device_flops, p.h2d_bandwidth), datasheet, strict=True
-    ):
+    values = (p.device_memory, p.device_flops, p.h2d_bandwidth, p.device_memory_bandwidth)
+    for value, peak in zip(values, datasheet, strict=True):
         assert 0.45 * peak <= value < peak
     assert p.d2h_bandwidth == p.h2d_bandwidth
     assert p.nvme_write_bandwidth < p.nvme_read_bandwidth < p.h2d_bandwidth
