@@ -272,6 +272,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
     model.train()
     try:
         with (
+            _no_padding_check(model),
             _trace_attention(model),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -288,6 +289,22 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
         for h in handles:
             h.remove()
     return trace
+
+
+@contextmanager
+def _no_padding_check(model: nn.Module) -> Iterator[None]:
+    """Without a pad token for the trace: some models (GPT-2) look for it in the input
+    ids, a data read that meta tensors cannot serve."""
+    config = getattr(model, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        yield
+        return
+    config.pad_token_id = None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.pad_token_id = pad  # type: ignore[union-attr]
 
 
 def _find_parts(model: nn.Module) -> tuple[ModelParts, _Trace, nn.ModuleList]:

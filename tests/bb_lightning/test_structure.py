@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,6 +304,16 @@ def test_json_round_trip_and_config_sources(tmp_path: Path) -> None:
         ModelProfile.from_config({"hidden_size": 64})
     with pytest.raises(ValueError, match="unknown ModelProfile field"):
         ModelProfile.from_dict(profile.to_dict() | {"bogus": 1})
+
+
+def test_a_pad_token_does_not_stop_the_trace() -> None:
+    """GPT-2 looks for its pad token in the input ids, which meta tensors cannot read."""
+    cfg = copy.deepcopy(FAMILIES["gpt2"].config)
+    cfg.pad_token_id = 0
+    with_pad = ModelProfile.from_config(cfg)
+    assert cfg.pad_token_id == 0  # given back
+    cfg.pad_token_id = None
+    assert with_pad == ModelProfile.from_config(cfg)
 
 
 class NoBlocks(nn.Module):

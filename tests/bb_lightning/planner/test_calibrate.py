@@ -149,3 +149,17 @@ def test_predict_probe_caps_the_prefill_and_skips_what_does_not_fit(
     assert calibrate.probe_predict_compute(config(), cpu(), **args) is None
     with pytest.raises(ValueError, match="cache_len=0"):
         calibrate.probe_predict_compute(config(), cpu(), prompt_len=32, concurrent=8, cache_len=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt"])
+def test_predict_probe_runs_on_other_architectures(arch: str) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        arch, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        pad_token_id=0, max_position_embeddings=64,
+    )  # fmt: skip
+    probe = calibrate.probe_predict_compute(
+        cfg, cpu(1e12), prompt_len=16, concurrent=4, cache_len=64, repeats=1
+    )
+    assert probe is not None and probe.prefill_s > 0 and probe.decode_s > 0
