@@ -88,7 +88,12 @@ from bb_lightning.planner import (
     plan_differs,
     preset,
 )
-from bb_lightning.planner.calibrate import probe_predict_compute, probe_train_compute
+from bb_lightning.planner.calibrate import (
+    PredictCompute,
+    TrainCompute,
+    probe_predict_compute,
+    probe_train_compute,
+)
 from bb_lightning.structure import find_block_list
 from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
@@ -414,12 +419,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             dtype=self.resolved_dtype(),
             device=self.root_device,
         )
-        if probe is None:
-            rank_zero_info("balance_beam: model too large for the compute probe; planning "
-                           "with the matrix-product rate")  # fmt: skip
-            return hardware
-        rank_zero_info(f"balance_beam {probe.describe(hardware)}")
-        return hardware.replace(compute_efficiency=probe.efficiency)
+        return _calibrated(hardware, probe, "compute probe")
 
     def _probe_predict(
         self, net: PreTrainedModel, hardware: HardwareProfile, job: PredictJob, rows: int
@@ -438,14 +438,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             dtype=self.resolved_dtype(),
             device=self.root_device,
         )
-        if probe is None:
-            rank_zero_info("balance_beam: model too large for the predict compute probe; "
-                           "planning with the matrix-product rate")  # fmt: skip
-            return hardware
-        rank_zero_info(f"balance_beam {probe.describe(hardware)}")
-        return hardware.replace(
-            compute_efficiency=probe.efficiency, decode_efficiency=probe.decode_efficiency
-        )
+        return _calibrated(hardware, probe, "predict compute probe")
 
     def _hardware(self) -> HardwareProfile:
         spec = self.hardware
@@ -791,6 +784,18 @@ def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
             "placement="
         )
     return int(first.shape[1]), int(first.shape[0])
+
+
+def _calibrated(
+    hardware: HardwareProfile, probe: TrainCompute | PredictCompute | None, what: str
+) -> HardwareProfile:
+    """``hardware`` with the probe's rates, said in the log; unchanged (and said) without."""
+    if probe is None:
+        rank_zero_info(f"balance_beam: model too large for the {what}; planning with the "
+                       "matrix-product rate")  # fmt: skip
+        return hardware
+    rank_zero_info(f"balance_beam {probe.describe(hardware)}")
+    return probe.applied_to(hardware)
 
 
 def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:

@@ -291,9 +291,7 @@ def _probed(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) 
         print("[plan] model too large for the predict probe: planning at the matrix-product rate")
         return hw
     print(f"[plan] {probe.describe(hw)}")
-    return hw.replace(
-        compute_efficiency=probe.efficiency, decode_efficiency=probe.decode_efficiency
-    )
+    return probe.applied_to(hw)
 
 
 def _floor(

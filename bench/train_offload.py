@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     probe = probe_train_compute(config, hw, seq_len=args.seq, micro_batch=args.micro_batch)
     if probe is not None:
         print(probe.describe(hw), flush=True)
-        hw = hw.replace(compute_efficiency=probe.efficiency)
+        hw = probe.applied_to(hw)
     plan, placement = forced_plan(args, model, hw)
     weights, _ = offload_tiers(args)
     print(

@@ -77,6 +77,10 @@ class TrainCompute:
             f"{hw.device_flops / 1e12:.3g} TFLOP/s"
         )
 
+    def applied_to(self, hw: HardwareProfile) -> HardwareProfile:
+        """``hw`` with this probe's ``compute_efficiency``."""
+        return hw.replace(compute_efficiency=self.efficiency)
+
 
 def _with_layers(config: Any, layers: int) -> Any:
     cfg = copy.deepcopy(config)
@@ -223,6 +227,12 @@ class PredictCompute:
             f"decode pass of {self.decode_rows} sequences; prefill at {self.efficiency:.2f} x "
             f"the matrix-product probe's {hw.device_flops / 1e12:.3g} TFLOP/s, decode at "
             f"{self.decode_efficiency:.2f} x the prefill rate"
+        )
+
+    def applied_to(self, hw: HardwareProfile) -> HardwareProfile:
+        """``hw`` with this probe's ``compute_efficiency`` and ``decode_efficiency``."""
+        return hw.replace(
+            compute_efficiency=self.efficiency, decode_efficiency=self.decode_efficiency
         )
 
 
