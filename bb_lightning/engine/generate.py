@@ -43,26 +43,17 @@ from transformers import PretrainedConfig
 
 from bb_lightning.engine.attention import decode_attention_for
 from bb_lightning.engine.kv import KVCache
+from bb_lightning.planner.job import cache_length
 from storage.tiers import Tier
 
 __all__ = [
     "Generated",
     "GenerationConfig",
     "LayerMajorGenerator",
-    "cache_length",
     "model_context",
 ]
 
 FinishReason = Literal["eos", "stop", "length", "context"]
-_CACHE_ROUND = 64
-"""KV cache lengths are multiples of this many tokens (see ``LayerMajorGenerator._cache``)."""
-
-
-def cache_length(tokens: int) -> int:
-    """Positions of the KV cache that holds sequences of ``tokens`` tokens (prompt and new):
-    ``tokens`` rounded up to a multiple of 64, so that batches of ragged prompts share one
-    cache. A decode pass attends over all of them (unwritten ones masked)."""
-    return -(-tokens // _CACHE_ROUND) * _CACHE_ROUND
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +148,9 @@ class LayerMajorGenerator:
             self._kv = None  # free the old buffers before allocating new ones
             config = self.model.config
             assert isinstance(config, PretrainedConfig), "a Hugging Face model has a config"
-            self._kv = KVCache(config, rows=rows, max_len=max_len, tier=self.kv_tier)
+            self._kv = KVCache(
+                config, rows=rows, max_len=max_len, tier=self.kv_tier, device=_device_of(self.model)
+            )
         self._kv.reset()
         return self._kv
 

@@ -34,7 +34,13 @@ class KVCache:
     """A static KV cache of ``rows`` sequences of at most ``max_len`` tokens each."""
 
     def __init__(
-        self, config: PretrainedConfig, *, rows: int, max_len: int, tier: Tier | None = None
+        self,
+        config: PretrainedConfig,
+        *,
+        rows: int,
+        max_len: int,
+        tier: Tier | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """Allocate nothing yet: each layer's buffers appear at its first update (prefill).
 
@@ -42,7 +48,8 @@ class KVCache:
             config: the model's configuration (layer count and types).
             rows: sequences the buffers hold (the generation batch).
             max_len: tokens per sequence, prompt and generated together.
-            tier: where the plan puts the cache; HOST offloads on CUDA, else ignored.
+            tier: where the plan puts the cache; HOST offloads on a CUDA device, else ignored.
+            device: the model's device (None: CUDA when it is available).
         """
         if rows < 1 or max_len < 1:
             raise ValueError(
@@ -51,7 +58,8 @@ class KVCache:
         self.rows = rows
         self.max_len = max_len
         self.tier = tier
-        offload = tier is Tier.HOST and torch.cuda.is_available()
+        cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+        offload = tier is Tier.HOST and cuda
         self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
         self._full: list[tuple[Tensor, Tensor]] = []
 

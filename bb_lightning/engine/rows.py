@@ -18,11 +18,14 @@ The KV cache is shared: each chunk writes its rows of the same static cache.
 offloading, every layer a plain ``StaticLayer``): it narrows the layer to the
 chunk's rows (views of its buffers) for the write and the attention, and
 replays the layer's position counter so that every chunk writes the same
-positions. A call whose cache is of any other kind runs whole.
+positions. A call whose cache is of any other kind (offloading to the host,
+sliding-window layers) runs whole, with a warning; the planner prices a
+streamed cache's prefill as one micro-batch.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +35,6 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 __all__ = ["call_in_row_chunks"]
-
-_CACHE_KWARGS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def call_in_row_chunks(
@@ -58,6 +59,12 @@ def call_in_row_chunks(
         return forward(*args, **kwargs)
     found = [x for x in (*args, *kwargs.values()) if _is_cache(x)]
     if len({id(c) for c in found}) > 1 or (found and not _shareable(found[0])):
+        warnings.warn(
+            f"a batch of {rows} rows x {per_row} tokens runs through the block whole, not in "
+            f"chunks of {step} rows: its {type(found[0]).__name__} cannot be shared by rows "
+            "(offloading, or layers other than StaticLayer)",
+            stacklevel=2,
+        )
         return forward(*args, **kwargs)
     window = _RowWindow(found[0], rows) if found else None
 
@@ -99,18 +106,24 @@ def _cut(x: Any, rows: int, a: int, b: int) -> Any:
 
 
 def _join(outs: list[Any]) -> Any:
+    """The chunks' outputs joined by rows: a tensor, or a tuple / list whose tensors are."""
     first = outs[0]
-    if isinstance(first, Tensor):
+    if isinstance(first, Tensor) and first.ndim >= 1:
         return torch.cat(outs)
     if isinstance(first, (tuple, list)):
         parts = [_join_part([o[j] for o in outs]) for j in range(len(first))]
         return type(first)(parts)
-    return first
+    raise TypeError(
+        f"a block returned {type(first).__name__}, which row chunks cannot join: run it "
+        "whole (PagedBlocks.max_tokens = None)"
+    )
 
 
 def _join_part(items: list[Any]) -> Any:
     if all(isinstance(x, Tensor) and x.ndim >= 1 for x in items):
         return torch.cat(items)
+    if any(isinstance(x, Tensor) for x in items):
+        raise TypeError("a block's output holds a tensor without rows: run it whole")
     return items[0]
 
 
@@ -135,7 +148,9 @@ class _RowWindow:
                 keys[:1].expand(self.batch, *keys.shape[1:]),
                 values[:1].expand(self.batch, *values.shape[1:]),
             )
-        start = self._start.setdefault(layer_idx, layer.cumulative_length.clone())
+        if layer_idx not in self._start:
+            self._start[layer_idx] = layer.cumulative_length.clone()
+        start = self._start[layer_idx]
         full = layer.keys, layer.values
         a, b = self.rows
         layer.keys, layer.values = full[0][a:b], full[1][a:b]

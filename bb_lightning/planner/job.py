@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from bb_lightning.planner.profile import ModelProfile
 
-__all__ = ["FitJob", "PredictJob"]
+__all__ = ["CACHE_ROUND", "FitJob", "PredictJob", "cache_length"]
 
 
 def _positive(cls: str, name: str, value: int) -> None:
@@ -74,6 +74,17 @@ class FitJob:
             )
 
 
+CACHE_ROUND = 64
+"""KV cache lengths are multiples of this many tokens."""
+
+
+def cache_length(tokens: int) -> int:
+    """Positions of the KV cache that holds sequences of ``tokens`` tokens (prompt and new):
+    ``tokens`` rounded up to a multiple of :data:`CACHE_ROUND`, so that batches of ragged
+    prompts share one cache. A decode pass attends over all of them (unwritten ones masked)."""
+    return -(-tokens // CACHE_ROUND) * CACHE_ROUND
+
+
 @dataclass(frozen=True, kw_only=True)
 class PredictJob:
     """Bulk greedy generation: ``num_prompts`` prompts, each extended by ``new_tokens``."""
@@ -94,6 +105,11 @@ class PredictJob:
     def total_len(self) -> int:
         """Tokens per sequence at the end of generation."""
         return self.prompt_len + self.new_tokens
+
+    @property
+    def cache_len(self) -> int:
+        """Positions of the generator's static KV cache: :func:`cache_length` of ``total_len``."""
+        return cache_length(self.total_len)
 
     @property
     def mean_context(self) -> float:

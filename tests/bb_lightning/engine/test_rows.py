@@ -79,11 +79,14 @@ def test_calls_that_fit_or_cannot_share_their_cache_run_whole() -> None:
     assert torch.equal(call_in_row_chunks(forward, (x,), {}, 6), x * 2) and calls == [2, 2]
     calls.clear()
     call_in_row_chunks(forward, (x,), {}, 12)  # fits
-    call_in_row_chunks(forward, (x,), {"past_key_values": DynamicCache()}, 3)  # grows by cat
+    with pytest.warns(UserWarning, match="cannot be shared by rows"):
+        call_in_row_chunks(forward, (x,), {"past_key_values": DynamicCache()}, 3)  # grows by cat
     call_in_row_chunks(forward, (torch.ones(4, 2),), {}, 1)  # not [rows, tokens, hidden]
     assert calls == [4, 4, 4]
     # a tuple output joins its tensors by rows and keeps the rest
     out = call_in_row_chunks(lambda h: (h, None, "x"), (x,), {}, 3)
     assert out[0].shape == (4, 3, 2) and out[1:] == (None, "x")
+    with pytest.raises(TypeError, match="cannot join"):
+        call_in_row_chunks(lambda h: {"h": h}, (x,), {}, 3)
     with pytest.raises(ValueError, match="max_tokens=0"):
         call_in_row_chunks(forward, (x,), {}, 0)
