@@ -4,7 +4,9 @@ Generation is layer-major: each block's weights are paged in once per pass and
 serve every concurrent sequence, so the tokens of a decode pass are the
 concurrent sequences. A candidate is (prefetch depth, concurrent sequences, KV
 cache tier, resident blocks); paged weights home on the host when it holds them,
-else NVMe. Prefill runs in micro-batches of about :data:`PREFILL_TOKENS` tokens.
+else NVMe. Prefill runs in micro-batches of about :data:`PREFILL_TOKENS` tokens
+(the whole batch when the KV cache streams from the host: its rows cannot be
+shared between micro-batches).
 Decode passes compute at ``decode_efficiency`` times the rate of prefill (thin
 matrix products, attention over the cache), and no faster than the device streams
 every block's weights, the head and the KV cache from its memory
@@ -66,13 +68,15 @@ def price(
     nb = float(model.embed_params + model.head_params + model.final_params)
     plen, new = job.prompt_len, job.new_tokens
     ctx = job.mean_context
-    mb = ov.micro_batch or min(c, max(1, math.ceil(PREFILL_TOKENS / plen)))
-    np_ = n - kw
-    paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
-    kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
     # a host cache streams to the device one block at a time (double-buffered); a CPU
     # device reads it where it lies
     streamed = kv is Tier.HOST and hw.device_type != "cpu"
+    # prefill runs in micro-batches of rows sharing the cache; a streamed (offloading)
+    # cache cannot be shared by rows, so its prefill runs the whole batch at once
+    mb = c if streamed else ov.micro_batch or min(c, max(1, math.ceil(PREFILL_TOKENS / plen)))
+    np_ = n - kw
+    paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
+    kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
     kv_dev = 2.0 * kv_all / n if streamed else kv_all if kv is Tier.DEVICE else 0.0
     dev = (
         nb * BF16_BYTES
@@ -104,7 +108,7 @@ def price(
     kv_tok = float(model.kv_bytes_per_token * n)
     if hw.device_memory_bandwidth > 0:  # a decode pass streams the weights and the cache
         head_bytes = (model.head_params or model.embed_params) * BF16_BYTES
-        dec_bytes = n * bb + head_bytes + c * (ctx + 1.0) * kv_tok
+        dec_bytes = n * bb + head_bytes + c * (job.cache_len + 1.0) * kv_tok  # whole cache
         c_dec = max(c_dec, dec_bytes / hw.device_memory_bandwidth)
     w_h2d = np_ * bb
     nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)

@@ -54,6 +54,22 @@ def test_a_host_kv_cache_streams_to_a_cuda_device_but_not_to_a_cpu(
     assert gpu["host"] == host["host"]
 
 
+def test_a_streamed_cache_prefills_the_whole_batch_at_once(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    # rows of an offloading cache cannot be shared by prefill micro-batches (engine/rows.py)
+    long = PredictJob(prompt_len=2048, new_tokens=8, num_prompts=32)
+    budgets = (small_gpu.device_memory, small_gpu.host_memory, small_gpu.nvme_capacity)
+    kw = np.array([0.0])
+    host = price(small_model, small_gpu, long, PlanOverrides(), budgets, 1, 32, Tier.HOST, kw)
+    dev = price(small_model, small_gpu, long, PlanOverrides(), budgets, 1, 32, Tier.DEVICE, kw)
+    assert float(host["micro_batch"][0]) == 32 and float(dev["micro_batch"][0]) == 4
+    acts = (32 - 4) * 2048 * small_model.act_bytes_per_token_full
+    kv = cost.kv_cache_bytes(small_model, 32, long.total_len)
+    streamed_share = 2 * kv / small_model.num_blocks
+    assert host["device"][0] - dev["device"][0] == pytest.approx(acts + streamed_share - kv)
+
+
 def test_the_hide_threshold_names_the_link_the_paged_weights_cross(
     small_model: ModelProfile, small_gpu: HardwareProfile
 ) -> None:
@@ -74,9 +90,8 @@ def test_a_decode_pass_is_no_faster_than_the_device_streams_weights_and_cache(
     bound = make_plan(small_model, slow, JOB, overrides=ov)
     m = small_model
     kv_tok = m.kv_bytes_per_token * m.num_blocks
-    pass_bytes = (
-        m.num_blocks * m.block_bytes + m.head_params * 2 + 32 * (JOB.mean_context + 1) * kv_tok
-    )
+    cache = 128  # JOB's 81 tokens in a cache of a multiple of 64 positions, all of it read
+    pass_bytes = m.num_blocks * m.block_bytes + m.head_params * 2 + 32 * (cache + 1) * kv_tok
     prefill = free.predicted.compute - (JOB.new_tokens - 1) * cost.compute_seconds(
         32 * cost.forward_flops_per_token(m, JOB.mean_context), small_gpu
     )
