@@ -47,6 +47,7 @@ of every ``trainer.*`` call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 import weakref
 from collections.abc import Callable, Generator, Mapping
@@ -56,11 +57,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import PreTrainedModel
 
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.generate import cache_length
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
 from bb_lightning.engine.pager import Placement, set_data
 from bb_lightning.engine.timing import StepTimes
@@ -411,7 +411,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         on the device (see :mod:`bb_lightning.planner.calibrate`); unchanged when the
         probe does not fit in memory."""
         micro = micro or getattr(self.overrides, "micro_batch", None) or 1
-        probe = probe_train_compute(
+        probe = functools.partial(
+            probe_train_compute,
             net.config,
             hardware,
             seq_len=job.seq_len,
@@ -428,12 +429,13 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         on the device at ``rows`` concurrent sequences (see
         :func:`~bb_lightning.planner.calibrate.probe_predict_compute`); unchanged when the
         probe does not fit in memory."""
-        probe = probe_predict_compute(
+        probe = functools.partial(
+            probe_predict_compute,
             net.config,
             hardware,
             prompt_len=job.prompt_len,
             concurrent=max(1, rows),
-            cache_len=cache_length(job.total_len),
+            cache_len=job.cache_len,
             context=job.mean_context,
             dtype=self.resolved_dtype(),
             device=self.root_device,
@@ -787,15 +789,25 @@ def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
 
 
 def _calibrated(
-    hardware: HardwareProfile, probe: TrainCompute | PredictCompute | None, what: str
+    hardware: HardwareProfile,
+    probe: Callable[[], TrainCompute | PredictCompute | None],
+    what: str,
 ) -> HardwareProfile:
-    """``hardware`` with the probe's rates, said in the log; unchanged (and said) without."""
-    if probe is None:
+    """``hardware`` with the rates ``probe()`` measures, said in the log; unchanged (and
+    said) when the model is too large for it or it fails: the plan is then priced at the
+    matrix-product rate, and the job goes on."""
+    try:
+        result = probe()
+    except Exception as err:  # a calibration must not stop the job it calibrates
+        rank_zero_warn(f"balance_beam: the {what} failed ({type(err).__name__}: {err}); "
+                       "planning with the matrix-product rate")  # fmt: skip
+        return hardware
+    if result is None:
         rank_zero_info(f"balance_beam: model too large for the {what}; planning with the "
                        "matrix-product rate")  # fmt: skip
         return hardware
-    rank_zero_info(f"balance_beam {probe.describe(hardware)}")
-    return probe.applied_to(hardware)
+    rank_zero_info(f"balance_beam {result.describe(hardware)}")
+    return result.applied_to(hardware)
 
 
 def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:

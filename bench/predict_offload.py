@@ -49,7 +49,6 @@ from _common import drop_cache, machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.engine.generate import cache_length
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
@@ -285,7 +284,7 @@ def _probed(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) 
     job = _job(args)
     probe = probe_predict_compute(
         config, hw, prompt_len=args.prompt_len, concurrent=rows,
-        cache_len=cache_length(job.total_len), context=job.mean_context,
+        cache_len=job.cache_len, context=job.mean_context,
     )  # fmt: skip
     if probe is None:
         print("[plan] model too large for the predict probe: planning at the matrix-product rate")

@@ -242,12 +242,14 @@ def _predict_fits(
     prompt_len: int,
     dec_rows: int,
     cache_len: int,
+    dtype: torch.dtype,
     dev: torch.device,
 ) -> bool:
     rest = model.embed_params + model.head_params + model.final_params
-    need = 2 * ((SPAN + 2) * model.block_params + 2 * rest)  # compute-dtype weights
-    need += rows * prompt_len * model.act_bytes_per_token_full
-    need += (SPAN + 2) * dec_rows * cache_len * model.kv_bytes_per_token
+    scale = torch.empty(0, dtype=dtype).element_size() / 2  # the profile counts bf16 bytes
+    need = 2 * scale * ((SPAN + 2) * model.block_params + 2 * rest)  # compute-dtype weights
+    need += scale * rows * prompt_len * model.act_bytes_per_token_full
+    need += scale * (SPAN + 2) * dec_rows * cache_len * model.kv_bytes_per_token
     need += 4 * max(rows, dec_rows) * model.vocab_size
     if dev.type == "cuda":
         free = torch.cuda.mem_get_info(dev)[0]
@@ -261,12 +263,13 @@ def _predict_seconds(
     prompts: torch.Tensor,
     decode_rows: int,
     cache_len: int,
+    last: int,
     dtype: torch.dtype,
     device: torch.device,
     repeats: int,
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """Median seconds of a prefill and of a decode pass through the one- and the
-    three-block model ((prefill one, three), (decode one, three)), timed alternately."""
+    three-block model ((prefill one, three), (decode one, three)), timed alternately; the decode token sits at position ``last``."""
     from transformers import AutoModelForCausalLM, StaticCache
 
     from bb_lightning.engine.attention import decode_attention_for
@@ -276,7 +279,6 @@ def _predict_seconds(
             AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype).eval()
             for layers in (1, SPAN + 1)
         ]
-    last = cache_len - 1
     token = prompts[:1, :1].expand(decode_rows, 1).contiguous()
     step = {
         "input_ids": token,
@@ -377,12 +379,16 @@ def probe_predict_compute(
     dev = torch.device(device if device is not None else hw.device_type)
     model = ModelProfile.from_config(config)
     rows = max(1, min(concurrent, PREFILL_PROBE_TOKENS // prompt_len))
-    if not _predict_fits(model, rows, prompt_len, concurrent, cache_len, dev):
+    if not _predict_fits(model, rows, prompt_len, concurrent, cache_len, dtype, dev):
         return None
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, int(model.vocab_size), (rows, prompt_len), generator=gen).to(dev)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        pre, dec = _predict_seconds(config, prompts, concurrent, cache_len, dtype, dev, repeats)
+        # the decode token's position: the cache's last, within the model's positions
+        last = min(cache_len, model.max_positions or cache_len) - 1
+        pre, dec = _predict_seconds(
+            config, prompts, concurrent, cache_len, last, dtype, dev, repeats
+        )
     n, head = model.num_blocks, model.head_flops_per_token()
     pre_block, pre_rest, pre_total = _split(*pre, n)
     dec_block, dec_rest, dec_total = _split(*dec, n)

@@ -31,6 +31,7 @@ The result is cached as JSON in ``$BB_CACHE_DIR`` (default
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -315,6 +316,9 @@ def _read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
     try:
         data: dict[str, Any] = json.loads(path.read_text())
         if data.get("identity") != identity:
+            return None
+        fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+        if set(data["profile"]) != fields:  # an older layout lacks what was added since
             return None
         return HardwareProfile.from_dict(data["profile"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -201,6 +201,26 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
     strategy.close()
 
 
+def test_a_failing_probe_leaves_the_matrix_product_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bb_lightning.strategy as strategy_module
+
+    def broken(*args: Any, **kw: Any) -> None:
+        raise RuntimeError("probe out of order")
+
+    monkeypatch.setattr(strategy_module, "measure", lambda **_: _cpu())
+    monkeypatch.setattr(strategy_module, "probe_predict_compute", broken)
+    module = CausalLMModule(CONFIG, seed=4, max_new_tokens=3)
+    strategy = BalanceBeamStrategy(compute_dtype="fp32")
+    dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
+    with pytest.warns(UserWarning, match="probe failed .RuntimeError: probe out of order"):
+        _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
+    assert strategy.plan is not None and strategy.plan.hardware == _cpu()
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+    strategy.close()
+
+
 def test_predict_after_fit_reuses_the_trained_weights(tmp_path: Path) -> None:
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=4, learning_rate=1e-2)
     strategy = BalanceBeamStrategy(

@@ -122,9 +122,10 @@ def test_predict_probe_predicts_the_generators_passes() -> None:
     assert probe.decode_s == pytest.approx(LAYERS * probe.decode_block_s + probe.decode_rest_s)
     prefill, decode = generator_seconds(cfg, rows, plen, new)
     # from one- and three-block copies, the six-block model's passes in the generator
-    # (a 64-position cache: plen + new rounded up) hold within a factor of two
+    # (a 64-position cache: plen + new rounded up) hold within a factor of two for the
+    # prefill, three for the short decode pass (its block time is scaled up six-fold)
     assert prefill / 2 < probe.prefill_s < prefill * 2
-    assert decode / 2 < probe.decode_s < decode * 2
+    assert decode / 3 < probe.decode_s < decode * 3
     model = ModelProfile.from_config(cfg)
     head = model.head_flops_per_token()
     flops = rows * plen * (cost.forward_flops_per_token(model, plen) - head) + rows * head
@@ -163,3 +164,16 @@ def test_predict_probe_runs_on_other_architectures(arch: str) -> None:
         cfg, cpu(1e12), prompt_len=16, concurrent=4, cache_len=64, repeats=1
     )
     assert probe is not None and probe.prefill_s > 0 and probe.decode_s > 0
+
+
+def test_predict_probe_keeps_the_decode_position_within_the_model() -> None:
+    from transformers import AutoConfig
+
+    # a 64-position cache past the model's 40 positions (the generator rounds lengths up)
+    cfg = AutoConfig.for_model(
+        "gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=40
+    )
+    probe = calibrate.probe_predict_compute(
+        cfg, cpu(1e12), prompt_len=16, concurrent=4, cache_len=64, repeats=1
+    )
+    assert probe is not None and probe.decode_s > 0

@@ -64,6 +64,18 @@ def test_without_nvme_and_cache_refresh(cache_dir: Path) -> None:
     assert path.stat().st_mtime_ns > stamp
 
 
+def test_a_cache_of_an_older_layout_is_measured_again(cache_dir: Path) -> None:
+    first = measure(max_seconds=1.0, cache=False)
+    path = cache_path(machine_identity(None))
+    data = json.loads(path.read_text())
+    del data["profile"]["device_memory_bandwidth"]  # written before that field existed
+    data["profile"]["cores"] = first.cores + 1  # a marker: a profile read back would keep it
+    path.write_text(json.dumps(data))
+    again = measure(max_seconds=1.0)
+    assert again.cores == first.cores and again.device_memory_bandwidth > 0
+    assert set(cached_profile_dict(path)) == set(first.to_dict())
+
+
 def test_cache_key(tmp_path: Path, cache_dir: Path) -> None:
     a = machine_identity(str(tmp_path))
     assert machine_identity(str(tmp_path)) == a
