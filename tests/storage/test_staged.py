@@ -227,11 +227,15 @@ def test_staged_concurrent_page_ins_share_one_buffer(tmp_path: Path) -> None:
 
 
 def test_caller_tensor_larger_than_staging_streams_through_it(tmp_path: Path) -> None:
-    """Without forced staging, a caller's tensor of 10 pieces is written in 10 staged pieces."""
+    """Without forced staging, a caller's tensor of 10 pieces is written in 10 staged pieces,
+    and read back into an unaligned tensor through them (an aligned one is read directly:
+    where ``empty_like`` lands depends on the allocator, so the test picks the address)."""
     x = torch.arange(10 * PIECE // 4, dtype=torch.float32)
     with staged_store(tmp_path, stage_nvme=False) as store:
         store.register("w", x, home=Tier.NVME)
         assert store.stats()["host->nvme"].count == 10
-        assert torch.equal(store.read("w", out=torch.empty_like(x)), x)
+        out = torch.empty(x.numel() + 1, dtype=x.dtype)[1:]  # 4 bytes past an allocation
+        assert out.data_ptr() % 4096 != 0
+        assert torch.equal(store.read("w", out=out), x)
         assert store.stats()["nvme->host"].count == 10
         assert os.path.getsize(tmp_path / "nvme" / "w" / "c" / "0") == x.numel() * 4
