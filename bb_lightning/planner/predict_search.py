@@ -249,9 +249,9 @@ def build_plan(
     bw = cost.effective_bandwidths(hw)
     streamed = best.kv is Tier.HOST and hw.device_type != "cpu"
     kv_tok = float(model.kv_bytes_per_token * n) if streamed else 0.0
-    roof = Roofline(
+    roof = Roofline(  # of a decode pass: its tokens are the concurrent sequences
         flops_per_token=cost.forward_flops_per_token(model, ctx),
-        device_flops=eff_flops,
+        device_flops=eff_flops * hw.decode_efficiency,
         bytes_per_pass={
             "h2d": float((n - kw) * model.block_bytes),
             "nvme_read": float((n - kw - w_h) * model.block_bytes),

@@ -30,6 +30,8 @@ def test_decode_efficiency_scales_only_the_decode_passes(
     assert full.predicted.compute == pytest.approx(slow.predicted.compute - 3 * steps * decode_pass)
     assert slow.predicted.total == pytest.approx(slow.predicted.compute)
     assert slow.tokens_per_s < full.tokens_per_s
+    # the roofline draws decode passes at their own rate
+    assert slow.roofline.device_flops == pytest.approx(0.25 * full.roofline.device_flops)
 
 
 def _kv_on_host(model: ModelProfile, hw: HardwareProfile) -> dict[str, float]:
