@@ -9,43 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import ClipConfig, TrainingEngine, required_budgets
+from bb_lightning.engine.trainer_engine import ClipConfig, required_budgets
 from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
+from .tiny import LAYERS, cpu_engine, tiny_llama
+
 STATES = ("exp_avg", "exp_avg_sq", "master")
-LAYERS = 3
-
-
-def _model() -> torch.nn.Module:
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
-
-
-def _engine(model: torch.nn.Module, store: TieredStore, placement: Placement) -> TrainingEngine:
-    """An fp32 training engine on the CPU over the model's decoder layers."""
-    return TrainingEngine(
-        model,
-        model.model.layers,
-        store,
-        placement,
-        compute_dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
 
 
 def _store(tmp_path: Path, model: torch.nn.Module, placement: Placement) -> TieredStore:
@@ -85,7 +59,7 @@ def test_engine_steps_equal_torch_adamw(
     early: bool,
     sets: int,
 ) -> None:
-    reference = _model()
+    reference = tiny_llama()
     model = copy.deepcopy(reference)
     placement = Placement(
         weights=(Tier.NVME, Tier.DEVICE, Tier.HOST),
@@ -100,7 +74,7 @@ def test_engine_steps_equal_torch_adamw(
     )
     gen = torch.Generator().manual_seed(3)
     with _store(tmp_path, model, placement) as store:
-        engine = _engine(model, store, placement)
+        engine = cpu_engine(model, store, placement)
         ahead: list[str] = []
         read_async = store.read_async
         store.read_async = lambda name, out: (ahead.append(name), read_async(name, out))[1]  # type: ignore[method-assign]
@@ -143,7 +117,7 @@ def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> 
     activations (one forward per step); a block paged in from NVMe runs twice (forward,
     then recompute in backward). Every block hands its gradients on during backward, in
     reverse order; gradients equal plain autograd."""
-    reference = _model()
+    reference = tiny_llama()
     model = copy.deepcopy(reference)
     placement = Placement(
         weights=(Tier.HOST, Tier.DEVICE, Tier.NVME),
@@ -156,7 +130,7 @@ def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> 
         layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     with _store(tmp_path, model, placement) as store:
-        engine = _engine(model, store, placement)
+        engine = cpu_engine(model, store, placement)
         handed: list[int] = []
         engine.paged.on_block_backward = handed.append
         engine.model(input_ids=ids, labels=ids).loss.backward()
@@ -180,12 +154,12 @@ def test_optimizer_writes_leave_the_training_thread(
 ) -> None:
     """No fsync of an NVMe write runs on the training thread during training steps: the
     optimizer's writes go back on the store's threads, ordered before the next page-in."""
-    model = _model()
+    model = tiny_llama()
     placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME, prefetch_depth=1)
     adamw = AdamWConfig(lr=1e-2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
     with _store(tmp_path, model, placement) as store:
-        engine = _engine(model, store, placement)
+        engine = cpu_engine(model, store, placement)
         threads: list[str] = []
         fsync = os.fsync
         monkeypatch.setattr(

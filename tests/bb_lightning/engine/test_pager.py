@@ -7,44 +7,24 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning.engine.pager import CONVERT_CHUNK, Placement, add_converted
 from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Residency, Tier
 
-
-def _model() -> torch.nn.Module:
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
+from .tiny import cpu_engine, tiny_llama
 
 
 @pytest.fixture
 def engine_and_reference() -> tuple[TrainingEngine, torch.nn.Module, TieredStore]:
-    reference = _model()
+    reference = tiny_llama()
     model = copy.deepcopy(reference)
     store = TieredStore(StoreConfig(device_budget=8 << 20, host_budget=16 << 20, device="cpu"))
     placement = Placement(
         weights=(Tier.HOST, Tier.DEVICE, Tier.HOST), master=(Tier.HOST,) * 3, prefetch_depth=2
     )
-    engine = TrainingEngine(
-        model,
-        model.model.layers,
-        store,
-        placement,
-        compute_dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    engine = cpu_engine(model, store, placement)
     yield engine, reference, store
     engine.close()
     store.close()
