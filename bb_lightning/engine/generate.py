@@ -50,6 +50,7 @@ __all__ = [
     "Generated",
     "GenerationConfig",
     "LayerMajorGenerator",
+    "forward_options",
     "model_context",
 ]
 
@@ -105,6 +106,13 @@ class Generated:
     """Decoded new tokens (cut before the stop string), when a decoder was given."""
 
 
+def forward_options(model: nn.Module) -> tuple[str, bool]:
+    """How the model's forward takes a KV cache (``cache`` or ``past_key_values``) and whether
+    it takes ``logits_to_keep`` (the generator asks for the last token's logits only)."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
 def model_context(config: Any) -> int | None:
     """The model's context length in tokens (``max_position_embeddings`` or ``n_positions``)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -129,9 +137,7 @@ class LayerMajorGenerator:
         self.context = model_context(getattr(model, "config", None))
         """Longest sequence the model takes (tokens), or None when the config has no limit."""
         self._kv: KVCache | None = None
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._logits_kw = "logits_to_keep" in params
+        self._cache_kw, self._logits_kw = forward_options(model)
         self.steps = 0
         """Forward passes (prefill and decode steps) run so far."""
         self.seconds = {"prefill": 0.0, "decode": 0.0}

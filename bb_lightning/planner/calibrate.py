@@ -27,7 +27,6 @@ well below the prefill's rate on a CPU).
 from __future__ import annotations
 
 import copy
-import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -273,6 +272,7 @@ def _predict_seconds(
     from transformers import AutoModelForCausalLM, StaticCache
 
     from bb_lightning.engine.attention import decode_attention_for
+    from bb_lightning.engine.generate import forward_options
 
     with torch.device(device):
         nets = [
@@ -291,17 +291,19 @@ def _predict_seconds(
     try:
         with torch.inference_mode():
             caches = [StaticCache(config=net.config, max_cache_len=cache_len) for net in nets]
+            cache_kw, logits_kw = forward_options(nets[0])
+            last_only = {"logits_to_keep": 1} if logits_kw else {}
             for k in range(repeats + 1):
                 for i, (net, cache) in enumerate(zip(nets, caches, strict=True)):
                     _sync(device)
                     t0 = time.perf_counter()
-                    net(input_ids=prompts, use_cache=False, **_last_logits(net))
+                    net(input_ids=prompts, use_cache=False, **last_only)
                     _sync(device)
                     t1 = time.perf_counter()
                     # the step's cost does not depend on what the cache holds: it attends
                     # over all cache_len positions, as the engine's static cache does
                     with decode_attention_for(net):
-                        net(**step, **{_cache_kw(net): cache}, **_last_logits(net))
+                        net(**step, **{cache_kw: cache}, **last_only)
                     _sync(device)
                     if k:
                         times[i].append(t1 - t0)
@@ -310,20 +312,6 @@ def _predict_seconds(
         del nets
     med = [statistics.median(t) for t in times]
     return (med[0], med[1]), (med[2], med[3])
-
-
-def _last_logits(net: Any) -> dict[str, int]:
-    """``logits_to_keep=1`` where the model takes it (the generator asks for the last token's)."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(net) else {}
-
-
-def _cache_kw(net: Any) -> str:
-    """The name the model's forward takes its KV cache under."""
-    return "cache" if "cache" in _forward_params(net) else "past_key_values"
-
-
-def _forward_params(net: Any) -> Any:
-    return inspect.signature(net.forward).parameters
 
 
 def _split(one: float, more: float, blocks: int) -> tuple[float, float, float]:
