@@ -1,9 +1,11 @@
 """``bb-lightning convert``: a Hugging Face safetensors checkpoint -> an NVMe-tier zarr store.
 
-Tensors are streamed one at a time (``safetensors.safe_open``) and written in
-pieces of at most ``piece_bytes`` through the store's I/O backend into a plain
-zarr v3 group (:class:`storage.nvme.NvmeTier`): one uncompressed chunk per
-tensor, named by its checkpoint key. Each tensor's write is atomic, so an
+Parameters are streamed one at a time the way ``from_pretrained`` maps the
+checkpoint (:class:`bb_lightning.hf_load.HFCheckpoint`: renamed keys, fused
+MoE experts, tied heads) and written in pieces of at most ``piece_bytes``
+through the store's I/O backend into a plain zarr v3 group
+(:class:`storage.nvme.NvmeTier`): one uncompressed chunk per parameter, named
+by its module name (a tied parameter once, under its first name). Each tensor's write is atomic, so an
 interrupted run leaves only complete tensors; a rerun skips those (same shape
 and dtype, chunk of the right size) and writes the rest. ``config.json`` and
 ``generation_config.json`` go into the group's attributes (``hf_config``,
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
+from bb_lightning.hf_load import HFCheckpoint, empty_model
 from storage.io import IOConfig, aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, parse_array
 from storage.tiers import format_bytes
@@ -90,23 +94,19 @@ def checkpoint_files(source: str | os.PathLike[str]) -> list[Path]:
 
 
 def _specs(
-    files: list[Path], dtype: torch.dtype | None
-) -> list[tuple[Path, str, tuple[int, ...], torch.dtype]]:
-    from safetensors import safe_open
-
+    reader: HFCheckpoint, model: torch.nn.Module, dtype: torch.dtype | None
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(parameter name, shape, dtype written) of each parameter, in module order."""
     specs = []
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                piece = f.get_slice(key)
-                src = _ST_DTYPES.get(piece.get_dtype())
-                if src is None:
-                    raise ValueError(
-                        f"{path}: tensor {key!r} has dtype {piece.get_dtype()}, which the NVMe "
-                        f"tier does not store: use one of {sorted(_ST_DTYPES)}"
-                    )
-                out = dtype if dtype is not None and src.is_floating_point else src
-                specs.append((path, key, tuple(piece.get_shape()), out))
+    for name, param in model.named_parameters():
+        src = reader.source_dtype(name)
+        if src not in _ST_DTYPES.values():
+            raise ValueError(
+                f"parameter {name!r} has dtype {src} on disk, which the NVMe tier does not "
+                f"store: use one of {sorted(_ST_DTYPES)}"
+            )
+        out = dtype if dtype is not None and src.is_floating_point else src
+        specs.append((name, tuple(param.shape), out))
     return specs
 
 
@@ -145,9 +145,13 @@ def convert_checkpoint(
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or None (keep)")
     if piece_bytes <= 0 or piece_bytes % 4096:
         raise ValueError(f"piece_bytes={piece_bytes} must be a positive multiple of 4096 bytes")
-    files = checkpoint_files(source)
-    specs = _specs(files, _DTYPES[dtype] if dtype else None)
-    sizes = [_nbytes(shape, dt) for _, _, shape, dt in specs]
+    checkpoint_files(source)  # a clear error when there are no safetensors files
+    if not (Path(source) / "config.json").is_file():
+        raise ValueError(f"checkpoint {source} has no config.json: save it with save_pretrained")
+    model = empty_model(AutoConfig.from_pretrained(source))
+    reader = HFCheckpoint(source, model)
+    specs = _specs(reader, model, _DTYPES[dtype] if dtype else None)
+    sizes = [_nbytes(shape, dt) for _, shape, dt in specs]
     total = sum(sizes)
     if capacity is not None and capacity < total:
         raise ValueError(
@@ -165,7 +169,7 @@ def convert_checkpoint(
         room = capacity or total + _stored_bytes(Path(target))  # changed tensors are replaced
         with NvmeTier(target, capacity=room, backend=backend) as tier:
             bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress)
-            for (path, key, shape, dt), size in zip(specs, sizes, strict=True):
+            for (key, shape, dt), size in zip(specs, sizes, strict=True):
                 bar.set_postfix_str(key[-40:], refresh=False)
                 if _complete(tier, key, shape, dt):
                     skipped += 1
@@ -174,7 +178,8 @@ def convert_checkpoint(
                 if tier.contains(key):
                     tier.delete(key)
                 tier.create(key, shape, dt)
-                _write_tensor(tier, key, _load(path, key, dt), buf, piece, bar.update)
+                value = reader.get(key, dt).contiguous()
+                _write_tensor(tier, key, value, buf, piece, bar.update)
                 written += 1
                 moved += size
             bar.close()
@@ -217,13 +222,6 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for d in shape:
         n *= d
     return n * torch.empty((), dtype=dtype).element_size()
-
-
-def _load(path: Path, key: str, dtype: torch.dtype) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(key).to(dtype).contiguous()
 
 
 def _write_tensor(

@@ -21,13 +21,12 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from accelerate import init_empty_weights
-from safetensors import safe_open
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
+from bb_lightning.hf_load import HFCheckpoint, empty_model
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
@@ -101,53 +100,8 @@ def resolve_model_config(
     return AutoConfig.from_pretrained(str(model)), str(model)
 
 
-class SafetensorsCheckpoint:
-    """Reads single tensors of a local safetensors checkpoint (one file or sharded).
-
-    A sharded checkpoint's ``model.safetensors.index.json`` maps each tensor name to
-    its file; each :meth:`get` reads one tensor (memory-mapped file, one copy).
-    """
-
-    INDEX = "model.safetensors.index.json"
-    SINGLE = "model.safetensors"
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        """Index ``directory``; ``ValueError`` when it holds no safetensors weights."""
-        self.directory = Path(directory)
-        index, single = self.directory / self.INDEX, self.directory / self.SINGLE
-        if index.is_file():
-            with index.open() as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            self.files = {k: self.directory / v for k, v in weight_map.items()}
-        elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
-        else:
-            raise ValueError(
-                f"{self.directory} holds neither {self.SINGLE} nor {self.INDEX}: save the model "
-                "with save_pretrained(safe_serialization=True)"
-            )
-
-    @classmethod
-    def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
-        """Whether ``directory`` is local and holds safetensors weights."""
-        path = Path(directory)
-        return (path / cls.INDEX).is_file() or (path / cls.SINGLE).is_file()
-
-    def keys(self) -> list[str]:
-        """Tensor names in the checkpoint."""
-        return sorted(self.files)
-
-    def get(self, key: str) -> Tensor:
-        """Tensor ``key`` as a CPU tensor; ``ValueError`` naming the file when absent."""
-        path = self.files.get(key)
-        if path is None:
-            raise ValueError(
-                f"tensor {key!r} is not in the checkpoint {self.directory} "
-                f"({len(self.files)} tensors): the checkpoint does not match the model config"
-            )
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(key)
+SafetensorsCheckpoint = HFCheckpoint
+"""Reads single parameters of a local safetensors checkpoint (see :mod:`bb_lightning.hf_load`)."""
 
 
 @contextmanager
@@ -268,15 +222,14 @@ class CausalLMModule(pl.LightningModule):
         loaded with ``from_pretrained``, except under a strategy that streams
         weights (``streams_weights``) from a local safetensors checkpoint: then the
         parameters stay on the meta device and the strategy reads them
-        (:class:`SafetensorsCheckpoint`).
+        (:class:`~bb_lightning.hf_load.HFCheckpoint`).
         """
         if self.model is not None:
             return
         if self.checkpoint_dir is not None and self._streams_weights():
-            # Parameters on the meta device (buffers real): the strategy reads each tensor
-            # from the checkpoint straight into its tier, never the whole model at once.
-            with init_empty_weights(include_buffers=False):
-                self.model = AutoModelForCausalLM.from_config(self._config)
+            # Parameters on the meta device (buffers real, tied ones tied): the strategy reads
+            # each parameter from the checkpoint straight into its tier, never the whole model.
+            self.model = empty_model(self._config)
         elif self.checkpoint_dir is not None:
             self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
         else:

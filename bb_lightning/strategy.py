@@ -72,7 +72,8 @@ from bb_lightning.engine.trainer_engine import (
     check_budgets,
     required_budgets,
 )
-from bb_lightning.module import CausalLMModule, SafetensorsCheckpoint
+from bb_lightning.hf_load import HFCheckpoint
+from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
@@ -899,6 +900,6 @@ def checkpoint_loader(module: torch.nn.Module) -> ParamLoader | None:
             f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
             "model with a local checkpoint_dir to read them from: build the model with weights"
         )
-    reader = SafetensorsCheckpoint(source)
+    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions
     keys = {id(p): key for key, p in net.named_parameters()}
     return lambda p: reader.get(keys[id(p)])

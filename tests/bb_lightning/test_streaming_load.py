@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
-from bb_lightning.module import CausalLMModule, SafetensorsCheckpoint
+from bb_lightning.hf_load import HFCheckpoint
+from bb_lightning.module import CausalLMModule
 from storage.tiers import Tier
 
 PLACEMENT = Placement(
@@ -38,16 +39,16 @@ def test_sharded_checkpoint_streams_into_the_tiers(
     saved = _saved(tiny, tmp_path / "ckpt")
     assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) >= 3  # sharded
     reads: list[str] = []
-    get = SafetensorsCheckpoint.get
+    get = HFCheckpoint.get
 
-    def counted(self: SafetensorsCheckpoint, key: str) -> torch.Tensor:
+    def counted(self: HFCheckpoint, key: str) -> torch.Tensor:
         reads.append(key)
         return get(self, key)
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the whole model was loaded into host memory")
 
-    monkeypatch.setattr(SafetensorsCheckpoint, "get", counted)
+    monkeypatch.setattr(HFCheckpoint, "get", counted)
     monkeypatch.setattr(module_mod.AutoModelForCausalLM, "from_pretrained", refuse)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
     module = CausalLMModule(str(tmp_path / "ckpt"))

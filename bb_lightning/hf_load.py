@@ -1,0 +1,269 @@
+"""Read a Hugging Face checkpoint one parameter at a time, the way ``from_pretrained`` maps it.
+
+transformers 5 does not load files key by key: ``from_pretrained`` renames
+checkpoint keys and converts tensors on the way in (per-expert MoE weights
+fused into one ``experts.gate_up_proj``, legacy names, split or merged
+projections), and ties heads that are not on disk. :class:`HFCheckpoint`
+plans that mapping once, with transformers' own machinery
+(``get_model_conversion_mapping``, ``rename_source_key``, the
+``WeightConverter`` operations, ``all_tied_weights_keys``), and then serves
+each parameter of the model by its module name: :meth:`HFCheckpoint.get`
+reads only the checkpoint tensors that parameter is made of, runs the
+conversion on them alone, and casts the result. Memory holds one parameter
+(and, for a fused one, its sources) at a time, never the model.
+
+:func:`empty_model` builds the model on the meta device with its tied
+parameters tied; :func:`check_supported` refuses, in one line, models this
+loader cannot serve (quantized checkpoints, remote code, models without a
+causal LM head).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
+
+__all__ = ["HFCheckpoint", "check_supported", "empty_model", "safetensors_files"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it (index, one file, or every shard).
+
+    Raises ``ValueError`` when ``directory`` holds no safetensors weights.
+    """
+    root = Path(directory)
+    index = root / INDEX
+    if index.is_file():
+        with index.open() as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        missing = sorted({v for v in weight_map.values() if not (root / v).is_file()})
+        if missing:
+            raise ValueError(f"{index} lists shards missing from {root}: {missing[:3]}")
+        return {k: root / v for k, v in weight_map.items()}
+    files = [root / SINGLE] if (root / SINGLE).is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{root} holds neither {SINGLE} nor {INDEX}: save the model with "
+            "save_pretrained(safe_serialization=True)"
+        )
+    keys: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            keys.update(dict.fromkeys(f.keys(), path))
+    return keys
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse, with one ``ValueError`` line naming why, a model this loader cannot stream."""
+    kind = getattr(config, "model_type", "?")
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"model_type={kind!r} is quantized ({method}): balance_beam streams unquantized "
+            "fp32/bf16/fp16 weights; load a dequantized checkpoint"
+        )
+    if getattr(config, "auto_map", None):
+        raise ValueError(
+            f"model_type={kind!r} needs remote code (auto_map): balance_beam loads only "
+            "model families of the installed transformers"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"model_type={kind!r} is an encoder-decoder model: balance_beam runs decoder-only "
+            "causal LMs (AutoModelForCausalLM)"
+        )
+
+
+def empty_model(config: PretrainedConfig) -> PreTrainedModel:
+    """``AutoModelForCausalLM`` of ``config`` with parameters on the meta device, tied ones tied.
+
+    Buffers are real (computed from the config). Raises ``ValueError`` (one line)
+    for a model :func:`check_supported` refuses or transformers cannot build.
+    """
+    check_supported(config)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as err:  # transformers: "Unrecognized configuration class ..."
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(
+            f"model_type={config.model_type!r} has no causal LM in transformers: {first}"
+        ) from None
+    model.tie_weights()  # init_empty_weights creates fresh meta parameters after the tie
+    return model
+
+
+@dataclass
+class _Group:
+    """The checkpoint tensors one parameter (or one conversion's outputs) is made of."""
+
+    converter: WeightConverter | None
+    """The conversion to run on the sources (None: the one source, renamed at most)."""
+    target: str
+    """The first parameter name the conversion produces (transformers' ``layer_name``)."""
+    sources: list[tuple[str, str]] = field(default_factory=list)
+    """(source pattern, checkpoint key) pairs in checkpoint order."""
+
+
+class HFCheckpoint:
+    """The parameters of ``model`` read from a local safetensors checkpoint by module name.
+
+    Built on a (meta) model of the checkpoint's config: the key mapping is planned
+    from the checkpoint's keys alone (no tensor read). ``ValueError`` at construction
+    names parameters the checkpoint cannot provide.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], model: PreTrainedModel) -> None:
+        self.directory = Path(directory)
+        self.files = safetensors_files(self.directory)
+        check_supported(model.config)
+        self._model = model
+        mapping = get_model_conversion_mapping(model)
+        renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        meta = model.state_dict()
+        prefix = model.base_model_prefix
+        self._groups: dict[str, _Group] = {}
+        """Parameter name -> the group producing it (a multi-output group under each name)."""
+        for key in sorted(self.files, key=dot_natural_key):
+            name, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+            if name not in meta and key in meta:
+                name, pattern = key, None
+            if name not in meta:
+                continue  # transformers drops it too (an unexpected key)
+            group = self._groups.get(name)
+            if group is None:
+                conv = by_pattern[pattern] if pattern is not None else None
+                group = _Group(converter=conv, target=name)
+                for out in _outputs(name, conv):
+                    self._groups.setdefault(out, group)
+            group.sources.append((pattern or key, key))
+        self._aliases = _tie_aliases(model, self._groups)
+        self._pending: dict[str, Tensor] = {}
+        """Outputs of a multi-output conversion not asked for yet (served once, then dropped)."""
+        missing = [n for n, _ in model.named_parameters() if self.resolve(n) is None]
+        if missing:
+            raise ValueError(
+                f"checkpoint {self.directory} lacks {len(missing)} parameters of "
+                f"{type(model).__name__}, e.g. {missing[:3]}: it does not match the model config"
+            )
+
+    @classmethod
+    def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
+        """Whether ``directory`` is local and holds safetensors weights."""
+        path = Path(directory)
+        return (path / INDEX).is_file() or any(path.glob("*.safetensors"))
+
+    def resolve(self, name: str) -> str | None:
+        """The name the checkpoint provides parameter ``name`` under (a tied one's partner)."""
+        if name in self._groups:
+            return name
+        return self._aliases.get(name)
+
+    def source_keys(self, name: str) -> list[str]:
+        """Checkpoint keys parameter ``name`` is made of."""
+        return [key for _, key in self._groups[self._resolved(name)].sources]
+
+    def source_dtype(self, name: str) -> torch.dtype:
+        """dtype of parameter ``name`` on disk (that of its first source tensor)."""
+        key = self.source_keys(name)[0]
+        with safe_open(str(self.files[key]), framework="pt") as f:
+            return _slice_dtype(f, key)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """Parameter ``name`` as a CPU tensor, converted as ``from_pretrained`` would; cast to
+        ``dtype`` (None: the dtype on disk). Reads only the tensors it is made of."""
+        target = self._resolved(name)
+        value = self._pending.pop(target, None)
+        if value is None:
+            value = self._assemble(target)
+        expected = tuple(self._model.get_parameter(name).shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"parameter {name!r} is {tuple(value.shape)} in checkpoint {self.directory} "
+                f"but {expected} in the model: the checkpoint does not match the model config"
+            )
+        return value if dtype is None else value.to(dtype)
+
+    def _resolved(self, name: str) -> str:
+        target = self.resolve(name)
+        if target is None:
+            raise ValueError(
+                f"parameter {name!r} is not in the checkpoint {self.directory} "
+                f"({len(self.files)} tensors): the checkpoint does not match the model config"
+            )
+        return target
+
+    def _assemble(self, target: str) -> Tensor:
+        group = self._groups[target]
+        if group.converter is None:
+            return self._read(group.sources[0][1])
+        conv = deepcopy(group.converter)
+        for pattern, key in group.sources:
+            conv.add_tensor(group.target, key, pattern, self._reader(key))
+        produced = conv.convert(group.target, model=self._model, config=self._model.config)
+        out: dict[str, Tensor] = {}
+        for out_name, value in produced.items():
+            out[out_name] = (value[0] if isinstance(value, list) else value).contiguous()
+        value = out.pop(target)
+        self._pending.update(out)
+        return value
+
+    def _reader(self, key: str) -> Callable[[], Tensor]:
+        return lambda: self._read(key)
+
+    def _read(self, key: str) -> Tensor:
+        with safe_open(str(self.files[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+
+def _slice_dtype(f: Any, key: str) -> torch.dtype:
+    names = {
+        "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+        "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+        "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    }  # fmt: skip
+    return names[f.get_slice(key).get_dtype()]
+
+
+def _outputs(name: str, converter: WeightConverter | None) -> list[str]:
+    """Every parameter a group whose first output is ``name`` produces (one-to-many: all)."""
+    if converter is None or len(converter.target_patterns) < 2:
+        return [name]
+    first = converter.target_patterns[0]
+    return [name.replace(first, t) for t in converter.target_patterns]
+
+
+def _tie_aliases(model: PreTrainedModel, present: Iterable[str]) -> dict[str, str]:
+    """Tied parameter name -> the partner the checkpoint holds, both ways (as ``tie_weights``)."""
+    have = set(present)
+    aliases: dict[str, str] = {}
+    for target, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if source in have and target not in have:
+            aliases[target] = source
+        elif target in have and source not in have:
+            aliases[source] = target
+    return aliases
