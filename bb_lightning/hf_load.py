@@ -41,7 +41,13 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-__all__ = ["HFCheckpoint", "check_supported", "empty_model", "safetensors_files"]
+__all__ = [
+    "HFCheckpoint",
+    "check_generation",
+    "check_supported",
+    "empty_model",
+    "safetensors_files",
+]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -93,6 +99,16 @@ def check_supported(config: PretrainedConfig) -> None:
         raise ValueError(
             f"model_type={kind!r} is an encoder-decoder model: balance_beam runs decoder-only "
             "causal LMs (AutoModelForCausalLM)"
+        )
+
+
+def check_generation(model: PreTrainedModel) -> None:
+    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache."""
+    if getattr(type(model), "_is_stateful", False):
+        raise ValueError(
+            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
+            "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
+            "generation serves attention models; fit and validate it, or generate with transformers"
         )
 
 

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.hf_load import HFCheckpoint, empty_model
+from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
@@ -226,6 +226,7 @@ class CausalLMModule(pl.LightningModule):
         """
         if self.model is not None:
             return
+        check_supported(self._config)
         if self.checkpoint_dir is not None and self._streams_weights():
             # Parameters on the meta device (buffers real, tied ones tied): the strategy reads
             # each parameter from the checkpoint straight into its tier, never the whole model.

@@ -72,7 +72,7 @@ from bb_lightning.engine.trainer_engine import (
     check_budgets,
     required_budgets,
 )
-from bb_lightning.hf_load import HFCheckpoint
+from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
     FitJob,
@@ -275,7 +275,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.close()
         _, blocks = find_block_list(module)
         dtype = self.resolved_dtype()
-        loader = checkpoint_loader(module)
+        loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
         placement = self.placement or self._plan(module, len(blocks), trainer)
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement, dtype)  # fmt: skip
@@ -886,14 +886,21 @@ def _measured(mean: StepTimes, links: Mapping[str, float], optimizer_s: float) -
     )
 
 
-def checkpoint_loader(module: torch.nn.Module) -> ParamLoader | None:
+def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
     """Reads meta-device parameters from the module's local safetensors checkpoint.
 
     None when no parameter is on the meta device (the engine reads the parameters).
+    Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve
+    (:func:`~bb_lightning.hf_load.check_supported`; with ``generation``, also
+    :func:`~bb_lightning.hf_load.check_generation`).
     """
+    net = _hf_model(module)
+    if net is not None:
+        check_supported(net.config)
+        if generation:
+            check_generation(net)
     if not any(p.is_meta for p in module.parameters()):
         return None
-    net = _hf_model(module)
     source = getattr(module, "checkpoint_dir", None)
     if net is None or source is None:
         raise ValueError(

@@ -1,0 +1,198 @@
+"""Model families as users bring them: a ``save_pretrained`` directory loaded by path.
+
+For each family: ``trainer.fit`` under balance_beam (weights and optimizer state on
+NVMe, gradient accumulation and norm clipping) against plain Lightning on the same
+directory (``from_pretrained``), losses and final weights; ``trainer.predict``
+(weights on NVMe, ragged left-padded prompts) against Hugging Face greedy ``generate``.
+Tied heads, sliding windows and MoE blocks (per-expert tensors on disk, fused in the
+module) are among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.pager import Placement
+from bb_lightning.module import CausalLMModule
+from storage.tiers import Tier
+
+VOCAB = 128
+_BASE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}
+_EXPERTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", **_BASE},
+    "mistral_sliding": {"model_type": "mistral", **_BASE, "sliding_window": 8},
+    "qwen2_tied": {"model_type": "qwen2", **_BASE, "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 8},
+    "gemma_tied": {"model_type": "gemma", **_BASE, "head_dim": 8},
+    "gemma2_sliding": {"model_type": "gemma2", **_BASE, "head_dim": 8, "sliding_window": 8},
+    "gemma3_sliding": {
+        "model_type": "gemma3_text",
+        **_BASE,
+        "head_dim": 8,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "phi3": {"model_type": "phi3", **_BASE, "pad_token_id": 0},
+    "gpt2_tied": {
+        "model_type": "gpt2",
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": VOCAB,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        **{k: v for k, v in _BASE.items() if k != "num_key_value_heads"},
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    },
+    "olmo2": {"model_type": "olmo2", **_BASE},
+    "starcoder2_sliding": {
+        "model_type": "starcoder2",
+        **_BASE,
+        "sliding_window": 8,
+        "residual_dropout": 0.0,
+        "embedding_dropout": 0.0,
+    },
+    "mixtral_moe": {"model_type": "mixtral", **_BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **_BASE,
+        **_EXPERTS,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **_BASE,
+        **_EXPERTS,
+        "head_dim": 8,
+        "moe_intermediate_size": 32,
+    },
+    "olmoe": {"model_type": "olmoe", **_BASE, **_EXPERTS},
+}
+STEPS, ACCUM, NEW = 2, 2, 5
+N = Tier.NVME
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def saved(family: str, directory: Path, **save: Any) -> Path:
+    """A seeded random model of ``family`` written with ``save_pretrained`` into ``directory``."""
+    config = dict(FAMILIES[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    model.save_pretrained(directory, **save)
+    return directory
+
+
+def _module(path: Path) -> CausalLMModule:
+    return CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01, max_new_tokens=NEW)
+
+
+def _fit(tiny: SimpleNamespace, strategy: Any, path: Path) -> tuple[list[float], dict[str, Any]]:
+    module = _module(path)
+    trainer, recorder = tiny.make_trainer(
+        strategy, STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=0.5
+    )
+    data = [{"input_ids": b["input_ids"] % VOCAB} for b in tiny.batches(STEPS * ACCUM)]
+    trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    if strategy == "auto":
+        return recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return recorder.losses, dict(strategy.lightning_module_state_dict())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_fits_like_plain_lightning(
+    family: str, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    path = saved(family, tmp_path / "ckpt")
+    want_losses, want = _fit(tiny, "auto", path)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(2, weights=N, master=N, prefetch_depth=1),
+        compute_dtype="fp32",
+        nvme_path=str(tmp_path / "nvme"),
+    )
+    losses, got = _fit(tiny, strategy, path)
+    engine, store = strategy.engine, strategy.store
+    assert engine is not None and store is not None
+    assert store.usage()[N][0] > 0  # weights and optimizer state homed on NVMe
+    for block, params in zip(engine.paged.blocks, engine.pager.params, strict=True):
+        # every parameter of a block (router and all experts of an MoE block) pages with it
+        assert {id(p) for p in block.parameters()} == {id(p) for p in params}
+    strategy.close()
+    assert len(losses) == STEPS * ACCUM
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        # elements whose gradient is far below AdamW's eps move by rounding noise
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=2e-5, msg=key)
+
+
+def _prompts() -> dict[str, Any]:
+    """Three left-padded prompts of 7, 3 and 5 tokens."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate((7, 3, 5)):
+        ids[row, : 7 - n], mask[row, : 7 - n] = 0, 0
+    return {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_generates_like_hf_generate(
+    family: str, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    path = saved(family, tmp_path / "ckpt")
+    module = _module(path)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(2, weights=N), compute_dtype="fp32", nvme_path=str(tmp_path)
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    batch = _prompts()
+    records = trainer.predict(module, DataLoader([batch], batch_size=None))
+    assert strategy.store is not None and strategy.store.usage()[N][0] > 0
+    strategy.close()
+    assert records is not None
+    got = [r["token_ids"] for r in records[0]]  # type: ignore[index]
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    stop = set(module.generation_config().eos_token_ids)
+    pad = module.generation_config().pad_token_id
+    for row, tokens in enumerate(got):
+        ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
+        with torch.no_grad():
+            out = reference.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                do_sample=False, pad_token_id=pad, eos_token_id=sorted(stop) or None,
+            )[0, ids.shape[1] :].tolist()  # fmt: skip
+        cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+        assert tokens == out[:cut], (family, row)
