@@ -239,7 +239,7 @@ class HFCheckpoint:
             return self._read(group.sources[0][1])
         conv = deepcopy(group.converter)
         for pattern, key in group.sources:
-            conv.add_tensor(group.target, key, pattern, self._reader(key))
+            conv.add_tensor(group.target, key, pattern, self._reader(key))  # type: ignore[arg-type]
         produced = conv.convert(group.target, model=self._model, config=self._model.config)
         out: dict[str, Tensor] = {}
         for out_name, value in produced.items():

@@ -408,6 +408,8 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     kv_heads = _config_int(config, "num_key_value_heads", "n_head_kv", default=num_heads)
     head_dim = _config_int(config, "head_dim", default=hidden // num_heads)
     act_full = -(-max(trace.saved_bytes) // trace.tokens)
+    matmul = tuple(n for n in first if n in trace.matmul_params)
+    experts, top_k, expert_names = _experts(config, model.get_submodule(parts.block_names[0]))
     return {
         "name": str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")),
         "num_blocks": len(blocks),
@@ -420,7 +422,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
             config, "max_position_embeddings", "n_positions", "seq_length", default=0
         ),
         "block_params": total(first),
-        "block_matmul_params": total(tuple(n for n in first if n in trace.matmul_params)),
+        "block_matmul_params": total(matmul),
         "embed_params": total(parts.embed_param_names),
         "head_params": total(parts.head_param_names),
         "final_params": total(parts.final_param_names) + total(parts.unused_param_names),
@@ -428,7 +430,40 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
         "act_bytes_per_token_checkpointed": hidden * 2,
         "act_bytes_per_token_full": act_full,
         "kv_bytes_per_token": 2 * kv_heads * head_dim * 2,
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "block_expert_params": total(
+            tuple(n for n in matmul if n.removeprefix(parts.block_names[0] + ".") in expert_names)
+        ),
     }
+
+
+_NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config fields naming the routed experts per MoE block (transformers' spellings)."""
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "num_experts_per_token")
+"""Config fields naming the experts each token is routed to."""
+
+
+def _experts(config: Any, block: nn.Module) -> tuple[int, int, set[str]]:
+    """(experts per block, experts per token, names in ``block`` of the routed experts'
+    parameters); (0, 0, empty) for a dense block.
+
+    Expert weights are found by shape, not name: a parameter whose leading dimension is
+    the number of experts (fused ``[experts, out, in]`` weights), or any parameter inside
+    an ``nn.ModuleList`` of that many same-typed modules (one module per expert).
+    """
+    n = next((v for k in _NUM_EXPERTS if isinstance(v := getattr(config, k, None), int)), 0)
+    k = next((v for key in _TOP_K if isinstance(v := getattr(config, key, None), int)), 0)
+    if n < 2 or not 1 <= k <= n:
+        return 0, 0, set()
+    names = {name for name, p in block.named_parameters() if p.dim() >= 3 and p.shape[0] == n}
+    for path, module in block.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            if len({type(child) for child in module}) == 1:
+                names.update(f"{path}.{name}" for name, _ in module.named_parameters())
+    if not names:
+        return 0, 0, set()
+    return n, k, names
 
 
 def load_config(config: Any) -> Any:

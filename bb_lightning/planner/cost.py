@@ -84,11 +84,14 @@ def nvme_budget(hw: HardwareProfile) -> int:
 def forward_flops_per_token(model: ModelProfile, context: float) -> float:
     """Forward FLOPs per token of the whole model attending over ``context`` tokens.
 
-    ``num_blocks * (2 * block_matmul_params + 4 * num_heads * head_dim * context)``
-    plus the head's ``2 * hidden * vocab`` (Kaplan et al. 2020, Table 1, which counts
-    attention against the full context); the embedding is a lookup (no FLOPs).
+    ``num_blocks * (2 * block_active_matmul_params + 4 * num_heads * head_dim * context)``
+    (the active weights: the top-k experts of an MoE block) plus the head's ``2 * hidden * vocab``
+    (Kaplan et al. 2020, Table 1, which counts attention against the full context);
+    the embedding is a lookup (no FLOPs).
     """
-    block = 2.0 * model.block_matmul_params + 4.0 * model.num_heads * model.head_dim * context
+    block = (
+        2.0 * model.block_active_matmul_params + 4.0 * model.num_heads * model.head_dim * context
+    )
     return model.num_blocks * block + model.head_flops_per_token()
 
 
@@ -127,8 +130,10 @@ def backward_fraction(checkpointing: bool) -> float:
 
 
 def matmul_params(model: ModelProfile) -> int:
-    """``N`` for MFU: matrix-product parameters of the blocks and the head (tied or not)."""
-    return model.num_blocks * model.block_matmul_params + model.hidden_size * model.vocab_size
+    """``N`` for MFU: matrix-product parameters of the blocks a token uses (active experts
+    only) and the head (tied or not)."""
+    blocks = model.num_blocks * model.block_active_matmul_params
+    return int(blocks) + model.hidden_size * model.vocab_size
 
 
 def model_flops_per_token(model: ModelProfile, task: str) -> float:

@@ -438,8 +438,11 @@ def build_plan(
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
-    hide = cost.hide_tokens_per_pass(
-        8.0 if best.checkpointing else 6.0, 4.0, roof.device_flops, bw["h2d"]
+    hide = cost.hide_tokens_per_pass(  # FLOPs of the active weights against all bytes (MoE)
+        (8.0 if best.checkpointing else 6.0) * model.active_fraction,
+        4.0,
+        roof.device_flops,
+        bw["h2d"],
     )
     reasons = [
         f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per pass "

@@ -293,6 +293,8 @@ class Plan:
             f"plan: {self.task} {m.name} ({m.total_params / 1e9:.2f} B params, "
             f"{m.num_blocks} blocks of {format_bytes(m.block_bytes)}) on {hw.name}"
         ]
+        if m.moe_summary() is not None:
+            lines.append(str(m.moe_summary()))
         if isinstance(self.job, FitJob):
             lines.append(
                 f"job: seq {self.job.seq_len} tokens, global batch {self.job.seqs_per_step} seqs "

@@ -261,7 +261,9 @@ def build_plan(
     )
     # the paged weights come over the slowest link they cross: NVMe when some home there
     link = "nvme_read" if n - kw - w_h > 0 else "h2d"
-    hide = cost.hide_tokens_per_pass(2.0, 2.0, eff_flops * hw.decode_efficiency, bw[link])
+    hide = cost.hide_tokens_per_pass(  # FLOPs of the active weights against all bytes (MoE)
+        2.0 * model.active_fraction, 2.0, eff_flops * hw.decode_efficiency, bw[link]
+    )
     kv_bytes = cost.kv_cache_bytes(model, c, job.total_len)
     where = ""
     if streamed:

@@ -40,6 +40,11 @@ def _from_dict(cls: type[_T], d: dict[str, Any]) -> _T:
     return cls(**d)
 
 
+def _millions(count: float) -> str:
+    """A parameter count for a person, in millions (``"12.3 M"``)."""
+    return f"{count / 1e6:,.4g} M"
+
+
 def _check_non_negative(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -207,6 +212,12 @@ class ModelProfile:
     """Bytes per token per block saved for backward without checkpointing (bf16, introspected)."""
     kv_bytes_per_token: int
     """Bytes per token per block of the bf16 K and V cache: ``2 * num_kv_heads * head_dim * 2``."""
+    num_experts: int = 0
+    """Routed experts per block of a mixture-of-experts model (0: dense blocks)."""
+    experts_per_token: int = 0
+    """Routed experts each token uses per block (the router's top-k; 0: dense)."""
+    block_expert_params: int = 0
+    """Of ``block_matmul_params``, those of the routed experts, all ``num_experts`` of them."""
 
     def __post_init__(self) -> None:
         _check_non_negative(
@@ -217,12 +228,56 @@ class ModelProfile:
                 if f.name not in ("name", "tied_embeddings")
             ),
         )
+        if self.experts_per_token > self.num_experts or (
+            self.num_experts > 0 and self.experts_per_token == 0
+        ):
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be in [1, num_experts="
+                f"{self.num_experts}] for an MoE model (both 0 for a dense one)"
+            )
+        if self.block_expert_params > self.block_matmul_params:
+            raise ValueError(
+                f"block_expert_params={self.block_expert_params} > block_matmul_params="
+                f"{self.block_matmul_params}: expert weights are matrix-product weights"
+            )
+
+    @property
+    def block_active_matmul_params(self) -> float:
+        """Matrix-product parameters of one block that each token uses.
+
+        Dense: ``block_matmul_params``. MoE: the router, attention and shared parts,
+        plus ``experts_per_token / num_experts`` of the routed experts' weights
+        (each token runs its top-k experts only; Fedus et al. 2022, Switch
+        Transformers, Sec. 2). Bytes still count every expert (``block_params``).
+        """
+        if self.num_experts == 0:
+            return float(self.block_matmul_params)
+        routed = self.block_expert_params * self.experts_per_token / self.num_experts
+        return float(self.block_matmul_params - self.block_expert_params) + routed
+
+    @property
+    def active_fraction(self) -> float:
+        """``block_active_matmul_params / block_matmul_params``: 1 for dense blocks."""
+        return self.block_active_matmul_params / max(self.block_matmul_params, 1)
+
+    def moe_summary(self) -> str | None:
+        """One line on how an MoE model is priced (None for a dense model)."""
+        if self.num_experts == 0:
+            return None
+        n = self.num_blocks
+        return (
+            f"MoE: top-{self.experts_per_token} of {self.num_experts} experts per block: "
+            f"compute counts the {_millions(n * self.block_active_matmul_params)} block "
+            f"parameters a token uses, transfers all {_millions(n * self.block_params)} "
+            f"(every expert moves with its block)"
+        )
 
     def block_flops_per_token(self, context: int) -> float:
         """Forward FLOPs per token of one block attending over ``context`` tokens.
 
-        ``2 * block_matmul_params + 4 * num_heads * head_dim * context``: two FLOPs
-        (multiply, add) per matmul weight, plus ``Q K^T`` and ``A V`` against the
+        ``2 * block_active_matmul_params + 4 * num_heads * head_dim * context``: two
+        FLOPs (multiply, add) per matmul weight a token uses (all of them in a dense
+        block, the top-k experts in an MoE one), plus ``Q K^T`` and ``A V`` against the
         context, each ``2 * num_heads * head_dim`` FLOPs per attended token
         (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1;
         Hoffmann et al. 2022, Chinchilla, Appendix F). Backward costs about twice
@@ -230,7 +285,9 @@ class ModelProfile:
         """
         if context < 0:
             raise ValueError(f"context = {context} tokens is negative: pass >= 0")
-        return 2.0 * self.block_matmul_params + 4.0 * self.num_heads * self.head_dim * context
+        return (
+            2.0 * self.block_active_matmul_params + 4.0 * self.num_heads * self.head_dim * context
+        )
 
     def head_flops_per_token(self) -> float:
         """Forward FLOPs per token of the output head: ``2 * hidden_size * vocab_size``."""

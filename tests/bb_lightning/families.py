@@ -1,0 +1,94 @@
+"""Tiny configs of model families of the installed transformers, saved as users save them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+_BASE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}
+_EXPERTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", **_BASE},
+    "mistral_sliding": {"model_type": "mistral", **_BASE, "sliding_window": 8},
+    "qwen2_tied": {"model_type": "qwen2", **_BASE, "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 8},
+    "gemma_tied": {"model_type": "gemma", **_BASE, "head_dim": 8},
+    "gemma2_sliding": {"model_type": "gemma2", **_BASE, "head_dim": 8, "sliding_window": 8},
+    "gemma3_sliding": {
+        "model_type": "gemma3_text",
+        **_BASE,
+        "head_dim": 8,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "phi3": {"model_type": "phi3", **_BASE, "pad_token_id": 0},
+    "gpt2_tied": {
+        "model_type": "gpt2",
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": VOCAB,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        **{k: v for k, v in _BASE.items() if k != "num_key_value_heads"},
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    },
+    "olmo2": {"model_type": "olmo2", **_BASE},
+    "starcoder2_sliding": {
+        "model_type": "starcoder2",
+        **_BASE,
+        "sliding_window": 8,
+        "residual_dropout": 0.0,
+        "embedding_dropout": 0.0,
+    },
+    "mixtral_moe": {
+        "model_type": "mixtral",
+        **_BASE,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **_BASE,
+        **_EXPERTS,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **_BASE,
+        **_EXPERTS,
+        "head_dim": 8,
+        "moe_intermediate_size": 32,
+    },
+    "olmoe": {"model_type": "olmoe", **_BASE, **_EXPERTS},
+}
+
+
+def saved(family: str, directory: Path, **save: Any) -> Path:
+    """A seeded random model of ``family`` written with ``save_pretrained`` into ``directory``."""
+    config = dict(FAMILIES[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(config.pop("model_type"), **config)
+    )
+    model.save_pretrained(directory, **save)
+    return directory
