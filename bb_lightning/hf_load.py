@@ -54,7 +54,7 @@ SINGLE = "model.safetensors"
 
 
 def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file holding it (index, one file, or every shard).
+    """Checkpoint key -> the safetensors file holding it (index, one file, or ``model*`` shards).
 
     Raises ``ValueError`` when ``directory`` holds no safetensors weights.
     """
@@ -67,7 +67,9 @@ def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
         if missing:
             raise ValueError(f"{index} lists shards missing from {root}: {missing[:3]}")
         return {k: root / v for k, v in weight_map.items()}
-    files = [root / SINGLE] if (root / SINGLE).is_file() else sorted(root.glob("*.safetensors"))
+    files = (
+        [root / SINGLE] if (root / SINGLE).is_file() else sorted(root.glob("model*.safetensors"))
+    )
     if not files:
         raise ValueError(
             f"{root} holds neither {SINGLE} nor {INDEX}: save the model with "
@@ -191,7 +193,7 @@ class HFCheckpoint:
     def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
         """Whether ``directory`` is local and holds safetensors weights."""
         path = Path(directory)
-        return (path / INDEX).is_file() or any(path.glob("*.safetensors"))
+        return (path / INDEX).is_file() or any(path.glob("model*.safetensors"))
 
     def resolve(self, name: str) -> str | None:
         """The name the checkpoint provides parameter ``name`` under (a tied one's partner)."""
@@ -239,6 +241,7 @@ class HFCheckpoint:
             return self._read(group.sources[0][1])
         conv = deepcopy(group.converter)
         for pattern, key in group.sources:
+            # a callable, as transformers' synchronous loading passes: read at convert time
             conv.add_tensor(group.target, key, pattern, self._reader(key))  # type: ignore[arg-type]
         produced = conv.convert(group.target, model=self._model, config=self._model.config)
         out: dict[str, Tensor] = {}

@@ -50,11 +50,13 @@ def _assert_equal_to_from_pretrained(path: Path, dtype: torch.dtype | None = Non
     for name in names:
         before = len(reads)
         got = reader.get(name, torch.float32)
-        # only the tensors this parameter is made of, each once
-        assert sorted(reads[before:]) == sorted(reader.source_keys(name)), name
+        # only the tensors this parameter is made of (none again for the later parts of a
+        # split tensor: one read serves them all)
+        assert set(reads[before:]) <= set(reader.source_keys(name)), name
         want = reference.get_parameter(name).detach().float()
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
     assert sorted(reads) == sorted(set(reads))  # nothing read twice
+    assert set(reads) == {k for n in names for k in reader.source_keys(n)}
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -86,6 +88,39 @@ def test_per_expert_moe_checkpoint_loads_fused_like_from_pretrained(
     for name in fused:  # each fused parameter is assembled from all 4 experts' tensors
         sources = reader.source_keys(name)
         assert len(sources) % 4 == 0 and all(".experts." in k for k in sources), name
+    _assert_equal_to_from_pretrained(path)
+
+
+def test_fused_tensors_on_disk_split_into_module_parameters(tmp_path: Path) -> None:
+    """hrm_text stores ``gqkv_proj`` / ``gate_up_proj`` fused; the module has them split."""
+    config = AutoConfig.for_model(
+        "hrm_text", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=8, num_layers_per_stack=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt"
+    keys = set(_on_disk(path))
+    model = empty_model(AutoConfig.from_pretrained(path))
+    reader = HFCheckpoint(path, model)
+    split = [n for n, _ in model.named_parameters() if n not in keys]
+    assert any(n.endswith("self_attn.k_proj.weight") for n in split)
+    for name in split:  # each split part comes from one fused tensor
+        (source,) = reader.source_keys(name)
+        assert source.endswith(("gqkv_proj.weight", "gate_up_proj.weight", "attn.o_proj.weight"))
+    _assert_equal_to_from_pretrained(path)
+
+
+@pytest.mark.parametrize("family", ["gpt2_tied", "qwen2_tied"])
+def test_base_model_checkpoint_loads_under_the_causal_lm_prefix(
+    family: str, tmp_path: Path
+) -> None:
+    """Keys without the base model prefix (``h.0...`` for ``transformer.h.0...``), head tied."""
+    full = AutoModelForCausalLM.from_pretrained(saved(family, tmp_path / "full"))
+    getattr(full, full.base_model_prefix).save_pretrained(tmp_path / "base")
+    path = tmp_path / "base"
+    assert not any(k.startswith(full.base_model_prefix + ".") for k in _on_disk(path))
+    (tmp_path / "base" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
     _assert_equal_to_from_pretrained(path)
 
 
