@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
@@ -121,3 +121,19 @@ def test_family_generates_like_hf_generate(
             )[0, ids.shape[1] :].tolist()  # fmt: skip
         cut = next((i for i, t in enumerate(out) if t in stop), len(out))
         assert tokens == out[:cut], (family, row)
+
+
+def test_generation_of_a_recurrent_state_family_is_refused_at_setup(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    config = AutoConfig.for_model(
+        "mamba", hidden_size=32, state_size=8, num_hidden_layers=2, vocab_size=VOCAB
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    module = _module(tmp_path / "ckpt")
+    strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    with pytest.raises(ValueError, match="model_type='mamba'.*recurrent state") as err:
+        trainer.predict(module, DataLoader([_prompts()], batch_size=None))
+    assert "\n" not in str(err.value)
+    strategy.close()

@@ -20,6 +20,8 @@ from bb_lightning.hf_load import HFCheckpoint
 from bb_lightning.module import CausalLMModule
 from storage.tiers import Tier
 
+from .families import saved
+
 PLACEMENT = Placement(
     weights=(Tier.HOST, Tier.DEVICE, Tier.NVME, Tier.HOST), master=(Tier.HOST,) * 4
 )
@@ -98,3 +100,32 @@ def test_own_module_with_hf_model_uses_its_materialised_weights(
         torch.testing.assert_close(state[f"net.{key}"], value, rtol=0, atol=0, msg=key)
     strategy.close()
     gc.collect()
+
+
+@pytest.mark.parametrize("family", ["mixtral_moe", "gemma_tied"])
+def test_bf16_sharded_checkpoint_streams_cast_into_the_tiers(
+    family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = AutoConfig.from_pretrained(saved(family, tmp_path / "cfg"))
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").float().state_dict()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the whole model was loaded into host memory")
+
+    monkeypatch.setattr(module_mod.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    module = CausalLMModule(str(tmp_path / "ckpt"))
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(2, weights=Tier.NVME), compute_dtype="fp32",
+        nvme_path=str(tmp_path / "nvme"),
+    )  # fmt: skip
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    data = [{"input_ids": b["input_ids"] % 128} for b in tiny.batches(1)]
+    trainer.validate(module, torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
+    state = dict(strategy.lightning_module_state_dict())
+    strategy.close()
+    for key, value in want.items():  # bf16 on disk, fp32 in the store: exact
+        torch.testing.assert_close(state[f"model.{key}"], value, rtol=0, atol=0, msg=key)
