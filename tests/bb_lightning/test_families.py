@@ -133,7 +133,7 @@ def test_generation_of_a_recurrent_state_family_is_refused_at_setup(
     module = _module(tmp_path / "ckpt")
     strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
     trainer, _ = tiny.make_trainer(strategy, 1)
-    with pytest.raises(ValueError, match="model_type='mamba'.*recurrent state") as err:
+    with pytest.raises(ValueError, match=r"model_type='mamba'.*recurrent state") as err:
         trainer.predict(module, DataLoader([_prompts()], batch_size=None))
     assert "\n" not in str(err.value)
     strategy.close()
