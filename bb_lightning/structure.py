@@ -396,20 +396,17 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     def total(group: tuple[str, ...]) -> int:
         return sum(params[n].numel() for n in group)
 
-    block_counts = {total(group) for group in parts.block_param_names}
-    if len(block_counts) != 1:
-        raise ValueError(
-            f"blocks of {parts.blocks_path!r} have different parameter counts "
-            f"{sorted(block_counts)}: a ModelProfile needs identical blocks"
-        )
-    first = parts.block_param_names[0]
+    # Blocks may differ (the dense first layers of an MoE model): the largest one stands
+    # for all of them, so memory and transfers are never under-priced.
+    widest = max(range(len(blocks)), key=lambda i: (total(parts.block_param_names[i]), -i))
+    first, block_name = parts.block_param_names[widest], parts.block_names[widest]
     hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
     num_heads = _config_int(config, "num_attention_heads", "n_head", "num_heads")
     kv_heads = _config_int(config, "num_key_value_heads", "n_head_kv", default=num_heads)
     head_dim = _config_int(config, "head_dim", default=hidden // num_heads)
     act_full = -(-max(trace.saved_bytes) // trace.tokens)
     matmul = tuple(n for n in first if n in trace.matmul_params)
-    experts, top_k, expert_names = _experts(config, model.get_submodule(parts.block_names[0]))
+    experts, top_k, expert_names = _experts(config, model.get_submodule(block_name))
     return {
         "name": str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")),
         "num_blocks": len(blocks),
@@ -433,7 +430,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
         "num_experts": experts,
         "experts_per_token": top_k,
         "block_expert_params": total(
-            tuple(n for n in matmul if n.removeprefix(parts.block_names[0] + ".") in expert_names)
+            tuple(n for n in matmul if n.removeprefix(block_name + ".") in expert_names)
         ),
     }
 

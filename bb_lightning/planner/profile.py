@@ -195,7 +195,8 @@ class ModelProfile:
     max_positions: int
     """Context length in tokens (``max_position_embeddings`` or ``n_positions``; 0 if unknown)."""
     block_params: int
-    """Parameters of ONE repeated block (all blocks have the same shapes)."""
+    """Parameters of ONE repeated block; where blocks differ (the dense first layers of an
+    MoE model), of the largest, which then stands for every block."""
     block_matmul_params: int
     """Of ``block_params``, those in matrix-product weights (Linear / Conv1D)."""
     embed_params: int

@@ -79,6 +79,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "head_dim": 8,
         "moe_intermediate_size": 32,
     },
+    "qwen3_moe_dense_first": {
+        "model_type": "qwen3_moe",
+        **_BASE,
+        **_EXPERTS,
+        "head_dim": 8,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [0],
+    },
     "olmoe": {"model_type": "olmoe", **_BASE, **_EXPERTS},
 }
 

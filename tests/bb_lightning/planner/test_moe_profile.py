@@ -24,6 +24,13 @@ MIXTRAL = {
     "vocab_size": VOCAB,
     "max_position_embeddings": 64,
 }
+QWEN3_MOE = {
+    **{k: v for k, v in MIXTRAL.items() if k not in ("num_local_experts", "model_type")},
+    "model_type": "qwen3_moe",
+    "num_experts": EXPERTS,
+    "moe_intermediate_size": FFN,
+    "head_dim": H // HEADS,
+}
 HEAD_DIM = H // HEADS
 ATTENTION = 2 * H * H + 2 * H * KV_HEADS * HEAD_DIM  # q, o; k, v
 ROUTER = H * EXPERTS
@@ -77,3 +84,11 @@ def test_plan_explains_moe_and_needs_more_tokens_to_hide_a_weight_pass() -> None
     assert ratio == pytest.approx(
         moe.block_matmul_params / moe.block_active_matmul_params, rel=1e-3
     )
+
+
+def test_dense_first_layers_are_priced_as_the_moe_blocks() -> None:
+    """An MoE model whose first block is dense: the largest (MoE) block stands for all."""
+    mixed = ModelProfile.from_config({**QWEN3_MOE, "mlp_only_layers": [0]})
+    moe = ModelProfile.from_config(QWEN3_MOE)
+    assert mixed.block_params == moe.block_params and mixed.num_experts == EXPERTS
+    assert mixed.block_active_matmul_params == moe.block_active_matmul_params
