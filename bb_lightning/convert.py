@@ -145,7 +145,8 @@ def convert_checkpoint(
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or None (keep)")
     if piece_bytes <= 0 or piece_bytes % 4096:
         raise ValueError(f"piece_bytes={piece_bytes} must be a positive multiple of 4096 bytes")
-    checkpoint_files(source)  # a clear error when there are no safetensors files
+    if not HFCheckpoint.holds_weights(source):
+        checkpoint_files(source)  # raises, naming what is missing
     if not (Path(source) / "config.json").is_file():
         raise ValueError(f"checkpoint {source} has no config.json: save it with save_pretrained")
     model = empty_model(AutoConfig.from_pretrained(source))

@@ -51,15 +51,48 @@ __all__ = [
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+TORCH_SINGLE = "pytorch_model.bin"
+
+
+def _torch_files(root: Path) -> dict[str, Path] | None:
+    """Checkpoint key -> ``pytorch_model*.bin`` file, or None when there is none."""
+    index = root / TORCH_INDEX
+    if index.is_file():
+        with index.open() as f:
+            return {k: root / v for k, v in json.load(f)["weight_map"].items()}
+    if not (root / TORCH_SINGLE).is_file():
+        return None
+    return dict.fromkeys(_torch_load(root / TORCH_SINGLE), root / TORCH_SINGLE)
+
+
+def _torch_load(path: Path) -> dict[str, Tensor]:
+    """A ``torch.save`` state dict, memory-mapped: tensors are read when touched."""
+    try:
+        return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except RuntimeError as err:  # the legacy (non-zip) format cannot be mapped
+        raise ValueError(
+            f"{path} cannot be memory-mapped ({str(err).splitlines()[0]}): re-save it with "
+            "save_pretrained (safetensors)"
+        ) from None
 
 
 def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file holding it (index, one file, or ``model*`` shards).
+    """Checkpoint key -> the file holding it: safetensors (index, one file, or ``model*``
+    shards), else ``pytorch_model*.bin`` (``torch.save`` zip format, memory-mapped).
 
-    Raises ``ValueError`` when ``directory`` holds no safetensors weights.
+    Raises ``ValueError`` when ``directory`` holds no such weights.
     """
     root = Path(directory)
     index = root / INDEX
+    if (
+        not index.is_file()
+        and not (root / SINGLE).is_file()
+        and not any(root.glob("model*.safetensors"))
+    ):
+        torch_files = _torch_files(root)
+        if torch_files is not None:
+            return torch_files
     if index.is_file():
         with index.open() as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
@@ -180,6 +213,8 @@ class HFCheckpoint:
                     self._groups.setdefault(out, group)
             group.sources.append((pattern or key, key))
         self._aliases = _tie_aliases(model, self._groups)
+        self._mapped: dict[Path, dict[str, Tensor]] = {}
+        """Memory-mapped ``pytorch_model*.bin`` files opened so far (nothing read until used)."""
         self._pending: dict[str, Tensor] = {}
         """Outputs of a multi-output conversion not asked for yet (served once, then dropped)."""
         missing = [n for n, _ in model.named_parameters() if self.resolve(n) is None]
@@ -193,7 +228,8 @@ class HFCheckpoint:
     def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
         """Whether ``directory`` is local and holds safetensors weights."""
         path = Path(directory)
-        return (path / INDEX).is_file() or any(path.glob("model*.safetensors"))
+        names = (INDEX, TORCH_INDEX, TORCH_SINGLE)
+        return any((path / n).is_file() for n in names) or any(path.glob("model*.safetensors"))
 
     def resolve(self, name: str) -> str | None:
         """The name the checkpoint provides parameter ``name`` under (a tied one's partner)."""
@@ -208,7 +244,10 @@ class HFCheckpoint:
     def source_dtype(self, name: str) -> torch.dtype:
         """dtype of parameter ``name`` on disk (that of its first source tensor)."""
         key = self.source_keys(name)[0]
-        with safe_open(str(self.files[key]), framework="pt") as f:
+        path = self.files[key]
+        if path.suffix == ".bin":
+            return self._mapping(path)[key].dtype
+        with safe_open(str(path), framework="pt") as f:
             return _slice_dtype(f, key)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
@@ -251,11 +290,20 @@ class HFCheckpoint:
         self._pending.update(out)
         return value
 
+    def _mapping(self, path: Path) -> dict[str, Tensor]:
+        mapped = self._mapped.get(path)
+        if mapped is None:
+            mapped = self._mapped[path] = _torch_load(path)
+        return mapped
+
     def _reader(self, key: str) -> Callable[[], Tensor]:
         return lambda: self._read(key)
 
     def _read(self, key: str) -> Tensor:
-        with safe_open(str(self.files[key]), framework="pt") as f:
+        path = self.files[key]
+        if path.suffix == ".bin":
+            return self._mapping(path)[key].clone()  # a copy: the mapping stays read-only
+        with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(key)
 
 

@@ -42,7 +42,12 @@ __all__ = [
 DEFAULT_MODEL = "tiny-llama"
 """Built-in model (``bb_lightning.planner.models``) used when ``model`` is None."""
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def _builtin_config(name: str) -> dict[str, Any] | None:
@@ -101,7 +106,7 @@ def resolve_model_config(
 
 
 SafetensorsCheckpoint = HFCheckpoint
-"""Reads single parameters of a local safetensors checkpoint (see :mod:`bb_lightning.hf_load`)."""
+"""Reads single parameters of a local checkpoint (see :mod:`bb_lightning.hf_load`)."""
 
 
 @contextmanager
@@ -220,7 +225,8 @@ class CausalLMModule(pl.LightningModule):
         Random initial weights come from a generator seeded with ``seed``,
         without touching the global random state; a checkpoint directory is
         loaded with ``from_pretrained``, except under a strategy that streams
-        weights (``streams_weights``) from a local safetensors checkpoint: then the
+        weights (``streams_weights``) from a local checkpoint (safetensors, or a
+        ``pytorch_model.bin`` it memory-maps): then the
         parameters stay on the meta device and the strategy reads them
         (:class:`~bb_lightning.hf_load.HFCheckpoint`).
         """
@@ -238,7 +244,7 @@ class CausalLMModule(pl.LightningModule):
                 self.model = AutoModelForCausalLM.from_config(self._config)
 
     def _streams_weights(self) -> bool:
-        """Whether the attached strategy reads a local safetensors checkpoint itself."""
+        """Whether the attached strategy reads the local checkpoint itself."""
         trainer = self._trainer
         strategy = trainer.strategy if trainer is not None else None
         if not getattr(strategy, "streams_weights", False) or self.checkpoint_dir is None:

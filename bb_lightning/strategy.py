@@ -887,7 +887,7 @@ def _measured(mean: StepTimes, links: Mapping[str, float], optimizer_s: float) -
 
 
 def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
-    """Reads meta-device parameters from the module's local safetensors checkpoint.
+    """Reads meta-device parameters from the module's local checkpoint (safetensors or .bin).
 
     None when no parameter is on the meta device (the engine reads the parameters).
     Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve

@@ -7,6 +7,7 @@ read from the tensors it is made of, alone; ``convert`` writes the same paramete
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import zarr
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.convert import convert_checkpoint
@@ -122,6 +124,28 @@ def test_base_model_checkpoint_loads_under_the_causal_lm_prefix(
     assert not any(k.startswith(full.base_model_prefix + ".") for k in _on_disk(path))
     (tmp_path / "base" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
     _assert_equal_to_from_pretrained(path)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_torch_bin_checkpoint_loads_like_from_pretrained(shards: int, tmp_path: Path) -> None:
+    """``pytorch_model.bin`` (one file, or shards with an index), memory-mapped."""
+    path = saved("mixtral_moe", tmp_path / "ckpt")
+    state = dict(load_file(str(path / "model.safetensors")))
+    (path / "model.safetensors").unlink()
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+    else:
+        keys = sorted(state)
+        parts = {"pytorch_model-1.bin": keys[::2], "pytorch_model-2.bin": keys[1::2]}
+        for file, names in parts.items():
+            torch.save({k: state[k] for k in names}, path / file)
+        weight_map = {k: file for file, names in parts.items() for k in names}
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert HFCheckpoint.holds_weights(path)
+    _assert_equal_to_from_pretrained(path)
+    report = convert_checkpoint(path, tmp_path / "z", progress=False)  # the same path
+    assert report.written == len(list(empty_model(AutoConfig.from_pretrained(path)).parameters()))
 
 
 def test_tied_head_absent_from_the_files_is_the_embedding(tmp_path: Path) -> None:
