@@ -47,6 +47,21 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
         "do_layer_norm_before": True,
         "tie_word_embeddings": True,
     },
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts"): hidden 4096, 32 layers, 32
+    # heads (8 KV), 8 experts of ffn 14336 per layer, top-2 routing; 47 B params, 13 B active.
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
 }
 """Built-in names -> Hugging Face config dicts."""
 

@@ -9,6 +9,7 @@ import pytest
 
 from bb_lightning.planner import PredictJob, make_plan, preset
 from bb_lightning.planner.cost import forward_flops_per_token
+from bb_lightning.planner.models import builtin_config
 from bb_lightning.planner.profile import ModelProfile
 
 H, FFN, EXPERTS, TOP_K, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 96, 8, 2, 2, 4, 2, 128
@@ -92,3 +93,17 @@ def test_dense_first_layers_are_priced_as_the_moe_blocks() -> None:
     moe = ModelProfile.from_config(QWEN3_MOE)
     assert mixed.block_params == moe.block_params and mixed.num_experts == EXPERTS
     assert mixed.block_active_matmul_params == moe.block_active_matmul_params
+
+
+def test_builtin_mixtral_8x7b_matches_its_published_sizes() -> None:
+    """Mixtral 8x7B (Jiang et al. 2024): 47 B parameters, 13 B of them used per token."""
+    m = ModelProfile.from_config(builtin_config("mixtral-8x7b"))
+    h, ffn, kv, layers, vocab = 4096, 14336, 8 * 128, 32, 32000
+    attention, router, expert = 2 * h * h + 2 * h * kv, h * 8, 3 * h * ffn
+    assert m.block_params == attention + router + 8 * expert + 2 * h
+    assert m.block_active_matmul_params == attention + router + 2 * expert
+    assert m.total_params == layers * m.block_params + 2 * h * vocab + h
+    active = layers * m.block_active_matmul_params + 2 * h * vocab
+    assert round(m.total_params / 1e9) == 47 and round(active / 1e9) == 13
+    plan = make_plan(m, preset("h100"), PredictJob(prompt_len=512, new_tokens=64, num_prompts=4096))
+    assert "MoE: top-2 of 8 experts per block" in plan.explain()
