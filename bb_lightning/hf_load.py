@@ -115,8 +115,12 @@ def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     return keys
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    """Refuse, with one ``ValueError`` line naming why, a model this loader cannot stream."""
+def check_supported(config: PretrainedConfig, *, streaming: bool = True) -> None:
+    """Refuse, with one ``ValueError`` line naming why, a model balance_beam cannot serve.
+
+    Quantized weights and encoder-decoder models are refused always; remote code only
+    when ``streaming`` (the model is built here from its config, not handed over).
+    """
     kind = getattr(config, "model_type", "?")
     quant = getattr(config, "quantization_config", None)
     if quant is not None:
@@ -125,7 +129,7 @@ def check_supported(config: PretrainedConfig) -> None:
             f"model_type={kind!r} is quantized ({method}): balance_beam streams unquantized "
             "fp32/bf16/fp16 weights; load a dequantized checkpoint"
         )
-    if getattr(config, "auto_map", None):
+    if streaming and getattr(config, "auto_map", None):
         raise ValueError(
             f"model_type={kind!r} needs remote code (auto_map): balance_beam loads only "
             "model families of the installed transformers"

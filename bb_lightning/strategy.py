@@ -895,11 +895,12 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
     :func:`~bb_lightning.hf_load.check_generation`).
     """
     net = _hf_model(module)
+    streaming = any(p.is_meta for p in module.parameters())
     if net is not None:
-        check_supported(net.config)
+        check_supported(net.config, streaming=streaming)
         if generation:
             check_generation(net)
-    if not any(p.is_meta for p in module.parameters()):
+    if not streaming:
         return None
     source = getattr(module, "checkpoint_dir", None)
     if net is None or source is None:

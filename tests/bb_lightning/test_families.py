@@ -10,6 +10,7 @@ module) are among them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -135,5 +136,20 @@ def test_generation_of_a_recurrent_state_family_is_refused_at_setup(
     trainer, _ = tiny.make_trainer(strategy, 1)
     with pytest.raises(ValueError, match=r"model_type='mamba'.*recurrent state") as err:
         trainer.predict(module, DataLoader([_prompts()], batch_size=None))
+    assert "\n" not in str(err.value)
+    strategy.close()
+
+
+def test_a_quantized_checkpoint_is_refused_at_setup(tiny: SimpleNamespace, tmp_path: Path) -> None:
+    path = saved("llama", tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (path / "config.json").write_text(json.dumps(config))
+    strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    with pytest.raises(
+        ValueError, match=r"model_type='llama' is quantized \(bitsandbytes\)"
+    ) as err:
+        trainer.fit(_module(path), tiny.loader(1))
     assert "\n" not in str(err.value)
     strategy.close()
