@@ -10,12 +10,13 @@ plans that mapping once, with transformers' own machinery
 each parameter of the model by its module name: :meth:`HFCheckpoint.get`
 reads only the checkpoint tensors that parameter is made of, runs the
 conversion on them alone, and casts the result. Memory holds one parameter
-(and, for a fused one, its sources) at a time, never the model.
+(and, for a fused one, its sources) at a time, never the model. Files are
+safetensors (one or sharded), else ``pytorch_model*.bin`` memory-mapped.
 
 :func:`empty_model` builds the model on the meta device with its tied
-parameters tied; :func:`check_supported` refuses, in one line, models this
-loader cannot serve (quantized checkpoints, remote code, models without a
-causal LM head).
+parameters tied; :func:`check_supported` and :func:`check_generation` refuse,
+in one line, models balance_beam cannot serve (quantized weights, remote code,
+encoder-decoder models; generation of models with a recurrent state).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ __all__ = [
     "check_generation",
     "check_supported",
     "empty_model",
-    "safetensors_files",
+    "weight_files",
 ]
 
 INDEX = "model.safetensors.index.json"
@@ -77,7 +78,7 @@ def _torch_load(path: Path) -> dict[str, Tensor]:
         ) from None
 
 
-def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
+def weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     """Checkpoint key -> the file holding it: safetensors (index, one file, or ``model*``
     shards), else ``pytorch_model*.bin`` (``torch.save`` zip format, memory-mapped).
 
@@ -192,7 +193,7 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | os.PathLike[str], model: PreTrainedModel) -> None:
         self.directory = Path(directory)
-        self.files = safetensors_files(self.directory)
+        self.files = weight_files(self.directory)
         check_supported(model.config)
         self._model = model
         mapping = get_model_conversion_mapping(model)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.convert import convert_checkpoint
-from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model, safetensors_files
+from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model, weight_files
 
 from .families import saved
 
@@ -29,7 +29,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _on_disk(path: Path) -> dict[str, torch.dtype]:
     out = {}
-    for key, file in safetensors_files(path).items():
+    for key, file in weight_files(path).items():
         with safe_open(str(file), framework="pt") as f:
             out[key] = f.get_tensor(key).dtype
     return out
