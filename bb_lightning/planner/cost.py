@@ -236,8 +236,9 @@ def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:
 
 
 def grad_bytes_in_flight(model: ModelProfile) -> int:
-    """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied."""
-    return 2 * model.block_params * BF16_BYTES
+    """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied
+    (of the trained parameters only)."""
+    return 2 * model.block_train * BF16_BYTES
 
 
 def effective_bandwidths(hw: HardwareProfile) -> dict[str, float]:

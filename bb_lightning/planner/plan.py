@@ -293,6 +293,11 @@ class Plan:
             f"plan: {self.task} {m.name} ({m.total_params / 1e9:.2f} B params, "
             f"{m.num_blocks} blocks of {format_bytes(m.block_bytes)}) on {hw.name}"
         ]
+        if self.task == "fit":
+            lines.append(
+                f"trains: {m.trainable_params:,} of {m.total_params:,} parameters"
+                + ("" if m.full_fine_tune else " (the others frozen: no optimizer state)")
+            )
         if isinstance(self.job, FitJob):
             lines.append(
                 f"job: seq {self.job.seq_len} tokens, global batch {self.job.seqs_per_step} seqs "
