@@ -88,7 +88,13 @@ class _Losses(pl.Callback):
         self.losses.append(float(args[1]["loss"]))
 
 
-def _fit(module: pl.LightningModule, strategy: Any, accum: int = 1, **kw: Any) -> _Losses:
+def _fit(
+    module: pl.LightningModule,
+    strategy: Any,
+    accum: int = 1,
+    ckpt_path: Path | None = None,
+    **kw: Any,
+) -> _Losses:
     rec = _Losses()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, precision="32-true",
@@ -97,7 +103,7 @@ def _fit(module: pl.LightningModule, strategy: Any, accum: int = 1, **kw: Any) -
         callbacks=[rec], **kw,
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(_data(STEPS * accum), batch_size=None)  # type: ignore[arg-type]
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     return rec
 
 
@@ -263,3 +269,28 @@ def test_no_module_imports_peft_at_import_time() -> None:
             )  # fmt: skip
             top_level += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "peft"]
     assert len(list(root.rglob("*.py"))) > 10 and top_level == []
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_the_adapters_and_restores(base_dir: Path, tmp_path: Path) -> None:
+    """A Lightning checkpoint of a LoRA run restores the adapters (the base comes from the
+    model itself), and no frozen weight is written into it."""
+    placement = Placement.uniform(LAYERS, weights=H, master=H)
+    module = LoraLM(base_dir)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=_strategy(placement, tmp_path, gather=False),
+        precision="32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(_data(STEPS), batch_size=None))  # type: ignore[arg-type]
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    trained = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    trainer.strategy.close()  # type: ignore[attr-defined]
+    saved = torch.load(tmp_path / "last.ckpt" / "trainer_state.pt", weights_only=False)
+    assert not any("base_layer" in k for k in saved["buffers"])
+
+    fresh = LoraLM(base_dir)
+    rec = _fit(fresh, _strategy(placement, tmp_path / "again"), ckpt_path=tmp_path / "last.ckpt")
+    assert rec.losses == []  # max_steps already reached: restored, nothing trained
+    for key, value in fresh.model.state_dict().items():
+        torch.testing.assert_close(value, trained[f"model.{key}"], msg=key)
