@@ -294,3 +294,32 @@ def test_checkpoint_holds_the_adapters_and_restores(base_dir: Path, tmp_path: Pa
     assert rec.losses == []  # max_steps already reached: restored, nothing trained
     for key, value in fresh.model.state_dict().items():
         torch.testing.assert_close(value, trained[f"model.{key}"], msg=key)
+
+
+@pytest.mark.slow
+def test_validate_and_predict_after_lora_fit_equal_hugging_face(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """The same strategy validates and generates with the trained adapters (paged base)."""
+    module = CausalLMModule(base_dir, learning_rate=1e-2, lora={"rank": 4}, max_new_tokens=4)
+    strategy = _strategy(Placement.uniform(LAYERS, weights=N, master=H), tmp_path, gather=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision="32-true",
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    data = _data(STEPS)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    val = torch.utils.data.DataLoader(data[:1], batch_size=None)  # type: ignore[arg-type]
+    got_loss = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    ids, mask = data[0]["input_ids"][:, :8], torch.ones(BATCH, 8, dtype=torch.long)
+    prompts = [{"id": ["a", "b"], "input_ids": ids, "attention_mask": mask}]
+    got = trainer.predict(module, torch.utils.data.DataLoader(prompts, batch_size=None))  # type: ignore[arg-type]
+    strategy.gather_full_model()
+    net = module.model
+    assert net is not None
+    with torch.no_grad():
+        want = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        want_loss = net(input_ids=data[0]["input_ids"], labels=data[0]["input_ids"]).loss
+    assert [r["token_ids"] for r in got[0]] == want[:, 8:].tolist()  # type: ignore[index]
+    assert got_loss == pytest.approx(float(want_loss), rel=1e-5)
