@@ -70,3 +70,19 @@ def test_full_fine_tuning_prices_every_param(
 def test_trainable_counts_are_checked(small_model: ModelProfile) -> None:
     with pytest.raises(ValueError, match="block_trainable_params = 900000 exceeds"):
         small_model.with_trainable(900_000, 0)
+
+
+def test_frozen_weights_skip_their_weight_gradient_flops(small_model: ModelProfile) -> None:
+    """Training FLOPs per token: forward 2 per matrix weight, backward 2 for the input
+    gradient plus 2 for the weight gradient of trained weights only, recompute 2 more."""
+    from bb_lightning.planner import cost
+
+    lora, seq = small_model.with_trainable(TRAINED, 0), 256
+    n, m = lora.num_blocks, lora.block_matmul_params
+    attn = 4.0 * lora.num_heads * lora.head_dim * seq  # QK^T and AV forward, per block
+    head = 2.0 * lora.hidden_size * lora.vocab_size
+    for ckpt, runs in ((False, 3.0), (True, 4.0)):  # forward(s) + backward (2x a forward)
+        full = n * runs * (2.0 * m + attn) + 3.0 * head
+        assert cost.train_flops_per_token(small_model, seq, ckpt) == pytest.approx(full)
+        lora_flops = full - n * 2.0 * (m - TRAINED) - head  # nothing outside trains
+        assert cost.train_flops_per_token(lora, seq, ckpt) == pytest.approx(lora_flops)
