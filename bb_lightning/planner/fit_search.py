@@ -12,9 +12,8 @@ with numpy arrays.
 Weights are priced for every parameter (``block_params``: each pass pages them all,
 frozen ones included); gradients, master weights, moments, the host AdamW and the
 weight write-back only for the trained ones (``ModelProfile.block_train`` and
-``rest_train``: LoRA adapters over frozen base weights train a small share). Block
-FLOPs stay those of full training (the weight gradients of frozen matrices are skipped
-in practice, so LoRA compute is priced on the high side).
+``rest_train``: LoRA adapters over frozen base weights train a small share); frozen
+matrices skip their weight gradients (:func:`cost.train_flops_per_token`).
 """
 
 from __future__ import annotations
