@@ -318,6 +318,15 @@ def _cat(views: Sequence[Tensor]) -> Tensor:
     return torch.cat([v.reshape(-1).to("cpu", torch.float32) for v in views])
 
 
+def _split_frozen(flat: Tensor, params: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """A block's flat values (laid out like ``params``) as two flat fp32 tensors: those of
+    the trainable parameters, then those of the frozen ones, each in ``params`` order."""
+    views = _views(flat, [tuple(p.shape) for p in params])
+    trained = [v for p, v in zip(params, views, strict=True) if p.requires_grad]
+    frozen = [v for p, v in zip(params, views, strict=True) if not p.requires_grad]
+    return _cat(trained), _cat(frozen)
+
+
 def _views(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
     views = []
     offset = 0
@@ -505,17 +514,9 @@ class BlockPager:
             master = loader(i) if loader is not None else flatten_fp32(every[i])
             frozen_name = self.frozen_names[i]
             if frozen_name is not None:
-                views = dict(
-                    zip(
-                        map(id, every[i]),
-                        _views(master, [tuple(p.shape) for p in every[i]]),
-                        strict=True,
-                    )
-                )
-                frozen = _cat([views[id(p)] for p in self.frozen[i]])
+                master, frozen = _split_frozen(master, every[i])
                 store.register(frozen_name, frozen.to(compute_dtype), home=placement.weights[i])
-                master = _cat([views[id(p)] for p in params])
-                del views, frozen
+                del frozen
             store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
             if weights_only:
                 del master
