@@ -47,11 +47,11 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class LoraLM(pl.LightningModule):
     """A user's module: the checkpoint wrapped with peft, AdamW over the adapters."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, config: LoraConfig | None = None) -> None:
         super().__init__()
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         torch.manual_seed(1)
-        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+        config = config or LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
         self.model = get_peft_model(base, config)
         # B starts at zero (no first-step gradient for A): start it random so both move.
         for name, p in self.model.named_parameters():
@@ -157,6 +157,27 @@ def test_lora_trains_like_plain_lightning(base_dir: Path, tmp_path: Path, case: 
     for key, p in module.model.named_parameters():  # the base stayed as it was
         if key in frozen0:
             assert torch.equal(p.detach(), frozen0[key]), key
+
+
+@pytest.mark.slow
+def test_blocks_without_adapters_and_a_trained_head(base_dir: Path, tmp_path: Path) -> None:
+    """Adapters in one block only (the others train nothing) and the head trained whole
+    (``modules_to_save``): still the losses and weights of plain Lightning."""
+
+    def config() -> LoraConfig:
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                          layers_to_transform=[1], modules_to_save=["lm_head"])  # fmt: skip
+
+    ref, module = LoraLM(base_dir, config()), LoraLM(base_dir, config())
+    want = _fit(ref, "auto")
+    placement = Placement(weights=(N, H, N), master=(N, H, H))
+    got = _fit(module, _strategy(placement, tmp_path))
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    want_sd, got_sd = get_peft_model_state_dict(ref.model), get_peft_model_state_dict(module.model)
+    assert got_sd.keys() == want_sd.keys() and any("lm_head" in k for k in want_sd)
+    for key, value in want_sd.items():
+        torch.testing.assert_close(got_sd[key], value, rtol=1e-5, atol=2e-5, msg=key)
 
 
 def _full_key(adapter_key: str) -> str:
