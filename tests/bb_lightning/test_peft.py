@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
+from bb_lightning.export import export_hf
 from bb_lightning.lora import LoraOptions, lora_profile
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import ModelProfile
@@ -213,6 +214,8 @@ def test_frozen_weights_have_no_optimizer_state(base_dir: Path, tmp_path: Path) 
     written = sum(stats[k].bytes - rec.stats[k] for k in ("host->nvme", "device->nvme"))
     trained_weights = sum(store.spec(n).nbytes for n in blocks if n.endswith(".weight"))
     assert written == STEPS * trained_weights
+    with pytest.raises(ValueError, match="save_pretrained"):  # not a full model to export
+        export_hf(strategy, tmp_path / "hf")
     strategy.close()
 
 
