@@ -147,6 +147,13 @@ Spec = tuple[str, tuple[int, ...], "torch.dtype | None"]
 def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str, Tensor]]]:
     """(model info, specs, iterator of (name, tensor)) of a source, parameters then buffers."""
     engine = _engine_of(source)
+    if engine is not None and (engine.frozen_params or any(engine.pager.frozen)):
+        raise ValueError(
+            "export_hf writes every weight from the optimizer state, but this model has "
+            "frozen parameters (a LoRA base) that carry none: gather the module "
+            "(strategy.gather_full_model()) and save the adapter with "
+            "module.model.save_pretrained(dir), or merge it with merge_and_unload() first"
+        )
     if engine is not None:
         params = [
             (key, tuple(shape))

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model
+from bb_lightning.lora import LoraOptions, require_peft, wrap_lora
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
@@ -160,6 +161,7 @@ class CausalLMModule(pl.LightningModule):
         seed: int = 0,
         tokenizer: str | None = None,
         stop_strings: list[str] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """Configure the module; the network is built in :meth:`configure_model`.
 
@@ -177,6 +179,9 @@ class CausalLMModule(pl.LightningModule):
             seed: seed of the random initial weights and of sampling.
             tokenizer: ``"byte"`` or a HF tokenizer dir/name to decode predictions; None: ids only.
             stop_strings: texts that end a generated sequence (needs ``tokenizer``).
+            lora: train LoRA adapters instead of every weight: ``rank``, ``alpha``,
+                ``dropout``, ``target_modules`` (see :class:`~bb_lightning.lora.LoraOptions`;
+                needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
         """
         super().__init__()
         if warmup_steps < 0:
@@ -204,6 +209,7 @@ class CausalLMModule(pl.LightningModule):
             self.hparams["model"] = model.to_dict()
         elif isinstance(model, os.PathLike):
             self.hparams["model"] = os.fspath(model)
+        self._lora = None if lora is None else LoraOptions.from_value(lora)
         self._config, self.checkpoint_dir = resolve_model_config(model)
         self.model: PreTrainedModel | None = None
         self._tokenizer: Tokenizer | None = None
@@ -228,11 +234,22 @@ class CausalLMModule(pl.LightningModule):
         weights (``streams_weights``) from a local checkpoint (safetensors, or a
         ``pytorch_model.bin`` it memory-maps): then the
         parameters stay on the meta device and the strategy reads them
-        (:class:`~bb_lightning.hf_load.HFCheckpoint`).
+        (:class:`~bb_lightning.hf_load.HFCheckpoint`). With ``lora`` the base model is
+        always built or loaded whole, then wrapped by ``peft`` (adapters seeded with ``seed``).
         """
         if self.model is not None:
             return
         check_supported(self._config)
+        if self._lora is not None:  # the base model, loaded (not streamed), with adapters
+            require_peft()
+            if self.checkpoint_dir is not None:
+                base = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
+            else:
+                with _seeded(int(self.hparams["seed"])):
+                    base = AutoModelForCausalLM.from_config(self._config)
+            with _seeded(int(self.hparams["seed"])):
+                self.model = wrap_lora(base, self._lora)
+            return
         if self.checkpoint_dir is not None and self._streams_weights():
             # Parameters on the meta device (buffers real, tied ones tied): the strategy reads
             # each parameter from the checkpoint straight into its tier, never the whole model.
@@ -279,7 +296,7 @@ class CausalLMModule(pl.LightningModule):
         """``torch.optim.AdamW`` over all parameters, with linear warm-up per step if asked."""
         cfg = self._adamw
         optimizer = torch.optim.AdamW(
-            self._net().parameters(),
+            [p for p in self._net().parameters() if p.requires_grad],
             lr=cfg.lr,
             betas=cfg.betas,
             eps=cfg.eps,

@@ -70,6 +70,7 @@ from bb_lightning.engine.trainer_engine import (
     TrainingEngine,
     adamw_from_optimizer,
     check_budgets,
+    param_counts,
     required_budgets,
 )
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
@@ -249,11 +250,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         dtype = self.resolved_dtype()
         loader = checkpoint_loader(module)
         placement = self.placement or self._plan(module, len(blocks), trainer)
-        numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        rest = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
-        config = self._store_config(numels, rest, placement, dtype)
-        check_budgets(required_budgets(numels, rest, placement, dtype), _arena_bytes(config))
+        numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
+        config = self._store_config(numels, rest, placement, dtype, frozen)
+        need = required_budgets(numels, rest, placement, dtype, frozen)
+        check_budgets(need, _arena_bytes(config))
         self.store = TieredStore(config)
         self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
         try:
@@ -466,16 +466,25 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.plan_history.append(plan)
 
     def _store_config(
-        self, numels: list[int], rest: int, placement: Placement, dtype: torch.dtype
+        self,
+        numels: list[int],
+        rest: int,
+        placement: Placement,
+        dtype: torch.dtype,
+        frozen: list[int] | None = None,
     ) -> StoreConfig:
         if self.store_config is not None:
             return self.store_config
-        need = required_budgets(numels, rest, placement, dtype)
+        need = required_budgets(numels, rest, placement, dtype, frozen)
         if self.plan is not None:  # room for re-plans, within what the plan may use
             n = len(numels)
             most = {
                 t: required_budgets(
-                    numels, rest, Placement.uniform(n, weights=t, master=t, prefetch_depth=n), dtype
+                    numels,
+                    rest,
+                    Placement.uniform(n, weights=t, master=t, prefetch_depth=n),
+                    dtype,
+                    frozen,
                 )[t]
                 for t in Tier
             }
@@ -585,7 +594,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         assert engine is not None and store is not None
         placement = Placement.from_plan(plan)
         numels = [s.numel for s in engine.pager.states]
-        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype)
+        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
+                                engine.pager.frozen_numels)  # fmt: skip
         room = {t: cap for t, (_, cap) in store.usage().items()}
         short = [t.value for t in Tier if need[t] > room[t]]
         if short:

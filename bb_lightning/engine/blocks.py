@@ -20,7 +20,11 @@ of ``.grad`` as soon as autograd has produced it; once every parameter of the bl
 has its gradient the block is released and handed on exactly like a recomputed one
 (gradient sink or :attr:`PagedBlocks.on_block_grads`, then
 :attr:`PagedBlocks.on_block_backward`), so its optimizer step can start while backward
-goes on. :meth:`PagedBlocks.take_pending` returns what a backward left incomplete
+goes on. A block with frozen parameters (LoRA adapters over frozen base weights) can
+have all its trainable gradients before autograd is done with its weights (the input
+gradient still goes through the frozen ones), so its input passes through an identity
+whose backward marks the block's backward as done, and the block is handed on only
+then. :meth:`PagedBlocks.take_pending` returns what a backward left incomplete
 (parameters that got no gradient).
 
 Without grad (validation, prediction, ``inference_mode``) a block is paged in,
@@ -78,6 +82,8 @@ class PagedBlocks:
         listed: their weights stay bound from forward until their gradients are in."""
         self._pending: dict[int, list[Tensor | None]] = {}
         """Gradients collected so far of autograd blocks whose backward is under way."""
+        self._input_pending: set[int] = set()
+        """Autograd blocks with frozen weights whose input gradient is not computed yet."""
         self._hooks: list[Any] = []
         self.on_block_backward: Callable[[int], None] | None = None
         """Called with ``i`` once block ``i``'s backward has queued its gradients and released
@@ -114,6 +120,7 @@ class PagedBlocks:
             handle.remove()
         self._hooks = []
         self._pending = {}
+        self._input_pending = set()
         self.pager.release_all_except(())
         for i in self.autograd_blocks:  # bound since their last forward
             self.pager.release(i)
@@ -126,6 +133,11 @@ class PagedBlocks:
             if i in self.autograd_blocks:
                 self.enter(i, "forward_grad")  # stays bound until its gradients are in
                 self._pending[i] = [None] * len(self.pager.params[i])
+                if self.pager.frozen[i]:
+                    hidden, call = _split(original, args, kwargs)
+                    if hidden.requires_grad:
+                        self._input_pending.add(i)
+                        return call(_InputDone.apply(self, i, hidden))
                 return original(*args, **kwargs)
             hidden, call = _split(original, args, kwargs)
             holder: list[Any] = []
@@ -144,11 +156,23 @@ class PagedBlocks:
             if pending is None:  # not an autograd pass of this block
                 return
             pending[j], param.grad = param.grad, None
-            if sum(g is not None for g in pending) == needed:
-                del self._pending[i]
-                self.hand_off(i, pending)
+            self._maybe_done(i, needed)
 
         return take
+
+    def _maybe_done(self, i: int, needed: int) -> None:
+        """Hand block ``i`` on once its ``needed`` gradients and its input gradient are in."""
+        pending = self._pending.get(i)
+        if pending is None or i in self._input_pending:
+            return
+        if sum(g is not None for g in pending) == needed:
+            del self._pending[i]
+            self.hand_off(i, pending)
+
+    def input_done(self, i: int) -> None:
+        """Autograd has computed block ``i``'s input gradient: its weights are no longer read."""
+        self._input_pending.discard(i)
+        self._maybe_done(i, sum(p.requires_grad for p in self.pager.params[i]))
 
     def hand_off(self, i: int, grads: Sequence[Tensor | None]) -> None:
         """Release block ``i`` and pass on its parameter gradients (None: no gradient)."""
@@ -165,6 +189,7 @@ class PagedBlocks:
         """Autograd blocks whose backward left parameters without a gradient, and what
         they got (``.grad`` read for those the hooks did not see); forgets them."""
         pending, self._pending = self._pending, {}
+        self._input_pending = set()
         for i, grads in pending.items():
             for j, p in enumerate(self.pager.params[i]):
                 if grads[j] is None and p.grad is not None:
@@ -319,11 +344,31 @@ class _PagedBlockFunction(torch.autograd.Function):
         upcoming = runner.enter(i, "backward")
         try:
             params = runner.pager.params[i]
-            with torch.enable_grad(), _rng_restored(ctx.rng):
-                h = hidden.detach().requires_grad_(True)
-                first = _first(ctx.call(h))
-                grads = torch.autograd.grad(first, [h, *params], grad_out, allow_unused=True)
+            wants_input = bool(ctx.needs_input_grad[5])
+            h = hidden.detach().requires_grad_(wants_input)
+            inputs = [h, *params] if wants_input else list(params)
+            grads: tuple[Tensor | None, ...] = (None,) * len(inputs)
+            if inputs:  # else nothing of this block trains and no gradient flows through it
+                with torch.enable_grad(), _rng_restored(ctx.rng):
+                    first = _first(ctx.call(h))
+                    grads = torch.autograd.grad(first, inputs, grad_out, allow_unused=True)
         finally:
             runner.leave(i, upcoming)
+        if not wants_input:
+            grads = (None, *grads)
         runner.hand_off(i, grads[1:])
         return None, None, None, None, None, grads[0]
+
+
+class _InputDone(torch.autograd.Function):
+    """Identity on a block's input whose backward tells the runner the block is done."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: PagedBlocks, i: int, hidden: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.runner, ctx.i = runner, i
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        ctx.runner.input_done(ctx.i)
+        return None, None, grad

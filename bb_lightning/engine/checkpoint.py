@@ -195,6 +195,9 @@ def save_checkpoint(
         if key != first[id(p)]:
             aliases[first[id(p)]].append(key)
     alias_names = {a for names in aliases.values() for a in names}
+    # Frozen parameters (a LoRA base) are not written: they come from the base model.
+    alias_names |= {k for k, p in engine.model.named_parameters(remove_duplicate=False)
+                    if not p.requires_grad}  # fmt: skip
     # Only the keys that are not parameters are read: a lazy state dict (the strategy's
     # EngineStateDict) never materialises the parameters here.
     rest["buffers"] = {

@@ -14,6 +14,13 @@ Per block ``i`` the store holds, each as one flat 1-D tensor:
   summed over the micro-batches of an accumulation window. On HOST it is summed in
   place; elsewhere it is read into a scratch buffer, summed and written back, and
   only when the sum must outlive the backward pass (see :meth:`FlatState.accumulate`).
+
+Frozen parameters (``requires_grad=False``, say the base weights under LoRA adapters)
+are kept apart in training: ``<prefix>.<i>.weight`` and the :class:`FlatState` hold only
+the block's trainable parameters, and ``<prefix>.<i>.frozen`` (registered only when the
+block has frozen parameters) holds the others in the compute dtype, homed with the
+block's weights and paged in with them, but never written back: no master weights,
+moments or gradient accumulator exist for them.
 """
 
 from __future__ import annotations
@@ -271,7 +278,7 @@ def flatten_fp32(params: Sequence[Tensor]) -> Tensor:
             "parameters are on the meta device and no initial values were given: "
             "load the weights (or pass a BlockLoader) before paging the model"
         )
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+    return _cat([p.detach() for p in params])
 
 
 def flat_from(params: Sequence[Tensor], load: Callable[[Tensor], Tensor]) -> Tensor:
@@ -302,6 +309,22 @@ def buffers_to(model: nn.Module, device: torch.device, compute_dtype: torch.dtyp
             if buf is not None:
                 dtype = compute_dtype if buf.is_floating_point() else buf.dtype
                 module._buffers[key] = buf.to(device, dtype)
+
+
+def _cat(views: Sequence[Tensor]) -> Tensor:
+    """Tensors laid end to end as one flat fp32 CPU tensor (empty for none)."""
+    if not views:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat([v.reshape(-1).to("cpu", torch.float32) for v in views])
+
+
+def _split_frozen(flat: Tensor, params: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """A block's flat values (laid out like ``params``) as two flat fp32 tensors: those of
+    the trainable parameters, then those of the frozen ones, each in ``params`` order."""
+    views = _views(flat, [tuple(p.shape) for p in params])
+    trained = [v for p, v in zip(params, views, strict=True) if p.requires_grad]
+    frozen = [v for p, v in zip(params, views, strict=True) if not p.requires_grad]
+    return _cat(trained), _cat(frozen)
 
 
 def _views(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
@@ -471,14 +494,29 @@ class BlockPager:
         self.placement = placement
         self.compute_dtype = compute_dtype
         self.timer = timer
-        self.params = [[p for _, p in block_params(b)] for b in blocks]
+        every = [[p for _, p in block_params(b)] for b in blocks]
+        self.params = [[p for p in ps if weights_only or p.requires_grad] for ps in every]
+        """Each block's parameters in the order of its flat weights: all of them with
+        ``weights_only``, else the trainable ones (those with optimizer state)."""
+        self.frozen = [[p for p in ps if not (weights_only or p.requires_grad)] for ps in every]
+        """Each block's frozen parameters (training only), in the order of ``<prefix>.<i>.frozen``."""
         self.names = [f"{prefix}.{i}.weight" for i in range(len(blocks))]
+        self.frozen_names = [f"{prefix}.{i}.frozen" if self.frozen[i] else None
+                             for i in range(len(blocks))]  # fmt: skip
+        """Store name of each block's frozen weights (None: the block has none)."""
         self.states: list[FlatState] = []
         self.shapes = [[tuple(p.shape) for p in params] for params in self.params]
         """Shapes of each block's parameters, in the order of its flat weights."""
+        self.frozen_shapes = [[tuple(p.shape) for p in params] for params in self.frozen]
+        """Shapes of each block's frozen parameters, in the order of its frozen weights."""
         self._tickets: dict[int, Ticket] = {}
         for i, params in enumerate(self.params):
-            master = loader(i) if loader is not None else flatten_fp32(params)
+            master = loader(i) if loader is not None else flatten_fp32(every[i])
+            frozen_name = self.frozen_names[i]
+            if frozen_name is not None:
+                master, frozen = _split_frozen(master, every[i])
+                store.register(frozen_name, frozen.to(compute_dtype), home=placement.weights[i])
+                del frozen
             store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
             if weights_only:
                 del master
@@ -505,28 +543,39 @@ class BlockPager:
     def _paged(self, i: int) -> bool:
         return self.store.home(self.names[i]) is not Tier.DEVICE
 
+    def block_names(self, i: int) -> list[str]:
+        """Store names of block ``i``'s compute-dtype weights: trainable, then frozen."""
+        frozen = self.frozen_names[i]
+        return [self.names[i]] if frozen is None else [self.names[i], frozen]
+
     def prefetch(self, indices: Sequence[int]) -> None:
         """Start page-ins of the given blocks that are neither resident nor in flight."""
         for i in indices:
             if i in self._tickets or not self._paged(i):
                 continue
             if self.store.state(self.names[i]) is Residency.RELEASED:
-                self._tickets[i] = self.store.prefetch_async([self.names[i]])
+                self._tickets[i] = self.store.prefetch_async(self.block_names(i))
 
     def acquire(self, i: int) -> list[Tensor]:
-        """Page block ``i`` in (waiting for its prefetch) and bind its parameters; the views."""
-        name = self.names[i]
+        """Page block ``i`` in (waiting for its prefetch) and bind its parameters; the views
+        of its (trainable) parameters."""
+        names = self.block_names(i)
         ticket = self._tickets.pop(i, None)
-        if ticket is None and self.store.state(name) is Residency.RELEASED:
-            ticket = self.store.prefetch_async([name])
+        if ticket is None and self.store.state(names[0]) is Residency.RELEASED:
+            ticket = self.store.prefetch_async(names)
         if ticket is not None:
             with _timed(self.timer, "wait_page_in"):
-                flat = ticket.wait()[name]
+                got = ticket.wait()
+            flats = [got[n] for n in names]
         else:
-            flat = self.store.get(name)
-        views = _views(flat, self.shapes[i])
+            flats = [self.store.get(n) for n in names]
+        views = _views(flats[0], self.shapes[i])
         for p, v in zip(self.params[i], views, strict=True):
             p.data = v
+        if len(flats) > 1:
+            frozen = _views(flats[1], self.frozen_shapes[i])
+            for p, v in zip(self.frozen[i], frozen, strict=True):
+                p.data = v
         return views
 
     def release(self, i: int) -> None:
@@ -536,7 +585,7 @@ class BlockPager:
         if ticket is not None:
             ticket.wait()
         if self._paged(i) and self.store.state(self.names[i]) is Residency.RESIDENT:
-            self.store.release([self.names[i]])
+            self.store.release(self.block_names(i))
 
     def release_all_except(self, keep: Sequence[int] = ()) -> None:
         """Release every paged-in or in-flight block not in ``keep``."""
@@ -545,8 +594,16 @@ class BlockPager:
                 self.release(i)
 
     def _unbind(self, i: int) -> None:
-        for p in self.params[i]:
+        for p in (*self.params[i], *self.frozen[i]):
             set_data(p, self._empty)
+
+    def read_frozen(self, i: int) -> list[Tensor]:
+        """Block ``i``'s frozen parameters as fp32 CPU tensors (read from their home)."""
+        name = self.frozen_names[i]
+        if name is None:
+            return []
+        flat = self.store.read(name).to("cpu", torch.float32)
+        return _views(flat, self.frozen_shapes[i])
 
     def write_weights(self, i: int, master: Tensor, scratch: Tensor) -> Ticket | None:
         """Store fp32 ``master`` as block ``i``'s weights in the compute dtype, asynchronously.
@@ -583,12 +640,19 @@ class BlockPager:
         # Free a tier before filling it: moves off a tier go first.
         order = sorted(range(self.num_blocks), key=lambda i: placement.weights[i] is Tier.DEVICE)
         for i in order:
-            self.store.move(self.names[i], placement.weights[i])
+            for name in self.block_names(i):
+                self.store.move(name, placement.weights[i])
         for i, state in enumerate(self.states):
             state.move(placement.master[i], placement.grad_tiers[i])
         self.placement = placement
 
+    @property
+    def frozen_numels(self) -> list[int]:
+        """Elements of each block's frozen weights (0: none)."""
+        return [sum(math.prod(s) for s in shapes) for shapes in self.frozen_shapes]
+
     def device_bytes(self) -> int:
         """Bytes of compute-dtype weights one block occupies (the largest block)."""
         elem = torch.empty(0, dtype=self.compute_dtype).element_size()
-        return max(sum(math.prod(s) for s in shapes) for shapes in self.shapes) * elem
+        sizes = [[*a, *b] for a, b in zip(self.shapes, self.frozen_shapes, strict=True)]
+        return max(sum(math.prod(s) for s in shapes) for shapes in sizes) * elem

@@ -8,6 +8,12 @@ device with ordinary autograd, their fp32 master state in the store's host
 tier. Every gradient leaves the device into fp32 accumulators in the store, homed
 per ``Placement.grads`` (see :meth:`~bb_lightning.engine.pager.FlatState.accumulate`).
 
+Frozen parameters (``requires_grad=False``, as the base weights under LoRA adapters)
+carry no optimizer state: in the blocks they are paged read-only from
+``block.<i>.frozen`` (see :mod:`~bb_lightning.engine.pager`), outside the blocks they
+stay on the device in the compute dtype; no master weights, moments, gradient
+accumulator or write-back exist for them.
+
 At the accumulation boundary :meth:`TrainingEngine.optimizer_step` computes the
 clipping scale over all gradients, steps each block with
 :class:`~bb_lightning.engine.optim.HostAdamW`, writes the block's weights back
@@ -70,6 +76,7 @@ __all__ = [
     "TrainingEngine",
     "adamw_from_optimizer",
     "check_budgets",
+    "param_counts",
     "required_budgets",
 ]
 
@@ -146,6 +153,7 @@ def required_budgets(
     resident_numel: int,
     placement: Placement,
     compute_dtype: torch.dtype,
+    frozen_numels: Sequence[int] | None = None,
 ) -> dict[Tier, int]:
     """Bytes each tier needs for this placement, summed per stored tensor.
 
@@ -163,12 +171,17 @@ def required_budgets(
     :data:`SCRATCH_SETS` scratch sets (4 fp32 + 1 compute-dtype buffer of the
     largest block each), and with state off the host ``placement.read_ahead``
     read-ahead sets (3 fp32 buffers each).
+
+    ``block_numels`` and ``resident_numel`` count trainable parameters; ``frozen_numels``
+    (None: none) the frozen parameters of each block, which cost only their
+    compute-dtype weights on the weights' home and in the paging slots.
     """
     elem = torch.empty(0, dtype=compute_dtype).element_size()
+    frozen = [0] * len(block_numels) if frozen_numels is None else list(frozen_numels)
     need = dict.fromkeys(Tier, 0)
     tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
-    for n, (w, m, g) in zip(block_numels, tiers, strict=True):
-        need[w] += slot_bytes(n * elem)
+    for n, f, (w, m, g) in zip(block_numels, frozen, tiers, strict=True):
+        need[w] += slot_bytes(n * elem) + (slot_bytes(f * elem) if f else 0)
         need[m] += 3 * slot_bytes(n * 4)
         need[g] += slot_bytes(n * 4)
     need[Tier.HOST] += 4 * slot_bytes(resident_numel * 4)
@@ -177,8 +190,23 @@ def required_budgets(
     need[Tier.HOST] += SCRATCH_SETS * per_set
     if reads_ahead(placement):
         need[Tier.HOST] += placement.read_ahead * len(STATE_KINDS) * slot_bytes(largest * 4)
-    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(largest * elem)
+    paging = max(
+        slot_bytes(n * elem) + (slot_bytes(f * elem) if f else 0)
+        for n, f in zip(block_numels, frozen, strict=True)
+    )
+    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * paging
     return need
+
+
+def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[int], int, list[int]]:
+    """Parameters (elements) as :func:`required_budgets` takes them: trainable ones per
+    block, trainable ones outside the blocks, frozen ones per block."""
+    lists = [[p for _, p in block_params(b)] for b in blocks]
+    in_blocks = {id(p) for ps in lists for p in ps}
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks and p.requires_grad)
+    trainable = [sum(p.numel() for p in ps if p.requires_grad) for ps in lists]
+    frozen = [sum(p.numel() for p in ps if not p.requires_grad) for ps in lists]
+    return trainable, rest, frozen
 
 
 def reads_ahead(placement: Placement) -> bool:
@@ -284,7 +312,14 @@ class TrainingEngine:
         """``time.perf_counter()`` when the last backward pass returned."""
         self._overlap: _Overlap | None = None
         in_blocks = {id(p) for b in blocks for _, p in block_params(b)}
-        self.resident_params = [p for _, p in model.named_parameters() if id(p) not in in_blocks]
+        outside = [p for _, p in model.named_parameters() if id(p) not in in_blocks]
+        self.resident_params = [p for p in outside if p.requires_grad]
+        """Trainable parameters outside the blocks (on the device, fp32 state on the host)."""
+        self.frozen_params = [p for p in outside if not p.requires_grad]
+        """Frozen parameters outside the blocks (on the device in the compute dtype only)."""
+        for p in self.frozen_params:
+            value = p if loader is None or not p.is_meta else loader(p)
+            set_data(p, value.detach().to(device, compute_dtype))
         initial = None if loader is None else flat_from(self.resident_params, loader)
         self.resident = FlatState(
             store, RESIDENT_PREFIX, self.resident_params, home=Tier.HOST, initial=initial
@@ -699,9 +734,22 @@ class TrainingEngine:
         """The model's state dict, each parameter's fp32 master read when asked for."""
         return EngineStateDict(self)
 
+    def iter_frozen(self) -> Iterator[tuple[str, Tensor]]:
+        """Each frozen parameter's name and value (fp32 host copies, read from the store)."""
+        first: dict[int, str] = {}
+        for key, p in self.model.named_parameters():
+            first.setdefault(id(p), key)
+        for i in range(self.pager.num_blocks):
+            for p, value in zip(self.pager.frozen[i], self.pager.read_frozen(i), strict=True):
+                yield first[id(p)], value
+        for p in self.frozen_params:
+            yield first[id(p)], p.detach().to("cpu", torch.float32)
+
     def state_dict(self) -> dict[str, Tensor]:
-        """The model's state dict with every parameter as its fp32 master copy (host)."""
+        """The model's state dict with every parameter as its fp32 master copy (host);
+        frozen parameters as their stored values in fp32."""
         values = {key: s["master"].clone() for key, s in self.iter_state(("master",))}
+        values.update(self.iter_frozen())
         first = {id(p): key for key, p in reversed(list(self.model.named_parameters()))}
         out: dict[str, Tensor] = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
@@ -754,10 +802,17 @@ class EngineStateDict(Mapping[str, Tensor]):
         self._where: dict[str, tuple[int, int]] = {}
         names_at = {key: (i, j) for i, (_, keys) in enumerate(engine.named_states())
                     for j, key in enumerate(keys)}  # fmt: skip
+        frozen_at = {id(p): (i, j) for i, ps in enumerate(engine.pager.frozen)
+                     for j, p in enumerate(ps)}  # fmt: skip
+        self._frozen: dict[str, tuple[int, int]] = {}
+        """Keys of frozen block parameters: (block, index in its frozen weights)."""
         for key, t in self._entries.items():
-            if id(t) in first:
+            if id(t) in frozen_at:
+                self._frozen[key] = frozen_at[id(t)]
+            elif id(t) in first and first[id(t)] in names_at:
                 self._where[key] = names_at[first[id(t)]]
         self._cached: tuple[int, list[Tensor]] | None = None
+        self._frozen_cached: tuple[int, list[Tensor]] | None = None
 
     @property
     def parameter_keys(self) -> frozenset[str]:
@@ -766,6 +821,11 @@ class EngineStateDict(Mapping[str, Tensor]):
 
     def __getitem__(self, key: str) -> Tensor:
         where = self._where.get(key)
+        if key in self._frozen:
+            i, j = self._frozen[key]
+            if self._frozen_cached is None or self._frozen_cached[0] != i:
+                self._frozen_cached = (i, self.engine.pager.read_frozen(i))
+            return self._frozen_cached[1][j].clone()
         if where is None:
             return self._entries[key].detach().to("cpu")
         i, j = where

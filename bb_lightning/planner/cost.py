@@ -117,11 +117,18 @@ def train_flops_per_token(
     blocks cost 4x forward, else 3x; ``resident_blocks`` (weights kept on the device,
     activations kept, never recomputed) cost 3x either way. The head is not
     checkpointed: 3x. ``resident_blocks`` may be an array (one value per candidate).
+
+    Frozen weights (a LoRA base) need no weight gradient: the ``2`` FLOPs per frozen
+    matrix weight per token of that product are dropped (each block's
+    ``block_matmul_params - block_train``, the head's when nothing outside the blocks
+    trains); their input gradients are still computed.
     """
     head = model.head_flops_per_token()
     per_block = (forward_flops_per_token(model, seq_len) - head) / max(model.num_blocks, 1)
     recomputed = model.num_blocks - resident_blocks if checkpointing else 0.0 * resident_blocks
-    return per_block * (3.0 * model.num_blocks + recomputed) + 3.0 * head
+    frozen = max(model.block_matmul_params - model.block_train, 0)
+    skipped = model.num_blocks * 2.0 * frozen + (head if model.rest_train == 0 else 0.0)
+    return per_block * (3.0 * model.num_blocks + recomputed) + 3.0 * head - skipped
 
 
 def backward_fraction(checkpointing: bool) -> float:
@@ -241,8 +248,9 @@ def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:
 
 
 def grad_bytes_in_flight(model: ModelProfile) -> int:
-    """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied."""
-    return 2 * model.block_params * BF16_BYTES
+    """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied
+    (of the trained parameters only)."""
+    return 2 * model.block_train * BF16_BYTES
 
 
 def effective_bandwidths(hw: HardwareProfile) -> dict[str, float]:

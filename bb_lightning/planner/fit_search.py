@@ -8,6 +8,12 @@ the host by benefit per byte of NVMe traffic saved per step (paged weights
 ``4 GA + 2`` bytes per 2, gradient accumulators ``8 GA`` per 4, optimizer state 24
 per 12), the rest on NVMe. All (kF, kW) of three fill orders are priced at once
 with numpy arrays.
+
+Weights are priced for every parameter (``block_params``: each pass pages them all,
+frozen ones included); gradients, master weights, moments, the host AdamW and the
+weight write-back only for the trained ones (``ModelProfile.block_train`` and
+``rest_train``: LoRA adapters over frozen base weights train a small share); frozen
+matrices skip their weight gradients (:func:`cost.train_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -109,9 +115,10 @@ def price(
     kw: Arr,
 ) -> dict[str, Arr]:
     """Bytes per tier and seconds per step of every (kF, kW) for one batch shape."""
-    n, p = model.num_blocks, float(model.block_params)
-    bb = p * BF16_BYTES
-    nb = float(model.embed_params + model.head_params + model.final_params)
+    n, p = model.num_blocks, float(model.block_train)  # trained params per block
+    bb = float(model.block_params) * BF16_BYTES  # every weight is paged
+    nb = float(model.rest_train)  # trained params outside the blocks
+    nw = float(model.rest_params)  # weights outside the blocks (on the device)
     g, s = job.seqs_per_step, job.seq_len
     ga = math.ceil(g / mb)
     np_ = n - kf - kw  # paged blocks
@@ -119,9 +126,9 @@ def price(
     paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
     in_flight = np.where(off > 0, float(cost.grad_bytes_in_flight(model)), 0.0)
     dev = (
-        nb * BF16_BYTES
+        nw * BF16_BYTES
         + kw * bb
-        + kf * p * FULL_DEVICE_BYTES
+        + kf * (bb + p * (FULL_DEVICE_BYTES - BF16_BYTES))
         + paging
         + in_flight
         + cost.activation_bytes(model, mb, s, ckpt, kf + kw)
@@ -175,7 +182,9 @@ def price(
             (off - m_h) * ADAM_STATE_BYTES * p + grads_nvme, nvme_r, hw.nvme_efficiency
         ),
         "nvme_write": cost.link_seconds(
-            (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * bb, nvme_w, hw.nvme_efficiency
+            (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * p * BF16_BYTES,
+            nvme_w,
+            hw.nvme_efficiency,
         ),
         "h2d": cost.link_seconds((kw * p + nb) * BF16_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency),
     }
@@ -183,7 +192,7 @@ def price(
     k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
     host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
     disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
-    disk = disk + cost.link_seconds((np_ - w_h) * bb, nvme_w, hw.nvme_efficiency)
+    disk = disk + cost.link_seconds((np_ - w_h) * p * BF16_BYTES, nvme_w, hw.nvme_efficiency)
     pipeline = np.maximum(np.maximum(adam, disk), opt_links["h2d"])
     opt_exposed = cost.optimizer_exposed_seconds(
         pipeline, np.full_like(kf, bwd), off + (1.0 if nb > 0 else 0.0), job.grad_clipping
@@ -250,7 +259,7 @@ def _state_reads(
     has left. With clipping the step starts after backward: every read and the writes
     that free sets are waited on.
     """
-    state = ADAM_STATE_BYTES * float(model.block_params)
+    state = ADAM_STATE_BYTES * float(model.block_train)
     eff = hw.nvme_efficiency * MIXED_IO_EFFICIENCY
     read = cost.link_seconds(state, hw.nvme_read_bandwidth, eff)
     write = cost.link_seconds(state, hw.nvme_write_bandwidth, eff)
@@ -434,7 +443,7 @@ def build_plan(
         bytes_per_pass={
             "h2d": 2.0 * paged * model.block_bytes,
             "nvme_read": 2.0 * (paged - w_h) * model.block_bytes,
-            "d2h": float((n - kf) * model.block_params * BF16_BYTES),
+            "d2h": float((n - kf) * model.block_train * BF16_BYTES),
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
@@ -470,8 +479,15 @@ def build_plan(
         reasons.append(
             f"optimizer state of {n - kf - m_h} blocks on NVMe is read ahead of each block's "
             f"step through {k} host buffer sets "
-            f"({format_bytes(k * ADAM_STATE_BYTES * model.block_params)}), sized so that its "
+            f"({format_bytes(k * ADAM_STATE_BYTES * model.block_train)}), sized so that its "
             "reads and write-backs fit the last backward where the host budget allows"
+        )
+    if not model.full_fine_tune:
+        reasons.append(
+            f"{model.trainable_params:,} of {model.total_params:,} parameters train "
+            f"({100.0 * model.trainable_params / max(model.total_params, 1):.2g}%): gradients, "
+            "optimizer state and write-back only for them; the frozen weights are paged "
+            "read-only in forward and backward"
         )
     if hw.device_type == "cpu":
         reasons.append(

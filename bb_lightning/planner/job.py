@@ -18,7 +18,8 @@ def _positive(cls: str, name: str, value: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class FitJob:
-    """Full fine-tuning of every parameter with AdamW.
+    """Fine-tuning with AdamW of the parameters the model profile trains (all of them, or
+    LoRA adapters: see ``ModelProfile.block_trainable_params``).
 
     Give exactly one of ``global_batch_tokens`` and ``global_batch_seqs``: the
     global batch is a training hyper-parameter, the planner only splits it into

@@ -295,6 +295,11 @@ class Plan:
         ]
         if m.moe_summary() is not None:
             lines.append(str(m.moe_summary()))
+        if self.task == "fit":
+            lines.append(
+                f"trains: {m.trainable_params:,} of {m.total_params:,} parameters"
+                + ("" if m.full_fine_tune else " (the others frozen: no optimizer state)")
+            )
         if isinstance(self.job, FitJob):
             lines.append(
                 f"job: seq {self.job.seq_len} tokens, global batch {self.job.seqs_per_step} seqs "

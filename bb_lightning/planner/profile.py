@@ -219,6 +219,12 @@ class ModelProfile:
     """Routed experts each token uses per block (the router's top-k; 0: dense)."""
     block_expert_params: int = 0
     """Of ``block_matmul_params``, those of the routed experts, all ``num_experts`` of them."""
+    block_trainable_params: int | None = None
+    """Of ``block_params``, those trained (with gradients and optimizer state), e.g. LoRA
+    adapters over frozen base weights; None: all of them (full fine-tuning)."""
+    rest_trainable_params: int | None = None
+    """Of the parameters outside the blocks (embedding, head, final), those trained;
+    None: all of them."""
 
     def __post_init__(self) -> None:
         _check_non_negative(
@@ -226,7 +232,7 @@ class ModelProfile:
             tuple(
                 f.name
                 for f in dataclasses.fields(self)
-                if f.name not in ("name", "tied_embeddings")
+                if f.name not in ("name", "tied_embeddings") and getattr(self, f.name) is not None
             ),
         )
         if self.experts_per_token > self.num_experts or (
@@ -241,6 +247,17 @@ class ModelProfile:
                 f"block_expert_params={self.block_expert_params} > block_matmul_params="
                 f"{self.block_matmul_params}: expert weights are matrix-product weights"
             )
+
+        limits = (
+            ("block_trainable_params", self.block_trainable_params, self.block_params),
+            ("rest_trainable_params", self.rest_trainable_params, self.rest_params),
+        )
+        for field_name, value, total in limits:
+            if value is not None and value > total:
+                raise ValueError(
+                    f"ModelProfile.{field_name} = {value} exceeds the {total} parameters it "
+                    "counts from: give at most that many trainable parameters"
+                )
 
     @property
     def block_active_matmul_params(self) -> float:
@@ -272,6 +289,37 @@ class ModelProfile:
             f"parameters a token uses, transfers all {_millions(n * self.block_params)} "
             f"(every expert moves with its block)"
         )
+
+    @property
+    def rest_params(self) -> int:
+        """Parameters outside the blocks: embedding side, untied head, final side."""
+        return self.embed_params + self.head_params + self.final_params
+
+    @property
+    def block_train(self) -> int:
+        """Trained parameters of one block (``block_trainable_params``, else all)."""
+        t = self.block_trainable_params
+        return self.block_params if t is None else t
+
+    @property
+    def rest_train(self) -> int:
+        """Trained parameters outside the blocks (``rest_trainable_params``, else all)."""
+        t = self.rest_trainable_params
+        return self.rest_params if t is None else t
+
+    @property
+    def trainable_params(self) -> int:
+        """All trained parameters: what carries gradients, master weights and moments."""
+        return self.num_blocks * self.block_train + self.rest_train
+
+    @property
+    def full_fine_tune(self) -> bool:
+        """Whether every parameter trains."""
+        return self.trainable_params == self.total_params
+
+    def with_trainable(self, block: int, rest: int) -> ModelProfile:
+        """This profile with ``block`` trained parameters per block and ``rest`` outside."""
+        return dataclasses.replace(self, block_trainable_params=block, rest_trainable_params=rest)
 
     def block_flops_per_token(self, context: int) -> float:
         """Forward FLOPs per token of one block attending over ``context`` tokens.
@@ -333,7 +381,22 @@ class ModelProfile:
 
     @classmethod
     def from_module(cls, model: torch.nn.Module) -> ModelProfile:
-        """Profile an instantiated Hugging Face causal LM (any device, meta included)."""
-        from bb_lightning.structure import profile_fields_from_module
+        """Profile an instantiated Hugging Face causal LM (any device, meta included).
 
-        return cls(**profile_fields_from_module(model))
+        Parameters with ``requires_grad=False`` (frozen base weights under LoRA adapters)
+        are counted as weights but not as trained: see ``block_trainable_params``.
+        """
+        from bb_lightning.structure import find_block_list, profile_fields_from_module
+
+        profile = cls(**profile_fields_from_module(model))
+        if all(p.requires_grad for p in model.parameters()):
+            return profile
+        _, blocks = find_block_list(model)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        block = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
+        rest = sum(
+            p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks
+        )
+        return profile.with_trainable(
+            min(block, profile.block_params), min(rest, profile.rest_params)
+        )

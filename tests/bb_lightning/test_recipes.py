@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bb_lightning.cli import UsageError, main, parse_recipe
+from bb_lightning.lora import LoraOptions, lora_profile
 from bb_lightning.planner import FitJob, ModelProfile, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 
@@ -24,6 +25,7 @@ def _header(path: Path, key: str) -> str | None:
 def test_the_expected_recipes_exist() -> None:
     names = {p.stem for p in RECIPES}
     assert {"tiny-cpu", "llama-30b-full", "opt-30b-full", "llama-7b-24gb"} <= names
+    assert "llama-7b-lora-24gb" in names
     assert any(n.endswith("-predict") for n in names)
 
 
@@ -38,7 +40,12 @@ def test_recipe_keys_validate_and_plan_on_its_preset(recipe: Path) -> None:
     model = cfg.model.init_args.model
     spec = _header(recipe, "plan-as") or model
     config = builtin_config(spec) if spec in BUILTIN_MODELS else json.loads(spec)
-    profile = ModelProfile.from_config(config)
+    lora = getattr(cfg.model.init_args, "lora", None)
+    if lora is not None:  # the adapters train, the base weights are frozen
+        profile = lora_profile(config, LoraOptions.from_value(dict(lora)))
+        assert 0 < profile.trainable_params < profile.total_params / 100
+    else:
+        profile = ModelProfile.from_config(config)
     data = cfg.data.init_args
     if task == "fit":
         accum = cfg.trainer.accumulate_grad_batches

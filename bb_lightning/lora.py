@@ -1,0 +1,115 @@
+"""LoRA fine-tuning through ``peft``: the options, the wrap, and the profile to plan it.
+
+``peft`` is an optional extra (``pip install 'balance-beam[peft]'``), imported only when
+a LoRA model is built (:func:`require_peft`), never when the package is imported.
+
+Under the balance_beam strategy the frozen base weights are paged read-only and only
+the adapters carry gradients and optimizer state (see :mod:`bb_lightning.engine.pager`);
+:func:`lora_profile` prices such a job for the planner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from bb_lightning.planner.profile import ModelProfile
+
+__all__ = ["PEFT_EXTRA", "LoraOptions", "lora_profile", "require_peft", "wrap_lora"]
+
+PEFT_EXTRA = "pip install 'balance-beam[peft]'"
+"""The command that installs the optional ``peft`` dependency."""
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Llama-style attention and MLP projections."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraOptions:
+    """Low-rank adapters on a model's linear layers (Hu et al. 2021, "LoRA")."""
+
+    rank: int = 16
+    """Rank ``r`` of each adapter (``A``: r x in, ``B``: out x r), elements."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter's input, in [0, 1)."""
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    """Names (last component) of the linear layers that get adapters."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank={self.rank!r} must be a positive integer (e.g. 16)")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha={self.alpha!r} must be > 0 (e.g. 2 x rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError("LoRA target_modules is empty: name the layers, e.g. ['q_proj']")
+
+    @classmethod
+    def from_value(cls, value: LoraOptions | dict[str, Any]) -> LoraOptions:
+        """Options from themselves or a dict of their fields (as a recipe gives them)."""
+        if isinstance(value, LoraOptions):
+            return value
+        known = {"rank", "alpha", "dropout", "target_modules"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown LoRA option(s) {unknown}: use {sorted(known)}")
+        fields = dict(value)
+        if "target_modules" in fields:
+            fields["target_modules"] = tuple(fields["target_modules"])
+        return cls(**fields)
+
+    def peft_config(self) -> Any:
+        """The equivalent ``peft.LoraConfig`` (causal LM task)."""
+        peft = require_peft()
+        return peft.LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            task_type="CAUSAL_LM",
+        )
+
+
+def require_peft() -> Any:
+    """The ``peft`` module; ``ImportError`` naming the extra to install when it is missing."""
+    try:
+        return importlib.import_module("peft")
+    except ImportError as err:
+        raise ImportError(
+            f"LoRA needs the optional 'peft' package, which is not installed: {PEFT_EXTRA}"
+        ) from err
+
+
+def wrap_lora(model: PreTrainedModel, options: LoraOptions) -> Any:
+    """``model`` with LoRA adapters (a ``peft.PeftModel``): the base weights frozen."""
+    peft = require_peft()
+    return peft.get_peft_model(model, options.peft_config())
+
+
+def lora_profile(config: PretrainedConfig | dict[str, Any], options: LoraOptions) -> ModelProfile:
+    """The planner's profile of ``config``'s model with ``options``' adapters, trained alone.
+
+    Built on the meta device (no weights): every weight, adapters included, is paged;
+    only the adapters count as trained.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    from bb_lightning.planner.profile import ModelProfile
+
+    if not isinstance(config, PretrainedConfig):
+        values = dict(config)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with init_empty_weights(include_buffers=False), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        wrapped = wrap_lora(model, options)
+    return ModelProfile.from_module(wrapped.get_base_model())
