@@ -131,7 +131,9 @@ def test_an_offloaded_cache_is_priced_as_transformers_moves_it(
     exposed_pre = max(pre, h2d_pre) - pre + d2h_s
     exposed_dec = max(dec, h2d_dec) - dec + d2h_s
     assert h2d_dec > dec  # the prefetch is not hidden either at these rates
-    assert float(a["total"][0]) == pytest.approx(pre + steps * dec + exposed_pre + steps * exposed_dec)
+    assert float(a["total"][0]) == pytest.approx(
+        pre + steps * dec + exposed_pre + steps * exposed_dec
+    )
     assert float(a["d2h"][0]) == pytest.approx((1 + steps) * d2h_s)
     assert float(a["h2d"][0]) == pytest.approx(h2d_pre + steps * h2d_dec)
     # a cache on the device moves nothing
