@@ -369,7 +369,7 @@ def _train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, An
     from bb_lightning.planner import ModelProfile, cost, measure
 
     _cap_device(ctx, TRAIN_DEVICE_CAP)
-    os.environ.setdefault("BB_CACHE_DIR", str(ctx.out / "cache"))
+    os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")  # measured by the measure step
     config = {"model_type": "llama", "hidden_size": spec["hidden"],
               "intermediate_size": spec["ffn"], "num_hidden_layers": spec["layers"],
               "num_attention_heads": spec["heads"], "num_key_value_heads": spec["heads"],
@@ -451,14 +451,14 @@ def _predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
 
     from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
     from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-    from bb_lightning.engine.pager import Placement
+    from bb_lightning.engine.pager import Placement, set_data
     from bb_lightning.planner import ModelProfile, PredictJob, make_plan, measure
     from bb_lightning.structure import find_block_list
     from storage.store import StoreConfig, TieredStore
     from storage.tiers import Tier
 
     _cap_device(ctx, PREDICT_DEVICE_CAP)
-    os.environ.setdefault("BB_CACHE_DIR", str(ctx.out / "cache"))
+    os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")  # measured by the measure step
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     config = AutoConfig.for_model(
         "opt", hidden_size=spec["hidden"], ffn_dim=spec["ffn"], num_hidden_layers=spec["layers"],
@@ -485,8 +485,11 @@ def _predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     store = TieredStore(StoreConfig(device_budget=need[Tier.DEVICE] + (1 << 20),
                                     host_budget=need[Tier.HOST] + (1 << 20),
                                     device=str(ctx.device)))  # fmt: skip
+    # the engine reads the weights through a loader (as from a checkpoint), so that closing
+    # it hands the module its own bf16 tensors back rather than fp32 copies
+    own = {id(p): p.detach() for p in model.parameters()}
     engine = InferenceEngine(model, list(blocks), store, placement, compute_dtype=dtype,
-                             device=ctx.device)  # fmt: skip
+                             device=ctx.device, loader=lambda p: own[id(p)])  # fmt: skip
     gen = LayerMajorGenerator(model, kv_tier=plan.kv_cache)
     rows = plan.concurrent_seqs
     ours: list[list[int]] = []
@@ -499,6 +502,9 @@ def _predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     ours_s = time.perf_counter() - t0
     engine.close()
     store.close()
+    for p in model.parameters():
+        set_data(p, own[id(p)])
+    own.clear()
     gc.collect()
     if ctx.cuda:
         torch.cuda.empty_cache()
