@@ -378,7 +378,7 @@ def _train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, An
     precision = "bf16-true"
     strategy: Any
     if framework == "balance_beam":  # planned on this machine's measured profile
-        strategy = BalanceBeamStrategy(hardware=measure(nvme_path=str(ctx.nvme)))
+        strategy = BalanceBeamStrategy(hardware=measure(nvme_path=str(ctx.nvme), max_seconds=10.0))
     elif framework == "fsdp_cpu_offload":
         from lightning.pytorch.strategies import FSDPStrategy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -472,7 +472,7 @@ def _predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     mask = torch.ones_like(ids)
     job = PredictJob(prompt_len=spec["prompt_len"], new_tokens=spec["new"],
                      num_prompts=spec["prompts"])  # fmt: skip
-    hw = measure(nvme_path=str(ctx.nvme)).replace(  # weights on the device or host only
+    hw = measure(nvme_path=str(ctx.nvme), max_seconds=10.0).replace(  # device or host only
         nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
     )
     plan = make_plan(ModelProfile.from_module(model), hw, job)
