@@ -167,6 +167,9 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self.parallel_devices: list[torch.device] | None = None
+        """The Trainer's devices (its accelerator and ``devices=``), set by Lightning; the
+        first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
         if compute_dtype is not None and compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype!r}: use 'bf16' or 'fp32'")
         if warmup_steps < 1:
@@ -203,6 +206,27 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """The weights-only engine of ``predict`` / ``validate`` run without fit state."""
         self.store: TieredStore | None = None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+
+    # -- device ---------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        """The Trainer's first device (``accelerator="cpu"`` -> cpu, ``devices=[i]`` -> cuda:i)."""
+        if self.parallel_devices:
+            return torch.device(self.parallel_devices[0])
+        return self._root_device
+
+    def setup_environment(self) -> None:
+        """Take the device from the accelerator's devices, then set it up (Lightning)."""
+        devices = list(dict.fromkeys(torch.device(d) for d in self.parallel_devices or ()))
+        if len(devices) > 1:
+            rank_zero_warn(
+                f"balance_beam runs on one device; using {devices[0]} of {devices}: pass "
+                f"devices=[{devices[0].index or 0}] to choose it"
+            )
+        if devices:
+            self._root_device = devices[0]
+        super().setup_environment()
 
     # -- model construction and setup ------------------------------------------
 

@@ -15,12 +15,14 @@ function unchanged.
 
 :func:`decode_attention_for` installs it on a model for the duration of a
 ``with`` block, only when the model runs transformers' ``sdpa`` implementation
-(an ``eager`` or flash model is left as it is), and restores the model's
-setting afterwards, so training and a user's own calls see the model as loaded.
+(an ``eager`` or flash model is left as it is) on the CPU (on CUDA, ``sdpa``'s
+own kernels serve a decode step), and restores the model's setting afterwards,
+so training and a user's own calls see the model as loaded.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -106,13 +108,19 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
 
 @contextmanager
 def decode_attention_for(model: nn.Module) -> Iterator[bool]:
-    """Run ``model`` with :func:`decode_attention` inside the block when it uses ``sdpa``.
+    """Run ``model`` with :func:`decode_attention` inside the block when it uses ``sdpa``
+    on the CPU (the device of its first parameter or buffer; a model with neither is on
+    the CPU).
 
     Yields whether it was installed. Every configuration reachable from the model's
     modules that says ``sdpa`` is switched, and switched back on exit (also on error).
     """
     configs: list[Any] = []
     seen: set[int] = set()
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is not None and first.device.type != "cpu":
+        yield False
+        return
     for mod in model.modules():
         config = getattr(mod, "config", None)
         if config is None or id(config) in seen or not hasattr(config, "_attn_implementation"):

@@ -26,7 +26,7 @@ seed and its logits, not on the other sequences in the batch.
 
 Decode steps use :func:`~bb_lightning.engine.attention.decode_attention` (one
 query token over the cache as two batched products) on models that run
-transformers' ``sdpa`` attention; prefill keeps ``sdpa``.
+transformers' ``sdpa`` attention on the CPU; prefill, and every step on CUDA, keep ``sdpa``.
 """
 
 from __future__ import annotations

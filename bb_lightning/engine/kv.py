@@ -86,14 +86,26 @@ class KVCache:
 
         The kept rows move to the front of each layer's buffers, which are then
         narrowed to views of them: no new cache memory.
+
+        An offloading cache (host tier on CUDA) holds each layer on the host between
+        its passes, except the layer transformers prefetches to the device on its
+        ``prefetch_stream``: the rows are selected where each buffer lies (``keep``
+        moved to its device), after the compute stream waited for that prefetch and
+        the host for the copies to the host.
         """
         layers: list[Any] = list(self.cache.layers)
+        if getattr(self.cache, "offloading", False) and torch.cuda.is_available():
+            compute = torch.cuda.current_stream()
+            compute.wait_stream(self.cache.prefetch_stream)  # the prefetched layer
+            compute.synchronize()  # the host buffers written by non-blocking copies
         if not self._full:
             self._full = [(layer.keys, layer.values) for layer in layers]
         n = int(keep.numel())
+        on: dict[torch.device, Tensor] = {}
         for layer in layers:
             for attr in ("keys", "values"):
                 buf: Tensor = getattr(layer, attr)
-                buf[:n] = buf.index_select(0, keep)
+                idx = on.setdefault(buf.device, keep.to(buf.device))
+                buf[:n] = buf.index_select(0, idx)
                 setattr(layer, attr, buf[:n])
             layer.batch_size = n

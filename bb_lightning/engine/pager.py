@@ -409,6 +409,13 @@ def _timed(timer: PhaseTimer | None, phase: str) -> contextlib.AbstractContextMa
     return contextlib.nullcontext() if timer is None else timer.phase(phase)
 
 
+def _timed_wait(
+    timer: PhaseTimer | None, device: torch.device
+) -> contextlib.AbstractContextManager[None]:
+    """Times a page-in wait: by events on ``device``'s stream on CUDA, else by the clock."""
+    return contextlib.nullcontext() if timer is None else timer.stream_wait("wait_page_in", device)
+
+
 CONVERT_CHUNK = 1 << 18
 """Elements converted at a time when adding a gradient of another dtype (1 MiB of fp32)."""
 _chunks = threading.local()
@@ -564,7 +571,7 @@ class BlockPager:
         if ticket is None and self.store.state(names[0]) is Residency.RELEASED:
             ticket = self.store.prefetch_async(names)
         if ticket is not None:
-            with _timed(self.timer, "wait_page_in"):
+            with _timed_wait(self.timer, self._empty.device):
                 got = ticket.wait()
             flats = [got[n] for n in names]
         else:

@@ -9,6 +9,13 @@ covers them only up to a synchronisation: the step boundary synchronises (the
 optimizer waits for the gradients), and ``sync`` lets a timer synchronise the
 device before it reads the clock at the end of a step.
 
+A wait on a page-in does not block the host on CUDA: it makes the compute
+stream wait for the copy. :meth:`PhaseTimer.stream_wait` times such a wait with
+two CUDA events recorded on the current stream around it (the stream stalls
+between them for as long as the copy is exposed) and reads them at the end of
+the step, after its sync; on other devices the wait blocks the caller and the
+wall clock times it, as :meth:`PhaseTimer.phase` does.
+
 :class:`StepTimes` is one step's split, in seconds.
 """
 
@@ -18,6 +25,9 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
 
 __all__ = ["PHASES", "PhaseTimer", "StepTimes"]
 
@@ -46,15 +56,39 @@ class StepTimes:
         return max(0.0, self.step - self.wait_page_in - self.wait_grads - self.optimizer)
 
 
+class TimingEvent(Protocol):
+    """What :meth:`PhaseTimer.stream_wait` needs of an event (``torch.cuda.Event``)."""
+
+    def record(self) -> Any:
+        """Record the event on the current stream."""
+
+    def synchronize(self) -> Any:
+        """Wait on the host until the event completed."""
+
+    def elapsed_time(self, end: Any) -> float:
+        """Milliseconds from this event to ``end``."""
+
+
+def _cuda_event() -> TimingEvent:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call, no-any-return]
+
+
 class PhaseTimer:
     """Accumulates seconds per phase and closes one :class:`StepTimes` per optimizer step.
 
     Not thread-safe: phases are timed on the caller's (training) thread only.
     """
 
-    def __init__(self, sync: Callable[[], None] | None = None) -> None:
-        """Create a timer; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before step ends."""
+    def __init__(
+        self,
+        sync: Callable[[], None] | None = None,
+        event: Callable[[], TimingEvent] = _cuda_event,
+    ) -> None:
+        """Create a timer; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before step ends;
+        ``event`` makes the timing events of :meth:`stream_wait` on CUDA."""
         self._sync = sync
+        self._event = event
+        self._pending: list[tuple[str, TimingEvent, TimingEvent]] = []
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._start: float | None = None
         self.steps: list[StepTimes] = []
@@ -70,6 +104,34 @@ class PhaseTimer:
             yield
         finally:
             self._totals[name] += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def stream_wait(self, name: str, device: torch.device) -> Iterator[None]:
+        """Add the time the block makes ``device`` wait to phase ``name``.
+
+        On CUDA the block orders the current stream after a copy: events on that stream
+        before and after it measure the stall, read at :meth:`end_step` (after its sync).
+        Elsewhere the block blocks the caller: timed by the wall clock, as :meth:`phase`.
+        May run on another thread than the step's (autograd's device thread). On CUDA,
+        waits outside a step (validation, generation) are not timed: no events pile up.
+        """
+        if device.type != "cuda":
+            with self.phase(name):
+                yield
+            return
+        if name not in self._totals:
+            raise ValueError(f"unknown phase {name!r}: use one of {PHASES}")
+        if self._start is None:
+            yield
+            return
+        start = self._event()
+        start.record()
+        try:
+            yield
+        finally:
+            end = self._event()
+            end.record()
+            self._pending.append((name, start, end))
 
     @property
     def in_step(self) -> bool:
@@ -87,6 +149,10 @@ class PhaseTimer:
             return None
         if self._sync is not None:
             self._sync()
+        pending, self._pending = self._pending, []
+        for name, start, end in pending:
+            end.synchronize()  # done already after the sync; needed without one
+            self._totals[name] += start.elapsed_time(end) / 1e3
         times = StepTimes(step=time.perf_counter() - self._start, **self._totals)
         self.steps.append(times)
         self._totals = dict.fromkeys(PHASES, 0.0)

@@ -18,7 +18,8 @@ planner multiplies ``device_flops`` by.
 :func:`probe_predict_compute` does the same for generation, forward only: a
 prefill of whole prompts (the last token's logits only, as the generator asks)
 and a decode pass of one token per sequence over a static KV cache of the
-generator's length, through :func:`~bb_lightning.engine.attention.decode_attention`.
+generator's length, through the attention the generator uses
+(:func:`~bb_lightning.engine.attention.decode_attention` on the CPU, ``sdpa`` on CUDA).
 The prefill's rate gives ``compute_efficiency``; the decode pass's rate over the
 prefill's gives ``decode_efficiency`` (thin matrix products and cache reads run
 well below the prefill's rate on a CPU).

@@ -247,6 +247,23 @@ def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:
     return seqs * tokens_per_seq * model.kv_bytes_per_token * model.num_blocks
 
 
+def offloaded_kv_bytes(
+    model: ModelProfile, seqs: int, cache_len: int, *, prefill: bool
+) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes one pass moves for a KV cache that
+    transformers offloads to the host (``StaticCache(offloading=True)``).
+
+    transformers' ``Cache.update`` (``cache_utils.py``) copies each layer's whole static
+    buffers (keys and values, ``seqs x cache_len`` positions) to the host after the
+    layer's update (``offload``, on the compute stream), and the next layer's whole
+    buffers to the device (``prefetch``, on a side stream; the last layer prefetches
+    layer 0 for the next pass). A decode pass so moves the whole cache each way; a
+    prefill moves it to the host, and only layer 0 back.
+    """
+    whole = float(kv_cache_bytes(model, seqs, cache_len))
+    return (whole / model.num_blocks if prefill else whole), whole
+
+
 def grad_bytes_in_flight(model: ModelProfile) -> int:
     """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied
     (of the trained parameters only)."""

@@ -21,8 +21,11 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
 Memory on the CPU: device and host tiers share RAM, so the device tier gets
 :data:`CPU_DEVICE_SHARE` and the host tier :data:`CPU_HOST_SHARE` of the RAM
 available now (the rest is left to the process and the OS). On CUDA the device
-tier gets :data:`CUDA_DEVICE_SHARE` of the free device memory and the host tier
-:data:`HOST_SHARE` of the available RAM.
+tier gets :data:`CUDA_DEVICE_SHARE` of what this process can still allocate
+(:func:`cuda_device_memory`: free memory once the allocator's cache is emptied,
+within ``torch.cuda.set_per_process_memory_fraction``), read afresh also when
+the profile comes from the cache, and the host tier :data:`HOST_SHARE` of the
+available RAM.
 
 The result is cached as JSON in ``$BB_CACHE_DIR`` (default
 ``~/.cache/balance_beam``) under a name derived from the machine identity
@@ -57,6 +60,7 @@ __all__ = [
     "CUDA_DEVICE_SHARE",
     "HOST_SHARE",
     "cache_path",
+    "cuda_device_memory",
     "machine_identity",
     "measure",
 ]
@@ -272,6 +276,20 @@ def _probe_adam(seconds: float, numel: int) -> float:
     return _median_rate(float(count), opt.step, seconds)
 
 
+def cuda_device_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on CUDA ``device``.
+
+    The free memory the driver reports once the caching allocator's unused blocks are
+    given back (``empty_cache``), and no more than the share
+    ``torch.cuda.set_per_process_memory_fraction`` allows: ``fraction x total`` less what
+    the allocator holds already (``memory_reserved``).
+    """
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+    return max(0, min(int(free), cap - int(torch.cuda.memory_reserved(device))))
+
+
 def _measure_now(nvme_path: str | None, max_seconds: float) -> HardwareProfile:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -287,8 +305,7 @@ def _measure_now(nvme_path: str | None, max_seconds: float) -> HardwareProfile:
     adam = _probe_adam(max_seconds * _SHARES["adam"], (4 << 20) if small else (16 << 20))
     available = psutil.virtual_memory().available
     if cuda:
-        free_device = torch.cuda.mem_get_info(device)[0]
-        device_memory = int(free_device * CUDA_DEVICE_SHARE)
+        device_memory = int(cuda_device_memory(device) * CUDA_DEVICE_SHARE)
         host_memory = int(available * HOST_SHARE)
         name = f"measured: {torch.cuda.get_device_name(device)} / {_cpu_model()}"
     else:
@@ -345,6 +362,9 @@ def measure(
     path = cache_path(identity)
     if cache:
         cached = _read_cache(path, identity)
+        if cached is not None and cached.device_type == "cuda":  # the free memory of now
+            device = torch.device("cuda", torch.cuda.current_device())
+            return cached.replace(device_memory=int(cuda_device_memory(device) * CUDA_DEVICE_SHARE))
         if cached is not None:
             return cached
     profile = _measure_now(nvme_path, max_seconds)

@@ -11,7 +11,10 @@ Decode passes compute at ``decode_efficiency`` times the rate of prefill (thin
 matrix products, attention over the cache), and no faster than the device streams
 every block's weights, the head and the KV cache from its memory
 (``device_memory_bandwidth``, where the profile has it). A KV cache on the host streams to a
-CUDA device block by block; a CPU device reads it in place.
+CUDA device block by block as transformers' offloading cache moves it
+(:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per
+decode pass, the copies to the host on the compute stream, so exposed); a CPU device
+reads it in place.
 """
 
 from __future__ import annotations
@@ -114,19 +117,22 @@ def price(
     nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)
     h2d = hw.h2d_bandwidth, hw.h2d_efficiency
     d2h = hw.d2h_bandwidth, hw.d2h_efficiency
+    kv_pre = cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=True) if streamed else (0, 0)
+    kv_dec = cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=False) if streamed else (0, 0)
     pre_links = {
-        "h2d": cost.link_seconds(w_h2d, *h2d),
+        "h2d": cost.link_seconds(w_h2d + kv_pre[0], *h2d),
         "nvme_read": nvme_s,
-        "d2h": cost.link_seconds(np.full_like(kw, c * plen * kv_tok if streamed else 0.0), *d2h),
+        "d2h": cost.link_seconds(np.full_like(kw, kv_pre[1]), *d2h),
     }
     dec_links = {
-        "h2d": cost.link_seconds(w_h2d + (c * ctx * kv_tok if streamed else 0.0), *h2d),
+        "h2d": cost.link_seconds(w_h2d + kv_dec[0], *h2d),
         "nvme_read": nvme_s,
-        "d2h": cost.link_seconds(np.full_like(kw, c * kv_tok if streamed else 0.0), *d2h),
+        "d2h": cost.link_seconds(np.full_like(kw, kv_dec[1]), *d2h),
     }
     c_pre_a, c_dec_a = np.full_like(kw, c_pre), np.full_like(kw, c_dec)
-    exp_pre = cost.pass_exposed_seconds(c_pre_a, pre_links)
-    exp_dec = cost.pass_exposed_seconds(c_dec_a, dec_links)
+    # the cache's copies to the host run on the compute stream: exposed, not overlapped
+    exp_pre = cost.pass_exposed_seconds(c_pre_a, _overlapped(pre_links)) + pre_links["d2h"]
+    exp_dec = cost.pass_exposed_seconds(c_dec_a, _overlapped(dec_links)) + dec_links["d2h"]
     compute = c_pre + steps * c_dec
     total = compute + exp_pre + steps * exp_dec
     out = {
@@ -147,6 +153,11 @@ def price(
     for link in ("h2d", "nvme_read", "d2h"):
         out[link] = pre_links[link] + steps * dec_links[link]
     return out
+
+
+def _overlapped(links: dict[str, Arr]) -> dict[str, Arr]:
+    """The links that run beside compute (the KV cache's device-to-host copies do not)."""
+    return {k: v for k, v in links.items() if k != "d2h"}
 
 
 def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
@@ -256,7 +267,8 @@ def build_plan(
             "h2d": float((n - kw) * model.block_bytes),
             "nvme_read": float((n - kw - w_h) * model.block_bytes),
         },
-        bytes_per_token={"h2d": ctx * kv_tok, "d2h": kv_tok},
+        # transformers' offloading cache moves the whole cache each way per decode pass
+        bytes_per_token={"h2d": job.cache_len * kv_tok, "d2h": job.cache_len * kv_tok},
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
     # the paged weights come over the slowest link they cross: NVMe when some home there
@@ -267,7 +279,7 @@ def build_plan(
     kv_bytes = cost.kv_cache_bytes(model, c, job.total_len)
     where = ""
     if streamed:
-        where = " (streamed to the device block by block each decode pass)"
+        where = " (offloaded: the whole cache to the device and back each decode pass)"
     elif best.kv is Tier.HOST:
         where = " (RAM: the CPU reads it in place)"
     reasons = [

@@ -119,3 +119,11 @@ def test_model_decode_step_logits_unchanged(monkeypatch: pytest.MonkeyPatch) -> 
                         cache=out.past_key_values).logits  # fmt: skip
     assert calls == [1, 1], "each layer's decode step went through decode_attention"
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_left_to_sdpa_off_the_cpu() -> None:
+    # the CPU-tuned decode step is for the CPU only; a model elsewhere keeps sdpa
+    model = _tiny("sdpa").to("meta")
+    with decode_attention_for(model) as on:
+        assert not on
+        assert model.config._attn_implementation == "sdpa"

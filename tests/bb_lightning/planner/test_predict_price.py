@@ -46,10 +46,14 @@ def test_a_host_kv_cache_streams_to_a_cuda_device_but_not_to_a_cpu(
     cpu = small_gpu.replace(device_type="cpu")
     gpu, host = _kv_on_host(small_model, small_gpu), _kv_on_host(small_model, cpu)
     kv_tok = small_model.kv_bytes_per_token * small_model.num_blocks
-    steps, ctx = JOB.new_tokens - 1, JOB.mean_context
-    streamed = steps * 32 * ctx * kv_tok / small_gpu.h2d_bandwidth
+    steps = JOB.new_tokens - 1
+    # transformers' offloading cache: the whole static cache (128 positions) each way per
+    # decode pass; prefill sends it to the host and brings layer 0 back
+    whole = 32 * JOB.cache_len * kv_tok
+    streamed = (steps * whole + whole / small_model.num_blocks) / small_gpu.h2d_bandwidth
     assert gpu["h2d"] - host["h2d"] == pytest.approx(streamed)
-    assert host["d2h"] == 0.0 and gpu["d2h"] > 0.0
+    assert host["d2h"] == 0.0
+    assert gpu["d2h"] == pytest.approx((steps + 1) * whole / small_gpu.d2h_bandwidth)
     kv = cost.kv_cache_bytes(small_model, 32, JOB.total_len)
     # on the device: two blocks' share while streamed (CUDA), none on a CPU (read in place)
     assert gpu["device"] - host["device"] == pytest.approx(2 * kv / small_model.num_blocks)
@@ -104,3 +108,34 @@ def test_a_decode_pass_is_no_faster_than_the_device_streams_weights_and_cache(
         small_model, small_gpu.replace(device_memory_bandwidth=1e15), JOB, overrides=ov
     )
     assert fast.predicted.compute == pytest.approx(free.predicted.compute)
+
+
+def test_an_offloaded_cache_is_priced_as_transformers_moves_it(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    """Every block resident: the only copies are the cache's, the ones to the host exposed."""
+    m, n, c = small_model, small_model.num_blocks, 32
+    hw = small_gpu.replace(h2d_bandwidth=1e9, d2h_bandwidth=5e8, d2h_efficiency=0.8)
+    budgets = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
+    kw = np.array([float(n)])
+    a = price(m, hw, JOB, PlanOverrides(), budgets, 1, c, Tier.HOST, kw)
+    whole = c * JOB.cache_len * m.kv_bytes_per_token * n  # [c, kv heads, 128, dim] x 2 x n
+    assert cost.offloaded_kv_bytes(m, c, JOB.cache_len, prefill=False) == (whole, whole)
+    assert cost.offloaded_kv_bytes(m, c, JOB.cache_len, prefill=True) == (whole / n, whole)
+    d2h_s = whole / (5e8 * 0.8)  # per pass, prefill and decode alike
+    h2d_pre, h2d_dec = whole / n / 1e9, whole / 1e9
+    head = cost.forward_flops_per_token(m, JOB.prompt_len) - m.head_flops_per_token()
+    pre = cost.compute_seconds(c * JOB.prompt_len * head + c * m.head_flops_per_token(), hw)
+    dec = cost.compute_seconds(c * cost.forward_flops_per_token(m, JOB.mean_context), hw)
+    steps = JOB.new_tokens - 1
+    exposed_pre = max(pre, h2d_pre) - pre + d2h_s
+    exposed_dec = max(dec, h2d_dec) - dec + d2h_s
+    assert h2d_dec > dec  # the prefetch is not hidden either at these rates
+    assert float(a["total"][0]) == pytest.approx(
+        pre + steps * dec + exposed_pre + steps * exposed_dec
+    )
+    assert float(a["d2h"][0]) == pytest.approx((1 + steps) * d2h_s)
+    assert float(a["h2d"][0]) == pytest.approx(h2d_pre + steps * h2d_dec)
+    # a cache on the device moves nothing
+    d = price(m, hw, JOB, PlanOverrides(), budgets, 1, c, Tier.DEVICE, kw)
+    assert float(d["total"][0]) == pytest.approx(pre + steps * dec)

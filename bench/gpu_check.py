@@ -1,0 +1,452 @@
+"""The checks of a first run on a GPU machine, one function per step (``scripts/gpu-check.sh``).
+
+Each step runs in its own process under its own time limit (the shell script is the
+driver) and writes ``OUTDIR/steps/<step>.json``: ``{"step", "pass", "skipped",
+"figures", "seconds"}``, where ``pass`` is true, false, or null (nothing to judge:
+skipped, or a dry run's figures). ``--collect`` merges them into
+``OUTDIR/gpu-check.json``; a step that left no file (killed at its limit) is a failure.
+
+``--dry-run`` runs the Python of every step on the CPU at tiny sizes; what needs CUDA
+(kvikio, Lightning's FSDP, DeepSpeed) is skipped with the reason recorded.
+
+Usage: ``python bench/gpu_check.py OUTDIR --step NAME [--dry-run]``, ``--list``
+(``name seconds`` per step), ``--collect``. The NVMe directory is ``$BB_NVME_DIR``,
+else ``OUTDIR/nvme`` (put OUTDIR on the local NVMe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+
+
+@dataclass
+class Ctx:
+    """Where a step writes, and at what size it runs."""
+
+    out: Path
+    dry: bool
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return torch.cuda.is_available() and not self.dry
+
+    @property
+    def device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        )
+
+    @property
+    def nvme(self) -> Path:
+        path = Path(os.environ.get("BB_NVME_DIR") or self.out / "nvme")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class Outcome:
+    """What a step found: pass (None: nothing to judge) and why it was skipped, if it was."""
+
+    passed: bool | None
+    skipped: str | None = None
+
+
+# -------------------------------------------------------------------- steps
+
+
+def versions(ctx: Ctx) -> Outcome:
+    """Versions, the GPU, and kvikio's settings. Pass: CUDA is available."""
+    from importlib.metadata import version
+
+    from storage.io import kvikio_status
+
+    f = ctx.figures
+    f.update(python=platform.python_version(), torch=torch.__version__,
+             torch_cuda=torch.version.cuda, lightning=version("lightning"),
+             transformers=version("transformers"), cuda_available=torch.cuda.is_available())  # fmt: skip
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        f.update(gpu=props.name, gpu_memory_bytes=props.total_memory,
+                 gpus=torch.cuda.device_count())  # fmt: skip
+    usable, why = kvikio_status()
+    f["kvikio"] = why
+    if usable:
+        import kvikio.defaults as kd
+
+        f["kvikio_compat_mode"] = str(_kvikio_get(kd, "compat_mode"))
+        f["kvikio_num_threads"] = _kvikio_get(kd, "num_threads")
+    if ctx.dry:
+        return Outcome(None, "dry run: CUDA not used")
+    return Outcome(torch.cuda.is_available())
+
+
+def pytest_gpu(ctx: Ctx) -> Outcome:
+    """``pytest -m "gpu or kvikio"``. Pass: no failures and no errors."""
+    # a dry run selects from one file without Lightning (its kvikio tests are skipped)
+    targets = ["tests/storage/test_io.py"] if ctx.dry else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or kvikio",
+           "--junitxml", str(ctx.out / "pytest-gpu.xml"), *targets]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    tail = (done.stdout + done.stderr)[-4000:]
+    print(tail)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", tail)}
+    ctx.figures.update(returncode=done.returncode, **counts)
+    ok = done.returncode == 0 and not counts.get("failed") and not counts.get("errors")
+    return Outcome(None if ctx.dry else ok)
+
+
+def page_in(ctx: Ctx) -> Outcome:
+    """Host (pinned) -> device page-in through the store against a raw pinned ``copy_`` of
+    the same bytes. Pass: ratio >= 0.9."""
+    from storage.store import StoreConfig, TieredStore
+    from storage.tiers import Tier
+
+    nbytes = (8 << 20) if ctx.dry else GIB
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    store = TieredStore(StoreConfig(device_budget=nbytes + (64 << 20),
+                                    host_budget=nbytes + (512 << 20), device=str(ctx.device)))  # fmt: skip
+    try:
+        store.register("x", src, home=Tier.HOST)
+        ours, same = [], True
+        for _ in range(5):
+            ctx.sync()
+            t0 = time.perf_counter()
+            got = store.prefetch_async(["x"]).wait()["x"]
+            ctx.sync()
+            ours.append(time.perf_counter() - t0)
+            same &= bool(torch.equal(got.view(torch.uint8)[:nbytes].cpu(), src))
+            store.release(["x"])
+    finally:
+        store.close()
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda).copy_(src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    raw = []
+    for _ in range(5):
+        ctx.sync()
+        t0 = time.perf_counter()
+        dst.copy_(pinned, non_blocking=True)
+        ctx.sync()
+        raw.append(time.perf_counter() - t0)
+    ratio = min(raw) / min(ours)
+    ctx.figures.update(bytes=nbytes, store_gb_s=nbytes / min(ours) / 1e9,
+                       raw_copy_gb_s=nbytes / min(raw) / 1e9, ratio=ratio, bytes_equal=same)  # fmt: skip
+    return Outcome(None if ctx.dry else (same and ratio >= 0.9))
+
+
+def nvme_read(ctx: Ctx) -> Outcome:
+    """NVMe -> device: kvikio straight into device memory against POSIX reads into pinned
+    memory then a copy, with 1 and 8 threads, cold page cache. Pass: bytes equal."""
+    from storage.io import IOConfig, KvikioBackend, PosixBackend, aligned_empty, kvikio_status
+
+    nbytes = (8 << 20) if ctx.dry else GIB
+    path = ctx.nvme / "gpu-check.bin"
+    src = aligned_empty(nbytes)
+    src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    with PosixBackend(IOConfig(backend="posix")) as io:
+        io.write_async(path, src, nbytes).wait()
+    f, ok = ctx.figures, True
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    usable, why = kvikio_status()
+    for threads in (1, 8):
+        drop_cache(path)
+        pinned = aligned_empty(nbytes, pin=ctx.cuda)
+        with PosixBackend(IOConfig(backend="posix", threads=threads)) as io:
+            t0 = time.perf_counter()
+            io.read_async(path, pinned, nbytes).wait()
+            dst.copy_(pinned[:nbytes], non_blocking=True)
+            ctx.sync()
+            f[f"posix_pinned_device_{threads}t_gb_s"] = nbytes / (time.perf_counter() - t0) / 1e9
+        ok &= bool(torch.equal(dst.cpu(), src[:nbytes]))
+        if not (ctx.cuda and usable):
+            continue
+        import kvikio.defaults as kd
+
+        _kvikio_set(kd, "num_threads", threads)
+        drop_cache(path)
+        dst.zero_()
+        with KvikioBackend(IOConfig(backend="kvikio", threads=threads)) as io:
+            t0 = time.perf_counter()
+            io.read_async(path, dst, nbytes).wait()
+            ctx.sync()
+            f[f"kvikio_device_{threads}t_gb_s"] = nbytes / (time.perf_counter() - t0) / 1e9
+        ok &= bool(torch.equal(dst.cpu(), src[:nbytes]))
+    path.unlink()
+    f.update(bytes=nbytes, bytes_equal=ok)
+    skipped = None
+    if not ctx.cuda:
+        skipped = "kvikio not run: needs CUDA" + (" (dry run)" if ctx.dry else "")
+    elif not usable:
+        skipped = f"kvikio not run: {why}"
+    return Outcome(None if ctx.dry else ok, skipped)
+
+
+def measure_step(ctx: Ctx) -> Outcome:
+    """``measure(cache=False)``. Pass: under 30 s, h2d >= 20 GB/s, >= 400 TFLOP/s."""
+    from bb_lightning.planner import measure
+
+    os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")
+    t0 = time.perf_counter()
+    hw = measure(nvme_path=str(ctx.nvme), cache=False, max_seconds=0.5 if ctx.dry else 20.0)
+    took = time.perf_counter() - t0
+    ctx.figures.update(seconds=took, profile=hw.to_dict())
+    if ctx.dry:
+        return Outcome(None)
+    return Outcome(took < 30 and hw.h2d_bandwidth >= 20e9 and hw.device_flops >= 400e12)
+
+
+LLAMAS = [  # (name, hidden, ffn, layers, heads): published shapes
+    ("llama-1.1b", 2048, 5632, 22, 32),
+    ("llama-3b", 3200, 8640, 26, 32),
+    ("llama-7b", 4096, 11008, 32, 32),
+    ("llama-13b", 5120, 13824, 40, 40),
+]
+HOST_BYTES_PER_PARAM = 24
+"""Host bytes per parameter of a full fine-tune with host-side AdamW (fp32 model as
+built, master, two moments, gradient accumulator, bf16 weights), for the size ladder."""
+
+
+def finetune(ctx: Ctx) -> Outcome:
+    """Full fine-tuning of the largest Llama the host memory allows, device memory capped
+    at 24 GiB, random weights: tokens/s and MFU of ``balance_beam``, of Lightning's FSDP
+    with CPU offload and (if it imports) DeepSpeed ZeRO-3 offload, same model and batch.
+    Pass: ``balance_beam`` ran."""
+    import psutil
+
+    if ctx.dry:
+        spec: dict[str, Any] = {"name": "tiny", "hidden": 64, "ffn": 128, "layers": 2,
+                                "heads": 4, "seq": 32, "micro": 2, "accum": 2, "steps": 2}  # fmt: skip
+    else:
+        room = 0.8 * psutil.virtual_memory().available
+        fits = [s for s in LLAMAS if _llama_params(*s[1:]) * HOST_BYTES_PER_PARAM <= room]
+        name, hidden, ffn, layers, heads = (fits or LLAMAS[:1])[-1]
+        spec = {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
+                "seq": 2048, "micro": 4, "accum": 4, "steps": 3}  # fmt: skip
+    spec["params"] = _llama_params(spec["hidden"], spec["ffn"], spec["layers"], spec["heads"])
+    ctx.figures["model"] = spec
+    runs: dict[str, Any] = {}
+    for framework in ("balance_beam", "fsdp_cpu_offload", "deepspeed_zero3_offload"):
+        why = _cannot_run(framework, ctx)
+        if why is not None:
+            runs[framework] = {"skipped": why}
+            continue
+        limit = 120 if ctx.dry else 80
+        runs[framework] = _in_subprocess(ctx, "train", framework, spec, limit=limit)
+    ctx.figures["runs"] = runs
+    ours = runs["balance_beam"]
+    for k, r in runs.items():
+        if k != "balance_beam" and "tokens_per_s" in r and "tokens_per_s" in ours:
+            ctx.figures[f"ratio_balance_beam_over_{k}"] = ours["tokens_per_s"] / r["tokens_per_s"]
+    ran = "tokens_per_s" in ours
+    return Outcome(None if ctx.dry else ran)
+
+
+OPTS = [  # (name, hidden, ffn, layers, heads): published OPT shapes
+    ("opt-6.7b", 4096, 16384, 32, 32),
+    ("opt-13b", 5120, 20480, 40, 40),
+]
+
+
+def predict(ctx: Ctx) -> Outcome:
+    """Bulk greedy generation of an OPT-shaped model (random weights) with device memory
+    capped at 16 GiB: ``balance_beam``'s engine against Accelerate's CPU offload
+    (``dispatch_model``), and the share of prompts with the same tokens. Pass: both ran."""
+    import psutil
+
+    if ctx.dry:
+        spec: dict[str, Any] = {"name": "tiny", "hidden": 64, "ffn": 128, "layers": 2,
+                                "heads": 4, "prompts": 4, "prompt_len": 16, "new": 4}  # fmt: skip
+    else:
+        room = 0.35 * psutil.virtual_memory().available  # bf16 weights, pinned copy, slack
+        fits = [s for s in OPTS if 2 * 12 * s[1] ** 2 * s[3] <= room]
+        name, hidden, ffn, layers, heads = (fits or OPTS[:1])[-1]
+        spec = {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
+                "prompts": 16, "prompt_len": 128, "new": 8}  # fmt: skip
+    ctx.figures["model"] = spec
+    result = _in_subprocess(ctx, "predict", "both", spec, limit=90 if not ctx.dry else 120)
+    ctx.figures.update(result)
+    # random weights give near-ties that bf16 rounding may flip: agreement is a figure
+    ok = "same_tokens" in result
+    return Outcome(None if ctx.dry else ok)
+
+
+STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
+    "versions": (versions, 20),
+    "pytest": (pytest_gpu, 120),
+    "page_in": (page_in, 40),
+    "nvme_read": (nvme_read, 50),
+    "measure": (measure_step, 40),
+    "finetune": (finetune, 200),
+    "predict": (predict, 100),
+}
+"""Step name -> (function, seconds the driver allows it): 570 s in all."""
+
+
+# -------------------------------------------------------------------- child runs
+
+
+def _in_subprocess(ctx: Ctx, kind: str, framework: str, spec: dict[str, Any], limit: int) -> Any:
+    """Run one framework in a fresh process (device memory, process groups and allocator
+    caches do not leak into the next); its last output line is its result JSON."""
+    cmd = [sys.executable, __file__, str(ctx.out), "--child", kind, framework, json.dumps(spec)]
+    if ctx.dry:
+        cmd.append("--dry-run")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
+    except subprocess.TimeoutExpired as err:
+        print(str(err.stdout or "")[-3000:], str(err.stderr or "")[-3000:])
+        return {"error": f"timed out after {limit} s"}
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-500:]}"}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _cannot_run(framework: str, ctx: Ctx) -> str | None:
+    if framework == "balance_beam":
+        return None
+    if not ctx.cuda:
+        return "needs CUDA (dry run)" if ctx.dry else "needs CUDA"
+    if framework == "deepspeed_zero3_offload":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as err:
+            return f"deepspeed does not import: {err!r}"
+    return None
+
+
+def drop_cache(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache (written back first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _llama_params(hidden: int, ffn: int, layers: int, heads: int, vocab: int = 32000) -> int:
+    return layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + 2 * vocab * hidden
+
+
+# -------------------------------------------------------------------- driver
+
+
+def _kvikio_get(kd: Any, key: str) -> Any:
+    if hasattr(kd, "get"):
+        return kd.get(key)
+    return getattr(kd, key)()  # kvikio < 25.02: defaults.num_threads()
+
+
+def _kvikio_set(kd: Any, key: str, value: Any) -> None:
+    """``kvikio.defaults.set(key, value)`` (kvikio >= 25.02; older: ``<key>_reset``)."""
+    if not hasattr(kd, "set"):
+        getattr(kd, f"{key}_reset")(value)
+        return
+    try:
+        kd.set(key, value)
+    except TypeError:
+        kd.set({key: value})
+    assert _kvikio_get(kd, key) == value, f"kvikio {key} stays {_kvikio_get(kd, key)}"
+
+
+def run_step(name: str, ctx: Ctx) -> dict[str, Any]:
+    """Run step ``name`` and write its JSON; a raised error is a failure, recorded."""
+    fn, limit = STEPS[name]
+    t0 = time.perf_counter()
+    try:
+        outcome = fn(ctx)
+    except Exception as err:
+        import traceback
+
+        traceback.print_exc()
+        outcome = Outcome(False)
+        ctx.figures["error"] = f"{type(err).__name__}: {err}"
+    record = {"step": name, "pass": outcome.passed, "skipped": outcome.skipped,
+              "figures": ctx.figures, "seconds": time.perf_counter() - t0, "limit_s": limit,
+              "dry_run": ctx.dry}  # fmt: skip
+    path = ctx.out / "steps" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str))
+    print(f"[{name}] pass={outcome.passed} skipped={outcome.skipped} "
+          f"in {record['seconds']:.1f} s")  # fmt: skip
+    return record
+
+
+def collect(out: Path, dry: bool) -> dict[str, Any]:
+    """Merge every step's JSON into ``out/gpu-check.json``; a missing one failed (killed)."""
+    steps = {}
+    for name, (_, limit) in STEPS.items():
+        path = out / "steps" / f"{name}.json"
+        if path.is_file():
+            steps[name] = json.loads(path.read_text())
+        else:
+            steps[name] = {"step": name, "pass": False, "skipped": None, "figures": {},
+                           "error": f"no result: killed at its limit of {limit} s or crashed"}  # fmt: skip
+    verdicts = [s["pass"] for s in steps.values()]
+    summary = {"dry_run": dry, "all_passed": all(v is not False for v in verdicts),
+               "failed": [k for k, s in steps.items() if s["pass"] is False], "steps": steps}  # fmt: skip
+    (out / "gpu-check.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", nargs="?", type=Path)
+    parser.add_argument("--step", choices=sorted(STEPS))
+    parser.add_argument("--list", action="store_true", help="print 'name seconds' per step")
+    parser.add_argument("--collect", action="store_true")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "FRAMEWORK", "SPEC"))
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, (_, limit) in STEPS.items():
+            print(name, limit)
+        return 0
+    if args.out is None:
+        parser.error("OUTDIR is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(out=args.out, dry=args.dry_run)
+    if args.child:
+        from gpu_check_runs import predict_child, train_child  # bench/ is on sys.path
+
+        kind, framework, spec = args.child
+        if kind == "train":
+            result = train_child(ctx, framework, json.loads(spec))
+        else:
+            result = predict_child(ctx, json.loads(spec))
+        print("RESULT " + json.dumps(result, default=str))
+        return 0
+    if args.collect:
+        summary = collect(args.out, args.dry_run)
+        print(json.dumps({k: v for k, v in summary.items() if k != "steps"}))
+        return 0 if summary["all_passed"] else 1
+    if args.step is None:
+        parser.error("give --step NAME, --list or --collect")
+    run_step(args.step, ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

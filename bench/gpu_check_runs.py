@@ -1,0 +1,204 @@
+"""The runs ``bench/gpu_check.py`` starts in processes of their own: full fine-tuning under
+one framework (``balance_beam``, Lightning's FSDP with CPU offload, DeepSpeed ZeRO-3
+offload) and bulk generation (``balance_beam``'s engine, then Accelerate's offload), each
+with device memory capped by ``torch.cuda.set_per_process_memory_fraction``.
+
+Each returns a dict of figures; the parent reads it from the child's last output line.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any
+
+import torch
+from gpu_check import GIB, Ctx
+
+TRAIN_DEVICE_CAP = 24 * GIB
+"""Device bytes a fine-tuning run may use."""
+PREDICT_DEVICE_CAP = 16 * GIB
+"""Device bytes a generation run may use."""
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+"""Dense bf16 tensor-core FLOP/s by GPU name (vendor data sheets), for MFU."""
+
+
+def _cap_device(ctx: Ctx, cap: int) -> None:
+    if ctx.cuda:
+        total = torch.cuda.get_device_properties(ctx.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), ctx.device)
+
+
+def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from bb_lightning import BalanceBeamStrategy
+    from bb_lightning.module import CausalLMModule
+    from bb_lightning.planner import ModelProfile, cost, measure
+
+    _cap_device(ctx, TRAIN_DEVICE_CAP)
+    os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")  # measured by the measure step
+    config = {"model_type": "llama", "hidden_size": spec["hidden"],
+              "intermediate_size": spec["ffn"], "num_hidden_layers": spec["layers"],
+              "num_attention_heads": spec["heads"], "num_key_value_heads": spec["heads"],
+              "vocab_size": 32000, "max_position_embeddings": max(2048, spec["seq"]),
+              "tie_word_embeddings": False}  # fmt: skip
+    precision = "bf16-true"
+    strategy: Any
+    if framework == "balance_beam":  # planned on this machine's measured profile
+        strategy = BalanceBeamStrategy(hardware=measure(nvme_path=str(ctx.nvme), max_seconds=10.0))
+    elif framework == "fsdp_cpu_offload":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        layer = {LlamaDecoderLayer}
+        strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy=layer,
+                                activation_checkpointing_policy=layer)  # fmt: skip
+        precision = "bf16-mixed"  # fp32 parameters on the host, as our master weights
+    else:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+    module = CausalLMModule(config, learning_rate=1e-5, seed=0)
+    timer = _step_clock(spec["accum"], ctx)
+    steps = spec["steps"]
+    trainer = pl.Trainer(
+        accelerator="cuda" if ctx.cuda else "cpu", devices=1, strategy=strategy,
+        precision=precision, max_steps=steps, accumulate_grad_batches=spec["accum"],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 32000, (spec["micro"], spec["seq"]), generator=g)}
+            for _ in range(steps * spec["accum"])]  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))  # type: ignore[arg-type, var-annotated]
+    timed = timer.ends[1:]  # the first step warms up
+    seconds = (timed[-1] - timer.ends[0]) / len(timed)
+    tokens = spec["micro"] * spec["seq"] * spec["accum"]
+    tps = tokens / seconds
+    flops = cost.model_flops_per_token(ModelProfile.from_config(config), "fit")
+    peak = _peak_flops(ctx)
+    out = {"tokens_per_s": tps, "step_s": seconds, "tokens_per_step": tokens,
+           "mfu": tps * flops / peak if peak else None, "peak_flops": peak,
+           "max_memory_allocated": torch.cuda.max_memory_allocated() if ctx.cuda else None}  # fmt: skip
+    if isinstance(strategy, BalanceBeamStrategy):
+        if strategy.plan is not None:
+            out["predicted_tokens_per_s"] = strategy.plan.tokens_per_s
+            out["plan"] = strategy.plan.explain()
+        strategy.close()
+    return out
+
+
+def _step_clock(accum: int, ctx: Ctx) -> Any:
+    """A Lightning callback noting the wall time at the end of each optimizer step, after
+    a device sync (``.ends``)."""
+    import lightning.pytorch as pl
+
+    class StepClock(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if (args[-1] + 1) % accum == 0:
+                ctx.sync()
+                self.ends.append(time.perf_counter())
+
+    return StepClock()
+
+
+def _peak_flops(ctx: Ctx) -> float | None:
+    if not ctx.cuda:
+        return None
+    name = torch.cuda.get_device_properties(ctx.device).name
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
+    from accelerate import dispatch_model, infer_auto_device_map
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+    from bb_lightning.engine.inference import InferenceEngine, weights_budgets
+    from bb_lightning.engine.pager import Placement, set_data
+    from bb_lightning.planner import ModelProfile, PredictJob, make_plan, measure
+    from bb_lightning.structure import find_block_list
+    from storage.store import StoreConfig, TieredStore
+    from storage.tiers import Tier
+
+    _cap_device(ctx, PREDICT_DEVICE_CAP)
+    os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")  # measured by the measure step
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    config = AutoConfig.for_model(
+        "opt", hidden_size=spec["hidden"], ffn_dim=spec["ffn"], num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"], word_embed_proj_dim=spec["hidden"],
+        vocab_size=50272, max_position_embeddings=2048, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 50272, (spec["prompts"], spec["prompt_len"]), generator=g)
+    mask = torch.ones_like(ids)
+    job = PredictJob(prompt_len=spec["prompt_len"], new_tokens=spec["new"],
+                     num_prompts=spec["prompts"])  # fmt: skip
+    hw = measure(nvme_path=str(ctx.nvme), max_seconds=10.0).replace(  # device or host only
+        nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
+    )
+    plan = make_plan(ModelProfile.from_module(model), hw, job)
+    _, blocks = find_block_list(model)
+    placement = Placement(weights=tuple(plan.weights), master=tuple(plan.weights),
+                          prefetch_depth=plan.prefetch_depth)  # fmt: skip
+    need = weights_budgets(
+        [sum(p.numel() for p in b.parameters()) for b in blocks], placement, dtype
+    )
+    store = TieredStore(StoreConfig(device_budget=need[Tier.DEVICE] + (1 << 20),
+                                    host_budget=need[Tier.HOST] + (1 << 20),
+                                    device=str(ctx.device)))  # fmt: skip
+    # the engine reads the weights through a loader (as from a checkpoint), so that closing
+    # it hands the module its own bf16 tensors back rather than fp32 copies
+    own = {id(p): p.detach() for p in model.parameters()}
+    engine = InferenceEngine(model, list(blocks), store, placement, compute_dtype=dtype,
+                             device=ctx.device, loader=lambda p: own[id(p)])  # fmt: skip
+    gen = LayerMajorGenerator(model, kv_tier=plan.kv_cache)
+    rows = plan.concurrent_seqs
+    ours: list[list[int]] = []
+    ctx.sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(ids), rows):
+        done = gen.generate(ids[i : i + rows], mask[i : i + rows],
+                            GenerationConfig(max_new_tokens=spec["new"]))  # fmt: skip
+        ours += [r.token_ids for r in done]
+    ours_s = time.perf_counter() - t0
+    engine.close()
+    store.close()
+    for p in model.parameters():
+        set_data(p, own[id(p)])
+    own.clear()
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    budget = (
+        {0: int(PREDICT_DEVICE_CAP * 0.9), "cpu": int(1e13)} if ctx.cuda else {"cpu": int(1e13)}
+    )
+    device_map = infer_auto_device_map(model, max_memory=budget,  # type: ignore[arg-type]
+                                       no_split_module_classes=["OPTDecoderLayer"])  # fmt: skip
+    model = dispatch_model(model, device_map=device_map)
+    first = ctx.device
+    ref: list[list[int]] = []
+    ctx.sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(ids), rows):
+            out = model.generate(input_ids=ids[i : i + rows].to(first),  # type: ignore[operator]
+                                 attention_mask=mask[i : i + rows].to(first), do_sample=False,
+                                 max_new_tokens=spec["new"], min_new_tokens=spec["new"],
+                                 pad_token_id=1)  # fmt: skip
+            ref += out[:, spec["prompt_len"] :].tolist()
+    acc_s = time.perf_counter() - t0
+    tokens = spec["prompts"] * spec["new"]
+    same = sum(a == b for a, b in zip(ours, ref, strict=True)) / len(ref)
+    return {"balance_beam_tokens_per_s": tokens / ours_s,
+            "accelerate_tokens_per_s": tokens / acc_s,
+            "ratio_balance_beam_over_accelerate": acc_s / ours_s,
+            "same_tokens": same, "concurrent_seqs": rows, "plan": plan.explain(),
+            "accelerate_devices": sorted({str(v) for v in device_map.values()})}  # fmt: skip
