@@ -1,11 +1,19 @@
 """The NVMe tier: a directory holding a plain zarr v3 group.
 
 Each tensor is one array at the group's root, named by the tensor name, with
-ONE uncompressed chunk equal to its shape (codecs: just ``bytes``, little
-endian), fill value 0. ``bfloat16`` is stored as ``uint16``; every array
-carries the real dtype in its attributes (``{"torch_dtype": "bfloat16"}``).
+ONE uncompressed chunk equal to its shape (codecs: ``bytes``, little endian,
+then ``crc32c``), fill value 0. ``bfloat16`` is stored as ``uint16``; every
+array carries the real dtype in its attributes (``{"torch_dtype": "bfloat16"}``).
 Any zarr reader opens the group; the hot path reads and writes the raw chunk
 file through an :class:`~storage.io.IOBackend`.
+
+Checksums: a chunk file is the tensor's bytes followed by their 4-byte CRC-32C
+(:mod:`storage.checksum`, zarr's ``crc32c`` codec). Reads verify it on the
+buffer the bytes were read into and raise :class:`ChecksumError` naming the
+tensor and file. Arrays written before checksums existed (store format 1:
+codecs just ``bytes``, as plain zarr writes by default) still open and read,
+unverified, and keep that layout when rewritten (:attr:`ArraySpec.checksum`);
+new arrays are format 2.
 
 Crash safety: a write goes to ``<chunk>.partial-<pid>-<n>`` in the chunk's
 directory, is fsynced, renamed onto the chunk and the directory fsynced. A
@@ -25,21 +33,25 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from storage.io import ALIGNMENT, IOBackend, IOFuture
+from storage.checksum import CHECKSUM_BYTES, CODEC, crc32c, decode, encode, file_crc32c
+from storage.io import ALIGNMENT, IOBackend, IOFuture, padded
 from storage.tiers import Budget, Tier, format_bytes
 
 __all__ = [
     "DTYPES",
     "ArraySpec",
+    "ChecksumError",
     "CorruptTensorError",
     "NvmeError",
+    "NvmeIOError",
     "NvmeTier",
     "NvmeWrite",
     "StoreLockedError",
@@ -83,6 +95,15 @@ class CorruptTensorError(NvmeError):
     """Chunk missing (write never completed), truncated, or disagreeing with its metadata."""
 
 
+class ChecksumError(CorruptTensorError):
+    """A chunk's bytes disagree with the CRC-32C stored after them: the file was damaged."""
+
+
+class NvmeIOError(OSError, NvmeError):
+    """The disk failed a transfer (full, I/O error...): an ``OSError`` keeping the errno, whose
+    message names the tensor and the file."""
+
+
 class UnsupportedArrayError(NvmeError):
     """An array of the group is not laid out as this tier requires (compressed, chunked...)."""
 
@@ -98,7 +119,22 @@ class ArraySpec:
     dtype: torch.dtype
     """The tensor's torch dtype (``bfloat16`` even though zarr stores ``uint16``)."""
     nbytes: int
-    """Size of the chunk file, in bytes."""
+    """Size of the tensor's bytes, in bytes (the chunk file adds the checksum trailer)."""
+    checksum: bool = True
+    """Whether the chunk ends with a CRC-32C trailer (store format 2); False for arrays
+    written before checksums existed (format 1), which are read unverified."""
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the chunk file once written, in bytes (0 for an empty tensor: no chunk)."""
+        if self.nbytes == 0:
+            return 0
+        return self.nbytes + (CHECKSUM_BYTES if self.checksum else 0)
+
+    @property
+    def format_version(self) -> int:
+        """Store format of the array: 2 with a checksum trailer, 1 without."""
+        return 2 if self.checksum else 1
 
 
 def fsync_dir(path: Path) -> None:
@@ -166,7 +202,7 @@ def array_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]
         },
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
-        "codecs": [bytes_codec],
+        "codecs": [bytes_codec, dict(CODEC)],
         "attributes": {DTYPE_ATTR: str(dtype).removeprefix("torch.")},
         "storage_transformers": [],
     }
@@ -186,7 +222,10 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         attrs = meta.get("attributes", {}) or {}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptTensorError(f"{where}: unreadable array metadata: {exc!r}") from exc
-    fix = "rewrite it as one uncompressed chunk (codecs: bytes, little endian) of its shape"
+    fix = (
+        "rewrite it as one uncompressed chunk (codecs: bytes, little endian, optionally then "
+        "crc32c) of its shape"
+    )
     if grid != "regular" or len(chunks) != len(shape):
         raise CorruptTensorError(
             f"{where}: chunk grid {grid!r} {chunks} does not fit shape {shape}"
@@ -197,9 +236,17 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         )
     if any(s > 0 and c != s for s, c in zip(shape, chunks, strict=True)):
         raise CorruptTensorError(f"{where}: shape {shape} disagrees with its chunk shape {chunks}")
-    endian = (codecs[0].get("configuration") or {}).get("endian", "little") if codecs else None
-    if len(codecs) != 1 or codecs[0].get("name") != "bytes" or endian != "little":
-        raise UnsupportedArrayError(f"{where}: codecs {codecs} are not a plain 'bytes': {fix}")
+    try:
+        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+        names = [c.get("name") for c in codecs]
+        checksum = names == ["bytes", CODEC["name"]]
+    except (IndexError, AttributeError, TypeError):
+        endian, names, checksum = None, [], False
+    if not (names == ["bytes"] or checksum) or endian != "little":
+        raise UnsupportedArrayError(
+            f"{where}: codecs {codecs} are not 'bytes' (little endian) optionally followed by "
+            f"'crc32c': {fix}"
+        )
     if meta.get("storage_transformers"):
         raise UnsupportedArrayError(f"{where}: storage transformers are not supported: {fix}")
     sep = (keys.get("configuration") or {}).get("separator", "/")
@@ -220,7 +267,8 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     key = "c" if not shape else "c" + sep + sep.join("0" * len(shape))
-    return ArraySpec(name, shape, dtype, nbytes), meta_path.parent.joinpath(*key.split("/"))
+    spec = ArraySpec(name, shape, dtype, nbytes, checksum=checksum)
+    return spec, meta_path.parent.joinpath(*key.split("/"))
 
 
 def _scan(root: Path) -> dict[str, tuple[ArraySpec, Path]]:
@@ -268,6 +316,7 @@ class NvmeTier:
         self._lock_fd: int | None = None
         self._mutex = threading.Lock()
         self._counter = itertools.count()
+        self._reading: dict[str, tuple[int, int]] = {}  # piece reads: next offset, crc so far
         if capacity < 0:
             raise ValueError(f"NVMe capacity {capacity} bytes is negative: pass a size >= 0")
         probe = self._check_path(create)
@@ -436,6 +485,7 @@ class NvmeTier:
         with self._mutex:
             self._entry(name)
             del self._arrays[name]
+            self._reading.pop(name, None)
             if self._budget.holds(name):
                 self._budget.release(name)
             shutil.rmtree(self.path / name)
@@ -463,15 +513,22 @@ class NvmeTier:
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
         try:
-            inner = self.backend.write_async(tmp, src, spec.nbytes, fsync=True)
+            inner = self.backend.write_async(tmp, src, spec.nbytes, fsync=not spec.checksum)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
-            raise NvmeError(f"tensor {name!r}: cannot write {tmp}: {exc}") from exc
+            raise _io_error(name, "write", tmp, exc) from exc
 
-        def commit(_nbytes: int) -> None:
-            os.replace(tmp, chunk)
-            fsync_dir(chunk.parent)
+        def commit() -> None:
+            try:
+                if spec.checksum:  # src is the caller's until this future completes
+                    _finish_chunk(tmp, spec.nbytes, crc32c(src[: spec.nbytes]))
+                os.replace(tmp, chunk)
+                fsync_dir(chunk.parent)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
 
         def clean(done: IOFuture) -> None:
             if done._error is not None:
@@ -479,7 +536,7 @@ class NvmeTier:
                     tmp.unlink()
 
         inner.add_done_callback(clean)
-        return inner.then(commit)
+        return _chain(inner, commit, name, "write", tmp, spec.nbytes)
 
     def begin_write(self, name: str) -> NvmeWrite:
         """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`), atomically."""
@@ -488,6 +545,41 @@ class NvmeTier:
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
         return NvmeWrite(spec, chunk, tmp, self.backend)
+
+    def _check_crc(self, spec: ArraySpec, chunk: Path, computed: int) -> None:
+        """Raise :class:`ChecksumError` unless ``computed`` is the checksum stored in ``chunk``."""
+        stored = _read_trailer(spec, chunk)
+        if stored != computed:
+            raise ChecksumError(
+                f"tensor {spec.name!r}: chunk file {chunk} fails its CRC-32C check (stored "
+                f"{stored:#010x}, computed {computed:#010x} over {spec.nbytes} bytes): the file "
+                f"was damaged after it was written; write the tensor again or restore it from a "
+                f"checkpoint ('bb-lightning verify {self.path}' lists every damaged chunk)"
+            )
+
+    def _piece_read(self, spec: ArraySpec, chunk: Path, dst: torch.Tensor, offset: int) -> None:
+        """Fold one piece read of ``spec`` into its running checksum; verify at the last piece.
+
+        Pieces read in order from offset 0 are checked on their buffers; a last piece
+        whose earlier pieces came otherwise has the chunk file checked instead.
+        """
+        count = min(dst.numel(), spec.nbytes - offset)
+        crc: int | None = None
+        with self._mutex:
+            prev = self._reading.pop(spec.name, None)
+        if offset == 0:
+            crc = crc32c(dst[:count])
+        elif prev is not None and prev[0] == offset:
+            crc = crc32c(dst[:count], prev[1])
+        end = offset + count
+        if end < spec.nbytes:
+            if crc is not None:
+                with self._mutex:
+                    self._reading[spec.name] = (end, crc)
+            return
+        if crc is None:
+            crc, _ = file_crc32c(chunk, spec.nbytes)
+        self._check_crc(spec, chunk, crc)
 
     def read_async(
         self, name: str, dst: torch.Tensor, *, offset: int = 0, nbytes: int | None = None
@@ -513,18 +605,38 @@ class NvmeTier:
                 f"tensor {name!r}: chunk file {chunk} is missing: the tensor was created but its "
                 f"write is incomplete (never completed); write it again"
             ) from None
-        if size != spec.nbytes:
+        if size != spec.file_bytes:
+            trailer = f" + {CHECKSUM_BYTES} checksum bytes" if spec.checksum else ""
             raise CorruptTensorError(
                 f"tensor {name!r}: chunk file {chunk} holds {size} bytes but its metadata "
-                f"(shape {spec.shape}, {spec.dtype}) needs {spec.nbytes} bytes: the file is "
-                f"truncated or the metadata was changed; write the tensor again"
+                f"(shape {spec.shape}, {spec.dtype}) needs {spec.nbytes} bytes{trailer} = "
+                f"{spec.file_bytes} bytes: the file is truncated or the metadata was changed; "
+                f"write the tensor again"
             )
-        try:
-            return self.backend.read_async(chunk, dst, count, offset=offset)
+        whole = offset == 0 and count == spec.nbytes
+        room = padded(count + CHECKSUM_BYTES) if dst.device.type == "cpu" else count + 4
+        extra = CHECKSUM_BYTES if spec.checksum and whole and dst.numel() >= room else 0
+        try:  # the trailer comes in the same read when the buffer's padding can take it
+            inner = self.backend.read_async(chunk, dst, count + extra, offset=offset)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
             raise CorruptTensorError(f"tensor {name!r}: cannot read {chunk}: {exc}") from exc
+
+        def verify() -> None:
+            if not spec.checksum:
+                return
+            if not whole:
+                self._piece_read(spec, chunk, dst[:count], offset)
+                return
+            computed = crc32c(dst[:count])
+            if extra:
+                got = decode(bytes(dst[count : count + extra].cpu().numpy()))
+                if got == computed:
+                    return
+            self._check_crc(spec, chunk, computed)
+
+        return _chain(inner, verify, name, "read", chunk, count)
 
     def _ensure_dir(self, directory: Path) -> None:
         if directory.is_dir():
@@ -582,6 +694,74 @@ def _check_piece(spec: ArraySpec, offset: int, nbytes: int | None) -> int:
     return count
 
 
+def _io_error(name: str, verb: str, path: Path | str, exc: OSError) -> NvmeIOError:
+    """The error for ``OSError`` ``exc`` on tensor ``name``'s file ``path``."""
+    fix = {
+        errno.ENOSPC: "the disk is full: free space on it or pick another directory; the "
+        "tensor keeps its previous contents",
+        errno.EDQUOT: "the disk quota is exhausted: raise it or pick another directory",
+        errno.EIO: "the device reported an I/O error: check the disk (dmesg, smartctl)",
+    }.get(exc.errno or -1, "check the disk and the file")
+    return NvmeIOError(exc.errno, f"tensor {name!r}: cannot {verb} {path}: {exc}: {fix}")
+
+
+def _chain(
+    inner: IOFuture, step: Callable[[], None], name: str, verb: str, path: Path, result: int
+) -> IOFuture:
+    """A future completing with ``result`` bytes once ``inner`` succeeded and ``step()`` ran.
+
+    ``step`` runs in the completing worker. An ``OSError`` of either becomes an
+    :class:`NvmeIOError` naming the tensor and file; errors of this module pass unchanged.
+    """
+    out = IOFuture(str(path))
+
+    def run(done: IOFuture) -> None:
+        out.direct = done.direct
+        start = time.perf_counter()
+        error = done._error
+        if error is None:
+            try:
+                step()
+            except BaseException as exc:
+                error = exc
+        seconds = done.seconds + time.perf_counter() - start
+        if isinstance(error, OSError) and not isinstance(error, NvmeError):
+            wrapped = _io_error(name, verb, path, error)
+            wrapped.__cause__ = error
+            error = wrapped
+        if error is not None:
+            out.set_exception(error, seconds)
+        else:
+            out.set_result(result, seconds)
+
+    inner.add_done_callback(run)
+    return out
+
+
+def _finish_chunk(path: Path, nbytes: int, crc: int) -> None:
+    """Append checksum ``crc`` to the ``nbytes`` bytes of file ``path`` and fsync the file."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if os.pwrite(fd, encode(crc), nbytes) != CHECKSUM_BYTES:
+            raise OSError(errno.EIO, f"short write of the checksum of {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_trailer(spec: ArraySpec, chunk: Path) -> int:
+    """The checksum stored at the end of chunk file ``chunk``."""
+    with open(chunk, "rb", buffering=0) as f:
+        f.seek(spec.nbytes)
+        trailer = f.read(CHECKSUM_BYTES)
+    if len(trailer) != CHECKSUM_BYTES:
+        raise CorruptTensorError(
+            f"tensor {spec.name!r}: chunk file {chunk} ends before its checksum: the file is "
+            f"truncated; write the tensor again"
+        )
+    return decode(trailer)
+
+
 class NvmeWrite:
     """One atomic write of a tensor in pieces, from :meth:`NvmeTier.begin_write`.
 
@@ -598,6 +778,7 @@ class NvmeWrite:
         """The tensor being written."""
         self._chunk, self._tmp, self._backend = chunk, tmp, backend
         self._written = 0
+        self._crc = 0
         self._done = False
 
     def write_async(
@@ -624,9 +805,11 @@ class NvmeWrite:
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
-            raise NvmeError(f"tensor {name!r}: cannot write {self._tmp}: {exc}") from exc
+            raise _io_error(name, "write", self._tmp, exc) from exc
         self._written = offset + count
-        return fut
+        if self.spec.checksum:  # src holds the piece until the future completes
+            self._crc = crc32c(src[:count], self._crc)
+        return _chain(fut, lambda: None, name, "write", self._tmp, count)
 
     def commit(self) -> None:
         """Make the written pieces the tensor's contents (blocks: fsync, rename, fsync)."""
@@ -643,13 +826,20 @@ class NvmeWrite:
                     f"tensor {name!r}: {self._written} of {self.spec.nbytes} bytes were written "
                     f"({size} bytes in {self._tmp}): write every piece before commit()"
                 )
-            fd = os.open(self._tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if self.spec.checksum:
+                _finish_chunk(self._tmp, self.spec.nbytes, self._crc)
+            else:
+                fd = os.open(self._tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.replace(self._tmp, self._chunk)
             fsync_dir(self._chunk.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._tmp.unlink()
+            raise _io_error(name, "write", self._tmp, exc) from exc
         except BaseException:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()

@@ -1,0 +1,66 @@
+"""CRC-32C checksums of NVMe chunks, laid out as zarr v3's ``crc32c`` codec lays them out.
+
+An array written with the codecs ``[bytes, crc32c]`` has a chunk file holding
+the tensor's bytes followed by :data:`CHECKSUM_BYTES` bytes: the CRC-32C
+(Castagnoli) of those bytes as a little-endian ``uint32``
+(``zarr.codecs.Crc32cCodec``), so plain zarr verifies it on every read. The
+CRC runs in ``google_crc32c``'s C code (hardware CRC instructions where the CPU
+has them), on the buffer the bytes were read into.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import google_crc32c
+import torch
+
+__all__ = ["CHECKSUM_BYTES", "CODEC", "crc32c", "decode", "encode", "file_crc32c"]
+
+CHECKSUM_BYTES = 4
+"""Length of the checksum trailer at the end of a chunk file, in bytes."""
+
+CODEC: dict[str, str] = {"name": "crc32c"}
+"""The zarr v3 codec entry that declares the trailer (after the ``bytes`` codec)."""
+
+_BLOCK = 16 << 20
+
+
+def crc32c(data: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32C of the bytes of the contiguous ``uint8`` tensor ``data``, continuing ``crc``.
+
+    A CUDA tensor is copied to the host first (the checksum runs on the CPU).
+    """
+    if data.device.type != "cpu":
+        data = data.cpu()
+    view = data.detach().contiguous().view(torch.uint8).reshape(-1).numpy().view()
+    view.flags.writeable = False  # google_crc32c.extend takes read-only buffers only
+    return int(google_crc32c.extend(crc, view))
+
+
+def encode(crc: int) -> bytes:
+    """The trailer bytes of checksum ``crc`` (little-endian ``uint32``)."""
+    return struct.pack("<I", crc)
+
+
+def decode(trailer: bytes) -> int:
+    """The checksum held in trailer bytes ``trailer``."""
+    return int(struct.unpack("<I", trailer)[0])
+
+
+def file_crc32c(path: str | os.PathLike[str], nbytes: int) -> tuple[int, int]:
+    """CRC-32C of the first ``nbytes`` bytes of file ``path``, and the bytes actually read.
+
+    Reads through the page cache in 16 MiB blocks; the count is below
+    ``nbytes`` when the file is shorter.
+    """
+    crc, done = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while done < nbytes:
+            block = f.read(min(_BLOCK, nbytes - done))
+            if not block:
+                break
+            crc = int(google_crc32c.extend(crc, block))
+            done += len(block)
+    return crc, done
