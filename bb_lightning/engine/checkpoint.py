@@ -49,10 +49,12 @@ from bb_lightning.engine.trainer_engine import STATE_KINDS, StateKind, TrainingE
 from storage.checksum import CHECKSUM_BYTES, crc32c, decode
 from storage.io import aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, fsync_dir, parse_array, write_synced
+from storage.verify import VerifyReport, verify_group
 
 __all__ = [
     "CheckpointError",
     "CheckpointStateDict",
+    "CheckpointWriteError",
     "load_checkpoint",
     "model_info",
     "read_meta",
@@ -62,6 +64,7 @@ __all__ = [
     "restore_optimizer",
     "restore_weights",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 FORMAT = "balance_beam.checkpoint"
@@ -80,6 +83,10 @@ def _after_array(name: str) -> None:
 
 class CheckpointError(ValueError):
     """A checkpoint path that is missing, not a balance_beam checkpoint, or not of this model."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint save the disk failed (full, I/O error); the errno is kept."""
 
 
 def model_info(model: torch.nn.Module) -> dict[str, Any]:
@@ -183,8 +190,27 @@ def save_checkpoint(
     ``trainer_state`` is Lightning's checkpoint dict; its ``state_dict`` entry contributes
     only the persistent buffers (parameters come from the engine, streamed one flat state
     at a time). ``weights_only`` leaves out the AdamW moments. Returns the final path.
+
+    A save that fails (a full disk...) removes what it wrote and leaves the previous
+    checkpoint at ``path`` whole; a disk error raises :class:`CheckpointWriteError`.
     """
     final = Path(path).absolute()
+    try:
+        return _save(engine, final, trainer_state, weights_only)
+    except BaseException as exc:
+        recover(final)  # drops this save's partial directory, puts back a checkpoint moved aside
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
+            raise CheckpointWriteError(
+                exc.errno,
+                f"cannot save checkpoint {str(final)!r}: {exc}; nothing of this save is left "
+                "and the previous checkpoint at that path (if any) is whole",
+            ) from exc
+        raise
+
+
+def _save(
+    engine: TrainingEngine, final: Path, trainer_state: Mapping[str, Any], weights_only: bool
+) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     recover(final)
     tmp = final.with_name(f"{final.name}{PARTIAL}{os.getpid()}")
@@ -383,3 +409,29 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(final)
     elif final.exists():
         final.unlink()
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+    """Check the checkpoint at ``path``: its metadata, that every parameter has its arrays
+    (moments too unless weights only), every chunk's length and CRC-32C, and that its trainer
+    state loads without running code. One problem line each in the report."""
+    root = Path(path)
+    report = VerifyReport()
+    try:
+        meta = read_meta(root)
+    except CheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.add(verify_group(root / STATE_DIR))
+    kinds = ("master",) if meta.get("weights_only") else STATE_KINDS
+    for p in meta.get("parameters", []):
+        for kind in kinds:
+            if not (root / STATE_DIR / kind / p["name"] / "zarr.json").is_file():
+                report.problems.append(
+                    f"tensor '{kind}/{p['name']}': missing from {root / STATE_DIR / kind}"
+                )
+    try:
+        read_trainer_state(root)
+    except (CheckpointError, OSError, ValueError, RuntimeError) as exc:
+        report.problems.append(str(exc).splitlines()[0])
+    return report
