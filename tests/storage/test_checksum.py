@@ -129,16 +129,11 @@ def test_format_1_arrays_open_read_and_keep_their_layout(
 
 
 def _store(path: Path) -> TieredStore:
-    return TieredStore(
-        StoreConfig(
-            device_budget=1 << 20,
-            host_budget=1 << 20,
-            nvme_path=str(path),
-            nvme_budget=1 << 20,
-            io=IOConfig(backend="posix", threads=2),
-            device="cpu",
-        )  # fmt: skip
-    )
+    config = StoreConfig(
+        device_budget=1 << 20, host_budget=1 << 20, nvme_path=str(path), nvme_budget=1 << 20,
+        io=IOConfig(backend="posix", threads=2), device="cpu",
+    )  # fmt: skip
+    return TieredStore(config)
 
 
 def test_eio_on_page_in_names_tensor_and_file_never_a_zero_page(tmp_path: Path) -> None:
