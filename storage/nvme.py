@@ -79,6 +79,10 @@ DTYPES: dict[torch.dtype, str] = {
 }
 """Supported torch dtypes and the zarr ``data_type`` each is stored as."""
 
+VERIFY_PIECE_BYTES = 16 << 20
+"""Piece size of a verified whole-tensor read larger than it, in bytes: its pieces are all in
+flight at once and each is checksummed as it arrives in order (a multiple of 4096)."""
+
 _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in DTYPES}
 _DEFAULT_FOR_ZARR = {z: dt for dt, z in DTYPES.items() if dt is not torch.bfloat16}
 
@@ -616,6 +620,8 @@ class NvmeTier:
         whole = offset == 0 and count == spec.nbytes
         room = padded(count + CHECKSUM_BYTES) if dst.device.type == "cpu" else count + 4
         extra = CHECKSUM_BYTES if spec.checksum and whole and dst.numel() >= room else 0
+        if spec.checksum and whole and count > VERIFY_PIECE_BYTES:
+            return self._read_verified(spec, chunk, dst, extra)
         try:  # the trailer comes in the same read when the buffer's padding can take it
             inner = self.backend.read_async(chunk, dst, count + extra, offset=offset)
         except ValueError as exc:
@@ -637,6 +643,75 @@ class NvmeTier:
             self._check_crc(spec, chunk, computed)
 
         return _chain(inner, verify, name, "read", chunk, count)
+
+    def _read_verified(
+        self, spec: ArraySpec, chunk: Path, dst: torch.Tensor, extra: int
+    ) -> IOFuture:
+        """Read all of ``spec`` into ``dst`` in pieces of :data:`VERIFY_PIECE_BYTES`, all in
+        flight at once, folding each into the checksum as soon as it and the pieces before it
+        arrived: the CRC of the first pieces runs while the later ones are still read."""
+        count = spec.nbytes
+        pieces = [
+            (at, min(VERIFY_PIECE_BYTES, count - at)) for at in range(0, count, VERIFY_PIECE_BYTES)
+        ]
+        out = IOFuture(str(chunk))
+        lock = threading.Lock()
+        ready: set[int] = set()
+        st: dict[str, Any] = {"next": 0, "crc": 0, "error": None, "running": False, "done": False}
+        start = time.perf_counter()
+
+        def finish() -> None:
+            error: BaseException | None = st["error"]
+            if error is None:
+                try:
+                    trailer = dst[count : count + extra].cpu().numpy().tobytes() if extra else b""
+                    if not extra or decode(trailer) != st["crc"]:
+                        self._check_crc(spec, chunk, st["crc"])
+                except BaseException as exc:
+                    error = exc
+            if isinstance(error, OSError) and not isinstance(error, NvmeError):
+                error = _io_error(spec.name, "read", chunk, error)
+            if error is not None:
+                out.set_exception(error, time.perf_counter() - start)
+            else:
+                out.set_result(count, time.perf_counter() - start)
+
+        def arrived(i: int, error: BaseException | None) -> None:
+            with lock:
+                st["error"] = st["error"] or error
+                ready.add(i)
+                if st["running"]:
+                    return  # the thread folding pieces in takes this one too
+                st["running"] = True
+            while True:
+                with lock:
+                    j = st["next"]
+                    if st["error"] is None and j in ready:
+                        st["next"] = j + 1
+                    else:
+                        st["running"] = False
+                        last = len(ready) == len(pieces) and not st["done"]
+                        st["done"] = st["done"] or last
+                        break
+                at, n = pieces[j]
+                st["crc"] = crc32c(dst[at : at + n], st["crc"])
+            if last:
+                finish()
+
+        for i, (at, n) in enumerate(pieces):
+            tail = extra if i == len(pieces) - 1 else 0
+            try:
+                fut = self.backend.read_async(chunk, dst[at:], n + tail, offset=at)
+            except (OSError, ValueError) as exc:
+                if i == 0:
+                    raise CorruptTensorError(
+                        f"tensor {spec.name!r}: cannot read {chunk}: {exc}"
+                    ) from exc
+                for k in range(i, len(pieces)):  # never issued: count them in, failed
+                    arrived(k, exc)
+                break
+            fut.add_done_callback(lambda f, i=i: arrived(i, f._error))
+        return out
 
     def _ensure_dir(self, directory: Path) -> None:
         if directory.is_dir():

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +32,7 @@ from bb_lightning.engine.checkpoint import (
     load_checkpoint,
     read_array,
     read_meta,
+    read_trainer_state,
     verify_checkpoint,
 )
 from bb_lightning.engine.pager import Placement
@@ -195,6 +198,19 @@ def test_checkpoint_whose_pickle_would_run_code_is_refused(
     finally:
         strategy.close()
     assert not (path / "trainer_state.pt").exists()  # nothing of Lightning's state needs pickle
+    want = read_trainer_state(path)
+    assert want["global_step"] == 1 and want["hyper_parameters"]["betas"] == (0.9, 0.95)
+
+    # a version 1 checkpoint (its whole trainer state pickled) still loads, under the allowlist
+    v1 = tmp_path / "v1"
+    shutil.copytree(path, v1)
+    meta = json.loads((v1 / "meta.json").read_text())
+    (v1 / "meta.json").write_text(json.dumps({**meta, "version": 1}))
+    torch.save(want, v1 / "trainer_state.pt")
+    (v1 / "trainer_state.json").unlink()
+    got = read_trainer_state(v1)
+    assert got.keys() == want.keys() and got["loops"] == want["loops"]
+
     marker = tmp_path / "marker"
     torch.save({"p0": _Marker(str(marker))}, path / "trainer_state.pt")
     doc = (path / "trainer_state.json").read_text()

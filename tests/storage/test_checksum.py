@@ -17,6 +17,7 @@ import zarr
 from storage import ALIGNMENT, IOConfig, StoreConfig, Tier, TieredStore, aligned_empty
 from storage.fault_injection import Fault, inject
 from storage.io import IOBackend
+from storage import nvme
 from storage.nvme import ChecksumError, NvmeIOError, NvmeTier
 
 # a whole number of 4 KiB blocks (trailer read apart), a few bytes short of one (trailer
@@ -43,8 +44,18 @@ def tier(tmp_path: Path, posix_backend: IOBackend) -> Iterator[NvmeTier]:
         yield t
 
 
+@pytest.fixture(params=["one-read", "pipelined"])
+def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Whole reads in one backend read, or in 4 KiB pieces checksummed as they arrive."""
+    if request.param == "pipelined":
+        monkeypatch.setattr(nvme, "VERIFY_PIECE_BYTES", ALIGNMENT)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("nbytes", SIZES)
-def test_chunk_ends_with_the_crc32c_plain_zarr_checks(tier: NvmeTier, nbytes: int) -> None:
+def test_chunk_ends_with_the_crc32c_plain_zarr_checks(
+    tier: NvmeTier, nbytes: int, pieces: str
+) -> None:
     x = torch.from_numpy(np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8))
     tier.create("w", (nbytes,), torch.uint8)
     tier.write_async("w", buffer_of(x)).wait()
@@ -136,8 +147,10 @@ def _store(path: Path) -> TieredStore:
     return TieredStore(config)
 
 
-def test_eio_on_page_in_names_tensor_and_file_never_a_zero_page(tmp_path: Path) -> None:
-    xs = {f"w{i}": torch.randn(1000) + 5 for i in range(3)}
+def test_eio_on_page_in_names_tensor_and_file_never_a_zero_page(
+    tmp_path: Path, pieces: str
+) -> None:
+    xs = {f"w{i}": torch.randn(3000) + 5 for i in range(3)}
     with inject() as faults, _store(tmp_path / "nvme") as store:
         for name, x in xs.items():
             store.register(name, x, home=Tier.NVME)
