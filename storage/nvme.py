@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import itertools
 import json
 import math
@@ -710,7 +711,7 @@ class NvmeTier:
                 for k in range(i, len(pieces)):  # never issued: count them in, failed
                     arrived(k, exc)
                 break
-            fut.add_done_callback(lambda f, i=i: arrived(i, f._error))
+            fut.add_done_callback(functools.partial(_piece_arrived, arrived, i))
         return out
 
     def _ensure_dir(self, directory: Path) -> None:
@@ -811,6 +812,12 @@ def _chain(
 
     inner.add_done_callback(run)
     return out
+
+
+def _piece_arrived(
+    arrived: Callable[[int, BaseException | None], None], index: int, done: IOFuture
+) -> None:
+    arrived(index, done._error)
 
 
 def _finish_chunk(path: Path, nbytes: int, crc: int) -> None:

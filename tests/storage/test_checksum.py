@@ -14,10 +14,9 @@ import pytest
 import torch
 import zarr
 
-from storage import ALIGNMENT, IOConfig, StoreConfig, Tier, TieredStore, aligned_empty
+from storage import ALIGNMENT, IOConfig, StoreConfig, Tier, TieredStore, aligned_empty, nvme
 from storage.fault_injection import Fault, inject
 from storage.io import IOBackend
-from storage import nvme
 from storage.nvme import ChecksumError, NvmeIOError, NvmeTier
 
 # a whole number of 4 KiB blocks (trailer read apart), a few bytes short of one (trailer
