@@ -27,22 +27,32 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import itertools
 import json
 import math
 import os
 import shutil
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from storage.checksum import CHECKSUM_BYTES, CODEC, crc32c, decode, encode, file_crc32c
+from storage.checksum import CHECKSUM_BYTES, CODEC, crc32c, decode, file_crc32c
+from storage.chunk_io import (
+    ArraySpec,
+    ChecksumError,
+    CorruptTensorError,
+    NvmeError,
+    NvmeIOError,
+    UnsupportedArrayError,
+    chain,
+    check_crc,
+    finish_chunk,
+    io_error,
+    read_verified,
+)
 from storage.io import ALIGNMENT, IOBackend, IOFuture, padded
 from storage.tiers import Budget, Tier, format_bytes
 
@@ -88,58 +98,8 @@ _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in DTYPES}
 _DEFAULT_FOR_ZARR = {z: dt for dt, z in DTYPES.items() if dt is not torch.bfloat16}
 
 
-class NvmeError(RuntimeError):
-    """Base of NVMe tier errors; messages name the tensor and the file."""
-
-
 class StoreLockedError(NvmeError):
     """Another NvmeTier (this process or another) holds the store directory."""
-
-
-class CorruptTensorError(NvmeError):
-    """Chunk missing (write never completed), truncated, or disagreeing with its metadata."""
-
-
-class ChecksumError(CorruptTensorError):
-    """A chunk's bytes disagree with the CRC-32C stored after them: the file was damaged."""
-
-
-class NvmeIOError(OSError, NvmeError):
-    """The disk failed a transfer (full, I/O error...): an ``OSError`` keeping the errno, whose
-    message names the tensor and the file."""
-
-
-class UnsupportedArrayError(NvmeError):
-    """An array of the group is not laid out as this tier requires (compressed, chunked...)."""
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """What the NVMe tier knows about one stored tensor."""
-
-    name: str
-    """Tensor name, also the zarr array name."""
-    shape: tuple[int, ...]
-    """Tensor shape (elements per dimension)."""
-    dtype: torch.dtype
-    """The tensor's torch dtype (``bfloat16`` even though zarr stores ``uint16``)."""
-    nbytes: int
-    """Size of the tensor's bytes, in bytes (the chunk file adds the checksum trailer)."""
-    checksum: bool = True
-    """Whether the chunk ends with a CRC-32C trailer (store format 2); False for arrays
-    written before checksums existed (format 1), which are read unverified."""
-
-    @property
-    def file_bytes(self) -> int:
-        """Size of the chunk file once written, in bytes (0 for an empty tensor: no chunk)."""
-        if self.nbytes == 0:
-            return 0
-        return self.nbytes + (CHECKSUM_BYTES if self.checksum else 0)
-
-    @property
-    def format_version(self) -> int:
-        """Store format of the array: 2 with a checksum trailer, 1 without."""
-        return 2 if self.checksum else 1
 
 
 def fsync_dir(path: Path) -> None:
@@ -522,12 +482,12 @@ class NvmeTier:
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
-            raise _io_error(name, "write", tmp, exc) from exc
+            raise io_error(name, "write", tmp, exc) from exc
 
         def commit() -> None:
             try:
                 if spec.checksum:  # src is the caller's until this future completes
-                    _finish_chunk(tmp, spec.nbytes, crc32c(src[: spec.nbytes]))
+                    finish_chunk(tmp, spec.nbytes, crc32c(src[: spec.nbytes]))
                 os.replace(tmp, chunk)
                 fsync_dir(chunk.parent)
             except BaseException:
@@ -541,7 +501,7 @@ class NvmeTier:
                     tmp.unlink()
 
         inner.add_done_callback(clean)
-        return _chain(inner, commit, name, "write", tmp, spec.nbytes)
+        return chain(inner, commit, name, "write", tmp, spec.nbytes)
 
     def begin_write(self, name: str) -> NvmeWrite:
         """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`), atomically."""
@@ -550,17 +510,6 @@ class NvmeTier:
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
         return NvmeWrite(spec, chunk, tmp, self.backend)
-
-    def _check_crc(self, spec: ArraySpec, chunk: Path, computed: int) -> None:
-        """Raise :class:`ChecksumError` unless ``computed`` is the checksum stored in ``chunk``."""
-        stored = _read_trailer(spec, chunk)
-        if stored != computed:
-            raise ChecksumError(
-                f"tensor {spec.name!r}: chunk file {chunk} fails its CRC-32C check (stored "
-                f"{stored:#010x}, computed {computed:#010x} over {spec.nbytes} bytes): the file "
-                f"was damaged after it was written; write the tensor again or restore it from a "
-                f"checkpoint ('bb-lightning verify {self.path}' lists every damaged chunk)"
-            )
 
     def _piece_read(self, spec: ArraySpec, chunk: Path, dst: torch.Tensor, offset: int) -> None:
         """Fold one piece read of ``spec`` into its running checksum; verify at the last piece.
@@ -584,7 +533,7 @@ class NvmeTier:
             return
         if crc is None:
             crc, _ = file_crc32c(chunk, spec.nbytes)
-        self._check_crc(spec, chunk, crc)
+        check_crc(spec, chunk, crc, self.path)
 
     def read_async(
         self, name: str, dst: torch.Tensor, *, offset: int = 0, nbytes: int | None = None
@@ -622,7 +571,9 @@ class NvmeTier:
         room = padded(count + CHECKSUM_BYTES) if dst.device.type == "cpu" else count + 4
         extra = CHECKSUM_BYTES if spec.checksum and whole and dst.numel() >= room else 0
         if spec.checksum and whole and count > VERIFY_PIECE_BYTES:
-            return self._read_verified(spec, chunk, dst, extra)
+            return read_verified(
+                self.backend, spec, chunk, dst, extra, VERIFY_PIECE_BYTES, self.path
+            )
         try:  # the trailer comes in the same read when the buffer's padding can take it
             inner = self.backend.read_async(chunk, dst, count + extra, offset=offset)
         except ValueError as exc:
@@ -641,78 +592,9 @@ class NvmeTier:
                 got = decode(bytes(dst[count : count + extra].cpu().numpy()))
                 if got == computed:
                     return
-            self._check_crc(spec, chunk, computed)
+            check_crc(spec, chunk, computed, self.path)
 
-        return _chain(inner, verify, name, "read", chunk, count)
-
-    def _read_verified(
-        self, spec: ArraySpec, chunk: Path, dst: torch.Tensor, extra: int
-    ) -> IOFuture:
-        """Read all of ``spec`` into ``dst`` in pieces of :data:`VERIFY_PIECE_BYTES`, all in
-        flight at once, folding each into the checksum as soon as it and the pieces before it
-        arrived: the CRC of the first pieces runs while the later ones are still read."""
-        count = spec.nbytes
-        pieces = [
-            (at, min(VERIFY_PIECE_BYTES, count - at)) for at in range(0, count, VERIFY_PIECE_BYTES)
-        ]
-        out = IOFuture(str(chunk))
-        lock = threading.Lock()
-        ready: set[int] = set()
-        st: dict[str, Any] = {"next": 0, "crc": 0, "error": None, "running": False, "done": False}
-        start = time.perf_counter()
-
-        def finish() -> None:
-            error: BaseException | None = st["error"]
-            if error is None:
-                try:
-                    trailer = dst[count : count + extra].cpu().numpy().tobytes() if extra else b""
-                    if not extra or decode(trailer) != st["crc"]:
-                        self._check_crc(spec, chunk, st["crc"])
-                except BaseException as exc:
-                    error = exc
-            if isinstance(error, OSError) and not isinstance(error, NvmeError):
-                error = _io_error(spec.name, "read", chunk, error)
-            if error is not None:
-                out.set_exception(error, time.perf_counter() - start)
-            else:
-                out.set_result(count, time.perf_counter() - start)
-
-        def arrived(i: int, error: BaseException | None) -> None:
-            with lock:
-                st["error"] = st["error"] or error
-                ready.add(i)
-                if st["running"]:
-                    return  # the thread folding pieces in takes this one too
-                st["running"] = True
-            while True:
-                with lock:
-                    j = st["next"]
-                    if st["error"] is None and j in ready:
-                        st["next"] = j + 1
-                    else:
-                        st["running"] = False
-                        last = len(ready) == len(pieces) and not st["done"]
-                        st["done"] = st["done"] or last
-                        break
-                at, n = pieces[j]
-                st["crc"] = crc32c(dst[at : at + n], st["crc"])
-            if last:
-                finish()
-
-        for i, (at, n) in enumerate(pieces):
-            tail = extra if i == len(pieces) - 1 else 0
-            try:
-                fut = self.backend.read_async(chunk, dst[at:], n + tail, offset=at)
-            except (OSError, ValueError) as exc:
-                if i == 0:
-                    raise CorruptTensorError(
-                        f"tensor {spec.name!r}: cannot read {chunk}: {exc}"
-                    ) from exc
-                for k in range(i, len(pieces)):  # never issued: count them in, failed
-                    arrived(k, exc)
-                break
-            fut.add_done_callback(functools.partial(_piece_arrived, arrived, i))
-        return out
+        return chain(inner, verify, name, "read", chunk, count)
 
     def _ensure_dir(self, directory: Path) -> None:
         if directory.is_dir():
@@ -770,80 +652,6 @@ def _check_piece(spec: ArraySpec, offset: int, nbytes: int | None) -> int:
     return count
 
 
-def _io_error(name: str, verb: str, path: Path | str, exc: OSError) -> NvmeIOError:
-    """The error for ``OSError`` ``exc`` on tensor ``name``'s file ``path``."""
-    fix = {
-        errno.ENOSPC: "the disk is full: free space on it or pick another directory; the "
-        "tensor keeps its previous contents",
-        errno.EDQUOT: "the disk quota is exhausted: raise it or pick another directory",
-        errno.EIO: "the device reported an I/O error: check the disk (dmesg, smartctl)",
-    }.get(exc.errno or -1, "check the disk and the file")
-    return NvmeIOError(exc.errno, f"tensor {name!r}: cannot {verb} {path}: {exc}: {fix}")
-
-
-def _chain(
-    inner: IOFuture, step: Callable[[], None], name: str, verb: str, path: Path, result: int
-) -> IOFuture:
-    """A future completing with ``result`` bytes once ``inner`` succeeded and ``step()`` ran.
-
-    ``step`` runs in the completing worker. An ``OSError`` of either becomes an
-    :class:`NvmeIOError` naming the tensor and file; errors of this module pass unchanged.
-    """
-    out = IOFuture(str(path))
-
-    def run(done: IOFuture) -> None:
-        out.direct = done.direct
-        start = time.perf_counter()
-        error = done._error
-        if error is None:
-            try:
-                step()
-            except BaseException as exc:
-                error = exc
-        seconds = done.seconds + time.perf_counter() - start
-        if isinstance(error, OSError) and not isinstance(error, NvmeError):
-            wrapped = _io_error(name, verb, path, error)
-            wrapped.__cause__ = error
-            error = wrapped
-        if error is not None:
-            out.set_exception(error, seconds)
-        else:
-            out.set_result(result, seconds)
-
-    inner.add_done_callback(run)
-    return out
-
-
-def _piece_arrived(
-    arrived: Callable[[int, BaseException | None], None], index: int, done: IOFuture
-) -> None:
-    arrived(index, done._error)
-
-
-def _finish_chunk(path: Path, nbytes: int, crc: int) -> None:
-    """Append checksum ``crc`` to the ``nbytes`` bytes of file ``path`` and fsync the file."""
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        if os.pwrite(fd, encode(crc), nbytes) != CHECKSUM_BYTES:
-            raise OSError(errno.EIO, f"short write of the checksum of {path}")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_trailer(spec: ArraySpec, chunk: Path) -> int:
-    """The checksum stored at the end of chunk file ``chunk``."""
-    with open(chunk, "rb", buffering=0) as f:
-        f.seek(spec.nbytes)
-        trailer = f.read(CHECKSUM_BYTES)
-    if len(trailer) != CHECKSUM_BYTES:
-        raise CorruptTensorError(
-            f"tensor {spec.name!r}: chunk file {chunk} ends before its checksum: the file is "
-            f"truncated; write the tensor again"
-        )
-    return decode(trailer)
-
-
 class NvmeWrite:
     """One atomic write of a tensor in pieces, from :meth:`NvmeTier.begin_write`.
 
@@ -887,11 +695,11 @@ class NvmeWrite:
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
-            raise _io_error(name, "write", self._tmp, exc) from exc
+            raise io_error(name, "write", self._tmp, exc) from exc
         self._written = offset + count
         if self.spec.checksum:  # src holds the piece until the future completes
             self._crc = crc32c(src[:count], self._crc)
-        return _chain(fut, lambda: None, name, "write", self._tmp, count)
+        return chain(fut, lambda: None, name, "write", self._tmp, count)
 
     def commit(self) -> None:
         """Make the written pieces the tensor's contents (blocks: fsync, rename, fsync)."""
@@ -909,7 +717,7 @@ class NvmeWrite:
                     f"({size} bytes in {self._tmp}): write every piece before commit()"
                 )
             if self.spec.checksum:
-                _finish_chunk(self._tmp, self.spec.nbytes, self._crc)
+                finish_chunk(self._tmp, self.spec.nbytes, self._crc)
             else:
                 fd = os.open(self._tmp, os.O_RDONLY)
                 try:
@@ -921,7 +729,7 @@ class NvmeWrite:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()
-            raise _io_error(name, "write", self._tmp, exc) from exc
+            raise io_error(name, "write", self._tmp, exc) from exc
         except BaseException:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()
