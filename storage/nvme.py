@@ -9,8 +9,10 @@ file through an :class:`~storage.io.IOBackend`.
 
 Checksums: a chunk file is the tensor's bytes followed by their 4-byte CRC-32C
 (:mod:`storage.checksum`, zarr's ``crc32c`` codec). Reads verify it on the
-buffer the bytes were read into and raise :class:`ChecksumError` naming the
-tensor and file. Arrays written before checksums existed (store format 1:
+buffer the bytes were read into (a read into device memory through kvikio is
+checked on a host copy of its bytes) and raise :class:`ChecksumError` naming
+the tensor and file; a tensor over :data:`VERIFY_PIECE_BYTES` is read in pieces
+so that the checksum of the first ones runs while the later ones are read. Arrays written before checksums existed (store format 1:
 codecs just ``bytes``, as plain zarr writes by default) still open and read,
 unverified, and keep that layout when rewritten (:attr:`ArraySpec.checksum`);
 new arrays are format 2.

@@ -80,6 +80,13 @@ def test_verify_store_reports_each_damaged_chunk(
     assert names[0] in lines[0] and "CRC-32C" in lines[0] and str(store / names[0]) in lines[0]
     assert names[1] in lines[1] and "holds 8 bytes" in lines[1]
     assert main(["verify", str(tmp_path / "nothing")]) == 2
+    capsys.readouterr()
+
+    # a store of format 1 (plain zarr's default codecs, no checksum): lengths checked only
+    old = zarr.open_group(tmp_path / "old", mode="w")
+    old.create_array("w", shape=(10,), dtype="float32", chunks=(10,), compressors=None)[...] = 1.0
+    assert main(["verify", str(tmp_path / "old")]) == 0
+    assert "1 arrays, 0 B checksummed, 1 without checksum (format 1)" in capsys.readouterr().out
 
 
 def _fit(
