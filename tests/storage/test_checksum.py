@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,3 +180,19 @@ def test_full_disk_on_write_back_keeps_previous_contents(tmp_path: Path) -> None
         assert torch.equal(store.read("w"), x)
         store.write("w", 2 * x)  # the store is still usable
         assert torch.equal(store.read("w"), 2 * x)
+
+
+def test_checksum_benchmark_smoke(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench_dir = Path(__file__).parents[2] / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))  # as when run as a script: imports _common
+    spec = importlib.util.spec_from_file_location("checksum_cost", bench_dir / "checksum_cost.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--dir", str(tmp_path), "--count", "2", "--tensor-mib", "1"])
+    assert all(math.isfinite(v) and v > 0 for k, v in result.items() if k != "added")
+    out = capsys.readouterr().out
+    assert "machine: CPU" in out and "ratio verified / unverified" in out
+    assert not (tmp_path / "checksum-cost").exists()  # scratch stores removed
