@@ -4,7 +4,7 @@
 ``balance_beam`` as the default strategy, :class:`~bb_lightning.module.CausalLMModule`
 as the default model and :class:`~bb_lightning.data.TextDataModule` /
 :class:`~bb_lightning.data.PromptsDataModule` as data (any subclass may be named).
-``plan``, ``convert`` and ``export`` are argparse subcommands; every subcommand is
+``plan``, ``convert``, ``export`` and ``verify`` are argparse subcommands; every subcommand is
 dispatched from :data:`COMMANDS`.
 
 Recipe strings may hold ``{stdlib}``, replaced by the directory of the Python
@@ -131,6 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="write a roofline plot of the plan")
     _add_convert_parser(sub)
     _add_export_parser(sub)
+    _add_verify_parser(sub)
     for name, what in _LIGHTNING_HELP.items():
         sub.add_parser(name, help=f"{what} (LightningCLI: bb-lightning {name} --help)")
     return parser
@@ -194,6 +195,19 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         default="5GB",
         help="largest safetensors shard, e.g. 5GB or 2GiB (bytes; default 5GB)",
     )
+
+
+def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check every chunk (length, CRC-32C) of an NVMe-tier store or a checkpoint",
+        description="Check a zarr store written by the NVMe tier or convert, or a balance_beam "
+        "checkpoint directory: every array's metadata, chunk length and CRC-32C checksum (and, "
+        "for a checkpoint, that every parameter has its arrays and the trainer state loads "
+        "without running code). Prints one line per problem and exits 1 if there is any; "
+        "else prints a one-line summary and exits 0.",
+    )
+    p.add_argument("path", help="store directory (zarr.json) or checkpoint directory (meta.json)")
 
 
 def _load_model(spec: str) -> ModelProfile:
@@ -334,6 +348,35 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from storage.tiers import format_bytes
+    from storage.verify import verify_group
+
+    path = Path(args.path)
+    if (path / "meta.json").is_file():
+        from bb_lightning.engine.checkpoint import verify_checkpoint
+
+        what, report = "checkpoint", verify_checkpoint(path)
+    elif (path / "zarr.json").is_file():
+        what, report = "store", verify_group(path)
+    else:
+        raise UsageError(
+            f"{args.path!r} is neither a store (no zarr.json) nor a checkpoint (no meta.json): "
+            "pass a directory written by bb-lightning convert, the NVMe tier or "
+            "trainer.save_checkpoint"
+        )
+    for line in report.problems:
+        print(line)
+    if report.problems:
+        print(f"{what} {path}: {len(report.problems)} problem(s)", file=sys.stderr)
+        return 1
+    old = f", {len(report.unverified)} without checksum (format 1)" if report.unverified else ""
+    print(
+        f"{what} {path}: ok: {report.arrays} arrays, {format_bytes(report.bytes)} checksummed{old}"
+    )
+    return 0
+
+
 def _lightning(args: argparse.Namespace) -> int:
     return run_lightning_cli([args.command, *args.lightning_args])
 
@@ -342,6 +385,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": _plan,
     "convert": _convert,
     "export": _export,
+    "verify": _verify,
     "fit": _lightning,
     "validate": _lightning,
     "predict": _lightning,

@@ -118,7 +118,7 @@ def _complete(tier: NvmeTier, name: str, shape: tuple[int, ...], dtype: torch.dt
     if spec.shape != shape or spec.dtype != dtype:
         return False
     chunk = tier.chunk_path(name)
-    return spec.nbytes == 0 or (chunk.is_file() and chunk.stat().st_size == spec.nbytes)
+    return spec.nbytes == 0 or (chunk.is_file() and chunk.stat().st_size == spec.file_bytes)
 
 
 def convert_checkpoint(

@@ -171,7 +171,7 @@ def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str
         )
     meta = ckpt.read_meta(source)
     params = [(p["name"], tuple(p["shape"])) for p in meta["parameters"]]
-    state = torch.load(Path(source, ckpt.TRAINER_STATE), map_location="cpu", weights_only=False)
+    state = ckpt.read_trainer_state(source)
     buffers = list(state.get("buffers", {}).items())
     masters = ((k, ckpt.read_array(source, "master", k)) for k, _ in params)
     return meta["model"], _specs(params, buffers), _chain(masters, buffers)

@@ -7,7 +7,15 @@ models or Lightning.
 
 from storage.device import ArenaFullError, slot_bytes
 from storage.io import ALIGNMENT, IOConfig, aligned_empty, open_backend, padded
-from storage.nvme import ArraySpec, CorruptTensorError, NvmeError, NvmeTier, StoreLockedError
+from storage.nvme import (
+    ArraySpec,
+    ChecksumError,
+    CorruptTensorError,
+    NvmeError,
+    NvmeIOError,
+    NvmeTier,
+    StoreLockedError,
+)
 from storage.store import LinkStats, StateError, StoreConfig, Ticket, TieredStore
 from storage.tiers import Budget, Residency, Tier, format_bytes
 
@@ -16,10 +24,12 @@ __all__ = [
     "ArenaFullError",
     "ArraySpec",
     "Budget",
+    "ChecksumError",
     "CorruptTensorError",
     "IOConfig",
     "LinkStats",
     "NvmeError",
+    "NvmeIOError",
     "NvmeTier",
     "Residency",
     "StateError",

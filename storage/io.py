@@ -374,8 +374,19 @@ def open_backend(config: IOConfig | None = None) -> IOBackend:
                 f"I/O backend 'kvikio' cannot run here: {reason}: use backend='posix' "
                 f"(or {BACKEND_ENV}=posix), or install kvikio on a machine with a CUDA driver"
             )
-        return KvikioBackend(config)
-    return PosixBackend(config)
+        return _hooked(KvikioBackend(config))
+    return _hooked(PosixBackend(config))
+
+
+_BACKEND_HOOKS: list[Callable[[IOBackend], IOBackend]] = []
+"""Wrappers :func:`open_backend` applies to every backend it builds, in order (fault
+injection in tests: :mod:`storage.fault_injection`)."""
+
+
+def _hooked(backend: IOBackend) -> IOBackend:
+    for wrap in list(_BACKEND_HOOKS):
+        backend = wrap(backend)
+    return backend
 
 
 def tensor_memoryview(buf: torch.Tensor) -> memoryview:

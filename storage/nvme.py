@@ -1,11 +1,21 @@
 """The NVMe tier: a directory holding a plain zarr v3 group.
 
 Each tensor is one array at the group's root, named by the tensor name, with
-ONE uncompressed chunk equal to its shape (codecs: just ``bytes``, little
-endian), fill value 0. ``bfloat16`` is stored as ``uint16``; every array
-carries the real dtype in its attributes (``{"torch_dtype": "bfloat16"}``).
+ONE uncompressed chunk equal to its shape (codecs: ``bytes``, little endian,
+then ``crc32c``), fill value 0. ``bfloat16`` is stored as ``uint16``; every
+array carries the real dtype in its attributes (``{"torch_dtype": "bfloat16"}``).
 Any zarr reader opens the group; the hot path reads and writes the raw chunk
 file through an :class:`~storage.io.IOBackend`.
+
+Checksums: a chunk file is the tensor's bytes followed by their 4-byte CRC-32C
+(:mod:`storage.checksum`, zarr's ``crc32c`` codec). Reads verify it on the
+buffer the bytes were read into (a read into device memory through kvikio is
+checked on a host copy of its bytes) and raise :class:`ChecksumError` naming
+the tensor and file; a tensor over :data:`VERIFY_PIECE_BYTES` is read in pieces
+so that the checksum of the first ones runs while the later ones are read. Arrays written before checksums existed (store format 1:
+codecs just ``bytes``, as plain zarr writes by default) still open and read,
+unverified, and keep that layout when rewritten (:attr:`ArraySpec.checksum`);
+new arrays are format 2.
 
 Crash safety: a write goes to ``<chunk>.partial-<pid>-<n>`` in the chunk's
 directory, is fsynced, renamed onto the chunk and the directory fsynced. A
@@ -26,20 +36,35 @@ import os
 import shutil
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from storage.io import ALIGNMENT, IOBackend, IOFuture
+from storage.checksum import CHECKSUM_BYTES, CODEC, crc32c, decode, file_crc32c
+from storage.chunk_io import (
+    ArraySpec,
+    ChecksumError,
+    CorruptTensorError,
+    NvmeError,
+    NvmeIOError,
+    UnsupportedArrayError,
+    chain,
+    check_crc,
+    finish_chunk,
+    io_error,
+    read_verified,
+)
+from storage.io import ALIGNMENT, IOBackend, IOFuture, padded
 from storage.tiers import Budget, Tier, format_bytes
 
 __all__ = [
     "DTYPES",
     "ArraySpec",
+    "ChecksumError",
     "CorruptTensorError",
     "NvmeError",
+    "NvmeIOError",
     "NvmeTier",
     "NvmeWrite",
     "StoreLockedError",
@@ -67,38 +92,16 @@ DTYPES: dict[torch.dtype, str] = {
 }
 """Supported torch dtypes and the zarr ``data_type`` each is stored as."""
 
+VERIFY_PIECE_BYTES = 16 << 20
+"""Piece size of a verified whole-tensor read larger than it, in bytes: its pieces are all in
+flight at once and each is checksummed as it arrives in order (a multiple of 4096)."""
+
 _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in DTYPES}
 _DEFAULT_FOR_ZARR = {z: dt for dt, z in DTYPES.items() if dt is not torch.bfloat16}
 
 
-class NvmeError(RuntimeError):
-    """Base of NVMe tier errors; messages name the tensor and the file."""
-
-
 class StoreLockedError(NvmeError):
     """Another NvmeTier (this process or another) holds the store directory."""
-
-
-class CorruptTensorError(NvmeError):
-    """Chunk missing (write never completed), truncated, or disagreeing with its metadata."""
-
-
-class UnsupportedArrayError(NvmeError):
-    """An array of the group is not laid out as this tier requires (compressed, chunked...)."""
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """What the NVMe tier knows about one stored tensor."""
-
-    name: str
-    """Tensor name, also the zarr array name."""
-    shape: tuple[int, ...]
-    """Tensor shape (elements per dimension)."""
-    dtype: torch.dtype
-    """The tensor's torch dtype (``bfloat16`` even though zarr stores ``uint16``)."""
-    nbytes: int
-    """Size of the chunk file, in bytes."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -166,7 +169,7 @@ def array_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]
         },
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
-        "codecs": [bytes_codec],
+        "codecs": [bytes_codec, dict(CODEC)],
         "attributes": {DTYPE_ATTR: str(dtype).removeprefix("torch.")},
         "storage_transformers": [],
     }
@@ -186,7 +189,10 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         attrs = meta.get("attributes", {}) or {}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptTensorError(f"{where}: unreadable array metadata: {exc!r}") from exc
-    fix = "rewrite it as one uncompressed chunk (codecs: bytes, little endian) of its shape"
+    fix = (
+        "rewrite it as one uncompressed chunk (codecs: bytes, little endian, optionally then "
+        "crc32c) of its shape"
+    )
     if grid != "regular" or len(chunks) != len(shape):
         raise CorruptTensorError(
             f"{where}: chunk grid {grid!r} {chunks} does not fit shape {shape}"
@@ -197,9 +203,17 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         )
     if any(s > 0 and c != s for s, c in zip(shape, chunks, strict=True)):
         raise CorruptTensorError(f"{where}: shape {shape} disagrees with its chunk shape {chunks}")
-    endian = (codecs[0].get("configuration") or {}).get("endian", "little") if codecs else None
-    if len(codecs) != 1 or codecs[0].get("name") != "bytes" or endian != "little":
-        raise UnsupportedArrayError(f"{where}: codecs {codecs} are not a plain 'bytes': {fix}")
+    try:
+        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+        names = [c.get("name") for c in codecs]
+        checksum = names == ["bytes", CODEC["name"]]
+    except (IndexError, AttributeError, TypeError):
+        endian, names, checksum = None, [], False
+    if not (names == ["bytes"] or checksum) or endian != "little":
+        raise UnsupportedArrayError(
+            f"{where}: codecs {codecs} are not 'bytes' (little endian) optionally followed by "
+            f"'crc32c': {fix}"
+        )
     if meta.get("storage_transformers"):
         raise UnsupportedArrayError(f"{where}: storage transformers are not supported: {fix}")
     sep = (keys.get("configuration") or {}).get("separator", "/")
@@ -220,7 +234,8 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     key = "c" if not shape else "c" + sep + sep.join("0" * len(shape))
-    return ArraySpec(name, shape, dtype, nbytes), meta_path.parent.joinpath(*key.split("/"))
+    spec = ArraySpec(name, shape, dtype, nbytes, checksum=checksum)
+    return spec, meta_path.parent.joinpath(*key.split("/"))
 
 
 def _scan(root: Path) -> dict[str, tuple[ArraySpec, Path]]:
@@ -268,6 +283,7 @@ class NvmeTier:
         self._lock_fd: int | None = None
         self._mutex = threading.Lock()
         self._counter = itertools.count()
+        self._reading: dict[str, tuple[int, int]] = {}  # piece reads: next offset, crc so far
         if capacity < 0:
             raise ValueError(f"NVMe capacity {capacity} bytes is negative: pass a size >= 0")
         probe = self._check_path(create)
@@ -436,6 +452,7 @@ class NvmeTier:
         with self._mutex:
             self._entry(name)
             del self._arrays[name]
+            self._reading.pop(name, None)
             if self._budget.holds(name):
                 self._budget.release(name)
             shutil.rmtree(self.path / name)
@@ -463,15 +480,22 @@ class NvmeTier:
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
         try:
-            inner = self.backend.write_async(tmp, src, spec.nbytes, fsync=True)
+            inner = self.backend.write_async(tmp, src, spec.nbytes, fsync=not spec.checksum)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
-            raise NvmeError(f"tensor {name!r}: cannot write {tmp}: {exc}") from exc
+            raise io_error(name, "write", tmp, exc) from exc
 
-        def commit(_nbytes: int) -> None:
-            os.replace(tmp, chunk)
-            fsync_dir(chunk.parent)
+        def commit() -> None:
+            try:
+                if spec.checksum:  # src is the caller's until this future completes
+                    finish_chunk(tmp, spec.nbytes, crc32c(src[: spec.nbytes]))
+                os.replace(tmp, chunk)
+                fsync_dir(chunk.parent)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
 
         def clean(done: IOFuture) -> None:
             if done._error is not None:
@@ -479,7 +503,7 @@ class NvmeTier:
                     tmp.unlink()
 
         inner.add_done_callback(clean)
-        return inner.then(commit)
+        return chain(inner, commit, name, "write", tmp, spec.nbytes)
 
     def begin_write(self, name: str) -> NvmeWrite:
         """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`), atomically."""
@@ -488,6 +512,30 @@ class NvmeTier:
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
         return NvmeWrite(spec, chunk, tmp, self.backend)
+
+    def _piece_read(self, spec: ArraySpec, chunk: Path, dst: torch.Tensor, offset: int) -> None:
+        """Fold one piece read of ``spec`` into its running checksum; verify at the last piece.
+
+        Pieces read in order from offset 0 are checked on their buffers; a last piece
+        whose earlier pieces came otherwise has the chunk file checked instead.
+        """
+        count = min(dst.numel(), spec.nbytes - offset)
+        crc: int | None = None
+        with self._mutex:
+            prev = self._reading.pop(spec.name, None)
+        if offset == 0:
+            crc = crc32c(dst[:count])
+        elif prev is not None and prev[0] == offset:
+            crc = crc32c(dst[:count], prev[1])
+        end = offset + count
+        if end < spec.nbytes:
+            if crc is not None:
+                with self._mutex:
+                    self._reading[spec.name] = (end, crc)
+            return
+        if crc is None:
+            crc, _ = file_crc32c(chunk, spec.nbytes)
+        check_crc(spec, chunk, crc, self.path)
 
     def read_async(
         self, name: str, dst: torch.Tensor, *, offset: int = 0, nbytes: int | None = None
@@ -513,18 +561,42 @@ class NvmeTier:
                 f"tensor {name!r}: chunk file {chunk} is missing: the tensor was created but its "
                 f"write is incomplete (never completed); write it again"
             ) from None
-        if size != spec.nbytes:
+        if size != spec.file_bytes:
+            trailer = f" + {CHECKSUM_BYTES} checksum bytes" if spec.checksum else ""
             raise CorruptTensorError(
                 f"tensor {name!r}: chunk file {chunk} holds {size} bytes but its metadata "
-                f"(shape {spec.shape}, {spec.dtype}) needs {spec.nbytes} bytes: the file is "
-                f"truncated or the metadata was changed; write the tensor again"
+                f"(shape {spec.shape}, {spec.dtype}) needs {spec.nbytes} bytes{trailer} = "
+                f"{spec.file_bytes} bytes: the file is truncated or the metadata was changed; "
+                f"write the tensor again"
             )
-        try:
-            return self.backend.read_async(chunk, dst, count, offset=offset)
+        whole = offset == 0 and count == spec.nbytes
+        room = padded(count + CHECKSUM_BYTES) if dst.device.type == "cpu" else count + 4
+        extra = CHECKSUM_BYTES if spec.checksum and whole and dst.numel() >= room else 0
+        if spec.checksum and whole and count > VERIFY_PIECE_BYTES:
+            return read_verified(
+                self.backend, spec, chunk, dst, extra, VERIFY_PIECE_BYTES, self.path
+            )
+        try:  # the trailer comes in the same read when the buffer's padding can take it
+            inner = self.backend.read_async(chunk, dst, count + extra, offset=offset)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
             raise CorruptTensorError(f"tensor {name!r}: cannot read {chunk}: {exc}") from exc
+
+        def verify() -> None:
+            if not spec.checksum:
+                return
+            if not whole:
+                self._piece_read(spec, chunk, dst[:count], offset)
+                return
+            computed = crc32c(dst[:count])
+            if extra:
+                got = decode(bytes(dst[count : count + extra].cpu().numpy()))
+                if got == computed:
+                    return
+            check_crc(spec, chunk, computed, self.path)
+
+        return chain(inner, verify, name, "read", chunk, count)
 
     def _ensure_dir(self, directory: Path) -> None:
         if directory.is_dir():
@@ -598,6 +670,7 @@ class NvmeWrite:
         """The tensor being written."""
         self._chunk, self._tmp, self._backend = chunk, tmp, backend
         self._written = 0
+        self._crc = 0
         self._done = False
 
     def write_async(
@@ -624,9 +697,11 @@ class NvmeWrite:
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
-            raise NvmeError(f"tensor {name!r}: cannot write {self._tmp}: {exc}") from exc
+            raise io_error(name, "write", self._tmp, exc) from exc
         self._written = offset + count
-        return fut
+        if self.spec.checksum:  # src holds the piece until the future completes
+            self._crc = crc32c(src[:count], self._crc)
+        return chain(fut, lambda: None, name, "write", self._tmp, count)
 
     def commit(self) -> None:
         """Make the written pieces the tensor's contents (blocks: fsync, rename, fsync)."""
@@ -643,13 +718,20 @@ class NvmeWrite:
                     f"tensor {name!r}: {self._written} of {self.spec.nbytes} bytes were written "
                     f"({size} bytes in {self._tmp}): write every piece before commit()"
                 )
-            fd = os.open(self._tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if self.spec.checksum:
+                finish_chunk(self._tmp, self.spec.nbytes, self._crc)
+            else:
+                fd = os.open(self._tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.replace(self._tmp, self._chunk)
             fsync_dir(self._chunk.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._tmp.unlink()
+            raise io_error(name, "write", self._tmp, exc) from exc
         except BaseException:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()

@@ -7,15 +7,20 @@ A checkpoint at ``path`` is a directory::
         master/<param>            fp32 master weights, one array per parameter
         exp_avg/<param>           fp32 first AdamW moment (absent when weights_only)
         exp_avg_sq/<param>        fp32 second AdamW moment (absent when weights_only)
-      trainer_state.pt            torch.save of everything else (loops, callbacks, schedulers,
-                                  hyperparameters, persistent buffers under "buffers")
+      trainer_state.json          everything else (loops, callbacks, schedulers, hyperparameters,
+      trainer_state.safetensors   persistent buffers under "buffers"), stored so that loading runs
+                                  no code (:mod:`bb_lightning.engine.trainer_state`)
       meta.json                   format, version, step, Hugging Face config, parameter list
 
 ``<param>`` is the parameter's name in the module (``model.model.layers.0.mlp.up_proj.weight``);
 a parameter shared under several names is stored once under its first name, the others listed
 as its aliases in ``meta.json``. Each subgroup is laid out as the store's NVMe tier lays out
-tensors (:class:`storage.nvme.NvmeTier`: one uncompressed chunk per array), so plain
-``zarr.open_group`` reads it.
+tensors (:class:`storage.nvme.NvmeTier`: one uncompressed chunk per array, ending with its
+CRC-32C), so plain ``zarr.open_group`` reads it and checks every chunk; so does every read here.
+
+Format versions: 2 (this one); 1 (before checksums, trainer state pickled in
+``trainer_state.pt``) still loads: its arrays unverified, its pickle only under the allowlist
+of :mod:`bb_lightning.engine.trainer_state` (a pickle that would run code is refused).
 
 Crash safety: the directory is written as ``<path>.partial-<pid>`` (every file fsynced,
 ``meta.json`` last), an existing ``path`` is renamed to ``<path>.old-<pid>``, the new directory
@@ -39,25 +44,32 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from bb_lightning.engine import trainer_state as state_files
 from bb_lightning.engine.trainer_engine import STATE_KINDS, StateKind, TrainingEngine
+from storage.checksum import CHECKSUM_BYTES, crc32c, decode
 from storage.io import aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, fsync_dir, parse_array, write_synced
+from storage.verify import VerifyReport, verify_group
 
 __all__ = [
     "CheckpointError",
     "CheckpointStateDict",
+    "CheckpointWriteError",
     "load_checkpoint",
     "model_info",
     "read_meta",
+    "read_trainer_state",
     "recover",
     "remove_checkpoint",
     "restore_optimizer",
     "restore_weights",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 FORMAT = "balance_beam.checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STATE_DIR = "state.zarr"
 TRAINER_STATE = "trainer_state.pt"
 META = "meta.json"
@@ -71,6 +83,10 @@ def _after_array(name: str) -> None:
 
 class CheckpointError(ValueError):
     """A checkpoint path that is missing, not a balance_beam checkpoint, or not of this model."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint save the disk failed (full, I/O error); the errno is kept."""
 
 
 def model_info(model: torch.nn.Module) -> dict[str, Any]:
@@ -174,8 +190,27 @@ def save_checkpoint(
     ``trainer_state`` is Lightning's checkpoint dict; its ``state_dict`` entry contributes
     only the persistent buffers (parameters come from the engine, streamed one flat state
     at a time). ``weights_only`` leaves out the AdamW moments. Returns the final path.
+
+    A save that fails (a full disk...) removes what it wrote and leaves the previous
+    checkpoint at ``path`` whole; a disk error raises :class:`CheckpointWriteError`.
     """
     final = Path(path).absolute()
+    try:
+        return _save(engine, final, trainer_state, weights_only)
+    except BaseException as exc:
+        recover(final)  # drops this save's partial directory, puts back a checkpoint moved aside
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
+            raise CheckpointWriteError(
+                exc.errno,
+                f"cannot save checkpoint {str(final)!r}: {exc}; nothing of this save is left "
+                "and the previous checkpoint at that path (if any) is whole",
+            ) from exc
+        raise
+
+
+def _save(
+    engine: TrainingEngine, final: Path, trainer_state: Mapping[str, Any], weights_only: bool
+) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     recover(final)
     tmp = final.with_name(f"{final.name}{PARTIAL}{os.getpid()}")
@@ -203,10 +238,7 @@ def save_checkpoint(
     rest["buffers"] = {
         k: sd[k].detach().cpu() for k in list(sd) if k not in params and k not in alias_names
     }
-    with open(tmp / TRAINER_STATE, "wb") as f:
-        torch.save(rest, f)
-        f.flush()
-        os.fsync(f.fileno())
+    state_files.write(tmp, rest)
     meta = {
         **attributes,
         "weights_only": weights_only,
@@ -244,10 +276,11 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             "pass a directory written by trainer.save_checkpoint under strategy='balance_beam'"
         )
     meta: dict[str, Any] = json.loads((root / META).read_text(encoding="utf-8"))
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"checkpoint {str(root)!r} has format version {meta.get('version')!r}; this version "
-            f"of balance_beam reads version {VERSION}: convert it or use a matching release"
+            f"of balance_beam reads versions {READABLE_VERSIONS}: convert it or use a matching "
+            f"release"
         )
     return meta
 
@@ -257,12 +290,23 @@ def read_array(path: str | os.PathLike[str], kind: str, name: str) -> Tensor:
     spec, chunk = parse_array(name, Path(path, STATE_DIR, kind, name, "zarr.json"))
     if spec.nbytes == 0:
         return torch.zeros(spec.shape, dtype=spec.dtype)
-    raw = np.fromfile(chunk, dtype=np.uint8, count=spec.nbytes)
-    if raw.size != spec.nbytes:
+    raw = np.fromfile(chunk, dtype=np.uint8, count=spec.file_bytes + 1)
+    where = f"checkpoint {str(path)!r}: tensor {kind}/{name} (file {chunk})"
+    if raw.size != spec.file_bytes:
         raise CheckpointError(
-            f"{chunk} holds {raw.size} bytes, {spec.nbytes} expected: the checkpoint is damaged"
+            f"{where} holds {raw.size} bytes, {spec.file_bytes} expected: the checkpoint is "
+            "damaged; resume from another checkpoint"
         )
-    return torch.from_numpy(raw).view(spec.dtype).view(spec.shape)
+    data = torch.from_numpy(raw[: spec.nbytes])
+    if spec.checksum:
+        stored = decode(raw[spec.nbytes : spec.nbytes + CHECKSUM_BYTES].tobytes())
+        computed = crc32c(data)
+        if stored != computed:
+            raise CheckpointError(
+                f"{where} fails its CRC-32C check (stored {stored:#010x}, computed "
+                f"{computed:#010x}): the checkpoint is damaged; resume from another checkpoint"
+            )
+    return data.view(spec.dtype).view(spec.shape)
 
 
 class CheckpointStateDict(Mapping[str, Tensor]):
@@ -294,15 +338,25 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Lightning's checkpoint dict, with a lazy :class:`CheckpointStateDict` as ``state_dict``.
 
-    ``trainer_state.pt`` is unpickled (``weights_only`` as in ``torch.load``; default False,
-    as for Lightning checkpoints): load only checkpoints you trust.
+    Loading runs no code from the checkpoint, whatever ``weights_only`` says (it is accepted
+    for Lightning's signature): see :func:`read_trainer_state`.
     """
-    read_meta(path)
-    state: dict[str, Any] = torch.load(
-        Path(path, TRAINER_STATE), map_location="cpu", weights_only=bool(weights_only)
-    )
+    state = read_trainer_state(path)
     state["state_dict"] = CheckpointStateDict(path, state.pop("buffers", {}))
     return state
+
+
+def read_trainer_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Lightning's trainer state of the checkpoint at ``path`` (with ``"buffers"``).
+
+    Raises :class:`CheckpointError` naming the file when a pickle in it would run code
+    (:mod:`bb_lightning.engine.trainer_state`).
+    """
+    meta = read_meta(path)
+    try:
+        return state_files.read(Path(path), int(meta["version"]))
+    except state_files.UnsafeStateError as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from exc
 
 
 def _check_matches(engine: TrainingEngine, meta: Mapping[str, Any], path: Path) -> None:
@@ -358,3 +412,29 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(final)
     elif final.exists():
         final.unlink()
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+    """Check the checkpoint at ``path``: its metadata, that every parameter has its arrays
+    (moments too unless weights only), every chunk's length and CRC-32C, and that its trainer
+    state loads without running code. One problem line each in the report."""
+    root = Path(path)
+    report = VerifyReport()
+    try:
+        meta = read_meta(root)
+    except CheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.add(verify_group(root / STATE_DIR))
+    kinds = ("master",) if meta.get("weights_only") else STATE_KINDS
+    for p in meta.get("parameters", []):
+        for kind in kinds:
+            if not (root / STATE_DIR / kind / p["name"] / "zarr.json").is_file():
+                report.problems.append(
+                    f"tensor '{kind}/{p['name']}': missing from {root / STATE_DIR / kind}"
+                )
+    try:
+        read_trainer_state(root)
+    except (CheckpointError, OSError, ValueError, RuntimeError) as exc:
+        report.problems.append(str(exc).splitlines()[0])
+    return report

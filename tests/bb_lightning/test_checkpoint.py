@@ -22,7 +22,13 @@ import zarr
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.checkpoint import OLD, PARTIAL, CheckpointError, recover
+from bb_lightning.engine.checkpoint import (
+    OLD,
+    PARTIAL,
+    CheckpointError,
+    read_trainer_state,
+    recover,
+)
 from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
 from storage.tiers import Tier
@@ -88,7 +94,7 @@ def test_layout_is_plain_zarr_with_torch_adamw_state(tiny: SimpleNamespace, tmp_
     meta = json.loads((path / "meta.json").read_text())
     assert {p["name"] for p in meta["parameters"]} == set(want)
     assert meta["model"]["config"]["num_hidden_layers"] == 4
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    state = read_trainer_state(path)  # JSON + safetensors, no pickle
     assert "state_dict" not in state and state["global_step"] == 2
     assert {"loops", "lr_schedulers", "optimizer_states", "callbacks"} <= state.keys()
 

@@ -88,7 +88,7 @@ def test_round_trip_every_dtype_and_plain_zarr_reads_it(
         arr = group[name]
         assert isinstance(arr, zarr.Array)
         assert arr.attrs["torch_dtype"] == str(dtype).removeprefix("torch.")
-        assert arr.compressors == () and arr.filters == ()
+        assert arr.compressors == (zarr.codecs.Crc32cCodec(),) and arr.filters == ()
         assert arr.nchunks_initialized == (1 if x.numel() else 0)
         np.testing.assert_array_equal(arr[...], as_numpy(x))
 
@@ -246,7 +246,7 @@ def test_corruption_is_detected_naming_tensor_and_file(
     with NvmeTier(path, capacity=GiB, backend=posix_backend) as tier:
         for name, why in [
             ("trunc", "holds 20 bytes"), ("gone", "incomplete"),
-            ("edited", "holds 48 bytes.*64 bytes"), ("never.written", "incomplete"),
+            ("edited", "holds 52 bytes.*64 bytes"), ("never.written", "incomplete"),
         ]:  # fmt: skip
             chunk = tier.chunk_path(name)
             with pytest.raises(CorruptTensorError, match=rf"'{name}'.*{chunk}.*") as err:

@@ -238,4 +238,6 @@ def test_caller_tensor_larger_than_staging_streams_through_it(tmp_path: Path) ->
         assert out.data_ptr() % 4096 != 0
         assert torch.equal(store.read("w", out=out), x)
         assert store.stats()["nvme->host"].count == 10
-        assert os.path.getsize(tmp_path / "nvme" / "w" / "c" / "0") == x.numel() * 4
+        assert (
+            os.path.getsize(tmp_path / "nvme" / "w" / "c" / "0") == x.numel() * 4 + 4
+        )  # + CRC-32C

@@ -98,11 +98,13 @@ def test_engine_steps_equal_torch_adamw(
             opt.zero_grad()
         state = engine.state_dict()
         engine.close()
-    # the NVMe-homed state of blocks 0 and 2 is read ahead of each step, once per step
+    # the NVMe-homed state of blocks 0 and 2 is read ahead of each step, at most once per
+    # step; a read-ahead set whose write-back is still running is skipped, never waited for
+    # (the block reads its state when it steps), so how many come ahead depends on the disk
     expected = [f"block.{i}.{k}" for i in (0, 2) for k in STATES]
     if sets >= 2:
         assert sorted(set(ahead)) == expected
-        assert len(ahead) == 3 * 2 * 3
+        assert all(ahead.count(n) <= 3 for n in expected) and len(ahead) % 3 == 0
     else:  # one set: a block whose set is still writing back is read when it steps
         assert set(ahead) <= set(expected) and 3 * 3 <= len(ahead) <= 3 * 2 * 3
     stepped = sorted(i for i, _ in engine.overlap_starts)  # blocks stepped during backward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -14,6 +15,8 @@ import torch
 
 from bb_lightning.planner.measure import cache_path, machine_identity, measure
 
+measure_module = importlib.import_module("bb_lightning.planner.measure")
+
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -22,13 +25,12 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def test_measure_is_sane_and_cached(tmp_path: Path, cache_dir: Path) -> None:
+def test_measure_is_sane_and_cached(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     disk = tmp_path / "nvme"
     disk.mkdir()
-    t0 = time.perf_counter()
     first = measure(nvme_path=str(disk), max_seconds=2.0)
-    took = time.perf_counter() - t0
-    assert took < 10.0
     assert first.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert 1e9 < first.device_flops < 1e16
     assert 1e8 < first.h2d_bandwidth < 1e12 and 1e8 < first.d2h_bandwidth < 1e12
@@ -41,9 +43,11 @@ def test_measure_is_sane_and_cached(tmp_path: Path, cache_dir: Path) -> None:
     assert first.cores == len(os.sched_getaffinity(0))
     assert list(disk.iterdir()) == []  # probe files removed
 
-    t0 = time.perf_counter()
-    second = measure(nvme_path=str(disk), max_seconds=2.0)
-    assert time.perf_counter() - t0 < 0.5
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("a cached profile was measured again")
+
+    monkeypatch.setattr(measure_module, "_measure_now", no_measuring)
+    second = measure(nvme_path=str(disk), max_seconds=2.0)  # from the cache, not measured
     assert second == first
     path = cache_path(machine_identity(str(disk)))
     assert path.parent == cache_dir
