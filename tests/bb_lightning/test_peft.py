@@ -14,6 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.checkpoint import read_trainer_state
 from bb_lightning.engine.pager import Placement
 from bb_lightning.export import export_hf
 from bb_lightning.lora import LoraOptions, lora_profile
@@ -310,7 +311,7 @@ def test_checkpoint_holds_the_adapters_and_restores(base_dir: Path, tmp_path: Pa
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     trained = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     trainer.strategy.close()  # type: ignore[attr-defined]
-    saved = torch.load(tmp_path / "last.ckpt" / "trainer_state.pt", weights_only=False)
+    saved = read_trainer_state(tmp_path / "last.ckpt")
     assert not any("base_layer" in k for k in saved["buffers"])
 
     fresh = LoraLM(base_dir)
