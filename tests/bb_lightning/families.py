@@ -87,6 +87,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "mlp_only_layers": [0],
     },
+    "deepseek_v3_mla_moe": {
+        "model_type": "deepseek_v3",
+        **_BASE,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 16,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "n_group": 1,
+        "topk_group": 1,
+    },
     "olmoe": {"model_type": "olmoe", **_BASE, **_EXPERTS},
 }
 
