@@ -477,6 +477,9 @@ class BlockPager:
         self.shapes = [[tuple(p.shape) for p in params] for params in self.params]
         """Shapes of each block's parameters, in the order of its flat weights."""
         self._tickets: dict[int, Ticket] = {}
+        self.handed_back = False
+        """Whether the parameters hold their own values (the module was given its weights
+        back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
         for i, params in enumerate(self.params):
             master = loader(i) if loader is not None else flatten_fp32(params)
             store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
@@ -545,6 +548,8 @@ class BlockPager:
                 self.release(i)
 
     def _unbind(self, i: int) -> None:
+        if self.handed_back:
+            return
         for p in self.params[i]:
             set_data(p, self._empty)
 
