@@ -21,9 +21,8 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
@@ -151,6 +150,30 @@ class SafetensorsCheckpoint:
 
 
 @contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register every parameter created in the block on the meta device; buffers stay real.
+
+    (What ``accelerate.init_empty_weights(include_buffers=False)`` does, without the
+    dependency: computed buffers such as rotary frequencies keep their values.)
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            value = module._parameters[name]
+            assert value is not None
+            kwargs = dict(value.__dict__, requires_grad=param.requires_grad)
+            module._parameters[name] = type(value)(value.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Seed every generator for the block, then restore the caller's random state."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
@@ -275,7 +298,7 @@ class CausalLMModule(pl.LightningModule):
         if self.checkpoint_dir is not None and self._streams_weights():
             # Parameters on the meta device (buffers real): the strategy reads each tensor
             # from the checkpoint straight into its tier, never the whole model at once.
-            with init_empty_weights(include_buffers=False):
+            with _parameters_on_meta():
                 self.model = AutoModelForCausalLM.from_config(self._config)
         elif self.checkpoint_dir is not None:
             self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
