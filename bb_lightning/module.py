@@ -166,7 +166,7 @@ def _parameters_on_meta() -> Iterator[None]:
             kwargs = dict(value.__dict__, requires_grad=param.requires_grad)
             module._parameters[name] = type(value)(value.to("meta"), **kwargs)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -356,8 +356,12 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                           concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
             try:
                 plan = make_plan(model, hardware, job, overrides=ov)
-            except PlanError as err:
-                rank_zero_info(f"balance_beam: the batch in use cannot be planned ({err})")
+            except PlanError as err:  # the plan printed must be the batch that runs
+                raise ValueError(
+                    f"balance_beam cannot plan batches of {batch} prompts ({err}): use the "
+                    f"planner's {best.concurrent_seqs} (data batch_size: null), or pass "
+                    "placement= to run unplanned"
+                ) from err
         elif batch is None and callable(getattr(dm, "use_planned_batch_size", None)):
             dm.use_planned_batch_size(plan.concurrent_seqs)  # type: ignore[union-attr]
             batch = plan.concurrent_seqs
@@ -416,8 +420,13 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             forced = _replace(ov, micro_batch=micro, grad_accum=accum)
             try:
                 plan = make_plan(model, hardware, job, overrides=forced)
-            except PlanError as err:
-                rank_zero_info(f"balance_beam: the batch in use cannot be planned ({err})")
+            except PlanError as err:  # the plan printed must be the batch that runs
+                raise ValueError(
+                    f"balance_beam cannot plan the batch in use, micro-batch {micro} x "
+                    f"accumulate_grad_batches {accum} ({err}): run the planner's micro-batch "
+                    f"{best.micro_batch} x {best.grad_accum}, or pass placement= to run "
+                    "unplanned"
+                ) from err
         rank_zero_info(plan.explain())
         if micro:
             rank_zero_info(

@@ -98,12 +98,15 @@ class Placement:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Placement:
-        """The placement a fit plan chose (its homes, prefetch depth and read-ahead)."""
+        """The placement a fit plan chose (its homes, prefetch depth and read-ahead, and
+        whether the in-place blocks are recomputed: :meth:`Plan.recomputed_blocks`)."""
+        in_place = plan.in_place_tiers()
         return cls(
             weights=tuple(plan.weights),
             master=tuple(plan.master),
             prefetch_depth=plan.prefetch_depth,
             grads=tuple(plan.grads),
+            recompute_resident=plan.checkpointing and all(w in in_place for w in plan.weights),
             read_ahead=plan.read_ahead,
         )
 
