@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule
 from bb_lightning.engine.pager import Placement
@@ -298,6 +299,11 @@ def test_predict_streams_a_safetensors_checkpoint(tmp_path: Path) -> None:
     )
     with pytest.raises(WeightsInStoreError, match="bb-lightning export"):
         module.state_dict()
+    module.model.save_pretrained(tmp_path / "out")  # streamed from the weights-only store
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, reference.model(ids).logits)
     strategy.close()  # back on the meta device: a later engine reads the checkpoint again
     assert all(p.is_meta for p in module.model.parameters())
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
