@@ -13,6 +13,7 @@ first name; ``from_pretrained`` ties the others.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.trainer_engine import TrainingEngine
 
 __all__ = ["export_hf"]
@@ -86,7 +88,12 @@ def _header(shard: Sequence[Entry]) -> bytes:
 
 
 class _ShardWriter:
-    """Writes planned shards in order, one tensor at a time."""
+    """Writes planned shards in order, one tensor at a time.
+
+    Each file is written under a ``.partial`` name and renamed by :meth:`finish` once
+    every tensor is in; :meth:`abort` removes the partial files (no half-written
+    checkpoint is left behind).
+    """
 
     def __init__(self, out_dir: Path, shards: list[list[Entry]]) -> None:
         self.out_dir = out_dir
@@ -109,7 +116,7 @@ class _ShardWriter:
             )
         if index != self._shard:
             self._close_file()
-            self._file = open(self.out_dir / self.files[index], "wb")
+            self._file = open(self._partial(index), "wb")
             self._file.write(_header(self.shards[index]))
             self._shard = index
         data = value.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8)
@@ -117,15 +124,26 @@ class _ShardWriter:
         self._file.write(data.numpy().tobytes())
         self._next += 1
 
+    def _partial(self, index: int) -> Path:
+        return self.out_dir / (self.files[index] + ".partial")
+
     def _close_file(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
+    def abort(self) -> None:
+        """Close and remove the files written so far."""
+        self._close_file()
+        for i in range(len(self.files)):
+            self._partial(i).unlink(missing_ok=True)
+
     def finish(self) -> None:
         self._close_file()
         if self._next != len(self.order):
             raise ValueError(f"{len(self.order) - self._next} planned tensors were not written")
+        for i, name in enumerate(self.files):
+            os.replace(self._partial(i), self.out_dir / name)
         if len(self.shards) > 1:
             index = {
                 "metadata": {"total_size": sum(_nbytes(e) for _, e in self.order)},
@@ -135,9 +153,12 @@ class _ShardWriter:
             (self.out_dir / "model.safetensors.index.json").write_text(text, encoding="utf-8")
 
 
-def _engine_of(source: Any) -> TrainingEngine | None:
-    engine = getattr(source, "engine", source)
-    return engine if isinstance(engine, TrainingEngine) else None
+def _engine_of(source: Any) -> TrainingEngine | InferenceEngine | None:
+    """The engine of a strategy (its training engine, else its weights-only one) or engine."""
+    for engine in (getattr(source, "engine", None), getattr(source, "inference", None), source):
+        if isinstance(engine, (TrainingEngine, InferenceEngine)):
+            return engine
+    return None
 
 
 Spec = tuple[str, tuple[int, ...], "torch.dtype | None"]
@@ -147,6 +168,8 @@ Spec = tuple[str, tuple[int, ...], "torch.dtype | None"]
 def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str, Tensor]]]:
     """(model info, specs, iterator of (name, tensor)) of a source, parameters then buffers."""
     engine = _engine_of(source)
+    if isinstance(engine, InferenceEngine):
+        return _inference_source(engine)
     if engine is not None and (engine.frozen_params or any(engine.pager.frozen)):
         raise ValueError(
             "export_hf writes every weight from the optimizer state, but this model has "
@@ -161,7 +184,11 @@ def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str
             for key, shape in zip(keys, state.shapes, strict=True)
         ]
         names = {k for k, _ in engine.model.named_parameters(remove_duplicate=False)}
-        buffers = [(k, b) for k, b in engine.model.state_dict().items() if k not in names]
+        buffers = [
+            (k, b.detach())
+            for k, b in engine.model.state_dict(keep_vars=True).items()
+            if k not in names
+        ]
         masters = ((k, s["master"]) for k, s in engine.iter_state(("master",)))
         return ckpt.model_info(engine.model), _specs(params, buffers), _chain(masters, buffers)
     if not isinstance(source, (str, os.PathLike)):
@@ -175,6 +202,39 @@ def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str
     buffers = list(state.get("buffers", {}).items())
     masters = ((k, ckpt.read_array(source, "master", k)) for k, _ in params)
     return meta["model"], _specs(params, buffers), _chain(masters, buffers)
+
+
+def _inference_source(
+    engine: InferenceEngine,
+) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str, Tensor]]]:
+    """A weights-only engine's compute-dtype weights, one block read at a time."""
+    first: dict[int, str] = {}
+    for key, p in engine.model.named_parameters():
+        first.setdefault(id(p), key)
+    blocks = [[first[id(p)] for p in params] for params in engine.pager.params]
+    params = [(k, s) for keys, shapes in zip(blocks, engine.pager.shapes, strict=True)
+              for k, s in zip(keys, shapes, strict=True)]  # fmt: skip
+    params += [(first[id(p)], tuple(p.shape)) for p in engine.resident_params]
+    names = {k for k, _ in engine.model.named_parameters(remove_duplicate=False)}
+    buffers = [
+        (k, b.detach())
+        for k, b in engine.model.state_dict(keep_vars=True).items()
+        if k not in names
+    ]
+
+    def weights() -> Iterator[tuple[str, Tensor]]:
+        engine.pager.release_all_except(())
+        for i, keys in enumerate(blocks):
+            flat = engine.store.read(engine.pager.names[i])
+            offset = 0
+            for key, shape in zip(keys, engine.pager.shapes[i], strict=True):
+                n = math.prod(shape)
+                yield key, flat[offset : offset + n].view(shape)
+                offset += n
+        for p in engine.resident_params:
+            yield first[id(p)], p.detach()
+
+    return ckpt.model_info(engine.model), _specs(params, buffers), _chain(weights(), buffers)
 
 
 def _specs(
@@ -202,7 +262,8 @@ def export_hf(
 
     Args:
         source: a balance_beam checkpoint directory, a ``BalanceBeamStrategy`` after
-            ``fit`` (its engine), or a ``TrainingEngine``.
+            ``fit`` (its engine; after a weights-only ``validate`` / ``predict``, its
+            compute-dtype weights), a ``TrainingEngine`` or an ``InferenceEngine``.
         out_dir: directory to write (created; existing files of the same names replaced).
         dtype: dtype of the floating-point weights in the files (``torch.bfloat16`` or
             ``torch.float32``); buffers that are not floating point keep theirs.
@@ -236,10 +297,14 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(out, _plan_shards(entries, max_shard_bytes))
-    for key, value in tensors:
-        if key.startswith(prefix):
-            writer.write(key.removeprefix(prefix), value)
-    writer.finish()
+    try:
+        for key, value in tensors:
+            if key.startswith(prefix):
+                writer.write(key.removeprefix(prefix), value)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
     config = dict(info["config"])
     config["architectures"] = info["architectures"]
     config["dtype"] = str(dtype).removeprefix("torch.")

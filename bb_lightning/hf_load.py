@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -152,6 +152,30 @@ def check_generation(model: PreTrainedModel) -> None:
         )
 
 
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register every parameter created in the block on the meta device; buffers stay real.
+
+    (What ``accelerate.init_empty_weights(include_buffers=False)`` does, without the
+    dependency: computed buffers such as rotary frequencies keep their values.)
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            value = module._parameters[name]
+            assert value is not None
+            kwargs = dict(value.__dict__, requires_grad=param.requires_grad)
+            module._parameters[name] = type(value)(value.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """``AutoModelForCausalLM`` of ``config`` with parameters on the meta device, tied ones tied.
 
@@ -160,14 +184,14 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """
     check_supported(config)
     try:
-        with init_empty_weights(include_buffers=False):
+        with _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config)
     except ValueError as err:  # transformers: "Unrecognized configuration class ..."
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(
             f"model_type={config.model_type!r} has no causal LM in transformers: {first}"
         ) from None
-    model.tie_weights()  # init_empty_weights creates fresh meta parameters after the tie
+    model.tie_weights()  # _parameters_on_meta creates fresh meta parameters after the tie
     return model
 
 

@@ -36,12 +36,16 @@ Optimizer: without gradient clipping, each block's host AdamW step runs while
 backward continues on earlier blocks (``overlap_optimizer``).
 
 Lifecycle: the engine and its store outlive ``teardown`` so that ``fit``,
-``validate`` and ``fit`` again reuse them (parameters stay empty between calls:
-the weights live in the store). :meth:`close`, or garbage collection of the
-strategy, closes the store (NVMe lock released, temporary directory removed).
-:meth:`gather_full_model` puts the fp32 master weights back into the module's
-parameters and closes the store; ``gather_on_teardown=True`` does it at the end
-of every ``trainer.*`` call.
+``validate`` and ``fit`` again reuse them (AdamW moments and step count kept). At the
+end of every ``trainer.*`` call the module gets its trained weights back, as after
+plain Lightning (:mod:`bb_lightning.handback`): host fp32 parameters, ``state_dict()``
+and ``save_pretrained`` as usual; the next call pages them again from the module's
+values. Where they do not fit in host memory (``gather_limit``), the module stays
+hollow but says so: ``state_dict()`` raises an error naming ``bb-lightning export`` and
+``save_pretrained`` streams the weights from the store. :meth:`close`, or garbage
+collection of the strategy, closes the store (NVMe lock released, temporary directory
+removed). :meth:`gather_full_model` puts the weights into the module and closes the
+store; ``gather_on_teardown=True`` does that at the end of every ``trainer.*`` call.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from transformers import PreTrainedModel
 
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-from bb_lightning.engine.pager import Placement, set_data
+from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
@@ -73,6 +77,7 @@ from bb_lightning.engine.trainer_engine import (
     param_counts,
     required_budgets,
 )
+from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
@@ -129,7 +134,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         warmup_steps: int = 3,
         adapt_tolerance: float | None = 0.25,
         overlap_optimizer: bool = True,
-        gather_on_teardown: bool = False,
+        gather_on_teardown: bool | None = None,
+        gather_limit: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any | None = None,
         precision_plugin: Any | None = None,
@@ -157,8 +163,15 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             adapt_tolerance: relative difference of measured and predicted phase times
                 that triggers a re-plan; None only logs the comparison.
             overlap_optimizer: step each block during backward when no clipping is set.
-            gather_on_teardown: put the trained weights back into the module's parameters
-                (and close the store) at the end of every ``trainer.*`` call.
+            gather_on_teardown: at the end of every ``trainer.*`` call, None gives the
+                module its trained weights back (host fp32 parameters; the store stays
+                open for the next call) when they fit ``gather_limit``, else leaves them
+                in the store (``state_dict()`` raises naming ``bb-lightning export``,
+                ``save_pretrained`` streams from the store); True always gives them back
+                and closes the store (:meth:`gather_full_model`); False always leaves
+                them in the store.
+            gather_limit: most bytes of fp32 weights given back to the module's
+                parameters; None: 80% of the host memory available at that time.
         """
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         super().__init__(
@@ -180,6 +193,13 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.adapt_tolerance = adapt_tolerance
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown
+        if gather_limit is not None and gather_limit < 0:
+            raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
+        self.gather_limit = gather_limit
+        self._handed_back: TrainingEngine | InferenceEngine | None = None
+        """The engine whose module holds its weights (handed back at teardown)."""
+        self._guard: HollowGuard | None = None
+        """Guards a module left hollow at teardown (weights only in the store)."""
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
@@ -244,6 +264,9 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            _check_clipping(trainer, module)  # a bad setting fails before anything is built
+        self._take_back(module)
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
             if not fit_state:
@@ -253,6 +276,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # The engine clips the host gradients at its step; the device parameters hold none.
+        self.precision_plugin.clip_gradients = _engine_clips  # type: ignore[method-assign]
 
     def resolved_dtype(self) -> torch.dtype:
         """The compute dtype: the constructor's, else the Trainer's precision."""
@@ -356,8 +381,12 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                           concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
             try:
                 plan = make_plan(model, hardware, job, overrides=ov)
-            except PlanError as err:
-                rank_zero_info(f"balance_beam: the batch in use cannot be planned ({err})")
+            except PlanError as err:  # the plan printed must be the batch that runs
+                raise ValueError(
+                    f"balance_beam cannot plan batches of {batch} prompts ({err}): use the "
+                    f"planner's {best.concurrent_seqs} (data batch_size: null), or pass "
+                    "placement= to run unplanned"
+                ) from err
         elif batch is None and callable(getattr(dm, "use_planned_batch_size", None)):
             dm.use_planned_batch_size(plan.concurrent_seqs)  # type: ignore[union-attr]
             batch = plan.concurrent_seqs
@@ -416,8 +445,13 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             forced = _replace(ov, micro_batch=micro, grad_accum=accum)
             try:
                 plan = make_plan(model, hardware, job, overrides=forced)
-            except PlanError as err:
-                rank_zero_info(f"balance_beam: the batch in use cannot be planned ({err})")
+            except PlanError as err:  # the plan printed must be the batch that runs
+                raise ValueError(
+                    f"balance_beam cannot plan the batch in use, micro-batch {micro} x "
+                    f"accumulate_grad_batches {accum} ({err}): run the planner's micro-batch "
+                    f"{best.micro_batch} x {best.grad_accum}, or pass placement= to run "
+                    "unplanned"
+                ) from err
         rank_zero_info(plan.explain())
         if micro:
             rank_zero_info(
@@ -540,10 +574,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             # Called at the accumulation boundary, before the window's last backward (in
             # the closure); the lr read now is this step's (schedulers step afterwards).
             trainer = self.lightning_module.trainer if self.lightning_module else None
-            clip = ClipConfig(
-                value=None if trainer is None else trainer.gradient_clip_val,
-                algorithm=str(getattr(trainer, "gradient_clip_algorithm", None) or "norm"),
-            )
+            clip = clip_config(trainer)
             adamw = adamw_from_optimizer(optimizer)
             engine = self.engine
             assert engine is not None
@@ -569,7 +600,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 self._busy0 = engine.optimizer_busy_s
             engine.timer.begin_step()
             trainer = self.lightning_module.trainer if self.lightning_module else None
-            if self.overlap_optimizer and trainer is not None and not trainer.gradient_clip_val:
+            if self.overlap_optimizer and clip_config(trainer).value is None:
                 engine.read_state_ahead()  # this window ends in an overlapped step
 
     def _skip(self) -> int:
@@ -719,40 +750,95 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     # -- teardown -----------------------------------------------------------
 
     def teardown(self) -> None:
-        """Release paged blocks; the store stays open unless ``gather_on_teardown``."""
-        if self.inference is not None:
-            self.inference.pager.release_all_except(())
-            if self.gather_on_teardown:
-                self.gather_full_model()
+        """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
+        engine = self.engine if self.engine is not None else self.inference
         if self.engine is not None:
             self.engine.grads.wait()
-            self.engine.pager.release_all_except(())
-            if self.gather_on_teardown:
-                self.gather_full_model()
+        if engine is not None:
+            engine.pager.release_all_except(())
+            self._hand_back(engine)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
+    def _hand_back(self, engine: TrainingEngine | InferenceEngine) -> None:
+        """The module's weights back in its parameters, or a loud hollow module."""
+        if self._handed_back is engine or self._guard is not None:
+            return
+        if self.gather_on_teardown:
+            self.gather_full_model()
+            return
+        nbytes = param_bytes(engine)
+        fits, limit = fits_host(nbytes, self.gather_limit)
+        if self.gather_on_teardown is None and fits:
+            hand_back(engine)
+            self._handed_back = engine
+            return
+        why = (
+            "gather_on_teardown=False"
+            if self.gather_on_teardown is False
+            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {limit / 2**30:.3g} GiB"
+            " (gather_limit)"
+        )
+        self._guard = HollowGuard(engine, self, why)
+
+    def _take_back(self, module: pl.LightningModule) -> None:
+        """Page a module handed back at the last teardown again (its values into the store)."""
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        engine, self._handed_back = self._handed_back, None
+        if engine is not None and engine.model is module:
+            take_back(engine)
+        elif engine is not None:  # another module: the old one keeps its weights
+            self._drop(engine)
+
+    def _drop(self, engine: TrainingEngine | InferenceEngine) -> None:
+        """Forget a handed-back engine without touching its module's parameters."""
+        if engine is self.inference:
+            self.inference = None  # its forwards are already removed; nothing else to stop
+        elif engine is self.engine:
+            engine.close()
+            self.engine = None
+
     def gather_full_model(self) -> torch.nn.Module:
-        """Put the fp32 master weights into the module's parameters (host); close the store.
+        """Put the weights into the module's parameters (host, fp32); close the store.
 
         The module then runs without the strategy (ordinary forwards, every parameter
-        materialised on the CPU in fp32); a later ``trainer.*`` call pages it again from
-        these values (the AdamW moments are not kept). Returns the module.
+        materialised on the CPU in fp32: the fp32 master weights after ``fit``, the
+        compute-dtype weights after a weights-only ``validate`` / ``predict``); a later
+        ``trainer.*`` call pages it again from these values (the AdamW moments are not
+        kept). Returns the module.
         """
         module = self.lightning_module
         assert module is not None
-        if self.engine is None and self.inference is None:
-            return module
-        state = self.engine.state_dict() if self.engine else self._inference().state_dict()
+        engine = self.engine if self.engine is not None else self.inference
+        if engine is not None and self._handed_back is not engine:
+            if self._guard is not None:
+                self._guard.remove()
+                self._guard = None
+            hand_back(engine)
+            self._handed_back = engine
         self.close()
-        for key, p in module.named_parameters(remove_duplicate=False):
-            set_data(p, state[key])
         return module
 
     def close(self) -> None:
-        """Remove the engine's wrappers and close the store (NVMe lock released)."""
+        """Remove the engine's wrappers and close the store (NVMe lock released).
+
+        A module handed back keeps its weights; a hollow one keeps raising (its weights
+        are gone with the store).
+        """
+        if self._handed_back is not None:
+            self._drop(self._handed_back)
+            self._handed_back = None
+        if self._guard is not None:  # a weights-only engine gives unstreamed weights back
+            inference = self.inference
+            if inference is not None and self.engine is None and not inference.streamed:
+                self._guard.remove()
+            else:
+                self._guard.store_closed()
+            self._guard = None
         if self.inference is not None:
             self.inference.close()  # the module gets its parameters back
             self.inference = None
@@ -795,6 +881,42 @@ def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
 
 def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
     return PlanOverrides(**{**overrides.__dict__, **changes})
+
+
+def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
+    """The Trainer's gradient clipping as the engine runs it, as plain Lightning reads it.
+
+    ``gradient_clip_val`` None or 0 means no clipping; ``gradient_clip_algorithm``
+    ``"norm"`` (the default) clips the global 2-norm, ``"value"`` clamps each gradient
+    element to [-value, value]. A negative or non-finite value raises ``ValueError``.
+    """
+    value = None if trainer is None else trainer.gradient_clip_val
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+    algorithm = str(getattr(algorithm, "value", algorithm)).lower()
+    if value is not None and float(value) < 0:
+        raise ValueError(
+            f"gradient_clip_val={value} must be >= 0 (0 or None: no clipping): pass a "
+            "positive maximum gradient norm or value"
+        )
+    return ClipConfig(value=float(value) if value else None, algorithm=algorithm)
+
+
+def _engine_clips(*args: Any, **kwargs: Any) -> None:
+    """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
+
+
+def _check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    """Refuse, before training, clipping settings the engine cannot run."""
+    clip_config(trainer)
+    if (
+        type(module).configure_gradient_clipping
+        is not pl.LightningModule.configure_gradient_clipping
+    ):
+        raise ValueError(
+            f"{type(module).__name__} overrides configure_gradient_clipping, which balance_beam "
+            "cannot run (gradients reach the host AdamW, never .grad): remove the override and "
+            "set Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value')"
+        )
 
 
 def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:

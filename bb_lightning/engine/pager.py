@@ -105,12 +105,15 @@ class Placement:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Placement:
-        """The placement a fit plan chose (its homes, prefetch depth and read-ahead)."""
+        """The placement a fit plan chose (its homes, prefetch depth and read-ahead, and
+        whether the in-place blocks are recomputed: :meth:`Plan.recomputed_blocks`)."""
+        in_place = plan.in_place_tiers()
         return cls(
             weights=tuple(plan.weights),
             master=tuple(plan.master),
             prefetch_depth=plan.prefetch_depth,
             grads=tuple(plan.grads),
+            recompute_resident=plan.checkpointing and all(w in in_place for w in plan.weights),
             read_ahead=plan.read_ahead,
         )
 
@@ -517,6 +520,9 @@ class BlockPager:
         self.frozen_shapes = [[tuple(p.shape) for p in params] for params in self.frozen]
         """Shapes of each block's frozen parameters, in the order of its frozen weights."""
         self._tickets: dict[int, Ticket] = {}
+        self.handed_back = False
+        """Whether the parameters hold their own values (the module was given its weights
+        back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
         for i, params in enumerate(self.params):
             master = loader(i) if loader is not None else flatten_fp32(every[i])
             frozen_name = self.frozen_names[i]
@@ -601,6 +607,8 @@ class BlockPager:
                 self.release(i)
 
     def _unbind(self, i: int) -> None:
+        if self.handed_back:
+            return
         for p in (*self.params[i], *self.frozen[i]):
             set_data(p, self._empty)
 

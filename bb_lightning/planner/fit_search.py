@@ -18,6 +18,7 @@ matrices skip their weight gradients (:func:`cost.train_flops_per_token`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,8 @@ def price(
     np_ = n - kf - kw  # paged blocks
     off = n - kf  # blocks whose optimizer runs on the host
     paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
+    # checkpointing forced on a placement that pages nothing: every block is recomputed
+    act_kept = np.where(np_ > 0, kf + kw, 0.0) if ckpt else kf + kw
     in_flight = np.where(off > 0, float(cost.grad_bytes_in_flight(model)), 0.0)
     dev = (
         nw * BF16_BYTES
@@ -131,7 +134,7 @@ def price(
         + kf * (bb + p * (FULL_DEVICE_BYTES - BF16_BYTES))
         + paging
         + in_flight
-        + cost.activation_bytes(model, mb, s, ckpt, kf + kw)
+        + cost.activation_bytes(model, mb, s, ckpt, act_kept)
         + cost.logits_bytes(model, mb * s)
     )
     mandatory = paging + in_flight + nb * (FP32_BYTES + ADAM_STATE_BYTES)
@@ -160,9 +163,11 @@ def price(
     host = budgets[1] - free
     nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * p + (off - m_h) * ADAM_STATE_BYTES * p
     feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2]) & ok_w & ok_m
+    recomputed, runnable = _recompute(model, hw, job, ov, ckpt, np_, w_h)
+    feasible &= runnable
 
     # resident blocks (and blocks used in place) keep their activations: never recomputed
-    flops = float(g * s) * cost.train_flops_per_token(model, s, ckpt, kf + kw + in_place)
+    flops = float(g * s) * cost.train_flops_per_token(model, s, ckpt, n - recomputed)
     compute = cost.compute_seconds(flops, hw)
     c_pass = compute / ga
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
@@ -224,6 +229,7 @@ def price(
         "kf": kf,
         "kw": kw,
         "in_place": in_place,
+        "recomputed": recomputed,
         "read_ahead": k,
         "shared": shared,
     }
@@ -231,6 +237,31 @@ def price(
         out[link] = ga * links[link] + opt_links.get(link, 0.0)
     out["compute"] = np.full_like(kf, compute)
     return out
+
+
+def _recompute(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    ckpt: bool,
+    paged: Arr,
+    paged_host: Arr,
+) -> tuple[Arr, npt.NDArray[np.bool_]]:
+    """(blocks recomputed in backward, whether the engine runs the candidate).
+
+    The engine recomputes every block whose weights it pages in by copy (all paged
+    blocks; on a CPU device not the HOST-home ones, used in place), and no other unless
+    every block is used in place and checkpointing is forced on
+    (``Placement.recompute_resident``: then all are). So checkpointing off runs only
+    where nothing is copied, and on (unless forced) only where something is.
+    """
+    copied = paged - (paged_host if hw.device_type == "cpu" else 0.0)
+    if not ckpt:
+        return np.zeros_like(paged), copied == 0
+    forced = (ov.checkpointing if ov.checkpointing is not None else job.checkpointing) is True
+    recomputed = np.where(copied > 0, copied, float(model.num_blocks))
+    return recomputed, (copied > 0) | forced
 
 
 def _state_reads(
@@ -344,6 +375,15 @@ def diagnose(
     if kf.size == 0:
         return f"no block placement satisfies the overrides {ov}: relax them"
     a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf[:1], kw[:1])
+    relaxed = dataclasses.replace(ov, checkpointing=None)
+    if ckpts == [False] and search(
+        model, hw, dataclasses.replace(job, checkpointing=None), relaxed, budgets
+    ):
+        return (
+            "checkpointing off needs every block used in place (resident on the device, or "
+            "homed on the host of a CPU device), but the memory does not hold them: blocks "
+            "paged in by copy are always recomputed; allow checkpointing (checkpointing=None)"
+        )
     dev, mand, nvme = float(a["device"][0]), float(a["mandatory"][0]), float(a["nvme"][0])
     dev_b, host_b, nvme_b = budgets
     fmt = format_bytes
@@ -433,9 +473,8 @@ def build_plan(
     tok_s = job.tokens_per_step / v["total"]
     paged = n - kf - kw
     in_place = int(v.get("in_place", 0.0))
-    fpt = cost.train_flops_per_token(
-        model, job.seq_len, best.checkpointing, float(kf + kw + in_place)
-    )
+    recomputed = int(v["recomputed"])
+    fpt = cost.train_flops_per_token(model, job.seq_len, best.checkpointing, float(n - recomputed))
     bw = cost.effective_bandwidths(hw)
     roof = Roofline(
         flops_per_token=fpt,
@@ -462,9 +501,9 @@ def build_plan(
         f"{format_bytes(cost.activation_bytes(model, best.micro_batch, job.seq_len, best.checkpointing))}"
         f" per micro-batch; "
         + (
-            "recompute costs a quarter more block FLOPs"
+            f"{recomputed} of {n} blocks recomputed in backward (a quarter more FLOPs each)"
             if best.checkpointing
-            else "no recompute needed"
+            else "no block is paged in by copy, none is recomputed"
         ),
         f"{kf + kw} of {n} blocks resident with leftover device memory ({kf} with gradients and "
         f"optimizer on the device); each resident block saves "

@@ -211,6 +211,27 @@ class Plan:
     reasons: tuple[str, ...] = ()
     """Why each choice was made, for people."""
 
+    def in_place_tiers(self) -> frozenset[Tier]:
+        """Weight homes the engine uses in place, without a copy: DEVICE, and HOST when
+        the device is the CPU (the two tiers share its memory)."""
+        if self.hardware.device_type == "cpu":
+            return frozenset((Tier.DEVICE, Tier.HOST))
+        return frozenset((Tier.DEVICE,))
+
+    def recomputed_blocks(self) -> tuple[int, ...]:
+        """Blocks whose forward runs again in backward (fit), as the engine executes it.
+
+        With checkpointing: the blocks paged in by copy (homed off :meth:`in_place_tiers`),
+        or every block where none is (checkpointing forced on; the placement then
+        recomputes the in-place blocks too). Without: none (the search only offers it
+        where no block is copied).
+        """
+        if self.task != "fit" or not self.checkpointing:
+            return ()
+        in_place = self.in_place_tiers()
+        copied = tuple(i for i, w in enumerate(self.weights) if w not in in_place)
+        return copied or tuple(range(len(self.weights)))
+
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict; :meth:`from_dict` inverts it."""
@@ -308,8 +329,9 @@ class Plan:
             lines.append(
                 f"batch: micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
                 f"{self.tokens_per_pass} tokens per pass, prefetch depth {self.prefetch_depth}, "
-                f"checkpointing {'on' if self.checkpointing else 'off'} (limited by "
-                f"{self.limited_by})"
+                f"checkpointing {'on' if self.checkpointing else 'off'} "
+                f"({len(self.recomputed_blocks())} of {len(self.weights)} blocks recomputed; "
+                f"limited by {self.limited_by})"
             )
         else:
             lines.append(

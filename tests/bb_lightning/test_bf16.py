@@ -81,8 +81,10 @@ def test_bf16_blocks_with_fp32_masters_match_reference(
     trainer, recorder = tiny.make_trainer(strategy, STEPS, precision=precision)
     trainer.fit(module, tiny.loader(STEPS))
     assert strategy.engine is not None and strategy.engine.compute_dtype == torch.bfloat16
+    assert strategy.engine.store.host_view("block.0.weight").dtype == torch.bfloat16  # paged
     layer = module.model.model.layers[0] if module.model is not None else None
-    assert layer is not None and layer.self_attn.q_proj.weight.dtype == torch.bfloat16
+    # after fit the module holds the fp32 master weights (handed back to its parameters)
+    assert layer is not None and layer.self_attn.q_proj.weight.dtype == torch.float32
     torch.testing.assert_close(
         torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
     )

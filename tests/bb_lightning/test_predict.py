@@ -13,9 +13,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule
 from bb_lightning.engine.pager import Placement
+from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import HardwareProfile, PredictJob
 from bb_lightning.strategy import BalanceBeamStrategy
@@ -287,14 +289,21 @@ def test_predict_streams_a_safetensors_checkpoint(tmp_path: Path) -> None:
     assert reference.model is not None
     reference.model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     module = CausalLMModule(str(tmp_path / "ckpt"), max_new_tokens=4)
-    strategy = BalanceBeamStrategy(
-        placement=Placement.uniform(3, weights=Tier.HOST), compute_dtype="fp32"
+    strategy = BalanceBeamStrategy(  # gather_limit 0: too large for the host, stays streamed
+        placement=Placement.uniform(3, weights=Tier.HOST), compute_dtype="fp32", gather_limit=0
     )
     dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
     _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
     assert module.model is not None and all(  # streamed: never materialised in the module
         p.numel() == 0 for p in module.model.model.layers.parameters()
     )
+    with pytest.raises(WeightsInStoreError, match="bb-lightning export"):
+        module.state_dict()
+    module.model.save_pretrained(tmp_path / "out")  # streamed from the weights-only store
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, reference.model(ids).logits)
     strategy.close()  # back on the meta device: a later engine reads the checkpoint again
     assert all(p.is_meta for p in module.model.parameters())
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]

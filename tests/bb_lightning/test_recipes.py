@@ -8,11 +8,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from bb_lightning.cli import UsageError, main, parse_recipe
+from bb_lightning.export import export_hf
 from bb_lightning.lora import LoraOptions, lora_profile
 from bb_lightning.planner import FitJob, ModelProfile, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+from bb_lightning.tokenizer import ByteTokenizer
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -69,8 +73,9 @@ def test_a_bad_key_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tiny_cpu_recipe_runs_end_to_end(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # the recipe's relative paths (checkpoints) land here
     recipe = next(p for p in RECIPES if p.stem == "tiny-cpu")
     run = tmp_path / "run"
     argv = [
@@ -91,3 +96,49 @@ def test_tiny_cpu_recipe_runs_end_to_end(
     losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert losses and all(loss == loss for loss in losses)
     assert any(float(r["tokens/s"]) > 0 for r in rows if r.get("tokens/s"))
+
+
+@pytest.mark.slow
+def test_tiny_cpu_predict_generates_from_the_main_jobs_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's main job (2 steps), then the predict recipe on its last checkpoint: the
+    tokens equal Hugging Face greedy ``generate`` of the checkpoint's weights."""
+    recipes = {p.stem: p for p in RECIPES}
+    fit_cfg = parse_recipe(["fit", "--config", str(recipes["tiny-cpu"])])
+    predict_cfg = parse_recipe(["predict", "--config", str(recipes["tiny-cpu-predict"])])
+    assert predict_cfg.model.init_args.model == fit_cfg.model.init_args.model
+    prompts = recipes["tiny-cpu"].parent / "tiny-cpu-prompts.jsonl"
+    monkeypatch.chdir(tmp_path)  # runs/tiny-cpu/... of both recipes land here
+    fit = [
+        "fit", "--config", str(recipes["tiny-cpu"]),
+        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+        "--data.init_args.max_tokens=20000", "--data.init_args.cache_dir=null", "--samples=[]",
+        "--trainer.strategy.init_args.hardware=a100-80gb",  # planned without probes
+    ]  # fmt: skip
+    assert main(fit) == 0
+    ckpt = tmp_path / "runs" / "tiny-cpu" / "checkpoints" / "last.ckpt"
+    assert (ckpt / "state.zarr").is_dir()
+    predict = [
+        "predict", "--config", str(recipes["tiny-cpu-predict"]),
+        f"--data.init_args.path={prompts}", "--model.init_args.max_new_tokens=4",
+        "--trainer.strategy.init_args.hardware=a100-80gb",
+    ]  # fmt: skip
+    assert main(predict) == 0
+    out = tmp_path / "runs" / "tiny-cpu" / "predictions.jsonl"
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    texts = {r["id"]: r["prompt"] for r in map(json.loads, prompts.read_text().splitlines())}
+    assert records.keys() == texts.keys()
+    model = AutoModelForCausalLM.from_pretrained(
+        export_hf(ckpt, tmp_path / "hf", dtype=torch.float32), dtype=torch.float32
+    )
+    tokenizer = ByteTokenizer()
+    for key, text in texts.items():
+        ids = torch.tensor([tokenizer.encode(text)])
+        with torch.no_grad():
+            want = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                do_sample=False, pad_token_id=0,
+            )[0, ids.shape[1] :].tolist()  # fmt: skip
+        assert records[key]["token_ids"] == want, key
+        assert records[key]["text"] == tokenizer.decode(want)

@@ -1,0 +1,206 @@
+"""The trained model back in the user's hands after ``trainer.fit`` / ``validate`` / ``predict``.
+
+While the strategy runs, the paged blocks of a module hold empty parameters: their
+weights live in the tensor store. At the end of each ``trainer.*`` call
+:func:`hand_back` gives the module its weights again, as plain Lightning leaves it:
+every parameter a host (CPU) fp32 tensor holding the trained values (the fp32 master
+weights; after a weights-only ``validate`` / ``predict``, the compute-dtype weights
+cast to fp32), floating-point buffers in fp32 on the host, the blocks' own forwards
+back. ``state_dict()``, ``save_pretrained`` and forwards then work as without the
+strategy. The store stays open: the next ``trainer.*`` call on the same strategy
+:func:`take_back` the module (its current parameter values loaded into the store, so
+edits between calls count; AdamW moments and step count kept).
+
+Where the fp32 weights exceed what host memory can hold (:func:`fits_host`), the
+module stays hollow and :class:`HollowGuard` makes that loud instead of silent:
+``state_dict()`` of the module, of its Hugging Face model or of any module holding a
+paged block raises :class:`WeightsInStoreError` (which names ``bb-lightning export``),
+and the Hugging Face model's ``save_pretrained(dir)`` streams the weights from the store
+one block at a time through :func:`bb_lightning.export.export_hf` (each file written
+under a temporary name and renamed when complete, so a failure leaves no partial
+checkpoint). Forwards still run through the store's paged blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers import PreTrainedModel
+
+from bb_lightning.engine.inference import InferenceEngine
+from bb_lightning.engine.pager import buffers_to, set_data
+from bb_lightning.engine.trainer_engine import TrainingEngine
+
+__all__ = [
+    "HOST_SHARE",
+    "HollowGuard",
+    "WeightsInStoreError",
+    "fits_host",
+    "hand_back",
+    "param_bytes",
+    "take_back",
+]
+
+Engine = TrainingEngine | InferenceEngine
+
+HOST_SHARE = 0.8
+"""Share of the host memory available (``psutil``) that the handed-back fp32 copy may take
+when no explicit limit is given."""
+
+
+class WeightsInStoreError(RuntimeError):
+    """The module's trained weights live in the balance_beam store, not in its parameters."""
+
+
+def param_bytes(engine: Engine) -> int:
+    """Bytes of the model's parameters in fp32 (each shared parameter once)."""
+    paged = sum(math.prod(s) for shapes in engine.pager.shapes for s in shapes)
+    return 4 * (paged + sum(p.numel() for p in engine.resident_params))
+
+
+def fits_host(nbytes: int, limit: int | None) -> tuple[bool, int]:
+    """Whether ``nbytes`` fit the host limit (bytes; None: :data:`HOST_SHARE` of the
+    memory available now), and the limit used."""
+    if limit is None:
+        limit = int(HOST_SHARE * psutil.virtual_memory().available)
+    return nbytes <= limit, limit
+
+
+def hand_back(engine: Engine) -> None:
+    """Put the engine's weights into the module's parameters (host, fp32); restore forwards.
+
+    The store keeps its copy (and the optimizer state); :func:`take_back` undoes this.
+    """
+    if isinstance(engine, TrainingEngine):
+        engine.grads.wait()
+    engine.pager.release_all_except(())
+    state = engine.state_dict()
+    engine.paged.remove()
+    for key, p in engine.model.named_parameters(remove_duplicate=False):
+        set_data(p, state[key])
+    engine.pager.handed_back = True  # reads of the store no longer unbind them
+    buffers_to(engine.model, torch.device("cpu"), torch.float32)
+
+
+def take_back(engine: Engine) -> None:
+    """Page a handed-back module again: its current parameter values into the store, the
+    blocks' parameters unbound, the other parameters and the buffers on the device in the
+    compute dtype, the paged forwards installed."""
+    values = {key: p.detach() for key, p in engine.model.named_parameters()}
+    engine.load_state_dict(values)
+    engine.pager.handed_back = False
+    for p in engine.resident_params:
+        set_data(p, p.detach().to(engine.device, engine.compute_dtype))
+    for i in range(engine.pager.num_blocks):
+        engine.pager.release(i)  # unbinds resident blocks too
+    buffers_to(engine.model, engine.device, engine.compute_dtype)
+    engine.paged.install()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def shard_bytes(size: int | str) -> int:
+    """``save_pretrained``'s ``max_shard_size`` (bytes, or ``"5GB"`` / ``"500MiB"``) in bytes."""
+    if isinstance(size, int):
+        return size
+    match = _SIZE.match(size)
+    if match is None:
+        raise ValueError(f"max_shard_size={size!r}: pass bytes or a size such as '5GB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+class HollowGuard:
+    """Makes a module whose weights stay in the store refuse ``state_dict()`` and stream
+    ``save_pretrained``, until :meth:`remove`.
+
+    ``source`` returns the strategy (or engine) to stream from, None once its store is
+    closed; it is held weakly so the guard never keeps a strategy alive.
+    """
+
+    def __init__(self, engine: Engine, source: Any, reason: str) -> None:
+        self.reason = reason
+        self._source: Callable[[], Any] = weakref.ref(source)
+        self._engine: weakref.ref[Engine] = weakref.ref(engine)
+        self._closed = False
+        self._hooks: list[RemovableHandle] = []
+        self._saving: list[PreTrainedModel] = []
+        for block in engine.paged.blocks:
+            self._hooks.append(block.register_state_dict_pre_hook(self._refuse))
+        net = next((m for m in engine.model.modules() if isinstance(m, PreTrainedModel)), None)
+        if net is not None:
+            net.save_pretrained = self._save_pretrained  # type: ignore[method-assign,assignment]
+            self._saving.append(net)
+
+    def store_closed(self) -> None:
+        """The store is gone: ``save_pretrained`` raises too from now on."""
+        self._closed = True
+
+    def message(self) -> str:
+        """The error text: where the weights are and how to take them home."""
+        where = (
+            "were in the balance_beam store, which strategy.close() has closed: save them "
+            "before closing, with"
+            if self._closed
+            else "live in the balance_beam store, not in the module's parameters: save them "
+            "with model.save_pretrained(dir) (streamed from the store block by block), "
+            "bb_lightning.export.export_hf(strategy, dir), or"
+        )
+        return (
+            f"the trained weights {where} `bb-lightning export CKPT OUT` on a checkpoint "
+            f"(trainer.save_checkpoint); strategy.lightning_module_state_dict() reads them "
+            f"lazily ({self.reason})"
+        )
+
+    def _refuse(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:  # the engines read names and buffers with keep_vars=True
+            raise WeightsInStoreError(self.message())
+
+    def _save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
+        from bb_lightning.export import export_hf
+
+        source, engine = self._source(), self._engine()
+        if self._closed or source is None or engine is None:
+            raise WeightsInStoreError(self.message())
+        unsupported = sorted(
+            k
+            for k, v in kwargs.items()
+            if k not in ("max_shard_size", "safe_serialization", "is_main_process")
+            and v not in (None, False)
+        )
+        if unsupported or kwargs.get("safe_serialization", True) is False:
+            raise ValueError(
+                f"save_pretrained({', '.join(unsupported) or 'safe_serialization=False'}) is "
+                "not supported while the weights stream from the balance_beam store: pass "
+                "only save_directory and max_shard_size (safetensors are written)"
+            )
+        if not kwargs.get("is_main_process", True):
+            return
+        dtype = torch.float32 if isinstance(engine, TrainingEngine) else engine.compute_dtype
+        shard = shard_bytes(kwargs.get("max_shard_size") or "5GB")
+        out = export_hf(engine, save_directory, dtype=dtype, max_shard_bytes=shard)
+        net = self._saving[0]
+        if net.can_generate():
+            net.generation_config.save_pretrained(Path(out))
+
+    def remove(self) -> None:
+        """Give the module its ordinary ``state_dict`` and ``save_pretrained`` back."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for net in self._saving:
+            if net.__dict__.get("save_pretrained") == self._save_pretrained:
+                del net.save_pretrained
+        self._saving = []

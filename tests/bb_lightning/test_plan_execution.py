@@ -1,0 +1,114 @@
+"""Plan = execution: what a plan says (recompute, homes, batch shape) is what the engine runs."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    ModelProfile,
+    PlanError,
+    PlanOverrides,
+    cost,
+    make_plan,
+    preset,
+)
+from storage.tiers import Tier
+
+D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
+JOB = FitJob(seq_len=32, global_batch_seqs=2)
+
+
+def _cpu() -> HardwareProfile:
+    """A small CPU machine with an NVMe tier (figures of the order measured on 2 cores)."""
+    return HardwareProfile(
+        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
+        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=1e9,
+        nvme_write_bandwidth=1e9, nvme_capacity=8 << 30, host_adam_params_per_s=2e8, cores=2,
+    )  # fmt: skip
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "free": {},
+    "nvme": {"weights_tier": N, "master_tier": H},
+    "half-resident": {"resident_blocks": 2, "weights_tier": N, "master_tier": H},
+    "host": {"weights_tier": H, "master_tier": N},
+    "host-checkpointed": {"weights_tier": H, "master_tier": H, "checkpointing": True},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_runs_what_the_plan_says(
+    case: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tiny.make_module(tiny.tiny_llama())
+    module.configure_model()
+    assert module.model is not None
+    layers = list(module.model.model.layers)
+    calls: Counter[int] = Counter()
+    forward = LlamaDecoderLayer.forward
+
+    @functools.wraps(forward)  # the engine reads the signature for the hidden states
+    def counted(self: LlamaDecoderLayer, *args: Any, **kwargs: Any) -> Any:
+        calls[layers.index(self)] += 1
+        return forward(self, *args, **kwargs)
+
+    class FromTheStep(pl.Callback):  # the planner's profiling passes are not counted
+        def on_train_batch_start(self, *args: Any) -> None:
+            calls.clear()
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
+    strategy = BalanceBeamStrategy(
+        job=JOB, hardware=_cpu(), overrides=PlanOverrides(**CASES[case]),
+        nvme_path=str(tmp_path / "nvme"), compute_dtype="fp32",
+    )  # fmt: skip
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    trainer.callbacks.append(FromTheStep())
+    trainer.fit(module, tiny.loader(1))  # one micro-batch of 2 x 32 tokens
+    plan, engine = strategy.plan, strategy.engine
+    assert plan is not None and engine is not None
+    recomputed = set(plan.recomputed_blocks())
+    # each block's forward ran once, and once more in backward where the plan recomputes
+    assert calls == Counter({i: 2 if i in recomputed else 1 for i in range(len(layers))})
+    assert plan.checkpointing == bool(recomputed)
+    home = engine.store.home
+    assert tuple(home(f"block.{i}.weight") for i in range(4)) == plan.weights
+    assert tuple(home(f"block.{i}.master") for i in range(4)) == plan.master
+    assert tuple(home(f"block.{i}.grad") for i in range(4)) == plan.grads
+    assert (plan.micro_batch, plan.grad_accum) == (2, trainer.accumulate_grad_batches)
+    assert engine.pager.placement.prefetch_depth == plan.prefetch_depth
+    text = plan.explain()
+    assert f"({len(recomputed)} of 4 blocks recomputed;" in text
+    strategy.close()
+
+
+@pytest.mark.parametrize("hardware", ["a100-80gb", "t4"])
+def test_the_search_offers_only_runnable_checkpointing(hardware: str, tiny: Any) -> None:
+    """Over the plans the search makes, checkpointing off means no block is copied in, and
+    the FLOPs priced are those of the blocks the plan says are recomputed."""
+    module = tiny.make_module(tiny.tiny_llama())
+    module.configure_model()
+    model = ModelProfile.from_module(module.model)
+    hw = preset(hardware)
+    for overrides in [PlanOverrides(**kw) for kw in CASES.values()]:
+        plan = make_plan(model, hw, JOB, overrides=overrides)
+        copied = [w for w in plan.weights if w not in plan.in_place_tiers()]
+        assert plan.checkpointing == bool(copied) or overrides.checkpointing is True
+        n_re = len(plan.recomputed_blocks())
+        assert n_re == (len(copied) or 4 if plan.checkpointing else 0)
+        want = cost.train_flops_per_token(model, JOB.seq_len, plan.checkpointing, 4.0 - n_re)
+        assert plan.roofline.flops_per_token == pytest.approx(want)
+    with pytest.raises(PlanError, match="checkpointing off needs every block used in place"):
+        make_plan(model, hw, JOB, overrides=PlanOverrides(weights_tier=N, checkpointing=False))
+    assert torch.is_grad_enabled()
