@@ -159,10 +159,11 @@ class ResumableBatches:
         self.trainer: pl.Trainer | None = None
 
     def __len__(self) -> int:
-        return len(self.batches) - self.start
+        return len(self.batches)  # the epoch's length, resumed or not (as Lightning counts)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(self.batches[self.start :])
+        start, self.start = self.start, 0  # a later epoch starts from its first batch
+        return iter(self.batches[start:])
 
     def state_dict(self) -> dict[str, int]:
         assert self.trainer is not None
@@ -449,6 +450,7 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
             chain = args.dir / f"chain-{chains}"
             chain.mkdir()
             done_steps = 0
+            history: list[str] = []
         left = args.steps - done_steps
         timed = not args.no_timed and rng.random() >= args.save_share
         which = rng.randrange(left + 1)  # == left: this run is not killed
@@ -467,9 +469,10 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
             raise SystemExit(f"a training run failed (wait status {status}); see its traceback")
         figures["resumes"] += resumed
         run_losses = read_losses(chain / "losses.log")[before:]
+        history.append(f"from step {done_steps}: {kill} -> {'killed' if killed else 'ended'}")
         if any(ref_losses.get(s) != v for s, v in run_losses):
             figures["diverged"] += 1
-            print(f"  run in {chain.name} from step {done_steps}: losses differ", run_losses)
+            print(f"  {chain.name}: losses differ {run_losses}; runs: {'; '.join(history)}")
         if killed:
             figures["kills"] += 1
             inside = (chain / "phase").read_bytes()[:1] == b"S"
@@ -481,7 +484,7 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
         figures["leftovers"] += bool(found["leftovers"])
         figures["locked"] += found["locked"]
         for line in found["corrupt"]:
-            print("  corrupt:", line)
+            print(f"  {chain.name}: corrupt {line}; runs: {'; '.join(history)}")
         if killed:
             done_steps = int(found["newest"])
         else:
@@ -490,7 +493,7 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
             checked(compare_final, chain / "final.pt", ref_chain / "final.pt", out)
             if json.loads(out.read_text())["differ"]:
                 figures["diverged"] += 1
-                print(f"  {chain.name}: final weights differ from the reference")
+                print(f"  {chain.name}: final weights differ; runs: {'; '.join(history)}")
             done_steps = args.steps
     figures["chains"] = chains
     return figures
@@ -540,10 +543,9 @@ def predict_run(args: argparse.Namespace, run: Path, kill: PredictKill | None) -
         if k is not None and k.batch == n and k.where == "before-write":
             die()
         if k is not None and k.batch == n and k.where == "torn-write":
-            assert writer._file is not None
             text = "".join(json.dumps(r) + "\n" for r in recs if str(r["id"]) not in writer.written)
-            writer._file.write(text[: len(text) // 2])
-            writer._file.flush()
+            with writer.path.open("a", encoding="utf-8") as f:
+                f.write(text[: len(text) // 2])  # a write cut short: half the batch's lines
             die()
         write(recs)
         if k is not None and k.batch == n and k.where == "after-write":
