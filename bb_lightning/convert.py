@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bb_lightning.safetensors_file import open_safetensors
 from storage.io import IOConfig, aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, parse_array
 from storage.tiers import format_bytes
@@ -92,11 +93,9 @@ def checkpoint_files(source: str | os.PathLike[str]) -> list[Path]:
 def _specs(
     files: list[Path], dtype: torch.dtype | None
 ) -> list[tuple[Path, str, tuple[int, ...], torch.dtype]]:
-    from safetensors import safe_open
-
     specs = []
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 piece = f.get_slice(key)
                 src = _ST_DTYPES.get(piece.get_dtype())
@@ -220,9 +219,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _load(path: Path, key: str, dtype: torch.dtype) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         return f.get_tensor(key).to(dtype).contiguous()
 
 

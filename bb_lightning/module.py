@@ -22,13 +22,13 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+from bb_lightning.safetensors_file import open_safetensors
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
 
@@ -120,7 +120,7 @@ class SafetensorsCheckpoint:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
             self.files = {k: self.directory / v for k, v in weight_map.items()}
         elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
+            with open_safetensors(single) as f:
                 self.files = dict.fromkeys(f.keys(), single)
         else:
             raise ValueError(
@@ -146,7 +146,7 @@ class SafetensorsCheckpoint:
                 f"tensor {key!r} is not in the checkpoint {self.directory} "
                 f"({len(self.files)} tensors): the checkpoint does not match the model config"
             )
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             return f.get_tensor(key)
 
 
