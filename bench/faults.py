@@ -615,7 +615,7 @@ def predict_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str, 
     if not args.no_timed:
         places.append("after-delay")
     run, left = Path(), 0
-    chains = 0
+    chains = kills_before = 0  # kills before the output in progress was started
     while figures["kills"] < args.kills or left > 0:
         if left == 0:
             chains += 1
@@ -643,11 +643,9 @@ def predict_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str, 
             gen = (run / "generated.log").read_text().split()
             twice = len(gen) - len(set(gen))
             figures["twice"] += twice
-            kills_here = figures["kills"] - figures.get("_counted", 0)
-            figures["over_batch"] += twice > PROMPT_BATCH * kills_here
-            figures["_counted"] = figures["kills"]
+            figures["over_batch"] += twice > PROMPT_BATCH * (figures["kills"] - kills_before)
+            kills_before = figures["kills"]
             left = 0
-    figures.pop("_counted", None)
     figures["chains"] = chains
     return figures
 
