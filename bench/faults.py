@@ -14,8 +14,9 @@ folder), until a run reaches the last step and a fresh chain begins. Kill moment
   ``meta.json`` / ``trainer_state.pt`` are written, before a directory fsync, before
   each rename, before the old checkpoint is deleted (every event is a point a real kill
   can fall between; which one is drawn from the seed, so these are reproducible);
-- anywhere in a step (the rest): a timer thread sends SIGKILL a random delay, up to
-  1.2x the reference step time (save included), after a random step starts.
+- anywhere in a step (the rest): a timer thread sends SIGKILL a random delay after a
+  random step starts: half of them within the reference run's training time of a step
+  (forward, backward, optimizer), half within its training and checkpoint time.
 
 After every kill a fresh process checks: every checkpoint under a final name opens
 with plain ``zarr`` (every array read, shapes as ``meta.json`` says), its master
@@ -257,13 +258,16 @@ class KillableCheckpoint(ModelCheckpoint):
         super().__init__(**kwargs)
         self.events = events
         self.mark = phase
+        self.seconds: list[float] = []
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
         self.mark.set(b"S")
         self.events.begin()
         super().on_train_batch_end(*args, **kwargs)
         self.events.end()
         self.mark.set(b"T")
+        self.seconds.append(time.perf_counter() - start)
 
 
 class StepTimer(pl.Callback):
@@ -273,6 +277,7 @@ class StepTimer(pl.Callback):
         self.kill = kill
         self.steps = 0
         self.starts: list[float] = []
+        self.train_seconds: list[float] = []
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.starts.append(time.perf_counter())
@@ -280,6 +285,10 @@ class StepTimer(pl.Callback):
         if k is not None and k.step == self.steps:
             threading.Timer(k.delay, die).start()
         self.steps += 1
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        """Runs before the checkpoint phase (Lightning calls ``ModelCheckpoint`` last)."""
+        self.train_seconds.append(time.perf_counter() - self.starts[-1])
 
 
 def newest_checkpoint(folder: Path) -> tuple[Path | None, int]:
@@ -344,8 +353,11 @@ def train_run(args: argparse.Namespace, chain: Path, kill: Kill | None, referenc
     torch.save(dict(strategy.lightning_module_state_dict()), chain / "final.pt")
     strategy.close()
     if reference:
-        times = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
-        info = {"events": events.counts, "step_seconds": sorted(times)[len(times) // 2]}
+        info = {
+            "events": events.counts,
+            "train_seconds": sorted(timer.train_seconds)[len(timer.train_seconds) // 2],
+            "save_seconds": sorted(saver.seconds)[len(saver.seconds) // 2],
+        }
         (chain / "ref" / "info.json").write_text(json.dumps(info))
 
 
@@ -432,10 +444,11 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
     info = json.loads((ref_chain / "ref" / "info.json").read_text())
     ref_losses = dict(read_losses(ref_chain / "losses.log"))
     events = max(info["events"])
-    step_s = float(info["step_seconds"])
+    train_s, save_s = float(info["train_seconds"]), float(info["save_seconds"])
     print(
         f"reference: {args.steps} steps, losses {[float.fromhex(v) for v in ref_losses.values()]}"
-        f", {step_s:.2f} s per step (save included), {events} I/O events per checkpoint phase"
+        f"; per step {train_s:.2f} s of training and {save_s:.2f} s of checkpoint phase "
+        f"({events} I/O events)"
     )
     figures = dict.fromkeys(
         ["kills", "in_save", "corrupt", "diverged", "leftovers", "locked", "finished", "resumes"],
@@ -457,7 +470,9 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
         kill: Kill | None = None
         if which < left and figures["kills"] < args.kills:
             if timed:
-                kill = Kill(step=which, delay=rng.uniform(0, 1.2 * step_s))
+                # half in the training work, half anywhere in the step, save included
+                span = train_s if rng.random() < 0.5 else train_s + save_s
+                kill = Kill(step=which, delay=rng.uniform(0, span))
             else:
                 kill = Kill(save=which, event=rng.randrange(events + 1))
         before = len(read_losses(chain / "losses.log"))
@@ -702,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = figures["corrupt"] + figures["diverged"] + figures["leftovers"] + figures["locked"]
         print(
             f"training: {figures['kills']} kills, {figures['in_save']} inside a checkpoint "
-            f"phase, {figures['resumes']} resumed runs, {figures['finished']} runs to the end "
+            f"phase, {figures['kills'] - figures['in_save']} in the training work, "
+            f"{figures['resumes']} resumed runs, {figures['finished']} runs to the end "
             f"({figures['chains']} chains, {args.steps} steps each, seed {args.seed}, "
             f"{seconds:.0f} s)\n"
             f"  corrupt checkpoints {figures['corrupt']} (goal 0), diverged runs "
