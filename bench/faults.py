@@ -25,12 +25,7 @@ loads; after ``recover`` no ``.partial-``/``.old-`` leftover is left; the NVMe s
 lock is free. Every resumed run's losses must equal the reference's bit for bit, and a
 run that reaches the end must end with the reference's final weights.
 
-Predict (``--predict``). The same tiny model generates 8 new tokens for 40 prompts in
-batches of 4 under ``balance_beam`` with ``JsonlPredictionWriter``; runs are SIGKILLed
-(before or after a batch's append, halfway through the append -- a torn last line --,
-or after a random delay in a batch) and restarted until the file is complete. Checked:
-every prompt exactly once, with the tokens of an uninterrupted run; counted: prompts
-generated twice (lost in flight and generated again; at most one batch per kill).
+Predict (``--predict``): see ``faults_predict.py``.
 
 Prints the kill counts, the failures (goal 0) and the machine; exits 1 on a failure.
 
@@ -58,8 +53,10 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import faults_predict
 import lightning.pytorch as pl
 import torch
+from _kill import LAYERS, LOG, VOCAB, checked, die, failed, in_child, make_model
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from bb_lightning import BalanceBeamStrategy
@@ -68,79 +65,10 @@ from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
 from storage.tiers import Tier
 
-LAYERS = 2
-VOCAB = 264  # the byte tokenizer's 259 ids, padded to a multiple of 8
 SEQ = 32
+"""Tokens per training row."""
 BATCH = 2
-PROMPTS = 40
-PROMPT_BATCH = 4
-NEW_TOKENS = 8
-
-
-def tiny_config() -> dict[str, Any]:
-    """The benchmark's model: a 2-layer Llama, hidden 64, vocab 264."""
-    return {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": False,
-    }
-
-
-# -- processes: the parent only forks; every torch, zarr or Lightning call runs in a child --
-
-
-LOG: list[Path] = []
-"""Where children write their output (one file, appended; printed when a run fails)."""
-
-
-def in_child(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
-    """Run ``fn(*args, **kwargs)`` in a forked child; its wait status (returns or raises)."""
-    pid = os.fork()
-    if pid == 0:
-        if LOG:
-            fd = os.open(LOG[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-        code = 0
-        try:
-            fn(*args, **kwargs)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            code = 3
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return os.waitpid(pid, 0)[1]
-
-
-def checked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Run ``fn(*args, **kwargs)`` in a child; raise when it failed."""
-    status = in_child(fn, *args, **kwargs)
-    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
-        failed()
-        raise SystemExit(f"{fn.__name__} failed (wait status {status})")
-
-
-def failed() -> None:
-    """Print the end of the children's output (a run failed)."""
-    if LOG and LOG[0].exists():
-        print(LOG[0].read_text()[-6000:], file=sys.stderr)
-
-
-def die() -> None:
-    """SIGKILL this process (nothing runs after it: no handler, no flush, no atexit)."""
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-# -- training ----------------------------------------------------------------------------
+"""Rows per optimizer step."""
 
 
 class ResumableBatches:
@@ -427,15 +355,6 @@ def read_losses(path: Path) -> list[tuple[int, str]]:
     return [(int(a), b) for a, b in (line.split() for line in path.read_text().splitlines())]
 
 
-def make_model(root: Path) -> None:
-    """The tiny model, seeded, written with ``save_pretrained`` to ``root/model``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(**tiny_config())
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
-
-
 def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     """The training kill campaign; the figures."""
     ref_chain = args.dir / "reference"
@@ -514,165 +433,6 @@ def training_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str,
     return figures
 
 
-# -- predict -----------------------------------------------------------------------------
-
-
-class CountingModule(CausalLMModule):
-    """``CausalLMModule`` that logs the ids of every batch it generated (before the write)."""
-
-    log: Path | None = None
-    kill_after_generate: bool = False
-
-    def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Any:
-        out = super().predict_step(batch, batch_idx, dataloader_idx)
-        if self.log is not None:
-            with self.log.open("a") as f:
-                f.write("".join(f"{i}\n" for i in batch["id"]))
-        return out
-
-
-@dataclass(frozen=True)
-class PredictKill:
-    """A predict kill in batch ``batch`` of a run: ``where`` is before-write, after-write,
-    torn-write (half the batch's lines reach the file) or after-delay (``delay`` s)."""
-
-    batch: int
-    where: str
-    delay: float = 0.0
-
-
-def predict_run(args: argparse.Namespace, run: Path, kill: PredictKill | None) -> None:
-    """One predict process writing ``run/out.jsonl`` (resumes it when present)."""
-    from bb_lightning.data import PromptsDataModule
-    from bb_lightning.writer import JsonlPredictionWriter
-
-    torch.set_num_threads(args.threads)
-    _common.quiet()
-    writer = JsonlPredictionWriter(run / "out.jsonl")
-    write = writer.write_records
-    calls = [0]
-
-    def records(recs: Any) -> None:
-        k = kill
-        n, calls[0] = calls[0], calls[0] + 1
-        if k is not None and k.batch == n and k.where == "before-write":
-            die()
-        if k is not None and k.batch == n and k.where == "torn-write":
-            text = "".join(json.dumps(r) + "\n" for r in recs if str(r["id"]) not in writer.written)
-            with writer.path.open("a", encoding="utf-8") as f:
-                f.write(text[: len(text) // 2])  # a write cut short: half the batch's lines
-            die()
-        write(recs)
-        if k is not None and k.batch == n and k.where == "after-write":
-            die()
-
-    writer.write_records = records  # type: ignore[method-assign]
-
-    class Timed(pl.Callback):
-        def on_predict_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
-            if kill is not None and kill.where == "after-delay" and kill.batch == idx:
-                threading.Timer(kill.delay, die).start()
-
-    weights = tuple([Tier.NVME] * LAYERS)
-    strategy = BalanceBeamStrategy(
-        placement=Placement(weights=weights, master=weights, prefetch_depth=1),
-        compute_dtype="fp32",
-        nvme_path=str(run / "nvme"),
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[writer, Timed()],
-    )
-    module = CountingModule(str(args.dir / "model"), max_new_tokens=NEW_TOKENS, seed=0)
-    module.log = run / "generated.log"
-    data = PromptsDataModule(str(args.dir / "prompts.jsonl"), batch_size=PROMPT_BATCH)
-    trainer.predict(module, datamodule=data, return_predictions=False)
-    strategy.close()
-
-
-def make_prompts(path: Path, rng: random.Random) -> None:
-    """``PROMPTS`` prompts of 3 to 40 printable bytes (the byte tokenizer's ids < 256)."""
-    rows = []
-    for i in range(PROMPTS):
-        text = "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randrange(3, 41)))
-        rows.append(json.dumps({"id": f"p{i}", "prompt": text}))
-    path.write_text("\n".join(rows) + "\n")
-
-
-def jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def predict_campaign(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    """The predict kill campaign; the figures."""
-    make_prompts(args.dir / "prompts.jsonl", rng)
-    ref_run = args.dir / "predict-reference"
-    ref_run.mkdir()
-    t0 = time.perf_counter()
-    checked(predict_run, args, ref_run, None)
-    seconds = time.perf_counter() - t0
-    want = {r["id"]: r["token_ids"] for r in jsonl(ref_run / "out.jsonl")}
-    assert len(want) == PROMPTS, f"the reference wrote {len(want)} of {PROMPTS} prompts"
-    batches = -(-PROMPTS // PROMPT_BATCH)
-    batch_s = seconds / batches  # an upper bound: the run's start-up is included
-    print(f"reference: {PROMPTS} prompts in {batches} batches, {seconds:.1f} s per run")
-    figures = dict.fromkeys(
-        ["kills", "runs", "lost", "duplicated", "wrong_tokens", "twice", "over_batch"], 0
-    )
-    places = ["before-write", "after-write", "torn-write"]
-    if not args.no_timed:
-        places.append("after-delay")
-    run, left = Path(), 0
-    chains = kills_before = 0  # kills before the output in progress was started
-    while figures["kills"] < args.kills or left > 0:
-        if left == 0:
-            chains += 1
-            run = args.dir / f"predict-{chains}"
-            run.mkdir()
-            left = batches
-        which = rng.randrange(left + 1)
-        kill = None
-        if which < left and figures["kills"] < args.kills:
-            kill = PredictKill(which, rng.choice(places), rng.uniform(0, 1.2 * batch_s))
-        status = in_child(predict_run, args, run, kill)
-        figures["runs"] += 1
-        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        if not killed and not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
-            failed()
-            raise SystemExit(f"a predict run failed (wait status {status}); see its traceback")
-        figures["kills"] += killed
-        rows = jsonl_complete(run / "out.jsonl")
-        ids = [r["id"] for r in rows]
-        figures["duplicated"] += len(ids) - len(set(ids))
-        figures["wrong_tokens"] += sum(r["token_ids"] != want.get(r["id"]) for r in rows)
-        left = -(-(PROMPTS - len(set(ids))) // PROMPT_BATCH)
-        if not killed:
-            figures["lost"] += PROMPTS - len(set(ids))
-            gen = (run / "generated.log").read_text().split()
-            twice = len(gen) - len(set(gen))
-            figures["twice"] += twice
-            figures["over_batch"] += twice > PROMPT_BATCH * (figures["kills"] - kills_before)
-            kills_before = figures["kills"]
-            left = 0
-    figures["chains"] = chains
-    return figures
-
-
-def jsonl_complete(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a predictions file (a torn last line is what a restart cuts)."""
-    if not path.exists():
-        return []
-    data = path.read_text()
-    return [json.loads(line) for line in data[: data.rfind("\n") + 1].splitlines() if line]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--predict", action="store_true", help="the predict campaign")
@@ -697,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         checked(make_model, args.dir)
-        figures = (predict_campaign if args.predict else training_campaign)(args, rng)
+        campaign = faults_predict.predict_campaign if args.predict else training_campaign
+        figures = campaign(args, rng)
     finally:
         if args.dir.exists():
             shutil.rmtree(args.dir)
@@ -710,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({figures['chains']} complete outputs, seed {args.seed}, {seconds:.0f} s)\n"
             f"  prompts lost {figures['lost']} (goal 0), written twice {figures['duplicated']} "
             f"(goal 0), tokens unlike the uninterrupted run {figures['wrong_tokens']} (goal 0)\n"
-            f"  prompts generated twice {figures['twice']} (at most {PROMPT_BATCH} per kill; "
+            f"  prompts generated twice {figures['twice']} (at most {faults_predict.PROMPT_BATCH} "
+            "per kill; "
             f"outputs over that bound: {figures['over_batch']})"
         )
     else:
