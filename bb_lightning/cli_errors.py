@@ -22,20 +22,20 @@ __all__ = ["OneLineArgumentParser", "closest", "explain_jsonargparse", "parser_k
 
 
 def closest(word: str, valid: Iterable[str]) -> str | None:
-    """The entry of ``valid`` most like ``word`` (difflib ratio >= 0.6), or None."""
+    """The entry of ``valid`` most like ``word`` (difflib ratio >= 0.6), or None.
+
+    A dotted ``word`` (``trainer.max_step``) is compared with the keys under the same
+    head (``trainer.*``) by its last part, when there are such keys.
+    """
     pool = sorted(set(valid))
+    if "." in word:
+        head, tail = word.rsplit(".", 1)
+        siblings = [k[len(head) + 1 :] for k in pool if k.startswith(head + ".")]
+        if siblings:
+            near = difflib.get_close_matches(tail, siblings, n=1, cutoff=0.6)
+            return f"{head}.{near[0]}" if near else None
     match = difflib.get_close_matches(word, pool, n=1, cutoff=0.6)
-    if not match and "." in word:  # a dotted key: compare its last part with theirs
-        tail = word.rsplit(".", 1)
-        heads = [k for k in pool if k.startswith(tail[0] + ".")]
-        near = difflib.get_close_matches(tail[1], [k.rsplit(".", 1)[1] for k in heads], n=1)
-        match = [f"{tail[0]}.{near[0]}"] if near else []
     return match[0] if match else None
-
-
-def _did_you_mean(word: str, valid: Iterable[str]) -> str:
-    near = closest(word, valid)
-    return f"did you mean {near!r}?" if near else "see the valid keys with --help"
 
 
 def parser_keys(parser: Any) -> list[str]:
@@ -91,11 +91,10 @@ def explain_jsonargparse(message: str, keys: Iterable[str], command: str) -> str
         head, _, rest = key.partition(".")
         heads = {k.split(".")[0] for k in keys}
         near_head = closest(head, heads) if head not in heads else None
-        if near_head:
-            suggestion = f"did you mean {'.'.join(filter(None, [near_head, rest]))!r}?"
-        else:
-            suggestion = _did_you_mean(key, keys)
-        return f"unknown key {key!r}: {suggestion} {help_hint}"
+        near = ".".join(filter(None, [near_head, rest])) if near_head else closest(key, keys)
+        if near is None:
+            return f"unknown key {key!r}: no valid key is close; bb-lightning {command} --help lists them"
+        return f"unknown key {key!r}: did you mean {near!r}? {help_hint}"
     m = _PARSER_KEY.search(message)
     given = _GIVEN.search(message)
     if m and given:

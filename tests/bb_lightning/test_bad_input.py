@@ -48,6 +48,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, text in {
         "typo-init.yaml": "model:\n  init_args:\n    learning_rat: 0.1\n",
         "typo-trainer.yaml": "trainer:\n  max_step: 3\n",
+        "unknown.yaml": "trainer:\n  qqqq: 3\n",
         "typo-top.yaml": "modle:\n  class_path: bb_lightning.module.CausalLMModule\n",
     }.items():
         (root / name).write_text(text)
@@ -114,6 +115,10 @@ CASES: dict[str, tuple[Argv, list[str]]] = {
     "recipe key with a typo (trainer)": (
         lambda r, o: ["fit", *_fit(r, r / "model"), "--config", str(r / "typo-trainer.yaml")],
         ["'trainer.max_step'", "did you mean 'trainer.max_steps'?"],
+    ),
+    "recipe key close to no valid key": (
+        lambda r, o: ["fit", *_fit(r, r / "model"), "--config", str(r / "unknown.yaml")],
+        ["'trainer.qqqq'", "no valid key is close", "bb-lightning fit --help"],
     ),
     "recipe key with a typo (top level)": (
         lambda r, o: ["fit", "--config", str(r / "typo-top.yaml")],
