@@ -189,7 +189,7 @@ def phase_summary(strategy: Any) -> list[str]:
     def fmt(x: float | None) -> str:
         return "-" if x is None else f"{x:.4g}"
 
-    n = len(timer.steps) if timer is not None else 0
+    n = getattr(timer, "count", 0)
     lines = [f"seconds per optimizer step ({n} steps measured; predicted from the plan):"]
     lines.append(f"  {'phase':<14}{'predicted':>12}{'measured':>12}")
     lines += [f"  {name:<14}{fmt(p):>12}{fmt(m):>12}" for name, p, m in rows]

@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from bb_lightning.cli_errors import OneLineArgumentParser, explain_jsonargparse, parser_keys
 from storage.nvme import NvmeError
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ DESCRIPTION = (
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bb-lightning", description=DESCRIPTION)
+    parser: argparse.ArgumentParser = OneLineArgumentParser(
+        prog="bb-lightning", description=DESCRIPTION
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "plan",
@@ -465,6 +468,26 @@ def _write_model_config(config: dict[str, Any], root: Path) -> str:
     return str(path)
 
 
+class _SaveConfigWhenRunning(SaveConfigCallback):
+    """Writes ``config.yaml`` when the loop starts, so a run that fails in setup writes nothing."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Nothing yet (see :meth:`_save`)."""
+
+    def _save(self, trainer: Any, pl_module: Any) -> None:
+        stage = trainer.state.stage
+        super().setup(trainer, pl_module, stage.value if stage is not None else "fit")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._save(trainer, pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._save(trainer, pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._save(trainer, pl_module)
+
+
 def _build_lightning_cli(args: list[str], *, cls: type | None = None) -> Any:
     """Run a :class:`BalanceBeamCLI` (or ``cls``) on ``args`` (the subcommand first)."""
     from lightning.pytorch import LightningDataModule
@@ -479,6 +502,7 @@ def _build_lightning_cli(args: list[str], *, cls: type | None = None) -> Any:
         subclass_mode_data=True,
         trainer_defaults=defaults,
         save_config_kwargs={"overwrite": True},
+        save_config_callback=_SaveConfigWhenRunning,
         parser_kwargs={"exit_on_error": False},
         args=args,
     )
@@ -575,6 +599,18 @@ class BalanceBeamCLI(LightningCLI):
 
     def _config(self) -> Any:
         return self.config[self.subcommand] if self.subcommand else self.config
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse as LightningCLI does; a bad key or value becomes one :class:`UsageError` line."""
+        from jsonargparse import ArgumentError
+
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            words = [a for a in (args or []) if isinstance(a, str)]
+            command = next((a for a in words if a in _LIGHTNING_HELP), "fit")
+            sub = getattr(self, "_subcommand_parsers", {}).get(command, parser)
+            raise UsageError(explain_jsonargparse(str(err), parser_keys(sub), command)) from None
 
     def before_instantiate_classes(self) -> None:
         cfg = self._config()

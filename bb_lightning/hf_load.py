@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -41,6 +40,8 @@ from transformers.core_model_loading import (
     dot_natural_key,
     rename_source_key,
 )
+
+from bb_lightning.safetensors_file import open_safetensors
 
 __all__ = [
     "HFCheckpoint",
@@ -111,7 +112,7 @@ def weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
         )
     keys: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             keys.update(dict.fromkeys(f.keys(), path))
     return keys
 
@@ -276,7 +277,7 @@ class HFCheckpoint:
         path = self.files[key]
         if path.suffix == ".bin":
             return self._mapping(path)[key].dtype
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             return _slice_dtype(f, key)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
@@ -332,7 +333,7 @@ class HFCheckpoint:
         path = self.files[key]
         if path.suffix == ".bin":
             return self._mapping(path)[key].clone()  # a copy: the mapping stays read-only
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             return f.get_tensor(key)
 
 

@@ -78,14 +78,15 @@ class JsonlPredictionWriter(BasePredictionWriter):
         self.written: set[str] = set()
         """Ids in the file (found at setup or written since)."""
         self._file: IO[str] | None = None
+        self._ready = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Recover the file, open it for appending and tell the data module what to skip."""
+        """Recover the file and tell the data module what to skip (opened at the first write,
+        so a run that fails before its first batch leaves no file)."""
         if stage != "predict":
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.written = recover_jsonl(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._ready = True
         datamodule = getattr(trainer, "datamodule", None)
         skip = getattr(datamodule, "skip_ids", None)
         if callable(skip) and self.written:
@@ -106,7 +107,7 @@ class JsonlPredictionWriter(BasePredictionWriter):
 
     def write_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Append records whose id is not written yet, as one durable write."""
-        if self._file is None:
+        if not self._ready:
             raise RuntimeError("JsonlPredictionWriter is not set up: run it through predict")
         lines = []
         for record in records:
@@ -121,6 +122,9 @@ class JsonlPredictionWriter(BasePredictionWriter):
                 self.written.add(rid)
         if not lines:
             return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
         self._file.write("".join(lines))
         self._file.flush()
         if self.fsync:
@@ -128,6 +132,7 @@ class JsonlPredictionWriter(BasePredictionWriter):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Close the file."""
+        self._ready = False
         if self._file is not None:
             self._file.close()
             self._file = None

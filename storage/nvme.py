@@ -362,7 +362,14 @@ class NvmeTier:
     def _open_group(self) -> None:
         group = self.path / "zarr.json"
         if group.is_file():
-            node_type = json.loads(group.read_text(encoding="utf-8")).get("node_type")
+            doc = json.loads(group.read_text(encoding="utf-8"))
+            node_type = doc.get("node_type")
+            if doc.get("zarr_format") != 3:
+                raise ValueError(
+                    f"NVMe store {self.path}: {group} has zarr_format {doc.get('zarr_format')!r}, "
+                    "a format this version does not read (zarr v3 only): write the store again "
+                    "into a new directory, or use the release that wrote it"
+                )
             if node_type != "group":
                 raise ValueError(
                     f"NVMe store {self.path}: {group} describes a zarr {node_type}, not a group: "

@@ -39,6 +39,9 @@ LINKS = ("nvme->host", "host->device", "device->host", "host->nvme", "nvme->devi
 """Copy links counted by :meth:`TieredStore.stats`; ``nvme->device`` / ``device->nvme`` are file
 transfers that land in (or leave from) a device-arena slot without staging."""
 
+FOLD_TIMINGS = 256
+"""Timed device copies recorded between two folds of the completed ones into the meters."""
+
 Events = tuple[torch.cuda.Event, ...]
 """CUDA events a copy must wait for (empty on the CPU)."""
 Work = Callable[[Events], "torch.cuda.Event | None"]
@@ -337,8 +340,7 @@ class Transfers:
                 dst.copy_(src, non_blocking=True)
                 end.record(stream)
             if link in self.meters:
-                with self._timings_lock:
-                    self._timings.append((link, nbytes, start, end))
+                self._record_timing(link, nbytes, start, end)
             return end
         settled_all(after)
         meter = self.meters.get(link)
@@ -369,14 +371,32 @@ class Transfers:
         event.record(torch.cuda.current_stream(self.device))
         return (event,)
 
+    def _record_timing(
+        self, link: str, nbytes: int, start: torch.cuda.Event, end: torch.cuda.Event
+    ) -> None:
+        """Keep a timed device copy's events until it completes (then its link meter has it).
+
+        Completed copies are folded into the meters every :data:`FOLD_TIMINGS` records, so
+        the list holds at most that many plus the copies still in flight, however long the
+        run and whether or not anyone reads :meth:`stats`.
+        """
+        with self._timings_lock:
+            self._timings.append((link, nbytes, start, end))
+            if len(self._timings) >= FOLD_TIMINGS:
+                self._fold_timings()
+
+    def _fold_timings(self) -> None:
+        """Add the completed timed copies to their meters (the caller holds the lock)."""
+        pending = []
+        for link, nbytes, start, end in self._timings:
+            if end.query():
+                self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((link, nbytes, start, end))
+        self._timings = pending
+
     def stats(self) -> dict[str, LinkStats]:
         """Traffic per link in :data:`LINKS` (bytes, busy seconds, count)."""
         with self._timings_lock:
-            pending = []
-            for link, nbytes, start, end in self._timings:
-                if end.query():
-                    self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
-                else:
-                    pending.append((link, nbytes, start, end))
-            self._timings = pending
+            self._fold_timings()
         return {link: meter.snapshot() for link, meter in self.meters.items()}

@@ -409,7 +409,12 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
     final = Path(path)
     recover(final)
     if final.is_dir():
-        shutil.rmtree(final)
+        # renamed aside first: a kill during the deletion leaves a leftover for recover(),
+        # never a half-deleted checkpoint under the final name
+        doomed = final.with_name(f"{final.name}{PARTIAL}{os.getpid()}")
+        os.replace(final, doomed)
+        fsync_dir(final.parent)
+        shutil.rmtree(doomed)
     elif final.exists():
         final.unlink()
 

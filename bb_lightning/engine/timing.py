@@ -21,6 +21,7 @@ wall clock times it, as :meth:`PhaseTimer.phase` does.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +30,12 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["PHASES", "PhaseTimer", "StepTimes"]
+__all__ = ["KEEP_FIRST", "KEEP_STEPS", "PHASES", "PhaseTimer", "StepTimes"]
+
+KEEP_STEPS = 1024
+"""Closed steps a :class:`PhaseTimer` keeps (the most recent); older ones live on as sums."""
+KEEP_FIRST = 64
+"""Warm-up steps a :class:`PhaseTimer` keeps, so that :meth:`PhaseTimer.mean` can skip them."""
 
 PHASES = ("wait_page_in", "wait_grads", "optimizer")
 """Phases timed on the caller's thread: waits on page-ins (exposed host-to-device or NVMe
@@ -91,8 +97,12 @@ class PhaseTimer:
         self._pending: list[tuple[str, TimingEvent, TimingEvent]] = []
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._start: float | None = None
-        self.steps: list[StepTimes] = []
-        """Every closed step, oldest first."""
+        self.steps: collections.deque[StepTimes] = collections.deque(maxlen=KEEP_STEPS)
+        """The most recent closed steps (at most :data:`KEEP_STEPS`), oldest first."""
+        self.count = 0
+        """Steps closed since the timer was made."""
+        self._first: list[StepTimes] = []  # the first KEEP_FIRST steps, for mean(skip)
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # step, wait_page_in, wait_grads, optimizer
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -155,19 +165,34 @@ class PhaseTimer:
             self._totals[name] += start.elapsed_time(end) / 1e3
         times = StepTimes(step=time.perf_counter() - self._start, **self._totals)
         self.steps.append(times)
+        self.count += 1
+        if len(self._first) < KEEP_FIRST:
+            self._first.append(times)
+        for i, value in enumerate(_fields(times)):
+            self._sums[i] += value
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._start = None
         return times
 
     def mean(self, skip: int = 1) -> StepTimes | None:
-        """Mean of the closed steps after the first ``skip`` ones (None when there are none)."""
-        steps = self.steps[skip:] or self.steps[-1:]
-        if not steps:
+        """Mean of the closed steps after the first ``skip`` ones (None when there are none).
+
+        With ``skip`` >= the steps closed, the last step; ``skip`` is at most :data:`KEEP_FIRST`.
+        """
+        if self.count == 0:
             return None
-        n = len(steps)
-        return StepTimes(
-            step=sum(s.step for s in steps) / n,
-            wait_page_in=sum(s.wait_page_in for s in steps) / n,
-            wait_grads=sum(s.wait_grads for s in steps) / n,
-            optimizer=sum(s.optimizer for s in steps) / n,
-        )
+        if skip >= self.count:
+            return self.steps[-1]
+        if skip > KEEP_FIRST:
+            raise ValueError(f"skip={skip} > KEEP_FIRST={KEEP_FIRST}: skip fewer warm-up steps")
+        sums = list(self._sums)
+        for early in self._first[:skip]:
+            for i, value in enumerate(_fields(early)):
+                sums[i] -= value
+        n = self.count - skip
+        step, page_in, grads, optimizer = (max(0.0, x / n) for x in sums)
+        return StepTimes(step=step, wait_page_in=page_in, wait_grads=grads, optimizer=optimizer)
+
+
+def _fields(times: StepTimes) -> tuple[float, float, float, float]:
+    return (times.step, times.wait_page_in, times.wait_grads, times.optimizer)
