@@ -553,7 +553,8 @@ class BlockPager:
 
         HOST-home weights are cast in place into their home (None returned). Others are
         cast into ``scratch`` and written back on the store's copy threads: ``scratch``
-        must stay unchanged until the returned ticket is done; the store orders the
+        must stay unchanged until the returned ticket's :meth:`~storage.store.Ticket.wait_host`
+        returned (on CUDA the copy reads it until it completes); the store orders the
         block's next page-in after the write.
         """
         assert not self._paged(i) or self.store.state(self.names[i]) is Residency.RELEASED, (
