@@ -12,12 +12,16 @@ import copy
 import pytest
 import torch
 
+from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import ClipConfig, required_budgets
+from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
+from .test_generate import NEW, _model, _prompts, _reference
 from .tiny import LAYERS, cpu_engine, tiny_llama
 
 
@@ -77,3 +81,31 @@ def test_device_home_blocks_step_like_torch_adamw_under_the_double(
         engine.close()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_device_home_inference_weights_load_and_generate_under_the_double() -> None:
+    """load_state_dict casts every block into one host buffer and writes it to its
+    DEVICE home; each write must complete before the next block refills the buffer.
+    Greedy tokens then equal Hugging Face generate with those weights."""
+    model, other = _model("llama"), _model("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    store = TieredStore(
+        StoreConfig(device_budget=16 << 20, host_budget=16 << 20, device="cpu", cuda_double=True)
+    )
+    _, blocks = find_block_list(model)
+    engine = InferenceEngine(
+        model,
+        list(blocks),
+        store,
+        Placement.uniform(len(blocks), weights=Tier.DEVICE),
+        compute_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    engine.load_state_dict(other.state_dict())
+    ids, mask = _prompts()
+    out = LayerMajorGenerator(model).generate(ids, mask, GenerationConfig(max_new_tokens=NEW))
+    assert [g.token_ids for g in out] == _reference(other)
+    engine.close()
+    store.close()
