@@ -689,7 +689,8 @@ class TieredStore:
         }
 
     def close(self) -> None:
-        """Wait for transfers in flight, stop the copy threads, release the NVMe lock."""
+        """Wait for transfers in flight, stop the copy threads, release the NVMe lock, unpin
+        and unmap the host arena and staging buffers (views of them must not be used)."""
         if self._closed:
             return
         self._closed = True
@@ -703,6 +704,9 @@ class TieredStore:
             self._nvme.close()
         if self._backend is not None:
             self._backend.close()
+        self._host_arena.release()  # pinned memory goes back now, not at exit
+        if self._staging is not None:
+            self._staging.release()
 
     def __enter__(self) -> TieredStore:
         return self
