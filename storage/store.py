@@ -427,6 +427,43 @@ class TieredStore:
         )
         return self._ticket([(rec, fut)], results={name: out})
 
+    @property
+    def copies_to_host(self) -> bool:
+        """Whether tensors on the compute device need a copy to reach host memory: on CUDA,
+        and on a CPU device under the double (where such copies are deferred)."""
+        return self._cuda or self._io.double is not None
+
+    def copy_to_host_async(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+    ) -> list[CopyEvent | None]:
+        """Copy each contiguous tensor of ``srcs`` on the compute device into the matching
+        host tensor of ``dsts`` (pinned, contiguous, same shape and dtype), after the
+        caller's queued device work; on CUDA ``non_blocking`` on the ``d2h`` stream.
+
+        Returns the copies' events: :func:`storage.transfers.settled` on each before the
+        host reads ``dsts``; ``srcs`` may be freed at once (their memory is kept for the
+        copy). Counted on the ``device->host`` link.
+        """
+        if len(dsts) != len(srcs):
+            raise ValueError(f"{len(dsts)} destinations for {len(srcs)} sources: pass pairs")
+        ready = self._io.ready()
+        events: list[CopyEvent | None] = []
+        for dst, src in zip(dsts, srcs, strict=True):
+            if dst.shape != src.shape or dst.dtype != src.dtype or not dst.is_contiguous():
+                raise ValueError(
+                    f"destination {tuple(dst.shape)} {dst.dtype} (contiguous: "
+                    f"{dst.is_contiguous()}) does not take source {tuple(src.shape)} "
+                    f"{src.dtype}: pass a contiguous host tensor like the source"
+                )
+            data = flat_bytes(src)
+            if data.is_cuda:
+                data.record_stream(self._io.streams["d2h"])
+            out = flat_bytes(dst)
+            events.append(
+                self._io.copy(out, Tier.HOST, data, Tier.DEVICE, ready, src_on_device=True)
+            )
+        return events
+
     # -- synchronous access ----------------------------------------------------------------
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:

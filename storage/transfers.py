@@ -377,9 +377,20 @@ class Transfers:
     # -- copies ----------------------------------------------------------------------------
 
     def copy(
-        self, dst: torch.Tensor, dst_tier: Tier, src: torch.Tensor, src_tier: Tier, after: Events
+        self,
+        dst: torch.Tensor,
+        dst_tier: Tier,
+        src: torch.Tensor,
+        src_tier: Tier,
+        after: Events,
+        *,
+        src_on_device: bool | None = None,
     ) -> CopyEvent | None:
-        """Copy flat bytes; on CUDA a ``non_blocking`` copy on a side stream, returning its event."""
+        """Copy flat bytes; on CUDA a ``non_blocking`` copy on a side stream, returning its event.
+
+        ``src_on_device`` says that ``src`` is device memory though it lies outside the
+        device arena (the double defers such copies too); None: the arena decides.
+        """
         link = f"{src_tier.value}->{dst_tier.value}"
         nbytes = dst.numel()
         if self.cuda and (dst.is_cuda or src.is_cuda):
@@ -394,6 +405,7 @@ class Transfers:
             self._time_copy(link, nbytes, start, end)
             return end
         to_device, from_device = self._device_memory(dst), self._device_memory(src)
+        from_device = from_device if src_on_device is None else src_on_device
         if self.double is not None and (to_device or from_device):
             deferred = self.double.copy(
                 dst, src, to_device=to_device, from_host=not from_device, after=after

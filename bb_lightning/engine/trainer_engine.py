@@ -308,7 +308,7 @@ class TrainingEngine:
             for p in self.resident_params:
                 p.data = p.data.to(device, compute_dtype)
         buffers_to(model, device, compute_dtype)
-        self.grads = GradSink(self.timer)
+        self.grads = GradSink(self.timer, store=store)
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads
         self._set_autograd_blocks(placement)
