@@ -198,7 +198,10 @@ def price(
     disk = disk + cost.link_seconds((np_ - w_h) * bb, nvme_w, hw.nvme_efficiency)
     pipeline = np.maximum(np.maximum(adam, disk), np.maximum(opt_links["h2d"], opt_links["d2h"]))
     opt_exposed = cost.optimizer_exposed_seconds(
-        pipeline, np.full_like(kf, bwd), n + (1.0 if nb > 0 else 0.0), job.grad_clipping
+        pipeline,
+        np.full_like(kf, bwd),
+        np.full_like(kf, n + (1.0 if nb > 0 else 0.0)),
+        job.grad_clipping,
     )
     total = compute + ga * exposed_pass + opt_exposed
     shared = np.zeros_like(kf)
