@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from bb_lightning.engine.pager import GradSink
@@ -83,3 +84,23 @@ def test_at_most_two_batches_are_pending() -> None:
         sink.wait()
         assert order == [0, 1, 2, 3, 4] and sink.peak_pending == 2
         sink.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gradients_arrive_exact_with_the_device_busy() -> None:
+    """bf16 CUDA gradients, each produced behind a sleep kernel and freed at once,
+    reach the worker exact through the pinned buffers (no synchronize() anywhere)."""
+    grads = [torch.randn(4 * MiB, device="cuda").to(torch.bfloat16) for _ in range(5)]
+    want = [g.cpu() for g in grads]
+    with TieredStore(StoreConfig(device_budget=MiB, host_budget=MiB, device="cuda")) as store:
+        sink = GradSink(store=store)
+        seen: list[torch.Tensor] = []
+        for g in grads:
+            torch.cuda._sleep(int(2e7))
+            sink.process_async([g * 1], lambda h: seen.append(h[0].clone()))  # type: ignore[union-attr]
+        sink.wait()
+        sink.close()
+    assert len(seen) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(seen, want, strict=True))
+    assert sink.peak_pending <= 2
