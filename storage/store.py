@@ -279,7 +279,7 @@ class TieredStore:
         try:
             if tensor is not None:
                 data = flat_bytes(tensor)  # kept alive until the copy completed
-                after = self._ready_if(data.device.type != "cpu" or home is Tier.DEVICE)
+                after = self._ready_if(self._on_device(data) or home is Tier.DEVICE)
                 settled(self._io.store(rec, data, self._tier_of(tensor), None, after))
                 del data
             elif home is not Tier.NVME:
@@ -421,7 +421,7 @@ class TieredStore:
             if data.is_cuda and self._cuda:  # used by the stream that runs the copy
                 data.record_stream(self._io.streams["h2d" if rec.home is Tier.DEVICE else "d2h"])
         # host-only write-backs (a host source to a HOST or NVMe home) need no device progress
-        ready = self._ready_if(tier is Tier.DEVICE or rec.home is Tier.DEVICE)
+        ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE)
         fut = self._submit(
             rec, lambda after: self._io.store(rec, data, tier, src_raw, after + ready)
         )
@@ -534,7 +534,7 @@ class TieredStore:
         data = flat_bytes(tensor)
         tier = self._tier_of(tensor)
         device_copy = rec.home is not Tier.DEVICE and rec.device_slot not in (None, rec.home_slot)
-        ready = self._ready_if(tier is Tier.DEVICE or rec.home is Tier.DEVICE or device_copy)
+        ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE or device_copy)
         settled(self._io.store(rec, data, tier, None, ready))
         if device_copy:
             assert rec.device_slot is not None
@@ -614,6 +614,10 @@ class TieredStore:
             rec.device_slot = rec.home_slot
 
     # -- transfers (run on the copy threads, each after the previous one on its tensor) ----
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is device memory: CUDA, or a slot of the device arena."""
+        return tensor.is_cuda or self._device_arena.holds(tensor)
 
     def _ready_if(self, needed: bool) -> Events:
         """The caller's stream's progress for a transfer that touches device memory

@@ -131,3 +131,23 @@ def test_pending_timings_stay_bounded_over_10k_copies() -> None:
         assert store.stats()["device->host"].count - before == 12_000
         assert store._io.pending_timings == 0
         assert torch.equal(out, x)
+
+
+def test_host_only_transfers_do_not_wait_for_device_progress() -> None:
+    """Reads and writes between host memory and files or the host arena are not ordered
+    after the caller's queued device work (only transfers that touch device memory are)."""
+    with _store() as store:
+        store.register("d", _values(), home=Tier.DEVICE)
+        store.register("h", _values(), home=Tier.HOST)
+        asked: list[int] = []
+        ready = store._io.ready
+        store._io.ready = lambda: (asked.append(1), ready())[1]  # type: ignore[method-assign]
+        out = torch.empty(1000)
+        store.read("h", out)
+        store.read_async("h", out).wait_host()
+        store.write_back_async("h", out).wait_host()
+        assert asked == []
+        store.read("d", out)
+        store.read_async("d", out).wait_host()
+        store.write_back_async("d", out).wait_host()
+        assert len(asked) == 3
