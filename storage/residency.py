@@ -162,8 +162,6 @@ class Ticket:
             if rec.spec.name in self._paged:
                 rec.residency.apply("arrive")
         self._events = events
-        for event in events:
-            self._order(event, self._device)
         return events
 
     def wait(self) -> dict[str, torch.Tensor]:
@@ -175,15 +173,18 @@ class Ticket:
         writes or reads is not safe to touch yet (see :meth:`wait_host`). Re-raises the
         first transfer error (failed page-ins go back to ``RELEASED``).
         """
-        self._collect()
+        for event in self._collect():
+            self._order(event, self._device)
         self._raise_once()
         return dict(self._results)
 
     def wait_host(self) -> dict[str, torch.Tensor]:
-        """Block the host until the transfers completed; then as :meth:`wait`.
+        """Block the host until the transfers completed; returns as :meth:`wait`.
 
         After it the host may read what the transfers wrote into host memory and
-        reuse the host memory they read from.
+        reuse the host memory they read from. The caller's stream is not made to wait
+        (the copies are complete, so any later device work comes after them), so a
+        worker thread waiting here never stalls the compute stream.
         """
         events = self._collect()
         if not self._synced:
