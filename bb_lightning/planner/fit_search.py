@@ -122,7 +122,8 @@ def price(
     # and written per micro-batch when several are summed.
     grads_dev = kf * FP32_BYTES * p if ga > 1 else 0.0 * kf
     paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
-    in_flight = np.where(off > 0, float(cost.grad_bytes_in_flight(model)), 0.0)
+    # every block's gradients leave through the gradient sink (two batches in flight)
+    in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model)))
     dev = (
         nb * BF16_BYTES
         + kw * bb
