@@ -2,10 +2,13 @@
 
 :class:`TieredStore` is the entry point; :mod:`storage.io` and
 :mod:`storage.nvme` are the file layer beneath it. Nothing here knows about
-models or Lightning.
+models or Lightning. :mod:`storage.deferred` is a CPU double of CUDA's copy
+semantics for tests (``StoreConfig.cuda_double`` or ``BB_CUDA_DOUBLE=1``).
 """
 
+from storage.deferred import DOUBLE_ENV
 from storage.device import ArenaFullError, slot_bytes
+from storage.host import HostBuffer
 from storage.io import ALIGNMENT, IOConfig, aligned_empty, open_backend, padded
 from storage.nvme import (
     ArraySpec,
@@ -21,11 +24,13 @@ from storage.tiers import Budget, Residency, Tier, format_bytes
 
 __all__ = [
     "ALIGNMENT",
+    "DOUBLE_ENV",
     "ArenaFullError",
     "ArraySpec",
     "Budget",
     "ChecksumError",
     "CorruptTensorError",
+    "HostBuffer",
     "IOConfig",
     "LinkStats",
     "NvmeError",

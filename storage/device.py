@@ -185,6 +185,15 @@ class Arena:
         """Bytes in allocated slots."""
         return self.allocator.used
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s first byte lies in this arena's buffer."""
+        start = self.buffer.data_ptr()
+        return (
+            tensor.device == self.buffer.device
+            and self.buffer.numel() > 0
+            and start <= tensor.data_ptr() < start + self.buffer.numel()
+        )
+
     def allocate(self, nbytes: int, *, owner: str) -> Slot:
         """A slot holding ``nbytes`` bytes for tensor ``owner`` (raises :class:`ArenaFullError`)."""
         offset, length = self.allocator.allocate(nbytes, owner=owner)

@@ -6,34 +6,128 @@ can be asynchronous), carved by the same allocator as the device arena.
 :class:`StagingPool` is a small set of aligned buffers, allocated once and
 reused, that carry NVMe transfers whose other end cannot take ``O_DIRECT``
 (CUDA memory with the POSIX backend, arbitrary caller tensors).
+
+Both are :class:`HostBuffer` s: an anonymous ``mmap`` of exactly the bytes asked
+for (page-aligned), registered with ``cudaHostRegister`` where CUDA exists. The
+PyTorch pinned allocator would round each request up to a power of two and keep
+the block cached after it is freed; a registered mapping pins exactly its size
+and is unpinned by :meth:`HostBuffer.release` (the store calls it at close).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
 
 from storage.device import Arena
-from storage.io import ALIGNMENT, aligned_empty
+from storage.io import ALIGNMENT, padded
 
-__all__ = ["HostArena", "StagingPool"]
+__all__ = ["HostArena", "HostBuffer", "StagingPool", "mapped_bytes"]
+
+_NEVER = mmap.mmap(-1, mmap.PAGESIZE)  # stands for "no mapping" in weak references
+_mapped = [0]
+_mapped_lock = threading.Lock()
+
+
+def mapped_bytes() -> int:
+    """Bytes of host buffers mapped by this process and not released yet."""
+    with _mapped_lock:
+        return _mapped[0]
+
+
+def _cuda_status(code: object) -> int:
+    return int(getattr(code, "value", code))  # type: ignore[call-overload]
+
+
+class HostBuffer:
+    """``padded(nbytes)`` bytes of page-aligned host memory, page-locked where CUDA exists.
+
+    An anonymous ``mmap`` (pages are touched on first use on the CPU; registering
+    them with CUDA touches and locks them all). :attr:`tensor` is its ``uint8`` view.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = True) -> None:
+        """``nbytes`` in bytes (rounded up to 4 KiB); ``pin`` registers it where CUDA exists."""
+        self.nbytes = padded(nbytes)
+        """Bytes mapped (a multiple of 4096)."""
+        self.pinned = False
+        """Whether the mapping is registered with CUDA (page-locked)."""
+        self._map: mmap.mmap | None = None
+        self.mapping: weakref.ref[mmap.mmap] = weakref.ref(_NEVER)
+        """The mapping, weakly (dead once it is unmapped)."""
+        if self.nbytes == 0:
+            self.tensor = torch.empty(0, dtype=torch.uint8)
+            return
+        self._map = mmap.mmap(-1, self.nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        """The whole buffer as a ``uint8`` tensor."""
+        assert self.tensor.data_ptr() % ALIGNMENT == 0
+        with _mapped_lock:
+            _mapped[0] += self.nbytes
+        if pin and torch.cuda.is_available():
+            cudart = torch.cuda.cudart()
+            status = _cuda_status(cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0))
+            if status != 0:
+                self.release()
+                raise ValueError(
+                    f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {status}): "
+                    f"lower the host budget or the staging buffers, or raise the locked-memory "
+                    f"limit (ulimit -l)"
+                )
+            self.pinned = True
+
+    def release(self) -> None:
+        """Unpin the buffer now and drop this object's hold on the mapping (idempotent).
+
+        The mapping is unmapped when the last tensor viewing it is freed (each view holds
+        a reference to it), so a view kept longer stays valid host memory, only unpinned.
+        """
+        if self._map is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        with _mapped_lock:
+            _mapped[0] -= self.nbytes
+        self.mapping = weakref.ref(self._map)
+        self._map = None
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ran."""
+        return self._map is None and self.nbytes > 0
+
+    @property
+    def unmapped(self) -> bool:
+        """Whether the memory is gone: released, and no view of it left."""
+        return self.released and self.mapping() is None
 
 
 class HostArena(Arena):
     """The arena of ``HOST``-home tensors: one aligned buffer, pinned where CUDA exists."""
 
     def __init__(self, capacity: int) -> None:
-        """``capacity`` in bytes (rounded down to 4 KiB)."""
+        """``capacity`` in bytes (rounded down to 4 KiB), mapped and pinned exactly."""
         capacity -= capacity % ALIGNMENT
-        super().__init__(aligned_empty(capacity, pin=True)[:capacity], label="host")
+        self.host = HostBuffer(capacity)
+        """The mapping behind the arena (released by :meth:`release`)."""
+        super().__init__(self.host.tensor, label="host")
 
     @property
     def pinned(self) -> bool:
         """Whether the buffer is page-locked."""
-        return bool(self.buffer.numel()) and self.buffer.is_pinned()
+        return self.host.pinned
+
+    def release(self) -> None:
+        """Unpin and unmap the arena (its slots must not be used afterwards)."""
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.host.release()
 
 
 class StagingPool:
@@ -55,7 +149,8 @@ class StagingPool:
             )
         self.buffer_bytes = nbytes
         """Bytes of each buffer."""
-        self._free = [aligned_empty(nbytes, pin=True) for _ in range(count)]
+        self._buffers = [HostBuffer(nbytes) for _ in range(count)]
+        self._free = [b.tensor for b in self._buffers]
         self.count = count
         """Number of buffers."""
         self._cond = threading.Condition()
@@ -72,6 +167,13 @@ class StagingPool:
             with self._cond:
                 self._free.append(buf)
                 self._cond.notify()
+
+    def release(self) -> None:
+        """Unpin and unmap the buffers (no transfer may borrow one afterwards)."""
+        with self._cond:
+            self._free = []
+        for buf in self._buffers:
+            buf.release()
 
     @property
     def available(self) -> int:

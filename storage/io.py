@@ -44,6 +44,7 @@ __all__ = [
     "kvikio_status",
     "open_backend",
     "padded",
+    "size_kvikio_threads",
 ]
 
 ALIGNMENT: int = 4096
@@ -68,10 +69,16 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     The tensor is a slice of a slightly larger allocation. ``pin=True`` pins
     it (page-locked, for fast asynchronous copies to the device) only where
     CUDA is available; without CUDA there is no pinned memory and the flag is
-    ignored.
+    ignored. PyTorch's pinned allocator rounds the request up to a power of two
+    and caches it after use: for long-lived buffers of a known size use
+    :class:`storage.host.HostBuffer` (exact, released explicitly).
     """
     size = padded(nbytes)
     pin = pin and torch.cuda.is_available()
+    if pin:  # pinned blocks start at page boundaries: no extra unit (the allocator rounds up)
+        raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGNMENT == 0:
+            return raw
     raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
     shift = (-raw.data_ptr()) % ALIGNMENT
     out = raw[shift : shift + size]
@@ -87,7 +94,8 @@ class IOConfig:
     """``auto`` picks kvikio where it can run, else posix; the environment variable
     ``BB_IO_BACKEND`` (posix|kvikio|auto) overrides ``auto`` only."""
     threads: int = 4
-    """Worker threads of the POSIX backend (transfers in flight at once, in tasks)."""
+    """Worker threads of the POSIX backend (transfers in flight at once, in tasks), and
+    the size of kvikio's thread pool (its own default is one thread)."""
     task_size: int = 4 << 20
     """Bytes per pread/pwrite task; a multiple of ALIGNMENT (4096 bytes)."""
     direct: bool = True
@@ -587,13 +595,32 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += put
 
 
+def size_kvikio_threads(kvikio: Any, threads: int) -> None:
+    """Set kvikio's (process-wide) thread pool to ``threads`` threads.
+
+    kvikio >= 24.12 takes ``kvikio.defaults.set({"num_threads": n})``; older releases
+    ``kvikio.defaults.num_threads_reset(n)``. Raises ``ValueError`` if neither exists.
+    """
+    defaults = getattr(kvikio, "defaults", None)
+    if defaults is not None and hasattr(defaults, "set"):
+        defaults.set({"num_threads": threads})
+    elif defaults is not None and hasattr(defaults, "num_threads_reset"):
+        defaults.num_threads_reset(threads)
+    else:
+        raise ValueError(
+            f"kvikio {getattr(kvikio, '__version__', '?')} has neither defaults.set nor "
+            f"defaults.num_threads_reset: install kvikio >= 24.12, or use backend='posix'"
+        )
+
+
 class KvikioBackend(_PooledBackend):
     """``kvikio.CuFile`` backend: GPUDirect Storage where present, compat mode otherwise.
 
     Takes host buffers and CUDA tensors; a CUDA source must be ready (its
     producing stream synchronised) before :meth:`write_async`. kvikio's own
-    thread pool does the I/O in ``task_size`` pieces; a small pool of ours
-    waits on it, fsyncs and closes the file.
+    thread pool, sized to ``IOConfig.threads`` (:func:`size_kvikio_threads`), does
+    the I/O in ``task_size`` pieces; a small pool of ours waits on it, fsyncs and
+    closes the file.
     """
 
     name = "kvikio"
@@ -602,6 +629,7 @@ class KvikioBackend(_PooledBackend):
     def __init__(self, config: IOConfig | None = None) -> None:
         self._kvikio: Any = importlib.import_module("kvikio")
         super().__init__(config, thread_name_prefix="bb-kvikio")
+        size_kvikio_threads(self._kvikio, self.config.threads)
 
     @staticmethod
     def _target(buf: torch.Tensor, nbytes: int) -> Any:

@@ -6,7 +6,11 @@ through :attr:`ResidencyMachine.TRANSITIONS`; any other change raises
 :class:`StateError`. :class:`Record` gathers everything the store knows about
 one tensor: its spec, home tier, residency, arena slots and the last
 operation issued on it. A :class:`Ticket` is the sync point of transfers in
-flight: waiting on it takes page-ins to ``RESIDENT``.
+flight, with two waits that say which synchronisation they give:
+:meth:`Ticket.wait` orders later device work after the transfers (page-ins become
+``RESIDENT``; on CUDA the host does not wait for the copies), and
+:meth:`Ticket.wait_host` blocks the host until they completed, so that host
+memory they wrote may be read and host memory they read may be reused.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from storage.deferred import CopyEvent
 from storage.device import Slot
 from storage.nvme import ArraySpec
 from storage.tiers import Residency, Tier
@@ -87,7 +92,7 @@ class Record:
     """Its slot in the device arena while paged in (the home slot for ``DEVICE`` home)."""
     written: bool = True
     """``NVME`` home: whether its chunk file exists (never-written tensors read as zeros)."""
-    last: Future[torch.cuda.Event | None] | None = None
+    last: Future[CopyEvent | None] | None = None
     """The last operation issued on it; the next one waits for it."""
 
     def device_view(self) -> torch.Tensor:
@@ -97,53 +102,99 @@ class Record:
 
 
 class Ticket:
-    """Handle of page-ins or write-backs in flight; :meth:`wait` is their sync point."""
+    """Handle of page-ins, reads or write-backs in flight.
+
+    :meth:`wait` orders the caller's later device work after them; :meth:`wait_host`
+    also blocks the host until they completed. Use :meth:`wait_host` before the host
+    reads a buffer a transfer filled (``read_async``) or changes a buffer a transfer
+    reads from (``write_back_async(name, src)``).
+    """
 
     def __init__(
         self,
-        entries: list[tuple[Record, Future[torch.cuda.Event | None]]],
+        entries: list[tuple[Record, Future[CopyEvent | None]]],
         *,
         paged: frozenset[str],
         results: dict[str, torch.Tensor],
         on_fail: Callable[[Record], None],
         device: torch.device,
+        order: Callable[[CopyEvent | None, torch.device], None],
     ) -> None:
         self._entries = entries
         self._device = device
         self._paged = paged
         self._results = results
         self._on_fail = on_fail
-        self._waited = False
+        self._order = order
+        self._events: list[CopyEvent] | None = None
+        self._error: BaseException | None = None
+        self._synced = False
 
     def done(self) -> bool:
-        """Whether every transfer has been issued and finished on the host side; never blocks."""
-        return all(fut.done() for _, fut in self._entries)
+        """Whether :meth:`wait_host` would return at once: every transfer issued and, on
+        CUDA, its copies finished (never blocks; it does not wait, so call
+        :meth:`wait_host` before touching the buffers)."""
+        if not all(fut.done() for _, fut in self._entries):
+            return False
+        for _, fut in self._entries:
+            if fut.exception() is None:
+                event = fut.result()
+                if event is not None and not event.query():
+                    return False
+        return True
 
-    def wait(self) -> dict[str, torch.Tensor]:
-        """Block until the transfers completed; page-ins become ``RESIDENT``.
-
-        Returns ``name -> device tensor`` (views into the device arena for
-        page-ins, the written source for write-backs). On CUDA the current
-        stream is made to wait for the copies instead of the host. Re-raises
-        the first transfer error (failed page-ins go back to ``RELEASED``).
-        """
-        if self._waited:
-            return dict(self._results)
-        error: BaseException | None = None
+    def _collect(self) -> list[CopyEvent]:
+        """The transfers' events, once every transfer was issued (page-ins -> RESIDENT)."""
+        if self._events is not None:
+            return self._events
+        events: list[CopyEvent] = []
         for rec, fut in self._entries:
             try:
                 event = fut.result()
             except BaseException as exc:
-                error = error or exc
+                self._error = self._error or exc
                 if rec.spec.name in self._paged:
                     self._on_fail(rec)
                 self._results.pop(rec.spec.name, None)
                 continue
             if event is not None:
-                torch.cuda.current_stream(self._device).wait_event(event)
+                events.append(event)
             if rec.spec.name in self._paged:
                 rec.residency.apply("arrive")
-        self._waited = True
+        self._events = events
+        return events
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """Order later device work after the transfers; page-ins become ``RESIDENT``.
+
+        Returns ``name -> tensor`` (views into the device arena for page-ins, the
+        given buffer for reads and write-backs). On CUDA the caller's current stream
+        waits for the copies, not the host: a buffer in host memory that a transfer
+        writes or reads is not safe to touch yet (see :meth:`wait_host`). Re-raises the
+        first transfer error (failed page-ins go back to ``RELEASED``).
+        """
+        for event in self._collect():
+            self._order(event, self._device)
+        self._raise_once()
+        return dict(self._results)
+
+    def wait_host(self) -> dict[str, torch.Tensor]:
+        """Block the host until the transfers completed; returns as :meth:`wait`.
+
+        After it the host may read what the transfers wrote into host memory and
+        reuse the host memory they read from. The caller's stream is not made to wait
+        (the copies are complete, so any later device work comes after them), so a
+        worker thread waiting here never stalls the compute stream.
+        """
+        events = self._collect()
+        if not self._synced:
+            for event in events:
+                event.synchronize()
+            self._synced = True
+        self._raise_once()
+        return dict(self._results)
+
+    def _raise_once(self) -> None:
+        error, self._error = self._error, None
         if error is not None:
             raise error
-        return dict(self._results)

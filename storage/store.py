@@ -8,8 +8,13 @@ on small thread pools, one for tensors homed on NVMe and one for copies between
 memory tiers, so memory copies never wait behind disk traffic (file I/O through
 the I/O backend's own threads), on
 CUDA as ``non_blocking`` copies on two side streams with events, so they
-overlap the caller's compute. :meth:`Ticket.wait` is the one sync point of a
-batch of transfers.
+overlap the caller's compute. A :class:`Ticket` is the sync point of a batch of
+transfers: :meth:`Ticket.wait` orders the caller's later device work after them,
+:meth:`Ticket.wait_host` makes what they wrote to host memory visible to the host
+(and their host sources free to reuse). Under the CPU double of CUDA's semantics
+(``StoreConfig.cuda_double``, :mod:`storage.deferred`) copies between the device
+arena and host memory behave as on CUDA: a host destination holds poison until
+the host synchronised on the copy.
 
 Operations on one tensor run in the order they were issued (each waits for the
 previous one), so a page-in never reads contents that a write-back in flight
@@ -50,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from storage.deferred import CopyDouble, CopyEvent, double_requested
 from storage.device import DeviceArena, Slot, resolve_device
 from storage.host import HostArena, StagingPool
 from storage.io import ALIGNMENT, IOBackend, IOConfig, open_backend, padded
@@ -64,6 +70,7 @@ from storage.transfers import (
     Work,
     done_future,
     flat_bytes,
+    order_after,
     settled,
     settled_all,
 )
@@ -99,6 +106,11 @@ class StoreConfig:
     copy_threads: int = 2
     """Threads that run page-ins and write-backs, per pool: one pool serves tensors homed
     on NVMe, one the others (on CUDA they only issue copies)."""
+    cuda_double: bool | None = None
+    """On a CPU device, run copies between the device arena and host memory under the CPU
+    double of CUDA's semantics (:mod:`storage.deferred`: destinations poisoned until the
+    host synchronises), for tests; None reads the environment variable
+    ``BB_CUDA_DOUBLE``. Never on a CUDA device (it has the real semantics)."""
 
     def __post_init__(self) -> None:
         for key in ("device_budget", "host_budget", "nvme_budget"):
@@ -178,8 +190,13 @@ class TieredStore:
                 raise
             self._backend = backend
             self._staging = StagingPool(config.staging_buffers, config.staging_bytes)
+        double = None
+        if not self._cuda and double_requested(config.cuda_double):
+            double = CopyDouble()
         self._io = Transfers(
             self.device,
+            double=double,
+            device_memory=self._device_arena.holds,
             nvme=self._nvme,
             staging=self._staging,
             direct_device=self._backend is not None and self._backend.name == "kvikio",
@@ -261,7 +278,10 @@ class TieredStore:
                 rec.residency.apply("home_on_device")
         try:
             if tensor is not None:
-                settled(self._io.store(rec, flat_bytes(tensor), self._tier_of(tensor), None, ()))
+                data = flat_bytes(tensor)  # kept alive until the copy completed
+                after = self._ready_if(self._on_device(data) or home is Tier.DEVICE)
+                settled(self._io.store(rec, data, self._tier_of(tensor), None, after))
+                del data
             elif home is not Tier.NVME:
                 assert rec.home_slot is not None
                 settled(self._io.fill_zero(rec.home_slot.raw()[:nbytes], ()))
@@ -313,7 +333,7 @@ class TieredStore:
             for slot in slots:
                 self._device_arena.free(slot)
             raise
-        entries: list[tuple[Record, Future[torch.cuda.Event | None]]] = []
+        entries: list[tuple[Record, Future[CopyEvent | None]]] = []
         paged = frozenset(r.spec.name for r in records if r.home is not Tier.DEVICE)
         results: dict[str, torch.Tensor] = {}
         it = iter(slots)
@@ -330,9 +350,7 @@ class TieredStore:
             else:
                 entries.append((rec, rec.last or done_future()))
             results[rec.spec.name] = rec.device_view()
-        return Ticket(
-            entries, paged=paged, results=results, on_fail=self._abort, device=self.device
-        )
+        return self._ticket(entries, paged=paged, results=results)
 
     def get(self, name: str) -> torch.Tensor:
         """The device tensor of RESIDENT tensor ``name`` (a view into the device arena).
@@ -346,9 +364,7 @@ class TieredStore:
             raise StateError(f"tensor {name!r} is {rec.residency.state.value.upper()}: {hint}")
         in_place = rec.home is Tier.DEVICE or rec.device_slot is rec.home_slot
         if in_place and rec.last is not None:  # a write_back_async(name, src)
-            event = self._io.settle(rec)
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+            order_after(self._io.settle(rec), self.device)
         return rec.device_view()
 
     def release(self, names: str | Sequence[str]) -> None:
@@ -363,8 +379,10 @@ class TieredStore:
                 rec.residency.check("release")
         for rec in records:
             event = self._io.settle(rec)
-            if event is not None:  # later kernels and page-ins into this slot come after it
-                torch.cuda.current_stream(self.device).wait_event(event)
+            # later kernels and page-ins into this slot come after it; host_view() and
+            # read() still synchronise on it (a write-back lands in host memory)
+            order_after(event, self.device)
+            self._io.remember(rec, event)
             with self._lock:
                 rec.residency.apply("release")
                 assert rec.device_slot is not None
@@ -389,8 +407,7 @@ class TieredStore:
                 )
             out = rec.device_view()
             if rec.home is Tier.DEVICE or rec.device_slot is rec.home_slot:  # nothing to copy
-                return Ticket([(rec, rec.last or done_future())], paged=frozenset(),
-                              results={name: out}, on_fail=self._abort, device=self.device)  # fmt: skip
+                return self._ticket([(rec, rec.last or done_future())], results={name: out})
             assert rec.device_slot is not None
             data, tier, src_raw = (
                 rec.device_slot.raw()[: rec.spec.nbytes],
@@ -401,14 +418,51 @@ class TieredStore:
             self._check_like(rec, src)
             out, data, tier = src, flat_bytes(src), self._tier_of(src)
             src_raw = _padded_bytes(src) if rec.home is Tier.NVME else None
-            if data.is_cuda and self._cuda:
-                data.record_stream(self._io.streams["d2h"])
-        ready = self._io.ready()
+            if data.is_cuda and self._cuda:  # used by the stream that runs the copy
+                data.record_stream(self._io.streams["h2d" if rec.home is Tier.DEVICE else "d2h"])
+        # host-only write-backs (a host source to a HOST or NVMe home) need no device progress
+        ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE)
         fut = self._submit(
             rec, lambda after: self._io.store(rec, data, tier, src_raw, after + ready)
         )
-        return Ticket([(rec, fut)], paged=frozenset(), results={name: out}, on_fail=self._abort,
-                      device=self.device)  # fmt: skip
+        return self._ticket([(rec, fut)], results={name: out})
+
+    @property
+    def copies_to_host(self) -> bool:
+        """Whether tensors on the compute device need a copy to reach host memory: on CUDA,
+        and on a CPU device under the double (where such copies are deferred)."""
+        return self._cuda or self._io.double is not None
+
+    def copy_to_host_async(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+    ) -> list[CopyEvent | None]:
+        """Copy each contiguous tensor of ``srcs`` on the compute device into the matching
+        host tensor of ``dsts`` (pinned, contiguous, same shape and dtype), after the
+        caller's queued device work; on CUDA ``non_blocking`` on the ``d2h`` stream.
+
+        Returns the copies' events: :func:`storage.transfers.settled` on each before the
+        host reads ``dsts``; ``srcs`` may be freed at once (their memory is kept for the
+        copy). Counted on the ``device->host`` link.
+        """
+        if len(dsts) != len(srcs):
+            raise ValueError(f"{len(dsts)} destinations for {len(srcs)} sources: pass pairs")
+        ready = self._io.ready()
+        events: list[CopyEvent | None] = []
+        for dst, src in zip(dsts, srcs, strict=True):
+            if dst.shape != src.shape or dst.dtype != src.dtype or not dst.is_contiguous():
+                raise ValueError(
+                    f"destination {tuple(dst.shape)} {dst.dtype} (contiguous: "
+                    f"{dst.is_contiguous()}) does not take source {tuple(src.shape)} "
+                    f"{src.dtype}: pass a contiguous host tensor like the source"
+                )
+            data = flat_bytes(src)
+            if data.is_cuda:
+                data.record_stream(self._io.streams["d2h"])
+            out = flat_bytes(dst)
+            events.append(
+                self._io.copy(out, Tier.HOST, data, Tier.DEVICE, ready, src_on_device=True)
+            )
+        return events
 
     # -- synchronous access ----------------------------------------------------------------
 
@@ -427,7 +481,7 @@ class TieredStore:
         if out is None and rec.home is Tier.NVME and rec.written and rec.spec.nbytes:
             return self._io.read_home(rec, None)
         result = torch.empty(rec.spec.shape, dtype=rec.spec.dtype) if out is None else out
-        settled(self._read_into(rec, result, self._io.ready()))
+        settled(self._read_into(rec, result, self._ready_if(rec.home is Tier.DEVICE)))
         return result
 
     def read_async(self, name: str, out: torch.Tensor) -> Ticket:
@@ -440,10 +494,9 @@ class TieredStore:
         """
         rec = self._record(name)
         self._check_out(rec, out)
-        ready = self._io.ready()
+        ready = self._ready_if(rec.home is Tier.DEVICE)  # else no device memory is read
         fut = self._submit(rec, lambda after: self._read_into(rec, out, after + ready))
-        return Ticket([(rec, fut)], paged=frozenset(), results={name: out}, on_fail=self._abort,
-                      device=self.device)  # fmt: skip
+        return self._ticket([(rec, fut)], results={name: out})
 
     def _check_out(self, rec: Record, out: torch.Tensor) -> None:
         self._check_like(rec, out)
@@ -453,7 +506,7 @@ class TieredStore:
                 f"{out.device}: pass out=None to get a new one"
             )
 
-    def _read_into(self, rec: Record, out: torch.Tensor, after: Events) -> torch.cuda.Event | None:
+    def _read_into(self, rec: Record, out: torch.Tensor, after: Events) -> CopyEvent | None:
         """Copy the home contents of ``rec`` into the CPU tensor ``out``."""
         spec = rec.spec
         if not spec.nbytes:
@@ -479,12 +532,14 @@ class TieredStore:
         self._check_like(rec, tensor)
         self._io.settle(rec, sync=True)
         data = flat_bytes(tensor)
-        ready = self._io.ready()
-        settled(self._io.store(rec, data, self._tier_of(tensor), None, ready))
-        if rec.home is not Tier.DEVICE and rec.device_slot not in (None, rec.home_slot):
+        tier = self._tier_of(tensor)
+        device_copy = rec.home is not Tier.DEVICE and rec.device_slot not in (None, rec.home_slot)
+        ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE or device_copy)
+        settled(self._io.store(rec, data, tier, None, ready))
+        if device_copy:
             assert rec.device_slot is not None
             dst = rec.device_slot.raw()[: rec.spec.nbytes]
-            settled(self._io.copy(dst, Tier.DEVICE, data, self._tier_of(tensor), ready))
+            settled(self._io.copy(dst, Tier.DEVICE, data, tier, ready))
 
     def host_view(self, name: str) -> torch.Tensor:
         """The home contents of HOST-home ``name`` as a view of the host arena (no copy).
@@ -560,10 +615,35 @@ class TieredStore:
 
     # -- transfers (run on the copy threads, each after the previous one on its tensor) ----
 
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is device memory: CUDA, or a slot of the device arena."""
+        return tensor.is_cuda or self._device_arena.holds(tensor)
+
+    def _ready_if(self, needed: bool) -> Events:
+        """The caller's stream's progress for a transfer that touches device memory
+        (``needed``); nothing for one between host memory and files only."""
+        return self._io.ready() if needed else ()
+
     def _page_in_work(self, rec: Record, slot: Slot, ready: Events) -> Work:
         return lambda after: self._io.load(rec, slot, Tier.DEVICE, after + ready)
 
-    def _submit(self, rec: Record, work: Work) -> Future[torch.cuda.Event | None]:
+    def _ticket(
+        self,
+        entries: list[tuple[Record, Future[CopyEvent | None]]],
+        *,
+        results: dict[str, torch.Tensor],
+        paged: frozenset[str] = frozenset(),
+    ) -> Ticket:
+        return Ticket(
+            entries,
+            paged=paged,
+            results=results,
+            on_fail=self._abort,
+            device=self.device,
+            order=order_after,
+        )
+
+    def _submit(self, rec: Record, work: Work) -> Future[CopyEvent | None]:
         self._check_open()
         return self._io.submit(rec, work)
 
@@ -650,7 +730,8 @@ class TieredStore:
         }
 
     def close(self) -> None:
-        """Wait for transfers in flight, stop the copy threads, release the NVMe lock."""
+        """Wait for transfers in flight, stop the copy threads, release the NVMe lock, unpin
+        and unmap the host arena and staging buffers (views of them must not be used)."""
         if self._closed:
             return
         self._closed = True
@@ -658,13 +739,15 @@ class TieredStore:
             with contextlib.suppress(BaseException):
                 self._io.settle(rec, sync=True)
         self._io.shutdown()
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-            self.stats()
+        self._io.synchronize()
+        self.stats()
         if self._nvme is not None:
             self._nvme.close()
         if self._backend is not None:
             self._backend.close()
+        self._host_arena.release()  # pinned memory goes back now, not at exit
+        if self._staging is not None:
+            self._staging.release()
 
     def __enter__(self) -> TieredStore:
         return self

@@ -4,7 +4,17 @@
 counts the traffic per copy link (:data:`LINKS`). On CUDA a copy is a
 ``non_blocking`` copy on one of two side streams (``h2d`` / ``d2h``), ordered
 after the events it is given, and returns its own event; on the CPU it runs
-in the calling thread (a copy thread of the store) and returns ``None``.
+in the calling thread (a copy thread of the store) and returns ``None``, unless
+the store runs under the CPU double of CUDA's semantics (:mod:`storage.deferred`):
+then a copy between the device arena and host memory is deferred like a CUDA
+copy and returns a :class:`storage.deferred.DeferredEvent`.
+
+Two waits, two names: :func:`order_after` makes later work on the caller's stream
+come after a copy (the device sees its data; the host does not yet), and
+:func:`settled` blocks the host until the copy completed (its host destination
+may be read and its host source reused). A copy's timing events are read back as
+copies go (at most :data:`MAX_PENDING_TIMINGS` wait at once), not only by
+:meth:`Transfers.stats`.
 
 NVMe transfers land straight in (or leave from) a 4 KiB-aligned arena slot
 where the I/O backend can reach it: host memory, or device memory with
@@ -19,12 +29,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from storage.deferred import CopyDouble, CopyEvent, DeferredEvent
 from storage.device import Slot
 from storage.host import StagingPool
 from storage.io import ALIGNMENT, aligned_empty
@@ -33,18 +46,19 @@ from storage.residency import Record
 from storage.tiers import Tier
 
 __all__ = ["LINKS", "Events", "LinkStats", "Transfers", "Work", "done_future", "flat_bytes"]
-__all__ += ["settled", "settled_all"]
+__all__ += ["MAX_PENDING_TIMINGS", "order_after", "settled", "settled_all"]
 
 LINKS = ("nvme->host", "host->device", "device->host", "host->nvme", "nvme->device", "device->nvme")
 """Copy links counted by :meth:`TieredStore.stats`; ``nvme->device`` / ``device->nvme`` are file
 transfers that land in (or leave from) a device-arena slot without staging."""
 
-FOLD_TIMINGS = 256
-"""Timed device copies recorded between two folds of the completed ones into the meters."""
+Events = tuple[CopyEvent, ...]
+"""Events a copy must wait for (empty on the CPU, except under the double)."""
 
-Events = tuple[torch.cuda.Event, ...]
-"""CUDA events a copy must wait for (empty on the CPU)."""
-Work = Callable[[Events], "torch.cuda.Event | None"]
+MAX_PENDING_TIMINGS = 256
+"""Copies whose timing events may wait to be read at once; beyond, the oldest is read
+(synchronising on it: issued that many copies ago, it has finished in practice)."""
+Work = Callable[[Events], "CopyEvent | None"]
 """A transfer to run after the given events; returns the event of its last copy (CUDA)."""
 
 
@@ -108,23 +122,44 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def done_future() -> Future[torch.cuda.Event | None]:
+def done_future() -> Future[CopyEvent | None]:
     """A future that is already done, with no event: an operation with nothing left to wait for."""
-    fut: Future[torch.cuda.Event | None] = Future()
+    fut: Future[CopyEvent | None] = Future()
     fut.set_result(None)
     return fut
 
 
-def settled(event: torch.cuda.Event | None) -> None:
-    """Block the host until ``event`` (if any) has completed."""
+def settled(event: CopyEvent | None) -> None:
+    """Block the host until ``event`` (if any) has completed: its data is host-visible."""
     if event is not None:
         event.synchronize()
+
+
+def order_after(event: CopyEvent | None, device: torch.device) -> None:
+    """Order later work on ``device``'s current stream after ``event`` (the host never waits).
+
+    Device work queued afterwards sees the copy's data; the host does not, and must
+    not reuse the copy's host source: use :func:`settled` for that.
+    """
+    if event is None:
+        return
+    if isinstance(event, DeferredEvent):
+        event.order()
+    else:
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def settled_all(events: Events) -> None:
     """Block the host until every event of ``events`` has completed."""
     for event in events:
         event.synchronize()
+
+
+def _stream_after(stream: torch.cuda.Stream, after: Events) -> None:
+    """Make the side ``stream`` wait for the CUDA events of ``after``."""
+    for event in after:
+        assert isinstance(event, torch.cuda.Event), "a CUDA stream waits on CUDA events only"
+        stream.wait_event(event)
 
 
 class Transfers:
@@ -137,7 +172,8 @@ class Transfers:
     their own, so a page-in from host memory never queues behind disk traffic. ``direct_device`` says whether
     the I/O backend reads into and writes from device memory (kvikio);
     ``stage_nvme`` routes every NVMe transfer through ``staging`` even where
-    it could go direct.
+    it could go direct. ``double`` runs copies that touch device memory (as
+    ``device_memory`` tells, the store's device arena) under the CPU double.
     """
 
     def __init__(
@@ -149,15 +185,20 @@ class Transfers:
         direct_device: bool,
         stage_nvme: bool = False,
         threads: int = 2,
+        double: CopyDouble | None = None,
+        device_memory: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.double = double if not self.cuda else None
+        """The CPU double of CUDA copies (:mod:`storage.deferred`), or None."""
+        self._device_memory = device_memory or (lambda t: False)
         self.nvme = nvme
         self.staging = staging
         self._direct_device = direct_device
         self._stage_all = stage_nvme
         self.meters = {link: _Meter() for link in LINKS}
-        self._timings: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._timings: deque[tuple[str, int, Any, Any]] = deque()
         self._timings_lock = threading.Lock()
         self.streams: dict[str, torch.cuda.Stream] = {}
         if self.cuda:
@@ -168,14 +209,14 @@ class Transfers:
 
     # -- ordering --------------------------------------------------------------------------
 
-    def submit(self, rec: Record, work: Work) -> Future[torch.cuda.Event | None]:
+    def submit(self, rec: Record, work: Work) -> Future[CopyEvent | None]:
         """Run ``work`` on a copy thread after the previous operation on ``rec``.
 
         Callable from several threads: the operation is chained after whichever one on
         ``rec`` was issued last, by any thread.
         """
 
-        def job() -> torch.cuda.Event | None:
+        def job() -> CopyEvent | None:
             after: Events = ()
             if prev is not None:
                 try:
@@ -191,7 +232,7 @@ class Transfers:
             rec.last = fut = pool.submit(job)
         return fut
 
-    def settle(self, rec: Record, *, sync: bool = False) -> torch.cuda.Event | None:
+    def settle(self, rec: Record, *, sync: bool = False) -> CopyEvent | None:
         """Wait for the operations issued on ``rec``; re-raises the last one's error once.
 
         Returns the CUDA event of the last copy (synchronised with ``sync``).
@@ -210,6 +251,18 @@ class Transfers:
             settled(event)
         return event
 
+    def remember(self, rec: Record, event: CopyEvent | None) -> None:
+        """Keep ``event`` (of an operation already waited for with :meth:`settle`) as the
+        last operation on ``rec`` when none was issued since, so that a later
+        ``settle(rec, sync=True)`` still synchronises the host on it."""
+        if event is None:
+            return
+        fut: Future[CopyEvent | None] = Future()
+        fut.set_result(event)
+        with self._order:
+            if rec.last is None:
+                rec.last = fut
+
     def shutdown(self) -> None:
         """Wait for the copy threads to finish their work and stop them."""
         self._pool.shutdown(wait=True)
@@ -221,7 +274,7 @@ class Transfers:
 
     # -- whole transfers -------------------------------------------------------------------
 
-    def load(self, rec: Record, slot: Slot, tier: Tier, after: Events) -> torch.cuda.Event | None:
+    def load(self, rec: Record, slot: Slot, tier: Tier, after: Events) -> CopyEvent | None:
         """Copy the home contents of ``rec`` into ``slot`` of the ``tier`` arena."""
         nbytes = rec.spec.nbytes
         dst = slot.raw()
@@ -243,7 +296,7 @@ class Transfers:
         tier: Tier,
         raw: torch.Tensor | None,
         after: Events,
-    ) -> torch.cuda.Event | None:
+    ) -> CopyEvent | None:
         """Copy ``data`` (flat bytes on ``tier``) to the home of ``rec``.
 
         ``raw`` is ``data``'s whole padded arena slot when it is one, so an
@@ -292,7 +345,7 @@ class Transfers:
 
     def _staged_read(
         self, rec: Record, dst: torch.Tensor, tier: Tier, after: Events
-    ) -> torch.cuda.Event | None:
+    ) -> CopyEvent | None:
         """Read the chunk of ``rec`` into flat bytes ``dst`` on ``tier`` through staging."""
         assert self.staging is not None
         event = None
@@ -324,9 +377,20 @@ class Transfers:
     # -- copies ----------------------------------------------------------------------------
 
     def copy(
-        self, dst: torch.Tensor, dst_tier: Tier, src: torch.Tensor, src_tier: Tier, after: Events
-    ) -> torch.cuda.Event | None:
-        """Copy flat bytes; on CUDA a ``non_blocking`` copy on a side stream, returning its event."""
+        self,
+        dst: torch.Tensor,
+        dst_tier: Tier,
+        src: torch.Tensor,
+        src_tier: Tier,
+        after: Events,
+        *,
+        src_on_device: bool | None = None,
+    ) -> CopyEvent | None:
+        """Copy flat bytes; on CUDA a ``non_blocking`` copy on a side stream, returning its event.
+
+        ``src_on_device`` says that ``src`` is device memory though it lies outside the
+        device arena (the double defers such copies too); None: the arena decides.
+        """
         link = f"{src_tier.value}->{dst_tier.value}"
         nbytes = dst.numel()
         if self.cuda and (dst.is_cuda or src.is_cuda):
@@ -334,21 +398,27 @@ class Transfers:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
-                for event in after:
-                    stream.wait_event(event)
+                _stream_after(stream, after)
                 start.record(stream)
                 dst.copy_(src, non_blocking=True)
                 end.record(stream)
-            if link in self.meters:
-                self._record_timing(link, nbytes, start, end)
+            self._time_copy(link, nbytes, start, end)
             return end
+        to_device, from_device = self._device_memory(dst), self._device_memory(src)
+        from_device = from_device if src_on_device is None else src_on_device
+        if self.double is not None and (to_device or from_device):
+            deferred = self.double.copy(
+                dst, src, to_device=to_device, from_host=not from_device, after=after
+            )
+            self._time_copy(link, nbytes, *deferred.timing())
+            return deferred
         settled_all(after)
         meter = self.meters.get(link)
         with meter.timing(nbytes) if meter is not None else contextlib.nullcontext():
             dst.copy_(src)
         return None
 
-    def fill_zero(self, dst: torch.Tensor, after: Events) -> torch.cuda.Event | None:
+    def fill_zero(self, dst: torch.Tensor, after: Events) -> CopyEvent | None:
         """Zero flat bytes ``dst``; on CUDA on the ``h2d`` stream, returning its event."""
         if not dst.is_cuda:
             settled_all(after)
@@ -356,8 +426,7 @@ class Transfers:
             return None
         stream = self.streams["h2d"]
         with torch.cuda.stream(stream):
-            for event in after:
-                stream.wait_event(event)
+            _stream_after(stream, after)
             dst.zero_()
             done = torch.cuda.Event()
             done.record(stream)
@@ -371,32 +440,40 @@ class Transfers:
         event.record(torch.cuda.current_stream(self.device))
         return (event,)
 
-    def _record_timing(
-        self, link: str, nbytes: int, start: torch.cuda.Event, end: torch.cuda.Event
-    ) -> None:
-        """Keep a timed device copy's events until it completes (then its link meter has it).
-
-        Completed copies are folded into the meters every :data:`FOLD_TIMINGS` records, so
-        the list holds at most that many plus the copies still in flight, however long the
-        run and whether or not anyone reads :meth:`stats`.
-        """
+    def _time_copy(self, link: str, nbytes: int, start: Any, end: Any) -> None:
+        """Queue a copy's timing events; read back those at the front that have finished."""
+        if link not in self.meters:
+            return
         with self._timings_lock:
-            self._timings.append((link, nbytes, start, end))
-            if len(self._timings) >= FOLD_TIMINGS:
-                self._fold_timings()
+            timings = self._timings
+            timings.append((link, nbytes, start, end))
+            while timings and (len(timings) > MAX_PENDING_TIMINGS or timings[0][3].query()):
+                old_link, old_bytes, old_start, old_end = timings.popleft()
+                old_end.synchronize()
+                seconds = old_start.elapsed_time(old_end) / 1e3 if old_end.query() else 0.0
+                self.meters[old_link].add(old_bytes, seconds)
 
-    def _fold_timings(self) -> None:
-        """Add the completed timed copies to their meters (the caller holds the lock)."""
-        pending = []
-        for link, nbytes, start, end in self._timings:
-            if end.query():
-                self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
-            else:
-                pending.append((link, nbytes, start, end))
-        self._timings = pending
+    @property
+    def pending_timings(self) -> int:
+        """Copies whose timing events have not been read back yet."""
+        with self._timings_lock:
+            return len(self._timings)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy issued so far has completed."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        elif self.double is not None:
+            self.double.finish()
 
     def stats(self) -> dict[str, LinkStats]:
         """Traffic per link in :data:`LINKS` (bytes, busy seconds, count)."""
         with self._timings_lock:
-            self._fold_timings()
+            pending: deque[tuple[str, int, Any, Any]] = deque()
+            for link, nbytes, start, end in self._timings:
+                if end.query():
+                    self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
+                else:
+                    pending.append((link, nbytes, start, end))
+            self._timings = pending
         return {link: meter.snapshot() for link, meter in self.meters.items()}

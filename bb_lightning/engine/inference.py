@@ -174,7 +174,9 @@ class InferenceEngine:
                 n = math.prod(shape)
                 flat[offset : offset + n].copy_(_checked(key, shape, get).reshape(-1))
                 offset += n
-            self.pager.write_weights(i, flat, scratch)
+            ticket = self.pager.write_weights(i, flat, scratch)
+            if ticket is not None:  # the next block is cast into the same scratch buffer
+                ticket.wait_host()
         first = {id(p): k for k, p in reversed(list(self.model.named_parameters()))}
         for p in self.resident_params:
             p.data.copy_(_checked(first[id(p)], tuple(p.shape), get))

@@ -26,6 +26,7 @@ moments or gradient accumulator exist for them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -40,8 +41,11 @@ from bb_lightning.engine.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from bb_lightning.planner.plan import Plan
+from storage.deferred import CopyEvent
+from storage.host import HostBuffer
 from storage.store import Ticket, TieredStore
 from storage.tiers import Residency, Tier
+from storage.transfers import settled
 
 __all__ = [
     "BlockLoader",
@@ -341,17 +345,36 @@ def _views(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
 
 
 class GradSink:
-    """Moves gradients off the device into fp32 host accumulators on one worker thread.
+    """Moves gradients off the device to a worker thread that adds them into fp32 host state.
 
-    On CUDA the copy runs on a side stream ordered after the producing stream;
-    on CPU the worker adds into the accumulator. :meth:`wait` is the one sync
-    point of a backward pass.
+    At most :attr:`max_pending` batches (one block's gradients each) wait for or run on
+    the worker; :meth:`process_async` blocks the caller until one finishes beyond that,
+    so gradients never pile up on the device. Where tensors on the compute device need
+    a copy to reach the host (CUDA; the store's CPU double), each batch is copied
+    ``non_blocking`` into one of :attr:`max_pending` reused page-locked buffers through
+    the store (``TieredStore.copy_to_host_async``, counted on its ``device->host`` link),
+    the worker waits on the host for those copies only (never stalling the compute
+    stream), and the work converts them to fp32 as it adds them. Without a store, or on
+    a CPU device, the worker takes the gradients themselves. :meth:`wait` is the one
+    sync point of a backward pass.
     """
 
-    def __init__(self, timer: PhaseTimer | None = None) -> None:
+    def __init__(
+        self, timer: PhaseTimer | None = None, *, store: TieredStore | None = None, pending: int = 2
+    ) -> None:
+        if pending < 1:
+            raise ValueError(f"GradSink pending={pending} must be >= 1: pass 1 or more")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-grads")
         self._futures: list[Future[object]] = []
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._store = store
+        self.max_pending = pending
+        """Batches of gradients that may wait for the worker at once."""
+        self._slots = threading.BoundedSemaphore(pending)
+        self._buffers: list[HostBuffer] = []
+        self._lock = threading.Lock()
+        self._pending = 0
+        self.peak_pending = 0
+        """Most batches pending at once since the sink was built."""
         self.timer = timer
         """Times :meth:`wait` as phase ``wait_grads`` when set."""
 
@@ -362,31 +385,75 @@ class GradSink:
     def process_async(
         self, grads: Sequence[Tensor | None], work: Callable[[Sequence[Tensor | None]], object]
     ) -> None:
-        """Run ``work`` on the worker with the gradients on the host (FIFO order).
+        """Run ``work`` on the worker with the gradients in host memory (FIFO order).
 
-        CUDA gradients are copied to fp32 host tensors on the side stream first.
+        ``work`` gets host tensors of the gradients' dtypes, valid only while it runs.
+        Blocks while :attr:`max_pending` batches are pending.
         """
-        if self._stream is not None and any(g is not None and g.is_cuda for g in grads):
-            event = torch.cuda.Event()
-            event.record()
-            for g in grads:
-                if g is not None:
-                    g.record_stream(self._stream)
-            self._futures.append(self._pool.submit(self._on_host, grads, event, work))
-        else:
-            self._futures.append(self._pool.submit(work, grads))
+        self._slots.acquire()
+        with self._lock:
+            self._pending += 1
+            self.peak_pending = max(self.peak_pending, self._pending)
+        try:
+            store = self._store
+            if store is not None and store.copies_to_host and any(g is not None for g in grads):
+                buf = self._buffer(grads)
+                views = _carve(buf.tensor, grads)
+                dsts: list[Tensor] = []
+                srcs: list[Tensor] = []
+                for v, g in zip(views, grads, strict=True):
+                    if v is not None and g is not None:
+                        dsts.append(v)
+                        srcs.append(g.detach())
+                events = store.copy_to_host_async(dsts, srcs)
+                job = functools.partial(self._on_host, views, events, buf, work)
+            else:
+                job = functools.partial(self._direct, grads, work)
+            self._futures.append(self._pool.submit(job))
+        except BaseException:
+            self._done()
+            raise
+
+    def _buffer(self, grads: Sequence[Tensor | None]) -> HostBuffer:
+        """A free page-locked buffer that holds ``grads`` (grown once when too small)."""
+        need = sum(_slot(g) for g in grads if g is not None)
+        with self._lock:
+            for k, buf in enumerate(self._buffers):
+                if buf.nbytes >= need:
+                    return self._buffers.pop(k)
+            old = self._buffers.pop() if self._buffers else None
+        if old is not None:
+            old.release()
+        return HostBuffer(need)
+
+    def _direct(
+        self, grads: Sequence[Tensor | None], work: Callable[[Sequence[Tensor | None]], object]
+    ) -> None:
+        try:
+            work(grads)
+        finally:
+            self._done()
 
     def _on_host(
         self,
-        grads: Sequence[Tensor | None],
-        event: torch.cuda.Event,
+        views: Sequence[Tensor | None],
+        events: Sequence[CopyEvent | None],
+        buf: HostBuffer,
         work: Callable[[Sequence[Tensor | None]], object],
     ) -> None:
-        assert self._stream is not None
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(event)
-            host = [None if g is None else g.to("cpu", torch.float32) for g in grads]
-        work(host)
+        try:
+            for event in events:
+                settled(event)  # the host waits for these copies only
+            work(views)
+        finally:
+            with self._lock:
+                self._buffers.append(buf)
+            self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+        self._slots.release()
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the worker after every addition queued so far (FIFO order)."""
@@ -403,9 +470,36 @@ class GradSink:
                 future.result()
 
     def close(self) -> None:
-        """Finish queued work and stop the worker."""
+        """Finish queued work, stop the worker and unpin its buffers."""
         self.wait()
         self._pool.shutdown(wait=True)
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for buf in buffers:
+            buf.release()
+
+
+_GRAD_ALIGN = 256
+"""Byte alignment of each gradient in a sink buffer."""
+
+
+def _slot(g: Tensor) -> int:
+    nbytes = g.numel() * g.element_size()
+    return -(-nbytes // _GRAD_ALIGN) * _GRAD_ALIGN
+
+
+def _carve(buffer: Tensor, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Views of ``buffer`` (flat ``uint8``) shaped and typed like each gradient."""
+    views: list[Tensor | None] = []
+    offset = 0
+    for g in grads:
+        if g is None:
+            views.append(None)
+            continue
+        nbytes = g.numel() * g.element_size()
+        views.append(buffer[offset : offset + nbytes].view(g.dtype).view(g.shape))
+        offset += _slot(g)
+    return views
 
 
 def _timed(timer: PhaseTimer | None, phase: str) -> contextlib.AbstractContextManager[None]:
@@ -625,7 +719,8 @@ class BlockPager:
 
         HOST-home weights are cast in place into their home (None returned). Others are
         cast into ``scratch`` and written back on the store's copy threads: ``scratch``
-        must stay unchanged until the returned ticket is done; the store orders the
+        must stay unchanged until the returned ticket's :meth:`~storage.store.Ticket.wait_host`
+        returned (on CUDA the copy reads it until it completes); the store orders the
         block's next page-in after the write.
         """
         assert not self._paged(i) or self.store.state(self.names[i]) is Residency.RELEASED, (

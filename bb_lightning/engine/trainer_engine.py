@@ -250,21 +250,22 @@ class _Scratch:
     """Asynchronous reads into these buffers not yet waited for."""
 
     def settle(self) -> None:
-        """Wait for the reads into and writes from these buffers (then free to reuse)."""
+        """Wait on the host for the reads into and writes from these buffers (then free
+        to reuse: on CUDA a copy still reading a pinned buffer must have completed)."""
         self.wait_reads()
         tickets, self.tickets = self.tickets, []
         for ticket in tickets:
-            ticket.wait()
+            ticket.wait_host()
 
     def idle(self) -> bool:
         """Whether no read or write on these buffers is still running (never blocks)."""
         return all(t.done() for t in (*self.reads, *self.tickets))
 
     def wait_reads(self) -> None:
-        """Wait for the reads into these buffers."""
+        """Wait on the host for the reads into these buffers (then the host may read them)."""
         reads, self.reads = self.reads, []
         for ticket in reads:
-            ticket.wait()
+            ticket.wait_host()
 
 
 @dataclass
@@ -342,7 +343,7 @@ class TrainingEngine:
             for p in self.resident_params:
                 p.data = p.data.to(device, compute_dtype)
         buffers_to(model, device, compute_dtype)
-        self.grads = GradSink(self.timer)
+        self.grads = GradSink(self.timer, store=store)
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads
         self._set_autograd_blocks(placement)
@@ -362,6 +363,8 @@ class TrainingEngine:
         self._queue: list[int] = []
         """Blocks still to step in this optimizer step, in step order, not yet read ahead."""
         self._ahead_lock = threading.Lock()
+        self._stepped_ahead: list[_Scratch] = []
+        """Read-ahead sets of blocks stepped but whose weights are not cast yet."""
 
     def _set_autograd_blocks(self, placement: Placement) -> None:
         """Blocks used in place run with ordinary autograd unless the placement recomputes
@@ -432,6 +435,8 @@ class TrainingEngine:
         """Drop what is left of this step's read-ahead (sets back to the free list)."""
         with self._ahead_lock:
             self._queue = []
+            self._free_ahead.extend(self._stepped_ahead)
+            self._stepped_ahead = []
             for buf in self._ahead.values():
                 buf.wait_reads()
                 self._free_ahead.append(buf)
@@ -529,6 +534,15 @@ class TrainingEngine:
         ticket = self.pager.write_weights(i, master, scratch.cast)
         if ticket is not None:
             scratch.tickets.append(ticket)
+        self._recycle_stepped()
+
+    def _recycle_stepped(self) -> None:
+        """Read-ahead sets whose block was stepped and cast go back to the free list (they
+        are reused once their writes are done), and the next reads start."""
+        with self._ahead_lock:
+            self._free_ahead.extend(self._stepped_ahead)
+            self._stepped_ahead = []
+        self._read_ahead()
 
     def apply_placement(self, placement: Placement) -> None:
         """Re-home the blocks' weights and optimizer state (between optimizer steps)."""
@@ -640,10 +654,9 @@ class TrainingEngine:
             if self.store.home(name) is not Tier.HOST:
                 assert held is not None
                 held.tickets.append(self.store.write_back_async(name, buf))
-        if ahead is not None:
+        if ahead is not None:  # reused once the weights are cast from its master buffer
             with self._ahead_lock:
-                self._free_ahead.append(ahead)  # reused once its writes are done
-            self._read_ahead()
+                self._stepped_ahead.append(ahead)
         state.clear_grad()
         self.optimizer_busy_s += time.perf_counter() - start
         return master
@@ -713,7 +726,7 @@ class TrainingEngine:
             if i < self.pager.num_blocks:
                 ticket = self.pager.write_weights(i, master, scratch.cast)
                 if ticket is not None:
-                    ticket.wait()
+                    ticket.wait_host()  # scratch.cast is refilled for the next block
             else:
                 for p, v in zip(self.resident_params, state.master_views(master), strict=True):
                     p.data.copy_(v)

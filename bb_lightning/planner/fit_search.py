@@ -123,11 +123,17 @@ def price(
     g, s = job.seqs_per_step, job.seq_len
     ga = math.ceil(g / mb)
     np_ = n - kf - kw  # paged blocks
-    off = n - kf  # blocks whose optimizer runs on the host
+    off = n - kf  # blocks whose optimizer state and gradients are homed off the device
+    # The engine steps every block with host AdamW, the kF blocks too: their fp32 state
+    # comes off the device and goes back each step (12 + 12 bytes per parameter), their
+    # weights go back in bf16, and their gradient sums (homed on the device) are read
+    # and written per micro-batch when several are summed.
+    grads_dev = kf * FP32_BYTES * p if ga > 1 else 0.0 * kf
     paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
     # checkpointing forced on a placement that pages nothing: every block is recomputed
     act_kept = np.where(np_ > 0, kf + kw, 0.0) if ckpt else kf + kw
-    in_flight = np.where(off > 0, float(cost.grad_bytes_in_flight(model)), 0.0)
+    # every block's gradients leave through the gradient sink (two batches in flight)
+    in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model)))
     dev = (
         nw * BF16_BYTES
         + kw * bb
@@ -173,15 +179,17 @@ def price(
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
     grads_nvme = (off - g_h) * FP32_BYTES * p  # read-modify-write per micro-batch
     links = {
-        "h2d": cost.link_seconds(2.0 * np_ * bb, hw.h2d_bandwidth, hw.h2d_efficiency),
+        "h2d": cost.link_seconds(2.0 * np_ * bb + grads_dev, hw.h2d_bandwidth, hw.h2d_efficiency),
         "nvme_read": cost.link_seconds(
             2.0 * (np_ - w_h) * bb + grads_nvme, nvme_r, hw.nvme_efficiency
         ),
         "nvme_write": cost.link_seconds(grads_nvme, nvme_w, hw.nvme_efficiency),
-        "d2h": cost.link_seconds((off * p + nb) * BF16_BYTES, hw.d2h_bandwidth, hw.d2h_efficiency),
+        "d2h": cost.link_seconds(
+            (n * p + nb) * BF16_BYTES + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
+        ),
     }
     exposed_pass = cost.pass_exposed_seconds(np.full_like(kf, c_pass), links)
-    adam = cost.host_adam_seconds(off * p + nb, hw)
+    adam = cost.host_adam_seconds(n * p + nb + 0.0 * kf, hw)
     opt_links = {
         "nvme_read": cost.link_seconds(
             (off - m_h) * ADAM_STATE_BYTES * p + grads_nvme, nvme_r, hw.nvme_efficiency
@@ -191,16 +199,24 @@ def price(
             nvme_w,
             hw.nvme_efficiency,
         ),
-        "h2d": cost.link_seconds((kw * p + nb) * BF16_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency),
+        "h2d": cost.link_seconds(
+            ((kw + kf) * p + nb) * BF16_BYTES + kf * ADAM_STATE_BYTES * p,
+            hw.h2d_bandwidth,
+            hw.h2d_efficiency,
+        ),
+        "d2h": cost.link_seconds(kf * ADAM_STATE_BYTES * p, hw.d2h_bandwidth, hw.d2h_efficiency),
     }
     bwd = c_pass * cost.backward_fraction(ckpt)
     k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
     host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
     disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
     disk = disk + cost.link_seconds((np_ - w_h) * p * BF16_BYTES, nvme_w, hw.nvme_efficiency)
-    pipeline = np.maximum(np.maximum(adam, disk), opt_links["h2d"])
+    pipeline = np.maximum(np.maximum(adam, disk), np.maximum(opt_links["h2d"], opt_links["d2h"]))
     opt_exposed = cost.optimizer_exposed_seconds(
-        pipeline, np.full_like(kf, bwd), off + (1.0 if nb > 0 else 0.0), job.grad_clipping
+        pipeline,
+        np.full_like(kf, bwd),
+        np.full_like(kf, n + (1.0 if nb > 0 else 0.0)),
+        job.grad_clipping,
     )
     total = compute + ga * exposed_pass + opt_exposed
     shared = np.zeros_like(kf)
@@ -209,7 +225,7 @@ def price(
         # the fp32 gradient accumulation (a conversion pass over each off-device
         # gradient per micro-batch, at memory-copy speed) add to the step.
         accumulate = cost.link_seconds(
-            (off * p + nb) * FP32_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency
+            (n * p + nb) * FP32_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency
         )
         shared = adam + ga * accumulate
         total = total + shared
@@ -482,7 +498,7 @@ def build_plan(
         bytes_per_pass={
             "h2d": 2.0 * paged * model.block_bytes,
             "nvme_read": 2.0 * (paged - w_h) * model.block_bytes,
-            "d2h": float((n - kf) * model.block_train * BF16_BYTES),
+            "d2h": float(n * model.block_train * BF16_BYTES),
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )

@@ -1,0 +1,153 @@
+"""The CPU double of CUDA's copy semantics (storage.deferred) and the two waits of a Ticket.
+
+Under the double a copy between the device arena and host memory lands in host memory
+only when the host synchronises on it (``Ticket.wait_host``, a synchronous store call),
+and a host source the caller changes before then is what the copy reads, as on CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from storage.deferred import DOUBLE_ENV, double_requested
+from storage.store import StoreConfig, TieredStore
+from storage.tiers import Tier
+from storage.transfers import MAX_PENDING_TIMINGS
+
+MiB = 1 << 20
+
+
+def _store(**overrides: object) -> TieredStore:
+    config: dict[str, object] = {
+        "device_budget": 4 * MiB,
+        "host_budget": 4 * MiB,
+        "device": "cpu",
+        "cuda_double": True,
+    }
+    config.update(overrides)
+    return TieredStore(StoreConfig(**config))  # type: ignore[arg-type]
+
+
+def _values(n: int = 1000, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_real_semantics_are_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DOUBLE_ENV, raising=False)
+    with TieredStore(StoreConfig(device_budget=MiB, host_budget=MiB, device="cpu")) as store:
+        assert store._io.double is None
+    monkeypatch.setenv(DOUBLE_ENV, "1")
+    with TieredStore(StoreConfig(device_budget=MiB, host_budget=MiB, device="cpu")) as store:
+        assert store._io.double is not None
+    assert double_requested(False) is False  # the config wins over the environment
+    monkeypatch.setenv(DOUBLE_ENV, "maybe")
+    with pytest.raises(ValueError, match="BB_CUDA_DOUBLE='maybe'"):
+        double_requested(None)
+
+
+def test_a_device_to_host_read_is_host_visible_only_after_wait_host() -> None:
+    x = _values()
+    with _store() as store:
+        store.register("w", x, home=Tier.DEVICE)
+        out = torch.empty_like(x)
+        ticket = store.read_async("w", out)
+        assert ticket.wait()["w"] is out
+        assert torch.isnan(out).all()  # ordered, not landed: the host sees poison
+        ticket.wait_host()
+        assert torch.equal(out, x)
+        out2 = torch.full_like(x, 7.0)
+        ticket = store.read_async("w", out2)
+        while not ticket.done():  # issued on a copy thread; done() also asks its event
+            time.sleep(0.001)
+        assert torch.equal(out2, x)
+        assert torch.equal(store.read("w"), x)  # a synchronous read synchronises itself
+
+
+def test_a_host_source_is_read_until_the_copy_completes() -> None:
+    """write_back_async(name, pinned_src): changing ``src`` after the ordering wait is
+    what the device copy gets; after wait_host it no longer matters."""
+    x = _values()
+    with _store() as store:
+        store.register("w", shape=x.shape, dtype=x.dtype, home=Tier.DEVICE)
+        store.register("src", shape=x.shape, dtype=x.dtype, home=Tier.HOST)
+        src = store.host_view("src")
+        src.copy_(x)
+        store.write_back_async("w", src).wait()
+        src.zero_()  # too early: the copy has not completed
+        assert torch.equal(store.read("w"), torch.zeros_like(x))
+        src.copy_(x)
+        store.write_back_async("w", src).wait_host()
+        src.zero_()
+        assert torch.equal(store.read("w"), x)
+        assert torch.equal(store.get("w"), x)
+
+
+def test_an_ordering_wait_lands_device_destinations() -> None:
+    """Device work ordered after a host-to-device write sees its data (the device view
+    after Ticket.wait), while the copy into host memory of a read waits for the host."""
+    x = _values(seed=1)
+    with _store() as store:
+        store.register("w", shape=x.shape, dtype=x.dtype, home=Tier.DEVICE)
+        store.register("src", x, home=Tier.HOST)
+        ticket = store.write_back_async("w", store.host_view("src"))
+        assert torch.isnan(store.get("w")).all() or torch.equal(store.get("w"), x)
+        ticket.wait()
+        assert torch.equal(store.get("w"), x)
+        ticket.wait_host()
+
+
+def test_release_keeps_the_last_write_back_for_host_view() -> None:
+    """A write-back of a paged-in tensor, then release() and host_view(): the host view
+    holds the written contents (the write-back's copy is synchronised there)."""
+    x = _values(seed=2)
+    with _store() as store:
+        store.register("h", x, home=Tier.HOST)
+        store.prefetch_async("h").wait()
+        store.get("h").mul_(2)
+        store.write_back_async("h")
+        store.release("h")
+        assert torch.equal(store.host_view("h"), x * 2)
+
+
+def test_pending_timings_stay_bounded_over_10k_copies() -> None:
+    """Each copy's timing events are read back as copies go: after 10k copies (each
+    synchronised, and then 2k never synchronised) the list of pending timings is bounded
+    and the link meters counted every copy."""
+    x = _values(256)
+    with _store() as store:
+        store.register("w", x, home=Tier.DEVICE)
+        out = torch.empty_like(x)
+        before = store.stats()["device->host"].count
+        for _ in range(10_000):
+            store.read_async("w", out).wait_host()
+        assert store._io.pending_timings <= 1
+        for _ in range(2_000):
+            store.read_async("w", out).wait()
+        assert store._io.pending_timings <= MAX_PENDING_TIMINGS
+        store._io.synchronize()
+        assert store.stats()["device->host"].count - before == 12_000
+        assert store._io.pending_timings == 0
+        assert torch.equal(out, x)
+
+
+def test_host_only_transfers_do_not_wait_for_device_progress() -> None:
+    """Reads and writes between host memory and files or the host arena are not ordered
+    after the caller's queued device work (only transfers that touch device memory are)."""
+    with _store() as store:
+        store.register("d", _values(), home=Tier.DEVICE)
+        store.register("h", _values(), home=Tier.HOST)
+        asked: list[int] = []
+        ready = store._io.ready
+        store._io.ready = lambda: (asked.append(1), ready())[1]  # type: ignore[method-assign]
+        out = torch.empty(1000)
+        store.read("h", out)
+        store.read_async("h", out).wait_host()
+        store.write_back_async("h", out).wait_host()
+        assert asked == []
+        store.read("d", out)
+        store.read_async("d", out).wait_host()
+        store.write_back_async("d", out).wait_host()
+        assert len(asked) == 3
