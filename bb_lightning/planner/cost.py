@@ -131,9 +131,19 @@ def train_flops_per_token(
     return per_block * (3.0 * model.num_blocks + recomputed) + 3.0 * head - skipped
 
 
-def backward_fraction(checkpointing: bool) -> float:
-    """Share of a training pass's block FLOPs spent in recompute + backward (3/4 or 2/3)."""
-    return 3.0 / 4.0 if checkpointing else 2.0 / 3.0
+@overload
+def backward_fraction(checkpointing: bool, recomputed_share: float = 1.0) -> float: ...
+@overload
+def backward_fraction(checkpointing: bool, recomputed_share: Arr) -> Arr: ...
+def backward_fraction(checkpointing: bool, recomputed_share: float | Arr = 1.0) -> float | Arr:
+    """Share of a training pass's block FLOPs spent in recompute + backward.
+
+    A block costs 1 forward + 2 backward, plus 1 recompute when it is checkpointed
+    (see :func:`train_flops_per_token`); with a share ``f`` of the blocks recomputed
+    that is ``(2 + f) / (3 + f)``: 3/4 when every block is, 2/3 without checkpointing.
+    """
+    f = recomputed_share if checkpointing else 0.0 * recomputed_share
+    return (2.0 + f) / (3.0 + f)
 
 
 def matmul_params(model: ModelProfile) -> int:

@@ -92,6 +92,10 @@ class Priced:
     values: dict[str, float]
 
 
+TIE_TOLERANCE = 0.01
+"""Relative step-time difference below which two candidates count as equally fast."""
+
+
 def _fill(
     free: Arr, count: Arr, each: float, forced: Tier | None
 ) -> tuple[Arr, npt.NDArray[np.bool_]]:
@@ -206,7 +210,7 @@ def price(
         ),
         "d2h": cost.link_seconds(kf * ADAM_STATE_BYTES * p, hw.d2h_bandwidth, hw.d2h_efficiency),
     }
-    bwd = c_pass * cost.backward_fraction(ckpt)
+    bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
     k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
     host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
     disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
@@ -356,25 +360,31 @@ def search(
     kf, kw = states(model.num_blocks, ov)
     if kf.size == 0:
         return None
-    best: tuple[tuple[float, ...], Priced] | None = None
+    found: list[tuple[float, float, float, float, Priced]] = []
     ckpts, depths, mbs = _options(job, ov)
     for ckpt in ckpts:
         for depth in depths:
             for mb in mbs:
                 a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw)
-                ok = np.flatnonzero(a["feasible"] > 0)
-                if ok.size == 0:
-                    continue
-                keys = np.lexsort((a["device"][ok], a["per_token"][ok]))
-                i = int(ok[keys[0]])
-                key = (float(a["per_token"][i]), float(mb), float(a["device"][i]))
-                if best is None or key < best[0]:
+                traffic = sum(a[link] for link in ("h2d", "nvme_read", "nvme_write", "d2h"))
+                for i in np.flatnonzero(a["feasible"] > 0):
                     vals = {k: float(v[i]) for k, v in a.items()}
-                    best = (
-                        key,
-                        Priced(checkpointing=ckpt, depth=depth, micro_batch=mb, values=vals),
+                    found.append(
+                        (
+                            vals["per_token"],
+                            float(traffic[i]),
+                            float(mb),
+                            vals["device"],
+                            Priced(checkpointing=ckpt, depth=depth, micro_batch=mb, values=vals),
+                        )
                     )
-    return None if best is None else best[1]
+    if not found:
+        return None
+    fastest = min(c[0] for c in found)
+    # Candidates within TIE_TOLERANCE of the fastest are equally fast for this cost model:
+    # take the one that moves the least (then the smaller micro-batch, less device memory).
+    ties = [c for c in found if c[0] <= fastest * (1.0 + TIE_TOLERANCE)]
+    return min(ties, key=lambda c: c[1:4])[4]
 
 
 def diagnose(
