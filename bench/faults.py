@@ -11,7 +11,7 @@ folder), until a run reaches the last step and a fresh chain begins. Kill moment
 
 - inside the checkpoint phase (``--save-share`` of the kills, default 0.8): at a random
   event of a random save -- before an array is written, before ``zarr.json`` /
-  ``meta.json`` / ``trainer_state.pt`` are written, before a directory fsync, before
+  ``meta.json`` / the trainer state are written, before a directory fsync, before
   each rename, before the old checkpoint is deleted (every event is a point a real kill
   can fall between; which one is drawn from the seed, so these are reproducible);
 - anywhere in a step (the rest): a timer thread sends SIGKILL a random delay after a
@@ -20,7 +20,7 @@ folder), until a run reaches the last step and a fresh chain begins. Kill moment
 
 After every kill a fresh process checks: every checkpoint under a final name opens
 with plain ``zarr`` (every array read, shapes as ``meta.json`` says), its master
-weights equal the reference run's at that step (bit for bit), ``trainer_state.pt``
+weights equal the reference run's at that step (bit for bit), the trainer state
 loads; after ``recover`` no ``.partial-``/``.old-`` leftover is left; the NVMe store's
 lock is free. Every resumed run's losses must equal the reference's bit for bit, and a
 run that reaches the end must end with the reference's final weights.
@@ -325,7 +325,7 @@ def verify_training(chain: Path, ref: Path, out: Path) -> None:
                 master = torch.from_numpy(group["master"][p["name"]][...])
                 if not torch.equal(master, want[p["name"]]):
                     raise ValueError(f"master/{p['name']} differs from the reference")
-            torch.load(path / ckpt.TRAINER_STATE, weights_only=False)
+            ckpt.read_trainer_state(path)  # the Lightning state loads (without running code)
         except Exception as err:  # any failure to read is the finding
             found["corrupt"].append(f"{path.name}: {type(err).__name__}: {err}")
     found["newest"] = step

@@ -366,7 +366,7 @@ def search(
         for depth in depths:
             for mb in mbs:
                 a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw)
-                traffic = sum(a[link] for link in ("h2d", "nvme_read", "nvme_write", "d2h"))
+                traffic = a["h2d"] + a["nvme_read"] + a["nvme_write"] + a["d2h"]
                 for i in np.flatnonzero(a["feasible"] > 0):
                     vals = {k: float(v[i]) for k, v in a.items()}
                     found.append(
