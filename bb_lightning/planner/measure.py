@@ -24,6 +24,14 @@ available now (the rest is left to the process and the OS). On CUDA the device
 tier gets :data:`CUDA_DEVICE_SHARE` of the free device memory and the host tier
 :data:`HOST_SHARE` of the available RAM.
 
+The probes run in :data:`ROUNDS` interleaved rounds, each with its part of every
+share, and each figure is the best over the rounds (the median AdamW step of each
+round, then the best round). When the matrix-product or the disk rates of the rounds
+disagree, or other processes took much of the CPU meanwhile (the checks of
+:mod:`bb_lightning.planner.contention`), another round runs, up to
+``contention.MAX_ROUNDS``; a profile still disturbed is returned with a warning and not
+cached.
+
 The result is cached as JSON in ``$BB_CACHE_DIR`` (default
 ``~/.cache/balance_beam``) under a name derived from the machine identity
 (hostname, CPU model, GPU name, NVMe path).
