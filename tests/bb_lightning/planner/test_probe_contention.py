@@ -145,9 +145,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def test_a_steady_profile_is_cached_with_its_fastest_rates(
-    tmp_path: Path, cache_dir: Path
-) -> None:
+def test_a_steady_profile_is_cached_with_its_fastest_rates(tmp_path: Path, cache_dir: Path) -> None:
     disk = tmp_path / "nvme"
     disk.mkdir()
     # slow products first (a neighbour), then the machine's own rate
