@@ -6,12 +6,16 @@ Not a benchmark itself. The scripts in this folder import it as ``_common``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,6 +319,24 @@ def llama_config(args: Any) -> dict[str, Any]:
         "max_position_embeddings": max(2048, args.seq),
         "tie_word_embeddings": False,
     }
+
+
+@contextlib.contextmanager
+def busy_neighbour(on: bool = True) -> Iterator[int | None]:
+    """With ``on``: a subprocess spinning on one core of this process (the last one it may
+    run on) while the block runs; yields that core, or None when off."""
+    if not on:
+        yield None
+        return
+    core = max(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.2)  # let it start spinning before the probe does
+        yield core
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def gib(nbytes: float) -> str:

@@ -29,7 +29,9 @@ the matrix-product probe's rate, and at the rates of the model's own prefill and
 decode passes from :func:`~bb_lightning.planner.calibrate.probe_predict_compute`),
 and the floor of any schedule that reads the weights from NVMe on every pass
 (prefill FLOPs at the matrix-product rate, then the decode passes' reads at the
-NVMe rate) beside Accelerate's best.
+NVMe rate) beside Accelerate's best. With ``--busy-probe`` a process spins on one core
+while the probes run and the plan is made, and stops before the runs (measured /
+predicted then checks the plan made beside a busy neighbour).
 Run ``python bench/predict_offload.py --help``.
 """
 
@@ -45,7 +47,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import drop_cache, machine, nvme_base, quiet
+from _common import busy_neighbour, drop_cache, machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -84,6 +86,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="our batch (default: the plan's)")
     p.add_argument("--nvme-dir", default=None, help="directory on the disk for the NVMe tier")
     p.add_argument("--measure-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--busy-probe", action="store_true", help="a process spins on one core during the probes"
+    )
     return p.parse_args()
 
 
@@ -229,9 +234,14 @@ def main() -> None:
             f"job: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
             "tokens each, greedy"
         )
-        matmul_hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
-        hw = _probed(args, config, matmul_hw)
-        plan = _plan(args, config, hw)
+        with busy_neighbour(args.busy_probe) as core:
+            if core is not None:
+                print(f"busy neighbour: a process spins on core {core} during the probes and plan")
+            matmul_hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+            hw = _probed(args, config, matmul_hw)
+            plan = _plan(args, config, hw)
+        if core is not None:
+            print("busy neighbour stopped: the runs below have the cores to themselves")
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)

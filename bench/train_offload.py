@@ -14,6 +14,15 @@ random tokens, bf16 compute, sequence 512, with AdamW:
    recommends for a global batch of ``--plan-global-seqs`` sequences (default: the
    same as 1 and 2), optimizer state on NVMe.
 
+With ``--peer deepspeed`` a fourth run, last in the process: DeepSpeed ZeRO-3 on the same
+model, micro-batch, accumulation and data, parameters offloaded to the CPU (to NVMe
+with ``--weights-on-nvme``) and the optimizer state to NVMe (see ``bench/_deepspeed.py``;
+needs the ``bench`` extra and libaio; skipped with a line saying why where it cannot run),
+printing balance_beam / DeepSpeed. With ``--busy-probe`` a process spins on one core
+while the hardware and model-shaped probes run and the plan is made, and stops before
+the runs: measured / predicted then says whether the plan survives a busy neighbour
+during the probe.
+
 Each run takes ``--warmup`` optimizer steps, then ``--steps`` timed ones. Printed:
 trained tokens/s of each (tokens = micro-batch x sequence x accumulation per step),
 the ratio balance_beam / plain (target >= 0.8), the planner's predicted step time
@@ -24,6 +33,7 @@ the compute rate the plain run sustained in this same process, and where each st
 
     .venv/bin/python bench/train_offload.py [--steps 3] [--warmup 3] [--micro-batch 1]
         [--accumulate 4] [--layers 24] [--hidden 1024] [--weights-on-nvme] [--nvme-dir D]
+        [--peer deepspeed] [--busy-probe]
 """
 
 from __future__ import annotations
@@ -218,6 +228,38 @@ def calibrated(
     return hw.replace(compute_efficiency=efficiency)
 
 
+def deepspeed_run(args: argparse.Namespace, config: dict[str, Any], base: Path) -> Result | None:
+    """The DeepSpeed ZeRO-3 offload peer (see ``bench/_deepspeed.py``); None, said in one line,
+    where it cannot run here."""
+    import _deepspeed
+
+    why = _deepspeed.unavailable()
+    if why is not None:
+        print(f"[deepspeed] skipped: {why}", flush=True)
+        return None
+    loader = _common.token_loader(
+        args.micro_batch, (args.warmup + args.steps) * args.accumulate, args.seq, args.vocab
+    )
+    batches = [batch["input_ids"] for batch in loader]
+    where = "NVMe" if args.weights_on_nvme else "CPU"
+    with tempfile.TemporaryDirectory(prefix="ds-", dir=base) as run_dir:
+        seconds, on_disk = _deepspeed.train_deepspeed(
+            config, batches, micro_batch=args.micro_batch, accumulate=args.accumulate,
+            warmup=args.warmup, nvme_dir=Path(run_dir), weights_on_nvme=args.weights_on_nvme,
+            seed=SEED,
+        )  # fmt: skip
+    step_s = sum(seconds) / len(seconds)
+    tps = args.micro_batch * args.seq * args.accumulate / step_s
+    print(
+        f"[deepspeed] ZeRO-3, parameters on {where}, optimizer state on NVMe, micro-batch "
+        f"{args.micro_batch} x accumulation {args.accumulate} x seq {args.seq}: {tps:.1f} "
+        f"tokens/s, {step_s:.2f} s/step; its NVMe swap files {on_disk / 1e6:.1f} MB; RSS now "
+        f"{_common.gib(psutil.Process().memory_info().rss)}",
+        flush=True,
+    )
+    return Result("deepspeed", tps, step_s, "", args.micro_batch, args.accumulate)
+
+
 def predicted_line(name: str, plan: Plan, result: Result) -> str:
     """Predicted against measured step time, with the ratio."""
     p = plan.predicted
@@ -255,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure-seconds", type=float, default=20.0, help="hardware probe")
     parser.add_argument("--skip-recommended", action="store_true", help="only runs 1 and 2")
     parser.add_argument("--profile", type=int, default=0, help="print top N cProfile rows")
+    parser.add_argument(
+        "--peer", choices=["deepspeed"], default=None, help="also run DeepSpeed ZeRO-3 offload"
+    )
+    parser.add_argument(
+        "--busy-probe", action="store_true", help="a process spins on one core during the probes"
+    )
     args = parser.parse_args(argv)
     _common.quiet()
     if args.resident is None:
@@ -275,19 +323,24 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.hidden}, ffn {args.ffn}, {args.heads} heads, vocab {args.vocab}), seq {args.seq}, "
         f"bf16 compute, AdamW; {args.warmup} warm-up + {args.steps} timed optimizer steps"
     )
-    hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
-    print(
-        f"hardware profile: {hw.device_flops / 1e12:.2f} TFLOP/s, NVMe read "
-        f"{hw.nvme_read_bandwidth / 1e9:.2f} / write {hw.nvme_write_bandwidth / 1e9:.2f} GB/s, "
-        f"host AdamW {hw.host_adam_params_per_s / 1e6:.0f} M params/s",
-        flush=True,
-    )
-    matmul_hw = hw
-    probe = probe_train_compute(config, hw, seq_len=args.seq, micro_batch=args.micro_batch)
-    if probe is not None:
-        print(probe.describe(hw), flush=True)
-        hw = probe.applied_to(hw)
-    plan, placement = forced_plan(args, model, hw)
+    with _common.busy_neighbour(args.busy_probe) as core:
+        if core is not None:
+            print(f"busy neighbour: a process spins on core {core} during the probes and plan")
+        hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+        print(
+            f"hardware profile: {hw.device_flops / 1e12:.2f} TFLOP/s, NVMe read "
+            f"{hw.nvme_read_bandwidth / 1e9:.2f} / write {hw.nvme_write_bandwidth / 1e9:.2f} "
+            f"GB/s, host AdamW {hw.host_adam_params_per_s / 1e6:.0f} M params/s",
+            flush=True,
+        )
+        matmul_hw = hw
+        probe = probe_train_compute(config, hw, seq_len=args.seq, micro_batch=args.micro_batch)
+        if probe is not None:
+            print(probe.describe(hw), flush=True)
+            hw = probe.applied_to(hw)
+        plan, placement = forced_plan(args, model, hw)
+    if core is not None:
+        print("busy neighbour stopped: the runs below have the cores to themselves")
     weights, _ = offload_tiers(args)
     print(
         f"offloaded placement: {args.resident} of {args.layers} blocks resident, the other "
@@ -320,6 +373,11 @@ def main(argv: list[str] | None = None) -> None:
         results["planned"] = rec
         print(predicted_line("planned", rec_plan, rec))
 
+    if args.peer == "deepspeed":
+        peer = deepspeed_run(args, config, base)
+        if peer is not None:
+            results["deepspeed"] = peer
+
     print("\nsummary (trained tokens/s):")
     for r in results.values():
         print(
@@ -332,6 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     if "planned" in results:
         print(f"ratio planned / plain = {results['planned'].tokens_per_s / plain.tokens_per_s:.2f}")
+    if "deepspeed" in results:
+        where = "NVMe" if args.weights_on_nvme else "CPU"
+        print(
+            f"ratio balance_beam / DeepSpeed = {bb.tokens_per_s / results['deepspeed'].tokens_per_s:.2f} "
+            f"(ZeRO-3, parameters on {where}, optimizer state on NVMe; same micro-batch and "
+            "accumulation)"
+        )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ embeddings, attention and the loss, and its matrix products have the model's
 :func:`probe_train_compute` measures it before the first step: it builds the
 model's architecture from its config with one and with three blocks (random
 weights, the compute dtype, on the device), times a forward + backward of one
-micro-batch through each (alternating, median of a few passes each: a training
-step is not the best of several runs), and takes half the difference as one block's time and the
+micro-batch through each (alternating with a square matrix product, the fastest of a
+few passes each), and takes half the difference as one block's time and the
 rest as the embedding, final norm, head and loss. The full model's pass is then
 ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
@@ -23,20 +23,30 @@ generator's length, through the attention the generator uses
 The prefill's rate gives ``compute_efficiency``; the decode pass's rate over the
 prefill's gives ``decode_efficiency`` (thin matrix products and cache reads run
 well below the prefill's rate on a CPU).
+
+Both probes check their passes (:mod:`bb_lightning.planner.contention`): the fastest
+pass of each series must be matched by another within ``SPREAD``, and the matrix
+product timed between the model's passes must run at ``DRIFT`` x the profile's
+``device_flops`` or more. While a check fails they take another round of passes
+(``MAX_ROUNDS`` in all); still failing, they warn in one line and take the model's rate
+relative to the matrix products timed beside it, which a busy neighbour slows alike
+(the plan is then priced as on an undisturbed machine; measured steps re-plan after
+warm-up).
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
-import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import torch
 
-from bb_lightning.planner import cost
+from bb_lightning.planner import contention, cost
+from bb_lightning.planner.contention import Timing
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 
 __all__ = ["PredictCompute", "TrainCompute", "probe_predict_compute", "probe_train_compute"]
@@ -49,6 +59,8 @@ SPAN = 2
 difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan)."""
+REFERENCE_SIZE = {"cpu": 1024, "cuda": 4096}
+"""Side of the square bf16 matrix product timed between the model's passes, per device type."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,10 @@ class TrainCompute:
     """Model FLOPs of that pass over ``pass_s``, TFLOP/s."""
     efficiency: float
     """``tflops`` over the hardware profile's ``device_flops`` (clipped to
-    [:data:`MIN_EFFICIENCY`, :data:`MAX_EFFICIENCY`])."""
+    [:data:`MIN_EFFICIENCY`, :data:`MAX_EFFICIENCY`]); over the rate of the matrix products
+    timed beside the passes when the probe stayed disturbed (see ``note``)."""
+    note: str | None = None
+    """Why the passes are not to be trusted (the warning the probe gave), or None."""
 
     def describe(self, hw: HardwareProfile) -> str:
         """One line for the log."""
@@ -109,38 +124,119 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class _Passes:
+    """The fastest pass of each series over the rounds a probe took."""
+
+    best: dict[str, float]
+    """Fastest seconds per series label."""
+    reference_flops: float
+    """FLOP/s of the fastest matrix product timed between the model's passes."""
+    note: str | None
+    """Why not to trust them (one line), or None."""
+    drifted: bool = False
+    """Whether the matrix products stayed below ``DRIFT`` x the profile's rate."""
+
+
+def _timed_rounds(
+    passes: list[tuple[str, Callable[[], None]]],
+    device: torch.device,
+    hw: HardwareProfile,
+    repeats: int,
+    timing: Timing,
+    what: str,
+) -> _Passes:
+    """Time ``passes`` (label, run) in turn with a square matrix product after each turn,
+    after one untimed warm-up turn, ``repeats`` turns per round, until the checks of the
+    module doc hold or ``contention.MAX_ROUNDS`` rounds ran."""
+    n = REFERENCE_SIZE.get(device.type, REFERENCE_SIZE["cpu"])
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+
+    def product() -> None:
+        torch.matmul(a, b, out=out)
+        _sync(device)
+
+    ref = f"matmul {n}"
+    times: dict[str, list[float]] = {label: [] for label, _ in [*passes, (ref, product)]}
+    share = timing.watch()
+    for _, run in passes:
+        run()
+    product()
+    rounds = 0
+    while True:
+        rounds += 1
+        for _ in range(repeats):
+            for label, run in passes:
+                times[label].append(timing.seconds(label, run))
+            times[ref].append(timing.seconds(ref, product))
+        rate = 2.0 * n**3 / max(contention.fastest(times[ref]), 1e-12)
+        drift = rate / max(hw.device_flops, 1.0)
+        unsteady = contention.unsteady(times)
+        ok = not unsteady and drift >= contention.DRIFT
+        if ok or rounds >= contention.MAX_ROUNDS:
+            break
+    best = {label: contention.fastest(t) for label, t in times.items()}
+    if ok:
+        return _Passes(best, rate, None)
+    parts = [f"{label} passes differed {s:.1f} x" for label, s in unsteady.items()]
+    if drift < contention.DRIFT:
+        parts.append(
+            f"matrix products beside them ran at {rate / 1e12:.3g} TFLOP/s = {drift:.2f} x "
+            f"the hardware profile's {hw.device_flops / 1e12:.3g}"
+        )
+    busy = share()
+    if busy > contention.BUSY_SHARE:
+        parts.append(f"other processes took {busy:.0%} of this process's cores")
+    drifted = drift < contention.DRIFT
+    taken = (
+        "taking the model's rate relative to the matrix products beside it"
+        if drifted
+        else "planning with the fastest passes"
+    )
+    note = (
+        f"balance_beam: the {what} stayed unsteady over {rounds} rounds ({'; '.join(parts)}): "
+        f"another process is using the device; {taken} (measured steps re-plan after warm-up)"
+    )
+    warnings.warn(note, RuntimeWarning, stacklevel=3)
+    return _Passes(best, rate, note, drifted)
+
+
 def _pass_seconds(
     config: Any,
     tokens: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
+    hw: HardwareProfile,
     repeats: int,
-) -> tuple[float, float]:
-    """Median seconds of a forward + backward pass through the one- and the three-block
-    model, timed alternately (after one warm-up pass each) so that a disturbance on
-    the machine falls on both."""
+    timing: Timing,
+) -> _Passes:
+    """Fastest seconds of a forward + backward pass through the one- and the three-block
+    model (labels ``"one"``, ``"more"``), timed alternately with a matrix product so that
+    a disturbance on the machine falls on all."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         nets = [
-            AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype)
+            AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype).train()
             for layers in (1, SPAN + 1)
         ]
-    times: list[list[float]] = [[], []]
+
+    def train_pass(net: Any) -> Callable[[], None]:
+        def run() -> None:
+            _sync(device)
+            net(input_ids=tokens, labels=tokens).loss.backward()
+            _sync(device)
+            net.zero_grad(set_to_none=True)
+
+        return run
+
     try:
-        for k in range(repeats + 1):
-            for net, out in zip(nets, times, strict=True):
-                net.train()
-                _sync(device)
-                t0 = time.perf_counter()
-                net(input_ids=tokens, labels=tokens).loss.backward()
-                _sync(device)
-                if k:
-                    out.append(time.perf_counter() - t0)
-                net.zero_grad(set_to_none=True)
+        passes = [("one", train_pass(nets[0])), ("more", train_pass(nets[1]))]
+        return _timed_rounds(passes, device, hw, repeats, timing, "model-shaped compute probe")
     finally:
         del nets
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def probe_train_compute(
@@ -152,14 +248,17 @@ def probe_train_compute(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
     repeats: int = 3,
+    timing: Timing | None = None,
 ) -> TrainCompute | None:
     """Time the model's training pass at ``micro_batch`` sequences of ``seq_len`` tokens.
 
     ``config`` is the model's Hugging Face config (or anything
     :func:`bb_lightning.structure.load_config` reads). Returns None when the
     copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
-    ``2 * (repeats + 1)`` passes, alternating a one- and a three-block model (a few seconds on
-    a CPU for a 370M-parameter model at 512 tokens).
+    ``2 * (repeats + 1)`` passes, alternating a one- and a three-block model and a matrix
+    product (a few seconds on a CPU for a 370M-parameter model at 512 tokens), and up to
+    ``contention.MAX_ROUNDS`` x as many while they are unsteady (see the module doc).
+    ``timing`` times the passes (default: the real clock).
     """
     if seq_len < 1 or micro_batch < 1:
         raise ValueError(
@@ -176,15 +275,24 @@ def probe_train_compute(
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        one, more = _pass_seconds(config, tokens, dtype, dev, repeats)
+        passes = _pass_seconds(config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM)
+    one, more = passes.best["one"], passes.best["more"]
     block = max(more - one, 0.0) / SPAN
     rest = max(one - block, 0.0)
     total = model.num_blocks * block + rest
     flops = micro_batch * seq_len * cost.train_flops_per_token(model, seq_len, False)
     tflops = flops / max(total, 1e-9) / 1e12
-    eff = tflops * 1e12 / max(hw.device_flops, 1.0)
+    eff = tflops * 1e12 / max(_peak(hw, passes), 1.0)
     eff = min(max(eff, MIN_EFFICIENCY), MAX_EFFICIENCY)
-    return TrainCompute(block_s=block, rest_s=rest, pass_s=total, tflops=tflops, efficiency=eff)
+    return TrainCompute(
+        block_s=block, rest_s=rest, pass_s=total, tflops=tflops, efficiency=eff, note=passes.note
+    )
+
+
+def _peak(hw: HardwareProfile, passes: _Passes) -> float:
+    """The FLOP/s efficiencies are relative to: the profile's, or, when the matrix products
+    timed beside the passes stayed slower than it (a busy device), theirs."""
+    return passes.reference_flops if passes.drifted else hw.device_flops
 
 
 PREFILL_PROBE_TOKENS = 2048
@@ -218,6 +326,8 @@ class PredictCompute:
     decode_efficiency: float
     """The decode pass's rate relative to the prefill's (clipped): the profile's
     ``decode_efficiency``."""
+    note: str | None = None
+    """Why the passes are not to be trusted (the warning the probe gave), or None."""
 
     def describe(self, hw: HardwareProfile) -> str:
         """One line for the log."""
@@ -266,10 +376,14 @@ def _predict_seconds(
     last: int,
     dtype: torch.dtype,
     device: torch.device,
+    hw: HardwareProfile,
     repeats: int,
-) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Median seconds of a prefill and of a decode pass through the one- and the
-    three-block model ((prefill one, three), (decode one, three)), timed alternately; the decode token sits at position ``last``."""
+    timing: Timing,
+) -> _Passes:
+    """Fastest seconds of a prefill and of a decode pass through the one- and the
+    three-block model (labels ``"prefill one"``, ``"prefill more"``, ``"decode one"``,
+    ``"decode more"``), timed alternately with a matrix product; the decode token sits at
+    position ``last``."""
     from transformers import AutoModelForCausalLM, StaticCache
 
     from bb_lightning.engine.attention import decode_attention_for
@@ -288,31 +402,40 @@ def _predict_seconds(
         "cache_position": torch.tensor([last], device=device),
         "use_cache": True,
     }
-    times: list[list[float]] = [[], [], [], []]
     try:
         with torch.inference_mode():
             caches = [StaticCache(config=net.config, max_cache_len=cache_len) for net in nets]
             cache_kw, logits_kw = forward_options(nets[0])
             last_only = {"logits_to_keep": 1} if logits_kw else {}
-            for k in range(repeats + 1):
-                for i, (net, cache) in enumerate(zip(nets, caches, strict=True)):
+
+            def prefill(net: Any) -> Callable[[], None]:
+                def run() -> None:
                     _sync(device)
-                    t0 = time.perf_counter()
                     net(input_ids=prompts, use_cache=False, **last_only)
                     _sync(device)
-                    t1 = time.perf_counter()
+
+                return run
+
+            def decode(net: Any, cache: Any) -> Callable[[], None]:
+                def run() -> None:
                     # the step's cost does not depend on what the cache holds: it attends
                     # over all cache_len positions, as the engine's static cache does
+                    _sync(device)
                     with decode_attention_for(net):
                         net(**step, **{cache_kw: cache}, **last_only)
                     _sync(device)
-                    if k:
-                        times[i].append(t1 - t0)
-                        times[2 + i].append(time.perf_counter() - t1)
+
+                return run
+
+            passes: list[tuple[str, Callable[[], None]]] = []
+            for name, net, cache in zip(("one", "more"), nets, caches, strict=True):
+                passes += [
+                    (f"prefill {name}", prefill(net)),
+                    (f"decode {name}", decode(net, cache)),
+                ]
+            return _timed_rounds(passes, device, hw, repeats, timing, "model-shaped predict probe")
     finally:
         del nets
-    med = [statistics.median(t) for t in times]
-    return (med[0], med[1]), (med[2], med[3])
 
 
 def _split(one: float, more: float, blocks: int) -> tuple[float, float, float]:
@@ -337,6 +460,7 @@ def probe_predict_compute(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
     repeats: int = 3,
+    timing: Timing | None = None,
 ) -> PredictCompute | None:
     """Time the model's prefill and decode passes at a generation batch's shapes.
 
@@ -351,7 +475,9 @@ def probe_predict_compute(
         context: mean attended context (tokens) the planner counts decode FLOPs at;
             None: ``cache_len``.
         dtype, device: compute dtype and device (default: the profile's device type).
-        repeats: timed passes of each shape and model (after one warm-up).
+        repeats: timed passes of each shape and model per round (after one warm-up); up to
+            ``contention.MAX_ROUNDS`` rounds while they are unsteady (see the module doc).
+        timing: times the passes (default: the real clock).
 
     The prefill pass carries ``min(concurrent, PREFILL_PROBE_TOKENS // prompt_len)``
     prompts (at least one). Returns None when the copies and the cache would not fit
@@ -375,17 +501,18 @@ def probe_predict_compute(
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         # the decode token's position: the cache's last, within the model's positions
         last = min(cache_len, model.max_positions or cache_len) - 1
-        pre, dec = _predict_seconds(
-            config, prompts, concurrent, cache_len, last, dtype, dev, repeats
-        )
-    n, head = model.num_blocks, model.head_flops_per_token()
-    pre_block, pre_rest, pre_total = _split(*pre, n)
-    dec_block, dec_rest, dec_total = _split(*dec, n)
+        passes = _predict_seconds(
+            config, prompts, concurrent, cache_len, last, dtype, dev, hw, repeats,
+            timing or contention.SYSTEM,
+        )  # fmt: skip
+    n, head, best = model.num_blocks, model.head_flops_per_token(), passes.best
+    pre_block, pre_rest, pre_total = _split(best["prefill one"], best["prefill more"], n)
+    dec_block, dec_rest, dec_total = _split(best["decode one"], best["decode more"], n)
     pre_flops = rows * prompt_len * (cost.forward_flops_per_token(model, prompt_len) - head)
     pre_flops += rows * head
     ctx = float(cache_len if context is None else context)
     dec_flops = concurrent * cost.forward_flops_per_token(model, ctx)
-    peak = max(hw.device_flops, 1.0)
+    peak = max(_peak(hw, passes), 1.0)
     pre_rate = pre_flops / max(pre_total, 1e-9)
     dec_rate = dec_flops / max(dec_total, 1e-9)
     eff = _clip(pre_rate / peak)
@@ -400,4 +527,5 @@ def probe_predict_compute(
         decode_s=dec_total,
         efficiency=eff,
         decode_efficiency=_clip(dec_rate / (eff * peak)),
+        note=passes.note,
     )

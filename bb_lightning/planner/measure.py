@@ -27,6 +27,14 @@ within ``torch.cuda.set_per_process_memory_fraction``), read afresh also when
 the profile comes from the cache, and the host tier :data:`HOST_SHARE` of the
 available RAM.
 
+The probes run in :data:`ROUNDS` interleaved rounds, each with its part of every
+share, and each figure is the best over the rounds (the median AdamW step of each
+round, then the best round). When the matrix-product or the disk rates of the rounds
+disagree, or other processes took much of the CPU meanwhile (the checks of
+:mod:`bb_lightning.planner.contention`), another round runs, up to
+``contention.MAX_ROUNDS``; a profile still disturbed is returned with a warning and not
+cached.
+
 The result is cached as JSON in ``$BB_CACHE_DIR`` (default
 ``~/.cache/balance_beam``) under a name derived from the machine identity
 (hostname, CPU model, GPU name, NVMe path).
@@ -44,6 +52,7 @@ import socket
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +60,8 @@ from typing import Any
 import psutil
 import torch
 
+from bb_lightning.planner import contention
+from bb_lightning.planner.contention import Timing
 from bb_lightning.planner.profile import HardwareProfile
 
 __all__ = [
@@ -121,25 +132,45 @@ def cache_path(identity: dict[str, str]) -> Path:
     return Path(root) / f"hardware-{host}-{digest}.json"
 
 
-def _rates(work: float, run: Callable[[], None], seconds: float, min_runs: int) -> list[float]:
-    """``work / seconds`` of repeated ``run()`` calls within ``seconds`` (at least min_runs)."""
+def _rates(
+    work: float,
+    run: Callable[[], None],
+    seconds: float,
+    min_runs: int,
+    timing: Timing = contention.SYSTEM,
+    label: str = "",
+) -> list[float]:
+    """``work / seconds`` of repeated ``run()`` calls within ``seconds`` (at least min_runs),
+    each timed by ``timing`` under ``label``."""
     rates: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(rates) < min_runs or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        run()
-        rates.append(work / max(time.perf_counter() - t0, 1e-9))
+        rates.append(work / max(timing.seconds(label, run), 1e-9))
     return rates
 
 
-def _best_rate(work: float, run: Callable[[], None], seconds: float, min_runs: int = 2) -> float:
+def _best_rate(
+    work: float,
+    run: Callable[[], None],
+    seconds: float,
+    min_runs: int = 2,
+    timing: Timing = contention.SYSTEM,
+    label: str = "",
+) -> float:
     """Best ``work / seconds`` over repeated ``run()`` calls (peak of a device or link)."""
-    return max(_rates(work, run, seconds, min_runs))
+    return max(_rates(work, run, seconds, min_runs, timing, label))
 
 
-def _median_rate(work: float, run: Callable[[], None], seconds: float, min_runs: int = 3) -> float:
+def _median_rate(
+    work: float,
+    run: Callable[[], None],
+    seconds: float,
+    min_runs: int = 3,
+    timing: Timing = contention.SYSTEM,
+    label: str = "",
+) -> float:
     """Median ``work / seconds`` over repeated ``run()`` calls (typical of a shared resource)."""
-    return statistics.median(_rates(work, run, seconds, min_runs))
+    return statistics.median(_rates(work, run, seconds, min_runs, timing, label))
 
 
 def _sync(device: torch.device) -> None:
@@ -147,8 +178,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _probe_flops(device: torch.device, seconds: float) -> float:
-    """Dense bf16 matrix-product FLOP/s: ``2 n³`` per product, best of repeats."""
+def _probe_flops(device: torch.device, seconds: float, timing: Timing = contention.SYSTEM) -> float:
+    """Dense bf16 matrix-product FLOP/s: ``2 n³`` per product, best of repeats (timed
+    under the label ``"matmul <n>"``)."""
     sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 4096)
     best = 0.0
     deadline = time.perf_counter() + seconds
@@ -163,18 +195,18 @@ def _probe_flops(device: torch.device, seconds: float) -> float:
             torch.matmul(a, b, out=out)
             _sync(device)
 
-        t0 = time.perf_counter()
-        run()
-        first = time.perf_counter() - t0
+        first = timing.seconds(f"matmul {n}", run)
         best = max(best, 2.0 * n**3 / max(first, 1e-9))
         left = deadline - time.perf_counter()
-        best = max(best, _best_rate(2.0 * n**3, run, left / 2, min_runs=1))
+        best = max(best, _best_rate(2.0 * n**3, run, left / 2, 1, timing, f"matmul {n}"))
         if time.perf_counter() + 8 * first > deadline:
             break  # the next size costs 8x as much
     return best
 
 
-def _probe_memory(device: torch.device, seconds: float, nbytes: int) -> float:
+def _probe_memory(
+    device: torch.device, seconds: float, nbytes: int, timing: Timing = contention.SYSTEM
+) -> float:
     """Bytes/s of device memory traffic (a copy within the device reads and writes
     ``nbytes`` each: twice ``nbytes`` per copy)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -185,10 +217,12 @@ def _probe_memory(device: torch.device, seconds: float, nbytes: int) -> float:
         _sync(device)
 
     copy()  # fault the pages in
-    return _best_rate(2.0 * nbytes, copy, seconds)
+    return _best_rate(2.0 * nbytes, copy, seconds, 2, timing, "memory")
 
 
-def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> tuple[float, float]:
+def _probe_copy(
+    device: torch.device, seconds: float, nbytes: int, timing: Timing = contention.SYSTEM
+) -> tuple[float, float]:
     """(host -> device, device -> host) bytes/s; on the CPU both are memcpy bandwidth."""
     if device.type == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -205,8 +239,8 @@ def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> tuple[floa
         h2d()
         d2h()
         return (
-            _best_rate(nbytes, h2d, seconds / 2),
-            _best_rate(nbytes, d2h, seconds / 2),
+            _best_rate(nbytes, h2d, seconds / 2, 2, timing, "h2d"),
+            _best_rate(nbytes, d2h, seconds / 2, 2, timing, "d2h"),
         )
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -215,7 +249,7 @@ def _probe_copy(device: torch.device, seconds: float, nbytes: int) -> tuple[floa
         dst.copy_(src)
 
     copy()  # fault the pages in
-    rate = _best_rate(nbytes, copy, seconds)
+    rate = _best_rate(nbytes, copy, seconds, 2, timing, "copy")
     return rate, rate
 
 
@@ -228,7 +262,9 @@ def _drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def _probe_nvme(nvme_path: str, seconds: float) -> tuple[float, float, int]:
+def _probe_nvme(
+    nvme_path: str, seconds: float, timing: Timing = contention.SYSTEM
+) -> tuple[float, float, int]:
     """(read bytes/s, write bytes/s, free bytes) of the filesystem holding ``nvme_path``."""
     from storage.io import IOFuture, aligned_empty, open_backend
 
@@ -242,18 +278,20 @@ def _probe_nvme(nvme_path: str, seconds: float) -> tuple[float, float, int]:
         paths = [os.path.join(tmp, f"probe-{i}.bin") for i in range(files)]
         with open_backend() as backend:
 
-            def all_files(op: Callable[[str, torch.Tensor, int], IOFuture]) -> float:
+            def all_files(op: Callable[[str, torch.Tensor, int], IOFuture], label: str) -> float:
                 """Seconds to run ``op`` on every probe file at once, until all are done."""
-                t0 = time.perf_counter()
-                futures = [op(p, b, per_file) for p, b in zip(paths, buffers, strict=True)]
-                for future in futures:
-                    future.wait()
-                return time.perf_counter() - t0
 
-            write_s = all_files(backend.write_async)
+                def run() -> None:
+                    futures = [op(p, b, per_file) for p, b in zip(paths, buffers, strict=True)]
+                    for future in futures:
+                        future.wait()
+
+                return timing.seconds(label, run)
+
+            write_s = all_files(backend.write_async, "nvme write")
             for p in paths:
                 _drop_cache(p)
-            read_s = all_files(backend.read_async)
+            read_s = all_files(backend.read_async, "nvme read")
     if int(buffers[-1][0]) != files:
         raise AssertionError("NVMe probe read back other bytes than it wrote")
     moved = float(files * per_file)
@@ -261,7 +299,7 @@ def _probe_nvme(nvme_path: str, seconds: float) -> tuple[float, float, int]:
     return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free)
 
 
-def _probe_adam(seconds: float, numel: int) -> float:
+def _probe_adam(seconds: float, numel: int, timing: Timing = contention.SYSTEM) -> float:
     """Fused AdamW parameter updates/s on host fp32 parameters (4 tensors of ``numel/4``)."""
     params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
     for p in params:
@@ -273,7 +311,7 @@ def _probe_adam(seconds: float, numel: int) -> float:
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         opt.step()
     count = sum(p.numel() for p in params)
-    return _median_rate(float(count), opt.step, seconds)
+    return _median_rate(float(count), opt.step, seconds, 3, timing, "adam")
 
 
 def cuda_device_memory(device: torch.device) -> int:
@@ -290,19 +328,92 @@ def cuda_device_memory(device: torch.device) -> int:
     return max(0, min(int(free), cap - int(torch.cuda.memory_reserved(device))))
 
 
-def _measure_now(nvme_path: str | None, max_seconds: float) -> HardwareProfile:
+ROUNDS = 2
+"""Rounds of all probes ``measure()`` takes, each with ``1 / ROUNDS`` of every time share;
+up to :data:`~bb_lightning.planner.contention.MAX_ROUNDS` while a check fails."""
+
+
+def _probe_round(
+    device: torch.device, nvme_path: str | None, max_seconds: float, timing: Timing
+) -> dict[str, float]:
+    """One pass of every probe, with ``1 / ROUNDS`` of each time share."""
+    small = max_seconds < 8
+    share = {k: max_seconds * v / ROUNDS for k, v in _SHARES.items()}
+    copy_bytes = (64 << 20) if small else (256 << 20)
+    out = {"flops": _probe_flops(device, share["flops"], timing)}
+    out["h2d"], out["d2h"] = _probe_copy(device, share["copy"] * 0.75, copy_bytes, timing)
+    out["memory"] = _probe_memory(device, share["copy"] * 0.25, copy_bytes, timing)
+    if nvme_path:
+        out["nvme_read"], out["nvme_write"], free = _probe_nvme(nvme_path, share["nvme"], timing)
+        out["nvme_free"] = float(free)
+    out["adam"] = _probe_adam(share["adam"], (4 << 20) if small else (16 << 20), timing)
+    return out
+
+
+def _probe_rounds(
+    device: torch.device, nvme_path: str | None, max_seconds: float, timing: Timing
+) -> tuple[dict[str, float], str | None]:
+    """The best figure of each probe over interleaved rounds, and why not to trust them
+    (one line) or None.
+
+    Every probe runs once per round; after :data:`ROUNDS` rounds the checks of
+    :mod:`~bb_lightning.planner.contention` run (the matrix-product and the disk rates
+    reproduced within their spread, other processes' share of the CPU), and while one
+    fails another round runs, up to ``contention.MAX_ROUNDS``.
+    """
+    rounds: list[dict[str, float]] = []
+    share = timing.watch()
+    while True:
+        rounds.append(_probe_round(device, nvme_path, max_seconds, timing))
+        if len(rounds) < ROUNDS:
+            continue
+        limits = {"flops": contention.SPREAD}
+        if nvme_path:
+            limits |= {"nvme_read": contention.DISK_SPREAD, "nvme_write": contention.DISK_SPREAD}
+        spreads = {k: contention.spread([1 / max(r[k], 1e-30) for r in rounds]) for k in limits}
+        unsteady = {k: s for k, s in spreads.items() if s > limits[k]}
+        busy = share()
+        if (not unsteady and busy <= contention.BUSY_SHARE) or len(rounds) >= contention.MAX_ROUNDS:
+            break
+    best = {k: max(r[k] for r in rounds) for k in rounds[0]}
+    if nvme_path:
+        best["nvme_free"] = rounds[-1]["nvme_free"]
+    if not unsteady and busy <= contention.BUSY_SHARE:
+        return best, None
+    names = {"flops": "matrix-product", "nvme_read": "NVMe read", "nvme_write": "NVMe write"}
+    parts = [
+        f"{names[k]} rates differed {s:.1f} x between rounds (best "
+        + ", ".join(f"{r[k] / (1e12 if k == 'flops' else 1e9):.3g}" for r in rounds)
+        + (" TFLOP/s)" if k == "flops" else " GB/s)")
+        for k, s in unsteady.items()
+    ]
+    if busy > contention.BUSY_SHARE:
+        parts.append(f"other processes took {busy:.0%} of this process's cores")
+    return best, (
+        f"balance_beam: hardware probe unsteady over {len(rounds)} rounds: {'; '.join(parts)}; "
+        "another process is using the CPU or disk: planning with the best figures, not caching "
+        "them (measured again next time)"
+    )
+
+
+def _measure_now(
+    nvme_path: str | None,
+    max_seconds: float,
+    timing: Timing = contention.SYSTEM,
+    notes: list[str] | None = None,
+) -> HardwareProfile:
+    """The profile measured now; why not to trust it is appended to ``notes``."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    small = max_seconds < 8
-    flops = _probe_flops(device, max_seconds * _SHARES["flops"])
-    copy_bytes = (64 << 20) if small else (256 << 20)
-    h2d, d2h = _probe_copy(device, max_seconds * _SHARES["copy"] * 0.75, copy_bytes)
-    memory_bw = _probe_memory(device, max_seconds * _SHARES["copy"] * 0.25, copy_bytes)
+    best, note = _probe_rounds(device, nvme_path, max_seconds, timing)
+    if note is not None and notes is not None:
+        notes.append(note)
+    flops, h2d, d2h, memory_bw, adam = (best[k] for k in ("flops", "h2d", "d2h", "memory", "adam"))
     if nvme_path:
-        nvme_read, nvme_write, nvme_free = _probe_nvme(nvme_path, max_seconds * _SHARES["nvme"])
+        nvme_read, nvme_write = best["nvme_read"], best["nvme_write"]
+        nvme_free = int(best["nvme_free"])
     else:
         nvme_read, nvme_write, nvme_free = 0.0, 0.0, 0
-    adam = _probe_adam(max_seconds * _SHARES["adam"], (4 << 20) if small else (16 << 20))
     available = psutil.virtual_memory().available
     if cuda:
         device_memory = int(cuda_device_memory(device) * CUDA_DEVICE_SHARE)
@@ -343,14 +454,21 @@ def _read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
 
 
 def measure(
-    *, nvme_path: str | None = None, cache: bool = True, max_seconds: float = 20.0
+    *,
+    nvme_path: str | None = None,
+    cache: bool = True,
+    max_seconds: float = 20.0,
+    timing: Timing | None = None,
 ) -> HardwareProfile:
     """Measure this machine's profile in about ``max_seconds`` seconds (see the module doc).
 
     ``nvme_path`` is a directory on the disk that will hold the NVMe tier; ``None``
     leaves the NVMe fields at 0. With ``cache`` a profile measured before for the
     same machine identity is returned without measuring; ``cache=False`` measures
-    afresh (and refreshes the cache).
+    afresh (and refreshes the cache). A measurement disturbed by other processes
+    (see :func:`_probe_rounds`; up to 1.5 x ``max_seconds``) is returned with a
+    warning and not cached. ``timing`` times the passes (default: the real clock,
+    :data:`~bb_lightning.planner.contention.SYSTEM`).
     """
     if not max_seconds > 0:
         raise ValueError(f"max_seconds = {max_seconds} must be > 0: pass e.g. 20.0 seconds")
@@ -367,7 +485,11 @@ def measure(
             return cached.replace(device_memory=int(cuda_device_memory(device) * CUDA_DEVICE_SHARE))
         if cached is not None:
             return cached
-    profile = _measure_now(nvme_path, max_seconds)
+    notes: list[str] = []
+    profile = _measure_now(nvme_path, max_seconds, timing or contention.SYSTEM, notes)
+    if notes:
+        warnings.warn(notes[0], RuntimeWarning, stacklevel=2)
+        return profile
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"identity": identity, "profile": profile.to_dict()}, indent=2))

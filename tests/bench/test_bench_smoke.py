@@ -36,8 +36,10 @@ def _number(pattern: str, text: str) -> float:
 
 @pytest.mark.slow
 def test_train_offload_prints_ratios(tmp_path: Path) -> None:
-    out = _run("train_offload.py", tmp_path, "--measure-seconds", "1")
+    out = _run("train_offload.py", tmp_path, "--measure-seconds", "1", "--busy-probe")
     assert "machine: CPU" in out and f"NVMe dir: {tmp_path / 'nvme'}" in out
+    assert "busy neighbour: a process spins on core" in out
+    assert out.index("busy neighbour stopped") < out.index("[plain] micro-batch")
     plain = _number(r"\[plain\] micro-batch 1 x accumulation 4 x seq 32: ([\d.]+) tokens/s", out)
     bb = _number(
         r"\[balance_beam\] micro-batch 1 x accumulation 4 x seq 32: ([\d.]+) tokens/s", out

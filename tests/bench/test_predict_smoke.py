@@ -28,11 +28,12 @@ def _number(pattern: str, text: str) -> float:
 @pytest.mark.slow
 def test_predict_offload_prints_ratios(tmp_path: Path) -> None:
     env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH), *TINY, "--nvme-dir", str(tmp_path / "nvme")]
+    cmd = [sys.executable, str(BENCH), *TINY, "--nvme-dir", str(tmp_path / "nvme"), "--busy-probe"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "machine: CPU" in out and "plan: predict" in out
+    assert out.index("busy neighbour stopped") < out.index("[ours] NVMe weights")
     ours = _number(r"\[ours\] NVMe weights, batch \d+: ([\d.]+) tokens/s", out)
     hf = {int(b): float(v) for b, v in re.findall(r"in memory, batch (\d+): ([\d.]+)", out)}
     assert set(hf) >= {2, 4}

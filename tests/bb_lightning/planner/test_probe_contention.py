@@ -1,0 +1,227 @@
+"""Probes beside a busy neighbour: the fastest passes count, and a disturbed profile is not
+cached. Pass times are scripted through a fake ``Timing`` (the work itself still runs)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import LlamaConfig
+
+from bb_lightning.planner import calibrate, contention, cost
+from bb_lightning.planner.calibrate import probe_predict_compute, probe_train_compute
+from bb_lightning.planner.contention import Timing
+from bb_lightning.planner.measure import ROUNDS, cache_path, machine_identity, measure
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+
+from .test_read_ahead import CPU
+
+measure_module = importlib.import_module("bb_lightning.planner.measure")
+
+LAYERS, SEQ = 4, 16
+PEAK = 1e9
+"""The profile's matrix-product rate, FLOP/s (the scripted passes run the tiny model at a
+tenth to a half of it)."""
+
+
+class Scripted(Timing):
+    """Runs each pass and reports the seconds ``script(label, i)`` gives for its i-th pass;
+    matrix products (``"matmul <n>"``) take ``2 n³ / rate(i)`` with ``rate`` from
+    ``products``."""
+
+    def __init__(
+        self,
+        script: Callable[[str, int], float] = lambda label, i: 0.01,
+        products: Callable[[int], float] = lambda i: PEAK,
+        busy: float = 0.0,
+    ) -> None:
+        self.script, self.products, self.busy = script, products, busy
+        self.calls: Counter[str] = Counter()
+
+    def seconds(self, label: str, run: Callable[[], None]) -> float:
+        run()
+        i = self.calls[label]
+        self.calls[label] += 1
+        size = re.fullmatch(r"matmul (\d+)", label)
+        if size is not None:
+            return 2 * int(size.group(1)) ** 3 / self.products(i)
+        return self.script(label, i)
+
+    def watch(self) -> Callable[[], float]:
+        return lambda: self.busy
+
+
+def model_dir(tmp_path: Path) -> str:
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def cpu() -> HardwareProfile:
+    return HardwareProfile.from_dict({**CPU, "device_flops": PEAK})
+
+
+def slow_then_fast(fast: dict[str, float], slow_passes: int = 2) -> Callable[[str, int], float]:
+    """Each series' first ``slow_passes`` passes take ten times its ``fast`` seconds."""
+    return lambda label, i: fast[label] * (10 if i < slow_passes else 1)
+
+
+def train_flops(path: str) -> float:
+    model = ModelProfile.from_config(LlamaConfig.from_pretrained(path))
+    return SEQ * cost.train_flops_per_token(model, SEQ, False)
+
+
+def test_train_probe_takes_the_fast_passes_after_slow_ones(tmp_path: Path) -> None:
+    path = model_dir(tmp_path)
+    # one block 4 ms, the rest 2 ms: the one-block model 6 ms, the three-block one 14 ms
+    timing = Scripted(slow_then_fast({"one": 0.006, "more": 0.014}))
+    probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=3, timing=timing)
+    assert probe is not None and probe.note is None
+    assert probe.block_s == pytest.approx(0.004) and probe.rest_s == pytest.approx(0.002)
+    assert probe.pass_s == pytest.approx(LAYERS * 0.004 + 0.002)
+    raw = train_flops(path) / probe.pass_s / PEAK
+    assert calibrate.MIN_EFFICIENCY < raw < calibrate.MAX_EFFICIENCY
+    assert probe.efficiency == pytest.approx(raw)
+    # the first round's fastest pass stood alone (two slow ones), so a second round ran
+    assert timing.calls["one"] == timing.calls["more"] == 2 * 3
+
+
+def test_a_slow_device_beside_the_train_probe_warns_and_rates_against_it(
+    tmp_path: Path,
+) -> None:
+    path = model_dir(tmp_path)
+    timing = Scripted(lambda label, i: {"one": 0.006, "more": 0.014}[label], lambda i: 0.3 * PEAK)
+    with pytest.warns(RuntimeWarning, match="another process is using the device") as record:
+        probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=timing)
+    assert len(record) == 1 and "0.30 x the hardware profile's" in str(record[0].message)
+    assert probe is not None and probe.note == str(record[0].message)
+    assert timing.calls["one"] == contention.MAX_ROUNDS * 2
+    raw = train_flops(path) / probe.pass_s / (0.3 * PEAK)  # against the products beside it
+    assert calibrate.MIN_EFFICIENCY < raw < calibrate.MAX_EFFICIENCY
+    assert probe.efficiency == pytest.approx(raw)
+
+
+def test_unsteady_train_passes_warn_and_keep_the_fastest(tmp_path: Path) -> None:
+    path = model_dir(tmp_path)
+    # one fast pass of the one-block model, then only passes three times as slow
+    timing = Scripted(lambda label, i: 0.014 if label == "more" else 0.006 * (1 if i == 0 else 3))
+    with pytest.warns(RuntimeWarning, match=r"one passes differed 3\.0 x"):
+        probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=timing)
+    assert probe is not None and probe.note is not None and "fastest passes" in probe.note
+    assert timing.calls["one"] == contention.MAX_ROUNDS * 2
+    assert probe.block_s == pytest.approx(0.004) and probe.rest_s == pytest.approx(0.002)
+    raw = train_flops(path) / probe.pass_s / PEAK  # the profile's rate: the products kept it
+    assert probe.efficiency == pytest.approx(raw)
+
+
+def test_predict_probe_takes_the_fast_passes_after_slow_ones(tmp_path: Path) -> None:
+    path = model_dir(tmp_path)
+    fast = {"prefill one": 0.005, "prefill more": 0.011, "decode one": 0.002, "decode more": 0.004}
+    timing = Scripted(slow_then_fast(fast))
+    probe = probe_predict_compute(
+        path, cpu(), prompt_len=8, concurrent=2, cache_len=16, repeats=3, timing=timing
+    )
+    assert probe is not None and probe.note is None
+    assert probe.prefill_block_s == pytest.approx(0.003)
+    assert probe.prefill_rest_s == pytest.approx(0.002)
+    assert probe.decode_block_s == pytest.approx(0.001)
+    assert probe.decode_rest_s == pytest.approx(0.001)
+    assert timing.calls["decode more"] == 2 * 3
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BB_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_steady_profile_is_cached_with_its_fastest_rates(tmp_path: Path, cache_dir: Path) -> None:
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    # slow products first (a neighbour), then the machine's own rate
+    timing = Scripted(lambda label, i: 0.05, lambda i: 1e10 if i < 2 else 4e10)
+    first = measure(nvme_path=str(disk), max_seconds=0.5, cache=False, timing=timing)
+    assert first.device_flops == pytest.approx(4e10)
+    assert timing.calls["nvme write"] in (ROUNDS, contention.MAX_ROUNDS)
+    path = cache_path(machine_identity(str(disk)))
+    assert json.loads(path.read_text())["profile"] == first.to_dict()
+    again = Scripted()
+    assert measure(nvme_path=str(disk), max_seconds=0.5, timing=again) == first
+    assert not again.calls  # read from the cache, not measured
+
+
+def test_a_busy_neighbour_warns_and_the_profile_is_not_cached(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = Counter[str]()
+    real_round = measure_module._probe_round
+
+    def counted(*args: Any) -> dict[str, float]:
+        rounds["taken"] += 1
+        return real_round(*args)
+
+    monkeypatch.setattr(measure_module, "_probe_round", counted)
+    timing = Scripted(products=lambda i: 1e10, busy=0.6)
+    with pytest.warns(RuntimeWarning, match="not caching") as record:
+        profile = measure(max_seconds=0.5, timing=timing)
+    assert len(record) == 1 and "other processes took 60%" in str(record[0].message)
+    assert rounds["taken"] == contention.MAX_ROUNDS
+    assert profile.device_flops == pytest.approx(1e10)
+    assert not cache_path(machine_identity(None)).exists()
+
+
+def figures(flops: float, read: float, write: float = 1e9) -> dict[str, float]:
+    """One round's figures of every probe (FLOP/s, bytes/s, updates/s)."""
+    rates = {"h2d": 1e10, "d2h": 1e10, "memory": 2e10, "adam": 1e8, "nvme_free": 1e11}
+    return rates | {"flops": flops, "nvme_read": read, "nvme_write": write}
+
+
+@pytest.mark.parametrize(
+    ("rounds", "said"),
+    [
+        # one fast round of matrix products, then only slow ones
+        ([figures(4e10, 1e9), figures(1e10, 1e9), figures(1e10, 1e9)], "matrix-product"),
+        # one fast round of disk reads, then only slow ones
+        ([figures(1e10, 3e9), figures(1e10, 1e9), figures(1e10, 1e9)], "NVMe read"),
+    ],
+)
+def test_unsteady_rounds_warn_and_are_not_cached(
+    tmp_path: Path,
+    cache_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    rounds: list[dict[str, float]],
+    said: str,
+) -> None:
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    left = list(rounds)
+    monkeypatch.setattr(measure_module, "_probe_round", lambda *args: left.pop(0))
+    with pytest.warns(RuntimeWarning, match=f"{said} rates differed") as record:
+        profile = measure(nvme_path=str(disk), max_seconds=0.5, timing=Scripted())
+    assert len(record) == 1 and not left  # every round taken
+    assert profile.device_flops == max(r["flops"] for r in rounds)
+    assert profile.nvme_read_bandwidth == max(r["nvme_read"] for r in rounds)
+    assert not cache_path(machine_identity(str(disk))).exists()
+
+
+def test_rounds_that_agree_after_a_disturbed_one_are_cached(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    left = [figures(1e10, 1e9), figures(4e10, 1e9), figures(3.5e10, 1.2e9)]
+    monkeypatch.setattr(measure_module, "_probe_round", lambda *args: left.pop(0))
+    profile = measure(nvme_path=str(disk), max_seconds=0.5, timing=Scripted())
+    assert not left and profile.device_flops == 4e10 and profile.nvme_read_bandwidth == 1.2e9
+    cached = json.loads(cache_path(machine_identity(str(disk))).read_text())["profile"]
+    assert cached == profile.to_dict()
