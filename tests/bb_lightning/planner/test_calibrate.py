@@ -10,8 +10,8 @@ How close the prediction comes to timing the whole model is a benchmark
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.planner import calibrate, cost
+from bb_lightning.planner import calibrate, contention, cost
 from bb_lightning.planner.calibrate import probe_train_compute
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 
@@ -82,8 +82,23 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> ScriptedClock:
         return net
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
-    monkeypatch.setattr(calibrate, "time", SimpleNamespace(perf_counter=lambda: script.now))
+    monkeypatch.setattr(contention, "SYSTEM", _ScriptedTiming(script))
     return script
+
+
+class _ScriptedTiming(contention.Timing):
+    """Times a pass by the scripted clock; no other process is ever busy."""
+
+    def __init__(self, script: ScriptedClock) -> None:
+        self.script = script
+
+    def seconds(self, label: str, run: Callable[[], None]) -> float:
+        t0 = self.script.now
+        run()
+        return self.script.now - t0
+
+    def watch(self) -> Callable[[], float]:
+        return lambda: 0.0
 
 
 def test_probe_times_one_and_three_block_copies_and_splits_their_times(
