@@ -520,10 +520,9 @@ class TrainingEngine:
             grad = state.gradient(scratch.fp32["grad"])
         else:
             grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
-        master = self._step_state(
+        self._step_state(
             state, overlap.stepper, overlap.lr, 1.0, overlap.step, scratch, grad, block=i
         )
-        self._write_weights(i, master, scratch)
 
     def _write_weights(self, i: int, master: Tensor, scratch: _Scratch) -> None:
         ticket = self.pager.write_weights(i, master, scratch.cast)
@@ -588,10 +587,9 @@ class TrainingEngine:
             grad = state.gradient(scratch.fp32["grad"])
             if clamp is not None:
                 grad.clamp_(-clamp, clamp)
-            master = self._step_state(
+            self._step_state(
                 state, stepper, adamw.lr, scale, self.step_count, scratch, grad, block=i
             )
-            self._write_weights(i, master, scratch)
         grad = self.resident.gradient()
         if clamp is not None:
             grad.clamp_(-clamp, clamp)
@@ -615,7 +613,12 @@ class TrainingEngine:
     ) -> Tensor:
         """AdamW on one flat state: HOST-home tensors in place, others through ``scratch``
         or block ``block``'s read-ahead set (read, stepped, written back asynchronously);
-        the stepped fp32 master weights."""
+        the stepped fp32 master weights.
+
+        For a block, its compute-dtype weights are written from the stepped master here,
+        before its read-ahead set goes back to the free list: from then on a read-ahead of
+        another block may refill that set (the returned master is then no longer its own).
+        """
         start = time.perf_counter()
         with self._ahead_lock:
             ahead = self._ahead.pop(block, None) if block is not None else None
@@ -640,6 +643,9 @@ class TrainingEngine:
             if self.store.home(name) is not Tier.HOST:
                 assert held is not None
                 held.tickets.append(self.store.write_back_async(name, buf))
+        if block is not None:
+            assert scratch is not None, f"block {block} is stepped without a scratch set"
+            self._write_weights(block, master, scratch)
         if ahead is not None:
             with self._ahead_lock:
                 self._free_ahead.append(ahead)  # reused once its writes are done
