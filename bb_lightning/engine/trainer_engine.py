@@ -363,8 +363,6 @@ class TrainingEngine:
         self._queue: list[int] = []
         """Blocks still to step in this optimizer step, in step order, not yet read ahead."""
         self._ahead_lock = threading.Lock()
-        self._stepped_ahead: list[_Scratch] = []
-        """Read-ahead sets of blocks stepped but whose weights are not cast yet."""
 
     def _set_autograd_blocks(self, placement: Placement) -> None:
         """Blocks used in place run with ordinary autograd unless the placement recomputes
@@ -435,8 +433,6 @@ class TrainingEngine:
         """Drop what is left of this step's read-ahead (sets back to the free list)."""
         with self._ahead_lock:
             self._queue = []
-            self._free_ahead.extend(self._stepped_ahead)
-            self._stepped_ahead = []
             for buf in self._ahead.values():
                 buf.wait_reads()
                 self._free_ahead.append(buf)
@@ -525,24 +521,14 @@ class TrainingEngine:
             grad = state.gradient(scratch.fp32["grad"])
         else:
             grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
-        master = self._step_state(
+        self._step_state(
             state, overlap.stepper, overlap.lr, 1.0, overlap.step, scratch, grad, block=i
         )
-        self._write_weights(i, master, scratch)
 
     def _write_weights(self, i: int, master: Tensor, scratch: _Scratch) -> None:
         ticket = self.pager.write_weights(i, master, scratch.cast)
         if ticket is not None:
             scratch.tickets.append(ticket)
-        self._recycle_stepped()
-
-    def _recycle_stepped(self) -> None:
-        """Read-ahead sets whose block was stepped and cast go back to the free list (they
-        are reused once their writes are done), and the next reads start."""
-        with self._ahead_lock:
-            self._free_ahead.extend(self._stepped_ahead)
-            self._stepped_ahead = []
-        self._read_ahead()
 
     def apply_placement(self, placement: Placement) -> None:
         """Re-home the blocks' weights and optimizer state (between optimizer steps)."""
@@ -602,10 +588,9 @@ class TrainingEngine:
             grad = state.gradient(scratch.fp32["grad"])
             if clamp is not None:
                 grad.clamp_(-clamp, clamp)
-            master = self._step_state(
+            self._step_state(
                 state, stepper, adamw.lr, scale, self.step_count, scratch, grad, block=i
             )
-            self._write_weights(i, master, scratch)
         grad = self.resident.gradient()
         if clamp is not None:
             grad.clamp_(-clamp, clamp)
@@ -629,7 +614,12 @@ class TrainingEngine:
     ) -> Tensor:
         """AdamW on one flat state: HOST-home tensors in place, others through ``scratch``
         or block ``block``'s read-ahead set (read, stepped, written back asynchronously);
-        the stepped fp32 master weights."""
+        the stepped fp32 master weights.
+
+        For a block, its compute-dtype weights are written from the stepped master here,
+        before its read-ahead set goes back to the free list: from then on a read-ahead of
+        another block may refill that set (the returned master is then no longer its own).
+        """
         start = time.perf_counter()
         with self._ahead_lock:
             ahead = self._ahead.pop(block, None) if block is not None else None
@@ -654,9 +644,13 @@ class TrainingEngine:
             if self.store.home(name) is not Tier.HOST:
                 assert held is not None
                 held.tickets.append(self.store.write_back_async(name, buf))
-        if ahead is not None:  # reused once the weights are cast from its master buffer
+        if block is not None:
+            assert scratch is not None, f"block {block} is stepped without a scratch set"
+            self._write_weights(block, master, scratch)
+        if ahead is not None:  # the weights are cast from its master: reused once written
             with self._ahead_lock:
-                self._stepped_ahead.append(ahead)
+                self._free_ahead.append(ahead)
+            self._read_ahead()
         state.clear_grad()
         self.optimizer_busy_s += time.perf_counter() - start
         return master
