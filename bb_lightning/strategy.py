@@ -1064,6 +1064,7 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
             f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
             "model with a local checkpoint_dir to read them from: build the model with weights"
         )
-    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions
+    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions, peft names
     keys = {id(p): key for key, p in net.named_parameters()}
-    return lambda p: reader.get(keys[id(p)])
+    # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
+    return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()
