@@ -212,9 +212,10 @@ class _Group:
 class HFCheckpoint:
     """The parameters of ``model`` read from a local safetensors checkpoint by module name.
 
-    Built on a (meta) model of the checkpoint's config: the key mapping is planned
-    from the checkpoint's keys alone (no tensor read). ``ValueError`` at construction
-    names parameters the checkpoint cannot provide.
+    Built on a (meta) model of the checkpoint's config, or on a ``peft`` model wrapping
+    one (parameters then named as ``peft`` names them; adapters are not served): the key
+    mapping is planned from the checkpoint's keys alone (no tensor read). ``ValueError``
+    at construction names parameters the checkpoint cannot provide.
     """
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module) -> None:
@@ -308,8 +309,9 @@ class HFCheckpoint:
         target = self.resolve(name)
         if target is None and self._names.get(name, name) is None:
             raise ValueError(
-                f"parameter {name!r} is an adapter, which the checkpoint {self.directory} does "
-                "not hold: it keeps the initial value it was built with"
+                f"parameter {name!r} is an adapter (or outside the Hugging Face model), which "
+                f"the checkpoint {self.directory} does not hold: it keeps the value it was "
+                "built with"
             )
         if target is None:
             raise ValueError(
