@@ -111,6 +111,7 @@ def _real_placeholders(model: nn.Module) -> Iterator[None]:
     """Swap each meta parameter for a CPU stand-in of its shape and dtype (one element,
     broadcast: no memory) for the block, then back; parameter objects and ties stay."""
     cpu = torch.device("cpu")
+    before = {id(p) for p in model.parameters()}
     swapped = []
     for p in model.parameters():  # each shared parameter once
         if p.is_meta:
@@ -125,7 +126,17 @@ def _real_placeholders(model: nn.Module) -> Iterator[None]:
             requires_grad = p.requires_grad  # peft froze the base: keep that
             torch.utils.swap_tensors(p, other)
             p.requires_grad_(requires_grad)
-    copied = [n for n, p in model.named_parameters() if not p.is_meta and 0 in p.stride()]
+    if not swapped:
+        return
+    known = before | {
+        id(p)
+        for m in model.modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module)
+        and hasattr(m, "adapter_layer_names")
+        for n, p in m.named_parameters()
+        if not n.startswith("base_layer.")
+    }
+    copied = [n for n, p in model.named_parameters() if id(p) not in known]
     if copied:  # e.g. peft's modules_to_save copies the base layer it trains
         raise ValueError(
             f"LoRA on a model streamed from its checkpoint copied base weights {copied[:3]} "

@@ -132,3 +132,17 @@ def test_meta_base_gets_real_seeded_adapters(ckpt: Path) -> None:
     assert reader.resolve(adapter) is None
     with pytest.raises(ValueError, match="is an adapter"):
         reader.get(adapter)
+
+
+def test_meta_base_refuses_peft_copying_a_base_weight(ckpt: Path) -> None:
+    """peft's ``modules_to_save`` trains a copy of a base layer: on a meta base that copy
+    would start from the stand-in, not the checkpoint, so it is refused by name."""
+    from peft import LoraConfig, get_peft_model
+
+    from bb_lightning.lora import _real_placeholders
+
+    model = empty_model(AutoConfig.from_pretrained(ckpt))
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"copied base weights \[.*lm_head"):
+        with _real_placeholders(model):
+            get_peft_model(model, config)
