@@ -3,13 +3,17 @@
 While the strategy runs, the paged blocks of a module hold empty parameters: their
 weights live in the tensor store. At the end of each ``trainer.*`` call
 :func:`hand_back` gives the module its weights again, as plain Lightning leaves it:
-every parameter a host (CPU) fp32 tensor holding the trained values (the fp32 master
-weights; after a weights-only ``validate`` / ``predict``, the compute-dtype weights
-cast to fp32), floating-point buffers in fp32 on the host, the blocks' own forwards
-back. ``state_dict()``, ``save_pretrained`` and forwards then work as without the
-strategy. The store stays open: the next ``trainer.*`` call on the same strategy
-:func:`take_back` the module (its current parameter values loaded into the store, so
-edits between calls count; AdamW moments and step count kept).
+every parameter a host (CPU) tensor holding the trained values, in the dtype plain
+Lightning leaves parameters in for the Trainer's precision (:func:`handback_dtype`:
+bf16 under ``"bf16-true"``, fp32 under ``"32-true"`` and ``"bf16-mixed"``), rounded
+from the fp32 master weights (after a weights-only ``validate`` / ``predict``, cast
+from the compute-dtype weights); floating-point buffers in that dtype on the host, the
+blocks' own forwards back. ``state_dict()``, ``save_pretrained`` (and so the size it
+writes) and ``module.model.dtype`` are then those of plain Lightning. The store stays
+open: the next ``trainer.*`` call on the same strategy :func:`take_back` the module (its
+current parameter values loaded into the store, so edits between calls count; a
+parameter still equal to its handed-back value keeps its fp32 master, so bf16 rounding
+never accumulates across calls; AdamW moments and step count kept).
 
 Where the fp32 weights exceed what host memory can hold (:func:`fits_host`), the
 module stays hollow and :class:`HollowGuard` makes that loud instead of silent:
@@ -47,6 +51,7 @@ __all__ = [
     "WeightsInStoreError",
     "fits_host",
     "hand_back",
+    "handback_dtype",
     "param_bytes",
     "take_back",
 ]
@@ -76,8 +81,19 @@ def fits_host(nbytes: int, limit: int | None) -> tuple[bool, int]:
     return nbytes <= limit, limit
 
 
-def hand_back(engine: Engine) -> None:
-    """Put the engine's weights into the module's parameters (host, fp32); restore forwards.
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def handback_dtype(precision: str) -> torch.dtype:
+    """The dtype plain Lightning leaves a module's parameters in under the Trainer's
+    ``precision`` flag: that of a ``"*-true"`` precision, else (``"32-true"``, ``"*-mixed"``)
+    fp32."""
+    return _TRUE_DTYPES.get(str(precision), torch.float32)
+
+
+def hand_back(engine: Engine, dtype: torch.dtype = torch.float32) -> None:
+    """Put the engine's weights into the module's parameters (host, ``dtype``: see
+    :func:`handback_dtype`); floating-point buffers to ``dtype``; restore forwards.
 
     The store keeps its copy (and the optimizer state); :func:`take_back` undoes this.
     """
@@ -87,19 +103,34 @@ def hand_back(engine: Engine) -> None:
     state = engine.state_dict()
     engine.paged.remove()
     for key, p in engine.model.named_parameters(remove_duplicate=False):
-        set_data(p, state[key])
+        set_data(p, state.pop(key).to(dtype))  # each fp32 copy freed once cast
     engine.pager.handed_back = True  # reads of the store no longer unbind them
-    buffers_to(engine.model, torch.device("cpu"), torch.float32)
+    buffers_to(engine.model, torch.device("cpu"), dtype)
 
 
 def take_back(engine: Engine) -> None:
     """Page a handed-back module again: its current parameter values into the store, the
     blocks' parameters unbound, the other parameters and the buffers on the device in the
-    compute dtype, the paged forwards installed."""
+    compute dtype, the paged forwards installed.
+
+    A parameter handed back below fp32 and still equal to its fp32 master rounded to its
+    dtype is loaded from that master (its fp32 precision kept)."""
     values = {key: p.detach() for key, p in engine.model.named_parameters()}
+    if isinstance(engine, TrainingEngine) and any(
+        v.dtype != torch.float32 for v in values.values()
+    ):
+        masters = engine.lazy_state_dict()
+        trained = masters.parameter_keys
+        for key, value in values.items():
+            if value.dtype == torch.float32 or key not in trained:
+                continue
+            master = masters[key]
+            if torch.equal(master.to(value.dtype), value):
+                values[key] = master
     engine.load_state_dict(values)
     engine.pager.handed_back = False
-    for p in engine.resident_params:
+    frozen = engine.frozen_params if isinstance(engine, TrainingEngine) else []
+    for p in [*engine.resident_params, *frozen]:
         set_data(p, p.detach().to(engine.device, engine.compute_dtype))
     for i in range(engine.pager.num_blocks):
         engine.pager.release(i)  # unbinds resident blocks too
@@ -130,8 +161,12 @@ class HollowGuard:
     closed; it is held weakly so the guard never keeps a strategy alive.
     """
 
-    def __init__(self, engine: Engine, source: Any, reason: str) -> None:
+    def __init__(
+        self, engine: Engine, source: Any, reason: str, dtype: torch.dtype | None = None
+    ) -> None:
         self.reason = reason
+        self.dtype = dtype
+        """dtype ``save_pretrained`` writes (None: fp32 after training, else the compute dtype)."""
         self._source: Callable[[], Any] = weakref.ref(source)
         self._engine: weakref.ref[Engine] = weakref.ref(engine)
         self._closed = False
@@ -188,7 +223,9 @@ class HollowGuard:
             )
         if not kwargs.get("is_main_process", True):
             return
-        dtype = torch.float32 if isinstance(engine, TrainingEngine) else engine.compute_dtype
+        dtype = self.dtype
+        if dtype is None:
+            dtype = torch.float32 if isinstance(engine, TrainingEngine) else engine.compute_dtype
         shard = shard_bytes(kwargs.get("max_shard_size") or "5GB")
         out = export_hf(engine, save_directory, dtype=dtype, max_shard_bytes=shard)
         net = self._saving[0]

@@ -11,7 +11,9 @@ each parameter of the model by its module name: :meth:`HFCheckpoint.get`
 reads only the checkpoint tensors that parameter is made of, runs the
 conversion on them alone, and casts the result. Memory holds one parameter
 (and, for a fused one, its sources) at a time, never the model. Files are
-safetensors (one or sharded), else ``pytorch_model*.bin`` memory-mapped.
+safetensors (one or sharded), else ``pytorch_model*.bin`` memory-mapped. A model
+wrapped by ``peft`` is served under ``peft``'s names (``base_model.model.`` prefix,
+``.base_layer`` in wrapped layers); its adapters are not in the checkpoint.
 
 :func:`empty_model` builds the model on the meta device with its tied
 parameters tied; :func:`check_supported` and :func:`check_generation` refuse,
@@ -211,22 +213,25 @@ class _Group:
 class HFCheckpoint:
     """The parameters of ``model`` read from a local safetensors checkpoint by module name.
 
-    Built on a (meta) model of the checkpoint's config: the key mapping is planned
-    from the checkpoint's keys alone (no tensor read). ``ValueError`` at construction
-    names parameters the checkpoint cannot provide.
+    Built on a (meta) model of the checkpoint's config, or on a ``peft`` model wrapping
+    one (parameters then named as ``peft`` names them; adapters are not served): the key
+    mapping is planned from the checkpoint's keys alone (no tensor read). ``ValueError``
+    at construction names parameters the checkpoint cannot provide.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], model: PreTrainedModel) -> None:
+    def __init__(self, directory: str | os.PathLike[str], model: nn.Module) -> None:
         self.directory = Path(directory)
         self.files = weight_files(self.directory)
-        check_supported(model.config)
-        self._model = model
-        mapping = get_model_conversion_mapping(model)
+        self._root = model
+        net, self._names = _checkpoint_names(model)
+        check_supported(net.config)
+        self._model = net
+        mapping = get_model_conversion_mapping(net)
         renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
         converters = [t for t in mapping if isinstance(t, WeightConverter)]
         by_pattern = {p: c for c in converters for p in c.source_patterns}
-        meta = model.state_dict()
-        prefix = model.base_model_prefix
+        meta = {self._names[k]: t for k, t in model.state_dict().items() if self._names[k]}
+        prefix = net.base_model_prefix
         self._groups: dict[str, _Group] = {}
         """Parameter name -> the group producing it (a multi-output group under each name)."""
         for key in sorted(self.files, key=dot_natural_key):
@@ -242,16 +247,20 @@ class HFCheckpoint:
                 for out in _outputs(name, conv):
                     self._groups.setdefault(out, group)
             group.sources.append((pattern or key, key))
-        self._aliases = _tie_aliases(model, self._groups)
+        self._aliases = _tie_aliases(net, self._groups)
         self._mapped: dict[Path, dict[str, Tensor]] = {}
         """Memory-mapped ``pytorch_model*.bin`` files opened so far (nothing read until used)."""
         self._pending: dict[str, Tensor] = {}
         """Outputs of a multi-output conversion not asked for yet (served once, then dropped)."""
-        missing = [n for n, _ in model.named_parameters() if self.resolve(n) is None]
+        missing = [
+            n
+            for n, _ in model.named_parameters()
+            if self._names.get(n, n) is not None and self.resolve(n) is None
+        ]
         if missing:
             raise ValueError(
                 f"checkpoint {self.directory} lacks {len(missing)} parameters of "
-                f"{type(model).__name__}, e.g. {missing[:3]}: it does not match the model config"
+                f"{type(net).__name__}, e.g. {missing[:3]}: it does not match the model config"
             )
 
     @classmethod
@@ -262,10 +271,12 @@ class HFCheckpoint:
         return any((path / n).is_file() for n in names) or any(path.glob("model*.safetensors"))
 
     def resolve(self, name: str) -> str | None:
-        """The name the checkpoint provides parameter ``name`` under (a tied one's partner)."""
-        if name in self._groups:
-            return name
-        return self._aliases.get(name)
+        """The name the checkpoint provides parameter ``name`` under (a tied one's partner);
+        None for an adapter (not in the checkpoint) or a parameter it lacks."""
+        base = self._names.get(name, name)
+        if base is None or base in self._groups:
+            return base
+        return self._aliases.get(base)
 
     def source_keys(self, name: str) -> list[str]:
         """Checkpoint keys parameter ``name`` is made of."""
@@ -287,7 +298,7 @@ class HFCheckpoint:
         value = self._pending.pop(target, None)
         if value is None:
             value = self._assemble(target)
-        expected = tuple(self._model.get_parameter(name).shape)
+        expected = tuple(self._root.get_parameter(name).shape)
         if tuple(value.shape) != expected:
             raise ValueError(
                 f"parameter {name!r} is {tuple(value.shape)} in checkpoint {self.directory} "
@@ -297,6 +308,12 @@ class HFCheckpoint:
 
     def _resolved(self, name: str) -> str:
         target = self.resolve(name)
+        if target is None and self._names.get(name, name) is None:
+            raise ValueError(
+                f"parameter {name!r} is an adapter (or outside the Hugging Face model), which "
+                f"the checkpoint {self.directory} does not hold: it keeps the value it was "
+                "built with"
+            )
         if target is None:
             raise ValueError(
                 f"parameter {name!r} is not in the checkpoint {self.directory} "
@@ -364,3 +381,43 @@ def _tie_aliases(model: PreTrainedModel, present: Iterable[str]) -> dict[str, st
         elif target in have and source not in have:
             aliases[source] = target
     return aliases
+
+
+def _checkpoint_names(model: nn.Module) -> tuple[PreTrainedModel, dict[str, str | None]]:
+    """The Hugging Face model inside ``model``, and each state-dict name of ``model`` -> that
+    tensor's name in the Hugging Face model without ``peft`` layers (None: an adapter).
+
+    ``peft`` renames what it wraps: a ``base_model.model.`` prefix (the ``PeftModel`` around
+    the Hugging Face model) and ``.base_layer`` inside each wrapped layer, whose adapters
+    (``lora_A``, ``lora_B``, ...) the checkpoint does not hold.
+    """
+    found = next(((p, m) for p, m in model.named_modules() if isinstance(m, PreTrainedModel)), None)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} holds no Hugging Face model (PreTrainedModel) to map "
+            "checkpoint keys onto: pass the model built from the checkpoint's config"
+        )
+    prefix, net = found
+    tuners = sorted(
+        (
+            f"{p}."
+            for p, m in net.named_modules()
+            if isinstance(getattr(m, "base_layer", None), nn.Module)
+            and hasattr(m, "adapter_layer_names")
+        ),
+        key=len,
+        reverse=True,
+    )  # innermost first: a wrapped layer may be wrapped again
+    names: dict[str, str | None] = {}
+    for key in model.state_dict(keep_vars=True):
+        if prefix and not key.startswith(f"{prefix}."):
+            names[key] = None  # outside the Hugging Face model: nothing to read
+            continue
+        name: str | None = key[len(prefix) + 1 :] if prefix else key
+        for tuner in tuners:
+            if name is None or not name.startswith(tuner):
+                continue
+            rest = name[len(tuner) :]
+            name = tuner + rest[len("base_layer.") :] if rest.startswith("base_layer.") else None
+        names[key] = name
+    return net, names

@@ -11,10 +11,13 @@ the adapters carry gradients and optimizer state (see :mod:`bb_lightning.engine.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -90,9 +93,55 @@ def require_peft() -> Any:
 
 
 def wrap_lora(model: PreTrainedModel, options: LoraOptions) -> Any:
-    """``model`` with LoRA adapters (a ``peft.PeftModel``): the base weights frozen."""
+    """``model`` with LoRA adapters (a ``peft.PeftModel``): the base weights frozen.
+
+    Base parameters on the meta device (:func:`bb_lightning.hf_load.empty_model`) stay
+    there, for a strategy to stream them from the checkpoint; the adapters get real
+    initial values all the same, drawn from the random state exactly as for a
+    materialised base (``peft`` would otherwise put them on their base layer's device,
+    meta). peft's default initialisation reads no base weight, so none is needed here.
+    """
     peft = require_peft()
-    return peft.get_peft_model(model, options.peft_config())
+    with _real_placeholders(model):
+        return peft.get_peft_model(model, options.peft_config())
+
+
+@contextmanager
+def _real_placeholders(model: nn.Module) -> Iterator[None]:
+    """Swap each meta parameter for a CPU stand-in of its shape and dtype (one element,
+    broadcast: no memory) for the block, then back; parameter objects and ties stay."""
+    cpu = torch.device("cpu")
+    before = {id(p) for p in model.parameters()}
+    swapped = []
+    for p in model.parameters():  # each shared parameter once
+        if p.is_meta:
+            stand_in = torch.zeros((), dtype=p.dtype, device=cpu).expand(p.shape)
+            other = nn.Parameter(stand_in, requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, other)
+            swapped.append((p, other))
+    try:
+        yield
+    finally:
+        for p, other in swapped:
+            requires_grad = p.requires_grad  # peft froze the base: keep that
+            torch.utils.swap_tensors(p, other)
+            p.requires_grad_(requires_grad)
+    if not swapped:
+        return
+    known = before | {
+        id(p)
+        for m in model.modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module)
+        and hasattr(m, "adapter_layer_names")
+        for n, p in m.named_parameters()
+        if not n.startswith("base_layer.")
+    }
+    copied = [n for n, p in model.named_parameters() if id(p) not in known]
+    if copied:  # e.g. peft's modules_to_save copies the base layer it trains
+        raise ValueError(
+            f"LoRA on a model streamed from its checkpoint copied base weights {copied[:3]} "
+            "into trained parameters: train adapters only, or load the base model first"
+        )
 
 
 def lora_profile(config: PretrainedConfig | dict[str, Any], options: LoraOptions) -> ModelProfile:

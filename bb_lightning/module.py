@@ -235,14 +235,18 @@ class CausalLMModule(pl.LightningModule):
         ``pytorch_model.bin`` it memory-maps): then the
         parameters stay on the meta device and the strategy reads them
         (:class:`~bb_lightning.hf_load.HFCheckpoint`). With ``lora`` the base model is
-        always built or loaded whole, then wrapped by ``peft`` (adapters seeded with ``seed``).
+        built, loaded or left on the meta device the same way, then wrapped by ``peft``:
+        the adapters get real initial values seeded with ``seed`` (the same with every
+        strategy), and a streamed base is read under ``peft``'s names.
         """
         if self.model is not None:
             return
         check_supported(self._config)
-        if self._lora is not None:  # the base model, loaded (not streamed), with adapters
+        if self._lora is not None:  # the base model (streamed, loaded or random), with adapters
             require_peft()
-            if self.checkpoint_dir is not None:
+            if self.checkpoint_dir is not None and self._streams_weights():
+                base = empty_model(self._config)  # adapters real, base weights on meta
+            elif self.checkpoint_dir is not None:
                 base = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
             else:
                 with _seeded(int(self.hparams["seed"])):

@@ -77,7 +77,14 @@ from bb_lightning.engine.trainer_engine import (
     param_counts,
     required_budgets,
 )
-from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
+from bb_lightning.handback import (
+    HollowGuard,
+    fits_host,
+    hand_back,
+    handback_dtype,
+    param_bytes,
+    take_back,
+)
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
@@ -771,8 +778,9 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             return
         nbytes = param_bytes(engine)
         fits, limit = fits_host(nbytes, self.gather_limit)
+        dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
         if self.gather_on_teardown is None and fits:
-            hand_back(engine)
+            hand_back(engine, dtype)
             self._handed_back = engine
             return
         why = (
@@ -781,7 +789,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {limit / 2**30:.3g} GiB"
             " (gather_limit)"
         )
-        self._guard = HollowGuard(engine, self, why)
+        self._guard = HollowGuard(engine, self, why, dtype)
 
     def _take_back(self, module: pl.LightningModule) -> None:
         """Page a module handed back at the last teardown again (its values into the store)."""
@@ -803,10 +811,11 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             self.engine = None
 
     def gather_full_model(self) -> torch.nn.Module:
-        """Put the weights into the module's parameters (host, fp32); close the store.
+        """Put the weights into the module's parameters (host); close the store.
 
         The module then runs without the strategy (ordinary forwards, every parameter
-        materialised on the CPU in fp32: the fp32 master weights after ``fit``, the
+        materialised on the CPU in the dtype plain Lightning leaves it in, bf16 under
+        ``"bf16-true"``, else fp32: the fp32 master weights after ``fit``, the
         compute-dtype weights after a weights-only ``validate`` / ``predict``); a later
         ``trainer.*`` call pages it again from these values (the AdamW moments are not
         kept). Returns the module.
@@ -818,7 +827,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             if self._guard is not None:
                 self._guard.remove()
                 self._guard = None
-            hand_back(engine)
+            hand_back(engine, handback_dtype(self.precision_plugin.precision))
             self._handed_back = engine
         self.close()
         return module
@@ -1064,6 +1073,7 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
             f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
             "model with a local checkpoint_dir to read them from: build the model with weights"
         )
-    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions
+    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions, peft names
     keys = {id(p): key for key, p in net.named_parameters()}
-    return lambda p: reader.get(keys[id(p)])
+    # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
+    return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()

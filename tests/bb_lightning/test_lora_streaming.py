@@ -1,0 +1,148 @@
+"""LoRA on a checkpoint streamed one parameter at a time: the base stays on the meta
+device until the strategy reads it under peft's names, the adapters keep their seeded
+initial values, and training equals plain Lightning on the model ``from_pretrained``
+loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from peft import get_peft_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import bb_lightning.module as module_mod
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.pager import Placement
+from bb_lightning.hf_load import HFCheckpoint, empty_model
+from bb_lightning.lora import LoraOptions, wrap_lora
+from bb_lightning.module import CausalLMModule
+from storage.tiers import Tier
+
+D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
+LAYERS, STEPS = 3, 3
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a tied head, saved in shards with ``save_pretrained``."""
+    cfg = {**_llama(), "tie_word_embeddings": True}
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    path = tmp_path_factory.mktemp("tiny-llama-tied")
+    model.save_pretrained(path, max_shard_size="100KB")
+    assert len(list(path.glob("*.safetensors"))) >= 2
+    return path
+
+
+def _llama() -> dict[str, Any]:
+    from .conftest import tiny_llama
+
+    return tiny_llama(LAYERS)
+
+
+def _module(path: Path) -> CausalLMModule:
+    return CausalLMModule(path, learning_rate=1e-2, weight_decay=0.01, lora=LORA, seed=7)
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the whole model was loaded into host memory")
+
+
+def test_streamed_lora_trains_like_plain_lightning(
+    tiny: SimpleNamespace, ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Plain Lightning: configure_model loads the base with from_pretrained, then wraps it.
+    ref = _module(ckpt)
+    trainer, want = tiny.make_trainer("auto", STEPS)
+    trainer.fit(ref, tiny.loader(STEPS))
+    assert ref.model is not None
+    want_state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+
+    reads: list[str] = []
+    get = HFCheckpoint.get
+
+    def counted(self: HFCheckpoint, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        reads.append(name)
+        return get(self, name, dtype)
+
+    monkeypatch.setattr(HFCheckpoint, "get", counted)
+    monkeypatch.setattr(module_mod.AutoModelForCausalLM, "from_pretrained", _refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", _refuse)
+    module = _module(ckpt)
+    placement = Placement(weights=(N, D, H), master=(H, N, H), prefetch_depth=1)
+    strategy = BalanceBeamStrategy(placement=placement, compute_dtype="fp32",
+                                   nvme_path=str(tmp_path / "nvme"), adapt_tolerance=None)  # fmt: skip
+    trainer, got = tiny.make_trainer(strategy, STEPS)
+    trainer.fit(module, tiny.loader(STEPS))
+    net = module.model
+    assert net is not None
+
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    got_adapters, want_adapters = (
+        get_peft_model_state_dict(net),
+        get_peft_model_state_dict(ref.model),
+    )
+    assert got_adapters.keys() == want_adapters.keys() and len(want_adapters) == 2 * LAYERS * 4
+    for key, value in want_adapters.items():
+        torch.testing.assert_close(got_adapters[key], value, rtol=1e-5, atol=2e-5, msg=key)
+    # The base came from the checkpoint, each tensor read once, no adapter asked for.
+    inner = net.get_base_model()
+    base = [k for k, p in inner.named_parameters() if not p.requires_grad]
+    assert sorted(reads) == sorted(base) and any(".base_layer." in k for k in base)
+    assert inner.lm_head.weight is inner.model.embed_tokens.weight  # still tied
+    state = net.state_dict()
+    assert state.keys() == want_state.keys()
+    for key, p in net.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(state[key], want_state[key]), key
+    strategy.close()
+
+
+def test_meta_base_gets_real_seeded_adapters(ckpt: Path) -> None:
+    """Wrapped on the meta device, the adapters draw the values a materialised base gets;
+    the checkpoint reader serves the base under peft's names and refuses the adapters."""
+    options = LoraOptions.from_value(LORA)
+    config = AutoConfig.from_pretrained(ckpt)
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    torch.manual_seed(11)
+    want = dict(wrap_lora(loaded, options).named_parameters())
+    torch.manual_seed(11)
+    wrapped = wrap_lora(empty_model(config), options)
+    got = dict(wrapped.named_parameters())
+    assert got.keys() == want.keys()
+    for key, p in got.items():
+        assert p.requires_grad == want[key].requires_grad, key
+        if p.requires_grad:
+            assert "lora_" in key and torch.equal(p, want[key]), key
+        else:
+            assert p.is_meta, key
+
+    reader = HFCheckpoint(ckpt, wrapped)  # the PeftModel itself: base_model.model. names
+    for key, p in got.items():
+        if not p.requires_grad:
+            assert torch.equal(reader.get(key), want[key].detach()), key
+    adapter = next(k for k in got if "lora_A" in k)
+    assert reader.resolve(adapter) is None
+    with pytest.raises(ValueError, match="is an adapter"):
+        reader.get(adapter)
+
+
+def test_meta_base_refuses_peft_copying_a_base_weight(ckpt: Path) -> None:
+    """peft's ``modules_to_save`` trains a copy of a base layer: on a meta base that copy
+    would start from the stand-in, not the checkpoint, so it is refused by name."""
+    from peft import LoraConfig, get_peft_model
+
+    from bb_lightning.lora import _real_placeholders
+
+    model = empty_model(AutoConfig.from_pretrained(ckpt))
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"copied base weights \[.*lm_head"):
+        with _real_placeholders(model):
+            get_peft_model(model, config)
