@@ -342,3 +342,17 @@ def busy_neighbour(on: bool = True) -> Iterator[int | None]:
 def gib(nbytes: float) -> str:
     """``nbytes`` as GiB with two decimals."""
     return f"{nbytes / GIB:.2f} GiB"
+
+
+class PredictTimer(pl.Callback):
+    """Seconds spent in predict batches (setup, weights to their tiers, teardown excluded)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t = 0.0
+
+    def on_predict_batch_start(self, *args: Any) -> None:
+        self._t = time.perf_counter()
+
+    def on_predict_batch_end(self, *args: Any) -> None:
+        self.seconds += time.perf_counter() - self._t

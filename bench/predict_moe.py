@@ -30,7 +30,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import machine, nvme_base, quiet
+from _common import PredictTimer, machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, MixtralConfig
 
@@ -86,20 +86,6 @@ def _hf_generate(model: Any, prompts: torch.Tensor, batch: int, new: int) -> tup
     return sum(map(len, out)) / (time.perf_counter() - start), out
 
 
-class _Timer(pl.Callback):
-    """Seconds spent in predict batches (setup, weights to the NVMe tier, teardown excluded)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._t = 0.0
-
-    def on_predict_batch_start(self, *args: Any) -> None:
-        self._t = time.perf_counter()
-
-    def on_predict_batch_end(self, *args: Any) -> None:
-        self.seconds += time.perf_counter() - self._t
-
-
 def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": [r["id"] for r in rows],
@@ -119,7 +105,7 @@ def _ours(
         job=plan.job, hardware=plan.hardware, overrides=plan.overrides, compute_dtype="bf16",
         nvme_path=str(nvme),
     )  # fmt: skip
-    timer = _Timer()
+    timer = PredictTimer()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],

@@ -47,7 +47,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import busy_neighbour, drop_cache, machine, nvme_base, quiet
+from _common import PredictTimer, busy_neighbour, drop_cache, machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -123,20 +123,6 @@ def _hf_generate(
     return sum(map(len, out)) / seconds, out
 
 
-class _Timer(pl.Callback):
-    """Seconds spent in predict batches (setup and teardown excluded)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._t = 0.0
-
-    def on_predict_batch_start(self, *args: Any) -> None:
-        self._t = time.perf_counter()
-
-    def on_predict_batch_end(self, *args: Any) -> None:
-        self.seconds += time.perf_counter() - self._t
-
-
 def _ours(
     args: argparse.Namespace,
     ckpt: Path,
@@ -157,7 +143,7 @@ def _ours(
         job=plan.job, hardware=plan.hardware, overrides=plan.overrides, compute_dtype=dtype,
         nvme_path=str(nvme),
     )  # fmt: skip
-    timer = _Timer()
+    timer = PredictTimer()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, _PageWaits()],
