@@ -29,7 +29,7 @@ and prints the plan; its KV-cache tier goes to the module's ``kv_cache_tier``, a
 datamodule whose ``batch_size`` is None takes the plan's ``concurrent_seqs``. On a
 measured machine (``hardware`` None or ``"measure"``) the plan is priced with the
 rates the model's own prefill and decode passes sustain on the device
-(:func:`~bb_lightning.planner.calibrate.probe_predict_compute`, a few seconds on
+(:func:`~bb_lightning.probe.calibrate.probe_predict_compute`, a few seconds on
 a CPU), as ``fit`` is with its training pass.
 
 Optimizer: without gradient clipping, each block's host AdamW step runs while
@@ -102,7 +102,7 @@ from bb_lightning.planner import (
     plan_differs,
     preset,
 )
-from bb_lightning.planner.calibrate import (
+from bb_lightning.probe.calibrate import (
     PredictCompute,
     TrainCompute,
     probe_predict_compute,
@@ -474,7 +474,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
     ) -> HardwareProfile:
         """``hardware`` with the compute efficiency the model's own training pass sustains
-        on the device (see :mod:`bb_lightning.planner.calibrate`); unchanged when the
+        on the device (see :mod:`bb_lightning.probe.calibrate`); unchanged when the
         probe does not fit in memory."""
         micro = micro or getattr(self.overrides, "micro_batch", None) or 1
         probe = functools.partial(
@@ -493,7 +493,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     ) -> HardwareProfile:
         """``hardware`` with the prefill and decode rates the model's own passes sustain
         on the device at ``rows`` concurrent sequences (see
-        :func:`~bb_lightning.planner.calibrate.probe_predict_compute`); unchanged when the
+        :func:`~bb_lightning.probe.calibrate.probe_predict_compute`); unchanged when the
         probe does not fit in memory."""
         probe = functools.partial(
             probe_predict_compute,

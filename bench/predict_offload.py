@@ -26,7 +26,7 @@ each, the ratios ours / best HF and ours / best Accelerate, the share of
 sequences whose tokens equal the in-memory run at the same batch shape (bf16,
 and fp32 over ``--check-prompts`` prompts), the plan's predicted tokens/s (priced at
 the matrix-product probe's rate, and at the rates of the model's own prefill and
-decode passes from :func:`~bb_lightning.planner.calibrate.probe_predict_compute`),
+decode passes from :func:`~bb_lightning.probe.calibrate.probe_predict_compute`),
 and the floor of any schedule that reads the weights from NVMe on every pass
 (prefill FLOPs at the matrix-product rate, then the decode passes' reads at the
 NVMe rate) beside Accelerate's best. With ``--busy-probe`` a process spins on one core
@@ -63,7 +63,7 @@ from bb_lightning.planner import (
     make_plan,
     measure,
 )
-from bb_lightning.planner.calibrate import probe_predict_compute
+from bb_lightning.probe.calibrate import probe_predict_compute
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 

@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
-from bb_lightning.planner import calibrate
 from bb_lightning.planner.profile import HardwareProfile, preset
+from bb_lightning.probe import calibrate
 
 
 def whole_pass_seconds(cfg: LlamaConfig, micro: int, seq: int) -> float:

@@ -65,8 +65,8 @@ from bb_lightning.planner import (
     make_plan,
     measure,
 )
-from bb_lightning.planner.calibrate import probe_train_compute
 from bb_lightning.planner.plan import placement_tiers
+from bb_lightning.probe.calibrate import probe_train_compute
 from storage.tiers import Tier
 
 SEED = 0

@@ -98,7 +98,7 @@ class HardwareProfile:
     """Rate of a decode pass (one new token per sequence: thin matrix products, attention
     over the whole KV cache) relative to a prefill or training pass, as a multiplier on
     ``device_flops * compute_efficiency`` (1.0 = the same rate; see
-    :func:`bb_lightning.planner.calibrate.probe_predict_compute`)."""
+    :func:`bb_lightning.probe.calibrate.probe_predict_compute`)."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -168,8 +168,8 @@ def preset(name: str) -> HardwareProfile:
 def measure(
     *, nvme_path: str | None = None, cache: bool = True, max_seconds: float = 20.0
 ) -> HardwareProfile:
-    """Measure this machine (cached per machine); see :func:`bb_lightning.planner.measure.measure`."""
-    from bb_lightning.planner.measure import measure as _measure
+    """Measure this machine (cached per machine); see :func:`bb_lightning.probe.measure.measure`."""
+    from bb_lightning.probe.measure import measure as _measure
 
     return _measure(nvme_path=nvme_path, cache=cache, max_seconds=max_seconds)
 

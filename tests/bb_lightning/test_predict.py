@@ -165,7 +165,7 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
 ) -> None:
     import bb_lightning.strategy as strategy_module
     from bb_lightning.planner import PlanOverrides, make_plan
-    from bb_lightning.planner.calibrate import PredictCompute
+    from bb_lightning.probe.calibrate import PredictCompute
 
     probed: list[dict[str, Any]] = []
 

@@ -19,9 +19,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.planner import calibrate, contention, cost
-from bb_lightning.planner.calibrate import probe_train_compute
+from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.probe import calibrate, contention
+from bb_lightning.probe.calibrate import probe_train_compute
 
 from .test_read_ahead import CPU
 

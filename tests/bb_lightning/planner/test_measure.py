@@ -13,10 +13,10 @@ import psutil
 import pytest
 import torch
 
-from bb_lightning.planner import contention
-from bb_lightning.planner.measure import cache_path, machine_identity, measure
+from bb_lightning.probe import contention
+from bb_lightning.probe.measure import cache_path, machine_identity, measure
 
-measure_module = importlib.import_module("bb_lightning.planner.measure")
+measure_module = importlib.import_module("bb_lightning.probe.measure")
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 
 from bb_lightning.planner.profile import HardwareProfile
 
-m = importlib.import_module("bb_lightning.planner.measure")  # the package exports the function
+m = importlib.import_module("bb_lightning.probe.measure")  # the package exports the function
 
 GIB = 1 << 30
 

@@ -14,15 +14,16 @@ from typing import Any
 import pytest
 from transformers import LlamaConfig
 
-from bb_lightning.planner import calibrate, contention, cost
-from bb_lightning.planner.calibrate import probe_predict_compute, probe_train_compute
-from bb_lightning.planner.contention import Timing
-from bb_lightning.planner.measure import ROUNDS, cache_path, machine_identity, measure
+from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.probe import calibrate, contention
+from bb_lightning.probe.calibrate import probe_predict_compute, probe_train_compute
+from bb_lightning.probe.contention import Timing
+from bb_lightning.probe.measure import ROUNDS, cache_path, machine_identity, measure
 
 from .test_read_ahead import CPU
 
-measure_module = importlib.import_module("bb_lightning.planner.measure")
+measure_module = importlib.import_module("bb_lightning.probe.measure")
 
 LAYERS, SEQ = 4, 16
 PEAK = 1e9

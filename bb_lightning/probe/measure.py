@@ -31,7 +31,7 @@ The probes run in :data:`ROUNDS` interleaved rounds, each with its part of every
 share, and each figure is the best over the rounds (the median AdamW step of each
 round, then the best round). When the matrix-product or the disk rates of the rounds
 disagree, or other processes took much of the CPU meanwhile (the checks of
-:mod:`bb_lightning.planner.contention`), another round runs, up to
+:mod:`bb_lightning.probe.contention`), another round runs, up to
 ``contention.MAX_ROUNDS``; a profile still disturbed is returned with a warning and not
 cached.
 
@@ -60,9 +60,9 @@ from typing import Any
 import psutil
 import torch
 
-from bb_lightning.planner import contention
-from bb_lightning.planner.contention import Timing
 from bb_lightning.planner.profile import HardwareProfile
+from bb_lightning.probe import contention
+from bb_lightning.probe.contention import Timing
 
 __all__ = [
     "CACHE_ENV",
@@ -330,7 +330,7 @@ def cuda_device_memory(device: torch.device) -> int:
 
 ROUNDS = 2
 """Rounds of all probes ``measure()`` takes, each with ``1 / ROUNDS`` of every time share;
-up to :data:`~bb_lightning.planner.contention.MAX_ROUNDS` while a check fails."""
+up to :data:`~bb_lightning.probe.contention.MAX_ROUNDS` while a check fails."""
 
 
 def _probe_round(
@@ -357,7 +357,7 @@ def _probe_rounds(
     (one line) or None.
 
     Every probe runs once per round; after :data:`ROUNDS` rounds the checks of
-    :mod:`~bb_lightning.planner.contention` run (the matrix-product and the disk rates
+    :mod:`~bb_lightning.probe.contention` run (the matrix-product and the disk rates
     reproduced within their spread, other processes' share of the CPU), and while one
     fails another round runs, up to ``contention.MAX_ROUNDS``.
     """
@@ -468,7 +468,7 @@ def measure(
     afresh (and refreshes the cache). A measurement disturbed by other processes
     (see :func:`_probe_rounds`; up to 1.5 x ``max_seconds``) is returned with a
     warning and not cached. ``timing`` times the passes (default: the real clock,
-    :data:`~bb_lightning.planner.contention.SYSTEM`).
+    :data:`~bb_lightning.probe.contention.SYSTEM`).
     """
     if not max_seconds > 0:
         raise ValueError(f"max_seconds = {max_seconds} must be > 0: pass e.g. 20.0 seconds")

@@ -3,7 +3,7 @@
 A probe that runs beside a busy process measures that process's share of the
 cores, not the machine: a plan priced from it is pessimistic, and a hardware
 profile cached from it stays pessimistic. The probes of
-:mod:`bb_lightning.planner.measure` and :mod:`bb_lightning.planner.calibrate`
+:mod:`bb_lightning.probe.measure` and :mod:`bb_lightning.probe.calibrate`
 therefore time every series of passes interleaved with the others, keep the
 fastest pass of each, and check the figures:
 

@@ -1,6 +1,6 @@
 """Time the model's own training pass on the device: a compute efficiency for the planner.
 
-The hardware probe (:mod:`bb_lightning.planner.measure`) times bare square matrix
+The hardware probe (:mod:`bb_lightning.probe.measure`) times bare square matrix
 products. A training step of a real model also runs norms, activations, rotary
 embeddings, attention and the loss, and its matrix products have the model's
 (often smaller) shapes; on a CPU that step sustains well under the probe's rate.
@@ -24,7 +24,7 @@ The prefill's rate gives ``compute_efficiency``; the decode pass's rate over the
 prefill's gives ``decode_efficiency`` (thin matrix products and cache reads run
 well below the prefill's rate on a CPU).
 
-Both probes check their passes (:mod:`bb_lightning.planner.contention`): the fastest
+Both probes check their passes (:mod:`bb_lightning.probe.contention`): the fastest
 pass of each series must be matched by another within ``SPREAD``, and the matrix
 product timed between the model's passes must run at ``DRIFT`` x the profile's
 ``device_flops`` or more. While a check fails they take another round of passes
@@ -45,9 +45,10 @@ from typing import Any
 import psutil
 import torch
 
-from bb_lightning.planner import contention, cost
-from bb_lightning.planner.contention import Timing
+from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.probe import contention
+from bb_lightning.probe.contention import Timing
 
 __all__ = ["PredictCompute", "TrainCompute", "probe_predict_compute", "probe_train_compute"]
 
