@@ -43,7 +43,7 @@ from transformers import PretrainedConfig
 
 from bb_lightning.engine.attention import decode_attention_for
 from bb_lightning.engine.kv import KVCache
-from bb_lightning.planner.job import cache_length
+from bb_lightning.shapes import cache_length
 from storage.tiers import Tier
 
 __all__ = [

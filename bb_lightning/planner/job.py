@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from bb_lightning.planner.profile import ModelProfile
+from bb_lightning.shapes import CACHE_ROUND, cache_length
 
 __all__ = ["CACHE_ROUND", "FitJob", "PredictJob", "cache_length"]
 
@@ -73,17 +74,6 @@ class FitJob:
                 f"seq_len = {self.seq_len} tokens exceeds {model.name}'s context of "
                 f"{model.max_positions} tokens: use seq_len <= {model.max_positions}"
             )
-
-
-CACHE_ROUND = 64
-"""KV cache lengths are multiples of this many tokens."""
-
-
-def cache_length(tokens: int) -> int:
-    """Positions of the KV cache that holds sequences of ``tokens`` tokens (prompt and new):
-    ``tokens`` rounded up to a multiple of :data:`CACHE_ROUND`, so that batches of ragged
-    prompts share one cache. A decode pass attends over all of them (unwritten ones masked)."""
-    return -(-tokens // CACHE_ROUND) * CACHE_ROUND
 
 
 @dataclass(frozen=True, kw_only=True)
