@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from bb_lightning.planner import ModelProfile
+from bb_lightning.probe import model_profile_from_config
 
 __all__ = ["ThroughputCallback", "model_flops_per_token", "phase_summary"]
 
@@ -109,7 +110,7 @@ class ThroughputCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         net = _hf_model(pl_module)
         config = getattr(net, "config", None)  # the blocks' parameters are paged out by now
-        self._profile = ModelProfile.from_config(config) if config is not None else None
+        self._profile = model_profile_from_config(config) if config is not None else None
         if self.peak_flops is None:
             self.peak_flops = _peak_flops(trainer)
 

@@ -215,17 +215,17 @@ def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _load_model(spec: str) -> ModelProfile:
     from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
-    from bb_lightning.planner.profile import ModelProfile
+    from bb_lightning.probe import model_profile_from_config
 
     if spec.lower() in BUILTIN_MODELS:
-        profile = ModelProfile.from_config(builtin_config(spec))
+        profile = model_profile_from_config(builtin_config(spec))
         return dataclasses.replace(profile, name=spec.lower())
     path = Path(spec)
     if path.exists():
-        return ModelProfile.from_config(path)
+        return model_profile_from_config(path)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith((".", "/")):
         try:
-            return ModelProfile.from_config(spec)
+            return model_profile_from_config(spec)
         except OSError as err:
             raise UsageError(
                 f"--model {spec!r}: its config cannot be loaded from the hub or the local cache "
@@ -264,7 +264,8 @@ def _check_plot_path(text: str) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from bb_lightning.planner import FitJob, PredictJob, make_plan, measure, preset
+    from bb_lightning.planner import FitJob, PredictJob, make_plan, preset
+    from bb_lightning.probe import measure
 
     if args.plot:
         _check_plot_path(args.plot)

@@ -153,7 +153,7 @@ def lora_profile(config: PretrainedConfig | dict[str, Any], options: LoraOptions
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    from bb_lightning.planner.profile import ModelProfile
+    from bb_lightning.probe import model_profile_from_module
 
     if not isinstance(config, PretrainedConfig):
         values = dict(config)
@@ -161,4 +161,4 @@ def lora_profile(config: PretrainedConfig | dict[str, Any], options: LoraOptions
     with init_empty_weights(include_buffers=False), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         wrapped = wrap_lora(model, options)
-    return ModelProfile.from_module(wrapped.get_base_model())
+    return model_profile_from_module(wrapped.get_base_model())

@@ -91,17 +91,16 @@ from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
     MeasuredTimes,
-    ModelProfile,
     Plan,
     PlanError,
     PlanOverrides,
     PredictJob,
     adapt,
     make_plan,
-    measure,
     plan_differs,
     preset,
 )
+from bb_lightning.probe import measure, model_profile_from_module
 from bb_lightning.probe.calibrate import (
     PredictCompute,
     TrainCompute,
@@ -376,7 +375,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
         dm = getattr(trainer, "datamodule", None)
         batch = getattr(dm, "batch_size", None)
-        model, hardware = ModelProfile.from_module(net), self._hardware()
+        model, hardware = model_profile_from_module(net), self._hardware()
         best = make_plan(model, hardware, job, overrides=self.overrides)
         if self.hardware is None or self.hardware == "measure":
             rows = min(batch if isinstance(batch, int) else best.concurrent_seqs, job.num_prompts)
@@ -442,7 +441,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             accum = int(trainer.accumulate_grad_batches)
             clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
             job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
-        model, hardware = ModelProfile.from_module(net), self._hardware()
+        model, hardware = model_profile_from_module(net), self._hardware()
         if self.hardware is None or self.hardware == "measure":
             hardware = self._probe_compute(net, hardware, job, micro)
         best = make_plan(model, hardware, job, overrides=self.overrides)

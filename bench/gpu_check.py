@@ -203,7 +203,7 @@ def nvme_read(ctx: Ctx) -> Outcome:
 
 def measure_step(ctx: Ctx) -> Outcome:
     """``measure(cache=False)``. Pass: under 30 s, h2d >= 20 GB/s, >= 400 TFLOP/s."""
-    from bb_lightning.planner import measure
+    from bb_lightning.probe import measure
 
     os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")
     t0 = time.perf_counter()

@@ -35,7 +35,8 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
 
     from bb_lightning import BalanceBeamStrategy
     from bb_lightning.module import CausalLMModule
-    from bb_lightning.planner import ModelProfile, cost, measure
+    from bb_lightning.planner import cost
+    from bb_lightning.probe import measure, model_profile_from_config
 
     _cap_device(ctx, TRAIN_DEVICE_CAP)
     os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")  # measured by the measure step
@@ -77,7 +78,7 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     seconds = (timed[-1] - timer.ends[0]) / len(timed)
     tokens = spec["micro"] * spec["seq"] * spec["accum"]
     tps = tokens / seconds
-    flops = cost.model_flops_per_token(ModelProfile.from_config(config), "fit")
+    flops = cost.model_flops_per_token(model_profile_from_config(config), "fit")
     peak = _peak_flops(ctx)
     out = {"tokens_per_s": tps, "step_s": seconds, "tokens_per_step": tokens,
            "mfu": tps * flops / peak if peak else None, "peak_flops": peak,
@@ -121,7 +122,8 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
     from bb_lightning.engine.inference import InferenceEngine, weights_budgets
     from bb_lightning.engine.pager import Placement, set_data
-    from bb_lightning.planner import ModelProfile, PredictJob, make_plan, measure
+    from bb_lightning.planner import PredictJob, make_plan
+    from bb_lightning.probe import measure, model_profile_from_module
     from bb_lightning.structure import find_block_list
     from storage.store import StoreConfig, TieredStore
     from storage.tiers import Tier
@@ -144,7 +146,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     hw = measure(nvme_path=str(ctx.nvme), max_seconds=10.0).replace(  # device or host only
         nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
     )
-    plan = make_plan(ModelProfile.from_module(model), hw, job)
+    plan = make_plan(model_profile_from_module(model), hw, job)
     _, blocks = find_block_list(model)
     placement = Placement(weights=tuple(plan.weights), master=tuple(plan.weights),
                           prefetch_depth=plan.prefetch_depth)  # fmt: skip

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import _common
 
-from bb_lightning.planner import ModelProfile, PlanError, PredictJob, make_plan, measure, preset
+from bb_lightning.planner import PlanError, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
+from bb_lightning.probe import measure, model_profile_from_config
 
 PUBLISHED = {  # tokens/s, FlexGen paper Table 2, OPT-30B on one T4 (16 GB), 208 GB DRAM
     "FlexGen": 7.32,
@@ -37,7 +38,7 @@ def main() -> None:
     print(_common.machine(Path(tempfile.gettempdir())))  # where the NVMe probe runs
     print("NOTE: a sanity check of the cost model against published measurements on other")
     print("      hardware and software, not a claim about this library's speed.")
-    model = ModelProfile.from_config(builtin_config("opt-30b"))
+    model = model_profile_from_config(builtin_config("opt-30b"))
     model = model.__class__(**{**model.to_dict(), "name": "opt-30b"})
     job = PredictJob(prompt_len=512, new_tokens=32, num_prompts=args.num_prompts)
     hw = preset("t4").replace(host_memory=208 * 10**9)

@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import ModelProfile, Plan, PlanOverrides, PredictJob, make_plan, measure
+from bb_lightning.planner import Plan, PlanOverrides, PredictJob, make_plan
+from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
@@ -153,7 +154,7 @@ def main() -> None:
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.prompts
         )
         overrides = PlanOverrides(weights_tier=Tier.NVME, concurrent_seqs=args.batch)
-        plan = make_plan(ModelProfile.from_config(config), hw, job, overrides=overrides)
+        plan = make_plan(model_profile_from_config(config), hw, job, overrides=overrides)
         print(plan.explain())
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, args.vocab, (args.prompts, args.prompt_len), generator=g)

@@ -55,14 +55,13 @@ from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
     HardwareProfile,
-    ModelProfile,
     Plan,
     PlanOverrides,
     PredictJob,
     cost,
     make_plan,
-    measure,
 )
+from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_predict_compute
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
@@ -299,7 +298,7 @@ def _floor(
     at least their reads at the NVMe probe's rate. Before them, all prefill runs: at
     least its FLOPs at the matrix-product probe's rate.
     """
-    model = ModelProfile.from_config(config)
+    model = model_profile_from_config(config)
     head = model.head_flops_per_token()
     flops = (
         args.prompts
@@ -332,7 +331,7 @@ def _job(args: argparse.Namespace) -> PredictJob:
 def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:
     """The predict plan with every block's weights on the NVMe tier (``--batch`` forced)."""
     ov = PlanOverrides(weights_tier=Tier.NVME, concurrent_seqs=args.batch)
-    return make_plan(ModelProfile.from_config(config), hw, _job(args), overrides=ov)
+    return make_plan(model_profile_from_config(config), hw, _job(args), overrides=ov)
 
 
 def _fp32_check(

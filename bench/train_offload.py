@@ -63,9 +63,9 @@ from bb_lightning.planner import (
     PlanOverrides,
     cost,
     make_plan,
-    measure,
 )
 from bb_lightning.planner.plan import placement_tiers
+from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_train_compute
 from storage.tiers import Tier
 
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     base = _common.nvme_base(args.nvme_dir)
     print(_common.machine(base), flush=True)
     config = _common.llama_config(args)
-    model = ModelProfile.from_config(config)
+    model = model_profile_from_config(config)
     print(
         f"model: Llama {model.total_params / 1e6:.0f}M params ({args.layers} x hidden "
         f"{args.hidden}, ffn {args.ffn}, {args.heads} heads, vocab {args.vocab}), seq {args.seq}, "

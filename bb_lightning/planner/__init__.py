@@ -1,11 +1,15 @@
-"""The intensity-first planner: profiles + job -> Plan (pure; no engine code)."""
+"""The intensity-first planner: profiles + job -> Plan (pure data; no engine, no probes).
+
+The profiles come from presets or from :mod:`bb_lightning.probe` (``measure``,
+``model_profile_from_config``, ``model_profile_from_module``); see
+``docs/architecture.md``, "Layers".
+"""
 
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.plan import Plan, PlanOverrides, PredictedTime, Roofline, TierMemory
 from bb_lightning.planner.profile import (
     HardwareProfile,
     ModelProfile,
-    measure,
     preset,
     preset_names,
 )
@@ -31,7 +35,6 @@ __all__ = [
     "TierMemory",
     "adapt",
     "make_plan",
-    "measure",
     "plan_differs",
     "preset",
     "preset_names",

@@ -1,7 +1,7 @@
 """Built-in model shapes for planning without a checkpoint (configs only, no weights).
 
 Each entry is a Hugging Face config dict (with ``model_type``) accepted by
-:meth:`bb_lightning.planner.profile.ModelProfile.from_config`. Shapes follow the
+:func:`bb_lightning.probe.model_profile_from_config`. Shapes follow the
 published configs of the models named.
 """
 

@@ -2,26 +2,24 @@
 
 :class:`HardwareProfile` holds capacities (bytes), bandwidths (bytes/s) and
 throughputs (FLOP/s, parameter updates/s) of one machine, from a preset
-(:func:`preset`) or a short measurement (:func:`measure`). :class:`ModelProfile`
-holds the per-block parameter counts, FLOPs and activation bytes of a causal
-LM, found by introspection of the model's structure (no per-architecture
-tables). Both are frozen data with a JSON-friendly ``to_dict``/``from_dict``.
+(:func:`preset`) or a short measurement (:func:`bb_lightning.probe.measure`).
+:class:`ModelProfile` holds the per-block parameter counts, FLOPs and activation bytes
+of a causal LM, found by introspection of the model's structure
+(:func:`bb_lightning.probe.model_profile_from_config` and
+:func:`~bb_lightning.probe.model_profile_from_module`; no per-architecture tables).
+Both are frozen data with a JSON-friendly ``to_dict``/``from_dict``; the planner
+imports no probe (see ``docs/architecture.md``, "Layers").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from bb_lightning.planner.presets import PRESETS, preset_fields
 
-if TYPE_CHECKING:
-    import torch
-    from transformers import PretrainedConfig
-
-__all__ = ["HardwareProfile", "ModelProfile", "measure", "preset", "preset_names"]
+__all__ = ["HardwareProfile", "ModelProfile", "preset", "preset_names"]
 
 BF16_BYTES = 2
 """Bytes per bf16 element."""
@@ -163,15 +161,6 @@ def preset(name: str) -> HardwareProfile:
             "pick one of them or measure this machine with measure()"
         )
     return HardwareProfile(**preset_fields(key))
-
-
-def measure(
-    *, nvme_path: str | None = None, cache: bool = True, max_seconds: float = 20.0
-) -> HardwareProfile:
-    """Measure this machine (cached per machine); see :func:`bb_lightning.probe.measure.measure`."""
-    from bb_lightning.probe.measure import measure as _measure
-
-    return _measure(nvme_path=nvme_path, cache=cache, max_seconds=max_seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,38 +354,3 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
         return _from_dict(cls, d)
-
-    @classmethod
-    def from_config(
-        cls, config: PretrainedConfig | dict[str, Any] | str | os.PathLike[str]
-    ) -> ModelProfile:
-        """Profile the model a config describes, built on the meta device (no weights).
-
-        ``config`` is a ``PretrainedConfig``, a dict with ``model_type``, a path to a
-        ``config.json`` or to a directory holding one, or a hub id (needs network).
-        """
-        from bb_lightning.structure import profile_fields_from_config
-
-        return cls(**profile_fields_from_config(config))
-
-    @classmethod
-    def from_module(cls, model: torch.nn.Module) -> ModelProfile:
-        """Profile an instantiated Hugging Face causal LM (any device, meta included).
-
-        Parameters with ``requires_grad=False`` (frozen base weights under LoRA adapters)
-        are counted as weights but not as trained: see ``block_trainable_params``.
-        """
-        from bb_lightning.structure import find_block_list, profile_fields_from_module
-
-        profile = cls(**profile_fields_from_module(model))
-        if all(p.requires_grad for p in model.parameters()):
-            return profile
-        _, blocks = find_block_list(model)
-        in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        block = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks)
-        rest = sum(
-            p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks
-        )
-        return profile.with_trainable(
-            min(block, profile.block_params), min(rest, profile.rest_params)
-        )

@@ -49,6 +49,7 @@ from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
+from bb_lightning.probe.model import model_profile_from_config
 
 __all__ = ["PredictCompute", "TrainCompute", "probe_predict_compute", "probe_train_compute"]
 
@@ -269,7 +270,7 @@ def probe_train_compute(
 
     config = load_config(config)
     dev = torch.device(device if device is not None else hw.device_type)
-    model = ModelProfile.from_config(config)
+    model = model_profile_from_config(config)
     if not _fits(model, seq_len, micro_batch, dev):
         return None
     gen = torch.Generator().manual_seed(0)
@@ -493,7 +494,7 @@ def probe_predict_compute(
 
     config = load_config(config)
     dev = torch.device(device if device is not None else hw.device_type)
-    model = ModelProfile.from_config(config)
+    model = model_profile_from_config(config)
     rows = max(1, min(concurrent, PREFILL_PROBE_TOKENS // prompt_len))
     if not _predict_fits(model, rows, prompt_len, concurrent, cache_len, dtype, dev):
         return None

@@ -19,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.pager import Placement
-from bb_lightning.planner import ModelProfile, cost
+from bb_lightning.planner import cost
+from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
 
 pytestmark = [
@@ -128,7 +129,7 @@ def test_backward_holds_no_more_than_the_planned_gradients_in_flight() -> None:
     strategy = BalanceBeamStrategy(placement=placement, compute_dtype="bf16")
     peak = _BackwardPeak()
     _fit(strategy, layers, 2, "bf16-true", peak)
-    profile = ModelProfile.from_config(wide_llama(layers))
+    profile = model_profile_from_config(wide_llama(layers))
     tokens = BATCH * SEQ
     # the planner reserves two blocks' gradients in flight (one computed, one copied);
     # one more may be computed while the oldest is copied; plus one block's recomputed

@@ -19,7 +19,7 @@ from bb_lightning.engine.pager import Placement
 from bb_lightning.export import export_hf
 from bb_lightning.lora import LoraOptions, lora_profile
 from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import ModelProfile
+from bb_lightning.probe import model_profile_from_module
 from storage.tiers import Tier
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
@@ -256,7 +256,7 @@ def test_module_lora_option_trains_like_plain_lightning(base_dir: Path, tmp_path
 def test_profile_counts_trained_params(base_dir: Path) -> None:
     net = LoraLM(base_dir).model
     trainable, total = net.get_nb_trainable_parameters()
-    profile = ModelProfile.from_module(net.get_base_model())
+    profile = model_profile_from_module(net.get_base_model())
     assert (profile.trainable_params, profile.total_params) == (trainable, total)
     assert profile.block_train * LAYERS == trainable and not profile.full_fine_tune
     options = LoraOptions(rank=4, alpha=8.0, target_modules=tuple(TARGETS))

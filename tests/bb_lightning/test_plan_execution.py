@@ -17,13 +17,13 @@ from bb_lightning import BalanceBeamStrategy
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
-    ModelProfile,
     PlanError,
     PlanOverrides,
     cost,
     make_plan,
     preset,
 )
+from bb_lightning.probe import model_profile_from_module
 from storage.tiers import Tier
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
@@ -99,7 +99,7 @@ def test_the_search_offers_only_runnable_checkpointing(hardware: str, tiny: Any)
     the FLOPs priced are those of the blocks the plan says are recomputed."""
     module = tiny.make_module(tiny.tiny_llama())
     module.configure_model()
-    model = ModelProfile.from_module(module.model)
+    model = model_profile_from_module(module.model)
     hw = preset(hardware)
     for overrides in [PlanOverrides(**kw) for kw in CASES.values()]:
         plan = make_plan(model, hw, JOB, overrides=overrides)

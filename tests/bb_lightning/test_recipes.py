@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 from bb_lightning.cli import UsageError, main, parse_recipe
 from bb_lightning.export import export_hf
 from bb_lightning.lora import LoraOptions, lora_profile
-from bb_lightning.planner import FitJob, ModelProfile, PlanOverrides, PredictJob, make_plan, preset
+from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+from bb_lightning.probe import model_profile_from_config
 from bb_lightning.tokenizer import ByteTokenizer
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
@@ -49,7 +50,7 @@ def test_recipe_keys_validate_and_plan_on_its_preset(recipe: Path) -> None:
         profile = lora_profile(config, LoraOptions.from_value(dict(lora)))
         assert 0 < profile.trainable_params < profile.total_params / 100
     else:
-        profile = ModelProfile.from_config(config)
+        profile = model_profile_from_config(config)
     data = cfg.data.init_args
     if task == "fit":
         accum = cfg.trainer.accumulate_grad_batches

@@ -25,6 +25,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from bb_lightning.planner.profile import ModelProfile
+from bb_lightning.probe import model_profile_from_config, model_profile_from_module
 from bb_lightning.structure import find_parts
 
 
@@ -149,7 +150,7 @@ def family(request: pytest.FixtureRequest) -> tuple[Family, nn.Module, ModelProf
     fam = FAMILIES[request.param]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(fam.config)  # materialised, on the CPU
-    return fam, model, ModelProfile.from_config(fam.config)
+    return fam, model, model_profile_from_config(fam.config)
 
 
 def test_counts_match_materialised_model(family: tuple[Family, nn.Module, ModelProfile]) -> None:
@@ -196,7 +197,7 @@ def test_parts_and_from_module(family: tuple[Family, nn.Module, ModelProfile]) -
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert model.config._attn_implementation == attn
     assert not model.training
-    assert ModelProfile.from_module(model) == profile
+    assert model_profile_from_module(model) == profile
 
 
 def saved_bytes_per_block(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> list[int]:
@@ -241,7 +242,7 @@ def test_activation_bytes_match_real_cpu_forward() -> None:
     tokens = 256
     ids = torch.randint(0, 101, (1, tokens))
     reference = max(saved_bytes_per_block(model, model.model.layers, ids)) / tokens
-    profile = ModelProfile.from_module(model)
+    profile = model_profile_from_module(model)
     assert profile.act_bytes_per_token_full == pytest.approx(reference, rel=0.01)
 
 
@@ -262,7 +263,7 @@ def test_llama_shapes(h: int, layers: int, heads: int, ffn: int, expected: float
         num_attention_heads=heads,
         vocab_size=32000,
     )
-    profile = ModelProfile.from_config(cfg)
+    profile = model_profile_from_config(cfg)
     assert profile.total_params == llama_params(h, layers, ffn, 32000)
     assert profile.total_params == pytest.approx(expected, rel=0.03)
     assert profile.block_matmul_params == 4 * h * h + 3 * h * ffn
@@ -280,7 +281,7 @@ def test_opt_30b_shape() -> None:
         word_embed_proj_dim=h,
         max_position_embeddings=positions,
     )
-    profile = ModelProfile.from_config(cfg)
+    profile = model_profile_from_config(cfg)
     block = 4 * (h * h + h) + (h * ffn + ffn) + (ffn * h + h) + 2 * 2 * h
     embed = vocab * h + (positions + 2) * h  # OPT's learned positions carry an offset of 2
     assert profile.block_params == block
@@ -292,16 +293,16 @@ def test_opt_30b_shape() -> None:
 
 def test_json_round_trip_and_config_sources(tmp_path: Path) -> None:
     cfg = FAMILIES["llama"].config
-    profile = ModelProfile.from_config(cfg)
+    profile = model_profile_from_config(cfg)
     assert ModelProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
     cfg.to_json_file(str(tmp_path / "config.json"))
-    from_file = ModelProfile.from_config(tmp_path / "config.json")
-    from_dir = ModelProfile.from_config(str(tmp_path))
-    from_dict = ModelProfile.from_config(cfg.to_dict())
+    from_file = model_profile_from_config(tmp_path / "config.json")
+    from_dir = model_profile_from_config(str(tmp_path))
+    from_dict = model_profile_from_config(cfg.to_dict())
     for other in (from_file, from_dir, from_dict):
         assert other.to_dict() | {"name": ""} == profile.to_dict() | {"name": ""}
     with pytest.raises(ValueError, match="model_type"):
-        ModelProfile.from_config({"hidden_size": 64})
+        model_profile_from_config({"hidden_size": 64})
     with pytest.raises(ValueError, match="unknown ModelProfile field"):
         ModelProfile.from_dict(profile.to_dict() | {"bogus": 1})
 
@@ -310,10 +311,10 @@ def test_a_pad_token_does_not_stop_the_trace() -> None:
     """GPT-2 looks for its pad token in the input ids, which meta tensors cannot read."""
     cfg = copy.deepcopy(FAMILIES["gpt2"].config)
     cfg.pad_token_id = 0
-    with_pad = ModelProfile.from_config(cfg)
+    with_pad = model_profile_from_config(cfg)
     assert cfg.pad_token_id == 0  # given back
     cfg.pad_token_id = None
-    assert with_pad == ModelProfile.from_config(cfg)
+    assert with_pad == model_profile_from_config(cfg)
 
 
 class NoBlocks(nn.Module):
@@ -336,4 +337,4 @@ def test_gradient_checkpointing_refused() -> None:
     enable = getattr(model, "activation_checkpointing_enable", None)
     (enable or model.gradient_checkpointing_enable)()
     with pytest.raises(ValueError, match="checkpointing enabled"):
-        ModelProfile.from_module(model)
+        model_profile_from_module(model)

@@ -20,8 +20,8 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning.planner import cost
-from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from bb_lightning.probe import calibrate, contention
+from bb_lightning.planner.profile import HardwareProfile
+from bb_lightning.probe import calibrate, contention, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_train_compute
 
 from .test_read_ahead import CPU
@@ -113,7 +113,7 @@ def test_probe_times_one_and_three_block_copies_and_splits_their_times(
     block, rest = clock.prefill
     assert probe.block_s == pytest.approx(block) and probe.rest_s == pytest.approx(rest)
     assert probe.pass_s == pytest.approx(LAYERS * block + rest)
-    flops = 2 * SEQ * cost.train_flops_per_token(ModelProfile.from_config(cfg), SEQ, False)
+    flops = 2 * SEQ * cost.train_flops_per_token(model_profile_from_config(cfg), SEQ, False)
     assert probe.tflops == pytest.approx(flops / probe.pass_s / 1e12)
     raw = probe.tflops * 1e12 / hw.device_flops
     clipped = min(max(raw, calibrate.MIN_EFFICIENCY), calibrate.MAX_EFFICIENCY)
@@ -166,7 +166,7 @@ def test_predict_probe_times_prefill_and_decode_passes_and_splits_their_times(
     assert probe.prefill_s == pytest.approx(LAYERS * pb + pr)
     assert probe.decode_s == pytest.approx(LAYERS * db + dr)
     assert all(math.isfinite(x) and x > 0 for x in (probe.efficiency, probe.decode_efficiency))
-    model = ModelProfile.from_config(cfg)
+    model = model_profile_from_config(cfg)
     head = model.head_flops_per_token()
     flops = rows * plen * (cost.forward_flops_per_token(model, plen) - head) + rows * head
     assert probe.efficiency == pytest.approx(clipped(flops / probe.prefill_s / hw.device_flops))

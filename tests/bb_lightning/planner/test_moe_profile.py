@@ -10,7 +10,7 @@ import pytest
 from bb_lightning.planner import PredictJob, make_plan, preset
 from bb_lightning.planner.cost import forward_flops_per_token
 from bb_lightning.planner.models import builtin_config
-from bb_lightning.planner.profile import ModelProfile
+from bb_lightning.probe import model_profile_from_config
 
 H, FFN, EXPERTS, TOP_K, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 96, 8, 2, 2, 4, 2, 128
 MIXTRAL = {
@@ -39,7 +39,7 @@ EXPERT = 3 * H * FFN  # gate, up, down
 
 
 def test_mixtral_profile_counts_active_flops_and_all_bytes() -> None:
-    m = ModelProfile.from_config(MIXTRAL)
+    m = model_profile_from_config(MIXTRAL)
     assert (m.num_experts, m.experts_per_token) == (EXPERTS, TOP_K)
     assert m.block_expert_params == EXPERTS * EXPERT
     assert m.block_matmul_params == ATTENTION + ROUTER + EXPERTS * EXPERT
@@ -58,7 +58,7 @@ def test_mixtral_profile_counts_active_flops_and_all_bytes() -> None:
 
 def test_dense_profile_has_no_experts() -> None:
     dense = {k: v for k, v in MIXTRAL.items() if "expert" not in k} | {"model_type": "llama"}
-    m = ModelProfile.from_config(dense)
+    m = model_profile_from_config(dense)
     assert (m.num_experts, m.experts_per_token, m.block_expert_params) == (0, 0, 0)
     assert m.block_active_matmul_params == m.block_matmul_params and m.moe_summary() is None
 
@@ -70,7 +70,7 @@ def _hide(plan_text: str) -> float:
 
 
 def test_plan_explains_moe_and_needs_more_tokens_to_hide_a_weight_pass() -> None:
-    moe = ModelProfile.from_config(MIXTRAL)
+    moe = model_profile_from_config(MIXTRAL)
     # the same bytes priced as if every expert ran for every token
     dense = dataclasses.replace(moe, num_experts=0, experts_per_token=0, block_expert_params=0)
     hw = preset("a100-80gb")
@@ -89,15 +89,15 @@ def test_plan_explains_moe_and_needs_more_tokens_to_hide_a_weight_pass() -> None
 
 def test_dense_first_layers_are_priced_as_the_moe_blocks() -> None:
     """An MoE model whose first block is dense: the largest (MoE) block stands for all."""
-    mixed = ModelProfile.from_config({**QWEN3_MOE, "mlp_only_layers": [0]})
-    moe = ModelProfile.from_config(QWEN3_MOE)
+    mixed = model_profile_from_config({**QWEN3_MOE, "mlp_only_layers": [0]})
+    moe = model_profile_from_config(QWEN3_MOE)
     assert mixed.block_params == moe.block_params and mixed.num_experts == EXPERTS
     assert mixed.block_active_matmul_params == moe.block_active_matmul_params
 
 
 def test_builtin_mixtral_8x7b_matches_its_published_sizes() -> None:
     """Mixtral 8x7B (Jiang et al. 2024): 47 B parameters, 13 B of them used per token."""
-    m = ModelProfile.from_config(builtin_config("mixtral-8x7b"))
+    m = model_profile_from_config(builtin_config("mixtral-8x7b"))
     h, ffn, kv, layers, vocab = 4096, 14336, 8 * 128, 32, 32000
     attention, router, expert = 2 * h * h + 2 * h * kv, h * 8, 3 * h * ffn
     assert m.block_params == attention + router + 8 * expert + 2 * h

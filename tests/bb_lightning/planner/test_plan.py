@@ -20,6 +20,7 @@ from bb_lightning.planner import (
     preset,
 )
 from bb_lightning.planner.models import builtin_config
+from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
 
 TIB = 2**40
@@ -29,12 +30,12 @@ GIB = 2**30
 @pytest.fixture(scope="module")
 def llama30b() -> ModelProfile:
     # hidden 6656, 60 layers, 52 heads, ffn 17920, vocab 32000 (LLaMA-30B)
-    return ModelProfile.from_config(builtin_config("llama-30b"))
+    return model_profile_from_config(builtin_config("llama-30b"))
 
 
 @pytest.fixture(scope="module")
 def opt30b() -> ModelProfile:
-    return ModelProfile.from_config(builtin_config("opt-30b"))
+    return model_profile_from_config(builtin_config("opt-30b"))
 
 
 JOB_30B = FitJob(seq_len=2048, global_batch_seqs=512)

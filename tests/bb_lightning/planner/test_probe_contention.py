@@ -15,8 +15,8 @@ import pytest
 from transformers import LlamaConfig
 
 from bb_lightning.planner import cost
-from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from bb_lightning.probe import calibrate, contention
+from bb_lightning.planner.profile import HardwareProfile
+from bb_lightning.probe import calibrate, contention, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_predict_compute, probe_train_compute
 from bb_lightning.probe.contention import Timing
 from bb_lightning.probe.measure import ROUNDS, cache_path, machine_identity, measure
@@ -78,7 +78,7 @@ def slow_then_fast(fast: dict[str, float], slow_passes: int = 2) -> Callable[[st
 
 
 def train_flops(path: str) -> float:
-    model = ModelProfile.from_config(LlamaConfig.from_pretrained(path))
+    model = model_profile_from_config(LlamaConfig.from_pretrained(path))
     return SEQ * cost.train_flops_per_token(model, SEQ, False)
 
 

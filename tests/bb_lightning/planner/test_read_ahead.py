@@ -15,6 +15,7 @@ from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.planner.search import make_plan
+from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
 
 LLAMA_370M = {
@@ -30,7 +31,7 @@ LLAMA_370M = {
 
 def model() -> ModelProfile:
     """The benchmark's 370M Llama (24 blocks of 12.6M parameters)."""
-    return ModelProfile.from_config(LLAMA_370M)
+    return model_profile_from_config(LLAMA_370M)
 
 
 def cpu(read_bw: float, write_bw: float) -> HardwareProfile:
