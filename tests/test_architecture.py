@@ -1,0 +1,243 @@
+"""The import directions of ``docs/architecture.md`` ("Import directions"), checked on the code.
+
+Every ``.py`` file under ``storage/`` and ``bb_lightning/`` is parsed with :mod:`ast`; every
+import counts, at module level, inside functions and under ``if TYPE_CHECKING:``, and so
+does ``importlib.import_module("...")`` with a literal name. Relative imports are resolved,
+and ``from package import name`` names the submodule when ``name`` is one. Each layer may
+import only the modules its rule lists; a failure lists the offending edges as
+``file:line: importer -> imported``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("storage", "bb_lightning")
+"""Top-level packages that are ours; every other import is a third-party one."""
+
+PLACEMENT_MODULE = "bb_lightning.placement"
+"""The Placement: what the planner decides and the engine executes (the one module the
+engine imports on the planner's side; it may not exist yet, a rule for it costs nothing)."""
+LEAVES = ("bb_lightning.shapes",)
+"""Conventions the planner prices and the engine executes; they import nothing of ours."""
+UPWARD = (
+    "bb_lightning.strategy",
+    "bb_lightning.cli",
+    "bb_lightning.module",
+    "bb_lightning.callbacks",
+)
+"""The Lightning glue and the CLI: no lower layer imports them."""
+
+PENDING_EDGES: dict[tuple[str, str], str] = {
+    ("bb_lightning.engine.pager", "bb_lightning.planner.plan"): (
+        "Placement.from_plan takes a Plan (TYPE_CHECKING import); goes when the planner "
+        "hands the engine a Placement"
+    ),
+}
+"""Known violations, each to be removed from here in the change that removes the edge."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the modules under ``layer`` may import."""
+
+    layer: str
+    """Module prefix the rule governs (the most specific rule wins)."""
+    ours: tuple[str, ...]
+    """Module prefixes of ours it may import (everything else of ours is a violation)."""
+    never: tuple[str, ...] = ()
+    """Third-party module prefixes it must not import."""
+
+
+RULES = (
+    Rule("storage", ("storage",), never=("lightning", "pytorch_lightning", "transformers")),
+    Rule(
+        "bb_lightning.planner",
+        ("bb_lightning.planner", "storage.tiers", PLACEMENT_MODULE, *LEAVES),
+        never=("lightning", "pytorch_lightning", "transformers"),
+    ),
+    Rule("bb_lightning.engine", ("bb_lightning.engine", "storage", PLACEMENT_MODULE, *LEAVES)),
+    Rule(PLACEMENT_MODULE, (PLACEMENT_MODULE, "storage", *LEAVES)),
+    Rule(
+        "bb_lightning.probe",
+        (
+            "bb_lightning.probe",
+            "bb_lightning.planner",
+            "bb_lightning.engine",
+            "bb_lightning.structure",
+            "storage",
+            PLACEMENT_MODULE,
+            *LEAVES,
+        ),
+    ),
+    *(Rule(leaf, (leaf,)) for leaf in LEAVES),
+)
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One import: ``importer`` imports ``imported`` at ``path:line``."""
+
+    importer: str
+    imported: str
+    path: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.importer} -> {self.imported}"
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """``storage/io.py`` -> ``storage.io``; ``bb_lightning/probe/__init__.py`` -> ``bb_lightning.probe``."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_in(
+    source: str, module: str, *, path: str, is_package: bool = False, known: Iterable[str] = ()
+) -> list[Edge]:
+    """Every import in ``source``, the text of ``module`` (a package's ``__init__`` when
+    ``is_package``), resolved against the module names in ``known``."""
+    modules = set(known)
+    package = module if is_package else module.rpartition(".")[0]
+    edges: list[Edge] = []
+
+    def add(name: str, node: ast.AST) -> None:
+        edges.append(Edge(module, name, path, getattr(node, "lineno", 0)))
+
+    for node in ast.walk(ast.parse(source, filename=path)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                add(sub if sub in modules else base, node)
+        elif isinstance(node, ast.Call) and _is_import_call(node):
+            add(node.args[0].value, node)  # type: ignore[attr-defined]
+    return sorted(set(edges), key=lambda e: (e.line, e.imported))
+
+
+def _is_import_call(node: ast.Call) -> bool:
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return (
+        name in ("import_module", "__import__")
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    )
+
+
+def project_edges(root: Path = ROOT) -> list[Edge]:
+    """The imports of every ``.py`` file under the packages in :data:`PACKAGES`."""
+    files = sorted(f for pkg in PACKAGES for f in (root / pkg).rglob("*.py"))
+    known = {module_name(f, root) for f in files}
+    edges: list[Edge] = []
+    for f in files:
+        edges += imports_in(
+            f.read_text(encoding="utf-8"),
+            module_name(f, root),
+            path=str(f.relative_to(root)),
+            is_package=f.name == "__init__.py",
+            known=known,
+        )
+    return edges
+
+
+def rule_for(module: str) -> Rule | None:
+    """The most specific rule governing ``module`` (None: unconstrained, e.g. the glue)."""
+    matching = [r for r in RULES if _within(module, r.layer)]
+    return max(matching, key=lambda r: len(r.layer), default=None)
+
+
+def violations(edges: Iterable[Edge]) -> Iterator[tuple[Edge, str]]:
+    """Each edge that breaks its importer's rule, with the reason."""
+    for edge in edges:
+        rule = rule_for(edge.importer)
+        if rule is None:
+            continue
+        name = edge.imported
+        if any(_within(name, up) for up in UPWARD):
+            yield edge, f"imports upward: {rule.layer} is below {', '.join(UPWARD)}"
+        elif any(_within(name, pkg) for pkg in PACKAGES):
+            if not any(_within(name, ok) for ok in rule.ours):
+                yield edge, f"{rule.layer} may import only {', '.join(rule.ours)}"
+        elif any(_within(name, bad) for bad in rule.never):
+            yield edge, f"{rule.layer} must not import {', '.join(rule.never)}"
+
+
+def report(found: Iterable[tuple[Edge, str]]) -> str:
+    return "\n".join(f"  {edge}  ({why})" for edge, why in found)
+
+
+def test_layers_import_only_downwards() -> None:
+    edges = project_edges()
+    scanned = {e.importer for e in edges}
+    assert {"storage.store", "bb_lightning.planner.search", "bb_lightning.engine.pager"} <= scanned
+    found = list(violations(edges))
+    new = [(e, why) for e, why in found if (e.importer, e.imported) not in PENDING_EDGES]
+    assert not new, "imports against docs/architecture.md, 'Import directions':\n" + report(new)
+    seen = {(e.importer, e.imported) for e, _ in found}
+    gone = [f"  {a} -> {b}" for a, b in PENDING_EDGES if (a, b) not in seen]
+    assert not gone, (
+        "pending exceptions that no longer occur; remove them from PENDING_EDGES:\n"
+        + ("\n".join(gone))
+    )
+
+
+SYNTHETIC = """\
+from typing import TYPE_CHECKING
+
+import torch
+from storage.tiers import Tier
+from . import kv
+from ..planner import plan
+from bb_lightning.shapes import cache_length
+
+if TYPE_CHECKING:
+    from bb_lightning.strategy import BalanceBeamStrategy
+
+
+def late() -> None:
+    import importlib
+
+    from bb_lightning import structure
+    importlib.import_module("bb_lightning.probe.measure")
+"""
+
+
+def test_the_checker_catches_violations_in_a_synthetic_engine_module() -> None:
+    known = {"bb_lightning.engine.kv", "bb_lightning.planner.plan", "bb_lightning.structure"}
+    edges = imports_in(SYNTHETIC, "bb_lightning.engine.fake", path="fake.py", known=known)
+    imported = {e.imported: e.line for e in edges}
+    assert imported["bb_lightning.engine.kv"] == 5 and imported["bb_lightning.planner.plan"] == 6
+    found = list(violations(edges))
+    reasons = {str(e): why for e, why in found}
+    assert list(reasons) == [
+        "fake.py:6: bb_lightning.engine.fake -> bb_lightning.planner.plan",
+        "fake.py:10: bb_lightning.engine.fake -> bb_lightning.strategy",
+        "fake.py:16: bb_lightning.engine.fake -> bb_lightning.structure",
+        "fake.py:17: bb_lightning.engine.fake -> bb_lightning.probe.measure",
+    ]
+    assert reasons["fake.py:10: bb_lightning.engine.fake -> bb_lightning.strategy"].startswith(
+        "imports upward"
+    )
+    assert (
+        sum(why.startswith("bb_lightning.engine may import only") for why in reasons.values()) == 3
+    )
+    assert "fake.py:6: bb_lightning.engine.fake -> bb_lightning.planner.plan" in report(found)
+    storage = imports_in("import transformers\nimport torch\n", "storage.x", path="x.py")
+    assert [str(e) for e, _ in violations(storage)] == ["x.py:1: storage.x -> transformers"]
