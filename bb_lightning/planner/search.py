@@ -1,11 +1,11 @@
 """The intensity-first search: profiles + job -> :class:`Plan`; :func:`adapt` re-plans.
 
-Intensity first (see DESIGN.md): the search raises tokens per pass (micro-batch in
-training, concurrent sequences in generation) along a ladder of powers of two up
-to the job's batch; for each step of the ladder, checkpointing choice and prefetch
-depth it spends the device memory left after activations / KV cache on resident
-blocks, and places fp32 master weights, moments and gradients on the host by
-capacity, the rest on NVMe. Every candidate is priced by the cost model
+Intensity first (see ``docs/architecture.md``, "Intensity first"): the search raises
+tokens per pass (micro-batch in training, concurrent sequences in generation) along a
+ladder of powers of two up to the job's batch; for each step of the ladder,
+checkpointing choice and prefetch depth it spends the device memory left after
+activations / KV cache on resident blocks, and places fp32 master weights, moments and
+gradients on the host by capacity, the rest on NVMe. Every candidate is priced by the cost model
 (:mod:`bb_lightning.planner.cost`); the fastest per token wins, ties going to the
 fewest tokens per pass and then the least device memory, so the search stops
 raising intensity once transfers hide behind compute.

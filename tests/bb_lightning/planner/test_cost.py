@@ -63,7 +63,8 @@ def test_memory_terms(small_model: ModelProfile) -> None:
 
 
 def test_hide_tokens_matches_design_example() -> None:
-    # DESIGN.md: A100 (312 TFLOP/s) over ~25 GB/s, 2 bytes per param per link and 8 FLOPs
-    # per param per token with recompute, two weight passes -> about 12,000 tokens per pass.
+    # docs/architecture.md, "Intensity first": A100 (312 TFLOP/s) over ~25 GB/s, 2 bytes per
+    # param per link and 8 FLOPs per param per token with recompute, two weight passes ->
+    # about 12,000 tokens per pass.
     t = cost.hide_tokens_per_pass(8.0, 4.0, 312e12, 25e9)
     assert 5_000 < t < 13_000
