@@ -125,20 +125,19 @@ def imports_in(
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 add(sub if sub in modules else base, node)
-        elif isinstance(node, ast.Call) and _is_import_call(node):
-            add(node.args[0].value, node)  # type: ignore[attr-defined]
+        elif isinstance(node, ast.Call) and (name := _imported_by_call(node)) is not None:
+            add(name, node)
     return sorted(set(edges), key=lambda e: (e.line, e.imported))
 
 
-def _is_import_call(node: ast.Call) -> bool:
+def _imported_by_call(node: ast.Call) -> str | None:
+    """The literal module name of ``importlib.import_module("...")`` / ``__import__("...")``."""
     func = node.func
-    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    return (
-        name in ("import_module", "__import__")
-        and bool(node.args)
-        and isinstance(node.args[0], ast.Constant)
-        and isinstance(node.args[0].value, str)
-    )
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if called not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
 
 
 def project_edges(root: Path = ROOT) -> list[Edge]:
