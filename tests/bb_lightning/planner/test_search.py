@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bb_lightning.planner.cost import BF16_BYTES
+from bb_lightning.planner.fit_search import TIE_TOLERANCE
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.plan import Plan, PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -143,7 +144,10 @@ def test_more_memory_or_faster_links_never_predict_slower(
     improved = _plan_or_none(m, better, job)
     if base is not None:
         assert improved is not None, "a plan that fits must still fit on a bigger machine"
-        assert _per_token(improved) <= _per_token(base) * (1 + REL)
+        # A fit search takes the least-traffic candidate among those within TIE_TOLERANCE of
+        # the fastest, so a bigger machine may land on a tie up to that much slower.
+        slack = TIE_TOLERANCE if isinstance(job, FitJob) else 0.0
+        assert _per_token(improved) <= _per_token(base) * (1 + slack + REL)
 
 
 @SETTINGS
