@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bb_lightning.engine.hf_quirks import _NUM_EXPERTS, _TOP_K, _config_int
+
 __all__ = [
     "TRACE_CONTEXT",
     "ModelParts",
@@ -369,19 +371,6 @@ def find_parts(model: nn.Module) -> ModelParts:
     return _find_parts(model)[0]
 
 
-def _config_int(config: Any, *names: str, default: int | None = None) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    if default is None:
-        raise ValueError(
-            f"{type(config).__name__} has none of the attributes {list(names)}: "
-            "set one of them in the config"
-        )
-    return default
-
-
 def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     """Keyword arguments of ``ModelProfile`` for ``model`` (counts in parameters, bytes)."""
     config = getattr(model, "config", None)
@@ -433,12 +422,6 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
             tuple(n for n in matmul if n.removeprefix(block_name + ".") in expert_names)
         ),
     }
-
-
-_NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Config fields naming the routed experts per MoE block (transformers' spellings)."""
-_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "num_experts_per_token")
-"""Config fields naming the experts each token is routed to."""
 
 
 def _experts(config: Any, block: nn.Module) -> tuple[int, int, set[str]]:
