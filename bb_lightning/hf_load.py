@@ -23,7 +23,6 @@ encoder-decoder models; generation of models with a recurrent state).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -43,6 +42,15 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
+from bb_lightning.engine.hf_quirks import (
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SHARDS,
+    SAFETENSORS_SINGLE,
+    TORCH_INDEX,
+    TORCH_SINGLE,
+    read_weight_index,
+)
 from bb_lightning.safetensors_file import open_safetensors
 
 __all__ = [
@@ -53,18 +61,12 @@ __all__ = [
     "weight_files",
 ]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-TORCH_INDEX = "pytorch_model.bin.index.json"
-TORCH_SINGLE = "pytorch_model.bin"
-
 
 def _torch_files(root: Path) -> dict[str, Path] | None:
     """Checkpoint key -> ``pytorch_model*.bin`` file, or None when there is none."""
     index = root / TORCH_INDEX
     if index.is_file():
-        with index.open() as f:
-            return {k: root / v for k, v in json.load(f)["weight_map"].items()}
+        return read_weight_index(index)
     if not (root / TORCH_SINGLE).is_file():
         return None
     return dict.fromkeys(_torch_load(root / TORCH_SINGLE), root / TORCH_SINGLE)
@@ -88,29 +90,26 @@ def weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     Raises ``ValueError`` when ``directory`` holds no such weights.
     """
     root = Path(directory)
-    index = root / INDEX
+    index = root / SAFETENSORS_INDEX
     if (
         not index.is_file()
-        and not (root / SINGLE).is_file()
-        and not any(root.glob("model*.safetensors"))
+        and not (root / SAFETENSORS_SINGLE).is_file()
+        and not any(root.glob(SAFETENSORS_SHARDS))
     ):
         torch_files = _torch_files(root)
         if torch_files is not None:
             return torch_files
     if index.is_file():
-        with index.open() as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        missing = sorted({v for v in weight_map.values() if not (root / v).is_file()})
-        if missing:
-            raise ValueError(f"{index} lists shards missing from {root}: {missing[:3]}")
-        return {k: root / v for k, v in weight_map.items()}
+        return read_weight_index(index)
     files = (
-        [root / SINGLE] if (root / SINGLE).is_file() else sorted(root.glob("model*.safetensors"))
+        [root / SAFETENSORS_SINGLE]
+        if (root / SAFETENSORS_SINGLE).is_file()
+        else sorted(root.glob(SAFETENSORS_SHARDS))
     )
     if not files:
         raise ValueError(
-            f"{root} holds neither {SINGLE} nor {INDEX}: save the model with "
-            "save_pretrained(safe_serialization=True)"
+            f"{root} holds neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX}: save the "
+            "model with save_pretrained(safe_serialization=True)"
         )
     keys: dict[str, Path] = {}
     for path in files:
@@ -267,8 +266,8 @@ class HFCheckpoint:
     def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
         """Whether ``directory`` is local and holds safetensors weights."""
         path = Path(directory)
-        names = (INDEX, TORCH_INDEX, TORCH_SINGLE)
-        return any((path / n).is_file() for n in names) or any(path.glob("model*.safetensors"))
+        names = (SAFETENSORS_INDEX, TORCH_INDEX, TORCH_SINGLE)
+        return any((path / n).is_file() for n in names) or any(path.glob(SAFETENSORS_SHARDS))
 
     def resolve(self, name: str) -> str | None:
         """The name the checkpoint provides parameter ``name`` under (a tied one's partner);
@@ -355,12 +354,7 @@ class HFCheckpoint:
 
 
 def _slice_dtype(f: Any, key: str) -> torch.dtype:
-    names = {
-        "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-        "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-        "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    }  # fmt: skip
-    return names[f.get_slice(key).get_dtype()]
+    return SAFETENSORS_DTYPES[f.get_slice(key).get_dtype()]
 
 
 def _outputs(name: str, converter: WeightConverter | None) -> list[str]:

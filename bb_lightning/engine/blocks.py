@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine.hf_quirks import _CACHE_KWARGS
+from bb_lightning.engine.hf_quirks import CACHE_KWARGS
 from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
 from bb_lightning.engine.rows import call_in_row_chunks
 
@@ -266,11 +266,11 @@ def _split(
     return hidden, call
 
 
-_NO_CACHE = (*_CACHE_KWARGS, "use_cache")
+_NO_CACHE = (*CACHE_KWARGS, "use_cache")
 
 
 def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    for key in _CACHE_KWARGS:
+    for key in CACHE_KWARGS:
         if key in kwargs:
             kwargs[key] = None
     if "use_cache" in kwargs:
