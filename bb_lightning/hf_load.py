@@ -49,6 +49,8 @@ from bb_lightning.engine.hf_quirks import (
     SAFETENSORS_SINGLE,
     TORCH_INDEX,
     TORCH_SINGLE,
+    check_generation,
+    check_supported,
     read_weight_index,
 )
 from bb_lightning.safetensors_file import open_safetensors
@@ -116,42 +118,6 @@ def weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
         with open_safetensors(path) as f:
             keys.update(dict.fromkeys(f.keys(), path))
     return keys
-
-
-def check_supported(config: PretrainedConfig, *, streaming: bool = True) -> None:
-    """Refuse, with one ``ValueError`` line naming why, a model balance_beam cannot serve.
-
-    Quantized weights and encoder-decoder models are refused always; remote code only
-    when ``streaming`` (the model is built here from its config, not handed over).
-    """
-    kind = getattr(config, "model_type", "?")
-    quant = getattr(config, "quantization_config", None)
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"model_type={kind!r} is quantized ({method}): balance_beam streams unquantized "
-            "fp32/bf16/fp16 weights; load a dequantized checkpoint"
-        )
-    if streaming and getattr(config, "auto_map", None):
-        raise ValueError(
-            f"model_type={kind!r} needs remote code (auto_map): balance_beam loads only "
-            "model families of the installed transformers"
-        )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"model_type={kind!r} is an encoder-decoder model: balance_beam runs decoder-only "
-            "causal LMs (AutoModelForCausalLM)"
-        )
-
-
-def check_generation(model: PreTrainedModel) -> None:
-    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache."""
-    if getattr(type(model), "_is_stateful", False):
-        raise ValueError(
-            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
-            "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
-            "generation serves attention models; fit and validate it, or generate with transformers"
-        )
 
 
 @contextmanager

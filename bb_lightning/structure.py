@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bb_lightning.engine.hf_quirks import config_int, config_value, resolve_model
+from bb_lightning.engine.hf_quirks import _no_padding_check, config_int, config_value, resolve_model
 
 __all__ = [
     "TRACE_CONTEXT",
@@ -289,22 +289,6 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
         for h in handles:
             h.remove()
     return trace
-
-
-@contextmanager
-def _no_padding_check(model: nn.Module) -> Iterator[None]:
-    """Without a pad token for the trace: some models (GPT-2) look for it in the input
-    ids, a data read that meta tensors cannot serve."""
-    config = getattr(model, "config", None)
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None:
-        yield
-        return
-    config.pad_token_id = None  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        config.pad_token_id = pad  # type: ignore[union-attr]
 
 
 def _find_parts(model: nn.Module) -> tuple[ModelParts, _Trace, nn.ModuleList]:

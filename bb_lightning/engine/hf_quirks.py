@@ -30,14 +30,15 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "CACHE_KWARGS",
@@ -50,6 +51,8 @@ __all__ = [
     "TORCH_SINGLE",
     "WEIGHT_FILES",
     "ResolvedModel",
+    "check_generation",
+    "check_supported",
     "config_from_dict",
     "config_int",
     "config_value",
@@ -236,3 +239,55 @@ def read_weight_index(index: str | os.PathLike[str]) -> dict[str, Path]:
             f"{path} lists shards missing from {root}: {missing[:3]}: download every shard"
         )
     return {key: root / name for key, name in weight_map.items()}
+
+
+def check_supported(config: PretrainedConfig, *, streaming: bool = True) -> None:
+    """Refuse, with one ``ValueError`` line naming why, a model balance_beam cannot serve.
+
+    Quantized weights and encoder-decoder models are refused always; remote code only
+    when ``streaming`` (the model is built here from its config, not handed over).
+    """
+    kind = getattr(config, "model_type", "?")
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"model_type={kind!r} is quantized ({method}): balance_beam streams unquantized "
+            "fp32/bf16/fp16 weights; load a dequantized checkpoint"
+        )
+    if streaming and getattr(config, "auto_map", None):
+        raise ValueError(
+            f"model_type={kind!r} needs remote code (auto_map): balance_beam loads only "
+            "model families of the installed transformers"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"model_type={kind!r} is an encoder-decoder model: balance_beam runs decoder-only "
+            "causal LMs (AutoModelForCausalLM)"
+        )
+
+
+def check_generation(model: PreTrainedModel) -> None:
+    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache."""
+    if getattr(type(model), "_is_stateful", False):
+        raise ValueError(
+            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
+            "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
+            "generation serves attention models; fit and validate it, or generate with transformers"
+        )
+
+
+@contextmanager
+def _no_padding_check(model: nn.Module) -> Iterator[None]:
+    """Without a pad token for the trace: some models (GPT-2) look for it in the input
+    ids, a data read that meta tensors cannot serve."""
+    config = getattr(model, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        yield
+        return
+    config.pad_token_id = None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.pad_token_id = pad  # type: ignore[union-attr]
