@@ -25,7 +25,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bb_lightning.engine.hf_quirks import _no_padding_check, config_int, config_value, resolve_model
+from bb_lightning.engine.hf_quirks import (
+    activation_checkpointing,
+    config_int,
+    config_value,
+    no_pad_token,
+    resolve_model,
+)
 
 __all__ = [
     "TRACE_CONTEXT",
@@ -219,12 +225,7 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
 
 def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT) -> _Trace:
     """Run forward + loss on meta stand-ins (bf16) for batch 1 x ``context`` tokens."""
-    checkpointing = (
-        model.is_activation_checkpointing
-        if hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
-        else getattr(model, "is_gradient_checkpointing", False)
-    )
-    if checkpointing:
+    if activation_checkpointing(model):
         raise ValueError(
             f"{type(model).__name__} has activation (gradient) checkpointing enabled, which "
             "hides the activations a block saves for backward: disable it (e.g. "
@@ -272,7 +273,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
     model.train()
     try:
         with (
-            _no_padding_check(model),
+            no_pad_token(model),
             _trace_attention(model),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),

@@ -18,7 +18,15 @@ nowhere else:
 * **checkpoint files** — the file names ``save_pretrained`` writes
   (:data:`SAFETENSORS_SINGLE`, :data:`SAFETENSORS_INDEX`, ...), :func:`read_weight_index`
   (the one reader of a sharded checkpoint's ``*.index.json``) and
-  :data:`SAFETENSORS_DTYPES` (the dtype names of the safetensors header).
+  :data:`SAFETENSORS_DTYPES` (the dtype names of the safetensors header);
+* **what is refused** — :func:`check_supported` (quantized, remote-code and
+  encoder-decoder models), :func:`check_generation` (a recurrent state);
+* **tracing** — :func:`no_pad_token` (GPT-2 reads its pad token from the input ids) and
+  :func:`activation_checkpointing` (the attribute moved in transformers 5).
+
+Families differ here only by entries in these tables and checks, all behind the same
+functions (one adapter for every family, keyed by how configs and files spell things,
+not by model names).
 
 A new family quirk is an entry here, exercised in ``tests/bb_lightning/test_hf_quirks.py``.
 This module imports only the standard library, torch and transformers, so the engine
@@ -51,6 +59,7 @@ __all__ = [
     "TORCH_SINGLE",
     "WEIGHT_FILES",
     "ResolvedModel",
+    "activation_checkpointing",
     "check_generation",
     "check_supported",
     "config_from_dict",
@@ -58,6 +67,7 @@ __all__ = [
     "config_value",
     "forward_options",
     "model_context",
+    "no_pad_token",
     "read_weight_index",
     "resolve_model",
 ]
@@ -277,10 +287,19 @@ def check_generation(model: PreTrainedModel) -> None:
         )
 
 
+def activation_checkpointing(model: nn.Module) -> bool:
+    """Whether ``model`` has activation (gradient) checkpointing on (transformers >= 5:
+    ``is_activation_checkpointing``; earlier: ``is_gradient_checkpointing``)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 @contextmanager
-def _no_padding_check(model: nn.Module) -> Iterator[None]:
-    """Without a pad token for the trace: some models (GPT-2) look for it in the input
-    ids, a data read that meta tensors cannot serve."""
+def no_pad_token(model: nn.Module) -> Iterator[None]:
+    """The model's config without a pad token inside the block (restored on exit), for a
+    trace on the meta device: some models (GPT-2) look for it in the input ids, a data
+    read that meta tensors cannot serve."""
     config = getattr(model, "config", None)
     pad = getattr(config, "pad_token_id", None)
     if pad is None:
