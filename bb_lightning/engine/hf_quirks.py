@@ -62,7 +62,6 @@ __all__ = [
     "activation_checkpointing",
     "check_generation",
     "check_supported",
-    "config_from_dict",
     "config_int",
     "config_value",
     "forward_options",
@@ -94,8 +93,9 @@ per MoE block (Mixtral ``num_local_experts``, DeepSeek ``n_routed_experts``);
 ``experts_per_token``: experts each token is routed to."""
 
 CACHE_KWARGS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
-"""Keyword arguments through which Hugging Face layers read and write a KV cache (the
-newest spelling first). A recomputed block must not write its cache a second time, so
+"""Keyword arguments through which Hugging Face layers read and write a KV cache:
+transformers 5 spells it ``cache`` (GPT-NeoX layers ``layer_past``), layers written for
+transformers 4 ``past_key_values`` or ``past_key_value``. A recomputed block must not write its cache a second time, so
 with grad enabled they are dropped, as transformers' own gradient checkpointing does."""
 
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -171,7 +171,7 @@ class ResolvedModel:
     """A local checkpoint directory, a hub id, or None (no weights: initialise randomly)."""
 
 
-def config_from_dict(values: Mapping[str, Any]) -> PretrainedConfig:
+def _config_from_dict(values: Mapping[str, Any]) -> PretrainedConfig:
     """A config from a dict holding ``model_type`` (what ``config.json`` holds)."""
     values = dict(values)
     model_type = values.pop("model_type", None)
@@ -199,7 +199,7 @@ def resolve_model(
     if isinstance(spec, PretrainedConfig):
         return ResolvedModel(spec, None)
     if isinstance(spec, Mapping):
-        return ResolvedModel(config_from_dict(spec), None)
+        return ResolvedModel(_config_from_dict(spec), None)
     if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(
             f"model spec of type {type(spec).__name__} is not supported: pass a "
@@ -214,11 +214,11 @@ def resolve_model(
         return ResolvedModel(AutoConfig.from_pretrained(path), path if has_weights else None)
     if path.is_file():
         with path.open() as f:
-            return ResolvedModel(config_from_dict(json.load(f)), None)
+            return ResolvedModel(_config_from_dict(json.load(f)), None)
     text = os.fspath(spec)
     builtin = (builtins or {}).get(text.strip().lower())
     if builtin is not None:
-        return ResolvedModel(config_from_dict(builtin), None)
+        return ResolvedModel(_config_from_dict(builtin), None)
     if path.is_absolute() or text.startswith((".", "~")) or text.endswith(".json"):
         raise ValueError(
             f"model path {text!r} does not exist: pass an existing checkpoint directory, "
