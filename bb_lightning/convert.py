@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from bb_lightning.engine.hf_quirks import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, read_weight_index
 from bb_lightning.hf_load import HFCheckpoint, empty_model
 from storage.io import IOConfig, aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, parse_array
@@ -34,11 +35,6 @@ __all__ = ["ConvertReport", "checkpoint_files", "convert_checkpoint"]
 _CONFIG_FILES = {"config.json": "hf_config", "generation_config.json": "hf_generation_config"}
 """Source files copied into the group's attributes (file -> attribute name)."""
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ST_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "BOOL": torch.bool,
-}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,16 +70,9 @@ def checkpoint_files(source: str | os.PathLike[str]) -> list[Path]:
     root = Path(source)
     if not root.is_dir():
         raise ValueError(f"checkpoint {root} is not a directory: pass a local checkpoint dir")
-    index = root / "model.safetensors.index.json"
+    index = root / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        names = list(dict.fromkeys(weight_map.values()))
-        missing = [n for n in names if not (root / n).is_file()]
-        if missing:
-            raise ValueError(
-                f"{index} lists shards missing from {root}: {missing[:3]}: download every shard"
-            )
-        return [root / n for n in names]
+        return list(dict.fromkeys(read_weight_index(index).values()))
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ValueError(
@@ -100,10 +89,10 @@ def _specs(
     specs = []
     for name, param in model.named_parameters():
         src = reader.source_dtype(name)
-        if src not in _ST_DTYPES.values():
+        if src not in SAFETENSORS_DTYPES.values():
             raise ValueError(
                 f"parameter {name!r} has dtype {src} on disk, which the NVMe tier does not "
-                f"store: use one of {sorted(_ST_DTYPES)}"
+                f"store: use one of {sorted(SAFETENSORS_DTYPES)}"
             )
         out = dtype if dtype is not None and src.is_floating_point else src
         specs.append((name, tuple(param.shape), out))

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.hf_quirks import SAFETENSORS_DTYPES
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.trainer_engine import TrainingEngine
 
@@ -32,18 +33,7 @@ __all__ = ["export_hf"]
 DEFAULT_SHARD_BYTES = 5 << 30
 """Largest safetensors shard written by default, in bytes (Hugging Face's default, 5 GiB)."""
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_ST_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 """safetensors dtype names."""
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]

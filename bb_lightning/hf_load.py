@@ -23,7 +23,6 @@ encoder-decoder models; generation of models with a recurrent state).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -43,6 +42,17 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
+from bb_lightning.engine.hf_quirks import (
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SHARDS,
+    SAFETENSORS_SINGLE,
+    TORCH_INDEX,
+    TORCH_SINGLE,
+    check_generation,
+    check_supported,
+    read_weight_index,
+)
 from bb_lightning.safetensors_file import open_safetensors
 
 __all__ = [
@@ -53,18 +63,12 @@ __all__ = [
     "weight_files",
 ]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-TORCH_INDEX = "pytorch_model.bin.index.json"
-TORCH_SINGLE = "pytorch_model.bin"
-
 
 def _torch_files(root: Path) -> dict[str, Path] | None:
     """Checkpoint key -> ``pytorch_model*.bin`` file, or None when there is none."""
     index = root / TORCH_INDEX
     if index.is_file():
-        with index.open() as f:
-            return {k: root / v for k, v in json.load(f)["weight_map"].items()}
+        return read_weight_index(index)
     if not (root / TORCH_SINGLE).is_file():
         return None
     return dict.fromkeys(_torch_load(root / TORCH_SINGLE), root / TORCH_SINGLE)
@@ -88,71 +92,32 @@ def weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     Raises ``ValueError`` when ``directory`` holds no such weights.
     """
     root = Path(directory)
-    index = root / INDEX
+    index = root / SAFETENSORS_INDEX
     if (
         not index.is_file()
-        and not (root / SINGLE).is_file()
-        and not any(root.glob("model*.safetensors"))
+        and not (root / SAFETENSORS_SINGLE).is_file()
+        and not any(root.glob(SAFETENSORS_SHARDS))
     ):
         torch_files = _torch_files(root)
         if torch_files is not None:
             return torch_files
     if index.is_file():
-        with index.open() as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        missing = sorted({v for v in weight_map.values() if not (root / v).is_file()})
-        if missing:
-            raise ValueError(f"{index} lists shards missing from {root}: {missing[:3]}")
-        return {k: root / v for k, v in weight_map.items()}
+        return read_weight_index(index)
     files = (
-        [root / SINGLE] if (root / SINGLE).is_file() else sorted(root.glob("model*.safetensors"))
+        [root / SAFETENSORS_SINGLE]
+        if (root / SAFETENSORS_SINGLE).is_file()
+        else sorted(root.glob(SAFETENSORS_SHARDS))
     )
     if not files:
         raise ValueError(
-            f"{root} holds neither {SINGLE} nor {INDEX}: save the model with "
-            "save_pretrained(safe_serialization=True)"
+            f"{root} holds neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX}: save the "
+            "model with save_pretrained(safe_serialization=True)"
         )
     keys: dict[str, Path] = {}
     for path in files:
         with open_safetensors(path) as f:
             keys.update(dict.fromkeys(f.keys(), path))
     return keys
-
-
-def check_supported(config: PretrainedConfig, *, streaming: bool = True) -> None:
-    """Refuse, with one ``ValueError`` line naming why, a model balance_beam cannot serve.
-
-    Quantized weights and encoder-decoder models are refused always; remote code only
-    when ``streaming`` (the model is built here from its config, not handed over).
-    """
-    kind = getattr(config, "model_type", "?")
-    quant = getattr(config, "quantization_config", None)
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"model_type={kind!r} is quantized ({method}): balance_beam streams unquantized "
-            "fp32/bf16/fp16 weights; load a dequantized checkpoint"
-        )
-    if streaming and getattr(config, "auto_map", None):
-        raise ValueError(
-            f"model_type={kind!r} needs remote code (auto_map): balance_beam loads only "
-            "model families of the installed transformers"
-        )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"model_type={kind!r} is an encoder-decoder model: balance_beam runs decoder-only "
-            "causal LMs (AutoModelForCausalLM)"
-        )
-
-
-def check_generation(model: PreTrainedModel) -> None:
-    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache."""
-    if getattr(type(model), "_is_stateful", False):
-        raise ValueError(
-            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
-            "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
-            "generation serves attention models; fit and validate it, or generate with transformers"
-        )
 
 
 @contextmanager
@@ -267,8 +232,8 @@ class HFCheckpoint:
     def holds_weights(cls, directory: str | os.PathLike[str]) -> bool:
         """Whether ``directory`` is local and holds safetensors weights."""
         path = Path(directory)
-        names = (INDEX, TORCH_INDEX, TORCH_SINGLE)
-        return any((path / n).is_file() for n in names) or any(path.glob("model*.safetensors"))
+        names = (SAFETENSORS_INDEX, TORCH_INDEX, TORCH_SINGLE)
+        return any((path / n).is_file() for n in names) or any(path.glob(SAFETENSORS_SHARDS))
 
     def resolve(self, name: str) -> str | None:
         """The name the checkpoint provides parameter ``name`` under (a tied one's partner);
@@ -355,12 +320,7 @@ class HFCheckpoint:
 
 
 def _slice_dtype(f: Any, key: str) -> torch.dtype:
-    names = {
-        "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-        "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-        "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    }  # fmt: skip
-    return names[f.get_slice(key).get_dtype()]
+    return SAFETENSORS_DTYPES[f.get_slice(key).get_dtype()]
 
 
 def _outputs(name: str, converter: WeightConverter | None) -> list[str]:

@@ -151,13 +151,12 @@ def lora_profile(config: PretrainedConfig | dict[str, Any], options: LoraOptions
     only the adapters count as trained.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers import AutoModelForCausalLM
 
+    from bb_lightning.engine.hf_quirks import resolve_model
     from bb_lightning.probe import model_profile_from_module
 
-    if not isinstance(config, PretrainedConfig):
-        values = dict(config)
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config = resolve_model(config).config
     with init_empty_weights(include_buffers=False), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         wrapped = wrap_lora(model, options)

@@ -10,7 +10,6 @@ hyperparameters for a host-side AdamW.
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from collections.abc import Iterator
@@ -22,13 +21,14 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+from bb_lightning.engine.hf_quirks import resolve_model
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model
 from bb_lightning.lora import LoraOptions, require_peft, wrap_lora
-from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+from bb_lightning.planner.models import BUILTIN_MODELS
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
 
@@ -43,31 +43,6 @@ __all__ = [
 DEFAULT_MODEL = "tiny-llama"
 """Built-in model (``bb_lightning.planner.models``) used when ``model`` is None."""
 
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def _builtin_config(name: str) -> dict[str, Any] | None:
-    """The built-in config dict called ``name`` (see ``bb_lightning.planner.models``), or None."""
-    if name.strip().lower() not in BUILTIN_MODELS:
-        return None
-    return builtin_config(name)
-
-
-def _config_from_dict(values: dict[str, Any]) -> PretrainedConfig:
-    values = dict(values)
-    model_type = values.pop("model_type", None)
-    if not isinstance(model_type, str):
-        raise ValueError(
-            f"model config dict has no 'model_type' (keys: {sorted(values)}): "
-            "add e.g. 'model_type': 'llama'"
-        )
-    return AutoConfig.for_model(model_type, **values)
-
 
 def resolve_model_config(
     model: str | os.PathLike[str] | dict[str, Any] | PretrainedConfig | None,
@@ -76,34 +51,11 @@ def resolve_model_config(
 
     ``model`` is a built-in name, a local checkpoint directory (``config.json``
     plus weights, or only ``config.json``), a ``config.json`` path, a dict with
-    ``model_type``, a ``PretrainedConfig``, or a hub id (needs the network).
+    ``model_type``, a ``PretrainedConfig``, or a hub id (needs the network); see
+    :func:`bb_lightning.engine.hf_quirks.resolve_model`.
     """
-    if model is None:
-        model = DEFAULT_MODEL
-    if isinstance(model, PretrainedConfig):
-        return model, None
-    if isinstance(model, dict):
-        return _config_from_dict(model), None
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json: pass a checkpoint dir")
-        config = AutoConfig.from_pretrained(path)
-        has_weights = any((path / f).is_file() for f in _WEIGHT_FILES)
-        return config, path if has_weights else None
-    if path.is_file():
-        with path.open() as f:
-            return _config_from_dict(json.load(f)), None
-    builtin = _builtin_config(str(model))
-    if builtin is not None:
-        return _config_from_dict(builtin), None
-    text = str(model)
-    if path.is_absolute() or text.startswith((".", "~")) or text.endswith(".json"):
-        raise ValueError(
-            f"model path {text!r} does not exist: pass an existing checkpoint directory, "
-            "a config.json, a built-in name or a hub id"
-        )
-    return AutoConfig.from_pretrained(str(model)), str(model)
+    resolved = resolve_model(DEFAULT_MODEL if model is None else model, builtins=BUILTIN_MODELS)
+    return resolved.config, resolved.weights
 
 
 SafetensorsCheckpoint = HFCheckpoint

@@ -15,8 +15,6 @@ bytes each block saves for backward, which :class:`ModelProfile` needs.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +24,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from bb_lightning.engine.hf_quirks import (
+    activation_checkpointing,
+    config_int,
+    config_value,
+    no_pad_token,
+    resolve_model,
+)
 
 __all__ = [
     "TRACE_CONTEXT",
@@ -219,12 +225,7 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
 
 def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT) -> _Trace:
     """Run forward + loss on meta stand-ins (bf16) for batch 1 x ``context`` tokens."""
-    checkpointing = (
-        model.is_activation_checkpointing
-        if hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
-        else getattr(model, "is_gradient_checkpointing", False)
-    )
-    if checkpointing:
+    if activation_checkpointing(model):
         raise ValueError(
             f"{type(model).__name__} has activation (gradient) checkpointing enabled, which "
             "hides the activations a block saves for backward: disable it (e.g. "
@@ -272,7 +273,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
     model.train()
     try:
         with (
-            _no_padding_check(model),
+            no_pad_token(model),
             _trace_attention(model),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -289,22 +290,6 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
         for h in handles:
             h.remove()
     return trace
-
-
-@contextmanager
-def _no_padding_check(model: nn.Module) -> Iterator[None]:
-    """Without a pad token for the trace: some models (GPT-2) look for it in the input
-    ids, a data read that meta tensors cannot serve."""
-    config = getattr(model, "config", None)
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None:
-        yield
-        return
-    config.pad_token_id = None  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        config.pad_token_id = pad  # type: ignore[union-attr]
 
 
 def _find_parts(model: nn.Module) -> tuple[ModelParts, _Trace, nn.ModuleList]:
@@ -369,19 +354,6 @@ def find_parts(model: nn.Module) -> ModelParts:
     return _find_parts(model)[0]
 
 
-def _config_int(config: Any, *names: str, default: int | None = None) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    if default is None:
-        raise ValueError(
-            f"{type(config).__name__} has none of the attributes {list(names)}: "
-            "set one of them in the config"
-        )
-    return default
-
-
 def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     """Keyword arguments of ``ModelProfile`` for ``model`` (counts in parameters, bytes)."""
     config = getattr(model, "config", None)
@@ -400,10 +372,10 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     # for all of them, so memory and transfers are never under-priced.
     widest = max(range(len(blocks)), key=lambda i: (total(parts.block_param_names[i]), -i))
     first, block_name = parts.block_param_names[widest], parts.block_names[widest]
-    hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
-    num_heads = _config_int(config, "num_attention_heads", "n_head", "num_heads")
-    kv_heads = _config_int(config, "num_key_value_heads", "n_head_kv", default=num_heads)
-    head_dim = _config_int(config, "head_dim", default=hidden // num_heads)
+    hidden = config_int(config, "hidden_size")
+    num_heads = config_int(config, "num_heads")
+    kv_heads = config_int(config, "num_kv_heads", default=num_heads)
+    head_dim = config_int(config, "head_dim", default=hidden // num_heads)
     act_full = -(-max(trace.saved_bytes) // trace.tokens)
     matmul = tuple(n for n in first if n in trace.matmul_params)
     experts, top_k, expert_names = _experts(config, model.get_submodule(block_name))
@@ -415,9 +387,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
         "num_kv_heads": kv_heads,
         "head_dim": head_dim,
         "vocab_size": int(model.get_input_embeddings().weight.shape[0]),  # type: ignore[operator]
-        "max_positions": _config_int(
-            config, "max_position_embeddings", "n_positions", "seq_length", default=0
-        ),
+        "max_positions": config_int(config, "context", default=0),
         "block_params": total(first),
         "block_matmul_params": total(matmul),
         "embed_params": total(parts.embed_param_names),
@@ -435,12 +405,6 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     }
 
 
-_NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Config fields naming the routed experts per MoE block (transformers' spellings)."""
-_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "num_experts_per_token")
-"""Config fields naming the experts each token is routed to."""
-
-
 def _experts(config: Any, block: nn.Module) -> tuple[int, int, set[str]]:
     """(experts per block, experts per token, names in ``block`` of the routed experts'
     parameters); (0, 0, empty) for a dense block.
@@ -449,8 +413,8 @@ def _experts(config: Any, block: nn.Module) -> tuple[int, int, set[str]]:
     the number of experts (fused ``[experts, out, in]`` weights), or any parameter inside
     an ``nn.ModuleList`` of that many same-typed modules (one module per expert).
     """
-    n = next((v for k in _NUM_EXPERTS if isinstance(v := getattr(config, k, None), int)), 0)
-    k = next((v for key in _TOP_K if isinstance(v := getattr(config, key, None), int)), 0)
+    n = config_value(config, "num_experts") or 0
+    k = config_value(config, "experts_per_token") or 0
     if n < 2 or not 1 <= k <= n:
         return 0, 0, set()
     names = {name for name, p in block.named_parameters() if p.dim() >= 3 and p.shape[0] == n}
@@ -465,29 +429,9 @@ def _experts(config: Any, block: nn.Module) -> tuple[int, int, set[str]]:
 
 def load_config(config: Any) -> Any:
     """A ``PretrainedConfig`` from a config, a dict with ``model_type``, a config.json
-    path, a model directory or a hub id (needs network)."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(config, PretrainedConfig):
-        return config
-    if isinstance(config, dict):
-        d = dict(config)
-        if "model_type" not in d:
-            raise ValueError(
-                f"config dict without 'model_type' (keys {sorted(d)}): add e.g. "
-                "'model_type': 'llama'"
-            )
-        return AutoConfig.for_model(d.pop("model_type"), **d)
-    if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if os.path.isfile(path):
-            with open(path) as f:
-                return load_config(json.load(f))
-        return AutoConfig.from_pretrained(path)
-    raise ValueError(
-        f"config of type {type(config).__name__} is not supported: pass a PretrainedConfig, "
-        "a dict with 'model_type', a config.json path, a model directory or a hub id"
-    )
+    path, a model directory or a hub id (needs network); see
+    :func:`bb_lightning.engine.hf_quirks.resolve_model`."""
+    return resolve_model(config).config
 
 
 def _check_causal_lm(cfg: Any) -> None:

@@ -45,15 +45,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.engine.hf_quirks import CACHE_KWARGS
 from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
 from bb_lightning.engine.rows import call_in_row_chunks
 
 __all__ = ["PagedBlocks"]
 
-# Keyword arguments through which Hugging Face layers read and write a KV cache. A
-# recomputed block must not write its cache a second time, so with grad enabled they
-# are dropped, as transformers' own gradient checkpointing does.
-_CACHE_KWARGS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 Call = Callable[[Tensor], Any]
 
@@ -269,11 +266,11 @@ def _split(
     return hidden, call
 
 
-_NO_CACHE = (*_CACHE_KWARGS, "use_cache")
+_NO_CACHE = (*CACHE_KWARGS, "use_cache")
 
 
 def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    for key in _CACHE_KWARGS:
+    for key in CACHE_KWARGS:
         if key in kwargs:
             kwargs[key] = None
     if "use_cache" in kwargs:

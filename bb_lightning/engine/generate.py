@@ -31,7 +31,6 @@ transformers' ``sdpa`` attention on the CPU; prefill, and every step on CUDA, ke
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from bb_lightning.engine.attention import decode_attention_for
+from bb_lightning.engine.hf_quirks import forward_options, model_context
 from bb_lightning.engine.kv import KVCache
 from bb_lightning.shapes import cache_length
 from storage.tiers import Tier
@@ -104,22 +104,6 @@ class Generated:
     """Why it stopped: ``eos``, ``stop`` (string), ``length`` (max_new_tokens) or ``context``."""
     text: str | None = None
     """Decoded new tokens (cut before the stop string), when a decoder was given."""
-
-
-def forward_options(model: nn.Module) -> tuple[str, bool]:
-    """How the model's forward takes a KV cache (``cache`` or ``past_key_values``) and whether
-    it takes ``logits_to_keep`` (the generator asks for the last token's logits only)."""
-    params = inspect.signature(model.forward).parameters
-    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
-
-
-def model_context(config: Any) -> int | None:
-    """The model's context length in tokens (``max_position_embeddings`` or ``n_positions``)."""
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 class LayerMajorGenerator:

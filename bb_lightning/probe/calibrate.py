@@ -389,7 +389,7 @@ def _predict_seconds(
     from transformers import AutoModelForCausalLM, StaticCache
 
     from bb_lightning.engine.attention import decode_attention_for
-    from bb_lightning.engine.generate import forward_options
+    from bb_lightning.engine.hf_quirks import forward_options
 
     with torch.device(device):
         nets = [
