@@ -628,7 +628,7 @@ class BalanceBeamCLI(LightningCLI):
             Path(nvme).mkdir(parents=True, exist_ok=True)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        from lightning.pytorch.callbacks import RichProgressBar
+        from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 
         from bb_lightning.callbacks import ThroughputCallback
         from bb_lightning.summary import BalanceBeamProgressBar
@@ -640,8 +640,9 @@ class BalanceBeamCLI(LightningCLI):
         for i, cb in enumerate(callbacks):  # Lightning's default bar: the epochs, tokens/s
             if type(cb) is RichProgressBar and not self._progress_bar_configured():
                 callbacks[i] = BalanceBeamProgressBar()
-        if cfg.get("throughput", True):
-            callbacks.append(ThroughputCallback())
+        if cfg.get("throughput", True):  # before the progress bar: it shows this batch's rates
+            bar = next((i for i, cb in enumerate(callbacks) if isinstance(cb, ProgressBar)), None)
+            callbacks.insert(len(callbacks) if bar is None else bar, ThroughputCallback())
         if cfg.get("trace"):
             callbacks.append(TraceCallback(cfg["trace"]))
         return trainer

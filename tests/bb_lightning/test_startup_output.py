@@ -19,12 +19,15 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
+from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bb_lightning.cli import main
+from bb_lightning.cli import BalanceBeamCLI, _build_lightning_cli, main
 from bb_lightning.data import TextDataModule
 from bb_lightning.engine.pager import Placement
 from bb_lightning.summary import describe_placement
@@ -51,6 +54,31 @@ class Run:
     text: str
     """stdout, stderr and every log record, joined."""
     warnings: list[str]
+    first_bar: str = ""
+    """The progress bar as drawn at the end of the first training batch."""
+
+
+class _FirstBar(pl.Callback):
+    """Renders the progress bar once it has drawn the first training batch (runs after it)."""
+
+    text = ""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
+    ) -> None:
+        bar = trainer.progress_bar_callback
+        progress = getattr(bar, "progress", None)
+        if trainer.global_step == 1 and progress is not None:
+            console = Console(file=io.StringIO(), width=400, record=True)
+            console.print(progress.get_renderable())
+            _FirstBar.text = console.export_text()
+
+
+class _WatchingCLI(BalanceBeamCLI):
+    """``bb-lightning`` with :class:`_FirstBar` after every other callback."""
+
+    def before_fit(self) -> None:
+        self.trainer.callbacks.append(_FirstBar())  # type: ignore[attr-defined]
 
 
 class _Records(logging.Handler):
@@ -76,7 +104,7 @@ def _logged() -> Iterator[_Records]:
             log.removeHandler(handler)
 
 
-def _run(argv: list[str], root: Path) -> Run:
+def _run(argv: list[str], root: Path, cli: type | None = None) -> Run:
     out, err = io.StringIO(), io.StringIO()
     with (
         pytest.MonkeyPatch.context() as mp,
@@ -87,9 +115,12 @@ def _run(argv: list[str], root: Path) -> Run:
     ):
         mp.chdir(root)
         warnings.simplefilter("always")
-        assert main(argv) == 0
+        if cli is None:
+            assert main(argv) == 0
+        else:
+            _build_lightning_cli(argv, cls=cli)
     text = "\n".join([out.getvalue(), err.getvalue(), *records.lines])
-    return Run(root, out.getvalue(), text, [str(w.message) for w in caught])
+    return Run(root, out.getvalue(), text, [str(w.message) for w in caught], _FirstBar.text)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +151,7 @@ def fit_run(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
         "--trainer.limit_val_batches=1",
         "--trainer.strategy.init_args.hardware=a100-80gb",  # planned without probes
     ]  # fmt: skip
-    return _run(argv, root)
+    return _run(argv, root, _WatchingCLI)
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +206,9 @@ def test_progress_bar_counts_epochs_and_tokens(fit_run: Run) -> None:
     assert last >= 1  # the run spans epochs
     assert f"Epoch {last}/{last}" in fit_run.stdout, fit_run.stdout
     assert "/-" not in fit_run.stdout
-    rates = [float(x) for x in re.findall(r"tokens/s: ([\d.]+)", fit_run.stdout)]
-    assert rates and all(r > 0 for r in rates)
+    for shown in (fit_run.stdout, fit_run.first_bar):  # the end, and the first batch
+        rates = [float(x) for x in re.findall(r"tokens/s: ([\d.]+)", shown)]
+        assert rates and all(r > 0 for r in rates), shown
 
 
 @pytest.mark.slow
