@@ -245,3 +245,30 @@ def test_placement_in_words() -> None:
 )
 def test_counts_print_in_units(count: float, text: str) -> None:
     assert format_count(count) == text
+
+
+def test_a_given_placement_is_said_in_words(
+    tiny: Any, tiny_dir: Path, real_params: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's own Trainer with a given placement (no plan table): the placement in words,
+    and the summary (Lightning's plain one) counting the paged blocks."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from bb_lightning import BalanceBeamStrategy
+    from bb_lightning.module import CausalLMModule
+
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(2, weights=Tier.HOST), compute_dtype="fp32"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, callbacks=[ModelSummary()],
+    )  # fmt: skip
+    with _logged() as records:
+        trainer.fit(CausalLMModule(str(tiny_dir)), tiny.loader(1))
+    said = "\n".join([*records.lines, capsys.readouterr().out])
+    words = describe_placement(Placement.uniform(2, weights=Tier.HOST))
+    assert f"balance_beam placement: {words}" in said
+    assert "Placement(" not in said and "<Tier." not in said
+    count = re.escape(get_human_readable_count(real_params))
+    assert re.search(rf"^{count}\s+Total params$", said, re.MULTILINE), said
