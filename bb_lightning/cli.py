@@ -629,26 +629,49 @@ class BalanceBeamCLI(LightningCLI):
             Path(nvme).mkdir(parents=True, exist_ok=True)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
+        from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+
         from bb_lightning.callbacks import ThroughputCallback
+        from bb_lightning.summary import BalanceBeamProgressBar
         from bb_lightning.trace import TraceCallback
 
         trainer = super().instantiate_trainer(**kwargs)
         cfg = self._config()
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
-        if cfg.get("throughput", True):
-            callbacks.append(ThroughputCallback())
+        for i, cb in enumerate(callbacks):  # Lightning's default bar: the epochs, tokens/s
+            if type(cb) is RichProgressBar and not self._progress_bar_configured():
+                callbacks[i] = BalanceBeamProgressBar()
+        if cfg.get("throughput", True):  # before the progress bar: it shows this batch's rates
+            bar = next((i for i, cb in enumerate(callbacks) if isinstance(cb, ProgressBar)), None)
+            callbacks.insert(len(callbacks) if bar is None else bar, ThroughputCallback())
         if cfg.get("trace"):
             callbacks.append(TraceCallback(cfg["trace"]))
         return trainer
 
+    def _progress_bar_configured(self) -> bool:
+        """Whether the recipe or the command line gave the Trainer a progress bar callback."""
+        import importlib
+
+        from lightning.pytorch.callbacks import ProgressBar
+
+        given = self._config().get("trainer", {}).get("callbacks") or []
+        for spec in given if isinstance(given, list) else [given]:
+            module, _, name = str(getattr(spec, "class_path", "")).rpartition(".")
+            cls = getattr(importlib.import_module(module), name, None) if module else None
+            if isinstance(cls, type) and issubclass(cls, ProgressBar):
+                return True
+        return False
+
     def after_fit(self) -> None:
+        from bb_lightning.summary import describe_placement
+
         strategy = self.trainer.strategy
         plan = getattr(strategy, "plan", None)
         engine = getattr(strategy, "engine", None)
         if plan is not None:
             print("plan used:\n" + plan.explain())
         elif engine is not None:
-            print(f"placement used: {engine.pager.placement}")
+            print(f"placement used: {describe_placement(engine.pager.placement)}")
         prompts = self._config().get("samples") or []
         if prompts:
             _print_samples(self, list(prompts), int(self._config()["sample_tokens"]))

@@ -108,6 +108,7 @@ from bb_lightning.probe.calibrate import (
     probe_train_compute,
 )
 from bb_lightning.structure import find_block_list
+from bb_lightning.summary import describe_placement, use_paged_summary
 from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
@@ -273,6 +274,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _check_clipping(trainer, module)  # a bad setting fails before anything is built
         self._take_back(module)
+        use_paged_summary(trainer)  # the model summary counts the paged blocks' real sizes
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
             if not fit_state:
@@ -592,6 +594,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             self._after_step()
             return loss
 
+        # torch's LR schedulers take a step marked so as recording ``_opt_called`` (above).
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
 
     # -- measure, then adapt -------------------------------------------------------
@@ -680,9 +684,11 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             self.engine.after_backward()
 
     def on_train_start(self) -> None:
-        """Print the placement before the first step (rank zero)."""
-        if self.engine is not None:
-            rank_zero_info(f"balance_beam placement: {self.engine.pager.placement}")
+        """Say the placement before the first step (rank zero) when no plan table did."""
+        if self.engine is not None and self.plan is None:
+            rank_zero_info(
+                f"balance_beam placement: {describe_placement(self.engine.pager.placement)}"
+            )
 
     # -- checkpoints ------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "Residency", "Tier", "format_bytes"]
+__all__ = ["Budget", "Residency", "Tier", "format_bytes", "format_count"]
 
 
 class Tier(str, enum.Enum):
@@ -42,6 +42,24 @@ def format_bytes(n: float) -> str:
         if abs(value) < 1024.0 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024.0
+    raise AssertionError("unreachable")
+
+
+def format_count(n: float) -> str:
+    """Format a count (parameters, tokens) with decimal units, e.g. ``3.3 M`` or ``135 K``.
+
+    Three significant digits, units K (1e3), M (1e6), B (1e9) and T (1e12); counts
+    under 1,000 print whole (``264``).
+    """
+    value = float(n)
+    if abs(value) < 1000.0:
+        return f"{value:.0f}"
+    for unit in ("K", "M", "B", "T"):
+        value /= 1000.0
+        if abs(value) < 999.5:
+            return f"{value:.3g} {unit}"
+        if unit == "T":
+            return f"{value:,.0f} {unit}"
     raise AssertionError("unreachable")
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from storage.tiers import Tier, format_bytes
+from storage.tiers import Tier, format_bytes, format_count
 
 __all__ = [
     "LINKS",
@@ -311,7 +311,7 @@ class Plan:
         """A compact table: job, batch shape, placement, memory, predicted time."""
         m, hw, p = self.model, self.hardware, self.predicted
         lines = [
-            f"plan: {self.task} {m.name} ({m.total_params / 1e9:.2f} B params, "
+            f"plan: {self.task} {m.name} ({format_count(m.total_params)} params, "
             f"{m.num_blocks} blocks of {format_bytes(m.block_bytes)}) on {hw.name}"
         ]
         if m.moe_summary() is not None:
