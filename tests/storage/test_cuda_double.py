@@ -112,6 +112,35 @@ def test_release_keeps_the_last_write_back_for_host_view() -> None:
         assert torch.equal(store.host_view("h"), x * 2)
 
 
+def test_a_page_in_ordered_after_a_write_back_reads_what_it_wrote() -> None:
+    """Page-in, change, write-back (not waited), release, page-in again, several times:
+    each page-in is ordered after the write-back into the home it reads, so on the GPU
+    it starts once that copy has finished and sees its bytes (neither poison nor the
+    bytes before it)."""
+    want = _values(seed=5)
+    with _store() as store:
+        store.register("h", want, home=Tier.HOST)
+        for _ in range(3):
+            dev = store.prefetch_async("h").wait()["h"]
+            assert torch.equal(dev, want)
+            dev.add_(1)
+            want = want + 1
+            store.write_back_async("h")
+            store.release("h")
+        assert torch.equal(store.read("h"), want)
+
+
+def test_write_updates_both_copies_of_a_paged_in_host_tensor() -> None:
+    """write() of a HOST-home tensor paged in by copy: home and device copy both change."""
+    x, y = _values(seed=3), _values(seed=4)
+    with _store() as store:
+        store.register("h", x, home=Tier.HOST)
+        dev = store.prefetch_async("h").wait()["h"]
+        store.write("h", y)
+        assert torch.equal(dev, y) and torch.equal(store.read("h"), y)
+        store.release("h")
+
+
 def test_pending_timings_stay_bounded_over_10k_copies() -> None:
     """Each copy's timing events are read back as copies go: after 10k copies (each
     synchronised, and then 2k never synchronised) the list of pending timings is bounded
