@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from storage.deferred import DOUBLE_ENV, double_requested
-from storage.store import StoreConfig, TieredStore
+from storage.store import StateError, StoreConfig, TieredStore
 from storage.tiers import Tier
 from storage.transfers import MAX_PENDING_TIMINGS
 
@@ -100,13 +100,19 @@ def test_an_ordering_wait_lands_device_destinations() -> None:
 
 
 def test_release_keeps_the_last_write_back_for_host_view() -> None:
-    """A write-back of a paged-in tensor, then release() and host_view(): the host view
-    holds the written contents (the write-back's copy is synchronised there)."""
+    """A write-back of a paged-in HOST-home tensor, then release() and host_view(): the
+    host view holds the written contents (the write-back's copy, only ordered by
+    release(), is synchronised there). Under the double the page-in is a copy into a
+    device slot, as on CUDA, so the write-back is a device-to-host copy that lands late."""
     x = _values(seed=2)
     with _store() as store:
         store.register("h", x, home=Tier.HOST)
-        store.prefetch_async("h").wait()
-        store.get("h").mul_(2)
+        assert not store.pages_host_in_place
+        dev = store.prefetch_async("h").wait()["h"]
+        assert store.usage()[Tier.DEVICE][0] > 0  # a device slot, not the home itself
+        with pytest.raises(StateError, match="'h' is RESIDENT"):
+            store.host_view("h")  # paged in by copy: the view would miss the device copy
+        dev.mul_(2)
         store.write_back_async("h")
         store.release("h")
         assert torch.equal(store.host_view("h"), x * 2)
