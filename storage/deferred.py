@@ -19,8 +19,11 @@ the device arena and host memory becomes a :class:`DeferredCopy`:
   completes it: the host destination gets the data, and if a host source
   changed since the copy read it, the copy reads it again (the GPU may read a
   source until it completes), so the destination shows the overwrite;
-- a new copy runs the copies it is ordered after first, and a new copy that
-  reads or writes a host buffer still being read re-checks that buffer.
+- a new copy runs the copies it is ordered after first: at issue they read their
+  sources (one the new copy overwrites is read for good: the GPU ran them first), and
+  when the new copy runs they complete, host destinations included, as a stream
+  waiting on an event starts only once that work has finished on the GPU; a new copy
+  that reads or writes a host buffer still being read re-checks that buffer.
 
 The double is on when ``StoreConfig.cuda_double`` is True, or when it is None
 and the environment variable :data:`DOUBLE_ENV` is ``1`` (:func:`double_requested`
@@ -34,7 +37,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -78,6 +81,19 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().numpy().tobytes())
+
+
+def _pending_before(copies: Iterable[DeferredCopy]) -> Iterator[DeferredCopy]:
+    """``copies`` and those they are ordered after, transitively, that have not completed."""
+    seen: set[int] = set()
+    stack = list(copies)
+    while stack:
+        c = stack.pop()
+        if c.complete or id(c) in seen:
+            continue
+        seen.add(id(c))
+        yield c
+        stack.extend(c.after)
 
 
 class DeferredCopy:
@@ -182,6 +198,9 @@ class CopyDouble:
                     _overlap(_span(c.src), span_src) or _overlap(_span(c.src), span_dst)
                 ):
                     self._reread(c)
+            for c in _pending_before(prior):  # they read their sources before this copy
+                if c.from_host and _overlap(_span(c.src), span_dst):  # overwrites them
+                    c.crc = None  # its poison is no change by the host: done reading
             new = DeferredCopy(dst, src, to_device=to_device, from_host=from_host, after=prior)
             dst.fill_(POISON_BYTE)
             self.poisoned_bytes += dst.numel()
@@ -217,8 +236,8 @@ class CopyDouble:
     def _run(self, c: DeferredCopy) -> None:
         if c.read is not None or c.complete:
             return
-        for p in c.after:
-            self._run(p)
+        for p in c.after:  # finished on the GPU before ``c`` starts: a host destination
+            self._complete(p)  # of ``p`` that ``c`` reads holds its bytes
         c.started = time.perf_counter()
         c.read = c.src.clone()
         if c.from_host:
@@ -250,6 +269,7 @@ class CopyDouble:
             c.landed = True
         c.read = None
         c.complete = True
+        c.after = []  # complete: nothing before it matters any more
         if c in self._open:
             self._open.remove(c)
 

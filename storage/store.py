@@ -26,7 +26,8 @@ permanent one, ``HOST``-home tensors a slot of the host arena. When the compute
 device is the CPU, host and device memory are the same RAM: a page-in of a
 ``HOST``-home tensor still goes RELEASED -> IN_FLIGHT -> RESIDENT, but its device
 copy is its home slot itself (no copy, no device slot), and its write-back is a
-no-op. NVMe
+no-op; under the CPU double it takes a device slot and is copied as on CUDA
+(:attr:`TieredStore.pages_host_in_place`). NVMe
 transfers land straight in aligned slots where the backend allows (CPU; kvikio
 on CUDA), else they stream through the staging pool piece by piece, so no
 tensor is limited by the size of a staging buffer (see
@@ -428,6 +429,13 @@ class TieredStore:
         return self._ticket([(rec, fut)], results={name: out})
 
     @property
+    def pages_host_in_place(self) -> bool:
+        """Whether a page-in of a HOST-home tensor is its home slot itself (no copy, no device
+        slot, write-back a no-op): on a CPU device, except under the double, which pages it
+        into a device slot with deferred copies as on CUDA."""
+        return not self._cuda and self._io.double is None
+
+    @property
     def copies_to_host(self) -> bool:
         """Whether tensors on the compute device need a copy to reach host memory: on CUDA,
         and on a CPU device under the double (where such copies are deferred)."""
@@ -533,7 +541,8 @@ class TieredStore:
         self._io.settle(rec, sync=True)
         data = flat_bytes(tensor)
         tier = self._tier_of(tensor)
-        device_copy = rec.home is not Tier.DEVICE and rec.device_slot not in (None, rec.home_slot)
+        slot = rec.device_slot  # by identity: Slots compare their buffers' elements
+        device_copy = rec.home is not Tier.DEVICE and slot is not None and slot is not rec.home_slot
         ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE or device_copy)
         settled(self._io.store(rec, data, tier, None, ready))
         if device_copy:
@@ -547,7 +556,8 @@ class TieredStore:
         Waits for this tensor's pending operations first. Changes made through the view
         are its new contents (as after :meth:`write`, without a device copy to update):
         the caller must not change it while the tensor is paged in on a CUDA device or
-        while another thread reads or writes it. Raises ``ValueError`` for another home.
+        while another thread reads or writes it. Raises ``ValueError`` for another home,
+        and :class:`StateError` while it is paged in by copy (on CUDA, or under the double).
         """
         rec = self._record(name)
         if rec.home is not Tier.HOST:
@@ -555,7 +565,7 @@ class TieredStore:
                 f"tensor {name!r} is homed on {rec.home.value}, not host: only HOST-home "
                 f"tensors have a host view; use read() and write() instead"
             )
-        if self._cuda and rec.residency.state is not Residency.RELEASED:
+        if not self.pages_host_in_place and rec.residency.state is not Residency.RELEASED:
             raise StateError(
                 f"tensor {name!r} is {rec.residency.state.value.upper()} on {self.device}: "
                 f"a host view would miss its device copy; {rec.residency.hint()}"
@@ -686,8 +696,8 @@ class TieredStore:
             )
 
     def _in_place(self, rec: Record) -> bool:
-        """A HOST-home tensor on a CPU compute device: its page-in is its home slot itself."""
-        return rec.home is Tier.HOST and self.device.type == "cpu"
+        """A HOST-home tensor paged in as its home slot itself (see :attr:`pages_host_in_place`)."""
+        return rec.home is Tier.HOST and self.pages_host_in_place
 
     def _tier_of(self, tensor: torch.Tensor) -> Tier:
         return Tier.DEVICE if tensor.device == self.device else Tier.HOST

@@ -368,8 +368,10 @@ class TrainingEngine:
         """Blocks used in place run with ordinary autograd unless the placement recomputes
         them: resident (DEVICE-home) blocks, and on a CPU device HOST-home blocks too (the
         store pages those in as their host memory itself, so keeping them bound costs
-        no copy and no device slot)."""
-        in_place = {Tier.DEVICE, Tier.HOST} if self.device.type == "cpu" else {Tier.DEVICE}
+        no copy and no device slot; not under the store's CPU double, which copies them as
+        on CUDA: :attr:`storage.store.TieredStore.pages_host_in_place`)."""
+        host = self.store.pages_host_in_place
+        in_place = {Tier.DEVICE, Tier.HOST} if host else {Tier.DEVICE}
         blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
         self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
 

@@ -79,8 +79,11 @@ def test_engine_runs_what_the_plan_says(
     plan, engine = strategy.plan, strategy.engine
     assert plan is not None and engine is not None
     recomputed = set(plan.recomputed_blocks())
+    ran_twice = set(recomputed)
+    if not engine.store.pages_host_in_place:  # the CPU double pages HOST-home blocks by
+        ran_twice |= {i for i, w in enumerate(plan.weights) if w is H}  # copy, as CUDA does
     # each block's forward ran once, and once more in backward where the plan recomputes
-    assert calls == Counter({i: 2 if i in recomputed else 1 for i in range(len(layers))})
+    assert calls == Counter({i: 2 if i in ran_twice else 1 for i in range(len(layers))})
     assert plan.checkpointing == bool(recomputed)
     home = engine.store.home
     assert tuple(home(f"block.{i}.weight") for i in range(4)) == plan.weights

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from storage.deferred import DOUBLE_ENV, double_requested
-from storage.store import StoreConfig, TieredStore
+from storage.store import StateError, StoreConfig, TieredStore
 from storage.tiers import Tier
 from storage.transfers import MAX_PENDING_TIMINGS
 
@@ -100,16 +100,51 @@ def test_an_ordering_wait_lands_device_destinations() -> None:
 
 
 def test_release_keeps_the_last_write_back_for_host_view() -> None:
-    """A write-back of a paged-in tensor, then release() and host_view(): the host view
-    holds the written contents (the write-back's copy is synchronised there)."""
+    """A write-back of a paged-in HOST-home tensor, then release() and host_view(): the
+    host view holds the written contents (the write-back's copy, only ordered by
+    release(), is synchronised there). Under the double the page-in is a copy into a
+    device slot, as on CUDA, so the write-back is a device-to-host copy that lands late."""
     x = _values(seed=2)
     with _store() as store:
         store.register("h", x, home=Tier.HOST)
-        store.prefetch_async("h").wait()
-        store.get("h").mul_(2)
+        assert not store.pages_host_in_place
+        dev = store.prefetch_async("h").wait()["h"]
+        assert store.usage()[Tier.DEVICE][0] > 0  # a device slot, not the home itself
+        with pytest.raises(StateError, match="'h' is RESIDENT"):
+            store.host_view("h")  # paged in by copy: the view would miss the device copy
+        dev.mul_(2)
         store.write_back_async("h")
         store.release("h")
         assert torch.equal(store.host_view("h"), x * 2)
+
+
+def test_a_page_in_ordered_after_a_write_back_reads_what_it_wrote() -> None:
+    """Page-in, change, write-back (not waited), release, page-in again, several times:
+    each page-in is ordered after the write-back into the home it reads, so on the GPU
+    it starts once that copy has finished and sees its bytes (neither poison nor the
+    bytes before it)."""
+    want = _values(seed=5)
+    with _store() as store:
+        store.register("h", want, home=Tier.HOST)
+        for _ in range(3):
+            dev = store.prefetch_async("h").wait()["h"]
+            assert torch.equal(dev, want)
+            dev.add_(1)
+            want = want + 1
+            store.write_back_async("h")
+            store.release("h")
+        assert torch.equal(store.read("h"), want)
+
+
+def test_write_updates_both_copies_of_a_paged_in_host_tensor() -> None:
+    """write() of a HOST-home tensor paged in by copy: home and device copy both change."""
+    x, y = _values(seed=3), _values(seed=4)
+    with _store() as store:
+        store.register("h", x, home=Tier.HOST)
+        dev = store.prefetch_async("h").wait()["h"]
+        store.write("h", y)
+        assert torch.equal(dev, y) and torch.equal(store.read("h"), y)
+        store.release("h")
 
 
 def test_pending_timings_stay_bounded_over_10k_copies() -> None:

@@ -68,6 +68,8 @@ class StoreMachine(RuleBasedStateMachine):
             device="cpu",
         )
         self.store = TieredStore(config)
+        self.in_place = self.store.pages_host_in_place
+        """Whether HOST-home tensors page in as their home slot (CPU, not under the double)."""
         self.model: dict[str, Model] = {}
         self.tickets: list[tuple[Ticket, list[str]]] = []
 
@@ -86,9 +88,14 @@ class StoreMachine(RuleBasedStateMachine):
             total += sum(
                 slot_bytes(m.nbytes)
                 for m in self.model.values()
-                if m.home is Tier.NVME and m.state is not Residency.RELEASED
-            )  # on a CPU device, HOST-home tensors page in place, without a device slot
+                if m.home is not Tier.DEVICE and not self.paged_in_place(m)
+                and m.state is not Residency.RELEASED
+            )  # fmt: skip
         return total
+
+    def paged_in_place(self, m: Model) -> bool:
+        """HOST home paged in place: the device copy is the home slot (no device slot)."""
+        return m.home is Tier.HOST and self.in_place
 
     def expect_budget_error(self, tier: Tier, nbytes: int, error: ValueError) -> None:
         """A tier refused ``nbytes``: over budget, or (arenas) no free extent large enough."""
@@ -194,7 +201,7 @@ class StoreMachine(RuleBasedStateMachine):
         dev = self.store.get(name)
         dev.copy_(dev == 0) if m.dtype == torch.bool else dev.add_(1)
         m.device = to_np(dev)
-        if m.home is not Tier.NVME:  # DEVICE home, or HOST home paged in place (CPU)
+        if m.home is Tier.DEVICE or self.paged_in_place(m):
             m.contents = m.device.copy()
 
     @precondition(lambda self: self.model)
@@ -206,12 +213,12 @@ class StoreMachine(RuleBasedStateMachine):
             src = make(m.dtype, m.nbytes // torch.empty((), dtype=m.dtype).element_size(), seed)
             ticket = self.store.write_back_async(name, src)
             m.contents = to_np(src)
-            if m.home is Tier.HOST and m.device is not None:
+            if self.paged_in_place(m) and m.device is not None:
                 # paged in place on the CPU: the device copy is the home itself, so it shows
                 # src once the write lands; a page-in ticket waited later does not order it
                 ticket.wait()
             # otherwise not waited on: later operations on the tensor order after it
-            if m.home is Tier.DEVICE or (m.home is Tier.HOST and m.device is not None):
+            if m.home is Tier.DEVICE or (self.paged_in_place(m) and m.device is not None):
                 m.device = m.contents.copy()
         elif m.state is Residency.RESIDENT:
             self.store.write_back_async(name).wait()

@@ -109,3 +109,43 @@ def test_device_home_inference_weights_load_and_generate_under_the_double() -> N
     assert [g.token_ids for g in out] == _reference(other)
     engine.close()
     store.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_host_home_blocks_page_by_copy_and_step_like_torch_adamw_under_the_double(
+    overlap: bool,
+) -> None:
+    """Every block's weights and state on HOST: under the double, as on CUDA, each page-in
+    is a copy into a device slot (so the blocks are recomputed in backward, not kept
+    bound), and each stepped block's weights are cast into its home while it is released.
+    Losses and final weights equal torch.optim.AdamW."""
+    reference = tiny_llama()
+    model = copy.deepcopy(reference)
+    placement = Placement.uniform(LAYERS, weights=Tier.HOST, master=Tier.HOST)
+    adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        reference.parameters(), lr=adamw.lr, betas=adamw.betas, weight_decay=adamw.weight_decay
+    )
+    gen = torch.Generator().manual_seed(6)
+    with _double_store(model, placement) as store:
+        engine = cpu_engine(model, store, placement)
+        assert engine.paged.autograd_blocks == frozenset()  # copied in: recomputed
+        for _ in range(3):
+            ids = torch.randint(0, 128, (2, 16), generator=gen)
+            if overlap:
+                engine.begin_overlapped_step(adamw)
+            loss = engine.model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            engine.after_backward()
+            want = reference(input_ids=ids, labels=ids).loss
+            want.backward()
+            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+            engine.optimizer_step(adamw, ClipConfig())
+            opt.step()
+            opt.zero_grad()
+        store._io.synchronize()  # every copy's timing is read back
+        assert store.stats()["host->device"].count >= 3 * LAYERS  # each forward's page-ins
+        state = engine.state_dict()
+        engine.close()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
