@@ -27,7 +27,7 @@ class Tier(str, enum.Enum):
 
 class Link(enum.StrEnum):
     """A copy link from one tier to another; its value (``"host->device"``) is the name
-    the store's counters, traces and JSON figures use.
+    the store's counters, logged metrics and JSON figures use.
 
     ``NVME_TO_DEVICE`` / ``DEVICE_TO_NVME`` are file transfers that land in (or leave
     from) device memory without staging; the cost model prices them as the disk's read
