@@ -404,7 +404,7 @@ class Plan:
         )
         lines.append(
             "  busy: "
-            + " · ".join(f"{k} {v:.3g} s" for k, v in p.transfer.items())
+            + " · ".join(f"{LINK_FIELDS[k]} {v:.3g} s" for k, v in p.transfer.items())
             + f" · optimizer {p.optimizer:.3g} s"
         )
         unit = "trained" if self.task == "fit" else "generated"
