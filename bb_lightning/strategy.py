@@ -109,9 +109,8 @@ from bb_lightning.probe.calibrate import (
 )
 from bb_lightning.structure import find_block_list
 from bb_lightning.summary import describe_placement, use_paged_summary
-from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
-from storage.tiers import Tier
+from storage.tiers import Link, Tier
 
 __all__ = ["BalanceBeamStrategy"]
 
@@ -213,7 +212,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """Every plan applied in this run, first to last."""
         self.plan_metrics: dict[str, float] = {}
         """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
-        self._links0: dict[str, float] = {}
+        self._links0: dict[Link, float] = {}
         self._busy0 = 0.0
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
@@ -1016,11 +1015,7 @@ def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
 
 def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
     """The bytes each tier of a store with ``config`` holds (arenas round down)."""
-    return {
-        Tier.DEVICE: config.device_budget - config.device_budget % ALIGNMENT,
-        Tier.HOST: config.host_budget - config.host_budget % ALIGNMENT,
-        Tier.NVME: config.nvme_budget,
-    }
+    return config.budgets
 
 
 def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
@@ -1034,25 +1029,17 @@ def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> N
         engine.load_state_dict(state_dict)
 
 
-def _link_seconds(engine: TrainingEngine) -> dict[str, float]:
-    """Busy seconds of the store's links since it opened, as the planner names the links."""
-    stats = {k: v.seconds for k, v in engine.store.stats().items()}
-    return {
-        "h2d": stats.get("host->device", 0.0),
-        "nvme_read": stats.get("nvme->host", 0.0) + stats.get("nvme->device", 0.0),
-        "nvme_write": stats.get("host->nvme", 0.0) + stats.get("device->nvme", 0.0),
-    }
+def _link_seconds(engine: TrainingEngine) -> dict[Link, float]:
+    """Busy seconds of the store's links since it opened; device-to-host is left out (not
+    measured: gradients bypass the store)."""
+    stats = engine.store.stats()
+    return {k: v.seconds for k, v in stats.items() if k is not Link.DEVICE_TO_HOST}
 
 
-def _measured(mean: StepTimes, links: Mapping[str, float], optimizer_s: float) -> MeasuredTimes:
-    """Measured seconds per step; device-to-host is not measured (gradients bypass the store)."""
-    return MeasuredTimes(
-        compute_s=mean.compute,
-        h2d_s=links["h2d"],
-        nvme_read_s=links["nvme_read"],
-        nvme_write_s=links["nvme_write"],
-        optimizer_s=optimizer_s,
-        step_s=mean.step,
+def _measured(mean: StepTimes, links: Mapping[Link, float], optimizer_s: float) -> MeasuredTimes:
+    """Measured seconds per step (each link added to the one the planner prices it as)."""
+    return MeasuredTimes.from_links(
+        links, compute_s=mean.compute, optimizer_s=optimizer_s, step_s=mean.step
     )
 
 

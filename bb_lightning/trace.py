@@ -3,9 +3,10 @@
 :class:`TraceRecorder` collects complete events (``"ph": "X"``) on named
 tracks, one track per thread: ``compute`` for the training loop's thread and
 one per copy thread of the store or the gradient sink. :func:`install_trace`
-wraps, on the instances only, the pager's ``acquire`` / ``release``, the
-store's page-ins and write-backs and the gradient sink's copies, and returns a
-handle whose :meth:`TraceHandle.remove` restores them. :class:`TraceCallback`
+subscribes to the pager's and the store's observer hooks
+(:mod:`bb_lightning.engine.observers`, :mod:`storage.observers`), wraps the
+gradient sink's copies and the optimizer step on the instances only, and returns
+a handle whose :meth:`TraceHandle.remove` takes all of it out again. :class:`TraceCallback`
 does both for a Lightning run and writes the file at the end; open it in
 ``chrome://tracing`` or https://ui.perfetto.dev.
 
@@ -34,6 +35,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+
+from storage.observers import TransferKind
 
 __all__ = ["TraceCallback", "TraceHandle", "TraceRecorder", "install_trace"]
 
@@ -124,10 +127,12 @@ def _copy_track() -> str:
 
 
 class TraceHandle:
-    """The wrappers installed by :func:`install_trace`; :meth:`remove` takes them out."""
+    """The wrappers and observers installed by :func:`install_trace`; :meth:`remove` takes
+    them out."""
 
     def __init__(self) -> None:
         self._patched: list[tuple[object, str]] = []
+        self._undo: list[Callable[[], None]] = []
 
     def patch(self, obj: object, name: str, make: Callable[[Any], Any]) -> None:
         """Shadow method ``name`` of instance ``obj`` with ``make(original)``."""
@@ -136,61 +141,77 @@ class TraceHandle:
         setattr(obj, name, make(getattr(obj, name)))
         self._patched.append((obj, name))
 
+    def observe(self, owner: Any, observer: object) -> None:
+        """Add ``observer`` to ``owner`` (``add_observer``) until :meth:`remove`."""
+        owner.add_observer(observer)
+        self._undo.append(lambda: owner.remove_observer(observer))
+
     def remove(self) -> None:
-        """Restore every wrapped method (idempotent)."""
+        """Restore every wrapped method and drop every observer (idempotent)."""
         while self._patched:
             obj, name = self._patched.pop()
             delattr(obj, name)
+        while self._undo:
+            self._undo.pop()()
+
+
+_COPY_LABELS = {TransferKind.PAGE_IN: "page-in", TransferKind.WRITE_BACK: "write-back"}
+"""Event name stem of each store transfer kind; the others are ``copy``."""
+
+
+class _BlockSpans:
+    """Pager observer: ``wait block i`` while ``acquire(i)`` waits, then ``block i`` while held."""
+
+    def __init__(self, recorder: TraceRecorder) -> None:
+        self._recorder = recorder
+        self._waiting: dict[int, float] = {}
+        self._held: dict[int, float] = {}
+
+    def _close(self, i: int) -> None:
+        start = self._held.pop(i, None)
+        if start is not None:
+            self._recorder.add(f"block {i}", COMPUTE, start, self._recorder.now(), cat="compute")
+
+    def block_acquiring(self, i: int) -> None:
+        self._close(i)
+        self._waiting[i] = self._recorder.now()
+
+    def block_acquired(self, i: int) -> None:
+        end = self._recorder.now()
+        start = self._waiting.pop(i, end)
+        self._recorder.add(f"wait block {i}", COMPUTE, start, end, cat="wait")
+        self._held[i] = end
+
+    def block_released(self, i: int) -> None:
+        self._close(i)
+
+
+class _CopySpans:
+    """Store observer: one event per transfer, on the track of the copy thread that ran it."""
+
+    def __init__(self, recorder: TraceRecorder) -> None:
+        self._recorder = recorder
+        self._local = threading.local()
+
+    def transfer_started(self, kind: TransferKind, name: str) -> None:
+        stack = self._local.__dict__.setdefault("starts", [])
+        stack.append((_copy_track(), self._recorder.now()))
+
+    def transfer_finished(self, kind: TransferKind, name: str) -> None:
+        track, start = self._local.starts.pop()
+        label = f"{_COPY_LABELS.get(kind, 'copy')} {name}"
+        self._recorder.add(label, track, start, self._recorder.now(), cat="copy")
 
 
 def install_trace(engine: Any, recorder: TraceRecorder) -> TraceHandle:
     """Trace a :class:`~bb_lightning.engine.trainer_engine.TrainingEngine` into ``recorder``.
 
-    Wraps ``engine.pager.acquire`` / ``release`` (compute track), the store's
-    ``prefetch_async`` / ``write_back_async`` and the jobs they submit to its copy
-    threads (copy tracks), and ``engine.grads.submit`` (gradient copies).
+    Observes ``engine.pager``'s acquires and releases (compute track) and the store's
+    transfers on its copy threads (copy tracks); wraps ``engine.grads.submit`` (gradient
+    copies) and ``engine.optimizer_step``.
     """
     handle = TraceHandle()
     pager, store, grads = engine.pager, engine.store, engine.grads
-    held: dict[int, float] = {}
-    kind = threading.local()
-
-    def close_block(i: int) -> None:
-        start = held.pop(i, None)
-        if start is not None:
-            recorder.add(f"block {i}", COMPUTE, start, recorder.now(), cat="compute")
-
-    def acquire(original: Callable[[int], Any]) -> Callable[[int], Any]:
-        def traced(i: int) -> Any:
-            close_block(i)
-            start = recorder.now()
-            out = original(i)
-            end = recorder.now()
-            recorder.add(f"wait block {i}", COMPUTE, start, end, cat="wait")
-            held[i] = end
-            return out
-
-        return traced
-
-    def release(original: Callable[[int], Any]) -> Callable[[int], Any]:
-        def traced(i: int) -> Any:
-            close_block(i)
-            return original(i)
-
-        return traced
-
-    def issuing(label: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                kind.label = label
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    kind.label = None
-
-            return traced
-
-        return make
 
     def spanning(label: str, cat: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -202,19 +223,6 @@ def install_trace(engine: Any, recorder: TraceRecorder) -> TraceHandle:
 
         return make
 
-    def submit(original: Callable[..., Any]) -> Callable[..., Any]:
-        def traced(rec: Any, work: Callable[..., Any]) -> Any:
-            label = getattr(kind, "label", None) or "copy"
-            name = f"{label} {getattr(getattr(rec, 'spec', None), 'name', '?')}"
-
-            def timed(*args: Any) -> Any:
-                with recorder.span(name, _copy_track(), cat="copy"):
-                    return work(*args)
-
-            return original(rec, timed)
-
-        return traced
-
     def grads_submit(original: Callable[..., Any]) -> Callable[..., Any]:
         def traced(work: Callable[[], None]) -> Any:
             def timed() -> None:
@@ -225,12 +233,8 @@ def install_trace(engine: Any, recorder: TraceRecorder) -> TraceHandle:
 
         return traced
 
-    handle.patch(pager, "acquire", acquire)
-    handle.patch(pager, "release", release)
-    handle.patch(store, "prefetch_async", issuing("page-in"))
-    handle.patch(store, "write_back_async", issuing("write-back"))
-    if callable(getattr(store, "_submit", None)):  # the store's one entry to its copy threads
-        handle.patch(store, "_submit", submit)
+    handle.observe(pager, _BlockSpans(recorder))
+    handle.observe(store, _CopySpans(recorder))
     handle.patch(grads, "submit", grads_submit)
     if callable(getattr(engine, "optimizer_step", None)):
         handle.patch(engine, "optimizer_step", spanning("optimizer step", "optimizer"))

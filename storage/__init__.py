@@ -19,12 +19,14 @@ from storage.nvme import (
     NvmeTier,
     StoreLockedError,
 )
+from storage.observers import TransferKind, TransferObserver
 from storage.store import LinkStats, StateError, StoreConfig, Ticket, TieredStore
-from storage.tiers import Budget, Residency, Tier, format_bytes
+from storage.tiers import PRICED_LINKS, Budget, Link, Residency, Tier, format_bytes
 
 __all__ = [
     "ALIGNMENT",
     "DOUBLE_ENV",
+    "PRICED_LINKS",
     "ArenaFullError",
     "ArraySpec",
     "Budget",
@@ -32,6 +34,7 @@ __all__ = [
     "CorruptTensorError",
     "HostBuffer",
     "IOConfig",
+    "Link",
     "LinkStats",
     "NvmeError",
     "NvmeIOError",
@@ -43,6 +46,8 @@ __all__ = [
     "Ticket",
     "Tier",
     "TieredStore",
+    "TransferKind",
+    "TransferObserver",
     "aligned_empty",
     "format_bytes",
     "open_backend",

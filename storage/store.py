@@ -61,8 +61,9 @@ from storage.device import DeviceArena, Slot, resolve_device
 from storage.host import HostArena, StagingPool
 from storage.io import ALIGNMENT, IOBackend, IOConfig, open_backend, padded
 from storage.nvme import ArraySpec, NvmeTier
+from storage.observers import TransferKind, TransferObserver, added, observed, removed
 from storage.residency import Record, ResidencyMachine, StateError, Ticket
-from storage.tiers import Residency, Tier
+from storage.tiers import Link, Residency, Tier
 from storage.transfers import (
     LINKS,
     Events,
@@ -139,6 +140,16 @@ class StoreConfig:
             raise ValueError(f"StoreConfig.copy_threads={self.copy_threads} must be >= 1")
         resolve_device(self.device)
 
+    @property
+    def budgets(self) -> dict[Tier, int]:
+        """Bytes per tier the store holds: the device and host budgets rounded down to
+        4 KiB as their arenas are carved, the NVMe budget as given."""
+        return {
+            Tier.DEVICE: self.device_budget - self.device_budget % ALIGNMENT,
+            Tier.HOST: self.host_budget - self.host_budget % ALIGNMENT,
+            Tier.NVME: self.nvme_budget,
+        }
+
 
 def _padded_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor``'s bytes and those after it up to a multiple of 4 KiB, as one ``uint8``
@@ -173,6 +184,7 @@ class TieredStore:
         self.device = resolve_device(config.device)
         self._cuda = self.device.type == "cuda"
         self._records: dict[str, Record] = {}
+        self._observers: tuple[TransferObserver, ...] | None = None
         self._closed = True
         self._lock = threading.RLock()  # residency check + transition + slot, as one step
         self._device_arena = DeviceArena(config.device_budget, self.device)
@@ -342,12 +354,13 @@ class TieredStore:
             if self._in_place(rec):  # the host copy is already in device memory
                 rec.residency.apply("page_in")
                 rec.device_slot = rec.home_slot
-                entries.append((rec, self._submit(rec, lambda after: None)))
+                entries.append((rec, self._submit(rec, lambda after: None, TransferKind.PAGE_IN)))
             elif rec.home is not Tier.DEVICE:
                 slot = next(it)
                 rec.residency.apply("page_in")
                 rec.device_slot = slot
-                entries.append((rec, self._submit(rec, self._page_in_work(rec, slot, ready))))
+                work = self._page_in_work(rec, slot, ready)
+                entries.append((rec, self._submit(rec, work, TransferKind.PAGE_IN)))
             else:
                 entries.append((rec, rec.last or done_future()))
             results[rec.spec.name] = rec.device_view()
@@ -420,11 +433,16 @@ class TieredStore:
             out, data, tier = src, flat_bytes(src), self._tier_of(src)
             src_raw = _padded_bytes(src) if rec.home is Tier.NVME else None
             if data.is_cuda and self._cuda:  # used by the stream that runs the copy
-                data.record_stream(self._io.streams["h2d" if rec.home is Tier.DEVICE else "d2h"])
+                to_device = rec.home is Tier.DEVICE
+                data.record_stream(
+                    self._io.streams[Link.HOST_TO_DEVICE if to_device else Link.DEVICE_TO_HOST]
+                )
         # host-only write-backs (a host source to a HOST or NVMe home) need no device progress
         ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE)
         fut = self._submit(
-            rec, lambda after: self._io.store(rec, data, tier, src_raw, after + ready)
+            rec,
+            lambda after: self._io.store(rec, data, tier, src_raw, after + ready),
+            TransferKind.WRITE_BACK,
         )
         return self._ticket([(rec, fut)], results={name: out})
 
@@ -446,7 +464,7 @@ class TieredStore:
     ) -> list[CopyEvent | None]:
         """Copy each contiguous tensor of ``srcs`` on the compute device into the matching
         host tensor of ``dsts`` (pinned, contiguous, same shape and dtype), after the
-        caller's queued device work; on CUDA ``non_blocking`` on the ``d2h`` stream.
+        caller's queued device work; on CUDA ``non_blocking`` on the stream towards the host.
 
         Returns the copies' events: :func:`storage.transfers.settled` on each before the
         host reads ``dsts``; ``srcs`` may be freed at once (their memory is kept for the
@@ -465,7 +483,7 @@ class TieredStore:
                 )
             data = flat_bytes(src)
             if data.is_cuda:
-                data.record_stream(self._io.streams["d2h"])
+                data.record_stream(self._io.streams[Link.DEVICE_TO_HOST])
             out = flat_bytes(dst)
             events.append(
                 self._io.copy(out, Tier.HOST, data, Tier.DEVICE, ready, src_on_device=True)
@@ -503,7 +521,9 @@ class TieredStore:
         rec = self._record(name)
         self._check_out(rec, out)
         ready = self._ready_if(rec.home is Tier.DEVICE)  # else no device memory is read
-        fut = self._submit(rec, lambda after: self._read_into(rec, out, after + ready))
+        fut = self._submit(
+            rec, lambda after: self._read_into(rec, out, after + ready), TransferKind.READ
+        )
         return self._ticket([(rec, fut)], results={name: out})
 
     def _check_out(self, rec: Record, out: torch.Tensor) -> None:
@@ -653,9 +673,23 @@ class TieredStore:
             order=order_after,
         )
 
-    def _submit(self, rec: Record, work: Work) -> Future[CopyEvent | None]:
+    def _submit(self, rec: Record, work: Work, kind: TransferKind) -> Future[CopyEvent | None]:
         self._check_open()
+        observers = self._observers
+        if observers is not None:
+            work = observed(work, observers, kind, rec.spec.name)
         return self._io.submit(rec, work)
+
+    # -- observers -------------------------------------------------------------------------
+
+    def add_observer(self, observer: TransferObserver) -> None:
+        """Call ``observer`` on the copy thread at the start and the end of each transfer
+        submitted from now on (:mod:`storage.observers`); ``ValueError`` if it already is."""
+        self._observers = added(self._observers, observer)
+
+    def remove_observer(self, observer: TransferObserver) -> None:
+        """Stop calling ``observer`` for transfers submitted from now on (no-op if absent)."""
+        self._observers = removed(self._observers, observer)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -723,7 +757,7 @@ class TieredStore:
 
     # -- accounting and lifecycle ----------------------------------------------------------
 
-    def stats(self) -> dict[str, LinkStats]:
+    def stats(self) -> dict[Link, LinkStats]:
         """Traffic per link in :data:`LINKS` since the store opened (bytes, busy s, count)."""
         return self._io.stats()
 

@@ -5,6 +5,8 @@ machine without CUDA), ``HOST`` (a pinned host arena; plain memory without
 CUDA) and ``NVME`` (a directory holding a zarr v3 group). Every tensor has one
 *home* tier. Its presence on the compute device is tracked separately by the
 :class:`Residency` state machine owned by :class:`storage.store.TieredStore`.
+Bytes move between tiers over copy links (:class:`Link`), the one name of a link
+for the store's traffic counters, the planner's prices and measured times.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "Residency", "Tier", "format_bytes", "format_count"]
+__all__ = ["PRICED_LINKS", "Budget", "Link", "Residency", "Tier", "format_bytes", "format_count"]
 
 
 class Tier(str, enum.Enum):
@@ -21,6 +23,55 @@ class Tier(str, enum.Enum):
     DEVICE = "device"
     HOST = "host"
     NVME = "nvme"
+
+
+class Link(enum.StrEnum):
+    """A copy link from one tier to another; its value (``"host->device"``) is the name
+    the store's counters, logged metrics and JSON figures use.
+
+    ``NVME_TO_DEVICE`` / ``DEVICE_TO_NVME`` are file transfers that land in (or leave
+    from) device memory without staging; the cost model prices them as the disk's read
+    and write (:attr:`priced_as`).
+    """
+
+    NVME_TO_HOST = "nvme->host"
+    HOST_TO_DEVICE = "host->device"
+    DEVICE_TO_HOST = "device->host"
+    HOST_TO_NVME = "host->nvme"
+    NVME_TO_DEVICE = "nvme->device"
+    DEVICE_TO_NVME = "device->nvme"
+
+    @property
+    def source(self) -> Tier:
+        """The tier the bytes leave."""
+        return Tier(self.value.split("->")[0])
+
+    @property
+    def destination(self) -> Tier:
+        """The tier the bytes reach."""
+        return Tier(self.value.split("->")[1])
+
+    @property
+    def priced_as(self) -> Link:
+        """The link of :data:`PRICED_LINKS` whose bandwidth bounds this one: a file
+        transfer is bound by the disk, whichever memory it lands in or leaves from."""
+        if self.source is Tier.NVME:
+            return Link.NVME_TO_HOST
+        if self.destination is Tier.NVME:
+            return Link.HOST_TO_NVME
+        return self
+
+    @classmethod
+    def between(cls, source: Tier, destination: Tier) -> Link | None:
+        """The link from ``source`` to ``destination``; None within one tier."""
+        if source is destination:
+            return None
+        return cls(f"{Tier(source).value}->{Tier(destination).value}")
+
+
+PRICED_LINKS = (Link.NVME_TO_HOST, Link.HOST_TO_NVME, Link.HOST_TO_DEVICE, Link.DEVICE_TO_HOST)
+"""The links the cost model prices (NVMe read, NVMe write, host->device, device->host);
+every :class:`Link` is priced as one of them (:attr:`Link.priced_as`)."""
 
 
 class Residency(str, enum.Enum):

@@ -2,7 +2,8 @@
 
 :class:`Transfers` moves flat bytes between the arenas and the NVMe tier and
 counts the traffic per copy link (:data:`LINKS`). On CUDA a copy is a
-``non_blocking`` copy on one of two side streams (``h2d`` / ``d2h``), ordered
+``non_blocking`` copy on one of two side streams (towards the device / towards the
+host, keyed :attr:`Link.HOST_TO_DEVICE` / :attr:`Link.DEVICE_TO_HOST`), ordered
 after the events it is given, and returns its own event; on the CPU it runs
 in the calling thread (a copy thread of the store) and returns ``None``, unless
 the store runs under the CPU double of CUDA's semantics (:mod:`storage.deferred`):
@@ -43,12 +44,12 @@ from storage.host import StagingPool
 from storage.io import ALIGNMENT, aligned_empty
 from storage.nvme import NvmeTier
 from storage.residency import Record
-from storage.tiers import Tier
+from storage.tiers import Link, Tier
 
 __all__ = ["LINKS", "Events", "LinkStats", "Transfers", "Work", "done_future", "flat_bytes"]
 __all__ += ["MAX_PENDING_TIMINGS", "order_after", "settled", "settled_all"]
 
-LINKS = ("nvme->host", "host->device", "device->host", "host->nvme", "nvme->device", "device->nvme")
+LINKS = tuple(Link)
 """Copy links counted by :meth:`TieredStore.stats`; ``nvme->device`` / ``device->nvme`` are file
 transfers that land in (or leave from) a device-arena slot without staging."""
 
@@ -155,6 +156,13 @@ def settled_all(events: Events) -> None:
         event.synchronize()
 
 
+def _link(source: Tier, destination: Tier) -> Link:
+    """The link between two different tiers."""
+    link = Link.between(source, destination)
+    assert link is not None, f"no copy link within tier {source.value}"
+    return link
+
+
 def _stream_after(stream: torch.cuda.Stream, after: Events) -> None:
     """Make the side ``stream`` wait for the CUDA events of ``after``."""
     for event in after:
@@ -198,11 +206,15 @@ class Transfers:
         self._direct_device = direct_device
         self._stage_all = stage_nvme
         self.meters = {link: _Meter() for link in LINKS}
-        self._timings: deque[tuple[str, int, Any, Any]] = deque()
+        self._timings: deque[tuple[Link, int, Any, Any]] = deque()
         self._timings_lock = threading.Lock()
-        self.streams: dict[str, torch.cuda.Stream] = {}
+        self.streams: dict[Link, torch.cuda.Stream] = {}
+        """The side stream of copies towards the device (``HOST_TO_DEVICE``) and of those
+        towards the host (``DEVICE_TO_HOST``); empty without CUDA."""
         if self.cuda:
-            self.streams = {d: torch.cuda.Stream(device) for d in ("h2d", "d2h")}
+            self.streams = {
+                d: torch.cuda.Stream(device) for d in (Link.HOST_TO_DEVICE, Link.DEVICE_TO_HOST)
+            }
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store")
         self._memory_pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store-mem")
         self._order = threading.Lock()  # guards Record.last across caller threads
@@ -312,7 +324,7 @@ class Transfers:
         if raw is not None and self._direct(raw):
             settled_all(after)
             assert self.nvme is not None
-            with self.meters[f"{tier.value}->nvme"].timing(nbytes):
+            with self.meters[_link(tier, Tier.NVME)].timing(nbytes):
                 self.nvme.write_async(rec.spec.name, raw).wait()
         else:
             self._staged_write(rec, data, tier, after)
@@ -360,7 +372,7 @@ class Transfers:
         """Write flat bytes ``data`` on ``tier`` to the chunk of ``rec`` through staging."""
         assert self.nvme is not None and self.staging is not None
         nbytes = rec.spec.nbytes
-        meter = self.meters["host->nvme"]
+        meter = self.meters[Link.HOST_TO_NVME]
         with self.nvme.begin_write(rec.spec.name) as handle, self.staging.borrow() as buf:
             for offset, n in self._pieces(nbytes):
                 settled(self.copy(buf[:n], Tier.HOST, data[offset : offset + n], tier, after))
@@ -371,7 +383,7 @@ class Transfers:
 
     def _nvme_read(self, rec: Record, buf: torch.Tensor, tier: Tier, offset: int, n: int) -> None:
         assert self.nvme is not None
-        with self.meters[f"nvme->{tier.value}"].timing(n):
+        with self.meters[_link(Tier.NVME, tier)].timing(n):
             self.nvme.read_async(rec.spec.name, buf, offset=offset, nbytes=n).wait()
 
     # -- copies ----------------------------------------------------------------------------
@@ -391,10 +403,11 @@ class Transfers:
         ``src_on_device`` says that ``src`` is device memory though it lies outside the
         device arena (the double defers such copies too); None: the arena decides.
         """
-        link = f"{src_tier.value}->{dst_tier.value}"
+        link = Link.between(src_tier, dst_tier)
         nbytes = dst.numel()
         if self.cuda and (dst.is_cuda or src.is_cuda):
-            stream = self.streams["d2h" if src.is_cuda and not dst.is_cuda else "h2d"]
+            to_host = src.is_cuda and not dst.is_cuda
+            stream = self.streams[Link.DEVICE_TO_HOST if to_host else Link.HOST_TO_DEVICE]
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
@@ -413,18 +426,18 @@ class Transfers:
             self._time_copy(link, nbytes, *deferred.timing())
             return deferred
         settled_all(after)
-        meter = self.meters.get(link)
+        meter = None if link is None else self.meters[link]
         with meter.timing(nbytes) if meter is not None else contextlib.nullcontext():
             dst.copy_(src)
         return None
 
     def fill_zero(self, dst: torch.Tensor, after: Events) -> CopyEvent | None:
-        """Zero flat bytes ``dst``; on CUDA on the ``h2d`` stream, returning its event."""
+        """Zero flat bytes ``dst``; on CUDA on the stream towards the device, returning its event."""
         if not dst.is_cuda:
             settled_all(after)
             dst.zero_()
             return None
-        stream = self.streams["h2d"]
+        stream = self.streams[Link.HOST_TO_DEVICE]
         with torch.cuda.stream(stream):
             _stream_after(stream, after)
             dst.zero_()
@@ -440,9 +453,9 @@ class Transfers:
         event.record(torch.cuda.current_stream(self.device))
         return (event,)
 
-    def _time_copy(self, link: str, nbytes: int, start: Any, end: Any) -> None:
+    def _time_copy(self, link: Link | None, nbytes: int, start: Any, end: Any) -> None:
         """Queue a copy's timing events; read back those at the front that have finished."""
-        if link not in self.meters:
+        if link is None:  # within one tier: not a counted link
             return
         with self._timings_lock:
             timings = self._timings
@@ -466,10 +479,10 @@ class Transfers:
         elif self.double is not None:
             self.double.finish()
 
-    def stats(self) -> dict[str, LinkStats]:
+    def stats(self) -> dict[Link, LinkStats]:
         """Traffic per link in :data:`LINKS` (bytes, busy seconds, count)."""
         with self._timings_lock:
-            pending: deque[tuple[str, int, Any, Any]] = deque()
+            pending: deque[tuple[Link, int, Any, Any]] = deque()
             for link, nbytes, start, end in self._timings:
                 if end.query():
                     self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)

@@ -37,12 +37,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.engine.observers import BlockObserver
 from bb_lightning.engine.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from bb_lightning.planner.plan import Plan
 from storage.deferred import CopyEvent
 from storage.host import HostBuffer
+from storage.observers import added, removed
 from storage.store import Ticket, TieredStore
 from storage.tiers import Residency, Tier
 from storage.transfers import settled
@@ -614,6 +616,7 @@ class BlockPager:
         self.frozen_shapes = [[tuple(p.shape) for p in params] for params in self.frozen]
         """Shapes of each block's frozen parameters, in the order of its frozen weights."""
         self._tickets: dict[int, Ticket] = {}
+        self._observers: tuple[BlockObserver, ...] | None = None
         self.handed_back = False
         """Whether the parameters hold their own values (the module was given its weights
         back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
@@ -666,6 +669,9 @@ class BlockPager:
     def acquire(self, i: int) -> list[Tensor]:
         """Page block ``i`` in (waiting for its prefetch) and bind its parameters; the views
         of its (trainable) parameters."""
+        if self._observers is not None:
+            for o in self._observers:
+                o.block_acquiring(i)
         names = self.block_names(i)
         ticket = self._tickets.pop(i, None)
         if ticket is None and self.store.state(names[0]) is Residency.RELEASED:
@@ -683,16 +689,31 @@ class BlockPager:
             frozen = _views(flats[1], self.frozen_shapes[i])
             for p, v in zip(self.frozen[i], frozen, strict=True):
                 p.data = v
+        if self._observers is not None:
+            for o in self._observers:
+                o.block_acquired(i)
         return views
 
     def release(self, i: int) -> None:
         """Unbind block ``i`` and give its device slot back (resident blocks stay)."""
+        if self._observers is not None:
+            for o in self._observers:
+                o.block_released(i)
         self._unbind(i)
         ticket = self._tickets.pop(i, None)
         if ticket is not None:
             ticket.wait()
         if self._paged(i) and self.store.state(self.names[i]) is Residency.RESIDENT:
             self.store.release(self.block_names(i))
+
+    def add_observer(self, observer: BlockObserver) -> None:
+        """Call ``observer`` at each acquire and release (:mod:`bb_lightning.engine.observers`);
+        ``ValueError`` if it already is."""
+        self._observers = added(self._observers, observer)
+
+    def remove_observer(self, observer: BlockObserver) -> None:
+        """Stop calling ``observer`` (no-op if absent)."""
+        self._observers = removed(self._observers, observer)
 
     def release_all_except(self, keep: Sequence[int] = ()) -> None:
         """Release every paged-in or in-flight block not in ``keep``."""

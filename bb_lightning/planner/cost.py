@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Link, Tier
 
 __all__ = [
     "ADAM_STATE_BYTES",
@@ -22,6 +23,7 @@ __all__ = [
     "FP32_BYTES",
     "GIB",
     "activation_bytes",
+    "budgets",
     "compute_seconds",
     "device_budget",
     "forward_flops_per_token",
@@ -78,6 +80,11 @@ def nvme_budget(hw: HardwareProfile) -> int:
     if hw.nvme_read_bandwidth <= 0 or hw.nvme_write_bandwidth <= 0:
         return 0
     return int(hw.nvme_capacity * (1.0 - HOST_MARGIN_FRACTION))
+
+
+def budgets(hw: HardwareProfile) -> dict[Tier, int]:
+    """Plannable bytes per tier: :func:`device_budget`, :func:`host_budget`, :func:`nvme_budget`."""
+    return {Tier.DEVICE: device_budget(hw), Tier.HOST: host_budget(hw), Tier.NVME: nvme_budget(hw)}
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -174,7 +181,7 @@ def host_adam_seconds(params: Num, hw: HardwareProfile) -> Num:
     return params / max(hw.host_adam_params_per_s * hw.optimizer_efficiency, MIN_BANDWIDTH)
 
 
-def pass_exposed_seconds(compute_s: Num, links: Mapping[str, Num]) -> Num:
+def pass_exposed_seconds(compute_s: Num, links: Mapping[Link, Num]) -> Num:
     """Seconds of one pass not hidden behind its compute.
 
     Overlap model: the links (NVMe read, NVMe write, H2D, D2H) run concurrently with
@@ -280,12 +287,12 @@ def grad_bytes_in_flight(model: ModelProfile) -> int:
     return 2 * model.block_train * BF16_BYTES
 
 
-def effective_bandwidths(hw: HardwareProfile) -> dict[str, float]:
+def effective_bandwidths(hw: HardwareProfile) -> dict[Link, float]:
     """Bytes/s of each copy link after the profile's efficiency factors."""
     return {
-        "h2d": hw.h2d_bandwidth * hw.h2d_efficiency,
-        "nvme_read": hw.nvme_read_bandwidth * hw.nvme_efficiency,
-        "d2h": hw.d2h_bandwidth * hw.d2h_efficiency,
+        Link.HOST_TO_DEVICE: hw.h2d_bandwidth * hw.h2d_efficiency,
+        Link.NVME_TO_HOST: hw.nvme_read_bandwidth * hw.nvme_efficiency,
+        Link.DEVICE_TO_HOST: hw.d2h_bandwidth * hw.d2h_efficiency,
     }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from bb_lightning.planner import cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, BF16_BYTES, FP32_BYTES
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import (
+    LINK_FIELDS,
+    LINKS,
     Plan,
     PlanOverrides,
     PredictedTime,
@@ -38,7 +41,7 @@ from bb_lightning.planner.plan import (
     placement_tiers,
 )
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from storage.tiers import Tier, format_bytes
+from storage.tiers import Link, Tier, format_bytes
 
 Arr = npt.NDArray[np.float64]
 FULL_DEVICE_BYTES = BF16_BYTES + FP32_BYTES + ADAM_STATE_BYTES
@@ -112,7 +115,7 @@ def price(
     hw: HardwareProfile,
     job: FitJob,
     ov: PlanOverrides,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
     ckpt: bool,
     depth: int,
     mb: int,
@@ -148,7 +151,7 @@ def price(
         + cost.logits_bytes(model, mb * s)
     )
     mandatory = paging + in_flight + nb * (FP32_BYTES + ADAM_STATE_BYTES)
-    free = budgets[1] - mandatory
+    free = budgets[Tier.HOST] - mandatory
     # On a CPU device a host-home block is used in place: it keeps its activations (in
     # the same RAM) instead of being recomputed, so it costs them on the host too.
     in_place_act = (
@@ -170,9 +173,15 @@ def price(
         free = free - g_h * FP32_BYTES * p
         m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * p, m_forced)
         free = free - m_h * ADAM_STATE_BYTES * p
-    host = budgets[1] - free
+    host = budgets[Tier.HOST] - free
     nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * p + (off - m_h) * ADAM_STATE_BYTES * p
-    feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2]) & ok_w & ok_m
+    feasible = (
+        (dev <= budgets[Tier.DEVICE])
+        & (mandatory <= budgets[Tier.HOST])
+        & (nvme <= budgets[Tier.NVME])
+        & ok_w
+        & ok_m
+    )
     recomputed, runnable = _recompute(model, hw, job, ov, ckpt, np_, w_h)
     feasible &= runnable
 
@@ -183,39 +192,44 @@ def price(
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
     grads_nvme = (off - g_h) * FP32_BYTES * p  # read-modify-write per micro-batch
     links = {
-        "h2d": cost.link_seconds(2.0 * np_ * bb + grads_dev, hw.h2d_bandwidth, hw.h2d_efficiency),
-        "nvme_read": cost.link_seconds(
+        Link.HOST_TO_DEVICE: cost.link_seconds(
+            2.0 * np_ * bb + grads_dev, hw.h2d_bandwidth, hw.h2d_efficiency
+        ),
+        Link.NVME_TO_HOST: cost.link_seconds(
             2.0 * (np_ - w_h) * bb + grads_nvme, nvme_r, hw.nvme_efficiency
         ),
-        "nvme_write": cost.link_seconds(grads_nvme, nvme_w, hw.nvme_efficiency),
-        "d2h": cost.link_seconds(
+        Link.HOST_TO_NVME: cost.link_seconds(grads_nvme, nvme_w, hw.nvme_efficiency),
+        Link.DEVICE_TO_HOST: cost.link_seconds(
             (n * p + nb) * BF16_BYTES + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
         ),
     }
     exposed_pass = cost.pass_exposed_seconds(np.full_like(kf, c_pass), links)
     adam = cost.host_adam_seconds(n * p + nb + 0.0 * kf, hw)
     opt_links = {
-        "nvme_read": cost.link_seconds(
+        Link.NVME_TO_HOST: cost.link_seconds(
             (off - m_h) * ADAM_STATE_BYTES * p + grads_nvme, nvme_r, hw.nvme_efficiency
         ),
-        "nvme_write": cost.link_seconds(
+        Link.HOST_TO_NVME: cost.link_seconds(
             (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * p * BF16_BYTES,
             nvme_w,
             hw.nvme_efficiency,
         ),
-        "h2d": cost.link_seconds(
+        Link.HOST_TO_DEVICE: cost.link_seconds(
             ((kw + kf) * p + nb) * BF16_BYTES + kf * ADAM_STATE_BYTES * p,
             hw.h2d_bandwidth,
             hw.h2d_efficiency,
         ),
-        "d2h": cost.link_seconds(kf * ADAM_STATE_BYTES * p, hw.d2h_bandwidth, hw.d2h_efficiency),
+        Link.DEVICE_TO_HOST: cost.link_seconds(
+            kf * ADAM_STATE_BYTES * p, hw.d2h_bandwidth, hw.d2h_efficiency
+        ),
     }
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
     k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
     host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
     disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
     disk = disk + cost.link_seconds((np_ - w_h) * p * BF16_BYTES, nvme_w, hw.nvme_efficiency)
-    pipeline = np.maximum(np.maximum(adam, disk), np.maximum(opt_links["h2d"], opt_links["d2h"]))
+    opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
+    pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
     opt_exposed = cost.optimizer_exposed_seconds(
         pipeline,
         np.full_like(kf, bwd),
@@ -253,8 +267,8 @@ def price(
         "read_ahead": k,
         "shared": shared,
     }
-    for link in ("h2d", "nvme_read", "nvme_write", "d2h"):
-        out[link] = ga * links[link] + opt_links.get(link, 0.0)
+    for link in LINKS:  # columns named as the PredictedTime fields
+        out[LINK_FIELDS[link]] = ga * links[link] + opt_links.get(link, 0.0)
     out["compute"] = np.full_like(kf, compute)
     return out
 
@@ -354,7 +368,7 @@ def search(
     hw: HardwareProfile,
     job: FitJob,
     ov: PlanOverrides,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
 ) -> Priced | None:
     """The fastest feasible candidate per token, or ``None`` when none fits."""
     kf, kw = states(model.num_blocks, ov)
@@ -392,7 +406,7 @@ def diagnose(
     hw: HardwareProfile,
     job: FitJob,
     ov: PlanOverrides,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
 ) -> str:
     """Why nothing fits: the shortfall per tier and the smallest change that fits."""
     ckpts, depths, mbs = _options(job, ov)
@@ -411,7 +425,7 @@ def diagnose(
             "paged in by copy are always recomputed; allow checkpointing (checkpointing=None)"
         )
     dev, mand, nvme = float(a["device"][0]), float(a["mandatory"][0]), float(a["nvme"][0])
-    dev_b, host_b, nvme_b = budgets
+    dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
     fmt = format_bytes
     if dev > dev_b:
         fits = [
@@ -474,7 +488,7 @@ def build_plan(
     job: FitJob,
     overrides: PlanOverrides | None,
     best: Priced,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
 ) -> Plan:
     """Turn the chosen candidate into a :class:`Plan` with reasons."""
     v, n = best.values, model.num_blocks
@@ -506,9 +520,9 @@ def build_plan(
         flops_per_token=fpt,
         device_flops=hw.device_flops * hw.compute_efficiency,
         bytes_per_pass={
-            "h2d": 2.0 * paged * model.block_bytes,
-            "nvme_read": 2.0 * (paged - w_h) * model.block_bytes,
-            "d2h": float(n * model.block_train * BF16_BYTES),
+            Link.HOST_TO_DEVICE: 2.0 * paged * model.block_bytes,
+            Link.NVME_TO_HOST: 2.0 * (paged - w_h) * model.block_bytes,
+            Link.DEVICE_TO_HOST: float(n * model.block_train * BF16_BYTES),
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
@@ -516,11 +530,11 @@ def build_plan(
         (8.0 if best.checkpointing else 6.0) * model.active_fraction,
         4.0,
         roof.device_flops,
-        bw["h2d"],
+        bw[Link.HOST_TO_DEVICE],
     )
     reasons = [
         f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per pass "
-        f"(device {roof.device_flops / 1e12:.3g} TFLOP/s over H2D {bw['h2d'] / 1e9:.3g} GB/s); "
+        f"(device {roof.device_flops / 1e12:.3g} TFLOP/s over H2D {bw[Link.HOST_TO_DEVICE] / 1e9:.3g} GB/s); "
         f"chosen {best.micro_batch} x {job.seq_len} = {tokens_pass:,} tokens, "
         f"{ga} accumulation step(s) make the global batch (limited by {limited})",
         f"checkpointing {'on' if best.checkpointing else 'off'}: activations take "
@@ -599,11 +613,11 @@ def build_plan(
 
 
 def _memory(
-    hw: HardwareProfile, budgets: tuple[int, int, int], v: dict[str, Any]
+    hw: HardwareProfile, budgets: Mapping[Tier, int], v: dict[str, Any]
 ) -> tuple[TierMemory, ...]:
     caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
     used = (v["device"], v["host"], v["nvme"])
     return tuple(
-        TierMemory(tier=t, used=int(u), budget=b, capacity=c)
-        for t, u, b, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, budgets, caps, strict=True)
+        TierMemory(tier=t, used=int(u), budget=budgets[t], capacity=c)
+        for t, u, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)
     )

@@ -9,10 +9,11 @@ from typing import Any
 
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from storage.tiers import Tier, format_bytes, format_count
+from storage.tiers import PRICED_LINKS, Link, Tier, format_bytes, format_count
 
 __all__ = [
     "LINKS",
+    "LINK_FIELDS",
     "Plan",
     "PlanOverrides",
     "PredictedTime",
@@ -21,8 +22,17 @@ __all__ = [
     "placement_tiers",
 ]
 
-LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+LINKS = PRICED_LINKS
 """Copy links the cost model prices: NVMe->host, host->NVMe, host->device, device->host."""
+
+LINK_FIELDS: dict[Link, str] = {
+    Link.NVME_TO_HOST: "nvme_read",
+    Link.HOST_TO_NVME: "nvme_write",
+    Link.HOST_TO_DEVICE: "h2d",
+    Link.DEVICE_TO_HOST: "d2h",
+}
+"""The :class:`PredictedTime` field of each priced link's busy seconds, also its key in
+the plan's JSON (``roofline``) and the stem of the ``MeasuredTimes`` field."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,16 +96,22 @@ class PredictedTime:
     """Step time, seconds: ``compute + exposed``."""
 
     @property
-    def transfer(self) -> dict[str, float]:
-        """Busy seconds per link."""
-        return {link: getattr(self, link) for link in LINKS}
+    def transfer(self) -> dict[Link, float]:
+        """Busy seconds per priced link."""
+        return {link: self.on(link) for link in LINKS}
+
+    def on(self, link: Link) -> float:
+        """Busy seconds of ``link``, priced as its :attr:`~storage.tiers.Link.priced_as`."""
+        return float(getattr(self, LINK_FIELDS[Link(link).priced_as]))
 
     @property
     def bottleneck(self) -> str:
-        """``compute`` when under 1% of the step is exposed, else the busiest link or optimizer."""
+        """``compute`` when under 1% of the step is exposed, else the busiest link (its
+        :data:`LINK_FIELDS` name) or ``optimizer``."""
         if self.exposed <= 0.01 * self.total:
             return "compute"
-        phases = {**self.transfer, "optimizer": self.optimizer}
+        phases = {LINK_FIELDS[k]: v for k, v in self.transfer.items()}
+        phases["optimizer"] = self.optimizer
         return max(phases, key=lambda k: phases[k])
 
 
@@ -126,12 +142,29 @@ class Roofline:
     """Device FLOPs per token of a pass."""
     device_flops: float
     """Effective device FLOP/s."""
-    bytes_per_pass: dict[str, float] = field(default_factory=dict)
+    bytes_per_pass: dict[Link, float] = field(default_factory=dict)
     """Bytes each link carries per pass regardless of its tokens (weights)."""
-    bytes_per_token: dict[str, float] = field(default_factory=dict)
+    bytes_per_token: dict[Link, float] = field(default_factory=dict)
     """Bytes each link carries per token of a pass (gradients excluded; KV cache)."""
-    bandwidth: dict[str, float] = field(default_factory=dict)
+    bandwidth: dict[Link, float] = field(default_factory=dict)
     """Effective bytes/s of each link."""
+
+    _MAPS = ("bytes_per_pass", "bytes_per_token", "bandwidth")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict, links keyed by their :data:`LINK_FIELDS` names."""
+        d: dict[str, Any] = {"flops_per_token": self.flops_per_token}
+        d["device_flops"] = self.device_flops
+        for key in self._MAPS:
+            d[key] = {LINK_FIELDS[link]: v for link, v in getattr(self, key).items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Roofline:
+        """Inverse of :meth:`to_dict`."""
+        by_field = {name: link for link, name in LINK_FIELDS.items()}
+        maps = {key: {by_field[k]: v for k, v in d.get(key, {}).items()} for key in cls._MAPS}
+        return cls(flops_per_token=d["flops_per_token"], device_flops=d["device_flops"], **maps)
 
     def tokens_per_s(self, tokens_per_pass: float) -> float:
         """Predicted tokens/s of one pass of ``tokens_per_pass`` tokens (optimizer aside)."""
@@ -264,7 +297,7 @@ class Plan:
                 for m in self.memory
             ],
             "predicted": dataclasses.asdict(self.predicted),
-            "roofline": dataclasses.asdict(self.roofline),
+            "roofline": self.roofline.to_dict(),
             "reasons": list(self.reasons),
         }
 
@@ -292,7 +325,7 @@ class Plan:
                 for m in d.pop("memory")
             ),
             predicted=PredictedTime(**d.pop("predicted")),
-            roofline=Roofline(**d.pop("roofline")),
+            roofline=Roofline.from_dict(d.pop("roofline")),
             reasons=tuple(d.pop("reasons")),
             **{k: v for k, v in d.items() if k not in ("overrides", "kv_cache")},
         )
@@ -371,7 +404,7 @@ class Plan:
         )
         lines.append(
             "  busy: "
-            + " · ".join(f"{k} {v:.3g} s" for k, v in p.transfer.items())
+            + " · ".join(f"{LINK_FIELDS[k]} {v:.3g} s" for k, v in p.transfer.items())
             + f" · optimizer {p.optimizer:.3g} s"
         )
         unit = "trained" if self.task == "fit" else "generated"

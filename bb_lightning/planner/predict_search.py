@@ -20,6 +20,7 @@ reads it in place.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from bb_lightning.planner.cost import BF16_BYTES, FP32_BYTES
 from bb_lightning.planner.fit_search import ladder
 from bb_lightning.planner.job import PredictJob
 from bb_lightning.planner.plan import (
+    LINK_FIELDS,
     Plan,
     PlanOverrides,
     PredictedTime,
@@ -38,7 +40,7 @@ from bb_lightning.planner.plan import (
     placement_tiers,
 )
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from storage.tiers import Tier, format_bytes
+from storage.tiers import Link, Tier, format_bytes
 
 Arr = npt.NDArray[np.float64]
 PREFILL_TOKENS = 8192
@@ -60,7 +62,7 @@ def price(
     hw: HardwareProfile,
     job: PredictJob,
     ov: PlanOverrides,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
     depth: int,
     c: int,
     kv: Tier,
@@ -91,14 +93,18 @@ def price(
         + kv_dev
     )
     mandatory = paging + (kv_all if kv is Tier.HOST else 0.0)
-    free = budgets[1] - mandatory
+    free = budgets[Tier.HOST] - mandatory
     if ov.weights_tier is Tier.NVME:
         w_h = np.zeros_like(kw)
     else:
         w_h = np.minimum(np_, np.floor(np.maximum(free, 0.0) / bb))
     host = mandatory + w_h * bb
     nvme = (np_ - w_h) * bb
-    feasible = (dev <= budgets[0]) & (mandatory <= budgets[1]) & (nvme <= budgets[2])
+    feasible = (
+        (dev <= budgets[Tier.DEVICE])
+        & (mandatory <= budgets[Tier.HOST])
+        & (nvme <= budgets[Tier.NVME])
+    )
     if ov.weights_tier is Tier.HOST:
         feasible &= w_h >= np_
 
@@ -120,19 +126,21 @@ def price(
     kv_pre = cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=True) if streamed else (0, 0)
     kv_dec = cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=False) if streamed else (0, 0)
     pre_links = {
-        "h2d": cost.link_seconds(w_h2d + kv_pre[0], *h2d),
-        "nvme_read": nvme_s,
-        "d2h": cost.link_seconds(np.full_like(kw, kv_pre[1]), *d2h),
+        Link.HOST_TO_DEVICE: cost.link_seconds(w_h2d + kv_pre[0], *h2d),
+        Link.NVME_TO_HOST: nvme_s,
+        Link.DEVICE_TO_HOST: cost.link_seconds(np.full_like(kw, kv_pre[1]), *d2h),
     }
     dec_links = {
-        "h2d": cost.link_seconds(w_h2d + kv_dec[0], *h2d),
-        "nvme_read": nvme_s,
-        "d2h": cost.link_seconds(np.full_like(kw, kv_dec[1]), *d2h),
+        Link.HOST_TO_DEVICE: cost.link_seconds(w_h2d + kv_dec[0], *h2d),
+        Link.NVME_TO_HOST: nvme_s,
+        Link.DEVICE_TO_HOST: cost.link_seconds(np.full_like(kw, kv_dec[1]), *d2h),
     }
     c_pre_a, c_dec_a = np.full_like(kw, c_pre), np.full_like(kw, c_dec)
     # the cache's copies to the host run on the compute stream: exposed, not overlapped
-    exp_pre = cost.pass_exposed_seconds(c_pre_a, _overlapped(pre_links)) + pre_links["d2h"]
-    exp_dec = cost.pass_exposed_seconds(c_dec_a, _overlapped(dec_links)) + dec_links["d2h"]
+    exp_pre = cost.pass_exposed_seconds(c_pre_a, _overlapped(pre_links))
+    exp_pre = exp_pre + pre_links[Link.DEVICE_TO_HOST]
+    exp_dec = cost.pass_exposed_seconds(c_dec_a, _overlapped(dec_links))
+    exp_dec = exp_dec + dec_links[Link.DEVICE_TO_HOST]
     compute = c_pre + steps * c_dec
     total = compute + exp_pre + steps * exp_dec
     out = {
@@ -150,14 +158,14 @@ def price(
         "micro_batch": np.full_like(kw, mb),
         "nvme_write": np.zeros_like(kw),
     }
-    for link in ("h2d", "nvme_read", "d2h"):
-        out[link] = pre_links[link] + steps * dec_links[link]
+    for link in pre_links:  # columns named as the PredictedTime fields
+        out[LINK_FIELDS[link]] = pre_links[link] + steps * dec_links[link]
     return out
 
 
-def _overlapped(links: dict[str, Arr]) -> dict[str, Arr]:
+def _overlapped(links: dict[Link, Arr]) -> dict[Link, Arr]:
     """The links that run beside compute (the KV cache's device-to-host copies do not)."""
-    return {k: v for k, v in links.items() if k != "d2h"}
+    return {k: v for k, v in links.items() if k is not Link.DEVICE_TO_HOST}
 
 
 def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
@@ -179,7 +187,7 @@ def search(
     hw: HardwareProfile,
     job: PredictJob,
     ov: PlanOverrides,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
 ) -> Priced | None:
     """The fastest feasible candidate per generated token, or ``None``."""
     depths, cs, kw = _options(model.num_blocks, job, ov)
@@ -208,14 +216,14 @@ def diagnose(
     hw: HardwareProfile,
     job: PredictJob,
     ov: PlanOverrides,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
 ) -> str:
     """Why nothing fits: the shortfall per tier and the smallest change that fits."""
     depths, cs, kw = _options(model.num_blocks, job, ov)
     a = price(model, hw, job, ov, budgets, depths[0], cs[0], Tier.HOST, kw[:1])
     dev, host, nvme = (float(a[k][0]) for k in ("device", "host", "nvme"))
     fmt = format_bytes
-    dev_b, host_b, nvme_b = budgets
+    dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
     if dev > dev_b:
         return (
             f"even {cs[0]} sequence(s) with a {job.prompt_len}-token prompt need {fmt(dev)} on "
@@ -237,7 +245,7 @@ def build_plan(
     job: PredictJob,
     overrides: PlanOverrides | None,
     best: Priced,
-    budgets: tuple[int, int, int],
+    budgets: Mapping[Tier, int],
 ) -> Plan:
     """Turn the chosen candidate into a :class:`Plan` with reasons."""
     v, n, c = best.values, model.num_blocks, best.concurrent
@@ -264,15 +272,18 @@ def build_plan(
         flops_per_token=cost.forward_flops_per_token(model, ctx),
         device_flops=eff_flops * hw.decode_efficiency,
         bytes_per_pass={
-            "h2d": float((n - kw) * model.block_bytes),
-            "nvme_read": float((n - kw - w_h) * model.block_bytes),
+            Link.HOST_TO_DEVICE: float((n - kw) * model.block_bytes),
+            Link.NVME_TO_HOST: float((n - kw - w_h) * model.block_bytes),
         },
         # transformers' offloading cache moves the whole cache each way per decode pass
-        bytes_per_token={"h2d": job.cache_len * kv_tok, "d2h": job.cache_len * kv_tok},
+        bytes_per_token={
+            Link.HOST_TO_DEVICE: job.cache_len * kv_tok,
+            Link.DEVICE_TO_HOST: job.cache_len * kv_tok,
+        },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
     # the paged weights come over the slowest link they cross: NVMe when some home there
-    link = "nvme_read" if n - kw - w_h > 0 else "h2d"
+    link = Link.NVME_TO_HOST if n - kw - w_h > 0 else Link.HOST_TO_DEVICE
     hide = cost.hide_tokens_per_pass(  # FLOPs of the active weights against all bytes (MoE)
         2.0 * model.active_fraction, 2.0, eff_flops * hw.decode_efficiency, bw[link]
     )
@@ -283,7 +294,7 @@ def build_plan(
     elif best.kv is Tier.HOST:
         where = " (RAM: the CPU reads it in place)"
     reasons = [
-        f"a paged weight pass ({link.replace('_', ' ')}) hides behind compute from about "
+        f"a paged weight pass ({LINK_FIELDS[link].replace('_', ' ')}) hides behind compute from about "
         f"{hide:,.0f} tokens per decode pass; chosen {c} concurrent sequences (limited by "
         f"{limited})",
         f"KV cache of {c} sequences x {job.total_len} tokens = {format_bytes(kv_bytes)} on "
@@ -299,10 +310,8 @@ def build_plan(
     caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
     used = (v["device"], v["host"], v["nvme"])
     memory = tuple(
-        TierMemory(tier=t, used=int(u), budget=b, capacity=cap)
-        for t, u, b, cap in zip(
-            (Tier.DEVICE, Tier.HOST, Tier.NVME), used, budgets, caps, strict=True
-        )
+        TierMemory(tier=t, used=int(u), budget=budgets[t], capacity=cap)
+        for t, u, cap in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)
     )
     return Plan(
         task="predict",

@@ -7,10 +7,12 @@ import os
 import numpy as np
 
 from bb_lightning.planner.plan import Plan
+from storage.tiers import Link
 
 __all__ = ["plot_roofline"]
 
-_LINK_LABELS = {"h2d": "host->device", "nvme_read": "NVMe read", "d2h": "device->host"}
+_LINK_LABELS = {Link.NVME_TO_HOST: "NVMe read"}
+"""Legend names other than the link's own (``host->device``)."""
 
 
 def plot_roofline(plan: Plan, path: str | os.PathLike[str]) -> None:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bb_lightning.planner import fit_search, predict_search
-from bb_lightning.planner.cost import device_budget, host_budget, nvme_budget
+from bb_lightning.planner import cost, fit_search, predict_search
 from bb_lightning.planner.job import FitJob, PredictJob
-from bb_lightning.planner.plan import Plan, PlanOverrides
+from bb_lightning.planner.plan import LINK_FIELDS, Plan, PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Link
 
 __all__ = ["MeasuredTimes", "PlanError", "PlanOverrides", "adapt", "make_plan", "plan_differs"]
 
@@ -61,6 +62,30 @@ class MeasuredTimes:
             value = getattr(self, f.name)
             if value is not None and not value >= 0:
                 raise ValueError(f"MeasuredTimes.{f.name} = {value} must be >= 0 seconds")
+
+    @classmethod
+    def from_links(
+        cls,
+        links: Mapping[Link, float],
+        *,
+        compute_s: float | None = None,
+        optimizer_s: float | None = None,
+        step_s: float | None = None,
+    ) -> MeasuredTimes:
+        """Times with the busy seconds per step of ``links`` (any :class:`Link`, each added
+        to the link it is priced as, :attr:`Link.priced_as`); a priced link none of
+        ``links`` maps to stays unmeasured (``None``)."""
+        seconds: dict[Link, float] = {}
+        for link, s in links.items():
+            priced = Link(link).priced_as
+            seconds[priced] = seconds.get(priced, 0.0) + s
+        measured = {f"{LINK_FIELDS[link]}_s": s for link, s in seconds.items()}
+        return cls(compute_s=compute_s, optimizer_s=optimizer_s, step_s=step_s, **measured)
+
+    def on(self, link: Link) -> float | None:
+        """Measured busy seconds of ``link`` (as the link it is priced as); None: not measured."""
+        value: float | None = getattr(self, f"{LINK_FIELDS[Link(link).priced_as]}_s")
+        return value
 
 
 def _check_overrides(model: ModelProfile, job: FitJob | PredictJob, ov: PlanOverrides) -> None:
@@ -115,7 +140,7 @@ def make_plan(
     job.validate(model)
     ov = overrides or PlanOverrides()
     _check_overrides(model, job, ov)
-    budgets = (device_budget(hardware), host_budget(hardware), nvme_budget(hardware))
+    budgets = cost.budgets(hardware)
     if isinstance(job, FitJob):
         best = fit_search.search(model, hardware, job, ov, budgets)
         if best is None:

@@ -15,7 +15,7 @@ from storage.tiers import Tier
 
 
 def _price(model: ModelProfile, hw: HardwareProfile, kf: int, kw: int) -> dict[str, float]:
-    budgets = (hw.device_memory, hw.host_memory, 0)
+    budgets = {Tier.DEVICE: hw.device_memory, Tier.HOST: hw.host_memory, Tier.NVME: 0}
     out = fit_search.price(
         model, hw, FitJob(seq_len=512, global_batch_seqs=8), PlanOverrides(), budgets,
         False, 1, 8, np.array([float(kf)]), np.array([float(kw)]),

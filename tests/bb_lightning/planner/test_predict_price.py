@@ -35,7 +35,11 @@ def test_decode_efficiency_scales_only_the_decode_passes(
 
 
 def _kv_on_host(model: ModelProfile, hw: HardwareProfile) -> dict[str, float]:
-    budgets = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
+    budgets = {
+        Tier.DEVICE: hw.device_memory,
+        Tier.HOST: hw.host_memory,
+        Tier.NVME: hw.nvme_capacity,
+    }
     a = price(model, hw, JOB, PlanOverrides(), budgets, 1, 32, Tier.HOST, np.array([0.0]))
     return {k: float(v[0]) for k, v in a.items()}
 
@@ -65,7 +69,11 @@ def test_a_streamed_cache_prefills_the_whole_batch_at_once(
 ) -> None:
     # rows of an offloading cache cannot be shared by prefill micro-batches (engine/rows.py)
     long = PredictJob(prompt_len=2048, new_tokens=8, num_prompts=32)
-    budgets = (small_gpu.device_memory, small_gpu.host_memory, small_gpu.nvme_capacity)
+    budgets = {
+        Tier.DEVICE: small_gpu.device_memory,
+        Tier.HOST: small_gpu.host_memory,
+        Tier.NVME: small_gpu.nvme_capacity,
+    }
     kw = np.array([0.0])
     host = price(small_model, small_gpu, long, PlanOverrides(), budgets, 1, 32, Tier.HOST, kw)
     dev = price(small_model, small_gpu, long, PlanOverrides(), budgets, 1, 32, Tier.DEVICE, kw)
@@ -116,7 +124,11 @@ def test_an_offloaded_cache_is_priced_as_transformers_moves_it(
     """Every block resident: the only copies are the cache's, the ones to the host exposed."""
     m, n, c = small_model, small_model.num_blocks, 32
     hw = small_gpu.replace(h2d_bandwidth=1e9, d2h_bandwidth=5e8, d2h_efficiency=0.8)
-    budgets = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
+    budgets = {
+        Tier.DEVICE: hw.device_memory,
+        Tier.HOST: hw.host_memory,
+        Tier.NVME: hw.nvme_capacity,
+    }
     kw = np.array([float(n)])
     a = price(m, hw, JOB, PlanOverrides(), budgets, 1, c, Tier.HOST, kw)
     whole = c * JOB.cache_len * m.kv_bytes_per_token * n  # [c, kv heads, 128, dim] x 2 x n
