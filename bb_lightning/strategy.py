@@ -51,6 +51,7 @@ store; ``gather_on_teardown=True`` does that at the end of every ``trainer.*`` c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import tempfile
 import weakref
@@ -66,7 +67,7 @@ from transformers import PreTrainedModel
 
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
@@ -305,7 +306,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         _, blocks = find_block_list(module)
         dtype = self.resolved_dtype()
         loader = checkpoint_loader(module)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
+        placement = self._placement(module, len(blocks), trainer)
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
         config = self._store_config(numels, rest, placement, dtype, frozen)
         need = required_budgets(numels, rest, placement, dtype, frozen)
@@ -318,7 +319,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 list(blocks),
                 self.store,
                 placement,
-                compute_dtype=dtype,
                 device=self.root_device,
                 loader=loader,
             )
@@ -332,7 +332,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         _, blocks = find_block_list(module)
         dtype = self.resolved_dtype()
         loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
+        placement = self._placement(module, len(blocks), trainer)
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement, dtype)  # fmt: skip
         config = self.store_config
@@ -353,17 +353,12 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
         try:
             self.inference = InferenceEngine(module, list(blocks), self.store, placement,
-                                             compute_dtype=dtype, device=self.root_device,
-                                             loader=loader)  # fmt: skip
+                                             device=self.root_device, loader=loader)  # fmt: skip
         except BaseException:
             self.close()
             raise
         if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
-            module.kv_cache_tier = None if self.plan is None else self.plan.kv_cache
-        job = None if self.plan is None else self.plan.job
-        if isinstance(job, PredictJob):  # prefill in the planned micro-batches
-            assert self.plan is not None
-            self.inference.paged.max_tokens = self.plan.micro_batch * job.prompt_len
+            module.kv_cache_tier = placement.kv_cache
 
     def _inference(self) -> InferenceEngine:
         assert self.inference is not None
@@ -374,6 +369,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         net = _hf_model(module)
         assert net is not None
         job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
+        job = dataclasses.replace(job, compute_dtype=dtype_name(self.resolved_dtype()))
         dm = getattr(trainer, "datamodule", None)
         batch = getattr(dm, "batch_size", None)
         model, hardware = ModelProfile.from_module(net), self._hardware()
@@ -406,8 +402,15 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
         )
         self._adopt(plan)
-        weights = tuple(plan.weights)
-        return Placement(weights=weights, master=weights, prefetch_depth=plan.prefetch_depth)
+        return plan.placement
+
+    def _placement(
+        self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer
+    ) -> Placement:
+        """The placement given (computing in the resolved dtype), else the planned one."""
+        if self.placement is None:
+            return self._plan(module, num_blocks, trainer)
+        return dataclasses.replace(self.placement, compute_dtype=dtype_name(self.resolved_dtype()))
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -428,6 +431,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             weights=Tier(tiers[0] or Tier.HOST),
             master=Tier(tiers[1] or Tier.HOST),
             prefetch_depth=depth,
+            compute_dtype=dtype_name(self.resolved_dtype()),
         )
 
     def _plan_with_planner(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
@@ -442,6 +446,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             accum = int(trainer.accumulate_grad_batches)
             clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
             job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
+        job = dataclasses.replace(job, compute_dtype=dtype_name(self.resolved_dtype()))
         model, hardware = ModelProfile.from_module(net), self._hardware()
         if self.hardware is None or self.hardware == "measure":
             hardware = self._probe_compute(net, hardware, job, micro)
@@ -468,7 +473,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 f"({plan.tokens_per_s:.4g} tokens/s predicted)"
             )
         self._adopt(plan)
-        return Placement.from_plan(plan)
+        return plan.placement
 
     def _probe_compute(
         self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
@@ -654,7 +659,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
         engine, store = self.engine, self.store
         assert engine is not None and store is not None
-        placement = Placement.from_plan(plan)
+        placement = plan.placement
         numels = [s.numel for s in engine.pager.states]
         need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
                                 engine.pager.frozen_numels)  # fmt: skip

@@ -2,7 +2,7 @@
 
 :class:`InferenceEngine` registers only each block's weights in the compute
 dtype in a :class:`storage.store.TieredStore` (homes per
-:class:`~bb_lightning.engine.pager.Placement`, ``master`` not read), keeps the
+:class:`~bb_lightning.placement.Placement`, ``master`` not read), keeps the
 other parameters (embedding, final norm, head) on the device in the compute
 dtype, and installs the paged forwards. No fp32 master weights, no AdamW
 moments, no gradient accumulators: a bf16 block costs 2 bytes per parameter
@@ -40,6 +40,7 @@ from bb_lightning.engine.pager import (
     buffers_to,
     flat_from,
     set_data,
+    torch_dtype,
 )
 from bb_lightning.engine.timing import PhaseTimer
 from storage.device import slot_bytes
@@ -111,7 +112,6 @@ class InferenceEngine:
         store: TieredStore,
         placement: Placement,
         *,
-        compute_dtype: torch.dtype,
         device: torch.device,
         loader: ParamLoader | None = None,
     ) -> None:
@@ -124,7 +124,8 @@ class InferenceEngine:
         self.model = model
         self.store = store
         self.device = device
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = torch_dtype(placement)
+        """The dtype the device computes in (``placement.compute_dtype``)."""
         self.streamed = loader is not None
         """Whether the weights were read from a checkpoint (the module's are on meta)."""
         if device.type == "cpu":
@@ -141,7 +142,6 @@ class InferenceEngine:
             store,
             blocks,
             placement,
-            compute_dtype=compute_dtype,
             device=device,
             loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
@@ -150,6 +150,7 @@ class InferenceEngine:
         buffers_to(model, device, compute_dtype)
         self._grads = GradSink()  # never fed: forwards with grad are not served
         self.paged = PagedBlocks(blocks, self.pager, self._grads)
+        self.paged.max_tokens = placement.prefill_tokens  # prefill in planned chunks
         self.paged.install()
 
     def _block_names(self) -> list[list[str]]:

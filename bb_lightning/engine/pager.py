@@ -31,16 +31,12 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.timing import PhaseTimer
-
-if TYPE_CHECKING:
-    from bb_lightning.planner.plan import Plan
+from bb_lightning.placement import Placement
 from storage.deferred import CopyEvent
 from storage.host import HostBuffer
 from storage.store import Ticket, TieredStore
@@ -54,8 +50,10 @@ __all__ = [
     "GradSink",
     "Placement",
     "block_params",
+    "dtype_name",
     "flatten_fp32",
     "set_data",
+    "torch_dtype",
 ]
 
 BlockLoader = Callable[[int], Tensor]
@@ -63,82 +61,17 @@ BlockLoader = Callable[[int], Tensor]
 :class:`FlatState` (used to fill the store from a checkpoint one block at a time)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where each block's tensors live, and how far ahead page-ins run."""
+def torch_dtype(placement: Placement) -> torch.dtype:
+    """The torch dtype of ``placement.compute_dtype``."""
+    dtype = getattr(torch, placement.compute_dtype)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
-    weights: tuple[Tier, ...]
-    """Home tier of each block's compute-dtype weights (DEVICE = resident)."""
-    master: tuple[Tier, ...]
-    """Home tier of each block's fp32 master weights and AdamW moments."""
-    prefetch_depth: int = 1
-    """Blocks paged in ahead of the one computing (>= 1); the device holds depth + 1 blocks."""
-    grads: tuple[Tier, ...] | None = None
-    """Home tier of each block's fp32 gradient accumulator; None: as ``master``."""
-    recompute_resident: bool = False
-    """Checkpoint the blocks used in place too, recomputing them in backward: resident
-    (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
-    memory itself). False keeps their activations (ordinary autograd: more activation
-    memory, no recompute). Blocks copied in from another tier are always recomputed."""
-    read_ahead: int = 2
-    """Blocks whose optimizer state, where homed off the host, is read ahead of their
-    optimizer step, each into its own host buffers (three fp32 tensors of the largest
-    block); >= 1. More blocks give the reads more of the step to run in, at
-    ``12 * largest block params`` host bytes each."""
 
-    def __post_init__(self) -> None:
-        if len(self.weights) != len(self.master):
-            raise ValueError(
-                f"placement has {len(self.weights)} weight tiers but {len(self.master)} master "
-                "tiers: give one of each per block"
-            )
-        if self.grads is not None and len(self.grads) != len(self.master):
-            raise ValueError(
-                f"placement has {len(self.grads)} gradient tiers but {len(self.master)} master "
-                "tiers: give one of each per block, or grads=None"
-            )
-        if self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 1: pass 1 or more")
-        if self.read_ahead < 1:
-            raise ValueError(f"read_ahead={self.read_ahead} must be >= 1: pass 1 or more")
-
-    @property
-    def grad_tiers(self) -> tuple[Tier, ...]:
-        """Home tier of each block's gradient accumulator (``grads``, else ``master``)."""
-        return self.master if self.grads is None else self.grads
-
-    @classmethod
-    def from_plan(cls, plan: Plan) -> Placement:
-        """The placement a fit plan chose (its homes, prefetch depth and read-ahead, and
-        whether the in-place blocks are recomputed: :meth:`Plan.recomputed_blocks`)."""
-        in_place = plan.in_place_tiers()
-        return cls(
-            weights=tuple(plan.weights),
-            master=tuple(plan.master),
-            prefetch_depth=plan.prefetch_depth,
-            grads=tuple(plan.grads),
-            recompute_resident=plan.checkpointing and all(w in in_place for w in plan.weights),
-            read_ahead=plan.read_ahead,
-        )
-
-    @classmethod
-    def uniform(
-        cls,
-        num_blocks: int,
-        *,
-        weights: Tier,
-        master: Tier = Tier.HOST,
-        prefetch_depth: int = 1,
-        grads: Tier | None = None,
-    ) -> Placement:
-        """Every block's weights on ``weights``, optimizer state on ``master``, gradient
-        accumulators on ``grads`` (None: ``master``)."""
-        return cls(
-            weights=(weights,) * num_blocks,
-            master=(master,) * num_blocks,
-            prefetch_depth=prefetch_depth,
-            grads=None if grads is None else (grads,) * num_blocks,
-        )
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name :attr:`Placement.compute_dtype` gives ``dtype`` (``torch.bfloat16`` ->
+    ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def block_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -572,14 +505,14 @@ class BlockPager:
         blocks: Sequence[nn.Module],
         placement: Placement,
         *,
-        compute_dtype: torch.dtype,
         device: torch.device,
         prefix: str = "block",
         loader: BlockLoader | None = None,
         timer: PhaseTimer | None = None,
         weights_only: bool = False,
     ) -> None:
-        """Register every block's tensors in ``store`` and unbind its parameters.
+        """Register every block's tensors in ``store`` (in ``placement.compute_dtype``) and
+        unbind its parameters.
 
         Args:
             loader: block values when the parameters are on the meta device (streamed
@@ -594,9 +527,14 @@ class BlockPager:
                 f"placement covers {len(placement.weights)} blocks but the model has "
                 f"{len(blocks)}: build the placement for this model"
             )
+        if not weights_only and not placement.master:
+            raise ValueError(
+                "placement has no master tiers (a weights-only placement): give one master "
+                "tier per block to train"
+            )
         self.store = store
         self.placement = placement
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = torch_dtype(placement)
         self.timer = timer
         every = [[p for _, p in block_params(b)] for b in blocks]
         self.params = [[p for p in ps if weights_only or p.requires_grad] for ps in every]
@@ -743,6 +681,11 @@ class BlockPager:
             raise ValueError(
                 f"placement covers {len(placement.weights)} blocks but the pager holds "
                 f"{self.num_blocks}: build the placement for this model"
+            )
+        if placement.compute_dtype != self.placement.compute_dtype:
+            raise ValueError(
+                f"placement computes in {placement.compute_dtype} but the pager holds "
+                f"{self.placement.compute_dtype} weights: keep the compute dtype"
             )
         self.release_all_except(())
         for i in range(self.num_blocks):  # resident blocks may still be bound

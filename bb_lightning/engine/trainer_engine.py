@@ -2,7 +2,7 @@
 
 :class:`TrainingEngine` puts a model's repeated blocks in a
 :class:`storage.store.TieredStore` (weights in the compute dtype, fp32 master
-weights and AdamW moments, homes per :class:`~bb_lightning.engine.pager.Placement`)
+weights and AdamW moments, homes per :class:`~bb_lightning.placement.Placement`)
 and keeps the other parameters (embedding, final norm, head) resident on the
 device with ordinary autograd, their fp32 master state in the store's host
 tier. Every gradient leaves the device into fp32 accumulators in the store, homed
@@ -64,6 +64,7 @@ from bb_lightning.engine.pager import (
     buffers_to,
     flat_from,
     set_data,
+    torch_dtype,
 )
 from bb_lightning.engine.timing import PhaseTimer
 from storage.device import slot_bytes
@@ -211,7 +212,7 @@ def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[in
 
 def reads_ahead(placement: Placement) -> bool:
     """Whether the engine keeps read-ahead buffers: some optimizer state is off the host."""
-    return any(t is not Tier.HOST for t in placement.master)
+    return placement.reads_ahead
 
 
 def check_budgets(need: Mapping[Tier, int], have: Mapping[Tier, int]) -> None:
@@ -288,7 +289,6 @@ class TrainingEngine:
         store: TieredStore,
         placement: Placement,
         *,
-        compute_dtype: torch.dtype,
         device: torch.device,
         loader: ParamLoader | None = None,
     ) -> None:
@@ -301,7 +301,8 @@ class TrainingEngine:
         self.model = model
         self.store = store
         self.device = device
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = torch_dtype(placement)
+        """The dtype the device computes in (``placement.compute_dtype``)."""
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timer = PhaseTimer(sync=sync)
         """Per-step phase times of the caller's thread."""
@@ -330,7 +331,6 @@ class TrainingEngine:
             store,
             blocks,
             placement,
-            compute_dtype=compute_dtype,
             device=device,
             loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,

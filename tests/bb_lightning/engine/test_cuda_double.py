@@ -99,8 +99,7 @@ def test_device_home_inference_weights_load_and_generate_under_the_double() -> N
         model,
         list(blocks),
         store,
-        Placement.uniform(len(blocks), weights=Tier.DEVICE),
-        compute_dtype=torch.float32,
+        Placement.uniform(len(blocks), weights=Tier.DEVICE, compute_dtype="float32"),
         device=torch.device("cpu"),
     )
     engine.load_state_dict(other.state_dict())
