@@ -9,6 +9,11 @@ reads run, the KV-cache tier and the prefill chunk of generation. The parameters
 outside the blocks (embedding, final norm, head) always live on the device: a fact
 of the engine, not a choice.
 
+The manifest (:func:`training_manifest`, :func:`weights_manifest`) is the other half of
+the contract: a pure function from the model's sizes and a placement to the list of
+tensors the engine registers in the store (name, elements, dtype, home). The engines
+register from it, the store budgets sum it, and the planner's byte counts agree with it.
+
 This module imports nothing of ours but :mod:`storage.tiers`, so that both the planner
 and the engine may import it.
 """
@@ -16,11 +21,20 @@ and the engine may import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from storage.tiers import Tier
 
-__all__ = ["DTYPE_BYTES", "READ_AHEAD", "Placement"]
+__all__ = [
+    "DTYPE_BYTES",
+    "READ_AHEAD",
+    "ModelSizes",
+    "Placement",
+    "StoredTensor",
+    "manifest_bytes",
+    "training_manifest",
+    "weights_manifest",
+]
 
 READ_AHEAD = 2
 """Read-ahead sets of a placement whose optimizer state is homed off the host, unless the
@@ -169,4 +183,160 @@ class Placement:
             grads=None if grads is None else tuple(Tier(t) for t in grads),
             kv_cache=None if kv is None else Tier(kv),
             **d,
+        )
+
+
+# ---------------------------------------------------------------- the manifest
+RESIDENT_PREFIX = "resident"
+"""Store name prefix of the fp32 state of the trained parameters outside the blocks."""
+
+SCRATCH_PREFIX = "engine.scratch"
+"""Store name prefix of the optimizer's host scratch buffers."""
+
+SCRATCH_SETS = 2
+"""Sets of host scratch buffers (one in use, one whose writes may still be in flight)."""
+
+SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
+"""fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
+
+StateKind = Literal["master", "exp_avg", "exp_avg_sq"]
+STATE_KINDS: tuple[StateKind, StateKind, StateKind] = ("master", "exp_avg", "exp_avg_sq")
+"""The fp32 tensors kept per trained parameter: master weights, first and second AdamW
+moment (a :class:`FlatState`'s, with its ``grad`` accumulator)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredTensor:
+    """One flat tensor the engine registers in the store."""
+
+    name: str
+    """Store name."""
+    numel: int
+    """Elements."""
+    dtype: str
+    """Dtype, a key of :data:`DTYPE_BYTES`."""
+    home: Tier
+    """Tier it is registered on."""
+    block: int | None = None
+    """Index of the block whose compute-dtype weights it is (paged in with the block into
+    a device slot); None for every other tensor."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its elements."""
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """Elements of a model's parameters, as the engine stores them. The parameters
+    outside the blocks (embedding, final norm, head) are ordinary device tensors; only
+    the fp32 state of their trained ones (``rest``) is in the store."""
+
+    blocks: tuple[int, ...]
+    """Elements of each block's trained parameters (training), or of all its parameters
+    (weights only)."""
+    frozen: tuple[int, ...] = ()
+    """Elements of each block's frozen parameters (training; empty: none)."""
+    rest: int = 0
+    """Elements of the trained parameters outside the blocks (training)."""
+
+    def __post_init__(self) -> None:
+        if self.frozen and len(self.frozen) != len(self.blocks):
+            raise ValueError(
+                f"{len(self.frozen)} frozen sizes for {len(self.blocks)} blocks: give one per "
+                "block, or none"
+            )
+        if (
+            not self.blocks
+            or min(self.blocks) < 0
+            or min(self.frozen, default=0) < 0
+            or self.rest < 0
+        ):
+            raise ValueError(
+                f"model sizes {self}: give one size >= 0 per block (at least one block), "
+                "frozen sizes and rest >= 0"
+            )
+
+
+def weights_manifest(
+    sizes: ModelSizes, placement: Placement, prefix: str = "block"
+) -> tuple[StoredTensor, ...]:
+    """What a weights-only (inference) engine stores: each block's weights in the compute
+    dtype (``<prefix>.<i>.weight``, every parameter of the block) on its home."""
+    _check_blocks(sizes, placement)
+    dtype = placement.compute_dtype
+    return tuple(
+        StoredTensor(name=f"{prefix}.{i}.weight", numel=n, dtype=dtype, home=w, block=i)
+        for i, (n, w) in enumerate(zip(sizes.blocks, placement.weights, strict=True))
+    )
+
+
+def training_manifest(
+    sizes: ModelSizes, placement: Placement, prefix: str = "block"
+) -> tuple[StoredTensor, ...]:
+    """What the training engine stores, in registration order.
+
+    First the fp32 state of the parameters outside the blocks (``resident.*``, host).
+    Per block ``i``: ``<prefix>.<i>.weight`` (trained parameters, compute dtype) and, when
+    it has frozen ones, ``<prefix>.<i>.frozen`` (compute dtype), both on
+    ``placement.weights[i]``; the fp32 master weights and moments on ``placement.master[i]``
+    and the fp32 gradient accumulator on ``placement.grad_tiers[i]``. Then the optimizer's
+    :data:`SCRATCH_SETS` host scratch sets (four fp32 buffers and one compute-dtype
+    ``cast`` of the largest block each), and, with optimizer state off the host,
+    ``placement.read_ahead`` read-ahead sets (three fp32 buffers each).
+    """
+    _check_blocks(sizes, placement)
+    if not placement.master:
+        raise ValueError(
+            "placement has no master tiers (a weights-only placement): give one master tier "
+            "per block to train"
+        )
+    dtype, fp32, host = placement.compute_dtype, "float32", Tier.HOST
+    frozen = sizes.frozen or (0,) * len(sizes.blocks)
+    out = _flat_state(RESIDENT_PREFIX, sizes.rest, host, host)
+    tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
+    for i, (n, f, (w, m, g)) in enumerate(zip(sizes.blocks, frozen, tiers, strict=True)):
+        name = f"{prefix}.{i}"
+        if f:
+            out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
+        out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
+        out += _flat_state(name, n, m, g)
+    largest = max(sizes.blocks)
+    for k in range(SCRATCH_SETS):
+        name = f"{SCRATCH_PREFIX}.{k}"
+        out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)
+                for b in SCRATCH_FP32]  # fmt: skip
+        out.append(StoredTensor(name=f"{name}.cast", numel=largest, dtype=dtype, home=host))
+    if placement.reads_ahead:
+        for k in range(placement.read_ahead):
+            out += [StoredTensor(name=read_ahead_name(k, s), numel=largest, dtype=fp32, home=host)
+                    for s in STATE_KINDS]  # fmt: skip
+    return tuple(out)
+
+
+def read_ahead_name(k: int, kind: str) -> str:
+    """Store name of buffer ``kind`` (one of :data:`STATE_KINDS`) of read-ahead set ``k``."""
+    return f"{SCRATCH_PREFIX}.ahead.{k}.{kind}"
+
+
+def manifest_bytes(manifest: tuple[StoredTensor, ...]) -> dict[Tier, int]:
+    """Exact bytes of the manifest's tensors on each tier (no allocator padding)."""
+    out = dict.fromkeys(Tier, 0)
+    for t in manifest:
+        out[t.home] += t.nbytes
+    return out
+
+
+def _flat_state(name: str, numel: int, home: Tier, grad_home: Tier) -> list[StoredTensor]:
+    kinds = [(k, home) for k in STATE_KINDS] + [("grad", grad_home)]
+    return [StoredTensor(name=f"{name}.{k}", numel=numel, dtype="float32", home=t)
+            for k, t in kinds]  # fmt: skip
+
+
+def _check_blocks(sizes: ModelSizes, placement: Placement) -> None:
+    if len(sizes.blocks) != placement.num_blocks:
+        raise ValueError(
+            f"placement covers {placement.num_blocks} blocks but the model has "
+            f"{len(sizes.blocks)}: build the placement for this model"
         )

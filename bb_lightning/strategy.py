@@ -304,12 +304,11 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         self.close()
         _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
         loader = checkpoint_loader(module)
         placement = self._placement(module, len(blocks), trainer)
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        config = self._store_config(numels, rest, placement, dtype, frozen)
-        need = required_budgets(numels, rest, placement, dtype, frozen)
+        config = self._store_config(numels, rest, placement, frozen)
+        need = required_budgets(numels, rest, placement, frozen)
         check_budgets(need, _arena_bytes(config))
         self.store = TieredStore(config)
         self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
@@ -330,11 +329,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """The weights-only engine: compute-dtype block weights in the store, nothing else."""
         self.close()
         _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
         loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
         placement = self._placement(module, len(blocks), trainer)
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
-                               placement, dtype)  # fmt: skip
+                               placement)  # fmt: skip
         config = self.store_config
         if config is None:
             path = self.nvme_path
@@ -540,20 +538,24 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         numels: list[int],
         rest: int,
         placement: Placement,
-        dtype: torch.dtype,
         frozen: list[int] | None = None,
     ) -> StoreConfig:
         if self.store_config is not None:
             return self.store_config
-        need = required_budgets(numels, rest, placement, dtype, frozen)
+        need = required_budgets(numels, rest, placement, frozen)
         if self.plan is not None:  # room for re-plans, within what the plan may use
             n = len(numels)
             most = {
                 t: required_budgets(
                     numels,
                     rest,
-                    Placement.uniform(n, weights=t, master=t, prefetch_depth=n),
-                    dtype,
+                    Placement.uniform(
+                        n,
+                        weights=t,
+                        master=t,
+                        prefetch_depth=n,
+                        compute_dtype=placement.compute_dtype,
+                    ),
                     frozen,
                 )[t]
                 for t in Tier
@@ -661,7 +663,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         assert engine is not None and store is not None
         placement = plan.placement
         numels = [s.numel for s in engine.pager.states]
-        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
+        need = required_budgets(numels, engine.resident.numel, placement,
                                 engine.pager.frozen_numels)  # fmt: skip
         room = {t: cap for t, (_, cap) in store.usage().items()}
         short = [t.value for t in Tier if need[t] > room[t]]

@@ -147,9 +147,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     plan = make_plan(ModelProfile.from_module(model), hw, job)
     _, blocks = find_block_list(model)
     placement = plan.placement
-    need = weights_budgets(
-        [sum(p.numel() for p in b.parameters()) for b in blocks], placement, dtype
-    )
+    need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks], placement)
     store = TieredStore(StoreConfig(device_budget=need[Tier.DEVICE] + (1 << 20),
                                     host_budget=need[Tier.HOST] + (1 << 20),
                                     device=str(ctx.device)))  # fmt: skip

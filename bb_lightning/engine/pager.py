@@ -29,15 +29,16 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.timing import PhaseTimer
-from bb_lightning.placement import Placement
+from bb_lightning.placement import Placement, StoredTensor
 from storage.deferred import CopyEvent
+from storage.device import slot_bytes
 from storage.host import HostBuffer
 from storage.store import Ticket, TieredStore
 from storage.tiers import Residency, Tier
@@ -52,13 +53,49 @@ __all__ = [
     "block_params",
     "dtype_name",
     "flatten_fp32",
+    "register_stored",
     "set_data",
+    "store_budgets",
     "torch_dtype",
 ]
 
 BlockLoader = Callable[[int], Tensor]
 """Block index -> the block's parameters as one flat fp32 CPU tensor, laid out like its
 :class:`FlatState` (used to fill the store from a checkpoint one block at a time)."""
+
+
+def register_stored(store: TieredStore, entry: StoredTensor, value: Tensor | None = None) -> None:
+    """Register manifest ``entry`` in ``store``: ``value`` (flat, cast to the entry's dtype)
+    or zeros. Raises ``ValueError`` when ``value`` has another number of elements."""
+    dtype = getattr(torch, entry.dtype)
+    if value is None:
+        store.register(entry.name, shape=(entry.numel,), dtype=dtype, home=entry.home)
+        return
+    if value.numel() != entry.numel:
+        raise ValueError(
+            f"{entry.name!r} has {value.numel()} elements but the manifest {entry.numel}: "
+            "build the manifest from this model's sizes"
+        )
+    store.register(entry.name, value.reshape(-1).to(dtype), home=entry.home)
+
+
+def store_budgets(manifest: Sequence[StoredTensor], placement: Placement) -> dict[Tier, int]:
+    """Bytes each tier needs to hold ``manifest`` and page its blocks as ``placement`` says.
+
+    Each tensor counts :func:`storage.device.slot_bytes` of its size on its home, the
+    arenas' accounting (padded to 4 KiB, at least 4 KiB even when empty), so many small
+    tensors fit; on NVMe, which counts exact bytes, that is an upper bound. The device
+    also holds ``prefetch_depth + 1`` paging slots of the largest block's compute-dtype
+    weights. The parameters outside the blocks are ordinary device tensors, not counted.
+    """
+    need = dict.fromkeys(Tier, 0)
+    per_block: dict[int, int] = {}
+    for t in manifest:
+        need[t.home] += slot_bytes(t.nbytes)
+        if t.block is not None:
+            per_block[t.block] = per_block.get(t.block, 0) + slot_bytes(t.nbytes)
+    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * max(per_block.values(), default=0)
+    return need
 
 
 def torch_dtype(placement: Placement) -> torch.dtype:
@@ -85,7 +122,8 @@ class FlatState:
     ``params`` are laid end to end in one flat buffer of ``numel`` elements.
     The master weights are initialised from ``initial`` (flat fp32) when given,
     else from the parameters' current values (which may then not be on the meta device).
-    The gradient accumulator is homed on ``grad_home`` (None: ``home``).
+    Its four tensors (``<name>.master``, ``.exp_avg``, ``.exp_avg_sq``, ``.grad``) are
+    registered as the ``manifest`` entries of those names say (homes, sizes, dtypes).
     """
 
     def __init__(
@@ -94,9 +132,8 @@ class FlatState:
         name: str,
         params: Sequence[Tensor],
         *,
-        home: Tier,
+        manifest: Mapping[str, StoredTensor],
         initial: Tensor | None = None,
-        grad_home: Tier | None = None,
     ) -> None:
         self.store = store
         self.name = name
@@ -109,15 +146,10 @@ class FlatState:
                 f"expected ({self.numel},) and torch.float32: lay the parameters end to end"
             )
         zeros = torch.zeros(self.numel, dtype=torch.float32)
-        store.register(self.master_name, master, home=home)
-        store.register(f"{name}.exp_avg", zeros, home=home)
-        store.register(f"{name}.exp_avg_sq", zeros, home=home)
-        store.register(
-            self.grad_name,
-            shape=(self.numel,),
-            dtype=torch.float32,
-            home=home if grad_home is None else grad_home,
-        )
+        register_stored(store, manifest[self.master_name], master)
+        register_stored(store, manifest[f"{name}.exp_avg"], zeros)
+        register_stored(store, manifest[f"{name}.exp_avg_sq"], zeros)
+        register_stored(store, manifest[self.grad_name])
         self.grad_pending = False
         """Whether the accumulator holds gradients since the last :meth:`clear_grad`."""
 
@@ -505,16 +537,20 @@ class BlockPager:
         blocks: Sequence[nn.Module],
         placement: Placement,
         *,
+        manifest: Mapping[str, StoredTensor],
         device: torch.device,
         prefix: str = "block",
         loader: BlockLoader | None = None,
         timer: PhaseTimer | None = None,
         weights_only: bool = False,
     ) -> None:
-        """Register every block's tensors in ``store`` (in ``placement.compute_dtype``) and
+        """Register every block's tensors in ``store`` as ``manifest`` (by name) says and
         unbind its parameters.
 
         Args:
+            manifest: the engine's stored tensors by name
+                (:func:`~bb_lightning.placement.training_manifest`, or
+                :func:`~bb_lightning.placement.weights_manifest` with ``weights_only``).
             loader: block values when the parameters are on the meta device (streamed
                 from a checkpoint); None reads the parameters themselves.
             timer: times waits on page-ins as phase ``wait_page_in`` when set.
@@ -560,20 +596,13 @@ class BlockPager:
             frozen_name = self.frozen_names[i]
             if frozen_name is not None:
                 master, frozen = _split_frozen(master, every[i])
-                store.register(frozen_name, frozen.to(compute_dtype), home=placement.weights[i])
+                register_stored(store, manifest[frozen_name], frozen)
                 del frozen
-            store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
+            register_stored(store, manifest[self.names[i]], master)
             if weights_only:
                 del master
                 continue
-            state = FlatState(
-                store,
-                f"{prefix}.{i}",
-                params,
-                home=placement.master[i],
-                initial=master,
-                grad_home=placement.grad_tiers[i],
-            )
+            state = FlatState(store, f"{prefix}.{i}", params, manifest=manifest, initial=master)
             self.states.append(state)
             del master
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)

@@ -28,7 +28,9 @@ LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOverrides:
-    """Choices forced on the search (``None`` = let the search choose)."""
+    """A partial :class:`~bb_lightning.placement.Placement` and batch shape forced on the
+    search (``None`` = let the search choose): the tiers, resident blocks, prefetch depth
+    and recompute policy of the placement the plan carries, and the batch around it."""
 
     micro_batch: int | None = None
     """Sequences per forward/backward pass (fit) or per prefill kernel (predict)."""

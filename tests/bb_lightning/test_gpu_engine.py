@@ -197,7 +197,7 @@ def test_page_in_waits_are_timed_on_the_device() -> None:
     placement = Placement.uniform(3, weights=H, master=H, compute_dtype="float32")
     numels = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement, torch.float32)
+    need = required_budgets(numels, rest, placement)
     store = TieredStore(StoreConfig(device_budget=need[D] + (1 << 20),
                                     host_budget=need[H] + (1 << 20), device="cuda"))  # fmt: skip
     engine = TrainingEngine(
