@@ -51,6 +51,7 @@ store; ``gather_on_teardown=True`` does that at the end of every ``trainer.*`` c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import tempfile
 import weakref
@@ -66,7 +67,7 @@ from transformers import PreTrainedModel
 
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
@@ -303,12 +304,11 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         self.close()
         _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
         loader = checkpoint_loader(module)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
+        placement = self._placement(module, len(blocks), trainer)
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        config = self._store_config(numels, rest, placement, dtype, frozen)
-        need = required_budgets(numels, rest, placement, dtype, frozen)
+        config = self._store_config(numels, rest, placement, frozen)
+        need = required_budgets(numels, rest, placement, frozen)
         check_budgets(need, _arena_bytes(config))
         self.store = TieredStore(config)
         self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
@@ -318,7 +318,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 list(blocks),
                 self.store,
                 placement,
-                compute_dtype=dtype,
                 device=self.root_device,
                 loader=loader,
             )
@@ -330,11 +329,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """The weights-only engine: compute-dtype block weights in the store, nothing else."""
         self.close()
         _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
         loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
+        placement = self._placement(module, len(blocks), trainer)
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
-                               placement, dtype)  # fmt: skip
+                               placement)  # fmt: skip
         config = self.store_config
         if config is None:
             path = self.nvme_path
@@ -353,17 +351,12 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
         try:
             self.inference = InferenceEngine(module, list(blocks), self.store, placement,
-                                             compute_dtype=dtype, device=self.root_device,
-                                             loader=loader)  # fmt: skip
+                                             device=self.root_device, loader=loader)  # fmt: skip
         except BaseException:
             self.close()
             raise
         if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
-            module.kv_cache_tier = None if self.plan is None else self.plan.kv_cache
-        job = None if self.plan is None else self.plan.job
-        if isinstance(job, PredictJob):  # prefill in the planned micro-batches
-            assert self.plan is not None
-            self.inference.paged.max_tokens = self.plan.micro_batch * job.prompt_len
+            module.kv_cache_tier = placement.kv_cache
 
     def _inference(self) -> InferenceEngine:
         assert self.inference is not None
@@ -374,6 +367,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         net = _hf_model(module)
         assert net is not None
         job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
+        job = dataclasses.replace(job, compute_dtype=dtype_name(self.resolved_dtype()))
         dm = getattr(trainer, "datamodule", None)
         batch = getattr(dm, "batch_size", None)
         model, hardware = model_profile_from_module(net), self._hardware()
@@ -406,8 +400,15 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
         )
         self._adopt(plan)
-        weights = tuple(plan.weights)
-        return Placement(weights=weights, master=weights, prefetch_depth=plan.prefetch_depth)
+        return plan.placement
+
+    def _placement(
+        self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer
+    ) -> Placement:
+        """The placement given (computing in the resolved dtype), else the planned one."""
+        if self.placement is None:
+            return self._plan(module, num_blocks, trainer)
+        return dataclasses.replace(self.placement, compute_dtype=dtype_name(self.resolved_dtype()))
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -428,6 +429,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             weights=Tier(tiers[0] or Tier.HOST),
             master=Tier(tiers[1] or Tier.HOST),
             prefetch_depth=depth,
+            compute_dtype=dtype_name(self.resolved_dtype()),
         )
 
     def _plan_with_planner(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
@@ -442,6 +444,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             accum = int(trainer.accumulate_grad_batches)
             clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
             job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
+        job = dataclasses.replace(job, compute_dtype=dtype_name(self.resolved_dtype()))
         model, hardware = model_profile_from_module(net), self._hardware()
         if self.hardware is None or self.hardware == "measure":
             hardware = self._probe_compute(net, hardware, job, micro)
@@ -468,7 +471,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 f"({plan.tokens_per_s:.4g} tokens/s predicted)"
             )
         self._adopt(plan)
-        return Placement.from_plan(plan)
+        return plan.placement
 
     def _probe_compute(
         self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
@@ -535,20 +538,24 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         numels: list[int],
         rest: int,
         placement: Placement,
-        dtype: torch.dtype,
         frozen: list[int] | None = None,
     ) -> StoreConfig:
         if self.store_config is not None:
             return self.store_config
-        need = required_budgets(numels, rest, placement, dtype, frozen)
+        need = required_budgets(numels, rest, placement, frozen)
         if self.plan is not None:  # room for re-plans, within what the plan may use
             n = len(numels)
             most = {
                 t: required_budgets(
                     numels,
                     rest,
-                    Placement.uniform(n, weights=t, master=t, prefetch_depth=n),
-                    dtype,
+                    Placement.uniform(
+                        n,
+                        weights=t,
+                        master=t,
+                        prefetch_depth=n,
+                        compute_dtype=placement.compute_dtype,
+                    ),
                     frozen,
                 )[t]
                 for t in Tier
@@ -656,9 +663,9 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
         engine, store = self.engine, self.store
         assert engine is not None and store is not None
-        placement = Placement.from_plan(plan)
+        placement = plan.placement
         numels = [s.numel for s in engine.pager.states]
-        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
+        need = required_budgets(numels, engine.resident.numel, placement,
                                 engine.pager.frozen_numels)  # fmt: skip
         room = {t: cap for t, (_, cap) in store.usage().items()}
         short = [t.value for t in Tier if need[t] > room[t]]

@@ -121,7 +121,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
 
     from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
     from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-    from bb_lightning.engine.pager import Placement, set_data
+    from bb_lightning.engine.pager import dtype_name, set_data
     from bb_lightning.planner import PredictJob, make_plan
     from bb_lightning.probe import measure, model_profile_from_module
     from bb_lightning.structure import find_block_list
@@ -142,24 +142,21 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(3, 50272, (spec["prompts"], spec["prompt_len"]), generator=g)
     mask = torch.ones_like(ids)
     job = PredictJob(prompt_len=spec["prompt_len"], new_tokens=spec["new"],
-                     num_prompts=spec["prompts"])  # fmt: skip
+                     num_prompts=spec["prompts"], compute_dtype=dtype_name(dtype))  # fmt: skip
     hw = measure(nvme_path=str(ctx.nvme), max_seconds=10.0).replace(  # device or host only
         nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
     )
     plan = make_plan(model_profile_from_module(model), hw, job)
     _, blocks = find_block_list(model)
-    placement = Placement(weights=tuple(plan.weights), master=tuple(plan.weights),
-                          prefetch_depth=plan.prefetch_depth)  # fmt: skip
-    need = weights_budgets(
-        [sum(p.numel() for p in b.parameters()) for b in blocks], placement, dtype
-    )
+    placement = plan.placement
+    need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks], placement)
     store = TieredStore(StoreConfig(device_budget=need[Tier.DEVICE] + (1 << 20),
                                     host_budget=need[Tier.HOST] + (1 << 20),
                                     device=str(ctx.device)))  # fmt: skip
     # the engine reads the weights through a loader (as from a checkpoint), so that closing
     # it hands the module its own bf16 tensors back rather than fp32 copies
     own = {id(p): p.detach() for p in model.parameters()}
-    engine = InferenceEngine(model, list(blocks), store, placement, compute_dtype=dtype,
+    engine = InferenceEngine(model, list(blocks), store, placement,
                              device=ctx.device, loader=lambda p: own[id(p)])  # fmt: skip
     gen = LayerMajorGenerator(model, kv_tier=plan.kv_cache)
     rows = plan.concurrent_seqs

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     placement = Placement.uniform(
         args.layers, weights=Tier.NVME, master=Tier.NVME, prefetch_depth=args.prefetch
     )
-    need = required_budgets(numels, rest, placement, torch.bfloat16)
+    need = required_budgets(numels, rest, placement)
     host_budget = int(args.host_budget_gib * _common.GIB)
     if need[Tier.HOST] > host_budget:
         raise ValueError(

@@ -204,7 +204,7 @@ def recommended_plan(
         print(f"capping the planner's micro-batch {plan.micro_batch} to {cap} (RAM / option)")
         overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master, checkpointing=True)
         plan = make_plan(model, hw, job, overrides=overrides)
-    return plan, Placement.from_plan(plan)
+    return plan, plan.placement
 
 
 def calibrated(

@@ -2,7 +2,7 @@
 
 :class:`InferenceEngine` registers only each block's weights in the compute
 dtype in a :class:`storage.store.TieredStore` (homes per
-:class:`~bb_lightning.engine.pager.Placement`, ``master`` not read), keeps the
+:class:`~bb_lightning.placement.Placement`, ``master`` not read), keeps the
 other parameters (embedding, final norm, head) on the device in the compute
 dtype, and installs the paged forwards. No fp32 master weights, no AdamW
 moments, no gradient accumulators: a bf16 block costs 2 bytes per parameter
@@ -40,9 +40,11 @@ from bb_lightning.engine.pager import (
     buffers_to,
     flat_from,
     set_data,
+    store_budgets,
+    torch_dtype,
 )
 from bb_lightning.engine.timing import PhaseTimer
-from storage.device import slot_bytes
+from bb_lightning.placement import ModelSizes, weights_manifest
 from storage.store import TieredStore
 from storage.tiers import Tier
 
@@ -83,22 +85,13 @@ def keep_host_allocations(max_bytes: int = 1 << 30) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, max_bytes)) & bool(mallopt(_M_TRIM_THRESHOLD, max_bytes))
 
 
-def weights_budgets(
-    block_numels: Sequence[int], placement: Placement, compute_dtype: torch.dtype
-) -> dict[Tier, int]:
-    """Bytes each tier needs to page these blocks' weights (no optimizer state).
-
-    Each block's weights count :func:`storage.device.slot_bytes` of their size
-    (bytes, padded like the arenas) on their home tier; the device also holds
-    ``prefetch_depth + 1`` paging slots of the largest block. Parameters outside
-    the blocks are ordinary device tensors, not counted.
-    """
-    elem = torch.empty(0, dtype=compute_dtype).element_size()
-    need = dict.fromkeys(Tier, 0)
-    for n, w in zip(block_numels, placement.weights, strict=True):
-        need[w] += slot_bytes(n * elem)
-    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(max(block_numels) * elem)
-    return need
+def weights_budgets(block_numels: Sequence[int], placement: Placement) -> dict[Tier, int]:
+    """Bytes each tier needs to page these blocks' weights (no optimizer state):
+    :func:`~bb_lightning.engine.pager.store_budgets` of the
+    :func:`~bb_lightning.placement.weights_manifest` (each block's compute-dtype weights,
+    padded like the arenas, on their home; plus the device's paging slots)."""
+    manifest = weights_manifest(ModelSizes(blocks=tuple(block_numels)), placement)
+    return store_budgets(manifest, placement)
 
 
 class InferenceEngine:
@@ -111,7 +104,6 @@ class InferenceEngine:
         store: TieredStore,
         placement: Placement,
         *,
-        compute_dtype: torch.dtype,
         device: torch.device,
         loader: ParamLoader | None = None,
     ) -> None:
@@ -124,7 +116,8 @@ class InferenceEngine:
         self.model = model
         self.store = store
         self.device = device
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = torch_dtype(placement)
+        """The dtype the device computes in (``placement.compute_dtype``)."""
         self.streamed = loader is not None
         """Whether the weights were read from a checkpoint (the module's are on meta)."""
         if device.type == "cpu":
@@ -137,11 +130,14 @@ class InferenceEngine:
             value = loader(p) if loader is not None and p.is_meta else p.detach()
             set_data(p, value.to(device, compute_dtype))
         block_lists = [[p for _, p in block_params(b)] for b in blocks]
+        sizes = ModelSizes(blocks=tuple(sum(p.numel() for p in ps) for ps in block_lists))
+        self.manifest = weights_manifest(sizes, placement)
+        """Every tensor the engine stores (registered from it)."""
         self.pager = BlockPager(
             store,
             blocks,
             placement,
-            compute_dtype=compute_dtype,
+            manifest={t.name: t for t in self.manifest},
             device=device,
             loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
@@ -150,6 +146,7 @@ class InferenceEngine:
         buffers_to(model, device, compute_dtype)
         self._grads = GradSink()  # never fed: forwards with grad are not served
         self.paged = PagedBlocks(blocks, self.pager, self._grads)
+        self.paged.max_tokens = placement.prefill_tokens  # prefill in planned chunks
         self.paged.install()
 
     def _block_names(self) -> list[list[str]]:

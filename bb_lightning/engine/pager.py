@@ -29,20 +29,17 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.observers import BlockObserver
 from bb_lightning.engine.timing import PhaseTimer
-
-if TYPE_CHECKING:
-    from bb_lightning.planner.plan import Plan
+from bb_lightning.placement import Placement, StoredTensor
 from storage.deferred import CopyEvent
+from storage.device import slot_bytes
 from storage.host import HostBuffer
 from storage.observers import added, removed
 from storage.store import Ticket, TieredStore
@@ -56,8 +53,12 @@ __all__ = [
     "GradSink",
     "Placement",
     "block_params",
+    "dtype_name",
     "flatten_fp32",
+    "register_stored",
     "set_data",
+    "store_budgets",
+    "torch_dtype",
 ]
 
 BlockLoader = Callable[[int], Tensor]
@@ -65,82 +66,51 @@ BlockLoader = Callable[[int], Tensor]
 :class:`FlatState` (used to fill the store from a checkpoint one block at a time)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where each block's tensors live, and how far ahead page-ins run."""
-
-    weights: tuple[Tier, ...]
-    """Home tier of each block's compute-dtype weights (DEVICE = resident)."""
-    master: tuple[Tier, ...]
-    """Home tier of each block's fp32 master weights and AdamW moments."""
-    prefetch_depth: int = 1
-    """Blocks paged in ahead of the one computing (>= 1); the device holds depth + 1 blocks."""
-    grads: tuple[Tier, ...] | None = None
-    """Home tier of each block's fp32 gradient accumulator; None: as ``master``."""
-    recompute_resident: bool = False
-    """Checkpoint the blocks used in place too, recomputing them in backward: resident
-    (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
-    memory itself). False keeps their activations (ordinary autograd: more activation
-    memory, no recompute). Blocks copied in from another tier are always recomputed."""
-    read_ahead: int = 2
-    """Blocks whose optimizer state, where homed off the host, is read ahead of their
-    optimizer step, each into its own host buffers (three fp32 tensors of the largest
-    block); >= 1. More blocks give the reads more of the step to run in, at
-    ``12 * largest block params`` host bytes each."""
-
-    def __post_init__(self) -> None:
-        if len(self.weights) != len(self.master):
-            raise ValueError(
-                f"placement has {len(self.weights)} weight tiers but {len(self.master)} master "
-                "tiers: give one of each per block"
-            )
-        if self.grads is not None and len(self.grads) != len(self.master):
-            raise ValueError(
-                f"placement has {len(self.grads)} gradient tiers but {len(self.master)} master "
-                "tiers: give one of each per block, or grads=None"
-            )
-        if self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 1: pass 1 or more")
-        if self.read_ahead < 1:
-            raise ValueError(f"read_ahead={self.read_ahead} must be >= 1: pass 1 or more")
-
-    @property
-    def grad_tiers(self) -> tuple[Tier, ...]:
-        """Home tier of each block's gradient accumulator (``grads``, else ``master``)."""
-        return self.master if self.grads is None else self.grads
-
-    @classmethod
-    def from_plan(cls, plan: Plan) -> Placement:
-        """The placement a fit plan chose (its homes, prefetch depth and read-ahead, and
-        whether the in-place blocks are recomputed: :meth:`Plan.recomputed_blocks`)."""
-        in_place = plan.in_place_tiers()
-        return cls(
-            weights=tuple(plan.weights),
-            master=tuple(plan.master),
-            prefetch_depth=plan.prefetch_depth,
-            grads=tuple(plan.grads),
-            recompute_resident=plan.checkpointing and all(w in in_place for w in plan.weights),
-            read_ahead=plan.read_ahead,
+def register_stored(store: TieredStore, entry: StoredTensor, value: Tensor | None = None) -> None:
+    """Register manifest ``entry`` in ``store``: ``value`` (flat, cast to the entry's dtype)
+    or zeros. Raises ``ValueError`` when ``value`` has another number of elements."""
+    dtype = getattr(torch, entry.dtype)
+    if value is None:
+        store.register(entry.name, shape=(entry.numel,), dtype=dtype, home=entry.home)
+        return
+    if value.numel() != entry.numel:
+        raise ValueError(
+            f"{entry.name!r} has {value.numel()} elements but the manifest {entry.numel}: "
+            "build the manifest from this model's sizes"
         )
+    store.register(entry.name, value.reshape(-1).to(dtype), home=entry.home)
 
-    @classmethod
-    def uniform(
-        cls,
-        num_blocks: int,
-        *,
-        weights: Tier,
-        master: Tier = Tier.HOST,
-        prefetch_depth: int = 1,
-        grads: Tier | None = None,
-    ) -> Placement:
-        """Every block's weights on ``weights``, optimizer state on ``master``, gradient
-        accumulators on ``grads`` (None: ``master``)."""
-        return cls(
-            weights=(weights,) * num_blocks,
-            master=(master,) * num_blocks,
-            prefetch_depth=prefetch_depth,
-            grads=None if grads is None else (grads,) * num_blocks,
-        )
+
+def store_budgets(manifest: Sequence[StoredTensor], placement: Placement) -> dict[Tier, int]:
+    """Bytes each tier needs to hold ``manifest`` and page its blocks as ``placement`` says.
+
+    Each tensor counts :func:`storage.device.slot_bytes` of its size on its home, the
+    arenas' accounting (padded to 4 KiB, at least 4 KiB even when empty), so many small
+    tensors fit; on NVMe, which counts exact bytes, that is an upper bound. The device
+    also holds ``prefetch_depth + 1`` paging slots of the largest block's compute-dtype
+    weights. The parameters outside the blocks are ordinary device tensors, not counted.
+    """
+    need = dict.fromkeys(Tier, 0)
+    per_block: dict[int, int] = {}
+    for t in manifest:
+        need[t.home] += slot_bytes(t.nbytes)
+        if t.block is not None:
+            per_block[t.block] = per_block.get(t.block, 0) + slot_bytes(t.nbytes)
+    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * max(per_block.values(), default=0)
+    return need
+
+
+def torch_dtype(placement: Placement) -> torch.dtype:
+    """The torch dtype of ``placement.compute_dtype``."""
+    dtype = getattr(torch, placement.compute_dtype)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name :attr:`Placement.compute_dtype` gives ``dtype`` (``torch.bfloat16`` ->
+    ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def block_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -154,7 +124,8 @@ class FlatState:
     ``params`` are laid end to end in one flat buffer of ``numel`` elements.
     The master weights are initialised from ``initial`` (flat fp32) when given,
     else from the parameters' current values (which may then not be on the meta device).
-    The gradient accumulator is homed on ``grad_home`` (None: ``home``).
+    Its four tensors (``<name>.master``, ``.exp_avg``, ``.exp_avg_sq``, ``.grad``) are
+    registered as the ``manifest`` entries of those names say (homes, sizes, dtypes).
     """
 
     def __init__(
@@ -163,9 +134,8 @@ class FlatState:
         name: str,
         params: Sequence[Tensor],
         *,
-        home: Tier,
+        manifest: Mapping[str, StoredTensor],
         initial: Tensor | None = None,
-        grad_home: Tier | None = None,
     ) -> None:
         self.store = store
         self.name = name
@@ -178,15 +148,10 @@ class FlatState:
                 f"expected ({self.numel},) and torch.float32: lay the parameters end to end"
             )
         zeros = torch.zeros(self.numel, dtype=torch.float32)
-        store.register(self.master_name, master, home=home)
-        store.register(f"{name}.exp_avg", zeros, home=home)
-        store.register(f"{name}.exp_avg_sq", zeros, home=home)
-        store.register(
-            self.grad_name,
-            shape=(self.numel,),
-            dtype=torch.float32,
-            home=home if grad_home is None else grad_home,
-        )
+        register_stored(store, manifest[self.master_name], master)
+        register_stored(store, manifest[f"{name}.exp_avg"], zeros)
+        register_stored(store, manifest[f"{name}.exp_avg_sq"], zeros)
+        register_stored(store, manifest[self.grad_name])
         self.grad_pending = False
         """Whether the accumulator holds gradients since the last :meth:`clear_grad`."""
 
@@ -574,16 +539,20 @@ class BlockPager:
         blocks: Sequence[nn.Module],
         placement: Placement,
         *,
-        compute_dtype: torch.dtype,
+        manifest: Mapping[str, StoredTensor],
         device: torch.device,
         prefix: str = "block",
         loader: BlockLoader | None = None,
         timer: PhaseTimer | None = None,
         weights_only: bool = False,
     ) -> None:
-        """Register every block's tensors in ``store`` and unbind its parameters.
+        """Register every block's tensors in ``store`` as ``manifest`` (by name) says and
+        unbind its parameters.
 
         Args:
+            manifest: the engine's stored tensors by name
+                (:func:`~bb_lightning.placement.training_manifest`, or
+                :func:`~bb_lightning.placement.weights_manifest` with ``weights_only``).
             loader: block values when the parameters are on the meta device (streamed
                 from a checkpoint); None reads the parameters themselves.
             timer: times waits on page-ins as phase ``wait_page_in`` when set.
@@ -596,9 +565,14 @@ class BlockPager:
                 f"placement covers {len(placement.weights)} blocks but the model has "
                 f"{len(blocks)}: build the placement for this model"
             )
+        if not weights_only and not placement.master:
+            raise ValueError(
+                "placement has no master tiers (a weights-only placement): give one master "
+                "tier per block to train"
+            )
         self.store = store
         self.placement = placement
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = torch_dtype(placement)
         self.timer = timer
         every = [[p for _, p in block_params(b)] for b in blocks]
         self.params = [[p for p in ps if weights_only or p.requires_grad] for ps in every]
@@ -625,20 +599,13 @@ class BlockPager:
             frozen_name = self.frozen_names[i]
             if frozen_name is not None:
                 master, frozen = _split_frozen(master, every[i])
-                store.register(frozen_name, frozen.to(compute_dtype), home=placement.weights[i])
+                register_stored(store, manifest[frozen_name], frozen)
                 del frozen
-            store.register(self.names[i], master.to(compute_dtype), home=placement.weights[i])
+            register_stored(store, manifest[self.names[i]], master)
             if weights_only:
                 del master
                 continue
-            state = FlatState(
-                store,
-                f"{prefix}.{i}",
-                params,
-                home=placement.master[i],
-                initial=master,
-                grad_home=placement.grad_tiers[i],
-            )
+            state = FlatState(store, f"{prefix}.{i}", params, manifest=manifest, initial=master)
             self.states.append(state)
             del master
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
@@ -764,6 +731,11 @@ class BlockPager:
             raise ValueError(
                 f"placement covers {len(placement.weights)} blocks but the pager holds "
                 f"{self.num_blocks}: build the placement for this model"
+            )
+        if placement.compute_dtype != self.placement.compute_dtype:
+            raise ValueError(
+                f"placement computes in {placement.compute_dtype} but the pager holds "
+                f"{self.placement.compute_dtype} weights: keep the compute dtype"
             )
         self.release_all_except(())
         for i in range(self.num_blocks):  # resident blocks may still be bound

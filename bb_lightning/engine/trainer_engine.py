@@ -2,7 +2,7 @@
 
 :class:`TrainingEngine` puts a model's repeated blocks in a
 :class:`storage.store.TieredStore` (weights in the compute dtype, fp32 master
-weights and AdamW moments, homes per :class:`~bb_lightning.engine.pager.Placement`)
+weights and AdamW moments, homes per :class:`~bb_lightning.placement.Placement`)
 and keeps the other parameters (embedding, final norm, head) resident on the
 device with ordinary autograd, their fp32 master state in the store's host
 tier. Every gradient leaves the device into fp32 accumulators in the store, homed
@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -63,10 +63,24 @@ from bb_lightning.engine.pager import (
     block_params,
     buffers_to,
     flat_from,
+    register_stored,
     set_data,
+    store_budgets,
+    torch_dtype,
 )
 from bb_lightning.engine.timing import PhaseTimer
-from storage.device import slot_bytes
+from bb_lightning.placement import (
+    RESIDENT_PREFIX,
+    SCRATCH_FP32,
+    SCRATCH_PREFIX,
+    SCRATCH_SETS,
+    STATE_KINDS,
+    ModelSizes,
+    StateKind,
+    StoredTensor,
+    read_ahead_name,
+    training_manifest,
+)
 from storage.store import Ticket, TieredStore
 from storage.tiers import Tier
 
@@ -79,22 +93,6 @@ __all__ = [
     "param_counts",
     "required_budgets",
 ]
-
-StateKind = Literal["master", "exp_avg", "exp_avg_sq"]
-STATE_KINDS: tuple[StateKind, StateKind, StateKind] = ("master", "exp_avg", "exp_avg_sq")
-"""The fp32 tensors kept per parameter: master weights, first and second AdamW moment."""
-
-RESIDENT_PREFIX = "resident"
-"""Store name prefix of the state of parameters outside the blocks."""
-
-SCRATCH_PREFIX = "engine.scratch"
-"""Store name prefix of the optimizer's host scratch buffers."""
-
-SCRATCH_SETS = 2
-"""Sets of host scratch buffers (one in use, one whose writes may still be in flight)."""
-
-SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
-"""fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,50 +150,22 @@ def required_budgets(
     block_numels: Sequence[int],
     resident_numel: int,
     placement: Placement,
-    compute_dtype: torch.dtype,
     frozen_numels: Sequence[int] | None = None,
 ) -> dict[Tier, int]:
-    """Bytes each tier needs for this placement, summed per stored tensor.
-
-    Each tensor counts :func:`storage.device.slot_bytes` of its size, the
-    arenas' accounting (padded to 4 KiB, at least 4 KiB even when empty), so
-    many small tensors fit the budgets; on NVMe, which counts exact bytes,
-    that is an upper bound.
-
-    Device: resident blocks' weights, ``prefetch_depth + 1`` paging slots of the
-    largest block, and the parameters outside the blocks are not counted (they
-    are ordinary device tensors). Host / NVMe: paged weights homed there, the
-    fp32 master weights and two moments (12 bytes per parameter) and the fp32
-    gradient accumulators (4 bytes per parameter, on ``placement.grads``); host
-    also: the resident parameters' 16 bytes per parameter and the optimizer's
-    :data:`SCRATCH_SETS` scratch sets (4 fp32 + 1 compute-dtype buffer of the
-    largest block each), and with state off the host ``placement.read_ahead``
-    read-ahead sets (3 fp32 buffers each).
+    """Bytes each tier needs for this placement: :func:`~bb_lightning.engine.pager.
+    store_budgets` of the :func:`~bb_lightning.placement.training_manifest` (every tensor
+    the engine stores, padded like the arenas, plus the device's paging slots).
 
     ``block_numels`` and ``resident_numel`` count trainable parameters; ``frozen_numels``
     (None: none) the frozen parameters of each block, which cost only their
     compute-dtype weights on the weights' home and in the paging slots.
     """
-    elem = torch.empty(0, dtype=compute_dtype).element_size()
-    frozen = [0] * len(block_numels) if frozen_numels is None else list(frozen_numels)
-    need = dict.fromkeys(Tier, 0)
-    tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
-    for n, f, (w, m, g) in zip(block_numels, frozen, tiers, strict=True):
-        need[w] += slot_bytes(n * elem) + (slot_bytes(f * elem) if f else 0)
-        need[m] += 3 * slot_bytes(n * 4)
-        need[g] += slot_bytes(n * 4)
-    need[Tier.HOST] += 4 * slot_bytes(resident_numel * 4)
-    largest = max(block_numels)
-    per_set = len(SCRATCH_FP32) * slot_bytes(largest * 4) + slot_bytes(largest * elem)
-    need[Tier.HOST] += SCRATCH_SETS * per_set
-    if reads_ahead(placement):
-        need[Tier.HOST] += placement.read_ahead * len(STATE_KINDS) * slot_bytes(largest * 4)
-    paging = max(
-        slot_bytes(n * elem) + (slot_bytes(f * elem) if f else 0)
-        for n, f in zip(block_numels, frozen, strict=True)
+    sizes = ModelSizes(
+        blocks=tuple(block_numels),
+        frozen=() if frozen_numels is None else tuple(frozen_numels),
+        rest=resident_numel,
     )
-    need[Tier.DEVICE] += (placement.prefetch_depth + 1) * paging
-    return need
+    return store_budgets(training_manifest(sizes, placement), placement)
 
 
 def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[int], int, list[int]]:
@@ -211,7 +181,7 @@ def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[in
 
 def reads_ahead(placement: Placement) -> bool:
     """Whether the engine keeps read-ahead buffers: some optimizer state is off the host."""
-    return any(t is not Tier.HOST for t in placement.master)
+    return placement.reads_ahead
 
 
 def check_budgets(need: Mapping[Tier, int], have: Mapping[Tier, int]) -> None:
@@ -288,7 +258,6 @@ class TrainingEngine:
         store: TieredStore,
         placement: Placement,
         *,
-        compute_dtype: torch.dtype,
         device: torch.device,
         loader: ParamLoader | None = None,
     ) -> None:
@@ -301,7 +270,8 @@ class TrainingEngine:
         self.model = model
         self.store = store
         self.device = device
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = torch_dtype(placement)
+        """The dtype the device computes in (``placement.compute_dtype``)."""
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timer = PhaseTimer(sync=sync)
         """Per-step phase times of the caller's thread."""
@@ -321,16 +291,23 @@ class TrainingEngine:
         for p in self.frozen_params:
             value = p if loader is None or not p.is_meta else loader(p)
             set_data(p, value.detach().to(device, compute_dtype))
+        trainable, rest, frozen = param_counts(model, blocks)
+        self.sizes = ModelSizes(blocks=tuple(trainable), frozen=tuple(frozen), rest=rest)
+        """Elements of the parameters whose tensors the store holds."""
+        self.manifest: tuple[StoredTensor, ...] = ()
+        """Every tensor the engine stores for the placement in force (registered from it)."""
+        self._by_name: dict[str, StoredTensor] = {}
+        self._set_manifest(placement)
         initial = None if loader is None else flat_from(self.resident_params, loader)
         self.resident = FlatState(
-            store, RESIDENT_PREFIX, self.resident_params, home=Tier.HOST, initial=initial
+            store, RESIDENT_PREFIX, self.resident_params, manifest=self._by_name, initial=initial
         )
         block_lists = [[p for _, p in block_params(b)] for b in blocks]
         self.pager = BlockPager(
             store,
             blocks,
             placement,
-            compute_dtype=compute_dtype,
+            manifest=self._by_name,
             device=device,
             loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
@@ -375,6 +352,10 @@ class TrainingEngine:
         blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
         self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
 
+    def _set_manifest(self, placement: Placement) -> None:
+        self.manifest = training_manifest(self.sizes, placement)
+        self._by_name = {t.name: t for t in self.manifest}
+
     def _ensure_ahead_sets(self, placement: Placement) -> None:
         """Register read-ahead sets up to ``placement.read_ahead`` when state is off the host."""
         if not reads_ahead(placement):
@@ -385,19 +366,22 @@ class TrainingEngine:
 
     def _scratch_set(self, k: int, numel: int) -> _Scratch:
         store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
-        for name in SCRATCH_FP32:
-            store.register(f"{prefix}.{name}", shape=(numel,), dtype=torch.float32, home=Tier.HOST)
-        store.register(f"{prefix}.cast", shape=(numel,), dtype=self.compute_dtype, home=Tier.HOST)
+        for name in (*SCRATCH_FP32, "cast"):
+            entry = self._by_name[f"{prefix}.{name}"]
+            assert entry.numel == numel, (entry, numel)
+            register_stored(store, entry)
         return _Scratch(
             fp32={name: store.host_view(f"{prefix}.{name}") for name in SCRATCH_FP32},
             cast=store.host_view(f"{prefix}.cast"),
         )
 
     def _ahead_set(self, k: int, numel: int) -> _Scratch:
-        store, prefix = self.store, f"{SCRATCH_PREFIX}.ahead.{k}"
+        store = self.store
         for name in STATE_KINDS:
-            store.register(f"{prefix}.{name}", shape=(numel,), dtype=torch.float32, home=Tier.HOST)
-        views: dict[str, Tensor] = {n: store.host_view(f"{prefix}.{n}") for n in STATE_KINDS}
+            entry = self._by_name[read_ahead_name(k, name)]
+            assert entry.numel == numel, (entry, numel)
+            register_stored(store, entry)
+        views: dict[str, Tensor] = {n: store.host_view(read_ahead_name(k, n)) for n in STATE_KINDS}
         return _Scratch(fp32=views, cast=torch.empty(0, dtype=self.compute_dtype))
 
     def _plan_reads(self, order: Sequence[int]) -> None:
@@ -537,6 +521,7 @@ class TrainingEngine:
         self.grads.wait(phase=None)
         self._settle_sets()
         self.pager.apply(placement)
+        self._set_manifest(placement)
         self._ensure_ahead_sets(placement)
         self._set_autograd_blocks(placement)
 

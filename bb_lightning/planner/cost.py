@@ -281,10 +281,10 @@ def offloaded_kv_bytes(
     return (whole / model.num_blocks if prefill else whole), whole
 
 
-def grad_bytes_in_flight(model: ModelProfile) -> int:
-    """Device bytes of bf16 gradients of paged blocks in flight: one computed, one copied
-    (of the trained parameters only)."""
-    return 2 * model.block_train * BF16_BYTES
+def grad_bytes_in_flight(model: ModelProfile, elem_bytes: int = BF16_BYTES) -> int:
+    """Device bytes of compute-dtype gradients (``elem_bytes`` each) of paged blocks in
+    flight: one computed, one copied (of the trained parameters only)."""
+    return 2 * model.block_train * elem_bytes
 
 
 def effective_bandwidths(hw: HardwareProfile) -> dict[Link, float]:

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from bb_lightning.placement import READ_AHEAD, Placement
 from bb_lightning.planner import cost
-from bb_lightning.planner.cost import ADAM_STATE_BYTES, BF16_BYTES, FP32_BYTES
+from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import (
     LINK_FIELDS,
@@ -44,14 +45,12 @@ from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import Link, Tier, format_bytes
 
 Arr = npt.NDArray[np.float64]
-FULL_DEVICE_BYTES = BF16_BYTES + FP32_BYTES + ADAM_STATE_BYTES
-"""Device bytes per parameter of a block trained entirely on the device."""
-MIN_READ_AHEAD = 2
+MIN_READ_AHEAD = READ_AHEAD
+"""Read-ahead sets every placement with optimizer state off the host has (counted in
+the host budget by the manifest with the scratch sets); the planner adds more."""
 MIXED_IO_EFFICIENCY = 0.7
 """Share of the serial read + write rate one disk keeps when optimizer-state reads and
 write-backs interleave on it (both in flight at once, as in the overlapped step)."""
-"""Read-ahead sets every placement with optimizer state off the host has (counted in
-the host budget by ``required_budgets`` with the scratch sets); the planner adds more."""
 
 
 def ladder(cap: int) -> list[int]:
@@ -124,7 +123,8 @@ def price(
 ) -> dict[str, Arr]:
     """Bytes per tier and seconds per step of every (kF, kW) for one batch shape."""
     n, p = model.num_blocks, float(model.block_train)  # trained params per block
-    bb = float(model.block_params) * BF16_BYTES  # every weight is paged
+    wb = job.compute_bytes  # bytes per compute-dtype element (weights, their gradients)
+    bb = float(model.block_params) * wb  # every weight is paged
     nb = float(model.rest_train)  # trained params outside the blocks
     nw = float(model.rest_params)  # weights outside the blocks (on the device)
     g, s = job.seqs_per_step, job.seq_len
@@ -140,11 +140,11 @@ def price(
     # checkpointing forced on a placement that pages nothing: every block is recomputed
     act_kept = np.where(np_ > 0, kf + kw, 0.0) if ckpt else kf + kw
     # every block's gradients leave through the gradient sink (two batches in flight)
-    in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model)))
+    in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model, wb)))
     dev = (
-        nw * BF16_BYTES
+        nw * wb
         + kw * bb
-        + kf * (bb + p * (FULL_DEVICE_BYTES - BF16_BYTES))
+        + kf * (bb + p * (FP32_BYTES + ADAM_STATE_BYTES))
         + paging
         + in_flight
         + cost.activation_bytes(model, mb, s, ckpt, act_kept)
@@ -200,7 +200,7 @@ def price(
         ),
         Link.HOST_TO_NVME: cost.link_seconds(grads_nvme, nvme_w, hw.nvme_efficiency),
         Link.DEVICE_TO_HOST: cost.link_seconds(
-            (n * p + nb) * BF16_BYTES + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
+            (n * p + nb) * wb + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
         ),
     }
     exposed_pass = cost.pass_exposed_seconds(np.full_like(kf, c_pass), links)
@@ -210,12 +210,12 @@ def price(
             (off - m_h) * ADAM_STATE_BYTES * p + grads_nvme, nvme_r, hw.nvme_efficiency
         ),
         Link.HOST_TO_NVME: cost.link_seconds(
-            (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * p * BF16_BYTES,
+            (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * p * wb,
             nvme_w,
             hw.nvme_efficiency,
         ),
         Link.HOST_TO_DEVICE: cost.link_seconds(
-            ((kw + kf) * p + nb) * BF16_BYTES + kf * ADAM_STATE_BYTES * p,
+            ((kw + kf) * p + nb) * wb + kf * ADAM_STATE_BYTES * p,
             hw.h2d_bandwidth,
             hw.h2d_efficiency,
         ),
@@ -227,7 +227,7 @@ def price(
     k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
     host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
     disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
-    disk = disk + cost.link_seconds((np_ - w_h) * p * BF16_BYTES, nvme_w, hw.nvme_efficiency)
+    disk = disk + cost.link_seconds((np_ - w_h) * p * wb, nvme_w, hw.nvme_efficiency)
     opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
     pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
     opt_exposed = cost.optimizer_exposed_seconds(
@@ -492,6 +492,7 @@ def build_plan(
 ) -> Plan:
     """Turn the chosen candidate into a :class:`Plan` with reasons."""
     v, n = best.values, model.num_blocks
+    wb = model.block_params * job.compute_bytes  # bytes of one block's weights
     kf, kw = int(v["kf"]), int(v["kw"])
     w_h, g_h, m_h = int(v["w_h"]), int(v["g_h"]), int(v["m_h"])
     ga = math.ceil(job.seqs_per_step / best.micro_batch)
@@ -520,9 +521,9 @@ def build_plan(
         flops_per_token=fpt,
         device_flops=hw.device_flops * hw.compute_efficiency,
         bytes_per_pass={
-            Link.HOST_TO_DEVICE: 2.0 * paged * model.block_bytes,
-            Link.NVME_TO_HOST: 2.0 * (paged - w_h) * model.block_bytes,
-            Link.DEVICE_TO_HOST: float(n * model.block_train * BF16_BYTES),
+            Link.HOST_TO_DEVICE: 2.0 * paged * wb,
+            Link.NVME_TO_HOST: 2.0 * (paged - w_h) * wb,
+            Link.DEVICE_TO_HOST: float(n * model.block_train * job.compute_bytes),
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
@@ -547,7 +548,7 @@ def build_plan(
         ),
         f"{kf + kw} of {n} blocks resident with leftover device memory ({kf} with gradients and "
         f"optimizer on the device); each resident block saves "
-        f"{format_bytes(2 * model.block_bytes * ga)} of H2D per step",
+        f"{format_bytes(2 * wb * ga)} of H2D per step",
         f"host holds {w_h} paged blocks' weights, {g_h} gradient accumulators and {m_h} "
         f"optimizer states by benefit per byte; the rest goes to NVMe",
         f"host AdamW {v['optimizer']:.3g} s per step runs block by block during backward"
@@ -581,7 +582,7 @@ def build_plan(
             + f"; host AdamW and gradient accumulation take the same cores: "
             f"+{v.get('shared', 0.0):.3g} s per step"
         )
-    nb_host = Tier.DEVICE
+    copied = paged - (w_h if hw.device_type == "cpu" else 0)
     return Plan(
         task="fit",
         job=job,
@@ -592,16 +593,16 @@ def build_plan(
         grad_accum=ga,
         concurrent_seqs=0,
         tokens_per_pass=tokens_pass,
-        prefetch_depth=best.depth,
-        checkpointing=best.checkpointing,
-        weights=placement_tiers(n, kf + kw, w_h),
-        master=placement_tiers(n, kf, m_h),
-        grads=placement_tiers(n, kf, g_h),
-        read_ahead=int(v["read_ahead"]),
-        embed=nb_host,
-        head=nb_host,
-        final=nb_host,
-        kv_cache=None,
+        placement=Placement(
+            weights=placement_tiers(n, kf + kw, w_h),
+            master=placement_tiers(n, kf, m_h),
+            grads=placement_tiers(n, kf, g_h),
+            prefetch_depth=best.depth,
+            # checkpointing where no block is copied in: the in-place blocks are recomputed
+            recompute_resident=best.checkpointing and copied == 0,
+            read_ahead=int(v["read_ahead"]),
+            compute_dtype=job.compute_dtype,
+        ),
         memory=_memory(hw, budgets, v),
         predicted=pred,
         tokens_per_s=tok_s,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bb_lightning.placement import DTYPE_BYTES
 from bb_lightning.planner.profile import ModelProfile
 from bb_lightning.shapes import CACHE_ROUND, cache_length
 
@@ -15,6 +16,14 @@ __all__ = ["CACHE_ROUND", "FitJob", "PredictJob", "cache_length"]
 def _positive(cls: str, name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{cls}.{name} = {value!r} must be a positive integer (>= 1)")
+
+
+def _dtype(cls: str, value: str) -> None:
+    if value not in DTYPE_BYTES:
+        raise ValueError(
+            f"{cls}.compute_dtype = {value!r} is not supported: use one of {sorted(DTYPE_BYTES)} "
+            "(the Trainer's precision: 'bf16-true' -> 'bfloat16', '32-true' -> 'float32')"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,9 +48,13 @@ class FitJob:
     """Per-block activation checkpointing: ``None`` lets the planner choose."""
     grad_clipping: bool = False
     """Global-norm gradient clipping: the optimizer step then waits for the whole backward."""
+    compute_dtype: str = "bfloat16"
+    """Dtype the device computes in (weights, their copies and gradients), a key of
+    :data:`~bb_lightning.placement.DTYPE_BYTES`."""
 
     def __post_init__(self) -> None:
         _positive("FitJob", "seq_len", self.seq_len)
+        _dtype("FitJob", self.compute_dtype)
         if (self.global_batch_tokens is None) == (self.global_batch_seqs is None):
             raise ValueError(
                 f"FitJob: global_batch_tokens = {self.global_batch_tokens!r} and "
@@ -53,6 +66,11 @@ class FitJob:
             _positive("FitJob", "global_batch_seqs", self.global_batch_seqs)
         if self.optimizer != "adamw":
             raise ValueError(f"FitJob.optimizer = {self.optimizer!r}: only 'adamw' is modelled")
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return DTYPE_BYTES[self.compute_dtype]
 
     @property
     def seqs_per_step(self) -> int:
@@ -86,11 +104,20 @@ class PredictJob:
     """Tokens generated per prompt."""
     num_prompts: int
     """Prompts in the whole job."""
+    compute_dtype: str = "bfloat16"
+    """Dtype the device computes in (weights and their copies), a key of
+    :data:`~bb_lightning.placement.DTYPE_BYTES`."""
 
     def __post_init__(self) -> None:
+        _dtype("PredictJob", self.compute_dtype)
         _positive("PredictJob", "prompt_len", self.prompt_len)
         _positive("PredictJob", "new_tokens", self.new_tokens)
         _positive("PredictJob", "num_prompts", self.num_prompts)
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return DTYPE_BYTES[self.compute_dtype]
 
     @property
     def total_len(self) -> int:

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from bb_lightning.placement import Placement
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import PRICED_LINKS, Link, Tier, format_bytes, format_count
@@ -37,7 +38,9 @@ the plan's JSON (``roofline``) and the stem of the ``MeasuredTimes`` field."""
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOverrides:
-    """Choices forced on the search (``None`` = let the search choose)."""
+    """A partial :class:`~bb_lightning.placement.Placement` and batch shape forced on the
+    search (``None`` = let the search choose): the tiers, resident blocks, prefetch depth
+    and recompute policy of the placement the plan carries, and the batch around it."""
 
     micro_batch: int | None = None
     """Sequences per forward/backward pass (fit) or per prefill kernel (predict)."""
@@ -208,27 +211,9 @@ class Plan:
     """Sequences generated together (predict; 0 for fit)."""
     tokens_per_pass: int
     """Tokens each streamed weight pass serves (fit: micro_batch x seq_len; predict: decode)."""
-    prefetch_depth: int
-    """Blocks paged in ahead of the computing one."""
-    checkpointing: bool
-    """Per-block activation checkpointing (False for predict)."""
-    weights: tuple[Tier, ...]
-    """Home tier of each block's bf16 weights (DEVICE = resident)."""
-    master: tuple[Tier, ...]
-    """Tier of each block's fp32 master weights and AdamW moments (empty for predict)."""
-    grads: tuple[Tier, ...]
-    """Tier of each block's fp32 gradient accumulators (empty for predict)."""
-    read_ahead: int = 2
-    """Blocks whose off-host optimizer state is read ahead of their step, each into its
-    own host buffers (fit; ``Placement.read_ahead``)."""
-    embed: Tier
-    """Home of the embedding's bf16 weights."""
-    head: Tier
-    """Home of the untied head's bf16 weights."""
-    final: Tier
-    """Home of the final norm's bf16 weights."""
-    kv_cache: Tier | None
-    """Tier of the KV cache (predict; None for fit)."""
+    placement: Placement
+    """What the engine executes: the blocks' homes, recompute policy, compute dtype,
+    prefetch depth and read-ahead, KV-cache tier and prefill chunk."""
     memory: tuple[TierMemory, ...]
     """Bytes used and budgeted per tier (device, host, NVMe)."""
     predicted: PredictedTime
@@ -244,6 +229,42 @@ class Plan:
     reasons: tuple[str, ...] = ()
     """Why each choice was made, for people."""
 
+    # ------------------------------------------------------------ the placement's choices
+    @property
+    def weights(self) -> tuple[Tier, ...]:
+        """Home tier of each block's compute-dtype weights (DEVICE = resident)."""
+        return self.placement.weights
+
+    @property
+    def master(self) -> tuple[Tier, ...]:
+        """Tier of each block's fp32 master weights and AdamW moments (empty for predict)."""
+        return self.placement.master
+
+    @property
+    def grads(self) -> tuple[Tier, ...]:
+        """Tier of each block's fp32 gradient accumulators (empty for predict)."""
+        return self.placement.grad_tiers
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Blocks paged in ahead of the computing one."""
+        return self.placement.prefetch_depth
+
+    @property
+    def read_ahead(self) -> int:
+        """Blocks whose off-host optimizer state is read ahead of their step (fit)."""
+        return self.placement.read_ahead
+
+    @property
+    def kv_cache(self) -> Tier | None:
+        """Tier of the KV cache (predict; None for fit)."""
+        return self.placement.kv_cache
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether some block is recomputed in backward (fit; False for predict)."""
+        return bool(self.recomputed_blocks())
+
     def in_place_tiers(self) -> frozenset[Tier]:
         """Weight homes the engine uses in place, without a copy: DEVICE, and HOST when
         the device is the CPU (the two tiers share its memory)."""
@@ -252,18 +273,12 @@ class Plan:
         return frozenset((Tier.DEVICE,))
 
     def recomputed_blocks(self) -> tuple[int, ...]:
-        """Blocks whose forward runs again in backward (fit), as the engine executes it.
-
-        With checkpointing: the blocks paged in by copy (homed off :meth:`in_place_tiers`),
-        or every block where none is (checkpointing forced on; the placement then
-        recomputes the in-place blocks too). Without: none (the search only offers it
-        where no block is copied).
-        """
-        if self.task != "fit" or not self.checkpointing:
+        """Blocks whose forward runs again in backward (fit), as the engine executes it:
+        the blocks paged in by copy (homed off :meth:`in_place_tiers`), or every block
+        with ``placement.recompute_resident`` (checkpointing forced where none is copied)."""
+        if self.task != "fit":
             return ()
-        in_place = self.in_place_tiers()
-        copied = tuple(i for i, w in enumerate(self.weights) if w not in in_place)
-        return copied or tuple(range(len(self.weights)))
+        return self.placement.recomputed_blocks(self.in_place_tiers())
 
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -281,17 +296,12 @@ class Plan:
                     "grad_accum",
                     "concurrent_seqs",
                     "tokens_per_pass",
-                    "prefetch_depth",
-                    "read_ahead",
-                    "checkpointing",
                     "tokens_per_s",
                     "mfu",
                     "limited_by",
                 )
             },
-            **{k: [t.value for t in getattr(self, k)] for k in ("weights", "master", "grads")},
-            **{k: getattr(self, k).value for k in ("embed", "head", "final")},
-            "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
+            "placement": self.placement.to_dict(),
             "memory": [
                 {"tier": m.tier.value, "used": m.used, "budget": m.budget, "capacity": m.capacity}
                 for m in self.memory
@@ -311,13 +321,7 @@ class Plan:
             model=ModelProfile.from_dict(d.pop("model")),
             hardware=HardwareProfile.from_dict(d.pop("hardware")),
             overrides=None if d["overrides"] is None else PlanOverrides.from_dict(d["overrides"]),
-            weights=tuple(Tier(t) for t in d.pop("weights")),
-            master=tuple(Tier(t) for t in d.pop("master")),
-            grads=tuple(Tier(t) for t in d.pop("grads")),
-            embed=Tier(d.pop("embed")),
-            head=Tier(d.pop("head")),
-            final=Tier(d.pop("final")),
-            kv_cache=None if d["kv_cache"] is None else Tier(d["kv_cache"]),
+            placement=Placement.from_dict(d.pop("placement")),
             memory=tuple(
                 TierMemory(
                     tier=Tier(m["tier"]), used=m["used"], budget=m["budget"], capacity=m["capacity"]
@@ -327,7 +331,7 @@ class Plan:
             predicted=PredictedTime(**d.pop("predicted")),
             roofline=Roofline.from_dict(d.pop("roofline")),
             reasons=tuple(d.pop("reasons")),
-            **{k: v for k, v in d.items() if k not in ("overrides", "kv_cache")},
+            **{k: v for k, v in d.items() if k != "overrides"},
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -389,8 +393,8 @@ class Plan:
             span = f"block {first}" if first == last else f"blocks {first}-{last}"
             lines.append(f"  {span}: " + " · ".join(run))
         lines.append(
-            f"  embedding {self.embed.value} · head {self.head.value} · final norm "
-            f"{self.final.value}"
+            f"  embedding · head · final norm on the device · compute in "
+            f"{self.placement.compute_dtype}"
         )
         lines.append("memory:          used      budget    headroom")
         for mem in self.memory:

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from bb_lightning.placement import Placement
 from bb_lightning.planner import cost
-from bb_lightning.planner.cost import BF16_BYTES, FP32_BYTES
+from bb_lightning.planner.cost import FP32_BYTES
 from bb_lightning.planner.fit_search import ladder
 from bb_lightning.planner.job import PredictJob
 from bb_lightning.planner.plan import (
@@ -69,7 +70,8 @@ def price(
     kw: Arr,
 ) -> dict[str, Arr]:
     """Bytes per tier and seconds per batch of ``c`` prompts for every resident count."""
-    n, bb = model.num_blocks, float(model.block_bytes)
+    wb = job.compute_bytes  # bytes per compute-dtype element
+    n, bb = model.num_blocks, float(model.block_params * wb)
     nb = float(model.embed_params + model.head_params + model.final_params)
     plen, new = job.prompt_len, job.new_tokens
     ctx = job.mean_context
@@ -84,10 +86,10 @@ def price(
     kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
     kv_dev = 2.0 * kv_all / n if streamed else kv_all if kv is Tier.DEVICE else 0.0
     dev = (
-        nb * BF16_BYTES
+        nb * wb
         + kw * bb
         + paging
-        + c * plen * model.hidden_size * BF16_BYTES  # hidden states of all sequences
+        + c * plen * model.hidden_size * wb  # hidden states of all sequences
         + mb * plen * model.act_bytes_per_token_full
         + c * model.vocab_size * FP32_BYTES
         + kv_dev
@@ -116,7 +118,7 @@ def price(
     steps = new - 1
     kv_tok = float(model.kv_bytes_per_token * n)
     if hw.device_memory_bandwidth > 0:  # a decode pass streams the weights and the cache
-        head_bytes = (model.head_params or model.embed_params) * BF16_BYTES
+        head_bytes = (model.head_params or model.embed_params) * wb
         dec_bytes = n * bb + head_bytes + c * (job.cache_len + 1.0) * kv_tok  # whole cache
         c_dec = max(c_dec, dec_bytes / hw.device_memory_bandwidth)
     w_h2d = np_ * bb
@@ -272,8 +274,8 @@ def build_plan(
         flops_per_token=cost.forward_flops_per_token(model, ctx),
         device_flops=eff_flops * hw.decode_efficiency,
         bytes_per_pass={
-            Link.HOST_TO_DEVICE: float((n - kw) * model.block_bytes),
-            Link.NVME_TO_HOST: float((n - kw - w_h) * model.block_bytes),
+            Link.HOST_TO_DEVICE: float((n - kw) * model.block_params * job.compute_bytes),
+            Link.NVME_TO_HOST: float((n - kw - w_h) * model.block_params * job.compute_bytes),
         },
         # transformers' offloading cache moves the whole cache each way per decode pass
         bytes_per_token={
@@ -323,15 +325,14 @@ def build_plan(
         grad_accum=1,
         concurrent_seqs=c,
         tokens_per_pass=c,
-        prefetch_depth=best.depth,
-        checkpointing=False,
-        weights=placement_tiers(n, kw, w_h),
-        master=(),
-        grads=(),
-        embed=Tier.DEVICE,
-        head=Tier.DEVICE,
-        final=Tier.DEVICE,
-        kv_cache=best.kv,
+        placement=Placement(
+            weights=placement_tiers(n, kw, w_h),
+            master=(),
+            prefetch_depth=best.depth,
+            compute_dtype=job.compute_dtype,
+            kv_cache=best.kv,
+            prefill_tokens=int(v["micro_batch"]) * job.prompt_len,
+        ),
         memory=memory,
         predicted=pred,
         tokens_per_s=tok_s,

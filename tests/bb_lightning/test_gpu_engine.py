@@ -195,14 +195,14 @@ def test_page_in_waits_are_timed_on_the_device() -> None:
     config = AutoConfig.for_model(**wide_llama(3))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    placement = Placement.uniform(3, weights=H, master=H)
+    placement = Placement.uniform(3, weights=H, master=H, compute_dtype="float32")
     numels = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement, torch.float32)
+    need = required_budgets(numels, rest, placement)
     store = TieredStore(StoreConfig(device_budget=need[D] + (1 << 20),
                                     host_budget=need[H] + (1 << 20), device="cuda"))  # fmt: skip
     engine = TrainingEngine(
-        model, model.model.layers, store, placement, compute_dtype=torch.float32,
+        model, model.model.layers, store, placement,
         device=torch.device("cuda", torch.cuda.current_device()),
     )  # fmt: skip
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")

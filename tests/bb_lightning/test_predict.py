@@ -321,5 +321,7 @@ def test_predict_job_from_a_plain_dataloader(tmp_path: Path) -> None:
     out = _trainer(strategy, tmp_path / "out.jsonl").predict(module, dataloaders=loader)
     strategy.close()
     assert strategy.plan is not None
-    assert strategy.plan.job == PredictJob(prompt_len=7, new_tokens=3, num_prompts=5)
+    assert strategy.plan.job == PredictJob(
+        prompt_len=7, new_tokens=3, num_prompts=5, compute_dtype="float32"
+    )
     assert out is not None and sum(len(b) for b in out) == 5  # type: ignore[arg-type]

@@ -1,49 +1,24 @@
-"""required_budgets against the store's own accounting: the tensors the engine stores must fit."""
+"""required_budgets against the store's own accounting: the manifest's tensors must fit."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 
-from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import (
-    SCRATCH_FP32,
-    SCRATCH_SETS,
-    reads_ahead,
-    required_budgets,
-)
+from bb_lightning.engine.pager import Placement, register_stored
+from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.placement import ModelSizes, training_manifest
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
-DTYPE = torch.bfloat16
 
-
-def fill_like_the_engine(
+def fill_from_the_manifest(
     store: TieredStore, numels: list[int], resident: int, placement: Placement
 ) -> None:
-    """Register what the training engine registers: per block a flat weight in the compute
-    dtype, three flat fp32 states (master, two moments) and an fp32 gradient; four fp32
-    resident states; the optimizer's scratch sets on the host."""
-    tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
-    for i, (n, (w, m, g)) in enumerate(zip(numels, tiers, strict=True)):
-        store.register(f"block.{i}.weight", shape=(n,), dtype=DTYPE, home=w)
-        for state in ("master", "exp_avg", "exp_avg_sq"):
-            store.register(f"block.{i}.{state}", shape=(n,), dtype=torch.float32, home=m)
-        store.register(f"block.{i}.grad", shape=(n,), dtype=torch.float32, home=g)
-    for state in ("master", "exp_avg", "exp_avg_sq", "grad"):
-        store.register(f"resident.{state}", shape=(resident,), dtype=torch.float32, home=Tier.HOST)
-    for k in range(SCRATCH_SETS):
-        for name in SCRATCH_FP32:
-            store.register(f"s.{k}.{name}", shape=(max(numels),), dtype=torch.float32,
-                           home=Tier.HOST)  # fmt: skip
-        store.register(f"s.{k}.cast", shape=(max(numels),), dtype=DTYPE, home=Tier.HOST)
-    if reads_ahead(placement):
-        for k in range(placement.read_ahead):
-            for state in ("master", "exp_avg", "exp_avg_sq"):
-                store.register(f"a.{k}.{state}", shape=(max(numels),), dtype=torch.float32,
-                               home=Tier.HOST)  # fmt: skip
+    """Register what the training engine registers: its manifest's tensors."""
+    for entry in training_manifest(ModelSizes(blocks=tuple(numels), rest=resident), placement):
+        register_stored(store, entry)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +40,7 @@ def test_budgets_hold_the_engines_tensors_exactly(
         prefetch_depth=2,
         read_ahead=3,
     )
-    need = required_budgets(numels, resident, placement, DTYPE)
+    need = required_budgets(numels, resident, placement)
     config = StoreConfig(
         device_budget=need[Tier.DEVICE],
         host_budget=need[Tier.HOST],
@@ -74,7 +49,7 @@ def test_budgets_hold_the_engines_tensors_exactly(
         device="cpu",
     )
     with TieredStore(config) as store:
-        fill_like_the_engine(store, numels, resident, placement)
+        fill_from_the_manifest(store, numels, resident, placement)
         # page in prefetch_depth + 1 of the largest paged blocks at once, as the pager may
         paged = [i for i, w in enumerate(placement.weights) if w is not Tier.DEVICE]
         largest = sorted(paged, key=lambda i: numels[i])[-(placement.prefetch_depth + 1) :]

@@ -8,6 +8,7 @@ NaN, and a host buffer reused while a copy still reads it corrupts that copy.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from .tiny import LAYERS, cpu_engine, tiny_llama
 def _double_store(model: torch.nn.Module, placement: Placement) -> TieredStore:
     numels = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement, torch.float32)
+    need = required_budgets(numels, rest, replace(placement, compute_dtype="float32"))
     return TieredStore(
         StoreConfig(
             device_budget=need[Tier.DEVICE],
@@ -99,8 +100,7 @@ def test_device_home_inference_weights_load_and_generate_under_the_double() -> N
         model,
         list(blocks),
         store,
-        Placement.uniform(len(blocks), weights=Tier.DEVICE),
-        compute_dtype=torch.float32,
+        Placement.uniform(len(blocks), weights=Tier.DEVICE, compute_dtype="float32"),
         device=torch.device("cpu"),
     )
     engine.load_state_dict(other.state_dict())

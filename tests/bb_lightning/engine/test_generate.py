@@ -135,8 +135,7 @@ def paged(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any,
         model,
         list(blocks),
         store,
-        Placement.uniform(len(blocks), weights=tier, master=Tier.HOST),
-        compute_dtype=torch.float32,
+        Placement.uniform(len(blocks), weights=tier, master=Tier.HOST, compute_dtype="float32"),
         device=torch.device("cpu"),
     )
     acquired: list[int] = []
@@ -242,8 +241,7 @@ def test_inference_engine_loads_a_state_dict(tmp_path: Path) -> None:
         model,
         list(blocks),
         store,
-        Placement.uniform(len(blocks), weights=Tier.HOST),
-        compute_dtype=torch.float32,
+        Placement.uniform(len(blocks), weights=Tier.HOST, compute_dtype="float32"),
         device=torch.device("cpu"),
     )
     engine.load_state_dict(other.state_dict())
@@ -268,8 +266,9 @@ def test_row_chunked_blocks_equal_generate(arch: str, max_tokens: int) -> None:
     store = TieredStore(StoreConfig(device_budget=16 << 20, host_budget=16 << 20, device="cpu"))
     _, blocks = find_block_list(model)
     engine = InferenceEngine(
-        model, list(blocks), store, Placement.uniform(len(blocks), weights=Tier.HOST),
-        compute_dtype=torch.float32, device=torch.device("cpu"),
+        model, list(blocks), store,
+        Placement.uniform(len(blocks), weights=Tier.HOST, compute_dtype="float32"),
+        device=torch.device("cpu"),
     )  # fmt: skip
     engine.paged.max_tokens = max_tokens
     acquired: list[int] = []

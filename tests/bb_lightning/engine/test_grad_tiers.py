@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ def _store(tmp_path: Path, model: torch.nn.Module, placement: Placement) -> Tier
     blocks = model.model.layers
     numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement, torch.float32)
+    need = required_budgets(numels, rest, replace(placement, compute_dtype="float32"))
     return TieredStore(
         StoreConfig(
             device_budget=need[Tier.DEVICE],

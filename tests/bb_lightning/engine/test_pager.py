@@ -93,7 +93,7 @@ def test_required_budgets_counts_each_tier() -> None:
         master=(Tier.HOST, Tier.NVME, Tier.HOST),
         prefetch_depth=2,
     )
-    need = required_budgets([1024, 1024, 2048], 512, placement, torch.bfloat16)
+    need = required_budgets([1024, 1024, 2048], 512, placement)
     assert need[Tier.DEVICE] == 4096 + 3 * 4096  # resident block 0 + 3 slots of the largest
     # weights, masters + moments, gradients (as master), resident 16 B/param, 2 scratch
     # sets, and (block 1's state is on NVMe) 2 read-ahead sets of 3 fp32 buffers
@@ -106,17 +106,17 @@ def test_required_budgets_counts_each_tier() -> None:
         weights=placement.weights, master=placement.master, grads=(Tier.NVME,) * 3,
         prefetch_depth=2,
     )  # fmt: skip
-    moved = required_budgets([1024, 1024, 2048], 512, apart, torch.bfloat16)
+    moved = required_budgets([1024, 1024, 2048], 512, apart)
     assert moved[Tier.HOST] == need[Tier.HOST] - grads
     assert moved[Tier.NVME] == need[Tier.NVME] + grads
     deeper = dataclasses.replace(placement, read_ahead=5)  # 3 more read-ahead sets
-    more = required_budgets([1024, 1024, 2048], 512, deeper, torch.bfloat16)
+    more = required_budgets([1024, 1024, 2048], 512, deeper)
     assert more[Tier.HOST] == need[Tier.HOST] + 3 * 3 * 8192
     on_host = dataclasses.replace(deeper, master=(Tier.HOST,) * 3)  # nothing to read ahead
     shallow = dataclasses.replace(on_host, read_ahead=1)
     assert (
-        required_budgets([1024, 1024, 2048], 512, on_host, torch.bfloat16)[Tier.HOST]
-        == required_budgets([1024, 1024, 2048], 512, shallow, torch.bfloat16)[Tier.HOST]
+        required_budgets([1024, 1024, 2048], 512, on_host)[Tier.HOST]
+        == required_budgets([1024, 1024, 2048], 512, shallow)[Tier.HOST]
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -33,7 +35,6 @@ def cpu_engine(model: torch.nn.Module, store: TieredStore, placement: Placement)
         model,
         model.model.layers,
         store,
-        placement,
-        compute_dtype=torch.float32,
+        dataclasses.replace(placement, compute_dtype="float32"),
         device=torch.device("cpu"),
     )

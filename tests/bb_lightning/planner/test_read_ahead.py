@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 
-from bb_lightning.engine.pager import Placement
 from bb_lightning.planner import fit_search
 from bb_lightning.planner.cost import ADAM_STATE_BYTES
 from bb_lightning.planner.fit_search import MIN_READ_AHEAD, MIXED_IO_EFFICIENCY, _state_reads
@@ -125,7 +124,7 @@ def test_plans_carry_the_depth_into_memory_and_reasons() -> None:
     plan = make_plan(m, hw, FitJob(seq_len=512, global_batch_seqs=4), overrides=ov)
     assert plan.read_ahead > fit_search.MIN_READ_AHEAD
     assert any(f"through {plan.read_ahead} host buffer sets" in r for r in plan.reasons)
-    placement = Placement.from_plan(plan)
+    placement = plan.placement
     assert (placement.weights, placement.master, placement.grad_tiers) == (
         plan.weights, plan.master, plan.grads
     )  # fmt: skip

@@ -1,0 +1,342 @@
+"""The Placement: every choice the engine executes, produced by the planner (or given).
+
+One frozen value object crosses from planning to execution: the planner builds it
+(:class:`~bb_lightning.planner.plan.Plan` carries it beside its predictions), the
+engine runs it as is. It holds what the engine can honour and nothing else: per-block
+homes of the weights, optimizer state and gradient accumulators, whether the blocks
+used in place are recomputed, the compute dtype, how far ahead page-ins and state
+reads run, the KV-cache tier and the prefill chunk of generation. The parameters
+outside the blocks (embedding, final norm, head) always live on the device: a fact
+of the engine, not a choice.
+
+The manifest (:func:`training_manifest`, :func:`weights_manifest`) is the other half of
+the contract: a pure function from the model's sizes and a placement to the list of
+tensors the engine registers in the store (name, elements, dtype, home). The engines
+register from it, the store budgets sum it, and the planner's byte counts agree with it.
+
+This module imports nothing of ours but :mod:`storage.tiers`, so that both the planner
+and the engine may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from storage.tiers import Tier
+
+__all__ = [
+    "DTYPE_BYTES",
+    "READ_AHEAD",
+    "ModelSizes",
+    "Placement",
+    "StoredTensor",
+    "manifest_bytes",
+    "training_manifest",
+    "weights_manifest",
+]
+
+READ_AHEAD = 2
+"""Read-ahead sets of a placement whose optimizer state is homed off the host, unless the
+planner gives more (three fp32 host buffers of the largest block each)."""
+
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per element of each compute dtype the engine runs, by its torch name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where each block's tensors live, the compute dtype, and how far ahead copies run."""
+
+    weights: tuple[Tier, ...]
+    """Home tier of each block's compute-dtype weights (DEVICE = resident)."""
+    master: tuple[Tier, ...]
+    """Home tier of each block's fp32 master weights and AdamW moments; empty for a
+    weights-only (inference) placement."""
+    prefetch_depth: int = 1
+    """Blocks paged in ahead of the one computing (>= 1); the device holds depth + 1 blocks."""
+    grads: tuple[Tier, ...] | None = None
+    """Home tier of each block's fp32 gradient accumulator; None: as ``master``."""
+    recompute_resident: bool = False
+    """Checkpoint the blocks used in place too, recomputing them in backward: resident
+    (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
+    memory itself). False keeps their activations (ordinary autograd: more activation
+    memory, no recompute). Blocks copied in from another tier are always recomputed."""
+    read_ahead: int = READ_AHEAD
+    """Blocks whose optimizer state, where homed off the host, is read ahead of their
+    optimizer step, each into its own host buffers (three fp32 tensors of the largest
+    block); >= 1. More blocks give the reads more of the step to run in, at
+    ``12 * largest block params`` host bytes each."""
+    compute_dtype: str = "bfloat16"
+    """Dtype of the weights the device computes with, a key of :data:`DTYPE_BYTES`."""
+    kv_cache: Tier | None = None
+    """Tier of the generator's KV cache (predict); None: the generator's default (device)."""
+    prefill_tokens: int | None = None
+    """Most tokens per prefill forward (a batch runs in chunks of whole rows); None: the
+    whole batch at once."""
+
+    def __post_init__(self) -> None:
+        if self.master and len(self.weights) != len(self.master):
+            raise ValueError(
+                f"placement has {len(self.weights)} weight tiers but {len(self.master)} master "
+                "tiers: give one of each per block (or no master tiers for inference)"
+            )
+        if self.grads is not None and len(self.grads) != len(self.master):
+            raise ValueError(
+                f"placement has {len(self.grads)} gradient tiers but {len(self.master)} master "
+                "tiers: give one of each per block, or grads=None"
+            )
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 1: pass 1 or more")
+        if self.read_ahead < 1:
+            raise ValueError(f"read_ahead={self.read_ahead} must be >= 1: pass 1 or more")
+        if self.compute_dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"compute_dtype={self.compute_dtype!r} is not supported: use one of "
+                f"{sorted(DTYPE_BYTES)}"
+            )
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(
+                f"prefill_tokens={self.prefill_tokens} must be >= 1 tokens, or None (whole batch)"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the placement covers."""
+        return len(self.weights)
+
+    @property
+    def grad_tiers(self) -> tuple[Tier, ...]:
+        """Home tier of each block's gradient accumulator (``grads``, else ``master``)."""
+        return self.master if self.grads is None else self.grads
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def resident_blocks(self) -> int:
+        """Blocks whose weights are homed on the device."""
+        return sum(w is Tier.DEVICE for w in self.weights)
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the engine keeps read-ahead buffers: some optimizer state is off the host."""
+        return any(t is not Tier.HOST for t in self.master)
+
+    def copied_blocks(self, in_place: frozenset[Tier]) -> tuple[int, ...]:
+        """Blocks paged in by copy: homed off ``in_place`` (the tiers used without a copy)."""
+        return tuple(i for i, w in enumerate(self.weights) if w not in in_place)
+
+    def recomputed_blocks(self, in_place: frozenset[Tier]) -> tuple[int, ...]:
+        """Blocks whose forward runs again in backward (training), as the engine runs it:
+        those paged in by copy, plus the ones used in place with ``recompute_resident``."""
+        if self.recompute_resident:
+            return tuple(range(self.num_blocks))
+        return self.copied_blocks(in_place)
+
+    @classmethod
+    def uniform(
+        cls,
+        num_blocks: int,
+        *,
+        weights: Tier,
+        master: Tier = Tier.HOST,
+        prefetch_depth: int = 1,
+        grads: Tier | None = None,
+        compute_dtype: str = "bfloat16",
+    ) -> Placement:
+        """Every block's weights on ``weights``, optimizer state on ``master``, gradient
+        accumulators on ``grads`` (None: ``master``)."""
+        return cls(
+            weights=(weights,) * num_blocks,
+            master=(master,) * num_blocks,
+            prefetch_depth=prefetch_depth,
+            grads=None if grads is None else (grads,) * num_blocks,
+            compute_dtype=compute_dtype,
+        )
+
+    # ------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (tiers as their names); :meth:`from_dict` inverts it."""
+        return {
+            "weights": [t.value for t in self.weights],
+            "master": [t.value for t in self.master],
+            "grads": None if self.grads is None else [t.value for t in self.grads],
+            "prefetch_depth": self.prefetch_depth,
+            "recompute_resident": self.recompute_resident,
+            "read_ahead": self.read_ahead,
+            "compute_dtype": self.compute_dtype,
+            "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
+            "prefill_tokens": self.prefill_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Placement:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        grads, kv = d.pop("grads"), d.pop("kv_cache")
+        return cls(
+            weights=tuple(Tier(t) for t in d.pop("weights")),
+            master=tuple(Tier(t) for t in d.pop("master")),
+            grads=None if grads is None else tuple(Tier(t) for t in grads),
+            kv_cache=None if kv is None else Tier(kv),
+            **d,
+        )
+
+
+# ---------------------------------------------------------------- the manifest
+RESIDENT_PREFIX = "resident"
+"""Store name prefix of the fp32 state of the trained parameters outside the blocks."""
+
+SCRATCH_PREFIX = "engine.scratch"
+"""Store name prefix of the optimizer's host scratch buffers."""
+
+SCRATCH_SETS = 2
+"""Sets of host scratch buffers (one in use, one whose writes may still be in flight)."""
+
+SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
+"""fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
+
+StateKind = Literal["master", "exp_avg", "exp_avg_sq"]
+STATE_KINDS: tuple[StateKind, StateKind, StateKind] = ("master", "exp_avg", "exp_avg_sq")
+"""The fp32 tensors kept per trained parameter: master weights, first and second AdamW
+moment (a :class:`FlatState`'s, with its ``grad`` accumulator)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredTensor:
+    """One flat tensor the engine registers in the store."""
+
+    name: str
+    """Store name."""
+    numel: int
+    """Elements."""
+    dtype: str
+    """Dtype, a key of :data:`DTYPE_BYTES`."""
+    home: Tier
+    """Tier it is registered on."""
+    block: int | None = None
+    """Index of the block whose compute-dtype weights it is (paged in with the block into
+    a device slot); None for every other tensor."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its elements."""
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """Elements of a model's parameters, as the engine stores them. The parameters
+    outside the blocks (embedding, final norm, head) are ordinary device tensors; only
+    the fp32 state of their trained ones (``rest``) is in the store."""
+
+    blocks: tuple[int, ...]
+    """Elements of each block's trained parameters (training), or of all its parameters
+    (weights only)."""
+    frozen: tuple[int, ...] = ()
+    """Elements of each block's frozen parameters (training; empty: none)."""
+    rest: int = 0
+    """Elements of the trained parameters outside the blocks (training)."""
+
+    def __post_init__(self) -> None:
+        if self.frozen and len(self.frozen) != len(self.blocks):
+            raise ValueError(
+                f"{len(self.frozen)} frozen sizes for {len(self.blocks)} blocks: give one per "
+                "block, or none"
+            )
+        if (
+            not self.blocks
+            or min(self.blocks) < 0
+            or min(self.frozen, default=0) < 0
+            or self.rest < 0
+        ):
+            raise ValueError(
+                f"model sizes {self}: give one size >= 0 per block (at least one block), "
+                "frozen sizes and rest >= 0"
+            )
+
+
+def weights_manifest(
+    sizes: ModelSizes, placement: Placement, prefix: str = "block"
+) -> tuple[StoredTensor, ...]:
+    """What a weights-only (inference) engine stores: each block's weights in the compute
+    dtype (``<prefix>.<i>.weight``, every parameter of the block) on its home."""
+    _check_blocks(sizes, placement)
+    dtype = placement.compute_dtype
+    return tuple(
+        StoredTensor(name=f"{prefix}.{i}.weight", numel=n, dtype=dtype, home=w, block=i)
+        for i, (n, w) in enumerate(zip(sizes.blocks, placement.weights, strict=True))
+    )
+
+
+def training_manifest(
+    sizes: ModelSizes, placement: Placement, prefix: str = "block"
+) -> tuple[StoredTensor, ...]:
+    """What the training engine stores, in registration order.
+
+    First the fp32 state of the parameters outside the blocks (``resident.*``, host).
+    Per block ``i``: ``<prefix>.<i>.weight`` (trained parameters, compute dtype) and, when
+    it has frozen ones, ``<prefix>.<i>.frozen`` (compute dtype), both on
+    ``placement.weights[i]``; the fp32 master weights and moments on ``placement.master[i]``
+    and the fp32 gradient accumulator on ``placement.grad_tiers[i]``. Then the optimizer's
+    :data:`SCRATCH_SETS` host scratch sets (four fp32 buffers and one compute-dtype
+    ``cast`` of the largest block each), and, with optimizer state off the host,
+    ``placement.read_ahead`` read-ahead sets (three fp32 buffers each).
+    """
+    _check_blocks(sizes, placement)
+    if not placement.master:
+        raise ValueError(
+            "placement has no master tiers (a weights-only placement): give one master tier "
+            "per block to train"
+        )
+    dtype, fp32, host = placement.compute_dtype, "float32", Tier.HOST
+    frozen = sizes.frozen or (0,) * len(sizes.blocks)
+    out = _flat_state(RESIDENT_PREFIX, sizes.rest, host, host)
+    tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
+    for i, (n, f, (w, m, g)) in enumerate(zip(sizes.blocks, frozen, tiers, strict=True)):
+        name = f"{prefix}.{i}"
+        if f:
+            out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
+        out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
+        out += _flat_state(name, n, m, g)
+    largest = max(sizes.blocks)
+    for k in range(SCRATCH_SETS):
+        name = f"{SCRATCH_PREFIX}.{k}"
+        out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)
+                for b in SCRATCH_FP32]  # fmt: skip
+        out.append(StoredTensor(name=f"{name}.cast", numel=largest, dtype=dtype, home=host))
+    if placement.reads_ahead:
+        for k in range(placement.read_ahead):
+            out += [StoredTensor(name=read_ahead_name(k, s), numel=largest, dtype=fp32, home=host)
+                    for s in STATE_KINDS]  # fmt: skip
+    return tuple(out)
+
+
+def read_ahead_name(k: int, kind: str) -> str:
+    """Store name of buffer ``kind`` (one of :data:`STATE_KINDS`) of read-ahead set ``k``."""
+    return f"{SCRATCH_PREFIX}.ahead.{k}.{kind}"
+
+
+def manifest_bytes(manifest: tuple[StoredTensor, ...]) -> dict[Tier, int]:
+    """Exact bytes of the manifest's tensors on each tier (no allocator padding)."""
+    out = dict.fromkeys(Tier, 0)
+    for t in manifest:
+        out[t.home] += t.nbytes
+    return out
+
+
+def _flat_state(name: str, numel: int, home: Tier, grad_home: Tier) -> list[StoredTensor]:
+    kinds = [(k, home) for k in STATE_KINDS] + [("grad", grad_home)]
+    return [StoredTensor(name=f"{name}.{k}", numel=numel, dtype="float32", home=t)
+            for k, t in kinds]  # fmt: skip
+
+
+def _check_blocks(sizes: ModelSizes, placement: Placement) -> None:
+    if len(sizes.blocks) != placement.num_blocks:
+        raise ValueError(
+            f"placement covers {placement.num_blocks} blocks but the model has "
+            f"{len(sizes.blocks)}: build the placement for this model"
+        )
