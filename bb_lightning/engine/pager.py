@@ -80,6 +80,11 @@ class Placement:
     (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
     memory itself). False keeps their activations (ordinary autograd: more activation
     memory, no recompute). Blocks copied in from another tier are always recomputed."""
+    recomputed: tuple[int, ...] | None = None
+    """The blocks whose forward runs again in backward, as a plan decided them
+    (:meth:`Plan.recomputed_blocks`, for the device it was priced for); the engine runs
+    every other block with ordinary autograd, and refuses a block it must copy in but the
+    plan keeps bound. None: decided by the device the engine runs on (above)."""
     read_ahead: int = 2
     """Blocks whose optimizer state, where homed off the host, is read ahead of their
     optimizer step, each into its own host buffers (three fp32 tensors of the largest
@@ -119,6 +124,7 @@ class Placement:
             grads=tuple(plan.grads),
             recompute_resident=plan.checkpointing and all(w in in_place for w in plan.weights),
             read_ahead=plan.read_ahead,
+            recomputed=plan.recomputed_blocks(),
         )
 
     @classmethod

@@ -65,6 +65,7 @@ from bb_lightning.engine.pager import (
     flat_from,
     set_data,
 )
+from bb_lightning.engine.recompute import planned_autograd_blocks
 from bb_lightning.engine.timing import PhaseTimer
 from storage.device import slot_bytes
 from storage.store import Ticket, TieredStore
@@ -372,6 +373,8 @@ class TrainingEngine:
         in_place = {Tier.DEVICE, Tier.HOST} if self.device.type == "cpu" else {Tier.DEVICE}
         blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
         self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
+        if placement.recomputed is not None:  # the plan's decision
+            self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
 
     def _ensure_ahead_sets(self, placement: Placement) -> None:
         """Register read-ahead sets up to ``placement.read_ahead`` when state is off the host."""
