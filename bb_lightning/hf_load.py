@@ -43,6 +43,7 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
+from bb_lightning.cache_support import static_cache_gap
 from bb_lightning.lora import saved_copy_prefixes, unwrap_saved_copies
 from bb_lightning.safetensors_file import open_safetensors
 
@@ -147,12 +148,19 @@ def check_supported(config: PretrainedConfig, *, streaming: bool = True) -> None
 
 
 def check_generation(model: PreTrainedModel) -> None:
-    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache."""
+    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache,
+    or cannot take a static one (:func:`~bb_lightning.cache_support.static_cache_gap`)."""
     if getattr(type(model), "_is_stateful", False):
         raise ValueError(
             f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
             "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
             "generation serves attention models; fit and validate it, or generate with transformers"
+        )
+    if (gap := static_cache_gap(model)) is not None:
+        raise ValueError(
+            f"model_type={model.config.model_type!r} ({type(model).__name__}) cannot generate "
+            f"on balance_beam's static KV cache: {gap}; fit and validate it, or generate with "
+            "transformers (model.generate) under plain Lightning"
         )
 
 
