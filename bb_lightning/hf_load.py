@@ -53,6 +53,7 @@ from bb_lightning.engine.hf_quirks import (
     check_supported,
     read_weight_index,
 )
+from bb_lightning.lora import saved_copy_prefixes, unwrap_saved_copies
 from bb_lightning.safetensors_file import open_safetensors
 
 __all__ = [
@@ -368,6 +369,7 @@ def _checkpoint_names(model: nn.Module) -> tuple[PreTrainedModel, dict[str, str 
         key=len,
         reverse=True,
     )  # innermost first: a wrapped layer may be wrapped again
+    copies = saved_copy_prefixes(net)  # peft's modules_to_save: original and copies
     names: dict[str, str | None] = {}
     for key in model.state_dict(keep_vars=True):
         if prefix and not key.startswith(f"{prefix}."):
@@ -379,5 +381,5 @@ def _checkpoint_names(model: nn.Module) -> tuple[PreTrainedModel, dict[str, str 
                 continue
             rest = name[len(tuner) :]
             name = tuner + rest[len("base_layer.") :] if rest.startswith("base_layer.") else None
-        names[key] = name
+        names[key] = None if name is None else unwrap_saved_copies(name, copies)
     return net, names

@@ -5,7 +5,10 @@ a LoRA model is built (:func:`require_peft`), never when the package is imported
 
 Under the balance_beam strategy the frozen base weights are paged read-only and only
 the adapters carry gradients and optimizer state (see :mod:`bb_lightning.engine.pager`);
-:func:`lora_profile` prices such a job for the planner.
+:func:`lora_profile` prices such a job for the planner. Modules trained whole
+(``modules_to_save``) are trained copies with full fp32 state beside their frozen
+originals; on a base streamed from its checkpoint both are read from the base layer's
+tensors (:func:`unwrap_saved_copies` gives the checkpoint's name of each).
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ if TYPE_CHECKING:
 
     from bb_lightning.planner.profile import ModelProfile
 
-__all__ = ["PEFT_EXTRA", "LoraOptions", "lora_profile", "require_peft", "wrap_lora"]
+__all__ = [
+    "PEFT_EXTRA",
+    "LoraOptions",
+    "lora_profile",
+    "require_peft",
+    "saved_copy_prefixes",
+    "unwrap_saved_copies",
+    "wrap_lora",
+]
 
 PEFT_EXTRA = "pip install 'balance-beam[peft]'"
 """The command that installs the optional ``peft`` dependency."""
@@ -45,6 +56,9 @@ class LoraOptions:
     """Dropout probability on the adapter's input, in [0, 1)."""
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     """Names (last component) of the linear layers that get adapters."""
+    modules_to_save: tuple[str, ...] = ()
+    """Names (last component) of modules trained whole beside the adapters (e.g. ``lm_head``):
+    ``peft`` trains a copy of each, saved with the adapters, and keeps the original frozen."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -61,13 +75,14 @@ class LoraOptions:
         """Options from themselves or a dict of their fields (as a recipe gives them)."""
         if isinstance(value, LoraOptions):
             return value
-        known = {"rank", "alpha", "dropout", "target_modules"}
+        known = {"rank", "alpha", "dropout", "target_modules", "modules_to_save"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown LoRA option(s) {unknown}: use {sorted(known)}")
         fields = dict(value)
-        if "target_modules" in fields:
-            fields["target_modules"] = tuple(fields["target_modules"])
+        for key in ("target_modules", "modules_to_save"):
+            if key in fields:
+                fields[key] = tuple(fields[key])
         return cls(**fields)
 
     def peft_config(self) -> Any:
@@ -78,6 +93,7 @@ class LoraOptions:
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=list(self.target_modules),
+            modules_to_save=list(self.modules_to_save) or None,
             task_type="CAUSAL_LM",
         )
 
@@ -136,12 +152,50 @@ def _real_placeholders(model: nn.Module) -> Iterator[None]:
         for n, p in m.named_parameters()
         if not n.startswith("base_layer.")
     }
-    copied = [n for n, p in model.named_parameters() if id(p) not in known]
-    if copied:  # e.g. peft's modules_to_save copies the base layer it trains
+    for name, p in model.named_parameters():
+        if id(p) not in known:  # peft's modules_to_save copied a base layer to train it
+            _to_meta(name, p)
+
+
+def _to_meta(name: str, param: nn.Parameter) -> None:
+    """Put a copy of a meta base weight back on the meta device, to be read from the
+    checkpoint like the weight it copies (:func:`unwrap_saved_copies` names it)."""
+    if ".modules_to_save." not in f".{name}":
         raise ValueError(
-            f"LoRA on a model streamed from its checkpoint copied base weights {copied[:3]} "
-            "into trained parameters: train adapters only, or load the base model first"
+            f"LoRA on a model streamed from its checkpoint made parameter {name!r}, which "
+            "is neither an adapter nor a modules_to_save copy: load the base model first"
         )
+    meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                        requires_grad=param.requires_grad)  # fmt: skip
+    torch.utils.swap_tensors(param, meta)
+
+
+def saved_copy_prefixes(model: nn.Module) -> list[str]:
+    """``name.`` of each ``peft`` modules_to_save wrapper in ``model`` (the module it wraps
+    is under ``original_module.``, each adapter's trained copy under
+    ``modules_to_save.<adapter>.``), innermost first."""
+    found = [
+        f"{name}."
+        for name, m in model.named_modules()
+        if isinstance(m._modules.get("original_module"), nn.Module)
+        and isinstance(m._modules.get("modules_to_save"), nn.ModuleDict)
+    ]
+    return sorted(found, key=len, reverse=True)
+
+
+def unwrap_saved_copies(name: str, prefixes: list[str]) -> str:
+    """The name of a tensor inside modules_to_save wrappers (:func:`saved_copy_prefixes`)
+    in the model without them: the original and its trained copies both name the base
+    layer's tensor, which is what a checkpoint of the base model holds."""
+    for prefix in prefixes:
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix) :]
+        if rest.startswith("original_module."):
+            name = prefix + rest[len("original_module.") :]
+        elif rest.startswith("modules_to_save."):
+            name = prefix + rest[len("modules_to_save.") :].partition(".")[2]
+    return name
 
 
 def lora_profile(config: PretrainedConfig | dict[str, Any], options: LoraOptions) -> ModelProfile:

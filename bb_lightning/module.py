@@ -132,7 +132,8 @@ class CausalLMModule(pl.LightningModule):
             tokenizer: ``"byte"`` or a HF tokenizer dir/name to decode predictions; None: ids only.
             stop_strings: texts that end a generated sequence (needs ``tokenizer``).
             lora: train LoRA adapters instead of every weight: ``rank``, ``alpha``,
-                ``dropout``, ``target_modules`` (see :class:`~bb_lightning.lora.LoraOptions`;
+                ``dropout``, ``target_modules``, ``modules_to_save``
+                (see :class:`~bb_lightning.lora.LoraOptions`;
                 needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
         """
         super().__init__()

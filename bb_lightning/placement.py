@@ -62,6 +62,11 @@ class Placement:
     (DEVICE-home) blocks, and on a CPU device HOST-home blocks (paged in as their host
     memory itself). False keeps their activations (ordinary autograd: more activation
     memory, no recompute). Blocks copied in from another tier are always recomputed."""
+    recomputed: tuple[int, ...] | None = None
+    """The blocks whose forward runs again in backward, as a plan decided them for the
+    device it priced (:meth:`recomputed_blocks`); the engine runs every other block with
+    ordinary autograd, and refuses a block it must copy in but the plan keeps bound.
+    None: decided by the device the engine runs on (``recompute_resident`` above)."""
     read_ahead: int = READ_AHEAD
     """Blocks whose optimizer state, where homed off the host, is read ahead of their
     optimizer step, each into its own host buffers (three fp32 tensors of the largest
@@ -131,7 +136,10 @@ class Placement:
 
     def recomputed_blocks(self, in_place: frozenset[Tier]) -> tuple[int, ...]:
         """Blocks whose forward runs again in backward (training), as the engine runs it:
-        those paged in by copy, plus the ones used in place with ``recompute_resident``."""
+        those paged in by copy, plus the ones used in place with ``recompute_resident``;
+        or ``recomputed`` where a plan decided them."""
+        if self.recomputed is not None:
+            return self.recomputed
         if self.recompute_resident:
             return tuple(range(self.num_blocks))
         return self.copied_blocks(in_place)
@@ -166,6 +174,7 @@ class Placement:
             "grads": None if self.grads is None else [t.value for t in self.grads],
             "prefetch_depth": self.prefetch_depth,
             "recompute_resident": self.recompute_resident,
+            "recomputed": None if self.recomputed is None else list(self.recomputed),
             "read_ahead": self.read_ahead,
             "compute_dtype": self.compute_dtype,
             "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
@@ -177,7 +186,9 @@ class Placement:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         grads, kv = d.pop("grads"), d.pop("kv_cache")
+        recomputed = d.pop("recomputed", None)
         return cls(
+            recomputed=None if recomputed is None else tuple(recomputed),
             weights=tuple(Tier(t) for t in d.pop("weights")),
             master=tuple(Tier(t) for t in d.pop("master")),
             grads=None if grads is None else tuple(Tier(t) for t in grads),

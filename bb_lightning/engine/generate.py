@@ -11,8 +11,9 @@ and the next blocks are prefetched while it computes: the weight traffic of a st
 the batch, which is what the planner's ``concurrent_seqs`` sizes.
 
 The decode loop is ours, not ``generate``'s: a preallocated static KV cache
-(:class:`~bb_lightning.engine.kv.KVCache`), an attention-mask buffer of the
-final length written in place, position ids advanced in place, and one
+(:class:`~bb_lightning.engine.kv.KVCache`), an attention-mask buffer as long as the
+cache (what transformers pads a mask to; a model that builds positions from the mask,
+such as ALiBi, needs it), written in place, position ids advanced in place, and one
 host read of the chosen tokens per step (the step's one sync point). Positions
 follow ``generate``'s rule for left padding (``cumsum(mask) - 1``), so greedy
 tokens equal ``generate``'s. Sequences that finish (eos, a stop string, or the
@@ -237,7 +238,9 @@ class _Run:
         self.gen, self.config, self.plen, self.total = gen, config, plen, total
         self.decode = decode
         self.kv = gen._cache(rows, total)
-        self.mask = torch.zeros(rows, total, dtype=torch.long, device=device)
+        # as long as the static cache (zeros past the tokens so far), as a model that builds
+        # positions from the mask's width (alibi) needs it, and as transformers pads it
+        self.mask = torch.zeros(rows, self.kv.max_len, dtype=torch.long, device=device)
         self.cache_pos = torch.arange(total, device=device)
         self.live = list(range(rows))
         """Original row index of each row still in the batch."""
@@ -256,9 +259,7 @@ class _Run:
         self.mask[:, :plen] = attention_mask
         pos = attention_mask.long().cumsum(-1) - 1
         pos.masked_fill_(attention_mask == 0, 1)
-        logits = self.gen._forward(
-            input_ids, self.mask[:, :plen], pos, self.cache_pos[:plen], self.kv
-        )
+        logits = self.gen._forward(input_ids, self.mask, pos, self.cache_pos[:plen], self.kv)
         step_pos = pos[:, -1:] + 1
         for cur in range(plen, total + 1):
             tokens = self._choose(logits)
@@ -273,7 +274,7 @@ class _Run:
                 tokens, step_pos = self._compact(done, tokens, step_pos)
             self.mask[:, cur] = 1
             logits = self.gen._forward(
-                tokens[:, None], self.mask[:, : cur + 1], step_pos, self.cache_pos[cur : cur + 1],
+                tokens[:, None], self.mask, step_pos, self.cache_pos[cur : cur + 1],
                 self.kv,
             )  # fmt: skip
             step_pos += 1

@@ -277,13 +277,47 @@ def check_supported(config: PretrainedConfig, *, streaming: bool = True) -> None
         )
 
 
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""Names under which a transformers forward takes a KV cache (newest first)."""
+
+
+def static_cache_gap(model: nn.Module) -> str | None:
+    """Why ``model`` cannot generate on a transformers ``StaticCache`` (None: it can).
+
+    Layer-major generation (:mod:`bb_lightning.engine.generate`) hands the model a
+    ``StaticCache`` and a padding mask as long as that cache, through the model's own
+    forward; this reads what the model class itself declares (its forward's parameters,
+    transformers' ``_supports_default_dynamic_cache``), no family names.
+    """
+    params = inspect.signature(model.forward).parameters
+    if not any(name in params for name in CACHE_ARGUMENTS):
+        return (
+            "its forward takes no KV cache (no 'cache' or 'past_key_values' argument): it "
+            "recomputes the whole sequence for each new token"
+        )
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        return (
+            "it keeps a cache of its own, not a transformers Cache "
+            "(transformers' _supports_default_dynamic_cache() is False)"
+        )
+    return None
+
+
 def check_generation(model: PreTrainedModel) -> None:
-    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache."""
+    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache,
+    or cannot take a static one (:func:`static_cache_gap`)."""
     if getattr(type(model), "_is_stateful", False):
         raise ValueError(
             f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
             "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
             "generation serves attention models; fit and validate it, or generate with transformers"
+        )
+    if (gap := static_cache_gap(model)) is not None:
+        raise ValueError(
+            f"model_type={model.config.model_type!r} ({type(model).__name__}) cannot generate "
+            f"on balance_beam's static KV cache: {gap}; fit and validate it, or generate with "
+            "transformers (model.generate) under plain Lightning"
         )
 
 

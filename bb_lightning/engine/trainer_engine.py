@@ -43,6 +43,7 @@ window's last forward in an overlapped step, from the start of the step otherwis
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -68,6 +69,7 @@ from bb_lightning.engine.pager import (
     store_budgets,
     torch_dtype,
 )
+from bb_lightning.engine.recompute import planned_autograd_blocks
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
     RESIDENT_PREFIX,
@@ -351,6 +353,14 @@ class TrainingEngine:
         in_place = {Tier.DEVICE, Tier.HOST} if host else {Tier.DEVICE}
         blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
         self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
+        if placement.recomputed is not None:  # the plan's decision
+            if self.store.device.type == "cpu" and not host:
+                # the CUDA double copies HOST blocks in as CUDA does; a plan for the CPU
+                # kept them bound, so they are recomputed here, as on CUDA
+                copied = {i for i, w in enumerate(placement.weights) if w not in in_place}
+                recomputed = tuple(sorted(copied | set(placement.recomputed)))
+                placement = dataclasses.replace(placement, recomputed=recomputed)
+            self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
 
     def _set_manifest(self, placement: Placement) -> None:
         self.manifest = training_manifest(self.sizes, placement)

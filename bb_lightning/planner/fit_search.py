@@ -593,15 +593,18 @@ def build_plan(
         grad_accum=ga,
         concurrent_seqs=0,
         tokens_per_pass=tokens_pass,
-        placement=Placement(
-            weights=placement_tiers(n, kf + kw, w_h),
-            master=placement_tiers(n, kf, m_h),
-            grads=placement_tiers(n, kf, g_h),
-            prefetch_depth=best.depth,
-            # checkpointing where no block is copied in: the in-place blocks are recomputed
-            recompute_resident=best.checkpointing and copied == 0,
-            read_ahead=int(v["read_ahead"]),
-            compute_dtype=job.compute_dtype,
+        placement=_priced_recompute(
+            hw,
+            Placement(
+                weights=placement_tiers(n, kf + kw, w_h),
+                master=placement_tiers(n, kf, m_h),
+                grads=placement_tiers(n, kf, g_h),
+                prefetch_depth=best.depth,
+                # checkpointing where no block is copied in: the in-place blocks are recomputed
+                recompute_resident=best.checkpointing and copied == 0,
+                read_ahead=int(v["read_ahead"]),
+                compute_dtype=job.compute_dtype,
+            ),
         ),
         memory=_memory(hw, budgets, v),
         predicted=pred,
@@ -622,3 +625,11 @@ def _memory(
         TierMemory(tier=t, used=int(u), budget=budgets[t], capacity=c)
         for t, u, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)
     )
+
+
+def _priced_recompute(hw: HardwareProfile, placement: Placement) -> Placement:
+    """``placement`` with the blocks it recomputes on ``hw``'s device written out
+    (``Placement.recomputed``): the blocks paged in by copy there (HOST homes are used in
+    place only on a CPU device), so that an engine on another device runs what was priced."""
+    in_place = frozenset((Tier.DEVICE, Tier.HOST) if hw.device_type == "cpu" else (Tier.DEVICE,))
+    return dataclasses.replace(placement, recomputed=placement.recomputed_blocks(in_place))

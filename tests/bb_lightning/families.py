@@ -45,6 +45,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
     },
+    "bloom_alibi_tied": {
+        "model_type": "bloom",
+        "hidden_size": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": VOCAB,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    },
     "gpt_neox": {
         "model_type": "gpt_neox",
         **{k: v for k, v in _BASE.items() if k != "num_key_value_heads"},

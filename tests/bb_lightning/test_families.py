@@ -140,6 +140,49 @@ def test_generation_of_a_recurrent_state_family_is_refused_at_setup(
     strategy.close()
 
 
+NO_STATIC_CACHE: dict[str, tuple[dict[str, Any], str]] = {
+    "openai-gpt": (
+        {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64},
+        "takes no KV cache",
+    ),
+    "minimax": (
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "head_dim": 8,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": VOCAB,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+        "keeps a cache of its own",
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(NO_STATIC_CACHE))
+def test_generation_without_a_static_kv_cache_is_refused_at_setup(
+    model_type: str, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """A family whose forward cannot take transformers' StaticCache is refused before any
+    weight is read, in one line naming the model class, what it lacks and what to do."""
+    values, why = NO_STATIC_CACHE[model_type]
+    config = AutoConfig.for_model(model_type, **values)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    module = _module(tmp_path / "ckpt")
+    strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    named = rf"model_type='{model_type}' \(\w+(ForCausalLM|LMHeadModel)\) cannot generate"
+    with pytest.raises(ValueError, match=named) as err:
+        trainer.predict(module, DataLoader([_prompts()], batch_size=None))
+    message = str(err.value)
+    assert "\n" not in message and why in message and "generate with transformers" in message
+    assert strategy.store is None  # refused at setup: nothing paged
+    strategy.close()
+
+
 def test_a_quantized_checkpoint_is_refused_at_setup(tiny: SimpleNamespace, tmp_path: Path) -> None:
     path = saved("llama", tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())

@@ -134,15 +134,74 @@ def test_meta_base_gets_real_seeded_adapters(ckpt: Path) -> None:
         reader.get(adapter)
 
 
-def test_meta_base_refuses_peft_copying_a_base_weight(ckpt: Path) -> None:
-    """peft's ``modules_to_save`` trains a copy of a base layer: on a meta base that copy
-    would start from the stand-in, not the checkpoint, so it is refused by name."""
-    from peft import LoraConfig, get_peft_model
+def test_meta_base_streams_the_copies_peft_trains_whole(ckpt: Path) -> None:
+    """peft's ``modules_to_save`` trains a copy of a base layer: on a meta base the copy
+    stays on the meta device, trainable, and is read from the checkpoint under the base
+    layer's name, like the frozen original."""
+    options = LoraOptions.from_value({**LORA, "modules_to_save": ["lm_head", "model.norm"]})
+    wrapped = wrap_lora(empty_model(AutoConfig.from_pretrained(ckpt)), options)
+    params = wrapped.state_dict(keep_vars=True)  # tied ones under each name
+    copies = {k: p for k, p in params.items() if ".modules_to_save." in k}
+    assert len(copies) == 2 and all(p.is_meta and p.requires_grad for p in copies.values())
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    reader = HFCheckpoint(ckpt, wrapped)
+    for key in copies:
+        original = key.replace(".modules_to_save.default.", ".original_module.")
+        assert params[original].is_meta and not params[original].requires_grad
+        base = key.replace(".modules_to_save.default.", ".").removeprefix("base_model.model.")
+        assert torch.equal(reader.get(key), loaded[base]), key
+        assert torch.equal(reader.get(original), loaded[base]), key
 
-    from bb_lightning.lora import _real_placeholders
 
-    model = empty_model(AutoConfig.from_pretrained(ckpt))
-    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
-    with pytest.raises(ValueError, match=r"copied base weights \[.*lm_head"):
-        with _real_placeholders(model):
-            get_peft_model(model, config)
+def test_streamed_lora_trains_saved_modules_like_plain_lightning(
+    tiny: SimpleNamespace, ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``modules_to_save`` on a streamed base: the head (tied to the embedding on disk) and
+    each block's MLP norm trained whole beside the adapters, with full fp32 state; losses,
+    adapters and trained copies as plain Lightning with peft, and in the saved adapter."""
+    lora = {**LORA, "modules_to_save": ["lm_head", "post_attention_layernorm"]}
+
+    def make() -> CausalLMModule:
+        return CausalLMModule(ckpt, learning_rate=1e-2, weight_decay=0.01, lora=lora, seed=7)
+
+    ref = make()
+    trainer, want = tiny.make_trainer("auto", STEPS)
+    trainer.fit(ref, tiny.loader(STEPS))
+    assert ref.model is not None
+    ref.model.save_pretrained(tmp_path / "want")
+
+    monkeypatch.setattr(module_mod.AutoModelForCausalLM, "from_pretrained", _refuse)
+    module = make()
+    placement = Placement(weights=(N, D, H), master=(H, N, H), prefetch_depth=1)
+    strategy = BalanceBeamStrategy(placement=placement, compute_dtype="fp32",
+                                   nvme_path=str(tmp_path / "nvme"), adapt_tolerance=None)  # fmt: skip
+    trainer, got = tiny.make_trainer(strategy, STEPS)
+    trainer.fit(module, tiny.loader(STEPS))
+    net = module.model
+    assert net is not None and strategy.store is not None
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    store = strategy.store
+    fp32_state = sum(store.spec(n).nbytes for n in store.names()
+                     if n.rsplit(".", 1)[-1] in ("master", "exp_avg", "exp_avg_sq", "grad")
+                     and not n.startswith("engine.scratch"))  # fmt: skip
+    assert fp32_state == 16 * trainable  # master + two moments + accumulator, 4 bytes each
+
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    want_sd, got_sd = get_peft_model_state_dict(ref.model), get_peft_model_state_dict(net)
+    saved = [k for k in want_sd if "lora_" not in k]
+    assert got_sd.keys() == want_sd.keys() and len(saved) == 1 + LAYERS
+    for key, value in want_sd.items():
+        torch.testing.assert_close(got_sd[key], value, rtol=1e-5, atol=2e-5, msg=key)
+    inner = net.get_base_model()
+    head = inner.lm_head
+    assert not torch.equal(head.modules_to_save["default"].weight, head.original_module.weight)
+    assert not head.original_module.weight.requires_grad  # the original stays frozen
+
+    net.save_pretrained(tmp_path / "got")
+    want_file = safetensors.torch.load_file(tmp_path / "want" / "adapter_model.safetensors")
+    got_file = safetensors.torch.load_file(tmp_path / "got" / "adapter_model.safetensors")
+    assert got_file.keys() == want_file.keys() and any("lm_head" in k for k in got_file)
+    for key, value in want_file.items():
+        torch.testing.assert_close(got_file[key], value, rtol=1e-5, atol=2e-5, msg=key)
+    strategy.close()

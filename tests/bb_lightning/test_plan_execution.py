@@ -115,3 +115,60 @@ def test_the_search_offers_only_runnable_checkpointing(hardware: str, tiny: Any)
     with pytest.raises(PlanError, match="checkpointing off needs every block used in place"):
         make_plan(model, hw, JOB, overrides=PlanOverrides(weights_tier=N, checkpointing=False))
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"weights_tier": H, "master_tier": H}, {"resident_blocks": 2, "weights_tier": H}],
+    ids=["host", "half-resident"],
+)
+def test_a_gpu_plan_run_on_the_cpu_recomputes_what_it_says(
+    overrides: dict[str, Any], tiny: SimpleNamespace, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Planned for a GPU preset (HOST-home blocks paged in by copy, so recomputed) and run
+    on the CPU (where the same blocks could be used in place): the engine recomputes the
+    blocks the plan prices as recomputed, no more and no fewer."""
+    module = tiny.make_module(tiny.tiny_llama())
+    module.configure_model()
+    assert module.model is not None
+    layers = list(module.model.model.layers)
+    calls: Counter[int] = Counter()
+    forward = LlamaDecoderLayer.forward
+
+    @functools.wraps(forward)
+    def counted(self: LlamaDecoderLayer, *args: Any, **kwargs: Any) -> Any:
+        calls[layers.index(self)] += 1
+        return forward(self, *args, **kwargs)
+
+    class FromTheStep(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            calls.clear()
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
+    strategy = BalanceBeamStrategy(
+        job=JOB, hardware="a100-80gb", overrides=PlanOverrides(**overrides),
+        nvme_path=str(tmp_path / "nvme"), compute_dtype="fp32",
+    )  # fmt: skip
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    trainer.callbacks.append(FromTheStep())
+    trainer.fit(module, tiny.loader(1))
+    plan = strategy.plan
+    assert plan is not None and plan.hardware.device_type == "cuda"
+    assert strategy.root_device.type == "cpu"
+    recomputed = set(plan.recomputed_blocks())
+    assert recomputed == {i for i, w in enumerate(plan.weights) if w is H} != set()
+    assert calls == Counter({i: 2 if i in recomputed else 1 for i in range(len(layers))})
+    strategy.close()
+
+
+def test_a_plan_keeping_a_copied_block_bound_is_refused() -> None:
+    """A CPU plan (HOST blocks used in place, not recomputed) on a GPU device, where HOST
+    blocks are copied in and must be recomputed: refused naming the blocks and the fix."""
+    from bb_lightning.engine.pager import Placement
+    from bb_lightning.engine.recompute import planned_autograd_blocks
+
+    cpu_plan = Placement(weights=(D, H, N), master=(H, H, H), recomputed=(2,))
+    assert planned_autograd_blocks(cpu_plan, {D, H}) == {0, 1}
+    with pytest.raises(ValueError, match=r"blocks \[1\] \(homed on \['host'\]\).*hardware="):
+        planned_autograd_blocks(cpu_plan, {D})
