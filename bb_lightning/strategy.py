@@ -51,7 +51,6 @@ store; ``gather_on_teardown=True`` does that at the end of every ``trainer.*`` c
 from __future__ import annotations
 
 import contextlib
-import functools
 import tempfile
 import weakref
 from collections.abc import Callable, Generator, Mapping
@@ -62,20 +61,16 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from transformers import PreTrainedModel
 
+from bb_lightning.adapt import _AdaptMixin, _link_seconds
+from bb_lightning.assembly import _AssemblyMixin, _load_inference
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.inference import InferenceEngine, weights_budgets
+from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
-    ParamLoader,
     TrainingEngine,
     adamw_from_optimizer,
-    check_budgets,
-    param_counts,
-    required_budgets,
 )
 from bb_lightning.handback import (
     HollowGuard,
@@ -85,43 +80,23 @@ from bb_lightning.handback import (
     param_bytes,
     take_back,
 )
-from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
-from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
-    MeasuredTimes,
-    ModelProfile,
     Plan,
-    PlanError,
     PlanOverrides,
     PredictJob,
-    adapt,
-    make_plan,
-    measure,
-    plan_differs,
-    preset,
 )
-from bb_lightning.planner.calibrate import (
-    PredictCompute,
-    TrainCompute,
-    probe_predict_compute,
-    probe_train_compute,
-)
-from bb_lightning.structure import find_block_list
-from storage.io import ALIGNMENT
+from bb_lightning.session import _PlanningMixin
 from storage.store import StoreConfig, TieredStore
-from storage.tiers import Tier
 
 __all__ = ["BalanceBeamStrategy"]
 
 ComputeDtype = Literal["bf16", "fp32"]
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_SLACK = 1 << 20
-"""Bytes added to each automatically sized store budget (allocator alignment)."""
 
 
-class BalanceBeamStrategy(SingleDeviceStrategy):
+class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDeviceStrategy):
     """Single-device strategy that pages transformer blocks through a three-tier store."""
 
     strategy_name = "balance_beam"
@@ -300,274 +275,13 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             "'bf16-mixed' or '32-true'"
         )
 
-    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        self.close()
-        _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
-        loader = checkpoint_loader(module)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
-        numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        config = self._store_config(numels, rest, placement, dtype, frozen)
-        need = required_budgets(numels, rest, placement, dtype, frozen)
-        check_budgets(need, _arena_bytes(config))
-        self.store = TieredStore(config)
-        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        try:
-            self.engine = TrainingEngine(
-                module,
-                list(blocks),
-                self.store,
-                placement,
-                compute_dtype=dtype,
-                device=self.root_device,
-                loader=loader,
-            )
-        except BaseException:
-            self.close()
-            raise
-
-    def _build_inference(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        """The weights-only engine: compute-dtype block weights in the store, nothing else."""
-        self.close()
-        _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
-        loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
-        need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
-                               placement, dtype)  # fmt: skip
-        config = self.store_config
-        if config is None:
-            path = self.nvme_path
-            if need[Tier.NVME] and path is None:
-                self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
-                path = self._tmpdir.name
-            config = StoreConfig(
-                device_budget=need[Tier.DEVICE] + _SLACK,
-                host_budget=need[Tier.HOST] + _SLACK,
-                nvme_path=path if need[Tier.NVME] else None,
-                nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-                device=str(self.root_device),
-            )
-        check_budgets(need, _arena_bytes(config))
-        self.store = TieredStore(config)
-        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        try:
-            self.inference = InferenceEngine(module, list(blocks), self.store, placement,
-                                             compute_dtype=dtype, device=self.root_device,
-                                             loader=loader)  # fmt: skip
-        except BaseException:
-            self.close()
-            raise
-        if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
-            module.kv_cache_tier = None if self.plan is None else self.plan.kv_cache
-        job = None if self.plan is None else self.plan.job
-        if isinstance(job, PredictJob):  # prefill in the planned micro-batches
-            assert self.plan is not None
-            self.inference.paged.max_tokens = self.plan.micro_batch * job.prompt_len
-
     def _inference(self) -> InferenceEngine:
         assert self.inference is not None
         return self.inference
 
-    def _plan_predict(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
-        """Plan the predict job; the DataLoader runs its own batch size, or the plan's."""
-        net = _hf_model(module)
-        assert net is not None
-        job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
-        dm = getattr(trainer, "datamodule", None)
-        batch = getattr(dm, "batch_size", None)
-        model, hardware = ModelProfile.from_module(net), self._hardware()
-        best = make_plan(model, hardware, job, overrides=self.overrides)
-        if self.hardware is None or self.hardware == "measure":
-            rows = min(batch if isinstance(batch, int) else best.concurrent_seqs, job.num_prompts)
-            hardware = self._probe_predict(net, hardware, job, rows)
-            best = make_plan(model, hardware, job, overrides=self.overrides)
-        plan = best
-        if isinstance(batch, int) and batch != best.concurrent_seqs:
-            ov = _replace(self.overrides or PlanOverrides(),
-                          concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
-            try:
-                plan = make_plan(model, hardware, job, overrides=ov)
-            except PlanError as err:  # the plan printed must be the batch that runs
-                raise ValueError(
-                    f"balance_beam cannot plan batches of {batch} prompts ({err}): use the "
-                    f"planner's {best.concurrent_seqs} (data batch_size: null), or pass "
-                    "placement= to run unplanned"
-                ) from err
-        elif batch is None and callable(getattr(dm, "use_planned_batch_size", None)):
-            dm.use_planned_batch_size(plan.concurrent_seqs)  # type: ignore[union-attr]
-            batch = plan.concurrent_seqs
-        rank_zero_info(plan.explain())
-        running = "the DataLoader's batches" if batch is None else f"batches of {batch} prompts"
-        kv = "device" if plan.kv_cache is None else plan.kv_cache.value
-        rank_zero_info(
-            f"balance_beam: planner recommends {best.concurrent_seqs} concurrent sequences "
-            f"({best.tokens_per_s:.4g} tokens/s); running {running} "
-            f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
-        )
-        self._adopt(plan)
-        weights = tuple(plan.weights)
-        return Placement(weights=weights, master=weights, prefetch_depth=plan.prefetch_depth)
-
-    def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        if predicting and _hf_model(module) is not None and not isinstance(self.job, FitJob):
-            return self._plan_predict(module, trainer)
-        if isinstance(self.job, FitJob) or (fitting and _hf_model(module) is not None):
-            return self._plan_with_planner(module, trainer)
-        tiers = [getattr(self.overrides, k, None) for k in ("weights_tier", "master_tier")]
-        depth = getattr(self.overrides, "prefetch_depth", None) or 1
-        if tiers[0] is None:
-            rank_zero_info(
-                "balance_beam: no placement given; paging every block from host memory "
-                "(pass placement= or overrides=PlanOverrides(weights_tier=...))"
-            )
-        return Placement.uniform(
-            num_blocks,
-            weights=Tier(tiers[0] or Tier.HOST),
-            master=Tier(tiers[1] or Tier.HOST),
-            prefetch_depth=depth,
-        )
-
-    def _plan_with_planner(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
-        net = _hf_model(module)
-        if net is None:
-            raise ValueError(
-                f"{type(module).__name__} holds no Hugging Face model to profile: pass placement="
-            )
-        job, micro, accum = (self.job if isinstance(self.job, FitJob) else None), 0, 0
-        if job is None:
-            seq_len, micro = first_batch_shape(trainer)
-            accum = int(trainer.accumulate_grad_batches)
-            clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-            job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
-        model, hardware = ModelProfile.from_module(net), self._hardware()
-        if self.hardware is None or self.hardware == "measure":
-            hardware = self._probe_compute(net, hardware, job, micro)
-        best = make_plan(model, hardware, job, overrides=self.overrides)
-        plan = best
-        if micro and (best.micro_batch, best.grad_accum) != (micro, accum):
-            ov = self.overrides or PlanOverrides()
-            forced = _replace(ov, micro_batch=micro, grad_accum=accum)
-            try:
-                plan = make_plan(model, hardware, job, overrides=forced)
-            except PlanError as err:  # the plan printed must be the batch that runs
-                raise ValueError(
-                    f"balance_beam cannot plan the batch in use, micro-batch {micro} x "
-                    f"accumulate_grad_batches {accum} ({err}): run the planner's micro-batch "
-                    f"{best.micro_batch} x {best.grad_accum}, or pass placement= to run "
-                    "unplanned"
-                ) from err
-        rank_zero_info(plan.explain())
-        if micro:
-            rank_zero_info(
-                f"balance_beam: planner recommends micro-batch {best.micro_batch} x "
-                f"accumulation {best.grad_accum} ({best.tokens_per_s:.4g} tokens/s); running "
-                f"micro-batch {micro} x accumulate_grad_batches {accum} "
-                f"({plan.tokens_per_s:.4g} tokens/s predicted)"
-            )
-        self._adopt(plan)
-        return Placement.from_plan(plan)
-
-    def _probe_compute(
-        self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
-    ) -> HardwareProfile:
-        """``hardware`` with the compute efficiency the model's own training pass sustains
-        on the device (see :mod:`bb_lightning.planner.calibrate`); unchanged when the
-        probe does not fit in memory."""
-        micro = micro or getattr(self.overrides, "micro_batch", None) or 1
-        probe = functools.partial(
-            probe_train_compute,
-            net.config,
-            hardware,
-            seq_len=job.seq_len,
-            micro_batch=micro,
-            dtype=self.resolved_dtype(),
-            device=self.root_device,
-        )
-        return _calibrated(hardware, probe, "compute probe")
-
-    def _probe_predict(
-        self, net: PreTrainedModel, hardware: HardwareProfile, job: PredictJob, rows: int
-    ) -> HardwareProfile:
-        """``hardware`` with the prefill and decode rates the model's own passes sustain
-        on the device at ``rows`` concurrent sequences (see
-        :func:`~bb_lightning.planner.calibrate.probe_predict_compute`); unchanged when the
-        probe does not fit in memory."""
-        probe = functools.partial(
-            probe_predict_compute,
-            net.config,
-            hardware,
-            prompt_len=job.prompt_len,
-            concurrent=max(1, rows),
-            cache_len=job.cache_len,
-            context=job.mean_context,
-            dtype=self.resolved_dtype(),
-            device=self.root_device,
-        )
-        return _calibrated(hardware, probe, "predict compute probe")
-
-    def _hardware(self) -> HardwareProfile:
-        spec = self.hardware
-        if isinstance(spec, HardwareProfile):
-            hardware = spec
-        elif spec is None or spec == "measure":
-            hardware = measure(nvme_path=self.nvme_path)
-        else:
-            hardware = preset(spec)
-        forced = Tier.NVME in (
-            getattr(self.overrides, "weights_tier", None),
-            getattr(self.overrides, "master_tier", None),
-        )
-        if self.nvme_path is None and not forced:
-            hardware = hardware.replace(
-                nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
-            )
-        return hardware
-
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
         self.plan_history.append(plan)
-
-    def _store_config(
-        self,
-        numels: list[int],
-        rest: int,
-        placement: Placement,
-        dtype: torch.dtype,
-        frozen: list[int] | None = None,
-    ) -> StoreConfig:
-        if self.store_config is not None:
-            return self.store_config
-        need = required_budgets(numels, rest, placement, dtype, frozen)
-        if self.plan is not None:  # room for re-plans, within what the plan may use
-            n = len(numels)
-            most = {
-                t: required_budgets(
-                    numels,
-                    rest,
-                    Placement.uniform(n, weights=t, master=t, prefetch_depth=n),
-                    dtype,
-                    frozen,
-                )[t]
-                for t in Tier
-            }
-            for mem in self.plan.memory:
-                need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
-            if self.nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
-                need[Tier.NVME] = 0
-        path = self.nvme_path
-        if need[Tier.NVME] and path is None:
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
-            path = self._tmpdir.name
-        return StoreConfig(
-            device_budget=need[Tier.DEVICE] + _SLACK,
-            host_budget=need[Tier.HOST] + _SLACK,
-            nvme_path=path if need[Tier.NVME] else None,
-            nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-            device=str(self.root_device),
-        )
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Lightning's optimizers, whose ``step`` runs the engine's host AdamW."""
@@ -609,69 +323,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             trainer = self.lightning_module.trainer if self.lightning_module else None
             if self.overlap_optimizer and clip_config(trainer).value is None:
                 engine.read_state_ahead()  # this window ends in an overlapped step
-
-    def _skip(self) -> int:
-        return 1 if self.warmup_steps > 1 else 0
-
-    def _after_step(self) -> None:
-        engine = self.engine
-        assert engine is not None
-        engine.timer.end_step()
-        if self.plan is None or len(engine.timer.steps) != self.warmup_steps:
-            return
-        mean = engine.timer.mean(skip=self._skip())
-        assert mean is not None
-        steps = self.warmup_steps - self._skip()
-        links = {
-            k: (v - self._links0.get(k, 0.0)) / steps for k, v in _link_seconds(engine).items()
-        }
-        measured = _measured(mean, links, (engine.optimizer_busy_s - self._busy0) / steps)
-        self._report(self.plan, measured)
-        tol = self.adapt_tolerance
-        if tol is not None and plan_differs(self.plan, measured, tol):
-            self._replan(adapt(self.plan, measured), measured)
-
-    def _report(self, plan: Plan, measured: MeasuredTimes, prefix: str = "") -> None:
-        p = plan.predicted
-        pairs = {
-            "step": (p.total, measured.step_s),
-            "compute": (p.compute, measured.compute_s),
-            "h2d": (p.h2d, measured.h2d_s),
-            "optimizer": (p.optimizer, measured.optimizer_s),
-        }
-        for phase, (pred, meas) in pairs.items():
-            self.plan_metrics[f"bb/{prefix}predicted_{phase}_s"] = pred
-            if meas is not None:
-                self.plan_metrics[f"bb/measured_{phase}_s"] = meas
-            rank_zero_info(
-                f"balance_beam {prefix}{phase}: predicted {pred:.4g} s, measured "
-                f"{'-' if meas is None else f'{meas:.4g}'} s per step"
-            )
-        trainer = self.lightning_module.trainer if self.lightning_module else None
-        if trainer is not None and trainer.logger is not None:
-            trainer.logger.log_metrics(dict(self.plan_metrics), step=trainer.global_step)
-
-    def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
-        engine, store = self.engine, self.store
-        assert engine is not None and store is not None
-        placement = Placement.from_plan(plan)
-        numels = [s.numel for s in engine.pager.states]
-        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
-                                engine.pager.frozen_numels)  # fmt: skip
-        room = {t: cap for t, (_, cap) in store.usage().items()}
-        short = [t.value for t in Tier if need[t] > room[t]]
-        if short:
-            rank_zero_info(
-                f"balance_beam: re-plan needs more {short} than the store holds; "
-                "keeping the placement"
-            )
-        else:
-            engine.apply_placement(placement)
-        self._adopt(plan)
-        rank_zero_info(
-            "balance_beam: measured times differ from the plan; re-planned:\n" + plan.explain()
-        )
-        self._report(plan, measured, prefix="replanned_")
 
     # -- training hooks ------------------------------------------------------
 
@@ -876,22 +527,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 # -- helpers (glue between the Trainer, the planner and the engine) ---------------------
 
 
-def _release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:
-    """Close ``store`` and remove its temporary directory (also run at garbage collection)."""
-    store.close()
-    if tmpdir is not None:
-        tmpdir.cleanup()
-
-
-def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
-    """The first Hugging Face model inside ``module`` (None when it holds none)."""
-    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
-
-
-def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
-    return PlanOverrides(**{**overrides.__dict__, **changes})
-
-
 def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
     """The Trainer's gradient clipping as the engine runs it, as plain Lightning reads it.
 
@@ -926,154 +561,3 @@ def _check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
             "cannot run (gradients reach the host AdamW, never .grad): remove the override and "
             "set Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value')"
         )
-
-
-def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
-    """(sequence length in tokens, sequences per micro-batch) of the training data.
-
-    Read from the datamodule's ``seq_len`` and ``batch_size`` when it has them, else
-    from the first batch of the training DataLoader (its ``input_ids``, or its first
-    2-D tensor).
-    """
-    dm = getattr(trainer, "datamodule", None)
-    seq_len, batch = getattr(dm, "seq_len", None), getattr(dm, "batch_size", None)
-    if isinstance(seq_len, int) and isinstance(batch, int):
-        return seq_len, batch
-    source = trainer.fit_loop._data_source
-    first = next(iter(source.dataloader()), None) if source.is_defined() else None
-    if isinstance(first, Mapping):
-        first = first.get("input_ids", next(iter(first.values()), None))
-    elif isinstance(first, (list, tuple)):
-        first = next((t for t in first if isinstance(t, torch.Tensor) and t.dim() == 2), None)
-    if not isinstance(first, torch.Tensor) or first.dim() != 2:
-        raise ValueError(
-            f"balance_beam cannot tell the sequence length from the first training batch "
-            f"({type(first).__name__}): pass job=FitJob(seq_len=..., global_batch_seqs=...) or "
-            "placement="
-        )
-    return int(first.shape[1]), int(first.shape[0])
-
-
-def _calibrated(
-    hardware: HardwareProfile,
-    probe: Callable[[], TrainCompute | PredictCompute | None],
-    what: str,
-) -> HardwareProfile:
-    """``hardware`` with the rates ``probe()`` measures, said in the log; unchanged (and
-    said) when the model is too large for it or it fails: the plan is then priced at the
-    matrix-product rate, and the job goes on."""
-    try:
-        result = probe()
-    except Exception as err:  # a calibration must not stop the job it calibrates
-        rank_zero_warn(f"balance_beam: the {what} failed ({type(err).__name__}: {err}); "
-                       "planning with the matrix-product rate")  # fmt: skip
-        return hardware
-    if result is None:
-        rank_zero_info(f"balance_beam: model too large for the {what}; planning with the "
-                       "matrix-product rate")  # fmt: skip
-        return hardware
-    rank_zero_info(f"balance_beam {result.describe(hardware)}")
-    return result.applied_to(hardware)
-
-
-def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
-    """The predict job of a Trainer: prompt length, new tokens and number of prompts.
-
-    Prompt length (tokens) and number of prompts come from the datamodule's
-    ``longest_prompt`` and ``num_prompts`` when it has them (``PromptsDataModule``),
-    else from the first batch of the predict DataLoader (its ``input_ids`` width and
-    the dataset's length); new tokens from the module's ``max_new_tokens``
-    hyperparameter.
-    """
-    new = getattr(module, "hparams", {}).get("max_new_tokens")
-    if not isinstance(new, int):
-        raise ValueError(
-            f"{type(module).__name__} has no max_new_tokens hyperparameter (got {new!r}): pass "
-            "job=PredictJob(prompt_len=..., new_tokens=..., num_prompts=...) or placement="
-        )
-    dm = getattr(trainer, "datamodule", None)
-    plen, count = getattr(dm, "longest_prompt", None), getattr(dm, "num_prompts", None)
-    if isinstance(plen, int) and isinstance(count, int):
-        return PredictJob(prompt_len=plen, new_tokens=new, num_prompts=max(1, count))
-    source = trainer.predict_loop._data_source
-    loader = source.dataloader() if source.is_defined() else None
-    first = next(iter(loader), None) if loader is not None else None  # type: ignore[call-overload]
-    ids = first.get("input_ids") if isinstance(first, Mapping) else first
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError(
-            f"balance_beam cannot tell the prompt length from the first predict batch "
-            f"({type(first).__name__}): pass job=PredictJob(...) or placement="
-        )
-    dataset = getattr(loader, "dataset", None)
-    count = len(dataset) if hasattr(dataset, "__len__") else int(ids.shape[0])  # type: ignore[arg-type]
-    return PredictJob(prompt_len=int(ids.shape[1]), new_tokens=new, num_prompts=max(1, count))
-
-
-def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
-    """The bytes each tier of a store with ``config`` holds (arenas round down)."""
-    return {
-        Tier.DEVICE: config.device_budget - config.device_budget % ALIGNMENT,
-        Tier.HOST: config.host_budget - config.host_budget % ALIGNMENT,
-        Tier.NVME: config.nvme_budget,
-    }
-
-
-def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
-    """Weights of a plain state dict or a checkpoint directory into the inference engine."""
-    if isinstance(state_dict, ckpt.CheckpointStateDict):
-        path = state_dict.path
-        engine.load_weights(lambda key: ckpt.read_array(path, "master", key))
-        for key, value in state_dict.buffers.items():
-            engine.model.get_buffer(key).copy_(value)
-    else:
-        engine.load_state_dict(state_dict)
-
-
-def _link_seconds(engine: TrainingEngine) -> dict[str, float]:
-    """Busy seconds of the store's links since it opened, as the planner names the links."""
-    stats = {k: v.seconds for k, v in engine.store.stats().items()}
-    return {
-        "h2d": stats.get("host->device", 0.0),
-        "nvme_read": stats.get("nvme->host", 0.0) + stats.get("nvme->device", 0.0),
-        "nvme_write": stats.get("host->nvme", 0.0) + stats.get("device->nvme", 0.0),
-    }
-
-
-def _measured(mean: StepTimes, links: Mapping[str, float], optimizer_s: float) -> MeasuredTimes:
-    """Measured seconds per step; device-to-host is not measured (gradients bypass the store)."""
-    return MeasuredTimes(
-        compute_s=mean.compute,
-        h2d_s=links["h2d"],
-        nvme_read_s=links["nvme_read"],
-        nvme_write_s=links["nvme_write"],
-        optimizer_s=optimizer_s,
-        step_s=mean.step,
-    )
-
-
-def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
-    """Reads meta-device parameters from the module's local checkpoint (safetensors or .bin).
-
-    None when no parameter is on the meta device (the engine reads the parameters).
-    Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve
-    (:func:`~bb_lightning.hf_load.check_supported`; with ``generation``, also
-    :func:`~bb_lightning.hf_load.check_generation`).
-    """
-    net = _hf_model(module)
-    streaming = any(p.is_meta for p in module.parameters())
-    if net is not None:
-        check_supported(net.config, streaming=streaming)
-        if generation:
-            check_generation(net)
-    if not streaming:
-        return None
-    source = getattr(module, "checkpoint_dir", None)
-    if net is None or source is None:
-        raise ValueError(
-            f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
-            "model with a local checkpoint_dir to read them from: build the model with weights"
-        )
-    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions, peft names
-    keys = {id(p): key for key, p in net.named_parameters()}
-    # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
-    return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()
