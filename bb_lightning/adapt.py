@@ -1,51 +1,103 @@
-"""Measure, then adapt: the first optimizer steps against the plan, and the re-plan."""
+"""Measure, then adapt: the first optimizer steps against the plan, and the re-plan.
+
+After ``warmup_steps`` optimizer steps (the first left out of the mean when there are
+several: it pays for first touches) the :class:`AdaptController` compares measured with
+predicted phase times (:attr:`AdaptController.metrics`, ``self.log``-able) and, when they
+differ by more than ``tolerance``, re-plans with :func:`~bb_lightning.planner.adapt`; the
+blocks' homes move to the new placement where the open store has room for it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from lightning.pytorch.utilities import rank_zero_info
 
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.timing import StepTimes
-from bb_lightning.engine.trainer_engine import (
-    TrainingEngine,
-    required_budgets,
-)
-from bb_lightning.planner import (
-    MeasuredTimes,
-    Plan,
-    adapt,
-    plan_differs,
-)
+from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+from bb_lightning.planner import MeasuredTimes, Plan, adapt, plan_differs
 from storage.tiers import Tier
 
+__all__ = ["AdaptController", "MetricsSink", "apply_plan"]
 
-class _AdaptMixin:
-    """Methods of :class:`~bb_lightning.strategy.BalanceBeamStrategy`."""
+MetricsSink = Callable[[Mapping[str, float]], None]
+"""Where the metrics go after each comparison (the Trainer's logger), or nowhere."""
 
-    def _skip(self) -> int:
+
+class AdaptController:
+    """Times the optimizer steps of a run and re-plans once, after the warm-up."""
+
+    def __init__(self, *, warmup_steps: int = 3, tolerance: float | None = 0.25) -> None:
+        """``warmup_steps`` (>= 1) steps are measured; ``tolerance`` is the relative
+        difference of measured and predicted phase times that triggers a re-plan (None:
+        only report)."""
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 1 optimizer steps")
+        if tolerance is not None and not tolerance >= 0:
+            raise ValueError(f"adapt_tolerance={tolerance} must be >= 0 (0.25 = 25%) or None")
+        self.warmup_steps = warmup_steps
+        self.tolerance = tolerance
+        self.metrics: dict[str, float] = {}
+        """Predicted and measured seconds per step after warm-up."""
+        self._links0: dict[str, float] = {}
+        self._busy0 = 0.0
+
+    @property
+    def skip(self) -> int:
+        """Steps left out of the mean (the first, when more than one is measured)."""
         return 1 if self.warmup_steps > 1 else 0
 
-    def _after_step(self) -> None:
-        engine = self.engine
-        assert engine is not None
+    def begin_step(self, engine: TrainingEngine) -> None:
+        """Start timing an optimizer step (and, at the first measured one, its links)."""
+        if len(engine.timer.steps) == self.skip:
+            self._links0 = _link_seconds(engine)
+            self._busy0 = engine.optimizer_busy_s
+        engine.timer.begin_step()
+
+    def end_step(
+        self, engine: TrainingEngine, plan: Plan | None, log: MetricsSink | None = None
+    ) -> Plan | None:
+        """End timing a step; after the last warm-up step compare with ``plan`` and return
+        the new plan (its placement applied where the store has room), else None."""
         engine.timer.end_step()
-        if self.plan is None or len(engine.timer.steps) != self.warmup_steps:
-            return
-        mean = engine.timer.mean(skip=self._skip())
+        if plan is None or len(engine.timer.steps) != self.warmup_steps:
+            return None
+        measured = self.measured(engine)
+        new = self.review(plan, measured, log)
+        if new is not None:
+            apply_plan(engine, new)
+            rank_zero_info(
+                "balance_beam: measured times differ from the plan; re-planned:\n" + new.explain()
+            )
+            self.report(new, measured, log, prefix="replanned_")
+        return new
+
+    def measured(self, engine: TrainingEngine) -> MeasuredTimes:
+        """Mean measured seconds per step over the warm-up (its first step skipped)."""
+        mean = engine.timer.mean(skip=self.skip)
         assert mean is not None
-        steps = self.warmup_steps - self._skip()
+        steps = self.warmup_steps - self.skip
         links = {
             k: (v - self._links0.get(k, 0.0)) / steps for k, v in _link_seconds(engine).items()
         }
-        measured = _measured(mean, links, (engine.optimizer_busy_s - self._busy0) / steps)
-        self._report(self.plan, measured)
-        tol = self.adapt_tolerance
-        if tol is not None and plan_differs(self.plan, measured, tol):
-            self._replan(adapt(self.plan, measured), measured)
+        return _measured(mean, links, (engine.optimizer_busy_s - self._busy0) / steps)
 
-    def _report(self, plan: Plan, measured: MeasuredTimes, prefix: str = "") -> None:
+    def review(
+        self, plan: Plan, measured: MeasuredTimes, log: MetricsSink | None = None
+    ) -> Plan | None:
+        """Report ``measured`` against ``plan``; the re-plan when they differ by more than
+        the tolerance (:func:`~bb_lightning.planner.plan_differs`), else None."""
+        self.report(plan, measured, log)
+        tol = self.tolerance
+        if tol is not None and plan_differs(plan, measured, tol):
+            return adapt(plan, measured)
+        return None
+
+    def report(
+        self, plan: Plan, measured: MeasuredTimes, log: MetricsSink | None, prefix: str = ""
+    ) -> None:
+        """Put predicted and measured seconds per phase into :attr:`metrics` and the log."""
         p = plan.predicted
         pairs = {
             "step": (p.total, measured.step_s),
@@ -54,38 +106,32 @@ class _AdaptMixin:
             "optimizer": (p.optimizer, measured.optimizer_s),
         }
         for phase, (pred, meas) in pairs.items():
-            self.plan_metrics[f"bb/{prefix}predicted_{phase}_s"] = pred
+            self.metrics[f"bb/{prefix}predicted_{phase}_s"] = pred
             if meas is not None:
-                self.plan_metrics[f"bb/measured_{phase}_s"] = meas
+                self.metrics[f"bb/measured_{phase}_s"] = meas
             rank_zero_info(
                 f"balance_beam {prefix}{phase}: predicted {pred:.4g} s, measured "
                 f"{'-' if meas is None else f'{meas:.4g}'} s per step"
             )
-        trainer = self.lightning_module.trainer if self.lightning_module else None
-        if trainer is not None and trainer.logger is not None:
-            trainer.logger.log_metrics(dict(self.plan_metrics), step=trainer.global_step)
+        if log is not None:
+            log(dict(self.metrics))
 
-    def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
-        engine, store = self.engine, self.store
-        assert engine is not None and store is not None
-        placement = Placement.from_plan(plan)
-        numels = [s.numel for s in engine.pager.states]
-        need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
-                                engine.pager.frozen_numels)  # fmt: skip
-        room = {t: cap for t, (_, cap) in store.usage().items()}
-        short = [t.value for t in Tier if need[t] > room[t]]
-        if short:
-            rank_zero_info(
-                f"balance_beam: re-plan needs more {short} than the store holds; "
-                "keeping the placement"
-            )
-        else:
-            engine.apply_placement(placement)
-        self._adopt(plan)
+
+def apply_plan(engine: TrainingEngine, plan: Plan) -> bool:
+    """Move the blocks' homes to ``plan``'s placement when the open store holds it."""
+    placement = Placement.from_plan(plan)
+    numels = [s.numel for s in engine.pager.states]
+    need = required_budgets(numels, engine.resident.numel, placement, engine.compute_dtype,
+                            engine.pager.frozen_numels)  # fmt: skip
+    room = {t: cap for t, (_, cap) in engine.store.usage().items()}
+    short = [t.value for t in Tier if need[t] > room[t]]
+    if short:
         rank_zero_info(
-            "balance_beam: measured times differ from the plan; re-planned:\n" + plan.explain()
+            f"balance_beam: re-plan needs more {short} than the store holds; keeping the placement"
         )
-        self._report(plan, measured, prefix="replanned_")
+        return False
+    engine.apply_placement(placement)
+    return True
 
 
 def _link_seconds(engine: TrainingEngine) -> dict[str, float]:

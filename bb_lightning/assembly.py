@@ -1,15 +1,24 @@
-"""The engine factory: the store sized for a placement, and the engine that executes it."""
+"""The engine factory: a store sized for a placement, and the engine that executes it.
+
+:func:`build_engine` opens a :class:`storage.store.TieredStore` (the given
+:class:`~storage.store.StoreConfig`, or one sized from the placement: what it needs plus
+1 MiB per tier, and for a planned fit the room the plan may grow into on a re-plan) and
+builds the :class:`~bb_lightning.engine.trainer_engine.TrainingEngine` of ``fit`` or the
+weights-only :class:`~bb_lightning.engine.inference.InferenceEngine` of ``predict`` /
+``validate`` (compute-dtype block weights in the store, no master weights, moments or
+gradient accumulators). The checkpoint hooks dispatch on the one :data:`Engine` they get
+(:func:`module_state_dict`, :func:`load_weights`, :func:`load_optimizer`).
+"""
 
 from __future__ import annotations
 
 import tempfile
-import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
 
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
@@ -23,128 +32,149 @@ from bb_lightning.engine.trainer_engine import (
 )
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import (
-    PredictJob,
-)
-from bb_lightning.session import _hf_model
-from bb_lightning.structure import find_block_list
+from bb_lightning.planner import Plan, PredictJob
+from bb_lightning.session import hf_model
 from storage.io import ALIGNMENT
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
+
+__all__ = [
+    "Assembly",
+    "Engine",
+    "build_engine",
+    "checkpoint_loader",
+    "load_optimizer",
+    "load_weights",
+    "module_state_dict",
+    "release",
+    "settle",
+    "store_config",
+]
+
+Engine = TrainingEngine | InferenceEngine
+"""The engine of a Trainer call: training (fit), or weights only (predict, validate)."""
 
 _SLACK = 1 << 20
 """Bytes added to each automatically sized store budget (allocator alignment)."""
 
 
-class _AssemblyMixin:
-    """Methods of :class:`~bb_lightning.strategy.BalanceBeamStrategy`."""
+@dataclass(frozen=True)
+class Assembly:
+    """An engine, the store it pages through, and the store's temporary NVMe directory."""
 
-    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        self.close()
-        _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
-        loader = checkpoint_loader(module)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
+    engine: Engine
+    store: TieredStore
+    tmpdir: tempfile.TemporaryDirectory[str] | None
+
+
+def build_engine(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    placement: Placement,
+    *,
+    training: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    loader: ParamLoader | None,
+    store: StoreConfig | None = None,
+    nvme_path: str | None = None,
+    plan: Plan | None = None,
+) -> Assembly:
+    """Open the store for ``placement`` and build the engine of ``module``'s ``blocks``.
+
+    ``store`` None sizes the budgets (:func:`store_config`; with ``plan``, a training
+    store keeps room for its re-plans). Raises ``ValueError`` when the budgets cannot
+    hold the placement; a failure leaves nothing open.
+    """
+    if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        config = self._store_config(numels, rest, placement, dtype, frozen)
         need = required_budgets(numels, rest, placement, dtype, frozen)
-        check_budgets(need, _arena_bytes(config))
-        self.store = TieredStore(config)
-        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        try:
-            self.engine = TrainingEngine(
-                module,
-                list(blocks),
-                self.store,
-                placement,
-                compute_dtype=dtype,
-                device=self.root_device,
-                loader=loader,
-            )
-        except BaseException:
-            self.close()
-            raise
-
-    def _build_inference(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        """The weights-only engine: compute-dtype block weights in the store, nothing else."""
-        self.close()
-        _, blocks = find_block_list(module)
-        dtype = self.resolved_dtype()
-        loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
-        placement = self.placement or self._plan(module, len(blocks), trainer)
+        sized = _replan_room(need, numels, rest, placement, dtype, frozen, plan, nvme_path)
+    else:
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement, dtype)  # fmt: skip
-        config = self.store_config
-        if config is None:
-            path = self.nvme_path
-            if need[Tier.NVME] and path is None:
-                self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
-                path = self._tmpdir.name
-            config = StoreConfig(
-                device_budget=need[Tier.DEVICE] + _SLACK,
-                host_budget=need[Tier.HOST] + _SLACK,
-                nvme_path=path if need[Tier.NVME] else None,
-                nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-                device=str(self.root_device),
-            )
+        sized = need
+    config, tmpdir = (store, None) if store is not None else store_config(sized, nvme_path, device)
+    opened: TieredStore | None = None
+    try:
         check_budgets(need, _arena_bytes(config))
-        self.store = TieredStore(config)
-        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        try:
-            self.inference = InferenceEngine(module, list(blocks), self.store, placement,
-                                             compute_dtype=dtype, device=self.root_device,
-                                             loader=loader)  # fmt: skip
-        except BaseException:
-            self.close()
-            raise
-        if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
-            module.kv_cache_tier = None if self.plan is None else self.plan.kv_cache
-        job = None if self.plan is None else self.plan.job
-        if isinstance(job, PredictJob):  # prefill in the planned micro-batches
-            assert self.plan is not None
-            self.inference.paged.max_tokens = self.plan.micro_batch * job.prompt_len
-
-    def _store_config(
-        self,
-        numels: list[int],
-        rest: int,
-        placement: Placement,
-        dtype: torch.dtype,
-        frozen: list[int] | None = None,
-    ) -> StoreConfig:
-        if self.store_config is not None:
-            return self.store_config
-        need = required_budgets(numels, rest, placement, dtype, frozen)
-        if self.plan is not None:  # room for re-plans, within what the plan may use
-            n = len(numels)
-            most = {
-                t: required_budgets(
-                    numels,
-                    rest,
-                    Placement.uniform(n, weights=t, master=t, prefetch_depth=n),
-                    dtype,
-                    frozen,
-                )[t]
-                for t in Tier
-            }
-            for mem in self.plan.memory:
-                need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
-            if self.nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
-                need[Tier.NVME] = 0
-        path = self.nvme_path
-        if need[Tier.NVME] and path is None:
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
-            path = self._tmpdir.name
-        return StoreConfig(
-            device_budget=need[Tier.DEVICE] + _SLACK,
-            host_budget=need[Tier.HOST] + _SLACK,
-            nvme_path=path if need[Tier.NVME] else None,
-            nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-            device=str(self.root_device),
-        )
+        opened = TieredStore(config)
+        kind = TrainingEngine if training else InferenceEngine
+        engine = kind(module, list(blocks), opened, placement, compute_dtype=dtype,
+                      device=device, loader=loader)  # fmt: skip
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        if tmpdir is not None:
+            tmpdir.cleanup()
+        raise
+    if isinstance(engine, InferenceEngine):
+        _configure_inference(engine, module, plan)
+    return Assembly(engine, opened, tmpdir)
 
 
-def _release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:
+def store_config(
+    need: Mapping[Tier, int], nvme_path: str | None, device: torch.device
+) -> tuple[StoreConfig, tempfile.TemporaryDirectory[str] | None]:
+    """A store holding ``need`` bytes per tier (plus 1 MiB each), and the temporary NVMe
+    directory made when NVMe bytes are needed but ``nvme_path`` is None."""
+    path, tmpdir = nvme_path, None
+    if need[Tier.NVME] and path is None:
+        tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
+        path = tmpdir.name
+    config = StoreConfig(
+        device_budget=need[Tier.DEVICE] + _SLACK,
+        host_budget=need[Tier.HOST] + _SLACK,
+        nvme_path=path if need[Tier.NVME] else None,
+        nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
+        device=str(device),
+    )
+    return config, tmpdir
+
+
+def _replan_room(
+    need: dict[Tier, int],
+    numels: list[int],
+    rest: int,
+    placement: Placement,
+    dtype: torch.dtype,
+    frozen: list[int],
+    plan: Plan | None,
+    nvme_path: str | None,
+) -> dict[Tier, int]:
+    """``need`` raised to the plan's budgets (room for re-plans), within what any
+    placement of these blocks may use."""
+    need = dict(need)
+    if plan is not None:  # room for re-plans, within what the plan may use
+        n = len(numels)
+        most = {
+            t: required_budgets(
+                numels,
+                rest,
+                Placement.uniform(n, weights=t, master=t, prefetch_depth=n),
+                dtype,
+                frozen,
+            )[t]
+            for t in Tier
+        }
+        for mem in plan.memory:
+            need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
+        if nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
+            need[Tier.NVME] = 0
+    return need
+
+
+def _configure_inference(engine: InferenceEngine, module: nn.Module, plan: Plan | None) -> None:
+    """The plan's KV-cache tier and prefill micro-batch into the module and the engine."""
+    if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
+        module.kv_cache_tier = None if plan is None else plan.kv_cache
+    job = None if plan is None else plan.job
+    if isinstance(job, PredictJob):  # prefill in the planned micro-batches
+        assert plan is not None
+        engine.paged.max_tokens = plan.micro_batch * job.prompt_len
+
+
+def release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:
     """Close ``store`` and remove its temporary directory (also run at garbage collection)."""
     store.close()
     if tmpdir is not None:
@@ -158,6 +188,41 @@ def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
         Tier.HOST: config.host_budget - config.host_budget % ALIGNMENT,
         Tier.NVME: config.nvme_budget,
     }
+
+
+# -- the checkpoint hooks, on either engine ---------------------------------------------
+
+
+def module_state_dict(engine: Engine) -> Mapping[str, Tensor]:
+    """The module's state dict as checkpoints hold it: fp32 master weights read lazily
+    from the store (:class:`~bb_lightning.engine.trainer_engine.EngineStateDict`), or fp32
+    host copies of a weights-only engine's compute weights."""
+    if isinstance(engine, TrainingEngine):
+        return engine.lazy_state_dict()
+    return engine.state_dict()
+
+
+def load_weights(engine: Engine, state_dict: Mapping[str, Any]) -> None:
+    """Weights of a plain state dict or a checkpoint directory's into ``engine``."""
+    if isinstance(engine, InferenceEngine):
+        _load_inference(engine, state_dict)
+    elif isinstance(state_dict, ckpt.CheckpointStateDict):
+        ckpt.restore_weights(engine, state_dict)
+    else:
+        engine.load_state_dict(state_dict)
+
+
+def load_optimizer(engine: Engine, state_dict: Any) -> None:
+    """AdamW moments and step count of a checkpoint directory into a training engine."""
+    if isinstance(engine, TrainingEngine) and isinstance(state_dict, ckpt.CheckpointStateDict):
+        ckpt.restore_optimizer(engine, state_dict)
+
+
+def settle(engine: Engine) -> None:
+    """Finish the engine's pending copies and release its paged blocks (end of a call)."""
+    if isinstance(engine, TrainingEngine):
+        engine.grads.wait()
+    engine.pager.release_all_except(())
 
 
 def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
@@ -179,7 +244,7 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
     (:func:`~bb_lightning.hf_load.check_supported`; with ``generation``, also
     :func:`~bb_lightning.hf_load.check_generation`).
     """
-    net = _hf_model(module)
+    net = hf_model(module)
     streaming = any(p.is_meta for p in module.parameters())
     if net is not None:
         check_supported(net.config, streaming=streaming)

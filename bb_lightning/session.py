@@ -1,9 +1,35 @@
-"""The planning session: the job a Trainer call runs, priced by the planner into a placement."""
+"""The planning session: the job of a Trainer call, priced by the planner into a placement.
+
+:func:`read_job` reads what a ``trainer.fit`` / ``predict`` call runs, once, from the
+Trainer, its datamodule and the module, into a :class:`TrainerJob`; a
+:class:`PlanningSession` (the strategy's planning settings) turns it into the
+:class:`~bb_lightning.planner.Plan` and the
+:class:`~bb_lightning.engine.pager.Placement` the engine executes
+(:meth:`PlanningSession.place`).
+
+Fit: the session profiles the model (on the meta device when it was built there), takes
+the hardware profile (``measure()``, cached per machine, or a preset), derives a
+:class:`~bb_lightning.planner.FitJob` from the Trainer (sequence length from a
+:class:`TrainShape` datamodule's ``seq_len`` or the first batch, global batch =
+micro-batch x ``accumulate_grad_batches``) and plans the batch shape the DataLoader
+actually runs, printing the plan and the planner's recommended micro-batch beside it.
+
+Predict: it plans a :class:`~bb_lightning.planner.PredictJob` (:func:`predict_job`) and
+prints the plan; a :class:`PromptShape` datamodule whose ``batch_size`` is None takes the
+plan's ``concurrent_seqs``. On a measured machine (``hardware`` None or ``"measure"``)
+the plan is priced with the rates the model's own prefill and decode passes sustain on
+the device (:func:`~bb_lightning.planner.calibrate.probe_predict_compute`, a few seconds
+on a CPU), as ``fit`` is with its training pass.
+
+A datamodule need not know any of this: one without the protocols' members is read
+through its first batch.
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,12 +37,14 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import PreTrainedModel
+from typing_extensions import Protocol, runtime_checkable
 
 from bb_lightning.engine.pager import Placement
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
     ModelProfile,
+    Plan,
     PlanError,
     PlanOverrides,
     PredictJob,
@@ -32,57 +60,164 @@ from bb_lightning.planner.calibrate import (
 )
 from storage.tiers import Tier
 
+__all__ = [
+    "PlanningSession",
+    "PromptShape",
+    "SizedBatches",
+    "TrainShape",
+    "TrainerJob",
+    "first_batch_shape",
+    "hf_model",
+    "predict_job",
+    "read_job",
+]
 
-class _PlanningMixin:
-    """Methods of :class:`~bb_lightning.strategy.BalanceBeamStrategy`."""
 
-    def _plan_predict(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
-        """Plan the predict job; the DataLoader runs its own batch size, or the plan's."""
-        net = _hf_model(module)
-        assert net is not None
-        job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
+@runtime_checkable
+class SizedBatches(Protocol):
+    """A datamodule that states its batch size (most do)."""
+
+    @property
+    def batch_size(self) -> int | None:
+        """Sequences (fit) or prompts (predict) per batch; None: the plan's."""
+        ...
+
+
+@runtime_checkable
+class TrainShape(Protocol):
+    """A training datamodule that states its batches' shape
+    (:class:`~bb_lightning.data.TextDataModule`)."""
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per training sequence."""
+        ...
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per micro-batch."""
+        ...
+
+
+@runtime_checkable
+class PromptShape(Protocol):
+    """A predict datamodule that states its prompts and takes the planned batch size
+    (:class:`~bb_lightning.data.PromptsDataModule`)."""
+
+    @property
+    def batch_size(self) -> int | None:
+        """Prompts per batch; None: the plan's, set by :meth:`use_planned_batch_size`."""
+        ...
+
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt to run."""
+        ...
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts to run."""
+        ...
+
+    def use_planned_batch_size(self, concurrent_seqs: int) -> None:
+        """Run batches of ``concurrent_seqs`` prompts (when ``batch_size`` is None)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerJob:
+    """What one ``trainer.*`` call runs, as the Trainer and its data say (:func:`read_job`)."""
+
+    job: FitJob | PredictJob | None
+    """What the planner plans; None: nothing to plan (no Hugging Face model and no job
+    given): the blocks are placed from the overrides."""
+    micro_batch: int = 0
+    """Sequences per micro-batch the training DataLoader runs; 0: not read (job given)."""
+    grad_accum: int = 0
+    """The Trainer's ``accumulate_grad_batches``; 0: not read (job given)."""
+    batch_size: int | None = None
+    """Prompts per predict batch the datamodule runs; None: the plan's (or the DataLoader's)."""
+    data: PromptShape | None = field(default=None, compare=False)
+    """The predict datamodule that takes the planned batch size when ``batch_size`` is None."""
+
+
+def hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
+    """The first Hugging Face model inside ``module`` (None when it holds none)."""
+    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def read_job(
+    trainer: pl.Trainer, module: pl.LightningModule, given: FitJob | PredictJob | None = None
+) -> TrainerJob:
+    """The job of the Trainer's current call, read once.
+
+    ``predict`` of a Hugging Face model plans a :class:`PredictJob` (``given``, else
+    :func:`predict_job`); ``fit`` of one, or any call with a given :class:`FitJob`, plans a
+    :class:`FitJob` (``given``, else from :func:`first_batch_shape` and the Trainer's
+    accumulation and clipping); anything else plans nothing. Raises ``ValueError`` for a
+    given ``FitJob`` and a module without a Hugging Face model.
+    """
+    net, fn = hf_model(module), trainer.state.fn
+    if fn == TrainerFn.PREDICTING and net is not None and not isinstance(given, FitJob):
         dm = getattr(trainer, "datamodule", None)
-        batch = getattr(dm, "batch_size", None)
-        model, hardware = ModelProfile.from_module(net), self._hardware()
-        best = make_plan(model, hardware, job, overrides=self.overrides)
-        if self.hardware is None or self.hardware == "measure":
-            rows = min(batch if isinstance(batch, int) else best.concurrent_seqs, job.num_prompts)
-            hardware = self._probe_predict(net, hardware, job, rows)
-            best = make_plan(model, hardware, job, overrides=self.overrides)
-        plan = best
-        if isinstance(batch, int) and batch != best.concurrent_seqs:
-            ov = _replace(self.overrides or PlanOverrides(),
-                          concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
-            try:
-                plan = make_plan(model, hardware, job, overrides=ov)
-            except PlanError as err:  # the plan printed must be the batch that runs
-                raise ValueError(
-                    f"balance_beam cannot plan batches of {batch} prompts ({err}): use the "
-                    f"planner's {best.concurrent_seqs} (data batch_size: null), or pass "
-                    "placement= to run unplanned"
-                ) from err
-        elif batch is None and callable(getattr(dm, "use_planned_batch_size", None)):
-            dm.use_planned_batch_size(plan.concurrent_seqs)  # type: ignore[union-attr]
-            batch = plan.concurrent_seqs
-        rank_zero_info(plan.explain())
-        running = "the DataLoader's batches" if batch is None else f"batches of {batch} prompts"
-        kv = "device" if plan.kv_cache is None else plan.kv_cache.value
-        rank_zero_info(
-            f"balance_beam: planner recommends {best.concurrent_seqs} concurrent sequences "
-            f"({best.tokens_per_s:.4g} tokens/s); running {running} "
-            f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
+        job = given if isinstance(given, PredictJob) else predict_job(trainer, module)
+        batch = dm.batch_size if isinstance(dm, SizedBatches) else None
+        return TrainerJob(
+            job=job,
+            batch_size=batch if isinstance(batch, int) else None,
+            data=dm if isinstance(dm, PromptShape) else None,
         )
-        self._adopt(plan)
-        weights = tuple(plan.weights)
-        return Placement(weights=weights, master=weights, prefetch_depth=plan.prefetch_depth)
+    if not isinstance(given, FitJob) and (fn != TrainerFn.FITTING or net is None):
+        return TrainerJob(job=None)
+    if net is None:
+        raise ValueError(
+            f"{type(module).__name__} holds no Hugging Face model to profile: pass placement="
+        )
+    if isinstance(given, FitJob):
+        return TrainerJob(job=given)
+    seq_len, micro = first_batch_shape(trainer)
+    accum = int(trainer.accumulate_grad_batches)
+    clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
+    fit = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
+    return TrainerJob(job=fit, micro_batch=micro, grad_accum=accum)
 
-    def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        if predicting and _hf_model(module) is not None and not isinstance(self.job, FitJob):
-            return self._plan_predict(module, trainer)
-        if isinstance(self.job, FitJob) or (fitting and _hf_model(module) is not None):
-            return self._plan_with_planner(module, trainer)
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningSession:
+    """The strategy's planning settings; :meth:`place` plans one :class:`TrainerJob`."""
+
+    overrides: PlanOverrides | None = None
+    """Choices forced on the planner (see :class:`~bb_lightning.planner.PlanOverrides`)."""
+    hardware: str | HardwareProfile | None = None
+    """A preset name, a profile, or ``"measure"`` / None (measure this machine, cached)."""
+    nvme_path: str | None = None
+    """Directory of the NVMe tier; None plans without NVMe unless overrides force it."""
+    dtype: torch.dtype = torch.float32
+    """Compute dtype of the probes."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Device the probes run on."""
+
+    def place(
+        self, net: PreTrainedModel | None, job: TrainerJob, num_blocks: int
+    ) -> tuple[Placement, Plan | None]:
+        """The placement of ``num_blocks`` blocks for ``job``, and the plan it comes from
+        (None when there was nothing to plan: homes from the overrides, else the host)."""
+        if job.job is None:
+            return self.uniform(num_blocks), None
+        if net is None:
+            raise ValueError("balance_beam plans Hugging Face models only: pass placement=")
+        if isinstance(job.job, PredictJob):
+            plan = self.plan_predict(net, job.job, job)
+            weights = tuple(plan.weights)
+            placement = Placement(
+                weights=weights, master=weights, prefetch_depth=plan.prefetch_depth
+            )
+            return placement, plan
+        plan = self.plan_fit(net, job.job, job)
+        return Placement.from_plan(plan), plan
+
+    def uniform(self, num_blocks: int) -> Placement:
+        """Every block's home from the overrides' tiers (the host when none is given)."""
         tiers = [getattr(self.overrides, k, None) for k in ("weights_tier", "master_tier")]
         depth = getattr(self.overrides, "prefetch_depth", None) or 1
         if tiers[0] is None:
@@ -97,20 +232,50 @@ class _PlanningMixin:
             prefetch_depth=depth,
         )
 
-    def _plan_with_planner(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
-        net = _hf_model(module)
-        if net is None:
-            raise ValueError(
-                f"{type(module).__name__} holds no Hugging Face model to profile: pass placement="
-            )
-        job, micro, accum = (self.job if isinstance(self.job, FitJob) else None), 0, 0
-        if job is None:
-            seq_len, micro = first_batch_shape(trainer)
-            accum = int(trainer.accumulate_grad_batches)
-            clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-            job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
+    @property
+    def measured(self) -> bool:
+        """Whether the hardware is this machine, measured (then the probes calibrate it)."""
+        return self.hardware is None or self.hardware == "measure"
+
+    def plan_predict(self, net: PreTrainedModel, job: PredictJob, run: TrainerJob) -> Plan:
+        """Plan the predict job; the DataLoader runs its own batch size, or the plan's."""
+        batch = run.batch_size
         model, hardware = ModelProfile.from_module(net), self._hardware()
-        if self.hardware is None or self.hardware == "measure":
+        best = make_plan(model, hardware, job, overrides=self.overrides)
+        if self.measured:
+            rows = min(batch if batch is not None else best.concurrent_seqs, job.num_prompts)
+            hardware = self._probe_predict(net, hardware, job, rows)
+            best = make_plan(model, hardware, job, overrides=self.overrides)
+        plan = best
+        if batch is not None and batch != best.concurrent_seqs:
+            ov = _replace(self.overrides or PlanOverrides(),
+                          concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
+            try:
+                plan = make_plan(model, hardware, job, overrides=ov)
+            except PlanError as err:  # the plan printed must be the batch that runs
+                raise ValueError(
+                    f"balance_beam cannot plan batches of {batch} prompts ({err}): use the "
+                    f"planner's {best.concurrent_seqs} (data batch_size: null), or pass "
+                    "placement= to run unplanned"
+                ) from err
+        elif batch is None and run.data is not None:
+            run.data.use_planned_batch_size(plan.concurrent_seqs)
+            batch = plan.concurrent_seqs
+        rank_zero_info(plan.explain())
+        running = "the DataLoader's batches" if batch is None else f"batches of {batch} prompts"
+        kv = "device" if plan.kv_cache is None else plan.kv_cache.value
+        rank_zero_info(
+            f"balance_beam: planner recommends {best.concurrent_seqs} concurrent sequences "
+            f"({best.tokens_per_s:.4g} tokens/s); running {running} "
+            f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
+        )
+        return plan
+
+    def plan_fit(self, net: PreTrainedModel, job: FitJob, run: TrainerJob) -> Plan:
+        """Plan the fit job at the micro-batch and accumulation the Trainer runs."""
+        micro, accum = run.micro_batch, run.grad_accum
+        model, hardware = ModelProfile.from_module(net), self._hardware()
+        if self.measured:
             hardware = self._probe_compute(net, hardware, job, micro)
         best = make_plan(model, hardware, job, overrides=self.overrides)
         plan = best
@@ -134,8 +299,7 @@ class _PlanningMixin:
                 f"micro-batch {micro} x accumulate_grad_batches {accum} "
                 f"({plan.tokens_per_s:.4g} tokens/s predicted)"
             )
-        self._adopt(plan)
-        return Placement.from_plan(plan)
+        return plan
 
     def _probe_compute(
         self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
@@ -150,8 +314,8 @@ class _PlanningMixin:
             hardware,
             seq_len=job.seq_len,
             micro_batch=micro,
-            dtype=self.resolved_dtype(),
-            device=self.root_device,
+            dtype=self.dtype,
+            device=self.device,
         )
         return _calibrated(hardware, probe, "compute probe")
 
@@ -170,8 +334,8 @@ class _PlanningMixin:
             concurrent=max(1, rows),
             cache_len=job.cache_len,
             context=job.mean_context,
-            dtype=self.resolved_dtype(),
-            device=self.root_device,
+            dtype=self.dtype,
+            device=self.device,
         )
         return _calibrated(hardware, probe, "predict compute probe")
 
@@ -194,11 +358,6 @@ class _PlanningMixin:
         return hardware
 
 
-def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
-    """The first Hugging Face model inside ``module`` (None when it holds none)."""
-    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
-
-
 def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
     return PlanOverrides(**{**overrides.__dict__, **changes})
 
@@ -206,14 +365,17 @@ def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
 def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
     """(sequence length in tokens, sequences per micro-batch) of the training data.
 
-    Read from the datamodule's ``seq_len`` and ``batch_size`` when it has them, else
+    Read from a :class:`TrainShape` datamodule's ``seq_len`` and ``batch_size``, else
     from the first batch of the training DataLoader (its ``input_ids``, or its first
     2-D tensor).
     """
     dm = getattr(trainer, "datamodule", None)
-    seq_len, batch = getattr(dm, "seq_len", None), getattr(dm, "batch_size", None)
-    if isinstance(seq_len, int) and isinstance(batch, int):
-        return seq_len, batch
+    if (
+        isinstance(dm, TrainShape)
+        and isinstance(dm.seq_len, int)
+        and isinstance(dm.batch_size, int)
+    ):
+        return dm.seq_len, dm.batch_size
     source = trainer.fit_loop._data_source
     first = next(iter(source.dataloader()), None) if source.is_defined() else None
     if isinstance(first, Mapping):
@@ -254,11 +416,10 @@ def _calibrated(
 def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
     """The predict job of a Trainer: prompt length, new tokens and number of prompts.
 
-    Prompt length (tokens) and number of prompts come from the datamodule's
-    ``longest_prompt`` and ``num_prompts`` when it has them (``PromptsDataModule``),
-    else from the first batch of the predict DataLoader (its ``input_ids`` width and
-    the dataset's length); new tokens from the module's ``max_new_tokens``
-    hyperparameter.
+    Prompt length (tokens) and number of prompts come from a :class:`PromptShape`
+    datamodule's ``longest_prompt`` and ``num_prompts`` (``PromptsDataModule``), else
+    from the first batch of the predict DataLoader (its ``input_ids`` width and the
+    dataset's length); new tokens from the module's ``max_new_tokens`` hyperparameter.
     """
     new = getattr(module, "hparams", {}).get("max_new_tokens")
     if not isinstance(new, int):
@@ -267,8 +428,8 @@ def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
             "job=PredictJob(prompt_len=..., new_tokens=..., num_prompts=...) or placement="
         )
     dm = getattr(trainer, "datamodule", None)
-    plen, count = getattr(dm, "longest_prompt", None), getattr(dm, "num_prompts", None)
-    if isinstance(plen, int) and isinstance(count, int):
+    if isinstance(dm, PromptShape):
+        plen, count = dm.longest_prompt, dm.num_prompts
         return PredictJob(prompt_len=plen, new_tokens=new, num_prompts=max(1, count))
     source = trainer.predict_loop._data_source
     loader = source.dataloader() if source.is_defined() else None

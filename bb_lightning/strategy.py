@@ -9,28 +9,14 @@ only the embedding, final norm and head on the device. Lightning's torch
 optimizer stays for its bookkeeping (learning-rate schedulers, hooks), but its
 ``step`` runs the engine's host AdamW.
 
-Planning: with no ``placement`` the strategy profiles the model (on the meta
-device when it was built there), takes the hardware profile (``measure()``,
-cached per machine, or a preset), derives a :class:`~bb_lightning.planner.FitJob`
-from the Trainer (sequence length from the datamodule's ``seq_len`` or the first
-batch, global batch = micro-batch x ``accumulate_grad_batches``) and plans the
-batch shape the DataLoader actually runs, printing the plan and the planner's
-recommended micro-batch beside it. After ``warmup_steps`` optimizer steps it
-compares measured with predicted phase times (:attr:`plan_metrics`) and, when they
-differ by more than ``adapt_tolerance``, re-plans with :func:`~bb_lightning.planner.adapt`
-and moves the blocks' homes to the new placement.
-
-Predict and validate without fit state build a weights-only
-:class:`~bb_lightning.engine.inference.InferenceEngine` (compute-dtype block
-weights in the store, no master weights, moments or gradient accumulators);
-after a ``fit`` on the same strategy they reuse the training engine's weights.
-``predict`` plans a :class:`~bb_lightning.planner.PredictJob` (:func:`predict_job`)
-and prints the plan; its KV-cache tier goes to the module's ``kv_cache_tier``, and a
-datamodule whose ``batch_size`` is None takes the plan's ``concurrent_seqs``. On a
-measured machine (``hardware`` None or ``"measure"``) the plan is priced with the
-rates the model's own prefill and decode passes sustain on the device
-(:func:`~bb_lightning.planner.calibrate.probe_predict_compute`, a few seconds on
-a CPU), as ``fit`` is with its training pass.
+The strategy is Lightning glue over three parts: the planning session
+(:mod:`bb_lightning.session`: the job read once from the Trainer and its datamodule,
+priced into a plan and a placement), the adapt controller (:mod:`bb_lightning.adapt`:
+measured against predicted step times after ``warmup_steps``, then a re-plan) and the
+engine factory (:mod:`bb_lightning.assembly`: the store sized for the placement and the
+training or weights-only engine). Predict and validate without fit state build a
+weights-only engine; after a ``fit`` on the same strategy they reuse the training
+engine's weights.
 
 Optimizer: without gradient clipping, each block's host AdamW step runs while
 backward continues on earlier blocks (``overlap_optimizer``).
@@ -61,9 +47,19 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
-from bb_lightning.adapt import _AdaptMixin, _link_seconds
-from bb_lightning.assembly import _AssemblyMixin, _load_inference
+from bb_lightning.adapt import AdaptController
+from bb_lightning.assembly import (
+    Engine,
+    build_engine,
+    checkpoint_loader,
+    load_optimizer,
+    load_weights,
+    module_state_dict,
+    release,
+    settle,
+)
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement
@@ -87,7 +83,8 @@ from bb_lightning.planner import (
     PlanOverrides,
     PredictJob,
 )
-from bb_lightning.session import _PlanningMixin
+from bb_lightning.session import PlanningSession, hf_model, read_job
+from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 
 __all__ = ["BalanceBeamStrategy"]
@@ -96,7 +93,7 @@ ComputeDtype = Literal["bf16", "fp32"]
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDeviceStrategy):
+class BalanceBeamStrategy(SingleDeviceStrategy):
     """Single-device strategy that pages transformer blocks through a three-tier store."""
 
     strategy_name = "balance_beam"
@@ -167,18 +164,13 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
         if compute_dtype is not None and compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype!r}: use 'bf16' or 'fp32'")
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 1 optimizer steps")
-        if adapt_tolerance is not None and not adapt_tolerance >= 0:
-            raise ValueError(f"adapt_tolerance={adapt_tolerance} must be >= 0 (0.25 = 25%) or None")
-        self.warmup_steps = warmup_steps
-        self.adapt_tolerance = adapt_tolerance
+        self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown
         if gather_limit is not None and gather_limit < 0:
             raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
         self.gather_limit = gather_limit
-        self._handed_back: TrainingEngine | InferenceEngine | None = None
+        self._handed_back: Engine | None = None
         """The engine whose module holds its weights (handed back at teardown)."""
         self._guard: HollowGuard | None = None
         """Guards a module left hollow at teardown (weights only in the store)."""
@@ -186,10 +178,8 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
         """Every plan applied in this run, first to last."""
-        self.plan_metrics: dict[str, float] = {}
+        self.plan_metrics: dict[str, float] = self._adapt.metrics
         """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
-        self._links0: dict[str, float] = {}
-        self._busy0 = 0.0
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
             raise ValueError(
@@ -203,21 +193,42 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         self.overrides = overrides
         self.job = job
         self.hardware = hardware
-        self.engine: TrainingEngine | None = None
-        self.inference: InferenceEngine | None = None
-        """The weights-only engine of ``predict`` / ``validate`` run without fit state."""
+        self._engine: Engine | None = None
+        """The engine of the last ``trainer.*`` call (training, or weights only)."""
         self.store: TieredStore | None = None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def warmup_steps(self) -> int:
+        """Optimizer steps measured before comparing with the plan."""
+        return self._adapt.warmup_steps
+
+    @property
+    def adapt_tolerance(self) -> float | None:
+        """Relative difference of measured and predicted times that triggers a re-plan."""
+        return self._adapt.tolerance
+
+    @property
+    def engine(self) -> TrainingEngine | None:
+        """The training engine of ``fit`` (kept for later calls on the same module)."""
+        return self._engine if isinstance(self._engine, TrainingEngine) else None
+
+    @property
+    def inference(self) -> InferenceEngine | None:
+        """The weights-only engine of ``predict`` / ``validate`` run without fit state."""
+        return self._engine if isinstance(self._engine, InferenceEngine) else None
 
     # -- device ---------------------------------------------------------------------
 
     @property
+    @override
     def root_device(self) -> torch.device:
         """The Trainer's first device (``accelerator="cpu"`` -> cpu, ``devices=[i]`` -> cuda:i)."""
         if self.parallel_devices:
             return torch.device(self.parallel_devices[0])
         return self._root_device
 
+    @override
     def setup_environment(self) -> None:
         """Take the device from the accelerator's devices, then set it up (Lightning)."""
         devices = list(dict.fromkeys(torch.device(d) for d in self.parallel_devices or ()))
@@ -233,13 +244,16 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
     # -- model construction and setup ------------------------------------------
 
     @contextlib.contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Build the model on the host in fp32: the engine pages it to the device."""
         yield
 
+    @override
     def model_to_device(self) -> None:
         """Nothing: the engine moves only the parameters outside the blocks."""
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Build the engine once per module; set up Lightning's optimizer for bookkeeping."""
         assert self.accelerator is not None
@@ -252,9 +266,9 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
             if not fit_state:
-                self._build_engine(module, trainer)
+                self._build(module, trainer, training=True)
         elif not fit_state and (self.inference is None or self.inference.model is not module):
-            self._build_inference(module, trainer)
+            self._build(module, trainer, training=False)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -275,14 +289,35 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
             "'bf16-mixed' or '32-true'"
         )
 
-    def _inference(self) -> InferenceEngine:
-        assert self.inference is not None
-        return self.inference
+    def _build(self, module: pl.LightningModule, trainer: pl.Trainer, *, training: bool) -> None:
+        """The engine of this call, over a store sized for the placement (closed first)."""
+        self.close()
+        _, blocks = find_block_list(module)
+        dtype = self.resolved_dtype()
+        loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
+        placement = self.placement or self._plan(module, len(blocks), trainer)
+        built = build_engine(module, list(blocks), placement, training=training, dtype=dtype,
+                             device=self.root_device, loader=loader, store=self.store_config,
+                             nvme_path=self.nvme_path, plan=self.plan)  # fmt: skip
+        self.store, self._tmpdir, self._engine = built.store, built.tmpdir, built.engine
+        self._finalizer = weakref.finalize(self, release, built.store, built.tmpdir)
+
+    def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
+        """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
+        session = PlanningSession(overrides=self.overrides, hardware=self.hardware,
+                                  nvme_path=self.nvme_path, dtype=self.resolved_dtype(),
+                                  device=self.root_device)  # fmt: skip
+        job = read_job(trainer, module, self.job)
+        placement, plan = session.place(hf_model(module), job, num_blocks)
+        if plan is not None:
+            self._adopt(plan)
+        return placement
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
         self.plan_history.append(plan)
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Lightning's optimizers, whose ``step`` runs the engine's host AdamW."""
         super().setup_optimizers(trainer)
@@ -311,26 +346,38 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
 
     # -- measure, then adapt -------------------------------------------------------
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Start timing the optimizer step this micro-batch belongs to; at the start of a
         window that ends in an overlapped step, start reading its optimizer state ahead."""
         engine = self.engine
         if engine is not None and not engine.timer.in_step:
-            if len(engine.timer.steps) == self._skip():
-                self._links0 = _link_seconds(engine)
-                self._busy0 = engine.optimizer_busy_s
-            engine.timer.begin_step()
+            self._adapt.begin_step(engine)
             trainer = self.lightning_module.trainer if self.lightning_module else None
             if self.overlap_optimizer and clip_config(trainer).value is None:
                 engine.read_state_ahead()  # this window ends in an overlapped step
 
+    def _after_step(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        replanned = self._adapt.end_step(engine, self.plan, self._log_metrics)
+        if replanned is not None:
+            self._adopt(replanned)
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if trainer is not None and trainer.logger is not None:
+            trainer.logger.log_metrics(dict(metrics), step=trainer.global_step)
+
     # -- training hooks ------------------------------------------------------
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Move this backward's gradients into the host accumulators."""
         if self.engine is not None:
             self.engine.after_backward()
 
+    @override
     def on_train_start(self) -> None:
         """Print the placement before the first step (rank zero)."""
         if self.engine is not None:
@@ -338,6 +385,7 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
 
     # -- checkpoints ------------------------------------------------------------
 
+    @override
     def lightning_module_state_dict(self) -> Mapping[str, Any]:  # type: ignore[override]
         """The module's state dict with fp32 master weights, read lazily from the store.
 
@@ -346,36 +394,33 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         dict without materialising the model on the host; each parameter is read when a
         key is asked for (``dict(...)`` of it makes a full fp32 copy).
         """
-        if self.engine is None and self.inference is not None:
-            return self.inference.state_dict()
-        if self.engine is None:
+        if self._engine is None:
             return super().lightning_module_state_dict()
-        return self.engine.lazy_state_dict()
+        return module_state_dict(self._engine)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict (plain, or a checkpoint directory's) into the engine or module."""
         state_dict = checkpoint["state_dict"]
-        if self.engine is None and self.inference is not None:
-            _load_inference(self.inference, state_dict)
-        elif self.engine is None:
+        if self._engine is None:
             super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
-        elif isinstance(state_dict, ckpt.CheckpointStateDict):
-            ckpt.restore_weights(self.engine, state_dict)
         else:
-            self.engine.load_state_dict(state_dict)
+            load_weights(self._engine, state_dict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's optimizer state (learning rates), then moments and step count."""
         super().load_optimizer_state_dict(checkpoint)
-        state_dict = checkpoint.get("state_dict")
-        if self.engine is not None and isinstance(state_dict, ckpt.CheckpointStateDict):
-            ckpt.restore_optimizer(self.engine, state_dict)
+        if self._engine is not None:
+            load_optimizer(self._engine, checkpoint.get("state_dict"))
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints load into the engine, which :meth:`setup` builds: restore after it."""
         return True
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -394,12 +439,14 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
             weights_only = "optimizer_states" not in checkpoint
             ckpt.save_checkpoint(self.engine, filepath, checkpoint, weights_only=weights_only)
 
+    @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's checkpoint dict of a checkpoint directory; parameters read lazily."""
         return ckpt.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint directory (``ModelCheckpoint``'s ``save_top_k`` rotation)."""
         if self.is_global_zero:
@@ -407,20 +454,18 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
 
     # -- teardown -----------------------------------------------------------
 
+    @override
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
-        engine = self.engine if self.engine is not None else self.inference
-        if self.engine is not None:
-            self.engine.grads.wait()
-        if engine is not None:
-            engine.pager.release_all_except(())
-            self._hand_back(engine)
+        if self._engine is not None:
+            settle(self._engine)
+            self._hand_back(self._engine)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    def _hand_back(self, engine: TrainingEngine | InferenceEngine) -> None:
+    def _hand_back(self, engine: Engine) -> None:
         """The module's weights back in its parameters, or a loud hollow module."""
         if self._handed_back is engine or self._guard is not None:
             return
@@ -453,13 +498,12 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         elif engine is not None:  # another module: the old one keeps its weights
             self._drop(engine)
 
-    def _drop(self, engine: TrainingEngine | InferenceEngine) -> None:
+    def _drop(self, engine: Engine) -> None:
         """Forget a handed-back engine without touching its module's parameters."""
-        if engine is self.inference:
-            self.inference = None  # its forwards are already removed; nothing else to stop
-        elif engine is self.engine:
-            engine.close()
-            self.engine = None
+        if engine is self._engine:
+            if isinstance(engine, TrainingEngine):  # a weights-only one has no more to stop
+                engine.close()
+            self._engine = None
 
     def gather_full_model(self) -> torch.nn.Module:
         """Put the weights into the module's parameters (host); close the store.
@@ -473,7 +517,7 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
         """
         module = self.lightning_module
         assert module is not None
-        engine = self.engine if self.engine is not None else self.inference
+        engine = self._engine
         if engine is not None and self._handed_back is not engine:
             if self._guard is not None:
                 self._guard.remove()
@@ -494,17 +538,14 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
             self._handed_back = None
         if self._guard is not None:  # a weights-only engine gives unstreamed weights back
             inference = self.inference
-            if inference is not None and self.engine is None and not inference.streamed:
+            if inference is not None and not inference.streamed:
                 self._guard.remove()
             else:
                 self._guard.store_closed()
             self._guard = None
-        if self.inference is not None:
-            self.inference.close()  # the module gets its parameters back
-            self.inference = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        if self._engine is not None:
+            self._engine.close()  # a weights-only engine gives the module its parameters back
+            self._engine = None
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
@@ -516,6 +557,7 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
             self._tmpdir = None
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"balance_beam"`` unless already there."""
         if cls.strategy_name not in strategy_registry:
@@ -524,7 +566,7 @@ class BalanceBeamStrategy(_PlanningMixin, _AdaptMixin, _AssemblyMixin, SingleDev
             )
 
 
-# -- helpers (glue between the Trainer, the planner and the engine) ---------------------
+# -- helpers (Lightning's gradient clipping under the engine) ---------------------------
 
 
 def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
