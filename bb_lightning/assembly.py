@@ -13,6 +13,7 @@ gradient accumulators). The checkpoint hooks dispatch on the one :data:`Engine` 
 from __future__ import annotations
 
 import tempfile
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from bb_lightning.engine.trainer_engine import (
     param_counts,
     required_budgets,
 )
+from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import Plan, PredictJob
@@ -41,6 +43,7 @@ from storage.tiers import Tier
 __all__ = [
     "Assembly",
     "Engine",
+    "EngineSlot",
     "build_engine",
     "checkpoint_loader",
     "load_optimizer",
@@ -262,3 +265,123 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
     keys = {id(p): key for key, p in net.named_parameters()}
     # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
     return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()
+
+
+# -- the engine between trainer.* calls -------------------------------------------------
+
+
+class EngineSlot:
+    """The engine a strategy keeps between ``trainer.*`` calls, its store, and where the
+    module's weights are after a call.
+
+    The engine and its store outlive ``teardown`` so that ``fit``, ``validate`` and ``fit``
+    again reuse them (AdamW moments and step count kept). At the end of a call
+    :meth:`hand_back` gives the module its weights back (:mod:`bb_lightning.handback`), or
+    leaves them in the store behind a :class:`~bb_lightning.handback.HollowGuard`; the next
+    call's :meth:`take_back` pages them again from the module's values. :meth:`close`, or
+    garbage collection of the owner, closes the store.
+    """
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        """The engine of the last ``trainer.*`` call (training, or weights only)."""
+        self.store: TieredStore | None = None
+        self.tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self.finalizer: weakref.finalize[Any, Any] | None = None
+        """Closes the store when the owner is collected (or at exit)."""
+        self.handed_back: Engine | None = None
+        """The engine whose module holds its weights (handed back at teardown)."""
+        self.guard: HollowGuard | None = None
+        """Guards a module left hollow at teardown (weights only in the store)."""
+
+    def hold(self, built: Assembly, owner: object) -> None:
+        """Keep ``built`` (the slot is empty: :meth:`close` first)."""
+        self.engine, self.store, self.tmpdir = built.engine, built.store, built.tmpdir
+        self.finalizer = weakref.finalize(owner, release, built.store, built.tmpdir)
+
+    def hand_back(
+        self, owner: object, dtype: torch.dtype, gather: bool | None, limit: int | None
+    ) -> None:
+        """The module's weights back in its parameters (``dtype``), or a loud hollow module.
+
+        ``gather`` True always gives them back and closes the store; None gives them back
+        when the fp32 weights fit ``limit`` bytes of host memory (None: the default share,
+        :func:`~bb_lightning.handback.fits_host`); False leaves them in the store.
+        """
+        engine = self.engine
+        if engine is None or self.handed_back is engine or self.guard is not None:
+            return
+        if gather:
+            self.gather(dtype)
+            self.close()
+            return
+        nbytes = param_bytes(engine)
+        fits, most = fits_host(nbytes, limit)
+        if gather is None and fits:
+            hand_back(engine, dtype)
+            self.handed_back = engine
+            return
+        why = (
+            "gather_on_teardown=False"
+            if gather is False
+            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {most / 2**30:.3g} GiB"
+            " (gather_limit)"
+        )
+        self.guard = HollowGuard(engine, owner, why, dtype)
+
+    def gather(self, dtype: torch.dtype) -> None:
+        """Give the module its weights back (``dtype``), whatever their size."""
+        engine = self.engine
+        if engine is not None and self.handed_back is not engine:
+            if self.guard is not None:
+                self.guard.remove()
+                self.guard = None
+            hand_back(engine, dtype)
+            self.handed_back = engine
+
+    def take_back(self, module: nn.Module) -> None:
+        """Page a module handed back at the last teardown again (its values into the store)."""
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
+        engine, self.handed_back = self.handed_back, None
+        if engine is not None and engine.model is module:
+            take_back(engine)
+        elif engine is not None:  # another module: the old one keeps its weights
+            self._drop(engine)
+
+    def _drop(self, engine: Engine) -> None:
+        """Forget a handed-back engine without touching its module's parameters."""
+        if engine is self.engine:
+            if isinstance(engine, TrainingEngine):  # a weights-only one has no more to stop
+                engine.close()
+            self.engine = None
+
+    def close(self) -> None:
+        """Remove the engine's wrappers and close the store (NVMe lock released).
+
+        A module handed back keeps its weights; a hollow one keeps raising (its weights
+        are gone with the store).
+        """
+        if self.handed_back is not None:
+            self._drop(self.handed_back)
+            self.handed_back = None
+        if self.guard is not None:  # a weights-only engine gives unstreamed weights back
+            engine = self.engine
+            if isinstance(engine, InferenceEngine) and not engine.streamed:
+                self.guard.remove()
+            else:
+                self.guard.store_closed()
+            self.guard = None
+        if self.engine is not None:
+            self.engine.close()  # a weights-only engine gives the module its parameters back
+            self.engine = None
+        if self.finalizer is not None:
+            self.finalizer()
+            self.finalizer = None
+        elif self.store is not None:
+            self.store.close()
+        self.store = None
+        if self.tmpdir is not None:
+            self.tmpdir.cleanup()
+            self.tmpdir = None

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from typing_extensions import Protocol, runtime_checkable
 
 from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.trainer_engine import ClipConfig
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
@@ -61,16 +62,23 @@ from bb_lightning.planner.calibrate import (
 from storage.tiers import Tier
 
 __all__ = [
+    "ComputeDtype",
     "PlanningSession",
     "PromptShape",
     "SizedBatches",
     "TrainShape",
     "TrainerJob",
+    "check_clipping",
+    "clip_config",
+    "compute_dtype",
     "first_batch_shape",
     "hf_model",
     "predict_job",
     "read_job",
 ]
+
+ComputeDtype = Literal["bf16", "fp32"]
+_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @runtime_checkable
@@ -443,3 +451,55 @@ def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
     dataset = getattr(loader, "dataset", None)
     count = len(dataset) if hasattr(dataset, "__len__") else int(ids.shape[0])  # type: ignore[arg-type]
     return PredictJob(prompt_len=int(ids.shape[1]), new_tokens=new, num_prompts=max(1, count))
+
+
+def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
+    """The Trainer's gradient clipping as the engine runs it, as plain Lightning reads it.
+
+    ``gradient_clip_val`` None or 0 means no clipping; ``gradient_clip_algorithm``
+    ``"norm"`` (the default) clips the global 2-norm, ``"value"`` clamps each gradient
+    element to [-value, value]. A negative or non-finite value raises ``ValueError``.
+    """
+    value = None if trainer is None else trainer.gradient_clip_val
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+    algorithm = str(getattr(algorithm, "value", algorithm)).lower()
+    if value is not None and float(value) < 0:
+        raise ValueError(
+            f"gradient_clip_val={value} must be >= 0 (0 or None: no clipping): pass a "
+            "positive maximum gradient norm or value"
+        )
+    return ClipConfig(value=float(value) if value else None, algorithm=algorithm)
+
+
+def check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    """Refuse, before training, clipping settings the engine cannot run."""
+    clip_config(trainer)
+    if (
+        type(module).configure_gradient_clipping
+        is not pl.LightningModule.configure_gradient_clipping
+    ):
+        raise ValueError(
+            f"{type(module).__name__} overrides configure_gradient_clipping, which balance_beam "
+            "cannot run (gradients reach the host AdamW, never .grad): remove the override and "
+            "set Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value')"
+        )
+
+
+def compute_dtype_check(given: str | None) -> None:
+    """Refuse a compute dtype other than ``"bf16"``, ``"fp32"`` or None."""
+    if given is not None and given not in _DTYPES:
+        raise ValueError(f"compute_dtype={given!r}: use 'bf16' or 'fp32'")
+
+
+def compute_dtype(given: str | None, precision: str) -> torch.dtype:
+    """The compute dtype: ``given``, else the Trainer's ``precision`` flag's."""
+    if given is not None:
+        return _DTYPES[given]
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision in ("32-true", "32"):
+        return torch.float32
+    raise ValueError(
+        f"precision={precision!r} is not supported by balance_beam: use 'bf16-true', "
+        "'bf16-mixed' or '32-true'"
+    )

@@ -40,7 +40,7 @@ import contextlib
 import tempfile
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -51,46 +51,34 @@ from typing_extensions import override
 
 from bb_lightning.adapt import AdaptController
 from bb_lightning.assembly import (
-    Engine,
+    EngineSlot,
     build_engine,
     checkpoint_loader,
     load_optimizer,
     load_weights,
     module_state_dict,
-    release,
     settle,
 )
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import (
-    ClipConfig,
-    TrainingEngine,
-    adamw_from_optimizer,
+from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_from_optimizer
+from bb_lightning.handback import handback_dtype
+from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
+from bb_lightning.session import (
+    ComputeDtype,
+    PlanningSession,
+    check_clipping,
+    clip_config,
+    compute_dtype,
+    compute_dtype_check,
+    hf_model,
+    read_job,
 )
-from bb_lightning.handback import (
-    HollowGuard,
-    fits_host,
-    hand_back,
-    handback_dtype,
-    param_bytes,
-    take_back,
-)
-from bb_lightning.planner import (
-    FitJob,
-    HardwareProfile,
-    Plan,
-    PlanOverrides,
-    PredictJob,
-)
-from bb_lightning.session import PlanningSession, hf_model, read_job
 from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 
 __all__ = ["BalanceBeamStrategy"]
-
-ComputeDtype = Literal["bf16", "fp32"]
-_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class BalanceBeamStrategy(SingleDeviceStrategy):
@@ -162,25 +150,21 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         """The Trainer's devices (its accelerator and ``devices=``), set by Lightning; the
         first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
-        if compute_dtype is not None and compute_dtype not in _DTYPES:
-            raise ValueError(f"compute_dtype={compute_dtype!r}: use 'bf16' or 'fp32'")
+        compute_dtype_check(compute_dtype)
         self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown
         if gather_limit is not None and gather_limit < 0:
             raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
         self.gather_limit = gather_limit
-        self._handed_back: Engine | None = None
-        """The engine whose module holds its weights (handed back at teardown)."""
-        self._guard: HollowGuard | None = None
-        """Guards a module left hollow at teardown (weights only in the store)."""
+        self._slot = EngineSlot()
+        """The engine, its store, and where the module's weights are between calls."""
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
         """Every plan applied in this run, first to last."""
         self.plan_metrics: dict[str, float] = self._adapt.metrics
         """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
-        self._finalizer: weakref.finalize[Any, Any] | None = None
         if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
             raise ValueError(
                 f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
@@ -193,10 +177,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.overrides = overrides
         self.job = job
         self.hardware = hardware
-        self._engine: Engine | None = None
-        """The engine of the last ``trainer.*`` call (training, or weights only)."""
-        self.store: TieredStore | None = None
-        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def warmup_steps(self) -> int:
@@ -211,12 +191,27 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     @property
     def engine(self) -> TrainingEngine | None:
         """The training engine of ``fit`` (kept for later calls on the same module)."""
-        return self._engine if isinstance(self._engine, TrainingEngine) else None
+        engine = self._slot.engine
+        return engine if isinstance(engine, TrainingEngine) else None
 
     @property
     def inference(self) -> InferenceEngine | None:
         """The weights-only engine of ``predict`` / ``validate`` run without fit state."""
-        return self._engine if isinstance(self._engine, InferenceEngine) else None
+        engine = self._slot.engine
+        return engine if isinstance(engine, InferenceEngine) else None
+
+    @property
+    def store(self) -> TieredStore | None:
+        """The tensor store of the engine (None before ``setup`` and after :meth:`close`)."""
+        return self._slot.store
+
+    @property
+    def _tmpdir(self) -> tempfile.TemporaryDirectory[str] | None:
+        return self._slot.tmpdir
+
+    @property
+    def _finalizer(self) -> weakref.finalize[Any, Any] | None:
+        return self._slot.finalizer
 
     # -- device ---------------------------------------------------------------------
 
@@ -261,8 +256,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_clipping(trainer, module)  # a bad setting fails before anything is built
-        self._take_back(module)
+            check_clipping(trainer, module)  # a bad setting fails before anything is built
+        self._slot.take_back(module)
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
             if not fit_state:
@@ -277,17 +272,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     def resolved_dtype(self) -> torch.dtype:
         """The compute dtype: the constructor's, else the Trainer's precision."""
-        if self.compute_dtype is not None:
-            return _DTYPES[self.compute_dtype]
-        flag = str(self.precision_plugin.precision)
-        if flag.startswith("bf16"):
-            return torch.bfloat16
-        if flag in ("32-true", "32"):
-            return torch.float32
-        raise ValueError(
-            f"precision={flag!r} is not supported by balance_beam: use 'bf16-true', "
-            "'bf16-mixed' or '32-true'"
-        )
+        return compute_dtype(self.compute_dtype, str(self.precision_plugin.precision))
 
     def _build(self, module: pl.LightningModule, trainer: pl.Trainer, *, training: bool) -> None:
         """The engine of this call, over a store sized for the placement (closed first)."""
@@ -299,8 +284,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         built = build_engine(module, list(blocks), placement, training=training, dtype=dtype,
                              device=self.root_device, loader=loader, store=self.store_config,
                              nvme_path=self.nvme_path, plan=self.plan)  # fmt: skip
-        self.store, self._tmpdir, self._engine = built.store, built.tmpdir, built.engine
-        self._finalizer = weakref.finalize(self, release, built.store, built.tmpdir)
+        self._slot.hold(built, self)
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
@@ -394,25 +378,25 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         dict without materialising the model on the host; each parameter is read when a
         key is asked for (``dict(...)`` of it makes a full fp32 copy).
         """
-        if self._engine is None:
+        if self._slot.engine is None:
             return super().lightning_module_state_dict()
-        return module_state_dict(self._engine)
+        return module_state_dict(self._slot.engine)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict (plain, or a checkpoint directory's) into the engine or module."""
         state_dict = checkpoint["state_dict"]
-        if self._engine is None:
+        if self._slot.engine is None:
             super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
         else:
-            load_weights(self._engine, state_dict)
+            load_weights(self._slot.engine, state_dict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's optimizer state (learning rates), then moments and step count."""
         super().load_optimizer_state_dict(checkpoint)
-        if self._engine is not None:
-            load_optimizer(self._engine, checkpoint.get("state_dict"))
+        if self._slot.engine is not None:
+            load_optimizer(self._slot.engine, checkpoint.get("state_dict"))
 
     @property
     @override
@@ -457,53 +441,14 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
-        if self._engine is not None:
-            settle(self._engine)
-            self._hand_back(self._engine)
+        if self._slot.engine is not None:
+            settle(self._slot.engine)
+            dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
+            self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    def _hand_back(self, engine: Engine) -> None:
-        """The module's weights back in its parameters, or a loud hollow module."""
-        if self._handed_back is engine or self._guard is not None:
-            return
-        if self.gather_on_teardown:
-            self.gather_full_model()
-            return
-        nbytes = param_bytes(engine)
-        fits, limit = fits_host(nbytes, self.gather_limit)
-        dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
-        if self.gather_on_teardown is None and fits:
-            hand_back(engine, dtype)
-            self._handed_back = engine
-            return
-        why = (
-            "gather_on_teardown=False"
-            if self.gather_on_teardown is False
-            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {limit / 2**30:.3g} GiB"
-            " (gather_limit)"
-        )
-        self._guard = HollowGuard(engine, self, why, dtype)
-
-    def _take_back(self, module: pl.LightningModule) -> None:
-        """Page a module handed back at the last teardown again (its values into the store)."""
-        if self._guard is not None:
-            self._guard.remove()
-            self._guard = None
-        engine, self._handed_back = self._handed_back, None
-        if engine is not None and engine.model is module:
-            take_back(engine)
-        elif engine is not None:  # another module: the old one keeps its weights
-            self._drop(engine)
-
-    def _drop(self, engine: Engine) -> None:
-        """Forget a handed-back engine without touching its module's parameters."""
-        if engine is self._engine:
-            if isinstance(engine, TrainingEngine):  # a weights-only one has no more to stop
-                engine.close()
-            self._engine = None
 
     def gather_full_model(self) -> torch.nn.Module:
         """Put the weights into the module's parameters (host); close the store.
@@ -517,13 +462,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        engine = self._engine
-        if engine is not None and self._handed_back is not engine:
-            if self._guard is not None:
-                self._guard.remove()
-                self._guard = None
-            hand_back(engine, handback_dtype(self.precision_plugin.precision))
-            self._handed_back = engine
+        self._slot.gather(handback_dtype(self.precision_plugin.precision))
         self.close()
         return module
 
@@ -533,28 +472,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         A module handed back keeps its weights; a hollow one keeps raising (its weights
         are gone with the store).
         """
-        if self._handed_back is not None:
-            self._drop(self._handed_back)
-            self._handed_back = None
-        if self._guard is not None:  # a weights-only engine gives unstreamed weights back
-            inference = self.inference
-            if inference is not None and not inference.streamed:
-                self._guard.remove()
-            else:
-                self._guard.store_closed()
-            self._guard = None
-        if self._engine is not None:
-            self._engine.close()  # a weights-only engine gives the module its parameters back
-            self._engine = None
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        elif self.store is not None:
-            self.store.close()
-        self.store = None
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
+        self._slot.close()
 
     @classmethod
     @override
@@ -566,40 +484,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             )
 
 
-# -- helpers (Lightning's gradient clipping under the engine) ---------------------------
-
-
-def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
-    """The Trainer's gradient clipping as the engine runs it, as plain Lightning reads it.
-
-    ``gradient_clip_val`` None or 0 means no clipping; ``gradient_clip_algorithm``
-    ``"norm"`` (the default) clips the global 2-norm, ``"value"`` clamps each gradient
-    element to [-value, value]. A negative or non-finite value raises ``ValueError``.
-    """
-    value = None if trainer is None else trainer.gradient_clip_val
-    algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
-    algorithm = str(getattr(algorithm, "value", algorithm)).lower()
-    if value is not None and float(value) < 0:
-        raise ValueError(
-            f"gradient_clip_val={value} must be >= 0 (0 or None: no clipping): pass a "
-            "positive maximum gradient norm or value"
-        )
-    return ClipConfig(value=float(value) if value else None, algorithm=algorithm)
+# -- helpers -----------------------------------------------------------------------------
 
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
-
-
-def _check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
-    """Refuse, before training, clipping settings the engine cannot run."""
-    clip_config(trainer)
-    if (
-        type(module).configure_gradient_clipping
-        is not pl.LightningModule.configure_gradient_clipping
-    ):
-        raise ValueError(
-            f"{type(module).__name__} overrides configure_gradient_clipping, which balance_beam "
-            "cannot run (gradients reach the host AdamW, never .grad): remove the override and "
-            "set Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value')"
-        )
