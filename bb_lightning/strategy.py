@@ -1,37 +1,28 @@
 """``Trainer(strategy="balance_beam")``: Lightning lifecycle glue over the paging engine.
 
-The strategy never moves the whole model to the device. At setup it finds the
-repeated blocks, decides a :class:`~bb_lightning.engine.pager.Placement`
-(given, from the planner, or a default), opens a
-:class:`storage.store.TieredStore` and hands everything to
-:class:`~bb_lightning.engine.trainer_engine.TrainingEngine`; the engine keeps
-only the embedding, final norm and head on the device. Lightning's torch
-optimizer stays for its bookkeeping (learning-rate schedulers, hooks), but its
-``step`` runs the engine's host AdamW.
+The strategy never moves the whole model to the device. At setup it finds the repeated
+blocks, decides a :class:`~bb_lightning.engine.pager.Placement` (given, or planned by the
+planning session, :mod:`bb_lightning.session`: the job read once from the Trainer and its
+datamodule), and the engine factory (:mod:`bb_lightning.assembly`) opens a
+:class:`storage.store.TieredStore` sized for it and builds the
+:class:`~bb_lightning.engine.trainer_engine.TrainingEngine` of ``fit`` (only the
+embedding, final norm and head stay on the device) or, for ``predict`` / ``validate``
+without fit state, a weights-only engine. After ``warmup_steps`` optimizer steps the
+adapt controller (:mod:`bb_lightning.adapt`) compares measured with predicted step times
+(:attr:`plan_metrics`) and re-plans. Lightning's torch optimizer stays for its
+bookkeeping (learning-rate schedulers, hooks), but its ``step`` runs the engine's host
+AdamW; without gradient clipping, each block's step runs while backward continues on
+earlier blocks (``overlap_optimizer``).
 
-The strategy is Lightning glue over three parts: the planning session
-(:mod:`bb_lightning.session`: the job read once from the Trainer and its datamodule,
-priced into a plan and a placement), the adapt controller (:mod:`bb_lightning.adapt`:
-measured against predicted step times after ``warmup_steps``, then a re-plan) and the
-engine factory (:mod:`bb_lightning.assembly`: the store sized for the placement and the
-training or weights-only engine). Predict and validate without fit state build a
-weights-only engine; after a ``fit`` on the same strategy they reuse the training
-engine's weights.
-
-Optimizer: without gradient clipping, each block's host AdamW step runs while
-backward continues on earlier blocks (``overlap_optimizer``).
-
-Lifecycle: the engine and its store outlive ``teardown`` so that ``fit``,
-``validate`` and ``fit`` again reuse them (AdamW moments and step count kept). At the
-end of every ``trainer.*`` call the module gets its trained weights back, as after
-plain Lightning (:mod:`bb_lightning.handback`): host fp32 parameters, ``state_dict()``
-and ``save_pretrained`` as usual; the next call pages them again from the module's
-values. Where they do not fit in host memory (``gather_limit``), the module stays
-hollow but says so: ``state_dict()`` raises an error naming ``bb-lightning export`` and
-``save_pretrained`` streams the weights from the store. :meth:`close`, or garbage
-collection of the strategy, closes the store (NVMe lock released, temporary directory
-removed). :meth:`gather_full_model` puts the weights into the module and closes the
-store; ``gather_on_teardown=True`` does that at the end of every ``trainer.*`` call.
+Lifecycle (:class:`~bb_lightning.assembly.EngineSlot`): the engine and its store outlive
+``teardown`` so that ``fit``, ``validate`` and ``fit`` again reuse them. At the end of
+every ``trainer.*`` call the module gets its trained weights back, as after plain
+Lightning (:mod:`bb_lightning.handback`); where they do not fit in host memory
+(``gather_limit``), the module stays hollow but says so (``state_dict()`` raises naming
+``bb-lightning export``, ``save_pretrained`` streams from the store). :meth:`close`, or
+garbage collection of the strategy, closes the store; :meth:`gather_full_model` puts the
+weights into the module and closes the store (``gather_on_teardown=True``: at the end of
+every call).
 """
 
 from __future__ import annotations
@@ -49,32 +40,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from bb_lightning import assembly, session
 from bb_lightning.adapt import AdaptController
-from bb_lightning.assembly import (
-    EngineSlot,
-    build_engine,
-    checkpoint_loader,
-    load_optimizer,
-    load_weights,
-    module_state_dict,
-    settle,
-)
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_from_optimizer
 from bb_lightning.handback import handback_dtype
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
-from bb_lightning.session import (
-    ComputeDtype,
-    PlanningSession,
-    check_clipping,
-    clip_config,
-    compute_dtype,
-    compute_dtype_check,
-    hf_model,
-    read_job,
-)
+from bb_lightning.session import ComputeDtype, clip_config
 from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 
@@ -82,7 +56,39 @@ __all__ = ["BalanceBeamStrategy"]
 
 
 class BalanceBeamStrategy(SingleDeviceStrategy):
-    """Single-device strategy that pages transformer blocks through a three-tier store."""
+    """Single-device strategy that pages transformer blocks through a three-tier store.
+
+    Args:
+        store: budgets (bytes) and NVMe directory of the tensor store; None sizes
+            the budgets from the placement (what it needs, plus 1 MiB each).
+        placement: per-block homes and prefetch depth; None asks the planner.
+        nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
+            directory, removed at close, only when overrides force NVMe tiers).
+        compute_dtype: ``"bf16"`` or ``"fp32"``; None follows the Trainer's precision
+            (``"bf16-true"``/``"bf16-mixed"`` -> bf16, ``"32-true"`` -> fp32).
+        overrides: choices forced on the planner (tiers, prefetch depth). Where no
+            plan can be made (no Hugging Face model, or not fitting) only
+            ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
+        job: the fit job (sequence length, global batch); None derives it from the
+            Trainer and the first batch. The DataLoader's batch size and the
+            accumulation stay the caller's. A :class:`PredictJob` plans ``predict``
+            (None derives it: see :func:`predict_job`).
+        hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
+            (measure this machine, cached).
+        warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
+        adapt_tolerance: relative difference of measured and predicted phase times
+            that triggers a re-plan; None only logs the comparison.
+        overlap_optimizer: step each block during backward when no clipping is set.
+        gather_on_teardown: at the end of every ``trainer.*`` call, None gives the
+            module its trained weights back (host fp32 parameters; the store stays
+            open for the next call) when they fit ``gather_limit``, else leaves them
+            in the store (``state_dict()`` raises naming ``bb-lightning export``,
+            ``save_pretrained`` streams from the store); True always gives them back
+            and closes the store (:meth:`gather_full_model`); False always leaves
+            them in the store.
+        gather_limit: most bytes of fp32 weights given back to the module's
+            parameters; None: 80% of the host memory available at that time.
+    """
 
     strategy_name = "balance_beam"
     streams_weights = True
@@ -107,39 +113,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         checkpoint_io: Any | None = None,
         precision_plugin: Any | None = None,
     ) -> None:
-        """Configure the strategy.
-
-        Args:
-            store: budgets (bytes) and NVMe directory of the tensor store; None sizes
-                the budgets from the placement (what it needs, plus 1 MiB each).
-            placement: per-block homes and prefetch depth; None asks the planner.
-            nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
-                directory, removed at close, only when overrides force NVMe tiers).
-            compute_dtype: ``"bf16"`` or ``"fp32"``; None follows the Trainer's precision
-                (``"bf16-true"``/``"bf16-mixed"`` -> bf16, ``"32-true"`` -> fp32).
-            overrides: choices forced on the planner (tiers, prefetch depth). Where no
-                plan can be made (no Hugging Face model, or not fitting) only
-                ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
-            job: the fit job (sequence length, global batch); None derives it from the
-                Trainer and the first batch. The DataLoader's batch size and the
-                accumulation stay the caller's. A :class:`PredictJob` plans ``predict``
-                (None derives it: see :func:`predict_job`).
-            hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
-                (measure this machine, cached).
-            warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
-            adapt_tolerance: relative difference of measured and predicted phase times
-                that triggers a re-plan; None only logs the comparison.
-            overlap_optimizer: step each block during backward when no clipping is set.
-            gather_on_teardown: at the end of every ``trainer.*`` call, None gives the
-                module its trained weights back (host fp32 parameters; the store stays
-                open for the next call) when they fit ``gather_limit``, else leaves them
-                in the store (``state_dict()`` raises naming ``bb-lightning export``,
-                ``save_pretrained`` streams from the store); True always gives them back
-                and closes the store (:meth:`gather_full_model`); False always leaves
-                them in the store.
-            gather_limit: most bytes of fp32 weights given back to the module's
-                parameters; None: 80% of the host memory available at that time.
-        """
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         super().__init__(
             device=device,
@@ -150,14 +123,12 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         """The Trainer's devices (its accelerator and ``devices=``), set by Lightning; the
         first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
-        compute_dtype_check(compute_dtype)
+        _check_settings(compute_dtype, gather_limit, store, nvme_path)
         self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown
-        if gather_limit is not None and gather_limit < 0:
-            raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
         self.gather_limit = gather_limit
-        self._slot = EngineSlot()
+        self._slot = assembly.EngineSlot()
         """The engine, its store, and where the module's weights are between calls."""
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
@@ -165,11 +136,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """Every plan applied in this run, first to last."""
         self.plan_metrics: dict[str, float] = self._adapt.metrics
         """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
-        if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
-            raise ValueError(
-                f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
-                "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
-            )
         self.store_config = store
         self.placement = placement
         self.nvme_path = nvme_path
@@ -256,7 +222,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            check_clipping(trainer, module)  # a bad setting fails before anything is built
+            session.check_clipping(trainer, module)  # fails before anything is built
         self._slot.take_back(module)
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
@@ -272,27 +238,32 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     def resolved_dtype(self) -> torch.dtype:
         """The compute dtype: the constructor's, else the Trainer's precision."""
-        return compute_dtype(self.compute_dtype, str(self.precision_plugin.precision))
+        return session.compute_dtype(self.compute_dtype, str(self.precision_plugin.precision))
 
     def _build(self, module: pl.LightningModule, trainer: pl.Trainer, *, training: bool) -> None:
         """The engine of this call, over a store sized for the placement (closed first)."""
         self.close()
         _, blocks = find_block_list(module)
         dtype = self.resolved_dtype()
-        loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
+        loader = assembly.checkpoint_loader(
+            module, generation=trainer.state.fn == TrainerFn.PREDICTING
+        )
         placement = self.placement or self._plan(module, len(blocks), trainer)
-        built = build_engine(module, list(blocks), placement, training=training, dtype=dtype,
-                             device=self.root_device, loader=loader, store=self.store_config,
-                             nvme_path=self.nvme_path, plan=self.plan)  # fmt: skip
+        built = assembly.build_engine(
+            module, list(blocks), placement, training=training, dtype=dtype,
+            device=self.root_device, loader=loader, store=self.store_config,
+            nvme_path=self.nvme_path, plan=self.plan,
+        )  # fmt: skip
         self._slot.hold(built, self)
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
-        session = PlanningSession(overrides=self.overrides, hardware=self.hardware,
-                                  nvme_path=self.nvme_path, dtype=self.resolved_dtype(),
-                                  device=self.root_device)  # fmt: skip
-        job = read_job(trainer, module, self.job)
-        placement, plan = session.place(hf_model(module), job, num_blocks)
+        planning = session.PlanningSession(
+            overrides=self.overrides, hardware=self.hardware, nvme_path=self.nvme_path,
+            dtype=self.resolved_dtype(), device=self.root_device,
+        )  # fmt: skip
+        job = session.read_job(trainer, module, self.job)
+        placement, plan = planning.place(session.hf_model(module), job, num_blocks)
         if plan is not None:
             self._adopt(plan)
         return placement
@@ -380,7 +351,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """
         if self._slot.engine is None:
             return super().lightning_module_state_dict()
-        return module_state_dict(self._slot.engine)
+        return assembly.module_state_dict(self._slot.engine)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -389,14 +360,14 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         if self._slot.engine is None:
             super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
         else:
-            load_weights(self._slot.engine, state_dict)
+            assembly.load_weights(self._slot.engine, state_dict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's optimizer state (learning rates), then moments and step count."""
         super().load_optimizer_state_dict(checkpoint)
         if self._slot.engine is not None:
-            load_optimizer(self._slot.engine, checkpoint.get("state_dict"))
+            assembly.load_optimizer(self._slot.engine, checkpoint.get("state_dict"))
 
     @property
     @override
@@ -442,7 +413,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
         if self._slot.engine is not None:
-            settle(self._slot.engine)
+            assembly.settle(self._slot.engine)
             dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
             self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit)
         self.precision_plugin.teardown()
@@ -489,3 +460,17 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
+
+
+def _check_settings(
+    dtype: str | None, gather_limit: int | None, store: StoreConfig | None, nvme_path: str | None
+) -> None:
+    """Refuse constructor arguments that cannot work, before anything is built."""
+    session.compute_dtype_check(dtype)
+    if gather_limit is not None and gather_limit < 0:
+        raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
+    if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
+        raise ValueError(
+            f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
+            "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
+        )
