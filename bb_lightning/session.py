@@ -71,6 +71,7 @@ __all__ = [
     "check_clipping",
     "clip_config",
     "compute_dtype",
+    "compute_dtype_check",
     "first_batch_shape",
     "hf_model",
     "predict_job",
