@@ -1,128 +1,96 @@
 """``Trainer(strategy="balance_beam")``: Lightning lifecycle glue over the paging engine.
 
-The strategy never moves the whole model to the device. At setup it finds the
-repeated blocks, decides a :class:`~bb_lightning.engine.pager.Placement`
-(given, from the planner, or a default), opens a
-:class:`storage.store.TieredStore` and hands everything to
-:class:`~bb_lightning.engine.trainer_engine.TrainingEngine`; the engine keeps
-only the embedding, final norm and head on the device. Lightning's torch
-optimizer stays for its bookkeeping (learning-rate schedulers, hooks), but its
-``step`` runs the engine's host AdamW.
+The strategy never moves the whole model to the device. At setup it finds the repeated
+blocks, decides a :class:`~bb_lightning.engine.pager.Placement` (given, or planned by the
+planning session, :mod:`bb_lightning.session`: the job read once from the Trainer and its
+datamodule), and the engine factory (:mod:`bb_lightning.assembly`) opens a
+:class:`storage.store.TieredStore` sized for it and builds the
+:class:`~bb_lightning.engine.trainer_engine.TrainingEngine` of ``fit`` (only the
+embedding, final norm and head stay on the device) or, for ``predict`` / ``validate``
+without fit state, a weights-only engine. After ``warmup_steps`` optimizer steps the
+adapt controller (:mod:`bb_lightning.adapt`) compares measured with predicted step times
+(:attr:`plan_metrics`) and re-plans. Lightning's torch optimizer stays for its
+bookkeeping (learning-rate schedulers, hooks), but its ``step`` runs the engine's host
+AdamW; without gradient clipping, each block's step runs while backward continues on
+earlier blocks (``overlap_optimizer``).
 
-Planning: with no ``placement`` the strategy profiles the model (on the meta
-device when it was built there), takes the hardware profile (``measure()``,
-cached per machine, or a preset), derives a :class:`~bb_lightning.planner.FitJob`
-from the Trainer (sequence length from the datamodule's ``seq_len`` or the first
-batch, global batch = micro-batch x ``accumulate_grad_batches``) and plans the
-batch shape the DataLoader actually runs, printing the plan and the planner's
-recommended micro-batch beside it. After ``warmup_steps`` optimizer steps it
-compares measured with predicted phase times (:attr:`plan_metrics`) and, when they
-differ by more than ``adapt_tolerance``, re-plans with :func:`~bb_lightning.planner.adapt`
-and moves the blocks' homes to the new placement.
-
-Predict and validate without fit state build a weights-only
-:class:`~bb_lightning.engine.inference.InferenceEngine` (compute-dtype block
-weights in the store, no master weights, moments or gradient accumulators);
-after a ``fit`` on the same strategy they reuse the training engine's weights.
-``predict`` plans a :class:`~bb_lightning.planner.PredictJob` (:func:`predict_job`)
-and prints the plan; its KV-cache tier goes to the module's ``kv_cache_tier``, and a
-datamodule whose ``batch_size`` is None takes the plan's ``concurrent_seqs``. On a
-measured machine (``hardware`` None or ``"measure"``) the plan is priced with the
-rates the model's own prefill and decode passes sustain on the device
-(:func:`~bb_lightning.probe.calibrate.probe_predict_compute`, a few seconds on
-a CPU), as ``fit`` is with its training pass.
-
-Optimizer: without gradient clipping, each block's host AdamW step runs while
-backward continues on earlier blocks (``overlap_optimizer``).
-
-Lifecycle: the engine and its store outlive ``teardown`` so that ``fit``,
-``validate`` and ``fit`` again reuse them (AdamW moments and step count kept). At the
-end of every ``trainer.*`` call the module gets its trained weights back, as after
-plain Lightning (:mod:`bb_lightning.handback`): host fp32 parameters, ``state_dict()``
-and ``save_pretrained`` as usual; the next call pages them again from the module's
-values. Where they do not fit in host memory (``gather_limit``), the module stays
-hollow but says so: ``state_dict()`` raises an error naming ``bb-lightning export`` and
-``save_pretrained`` streams the weights from the store. :meth:`close`, or garbage
-collection of the strategy, closes the store (NVMe lock released, temporary directory
-removed). :meth:`gather_full_model` puts the weights into the module and closes the
-store; ``gather_on_teardown=True`` does that at the end of every ``trainer.*`` call.
+Lifecycle (:class:`~bb_lightning.assembly.EngineSlot`): the engine and its store outlive
+``teardown`` so that ``fit``, ``validate`` and ``fit`` again reuse them. At the end of
+every ``trainer.*`` call the module gets its trained weights back, as after plain
+Lightning (:mod:`bb_lightning.handback`); where they do not fit in host memory
+(``gather_limit``), the module stays hollow but says so (``state_dict()`` raises naming
+``bb-lightning export``, ``save_pretrained`` streams from the store). :meth:`close`, or
+garbage collection of the strategy, closes the store; :meth:`gather_full_model` puts the
+weights into the module and closes the store (``gather_on_teardown=True``: at the end of
+every call).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import tempfile
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from transformers import PreTrainedModel
+from typing_extensions import override
 
+from bb_lightning import assembly, session
+from bb_lightning.adapt import AdaptController
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.inference import InferenceEngine, weights_budgets
+from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement, dtype_name
-from bb_lightning.engine.timing import StepTimes
-from bb_lightning.engine.trainer_engine import (
-    ClipConfig,
-    ParamLoader,
-    TrainingEngine,
-    adamw_from_optimizer,
-    check_budgets,
-    param_counts,
-    required_budgets,
-)
-from bb_lightning.handback import (
-    HollowGuard,
-    fits_host,
-    hand_back,
-    handback_dtype,
-    param_bytes,
-    take_back,
-)
-from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
-from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import (
-    FitJob,
-    HardwareProfile,
-    MeasuredTimes,
-    Plan,
-    PlanError,
-    PlanOverrides,
-    PredictJob,
-    adapt,
-    make_plan,
-    plan_differs,
-    preset,
-)
-from bb_lightning.probe import measure, model_profile_from_module
-from bb_lightning.probe.calibrate import (
-    PredictCompute,
-    TrainCompute,
-    probe_predict_compute,
-    probe_train_compute,
-)
+from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_from_optimizer
+from bb_lightning.handback import handback_dtype
+from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
+from bb_lightning.session import ComputeDtype, clip_config
 from bb_lightning.structure import find_block_list
 from bb_lightning.summary import describe_placement, use_paged_summary
 from storage.store import StoreConfig, TieredStore
-from storage.tiers import Link, Tier
 
 __all__ = ["BalanceBeamStrategy"]
 
-ComputeDtype = Literal["bf16", "fp32"]
-_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_SLACK = 1 << 20
-"""Bytes added to each automatically sized store budget (allocator alignment)."""
-
 
 class BalanceBeamStrategy(SingleDeviceStrategy):
-    """Single-device strategy that pages transformer blocks through a three-tier store."""
+    """Single-device strategy that pages transformer blocks through a three-tier store.
+
+    Args:
+        store: budgets (bytes) and NVMe directory of the tensor store; None sizes
+            the budgets from the placement (what it needs, plus 1 MiB each).
+        placement: per-block homes and prefetch depth; None asks the planner.
+        nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
+            directory, removed at close, only when overrides force NVMe tiers).
+        compute_dtype: ``"bf16"`` or ``"fp32"``; None follows the Trainer's precision
+            (``"bf16-true"``/``"bf16-mixed"`` -> bf16, ``"32-true"`` -> fp32).
+        overrides: choices forced on the planner (tiers, prefetch depth). Where no
+            plan can be made (no Hugging Face model, or not fitting) only
+            ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
+        job: the fit job (sequence length, global batch); None derives it from the
+            Trainer and the first batch. The DataLoader's batch size and the
+            accumulation stay the caller's. A :class:`PredictJob` plans ``predict``
+            (None derives it: see :func:`predict_job`).
+        hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
+            (measure this machine, cached).
+        warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
+        adapt_tolerance: relative difference of measured and predicted phase times
+            that triggers a re-plan; None only logs the comparison.
+        overlap_optimizer: step each block during backward when no clipping is set.
+        gather_on_teardown: at the end of every ``trainer.*`` call, None gives the
+            module its trained weights back (host fp32 parameters; the store stays
+            open for the next call) when they fit ``gather_limit``, else leaves them
+            in the store (``state_dict()`` raises naming ``bb-lightning export``,
+            ``save_pretrained`` streams from the store); True always gives them back
+            and closes the store (:meth:`gather_full_model`); False always leaves
+            them in the store.
+        gather_limit: most bytes of fp32 weights given back to the module's
+            parameters; None: 80% of the host memory available at that time.
+    """
 
     strategy_name = "balance_beam"
     streams_weights = True
@@ -147,39 +115,6 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         checkpoint_io: Any | None = None,
         precision_plugin: Any | None = None,
     ) -> None:
-        """Configure the strategy.
-
-        Args:
-            store: budgets (bytes) and NVMe directory of the tensor store; None sizes
-                the budgets from the placement (what it needs, plus 1 MiB each).
-            placement: per-block homes and prefetch depth; None asks the planner.
-            nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
-                directory, removed at close, only when overrides force NVMe tiers).
-            compute_dtype: ``"bf16"`` or ``"fp32"``; None follows the Trainer's precision
-                (``"bf16-true"``/``"bf16-mixed"`` -> bf16, ``"32-true"`` -> fp32).
-            overrides: choices forced on the planner (tiers, prefetch depth). Where no
-                plan can be made (no Hugging Face model, or not fitting) only
-                ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
-            job: the fit job (sequence length, global batch); None derives it from the
-                Trainer and the first batch. The DataLoader's batch size and the
-                accumulation stay the caller's. A :class:`PredictJob` plans ``predict``
-                (None derives it: see :func:`predict_job`).
-            hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
-                (measure this machine, cached).
-            warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
-            adapt_tolerance: relative difference of measured and predicted phase times
-                that triggers a re-plan; None only logs the comparison.
-            overlap_optimizer: step each block during backward when no clipping is set.
-            gather_on_teardown: at the end of every ``trainer.*`` call, None gives the
-                module its trained weights back (host fp32 parameters; the store stays
-                open for the next call) when they fit ``gather_limit``, else leaves them
-                in the store (``state_dict()`` raises naming ``bb-lightning export``,
-                ``save_pretrained`` streams from the store); True always gives them back
-                and closes the store (:meth:`gather_full_model`); False always leaves
-                them in the store.
-            gather_limit: most bytes of fp32 weights given back to the module's
-                parameters; None: 80% of the host memory available at that time.
-        """
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         super().__init__(
             device=device,
@@ -190,37 +125,19 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         """The Trainer's devices (its accelerator and ``devices=``), set by Lightning; the
         first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
-        if compute_dtype is not None and compute_dtype not in _DTYPES:
-            raise ValueError(f"compute_dtype={compute_dtype!r}: use 'bf16' or 'fp32'")
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 1 optimizer steps")
-        if adapt_tolerance is not None and not adapt_tolerance >= 0:
-            raise ValueError(f"adapt_tolerance={adapt_tolerance} must be >= 0 (0.25 = 25%) or None")
-        self.warmup_steps = warmup_steps
-        self.adapt_tolerance = adapt_tolerance
+        _check_settings(compute_dtype, gather_limit, store, nvme_path)
+        self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown
-        if gather_limit is not None and gather_limit < 0:
-            raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
         self.gather_limit = gather_limit
-        self._handed_back: TrainingEngine | InferenceEngine | None = None
-        """The engine whose module holds its weights (handed back at teardown)."""
-        self._guard: HollowGuard | None = None
-        """Guards a module left hollow at teardown (weights only in the store)."""
+        self._slot = assembly.EngineSlot()
+        """The engine, its store, and where the module's weights are between calls."""
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
         """Every plan applied in this run, first to last."""
-        self.plan_metrics: dict[str, float] = {}
+        self.plan_metrics: dict[str, float] = self._adapt.metrics
         """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
-        self._links0: dict[Link, float] = {}
-        self._busy0 = 0.0
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
-            raise ValueError(
-                f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
-                "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
-            )
         self.store_config = store
         self.placement = placement
         self.nvme_path = nvme_path
@@ -228,21 +145,53 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.overrides = overrides
         self.job = job
         self.hardware = hardware
-        self.engine: TrainingEngine | None = None
-        self.inference: InferenceEngine | None = None
+
+    @property
+    def warmup_steps(self) -> int:
+        """Optimizer steps measured before comparing with the plan."""
+        return self._adapt.warmup_steps
+
+    @property
+    def adapt_tolerance(self) -> float | None:
+        """Relative difference of measured and predicted times that triggers a re-plan."""
+        return self._adapt.tolerance
+
+    @property
+    def engine(self) -> TrainingEngine | None:
+        """The training engine of ``fit`` (kept for later calls on the same module)."""
+        engine = self._slot.engine
+        return engine if isinstance(engine, TrainingEngine) else None
+
+    @property
+    def inference(self) -> InferenceEngine | None:
         """The weights-only engine of ``predict`` / ``validate`` run without fit state."""
-        self.store: TieredStore | None = None
-        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        engine = self._slot.engine
+        return engine if isinstance(engine, InferenceEngine) else None
+
+    @property
+    def store(self) -> TieredStore | None:
+        """The tensor store of the engine (None before ``setup`` and after :meth:`close`)."""
+        return self._slot.store
+
+    @property
+    def _tmpdir(self) -> tempfile.TemporaryDirectory[str] | None:
+        return self._slot.tmpdir
+
+    @property
+    def _finalizer(self) -> weakref.finalize[Any, Any] | None:
+        return self._slot.finalizer
 
     # -- device ---------------------------------------------------------------------
 
     @property
+    @override
     def root_device(self) -> torch.device:
         """The Trainer's first device (``accelerator="cpu"`` -> cpu, ``devices=[i]`` -> cuda:i)."""
         if self.parallel_devices:
             return torch.device(self.parallel_devices[0])
         return self._root_device
 
+    @override
     def setup_environment(self) -> None:
         """Take the device from the accelerator's devices, then set it up (Lightning)."""
         devices = list(dict.fromkeys(torch.device(d) for d in self.parallel_devices or ()))
@@ -258,13 +207,16 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     # -- model construction and setup ------------------------------------------
 
     @contextlib.contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Build the model on the host in fp32: the engine pages it to the device."""
         yield
 
+    @override
     def model_to_device(self) -> None:
         """Nothing: the engine moves only the parameters outside the blocks."""
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Build the engine once per module; set up Lightning's optimizer for bookkeeping."""
         assert self.accelerator is not None
@@ -272,15 +224,15 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_clipping(trainer, module)  # a bad setting fails before anything is built
-        self._take_back(module)
+            session.check_clipping(trainer, module)  # fails before anything is built
+        self._slot.take_back(module)
         use_paged_summary(trainer)  # the model summary counts the paged blocks' real sizes
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
             if not fit_state:
-                self._build_engine(module, trainer)
+                self._build(module, trainer, training=True)
         elif not fit_state and (self.inference is None or self.inference.model is not module):
-            self._build_inference(module, trainer)
+            self._build(module, trainer, training=False)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -289,293 +241,44 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     def resolved_dtype(self) -> torch.dtype:
         """The compute dtype: the constructor's, else the Trainer's precision."""
-        if self.compute_dtype is not None:
-            return _DTYPES[self.compute_dtype]
-        flag = str(self.precision_plugin.precision)
-        if flag.startswith("bf16"):
-            return torch.bfloat16
-        if flag in ("32-true", "32"):
-            return torch.float32
-        raise ValueError(
-            f"precision={flag!r} is not supported by balance_beam: use 'bf16-true', "
-            "'bf16-mixed' or '32-true'"
-        )
+        return session.compute_dtype(self.compute_dtype, str(self.precision_plugin.precision))
 
-    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+    def _build(self, module: pl.LightningModule, trainer: pl.Trainer, *, training: bool) -> None:
+        """The engine of this call, over a store sized for the placement (closed first)."""
         self.close()
         _, blocks = find_block_list(module)
-        loader = checkpoint_loader(module)
-        placement = self._placement(module, len(blocks), trainer)
-        numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        config = self._store_config(numels, rest, placement, frozen)
-        need = required_budgets(numels, rest, placement, frozen)
-        check_budgets(need, _arena_bytes(config))
-        self.store = TieredStore(config)
-        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        try:
-            self.engine = TrainingEngine(
-                module,
-                list(blocks),
-                self.store,
-                placement,
-                device=self.root_device,
-                loader=loader,
-            )
-        except BaseException:
-            self.close()
-            raise
-
-    def _build_inference(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        """The weights-only engine: compute-dtype block weights in the store, nothing else."""
-        self.close()
-        _, blocks = find_block_list(module)
-        loader = checkpoint_loader(module, generation=trainer.state.fn == TrainerFn.PREDICTING)
-        placement = self._placement(module, len(blocks), trainer)
-        need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
-                               placement)  # fmt: skip
-        config = self.store_config
-        if config is None:
-            path = self.nvme_path
-            if need[Tier.NVME] and path is None:
-                self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
-                path = self._tmpdir.name
-            config = StoreConfig(
-                device_budget=need[Tier.DEVICE] + _SLACK,
-                host_budget=need[Tier.HOST] + _SLACK,
-                nvme_path=path if need[Tier.NVME] else None,
-                nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-                device=str(self.root_device),
-            )
-        check_budgets(need, _arena_bytes(config))
-        self.store = TieredStore(config)
-        self._finalizer = weakref.finalize(self, _release, self.store, self._tmpdir)
-        try:
-            self.inference = InferenceEngine(module, list(blocks), self.store, placement,
-                                             device=self.root_device, loader=loader)  # fmt: skip
-        except BaseException:
-            self.close()
-            raise
-        if isinstance(module, CausalLMModule):  # where its generator keeps the KV cache
-            module.kv_cache_tier = placement.kv_cache
-
-    def _inference(self) -> InferenceEngine:
-        assert self.inference is not None
-        return self.inference
-
-    def _plan_predict(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
-        """Plan the predict job; the DataLoader runs its own batch size, or the plan's."""
-        net = _hf_model(module)
-        assert net is not None
-        job = self.job if isinstance(self.job, PredictJob) else predict_job(trainer, module)
-        job = dataclasses.replace(job, compute_dtype=dtype_name(self.resolved_dtype()))
-        dm = getattr(trainer, "datamodule", None)
-        batch = getattr(dm, "batch_size", None)
-        model, hardware = model_profile_from_module(net), self._hardware()
-        best = make_plan(model, hardware, job, overrides=self.overrides)
-        if self.hardware is None or self.hardware == "measure":
-            rows = min(batch if isinstance(batch, int) else best.concurrent_seqs, job.num_prompts)
-            hardware = self._probe_predict(net, hardware, job, rows)
-            best = make_plan(model, hardware, job, overrides=self.overrides)
-        plan = best
-        if isinstance(batch, int) and batch != best.concurrent_seqs:
-            ov = _replace(self.overrides or PlanOverrides(),
-                          concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
-            try:
-                plan = make_plan(model, hardware, job, overrides=ov)
-            except PlanError as err:  # the plan printed must be the batch that runs
-                raise ValueError(
-                    f"balance_beam cannot plan batches of {batch} prompts ({err}): use the "
-                    f"planner's {best.concurrent_seqs} (data batch_size: null), or pass "
-                    "placement= to run unplanned"
-                ) from err
-        elif batch is None and callable(getattr(dm, "use_planned_batch_size", None)):
-            dm.use_planned_batch_size(plan.concurrent_seqs)  # type: ignore[union-attr]
-            batch = plan.concurrent_seqs
-        rank_zero_info(plan.explain())
-        running = "the DataLoader's batches" if batch is None else f"batches of {batch} prompts"
-        kv = "device" if plan.kv_cache is None else plan.kv_cache.value
-        rank_zero_info(
-            f"balance_beam: planner recommends {best.concurrent_seqs} concurrent sequences "
-            f"({best.tokens_per_s:.4g} tokens/s); running {running} "
-            f"({plan.tokens_per_s:.4g} tokens/s predicted), KV cache on {kv}"
+        loader = assembly.checkpoint_loader(
+            module, generation=trainer.state.fn == TrainerFn.PREDICTING
         )
-        self._adopt(plan)
-        return plan.placement
-
-    def _placement(
-        self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer
-    ) -> Placement:
-        """The placement given (computing in the resolved dtype), else the planned one."""
         if self.placement is None:
-            return self._plan(module, num_blocks, trainer)
-        return dataclasses.replace(self.placement, compute_dtype=dtype_name(self.resolved_dtype()))
+            placement = self._plan(module, len(blocks), trainer)
+        else:  # the placement given, computing in the resolved dtype
+            dtype = dtype_name(self.resolved_dtype())
+            placement = dataclasses.replace(self.placement, compute_dtype=dtype)
+        built = assembly.build_engine(
+            module, list(blocks), placement, training=training,
+            device=self.root_device, loader=loader, store=self.store_config,
+            nvme_path=self.nvme_path, plan=self.plan,
+        )  # fmt: skip
+        self._slot.hold(built, self)
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        if predicting and _hf_model(module) is not None and not isinstance(self.job, FitJob):
-            return self._plan_predict(module, trainer)
-        if isinstance(self.job, FitJob) or (fitting and _hf_model(module) is not None):
-            return self._plan_with_planner(module, trainer)
-        tiers = [getattr(self.overrides, k, None) for k in ("weights_tier", "master_tier")]
-        depth = getattr(self.overrides, "prefetch_depth", None) or 1
-        if tiers[0] is None:
-            rank_zero_info(
-                "balance_beam: no placement given; paging every block from host memory "
-                "(pass placement= or overrides=PlanOverrides(weights_tier=...))"
-            )
-        return Placement.uniform(
-            num_blocks,
-            weights=Tier(tiers[0] or Tier.HOST),
-            master=Tier(tiers[1] or Tier.HOST),
-            prefetch_depth=depth,
-            compute_dtype=dtype_name(self.resolved_dtype()),
-        )
-
-    def _plan_with_planner(self, module: pl.LightningModule, trainer: pl.Trainer) -> Placement:
-        net = _hf_model(module)
-        if net is None:
-            raise ValueError(
-                f"{type(module).__name__} holds no Hugging Face model to profile: pass placement="
-            )
-        job, micro, accum = (self.job if isinstance(self.job, FitJob) else None), 0, 0
-        if job is None:
-            seq_len, micro = first_batch_shape(trainer)
-            accum = int(trainer.accumulate_grad_batches)
-            clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-            job = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
-        job = dataclasses.replace(job, compute_dtype=dtype_name(self.resolved_dtype()))
-        model, hardware = model_profile_from_module(net), self._hardware()
-        if self.hardware is None or self.hardware == "measure":
-            hardware = self._probe_compute(net, hardware, job, micro)
-        best = make_plan(model, hardware, job, overrides=self.overrides)
-        plan = best
-        if micro and (best.micro_batch, best.grad_accum) != (micro, accum):
-            ov = self.overrides or PlanOverrides()
-            forced = _replace(ov, micro_batch=micro, grad_accum=accum)
-            try:
-                plan = make_plan(model, hardware, job, overrides=forced)
-            except PlanError as err:  # the plan printed must be the batch that runs
-                raise ValueError(
-                    f"balance_beam cannot plan the batch in use, micro-batch {micro} x "
-                    f"accumulate_grad_batches {accum} ({err}): run the planner's micro-batch "
-                    f"{best.micro_batch} x {best.grad_accum}, or pass placement= to run "
-                    "unplanned"
-                ) from err
-        rank_zero_info(plan.explain())
-        if micro:
-            rank_zero_info(
-                f"balance_beam: planner recommends micro-batch {best.micro_batch} x "
-                f"accumulation {best.grad_accum} ({best.tokens_per_s:.4g} tokens/s); running "
-                f"micro-batch {micro} x accumulate_grad_batches {accum} "
-                f"({plan.tokens_per_s:.4g} tokens/s predicted)"
-            )
-        self._adopt(plan)
-        return plan.placement
-
-    def _probe_compute(
-        self, net: PreTrainedModel, hardware: HardwareProfile, job: FitJob, micro: int
-    ) -> HardwareProfile:
-        """``hardware`` with the compute efficiency the model's own training pass sustains
-        on the device (see :mod:`bb_lightning.probe.calibrate`); unchanged when the
-        probe does not fit in memory."""
-        micro = micro or getattr(self.overrides, "micro_batch", None) or 1
-        probe = functools.partial(
-            probe_train_compute,
-            net.config,
-            hardware,
-            seq_len=job.seq_len,
-            micro_batch=micro,
-            dtype=self.resolved_dtype(),
-            device=self.root_device,
-        )
-        return _calibrated(hardware, probe, "compute probe")
-
-    def _probe_predict(
-        self, net: PreTrainedModel, hardware: HardwareProfile, job: PredictJob, rows: int
-    ) -> HardwareProfile:
-        """``hardware`` with the prefill and decode rates the model's own passes sustain
-        on the device at ``rows`` concurrent sequences (see
-        :func:`~bb_lightning.probe.calibrate.probe_predict_compute`); unchanged when the
-        probe does not fit in memory."""
-        probe = functools.partial(
-            probe_predict_compute,
-            net.config,
-            hardware,
-            prompt_len=job.prompt_len,
-            concurrent=max(1, rows),
-            cache_len=job.cache_len,
-            context=job.mean_context,
-            dtype=self.resolved_dtype(),
-            device=self.root_device,
-        )
-        return _calibrated(hardware, probe, "predict compute probe")
-
-    def _hardware(self) -> HardwareProfile:
-        spec = self.hardware
-        if isinstance(spec, HardwareProfile):
-            hardware = spec
-        elif spec is None or spec == "measure":
-            hardware = measure(nvme_path=self.nvme_path)
-        else:
-            hardware = preset(spec)
-        forced = Tier.NVME in (
-            getattr(self.overrides, "weights_tier", None),
-            getattr(self.overrides, "master_tier", None),
-        )
-        if self.nvme_path is None and not forced:
-            hardware = hardware.replace(
-                nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
-            )
-        return hardware
+        """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
+        planning = session.PlanningSession(
+            overrides=self.overrides, hardware=self.hardware, nvme_path=self.nvme_path,
+            dtype=self.resolved_dtype(), device=self.root_device,
+        )  # fmt: skip
+        job = session.read_job(trainer, module, self.job)
+        placement, plan = planning.place(session.hf_model(module), job, num_blocks)
+        if plan is not None:
+            self._adopt(plan)
+        return placement
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
         self.plan_history.append(plan)
 
-    def _store_config(
-        self,
-        numels: list[int],
-        rest: int,
-        placement: Placement,
-        frozen: list[int] | None = None,
-    ) -> StoreConfig:
-        if self.store_config is not None:
-            return self.store_config
-        need = required_budgets(numels, rest, placement, frozen)
-        if self.plan is not None:  # room for re-plans, within what the plan may use
-            n = len(numels)
-            most = {
-                t: required_budgets(
-                    numels,
-                    rest,
-                    Placement.uniform(
-                        n,
-                        weights=t,
-                        master=t,
-                        prefetch_depth=n,
-                        compute_dtype=placement.compute_dtype,
-                    ),
-                    frozen,
-                )[t]
-                for t in Tier
-            }
-            for mem in self.plan.memory:
-                need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
-            if self.nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
-                need[Tier.NVME] = 0
-        path = self.nvme_path
-        if need[Tier.NVME] and path is None:
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
-            path = self._tmpdir.name
-        return StoreConfig(
-            device_budget=need[Tier.DEVICE] + _SLACK,
-            host_budget=need[Tier.HOST] + _SLACK,
-            nvme_path=path if need[Tier.NVME] else None,
-            nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-            device=str(self.root_device),
-        )
-
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Lightning's optimizers, whose ``step`` runs the engine's host AdamW."""
         super().setup_optimizers(trainer)
@@ -606,89 +309,38 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     # -- measure, then adapt -------------------------------------------------------
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Start timing the optimizer step this micro-batch belongs to; at the start of a
         window that ends in an overlapped step, start reading its optimizer state ahead."""
         engine = self.engine
         if engine is not None and not engine.timer.in_step:
-            if len(engine.timer.steps) == self._skip():
-                self._links0 = _link_seconds(engine)
-                self._busy0 = engine.optimizer_busy_s
-            engine.timer.begin_step()
+            self._adapt.begin_step(engine)
             trainer = self.lightning_module.trainer if self.lightning_module else None
             if self.overlap_optimizer and clip_config(trainer).value is None:
                 engine.read_state_ahead()  # this window ends in an overlapped step
 
-    def _skip(self) -> int:
-        return 1 if self.warmup_steps > 1 else 0
-
     def _after_step(self) -> None:
         engine = self.engine
         assert engine is not None
-        engine.timer.end_step()
-        if self.plan is None or len(engine.timer.steps) != self.warmup_steps:
-            return
-        mean = engine.timer.mean(skip=self._skip())
-        assert mean is not None
-        steps = self.warmup_steps - self._skip()
-        links = {
-            k: (v - self._links0.get(k, 0.0)) / steps for k, v in _link_seconds(engine).items()
-        }
-        measured = _measured(mean, links, (engine.optimizer_busy_s - self._busy0) / steps)
-        self._report(self.plan, measured)
-        tol = self.adapt_tolerance
-        if tol is not None and plan_differs(self.plan, measured, tol):
-            self._replan(adapt(self.plan, measured), measured)
+        replanned = self._adapt.end_step(engine, self.plan, self._log_metrics)
+        if replanned is not None:
+            self._adopt(replanned)
 
-    def _report(self, plan: Plan, measured: MeasuredTimes, prefix: str = "") -> None:
-        p = plan.predicted
-        pairs = {
-            "step": (p.total, measured.step_s),
-            "compute": (p.compute, measured.compute_s),
-            "h2d": (p.h2d, measured.h2d_s),
-            "optimizer": (p.optimizer, measured.optimizer_s),
-        }
-        for phase, (pred, meas) in pairs.items():
-            self.plan_metrics[f"bb/{prefix}predicted_{phase}_s"] = pred
-            if meas is not None:
-                self.plan_metrics[f"bb/measured_{phase}_s"] = meas
-            rank_zero_info(
-                f"balance_beam {prefix}{phase}: predicted {pred:.4g} s, measured "
-                f"{'-' if meas is None else f'{meas:.4g}'} s per step"
-            )
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if trainer is not None and trainer.logger is not None:
-            trainer.logger.log_metrics(dict(self.plan_metrics), step=trainer.global_step)
-
-    def _replan(self, plan: Plan, measured: MeasuredTimes) -> None:
-        engine, store = self.engine, self.store
-        assert engine is not None and store is not None
-        placement = plan.placement
-        numels = [s.numel for s in engine.pager.states]
-        need = required_budgets(numels, engine.resident.numel, placement,
-                                engine.pager.frozen_numels)  # fmt: skip
-        room = {t: cap for t, (_, cap) in store.usage().items()}
-        short = [t.value for t in Tier if need[t] > room[t]]
-        if short:
-            rank_zero_info(
-                f"balance_beam: re-plan needs more {short} than the store holds; "
-                "keeping the placement"
-            )
-        else:
-            engine.apply_placement(placement)
-        self._adopt(plan)
-        rank_zero_info(
-            "balance_beam: measured times differ from the plan; re-planned:\n" + plan.explain()
-        )
-        self._report(plan, measured, prefix="replanned_")
+            trainer.logger.log_metrics(dict(metrics), step=trainer.global_step)
 
     # -- training hooks ------------------------------------------------------
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Move this backward's gradients into the host accumulators."""
         if self.engine is not None:
             self.engine.after_backward()
 
+    @override
     def on_train_start(self) -> None:
         """Say the placement before the first step (rank zero) when no plan table did."""
         if self.engine is not None and self.plan is None:
@@ -698,6 +350,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     # -- checkpoints ------------------------------------------------------------
 
+    @override
     def lightning_module_state_dict(self) -> Mapping[str, Any]:  # type: ignore[override]
         """The module's state dict with fp32 master weights, read lazily from the store.
 
@@ -706,36 +359,33 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         dict without materialising the model on the host; each parameter is read when a
         key is asked for (``dict(...)`` of it makes a full fp32 copy).
         """
-        if self.engine is None and self.inference is not None:
-            return self.inference.state_dict()
-        if self.engine is None:
+        if self._slot.engine is None:
             return super().lightning_module_state_dict()
-        return self.engine.lazy_state_dict()
+        return assembly.module_state_dict(self._slot.engine)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict (plain, or a checkpoint directory's) into the engine or module."""
         state_dict = checkpoint["state_dict"]
-        if self.engine is None and self.inference is not None:
-            _load_inference(self.inference, state_dict)
-        elif self.engine is None:
+        if self._slot.engine is None:
             super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
-        elif isinstance(state_dict, ckpt.CheckpointStateDict):
-            ckpt.restore_weights(self.engine, state_dict)
         else:
-            self.engine.load_state_dict(state_dict)
+            assembly.load_weights(self._slot.engine, state_dict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's optimizer state (learning rates), then moments and step count."""
         super().load_optimizer_state_dict(checkpoint)
-        state_dict = checkpoint.get("state_dict")
-        if self.engine is not None and isinstance(state_dict, ckpt.CheckpointStateDict):
-            ckpt.restore_optimizer(self.engine, state_dict)
+        if self._slot.engine is not None:
+            assembly.load_optimizer(self._slot.engine, checkpoint.get("state_dict"))
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints load into the engine, which :meth:`setup` builds: restore after it."""
         return True
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -754,12 +404,14 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             weights_only = "optimizer_states" not in checkpoint
             ckpt.save_checkpoint(self.engine, filepath, checkpoint, weights_only=weights_only)
 
+    @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's checkpoint dict of a checkpoint directory; parameters read lazily."""
         return ckpt.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint directory (``ModelCheckpoint``'s ``save_top_k`` rotation)."""
         if self.is_global_zero:
@@ -767,59 +419,17 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
     # -- teardown -----------------------------------------------------------
 
+    @override
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
-        engine = self.engine if self.engine is not None else self.inference
-        if self.engine is not None:
-            self.engine.grads.wait()
-        if engine is not None:
-            engine.pager.release_all_except(())
-            self._hand_back(engine)
+        if self._slot.engine is not None:
+            assembly.settle(self._slot.engine)
+            dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
+            self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    def _hand_back(self, engine: TrainingEngine | InferenceEngine) -> None:
-        """The module's weights back in its parameters, or a loud hollow module."""
-        if self._handed_back is engine or self._guard is not None:
-            return
-        if self.gather_on_teardown:
-            self.gather_full_model()
-            return
-        nbytes = param_bytes(engine)
-        fits, limit = fits_host(nbytes, self.gather_limit)
-        dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
-        if self.gather_on_teardown is None and fits:
-            hand_back(engine, dtype)
-            self._handed_back = engine
-            return
-        why = (
-            "gather_on_teardown=False"
-            if self.gather_on_teardown is False
-            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {limit / 2**30:.3g} GiB"
-            " (gather_limit)"
-        )
-        self._guard = HollowGuard(engine, self, why, dtype)
-
-    def _take_back(self, module: pl.LightningModule) -> None:
-        """Page a module handed back at the last teardown again (its values into the store)."""
-        if self._guard is not None:
-            self._guard.remove()
-            self._guard = None
-        engine, self._handed_back = self._handed_back, None
-        if engine is not None and engine.model is module:
-            take_back(engine)
-        elif engine is not None:  # another module: the old one keeps its weights
-            self._drop(engine)
-
-    def _drop(self, engine: TrainingEngine | InferenceEngine) -> None:
-        """Forget a handed-back engine without touching its module's parameters."""
-        if engine is self.inference:
-            self.inference = None  # its forwards are already removed; nothing else to stop
-        elif engine is self.engine:
-            engine.close()
-            self.engine = None
 
     def gather_full_model(self) -> torch.nn.Module:
         """Put the weights into the module's parameters (host); close the store.
@@ -833,13 +443,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        engine = self.engine if self.engine is not None else self.inference
-        if engine is not None and self._handed_back is not engine:
-            if self._guard is not None:
-                self._guard.remove()
-                self._guard = None
-            hand_back(engine, handback_dtype(self.precision_plugin.precision))
-            self._handed_back = engine
+        self._slot.gather(handback_dtype(self.precision_plugin.precision))
         self.close()
         return module
 
@@ -849,33 +453,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         A module handed back keeps its weights; a hollow one keeps raising (its weights
         are gone with the store).
         """
-        if self._handed_back is not None:
-            self._drop(self._handed_back)
-            self._handed_back = None
-        if self._guard is not None:  # a weights-only engine gives unstreamed weights back
-            inference = self.inference
-            if inference is not None and self.engine is None and not inference.streamed:
-                self._guard.remove()
-            else:
-                self._guard.store_closed()
-            self._guard = None
-        if self.inference is not None:
-            self.inference.close()  # the module gets its parameters back
-            self.inference = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        elif self.store is not None:
-            self.store.close()
-        self.store = None
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
+        self._slot.close()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"balance_beam"`` unless already there."""
         if cls.strategy_name not in strategy_registry:
@@ -884,195 +465,22 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             )
 
 
-# -- helpers (glue between the Trainer, the planner and the engine) ---------------------
-
-
-def _release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:
-    """Close ``store`` and remove its temporary directory (also run at garbage collection)."""
-    store.close()
-    if tmpdir is not None:
-        tmpdir.cleanup()
-
-
-def _hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
-    """The first Hugging Face model inside ``module`` (None when it holds none)."""
-    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
-
-
-def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
-    return PlanOverrides(**{**overrides.__dict__, **changes})
-
-
-def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
-    """The Trainer's gradient clipping as the engine runs it, as plain Lightning reads it.
-
-    ``gradient_clip_val`` None or 0 means no clipping; ``gradient_clip_algorithm``
-    ``"norm"`` (the default) clips the global 2-norm, ``"value"`` clamps each gradient
-    element to [-value, value]. A negative or non-finite value raises ``ValueError``.
-    """
-    value = None if trainer is None else trainer.gradient_clip_val
-    algorithm = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
-    algorithm = str(getattr(algorithm, "value", algorithm)).lower()
-    if value is not None and float(value) < 0:
-        raise ValueError(
-            f"gradient_clip_val={value} must be >= 0 (0 or None: no clipping): pass a "
-            "positive maximum gradient norm or value"
-        )
-    return ClipConfig(value=float(value) if value else None, algorithm=algorithm)
+# -- helpers -----------------------------------------------------------------------------
 
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
 
 
-def _check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
-    """Refuse, before training, clipping settings the engine cannot run."""
-    clip_config(trainer)
-    if (
-        type(module).configure_gradient_clipping
-        is not pl.LightningModule.configure_gradient_clipping
-    ):
+def _check_settings(
+    dtype: str | None, gather_limit: int | None, store: StoreConfig | None, nvme_path: str | None
+) -> None:
+    """Refuse constructor arguments that cannot work, before anything is built."""
+    session.compute_dtype_check(dtype)
+    if gather_limit is not None and gather_limit < 0:
+        raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
+    if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
         raise ValueError(
-            f"{type(module).__name__} overrides configure_gradient_clipping, which balance_beam "
-            "cannot run (gradients reach the host AdamW, never .grad): remove the override and "
-            "set Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value')"
+            f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
+            "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
         )
-
-
-def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
-    """(sequence length in tokens, sequences per micro-batch) of the training data.
-
-    Read from the datamodule's ``seq_len`` and ``batch_size`` when it has them, else
-    from the first batch of the training DataLoader (its ``input_ids``, or its first
-    2-D tensor).
-    """
-    dm = getattr(trainer, "datamodule", None)
-    seq_len, batch = getattr(dm, "seq_len", None), getattr(dm, "batch_size", None)
-    if isinstance(seq_len, int) and isinstance(batch, int):
-        return seq_len, batch
-    source = trainer.fit_loop._data_source
-    first = next(iter(source.dataloader()), None) if source.is_defined() else None
-    if isinstance(first, Mapping):
-        first = first.get("input_ids", next(iter(first.values()), None))
-    elif isinstance(first, (list, tuple)):
-        first = next((t for t in first if isinstance(t, torch.Tensor) and t.dim() == 2), None)
-    if not isinstance(first, torch.Tensor) or first.dim() != 2:
-        raise ValueError(
-            f"balance_beam cannot tell the sequence length from the first training batch "
-            f"({type(first).__name__}): pass job=FitJob(seq_len=..., global_batch_seqs=...) or "
-            "placement="
-        )
-    return int(first.shape[1]), int(first.shape[0])
-
-
-def _calibrated(
-    hardware: HardwareProfile,
-    probe: Callable[[], TrainCompute | PredictCompute | None],
-    what: str,
-) -> HardwareProfile:
-    """``hardware`` with the rates ``probe()`` measures, said in the log; unchanged (and
-    said) when the model is too large for it or it fails: the plan is then priced at the
-    matrix-product rate, and the job goes on."""
-    try:
-        result = probe()
-    except Exception as err:  # a calibration must not stop the job it calibrates
-        rank_zero_warn(f"balance_beam: the {what} failed ({type(err).__name__}: {err}); "
-                       "planning with the matrix-product rate")  # fmt: skip
-        return hardware
-    if result is None:
-        rank_zero_info(f"balance_beam: model too large for the {what}; planning with the "
-                       "matrix-product rate")  # fmt: skip
-        return hardware
-    rank_zero_info(f"balance_beam {result.describe(hardware)}")
-    return result.applied_to(hardware)
-
-
-def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
-    """The predict job of a Trainer: prompt length, new tokens and number of prompts.
-
-    Prompt length (tokens) and number of prompts come from the datamodule's
-    ``longest_prompt`` and ``num_prompts`` when it has them (``PromptsDataModule``),
-    else from the first batch of the predict DataLoader (its ``input_ids`` width and
-    the dataset's length); new tokens from the module's ``max_new_tokens``
-    hyperparameter.
-    """
-    new = getattr(module, "hparams", {}).get("max_new_tokens")
-    if not isinstance(new, int):
-        raise ValueError(
-            f"{type(module).__name__} has no max_new_tokens hyperparameter (got {new!r}): pass "
-            "job=PredictJob(prompt_len=..., new_tokens=..., num_prompts=...) or placement="
-        )
-    dm = getattr(trainer, "datamodule", None)
-    plen, count = getattr(dm, "longest_prompt", None), getattr(dm, "num_prompts", None)
-    if isinstance(plen, int) and isinstance(count, int):
-        return PredictJob(prompt_len=plen, new_tokens=new, num_prompts=max(1, count))
-    source = trainer.predict_loop._data_source
-    loader = source.dataloader() if source.is_defined() else None
-    first = next(iter(loader), None) if loader is not None else None  # type: ignore[call-overload]
-    ids = first.get("input_ids") if isinstance(first, Mapping) else first
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError(
-            f"balance_beam cannot tell the prompt length from the first predict batch "
-            f"({type(first).__name__}): pass job=PredictJob(...) or placement="
-        )
-    dataset = getattr(loader, "dataset", None)
-    count = len(dataset) if hasattr(dataset, "__len__") else int(ids.shape[0])  # type: ignore[arg-type]
-    return PredictJob(prompt_len=int(ids.shape[1]), new_tokens=new, num_prompts=max(1, count))
-
-
-def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
-    """The bytes each tier of a store with ``config`` holds (arenas round down)."""
-    return config.budgets
-
-
-def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
-    """Weights of a plain state dict or a checkpoint directory into the inference engine."""
-    if isinstance(state_dict, ckpt.CheckpointStateDict):
-        path = state_dict.path
-        engine.load_weights(lambda key: ckpt.read_array(path, "master", key))
-        for key, value in state_dict.buffers.items():
-            engine.model.get_buffer(key).copy_(value)
-    else:
-        engine.load_state_dict(state_dict)
-
-
-def _link_seconds(engine: TrainingEngine) -> dict[Link, float]:
-    """Busy seconds of the store's links since it opened; device-to-host is left out (not
-    measured: gradients bypass the store)."""
-    stats = engine.store.stats()
-    return {k: v.seconds for k, v in stats.items() if k is not Link.DEVICE_TO_HOST}
-
-
-def _measured(mean: StepTimes, links: Mapping[Link, float], optimizer_s: float) -> MeasuredTimes:
-    """Measured seconds per step (each link added to the one the planner prices it as)."""
-    return MeasuredTimes.from_links(
-        links, compute_s=mean.compute, optimizer_s=optimizer_s, step_s=mean.step
-    )
-
-
-def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
-    """Reads meta-device parameters from the module's local checkpoint (safetensors or .bin).
-
-    None when no parameter is on the meta device (the engine reads the parameters).
-    Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve
-    (:func:`~bb_lightning.hf_load.check_supported`; with ``generation``, also
-    :func:`~bb_lightning.hf_load.check_generation`).
-    """
-    net = _hf_model(module)
-    streaming = any(p.is_meta for p in module.parameters())
-    if net is not None:
-        check_supported(net.config, streaming=streaming)
-        if generation:
-            check_generation(net)
-    if not streaming:
-        return None
-    source = getattr(module, "checkpoint_dir", None)
-    if net is None or source is None:
-        raise ValueError(
-            f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
-            "model with a local checkpoint_dir to read them from: build the model with weights"
-        )
-    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions, peft names
-    keys = {id(p): key for key, p in net.named_parameters()}
-    # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
-    return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()

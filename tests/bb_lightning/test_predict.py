@@ -163,7 +163,7 @@ def test_predict_is_planned_and_takes_the_planned_batch(
 def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import bb_lightning.strategy as strategy_module
+    import bb_lightning.session as session_module
     from bb_lightning.planner import PlanOverrides, make_plan
     from bb_lightning.probe.calibrate import PredictCompute
 
@@ -177,8 +177,8 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
             efficiency=0.5, decode_efficiency=0.25,
         )  # fmt: skip
 
-    monkeypatch.setattr(strategy_module, "measure", lambda **_: _cpu())
-    monkeypatch.setattr(strategy_module, "probe_predict_compute", fake_probe)
+    monkeypatch.setattr(session_module, "measure", lambda **_: _cpu())
+    monkeypatch.setattr(session_module, "probe_predict_compute", fake_probe)
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=5)
     strategy = BalanceBeamStrategy(compute_dtype="fp32")
     dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
@@ -206,13 +206,13 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
 def test_a_failing_probe_leaves_the_matrix_product_rate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bb_lightning.strategy as strategy_module
+    import bb_lightning.session as session_module
 
     def broken(*args: Any, **kw: Any) -> None:
         raise RuntimeError("probe out of order")
 
-    monkeypatch.setattr(strategy_module, "measure", lambda **_: _cpu())
-    monkeypatch.setattr(strategy_module, "probe_predict_compute", broken)
+    monkeypatch.setattr(session_module, "measure", lambda **_: _cpu())
+    monkeypatch.setattr(session_module, "probe_predict_compute", broken)
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=3)
     strategy = BalanceBeamStrategy(compute_dtype="fp32")
     dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-import bb_lightning.strategy as strategy_module
+import bb_lightning.session as session_module
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
 from bb_lightning.planner import HardwareProfile, PlanOverrides
@@ -50,7 +50,7 @@ def test_strategy_by_name_plans_from_the_first_batch(
         measured.append(kwargs)
         return cpu_profile()
 
-    monkeypatch.setattr(strategy_module, "measure", fake_measure)
+    monkeypatch.setattr(session_module, "measure", fake_measure)
     trainer, recorder = tiny.make_trainer(
         "balance_beam", 2, accumulate_grad_batches=2, precision="32-true"
     )

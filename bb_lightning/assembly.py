@@ -1,0 +1,381 @@
+"""The engine factory: a store sized for a placement, and the engine that executes it.
+
+:func:`build_engine` opens a :class:`storage.store.TieredStore` (the given
+:class:`~storage.store.StoreConfig`, or one sized from the placement: what it needs plus
+1 MiB per tier, and for a planned fit the room the plan may grow into on a re-plan) and
+builds the :class:`~bb_lightning.engine.trainer_engine.TrainingEngine` of ``fit`` or the
+weights-only :class:`~bb_lightning.engine.inference.InferenceEngine` of ``predict`` /
+``validate`` (compute-dtype block weights in the store, no master weights, moments or
+gradient accumulators). The checkpoint hooks dispatch on the one :data:`Engine` they get
+(:func:`module_state_dict`, :func:`load_weights`, :func:`load_optimizer`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.inference import InferenceEngine, weights_budgets
+from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.trainer_engine import (
+    ParamLoader,
+    TrainingEngine,
+    check_budgets,
+    param_counts,
+    required_budgets,
+)
+from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
+from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
+from bb_lightning.module import CausalLMModule
+from bb_lightning.planner import Plan
+from bb_lightning.session import hf_model
+from storage.store import StoreConfig, TieredStore
+from storage.tiers import Tier
+
+__all__ = [
+    "Assembly",
+    "Engine",
+    "EngineSlot",
+    "build_engine",
+    "checkpoint_loader",
+    "load_optimizer",
+    "load_weights",
+    "module_state_dict",
+    "release",
+    "settle",
+    "store_config",
+]
+
+Engine = TrainingEngine | InferenceEngine
+"""The engine of a Trainer call: training (fit), or weights only (predict, validate)."""
+
+_SLACK = 1 << 20
+"""Bytes added to each automatically sized store budget (allocator alignment)."""
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """An engine, the store it pages through, and the store's temporary NVMe directory."""
+
+    engine: Engine
+    store: TieredStore
+    tmpdir: tempfile.TemporaryDirectory[str] | None
+
+
+def build_engine(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    placement: Placement,
+    *,
+    training: bool,
+    device: torch.device,
+    loader: ParamLoader | None,
+    store: StoreConfig | None = None,
+    nvme_path: str | None = None,
+    plan: Plan | None = None,
+) -> Assembly:
+    """Open the store for ``placement`` and build the engine of ``module``'s ``blocks``.
+
+    ``store`` None sizes the budgets (:func:`store_config`; with ``plan``, a training
+    store keeps room for its re-plans). Raises ``ValueError`` when the budgets cannot
+    hold the placement; a failure leaves nothing open.
+    """
+    if training:
+        numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
+        need = required_budgets(numels, rest, placement, frozen)
+        sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path)
+    else:
+        need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
+                               placement)  # fmt: skip
+        sized = need
+    config, tmpdir = (store, None) if store is not None else store_config(sized, nvme_path, device)
+    opened: TieredStore | None = None
+    try:
+        check_budgets(need, _arena_bytes(config))
+        opened = TieredStore(config)
+        kind = TrainingEngine if training else InferenceEngine
+        engine = kind(module, list(blocks), opened, placement, device=device, loader=loader)
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        if tmpdir is not None:
+            tmpdir.cleanup()
+        raise
+    if isinstance(engine, InferenceEngine):
+        _configure_inference(module, placement)
+    return Assembly(engine, opened, tmpdir)
+
+
+def store_config(
+    need: Mapping[Tier, int], nvme_path: str | None, device: torch.device
+) -> tuple[StoreConfig, tempfile.TemporaryDirectory[str] | None]:
+    """A store holding ``need`` bytes per tier (plus 1 MiB each), and the temporary NVMe
+    directory made when NVMe bytes are needed but ``nvme_path`` is None."""
+    path, tmpdir = nvme_path, None
+    if need[Tier.NVME] and path is None:
+        tmpdir = tempfile.TemporaryDirectory(prefix="balance-beam-")
+        path = tmpdir.name
+    config = StoreConfig(
+        device_budget=need[Tier.DEVICE] + _SLACK,
+        host_budget=need[Tier.HOST] + _SLACK,
+        nvme_path=path if need[Tier.NVME] else None,
+        nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
+        device=str(device),
+    )
+    return config, tmpdir
+
+
+def _replan_room(
+    need: dict[Tier, int],
+    numels: list[int],
+    rest: int,
+    placement: Placement,
+    frozen: list[int],
+    plan: Plan | None,
+    nvme_path: str | None,
+) -> dict[Tier, int]:
+    """``need`` raised to the plan's budgets (room for re-plans), within what any
+    placement of these blocks may use."""
+    need = dict(need)
+    if plan is not None:  # room for re-plans, within what the plan may use
+        n = len(numels)
+        most = {
+            t: required_budgets(
+                numels,
+                rest,
+                Placement.uniform(
+                    n,
+                    weights=t,
+                    master=t,
+                    prefetch_depth=n,
+                    compute_dtype=placement.compute_dtype,
+                ),
+                frozen,
+            )[t]
+            for t in Tier
+        }
+        for mem in plan.memory:
+            need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
+        if nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
+            need[Tier.NVME] = 0
+    return need
+
+
+def _configure_inference(module: nn.Module, placement: Placement) -> None:
+    """The placement's KV-cache tier into the module (its generator keeps the cache there;
+    the engine takes the prefill chunk from the placement itself)."""
+    if isinstance(module, CausalLMModule):
+        module.kv_cache_tier = placement.kv_cache
+
+
+def release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:
+    """Close ``store`` and remove its temporary directory (also run at garbage collection)."""
+    store.close()
+    if tmpdir is not None:
+        tmpdir.cleanup()
+
+
+def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
+    """The bytes each tier of a store with ``config`` holds (arenas round down)."""
+    return dict(config.budgets)
+
+
+# -- the checkpoint hooks, on either engine ---------------------------------------------
+
+
+def module_state_dict(engine: Engine) -> Mapping[str, Tensor]:
+    """The module's state dict as checkpoints hold it: fp32 master weights read lazily
+    from the store (:class:`~bb_lightning.engine.trainer_engine.EngineStateDict`), or fp32
+    host copies of a weights-only engine's compute weights."""
+    if isinstance(engine, TrainingEngine):
+        return engine.lazy_state_dict()
+    return engine.state_dict()
+
+
+def load_weights(engine: Engine, state_dict: Mapping[str, Any]) -> None:
+    """Weights of a plain state dict or a checkpoint directory's into ``engine``."""
+    if isinstance(engine, InferenceEngine):
+        _load_inference(engine, state_dict)
+    elif isinstance(state_dict, ckpt.CheckpointStateDict):
+        ckpt.restore_weights(engine, state_dict)
+    else:
+        engine.load_state_dict(state_dict)
+
+
+def load_optimizer(engine: Engine, state_dict: Any) -> None:
+    """AdamW moments and step count of a checkpoint directory into a training engine."""
+    if isinstance(engine, TrainingEngine) and isinstance(state_dict, ckpt.CheckpointStateDict):
+        ckpt.restore_optimizer(engine, state_dict)
+
+
+def settle(engine: Engine) -> None:
+    """Finish the engine's pending copies and release its paged blocks (end of a call)."""
+    if isinstance(engine, TrainingEngine):
+        engine.grads.wait()
+    engine.pager.release_all_except(())
+
+
+def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
+    """Weights of a plain state dict or a checkpoint directory into the inference engine."""
+    if isinstance(state_dict, ckpt.CheckpointStateDict):
+        path = state_dict.path
+        engine.load_weights(lambda key: ckpt.read_array(path, "master", key))
+        for key, value in state_dict.buffers.items():
+            engine.model.get_buffer(key).copy_(value)
+    else:
+        engine.load_state_dict(state_dict)
+
+
+def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
+    """Reads meta-device parameters from the module's local checkpoint (safetensors or .bin).
+
+    None when no parameter is on the meta device (the engine reads the parameters).
+    Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve
+    (:func:`~bb_lightning.hf_load.check_supported`; with ``generation``, also
+    :func:`~bb_lightning.hf_load.check_generation`).
+    """
+    net = hf_model(module)
+    streaming = any(p.is_meta for p in module.parameters())
+    if net is not None:
+        check_supported(net.config, streaming=streaming)
+        if generation:
+            check_generation(net)
+    if not streaming:
+        return None
+    source = getattr(module, "checkpoint_dir", None)
+    if net is None or source is None:
+        raise ValueError(
+            f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
+            "model with a local checkpoint_dir to read them from: build the model with weights"
+        )
+    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions, peft names
+    keys = {id(p): key for key, p in net.named_parameters()}
+    # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
+    return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()
+
+
+# -- the engine between trainer.* calls -------------------------------------------------
+
+
+class EngineSlot:
+    """The engine a strategy keeps between ``trainer.*`` calls, its store, and where the
+    module's weights are after a call.
+
+    The engine and its store outlive ``teardown`` so that ``fit``, ``validate`` and ``fit``
+    again reuse them (AdamW moments and step count kept). At the end of a call
+    :meth:`hand_back` gives the module its weights back (:mod:`bb_lightning.handback`), or
+    leaves them in the store behind a :class:`~bb_lightning.handback.HollowGuard`; the next
+    call's :meth:`take_back` pages them again from the module's values. :meth:`close`, or
+    garbage collection of the owner, closes the store.
+    """
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        """The engine of the last ``trainer.*`` call (training, or weights only)."""
+        self.store: TieredStore | None = None
+        self.tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self.finalizer: weakref.finalize[Any, Any] | None = None
+        """Closes the store when the owner is collected (or at exit)."""
+        self.handed_back: Engine | None = None
+        """The engine whose module holds its weights (handed back at teardown)."""
+        self.guard: HollowGuard | None = None
+        """Guards a module left hollow at teardown (weights only in the store)."""
+
+    def hold(self, built: Assembly, owner: object) -> None:
+        """Keep ``built`` (the slot is empty: :meth:`close` first)."""
+        self.engine, self.store, self.tmpdir = built.engine, built.store, built.tmpdir
+        self.finalizer = weakref.finalize(owner, release, built.store, built.tmpdir)
+
+    def hand_back(
+        self, owner: object, dtype: torch.dtype, gather: bool | None, limit: int | None
+    ) -> None:
+        """The module's weights back in its parameters (``dtype``), or a loud hollow module.
+
+        ``gather`` True always gives them back and closes the store; None gives them back
+        when the fp32 weights fit ``limit`` bytes of host memory (None: the default share,
+        :func:`~bb_lightning.handback.fits_host`); False leaves them in the store.
+        """
+        engine = self.engine
+        if engine is None or self.handed_back is engine or self.guard is not None:
+            return
+        if gather:
+            self.gather(dtype)
+            self.close()
+            return
+        nbytes = param_bytes(engine)
+        fits, most = fits_host(nbytes, limit)
+        if gather is None and fits:
+            hand_back(engine, dtype)
+            self.handed_back = engine
+            return
+        why = (
+            "gather_on_teardown=False"
+            if gather is False
+            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {most / 2**30:.3g} GiB"
+            " (gather_limit)"
+        )
+        self.guard = HollowGuard(engine, owner, why, dtype)
+
+    def gather(self, dtype: torch.dtype) -> None:
+        """Give the module its weights back (``dtype``), whatever their size."""
+        engine = self.engine
+        if engine is not None and self.handed_back is not engine:
+            if self.guard is not None:
+                self.guard.remove()
+                self.guard = None
+            hand_back(engine, dtype)
+            self.handed_back = engine
+
+    def take_back(self, module: nn.Module) -> None:
+        """Page a module handed back at the last teardown again (its values into the store)."""
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
+        engine, self.handed_back = self.handed_back, None
+        if engine is not None and engine.model is module:
+            take_back(engine)
+        elif engine is not None:  # another module: the old one keeps its weights
+            self._drop(engine)
+
+    def _drop(self, engine: Engine) -> None:
+        """Forget a handed-back engine without touching its module's parameters."""
+        if engine is self.engine:
+            if isinstance(engine, TrainingEngine):  # a weights-only one has no more to stop
+                engine.close()
+            self.engine = None
+
+    def close(self) -> None:
+        """Remove the engine's wrappers and close the store (NVMe lock released).
+
+        A module handed back keeps its weights; a hollow one keeps raising (its weights
+        are gone with the store).
+        """
+        if self.handed_back is not None:
+            self._drop(self.handed_back)
+            self.handed_back = None
+        if self.guard is not None:  # a weights-only engine gives unstreamed weights back
+            engine = self.engine
+            if isinstance(engine, InferenceEngine) and not engine.streamed:
+                self.guard.remove()
+            else:
+                self.guard.store_closed()
+            self.guard = None
+        if self.engine is not None:
+            self.engine.close()  # a weights-only engine gives the module its parameters back
+            self.engine = None
+        if self.finalizer is not None:
+            self.finalizer()
+            self.finalizer = None
+        elif self.store is not None:
+            self.store.close()
+        self.store = None
+        if self.tmpdir is not None:
+            self.tmpdir.cleanup()
+            self.tmpdir = None

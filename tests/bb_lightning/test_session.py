@@ -1,0 +1,153 @@
+"""The planning session without a Trainer run: the job read once from the data, then planned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader
+
+from bb_lightning.data import PromptsDataModule
+from bb_lightning.module import CausalLMModule
+from bb_lightning.planner import FitJob, HardwareProfile, PlanOverrides, PredictJob, make_plan
+from bb_lightning.probe import model_profile_from_module
+from bb_lightning.session import PlanningSession, PromptShape, TrainShape, hf_model, read_job
+from storage.tiers import Tier
+
+CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 260,
+    "max_position_embeddings": 64,
+    "bos_token_id": 257,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+}
+CPU = HardwareProfile(
+    name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
+    h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,
+    nvme_write_bandwidth=0.0, nvme_capacity=0, host_adam_params_per_s=2e8, cores=2,
+)  # fmt: skip
+
+
+def _rows(n: int, width: int) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": torch.full((width,), 65 + i)} for i in range(n)]
+
+
+class StatedShape(pl.LightningDataModule):
+    """A training datamodule that states its shape; drawing a batch would fail."""
+
+    seq_len = 24
+    batch_size = 3
+
+    def train_dataloader(self) -> Any:
+        raise AssertionError("the shape is stated: no batch is drawn")
+
+
+class PlainTrain(pl.LightningDataModule):
+    """A user's datamodule that says nothing: the first batch tells the shape."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_rows(8, 16), batch_size=2)  # type: ignore[arg-type]
+
+
+class PlainPredict(pl.LightningDataModule):
+    """A user's predict datamodule with a batch size and no prompt statistics."""
+
+    batch_size = 2
+
+    def predict_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_rows(5, 7), batch_size=self.batch_size)  # type: ignore[arg-type]
+
+
+def _trainer(fn: TrainerFn, module: pl.LightningModule, dm: Any, **kwargs: Any) -> pl.Trainer:
+    """A Trainer as it stands when the strategy is set up: its state and data attached."""
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **kwargs)  # fmt: skip
+    trainer.state.fn = fn
+    trainer._data_connector.attach_data(module, datamodule=dm)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def module() -> CausalLMModule:
+    module = CausalLMModule(CONFIG, seed=0, max_new_tokens=4)
+    module.configure_model()  # as the Trainer does before the strategy's setup
+    return module
+
+
+def test_fit_job_from_a_datamodule_that_states_its_shape(module: CausalLMModule) -> None:
+    dm = StatedShape()
+    assert isinstance(dm, TrainShape)
+    job = read_job(_trainer(TrainerFn.FITTING, module, dm, accumulate_grad_batches=2), module)
+    assert job.job == FitJob(seq_len=24, global_batch_seqs=3 * 2)
+    assert (job.micro_batch, job.grad_accum) == (3, 2)
+
+
+def test_fit_job_from_the_first_batch_of_a_plain_datamodule(module: CausalLMModule) -> None:
+    dm = PlainTrain()
+    assert not isinstance(dm, TrainShape)
+    trainer = _trainer(TrainerFn.FITTING, module, dm, accumulate_grad_batches=3,
+                       gradient_clip_val=1.0)  # fmt: skip
+    job = read_job(trainer, module)
+    assert job.job == FitJob(seq_len=16, global_batch_seqs=2 * 3, grad_clipping=True)
+    assert (job.micro_batch, job.grad_accum) == (2, 3)
+    given = FitJob(seq_len=8, global_batch_seqs=1)
+    assert read_job(trainer, module, given).job is given  # a given job reads no batch
+
+
+def test_predict_takes_the_planned_batch_size_of_a_prompts_datamodule(
+    module: CausalLMModule, tmp_path: Path
+) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["ab", "abcdef", "a"]))
+    dm = PromptsDataModule(str(path), batch_size=None)
+    dm.setup("predict")
+    assert isinstance(dm, PromptShape)
+    job = read_job(_trainer(TrainerFn.PREDICTING, module, dm), module)
+    assert job.job == PredictJob(prompt_len=6, new_tokens=4, num_prompts=3)
+    assert job.batch_size is None and job.data is dm
+    net = hf_model(module)
+    placement, plan = PlanningSession(hardware=CPU).place(net, job, 2)
+    assert net is not None and plan is not None
+    want = make_plan(model_profile_from_module(net), CPU, job.job)
+    assert plan.concurrent_seqs == want.concurrent_seqs and plan.weights == want.weights
+    assert dm.planned_batch_size == plan.concurrent_seqs
+    assert placement is plan.placement and placement.weights == tuple(plan.weights)
+
+
+def test_predict_plans_the_batch_size_of_a_plain_datamodule(module: CausalLMModule) -> None:
+    dm = PlainPredict()
+    assert not isinstance(dm, PromptShape)
+    job = read_job(_trainer(TrainerFn.PREDICTING, module, dm), module)
+    assert job.job == PredictJob(prompt_len=7, new_tokens=4, num_prompts=5)
+    assert job.batch_size == 2 and job.data is None
+    net = hf_model(module)
+    assert net is not None
+    _, plan = PlanningSession(hardware=CPU).place(net, job, 2)
+    ov = PlanOverrides(concurrent_seqs=2)
+    want = make_plan(model_profile_from_module(net), CPU, job.job, overrides=ov)
+    assert plan is not None and plan.concurrent_seqs == 2
+    assert plan.tokens_per_s == pytest.approx(want.tokens_per_s)
+
+
+def test_a_module_without_a_hugging_face_model_is_placed_from_the_overrides() -> None:
+    plain = pl.LightningModule()
+    trainer = _trainer(TrainerFn.FITTING, plain, PlainTrain())
+    job = read_job(trainer, plain)
+    assert job.job is None
+    session = PlanningSession(overrides=PlanOverrides(weights_tier=Tier.DEVICE, prefetch_depth=2))
+    placement, plan = session.place(None, job, 3)
+    assert plan is None and placement.weights == (Tier.DEVICE,) * 3
+    assert placement.master == (Tier.HOST,) * 3 and placement.prefetch_depth == 2
+    with pytest.raises(ValueError, match="LightningModule holds no Hugging Face model"):
+        read_job(trainer, plain, FitJob(seq_len=8, global_batch_seqs=1))
