@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from bb_lightning.engine.pager import BlockPager, GradSink, Placement
+from bb_lightning.placement import ModelSizes, weights_manifest
 from bb_lightning.trace import COMPUTE, TraceRecorder, install_trace
 from storage import StoreConfig, Tier, TieredStore, TransferKind
 
@@ -51,9 +52,11 @@ def test_trace_reports_the_events_the_observers_see(tmp_path: Path) -> None:
     torch.manual_seed(0)
     blocks = [nn.Linear(16, 16) for _ in range(3)]
     with TieredStore(config) as store:
-        pager = BlockPager(store, blocks, Placement.uniform(3, weights=Tier.NVME),
-                           compute_dtype=torch.bfloat16, device=torch.device("cpu"),
-                           weights_only=True)  # fmt: skip
+        placement = Placement.uniform(3, weights=Tier.NVME)  # bf16 weights
+        sizes = ModelSizes(blocks=tuple(sum(p.numel() for p in b.parameters()) for b in blocks))
+        manifest = {t.name: t for t in weights_manifest(sizes, placement)}
+        pager = BlockPager(store, blocks, placement, manifest=manifest,
+                           device=torch.device("cpu"), weights_only=True)  # fmt: skip
         grads = GradSink()
         recorder, seen = TraceRecorder(), Seen()
         handle = install_trace(SimpleNamespace(pager=pager, store=store, grads=grads), recorder)
