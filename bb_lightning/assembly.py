@@ -6,8 +6,8 @@
 builds the :class:`~bb_lightning.engine.trainer_engine.TrainingEngine` of ``fit`` or the
 weights-only :class:`~bb_lightning.engine.inference.InferenceEngine` of ``predict`` /
 ``validate`` (compute-dtype block weights in the store, no master weights, moments or
-gradient accumulators). The checkpoint hooks dispatch on the one :data:`Engine` they get
-(:func:`module_state_dict`, :func:`load_weights`, :func:`load_optimizer`).
+gradient accumulators). The strategy's hooks ask the engine through one protocol,
+:class:`Engine` (:func:`engine_calls`), whichever kind the call built.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -36,24 +36,23 @@ from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import Plan
 from bb_lightning.session import hf_model
+from bb_lightning.structure import check_block_calls
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
 __all__ = [
+    "AnyEngine",
     "Assembly",
     "Engine",
     "EngineSlot",
     "build_engine",
     "checkpoint_loader",
-    "load_optimizer",
-    "load_weights",
-    "module_state_dict",
+    "engine_calls",
     "release",
-    "settle",
     "store_config",
 ]
 
-Engine = TrainingEngine | InferenceEngine
+AnyEngine = TrainingEngine | InferenceEngine
 """The engine of a Trainer call: training (fit), or weights only (predict, validate)."""
 
 _SLACK = 1 << 20
@@ -64,7 +63,7 @@ _SLACK = 1 << 20
 class Assembly:
     """An engine, the store it pages through, and the store's temporary NVMe directory."""
 
-    engine: Engine
+    engine: AnyEngine
     store: TieredStore
     tmpdir: tempfile.TemporaryDirectory[str] | None
 
@@ -190,47 +189,80 @@ def _arena_bytes(config: StoreConfig) -> dict[Tier, int]:
 # -- the checkpoint hooks, on either engine ---------------------------------------------
 
 
-def module_state_dict(engine: Engine) -> Mapping[str, Tensor]:
-    """The module's state dict as checkpoints hold it: fp32 master weights read lazily
-    from the store (:class:`~bb_lightning.engine.trainer_engine.EngineStateDict`), or fp32
-    host copies of a weights-only engine's compute weights."""
+class Engine(Protocol):
+    """What the strategy's hooks ask of the engine of a ``trainer.*`` call, whichever kind
+    it is (:func:`engine_calls` gives it for the training and the weights-only engine);
+    another engine implements these and the strategy needs no change."""
+
+    def checkpoint_state_dict(self) -> Mapping[str, Tensor]:
+        """The module's state dict as checkpoints hold it (fp32 weights)."""
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """Weights of a plain state dict or a checkpoint directory's into the engine."""
+        ...
+
+    def load_optimizer(self, state_dict: Any) -> None:
+        """AdamW moments and step count of a checkpoint directory (where the engine has any)."""
+        ...
+
+    def settle(self) -> None:
+        """Finish pending copies and release the paged blocks (the end of a call)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _TrainingCalls:
+    engine: TrainingEngine
+
+    def checkpoint_state_dict(self) -> Mapping[str, Tensor]:
+        # fp32 master weights read lazily from the store
+        return self.engine.lazy_state_dict()
+
+    def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        if isinstance(state_dict, ckpt.CheckpointStateDict):
+            ckpt.restore_weights(self.engine, state_dict)
+        else:
+            self.engine.load_state_dict(state_dict)
+
+    def load_optimizer(self, state_dict: Any) -> None:
+        if isinstance(state_dict, ckpt.CheckpointStateDict):
+            ckpt.restore_optimizer(self.engine, state_dict)
+
+    def settle(self) -> None:
+        self.engine.grads.wait()
+        self.engine.pager.release_all_except(())
+
+
+@dataclass(frozen=True)
+class _InferenceCalls:
+    engine: InferenceEngine
+
+    def checkpoint_state_dict(self) -> Mapping[str, Tensor]:
+        # fp32 host copies of the compute-dtype weights
+        return self.engine.state_dict()
+
+    def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        if isinstance(state_dict, ckpt.CheckpointStateDict):
+            path = state_dict.path
+            self.engine.load_weights(lambda key: ckpt.read_array(path, "master", key))
+            for key, value in state_dict.buffers.items():
+                self.engine.model.get_buffer(key).copy_(value)
+        else:
+            self.engine.load_state_dict(state_dict)
+
+    def load_optimizer(self, state_dict: Any) -> None:
+        """A weights-only engine has no optimizer state."""
+
+    def settle(self) -> None:
+        self.engine.pager.release_all_except(())
+
+
+def engine_calls(engine: AnyEngine) -> Engine:
+    """The :class:`Engine` calls of a training or weights-only engine."""
     if isinstance(engine, TrainingEngine):
-        return engine.lazy_state_dict()
-    return engine.state_dict()
-
-
-def load_weights(engine: Engine, state_dict: Mapping[str, Any]) -> None:
-    """Weights of a plain state dict or a checkpoint directory's into ``engine``."""
-    if isinstance(engine, InferenceEngine):
-        _load_inference(engine, state_dict)
-    elif isinstance(state_dict, ckpt.CheckpointStateDict):
-        ckpt.restore_weights(engine, state_dict)
-    else:
-        engine.load_state_dict(state_dict)
-
-
-def load_optimizer(engine: Engine, state_dict: Any) -> None:
-    """AdamW moments and step count of a checkpoint directory into a training engine."""
-    if isinstance(engine, TrainingEngine) and isinstance(state_dict, ckpt.CheckpointStateDict):
-        ckpt.restore_optimizer(engine, state_dict)
-
-
-def settle(engine: Engine) -> None:
-    """Finish the engine's pending copies and release its paged blocks (end of a call)."""
-    if isinstance(engine, TrainingEngine):
-        engine.grads.wait()
-    engine.pager.release_all_except(())
-
-
-def _load_inference(engine: InferenceEngine, state_dict: Mapping[str, Any]) -> None:
-    """Weights of a plain state dict or a checkpoint directory into the inference engine."""
-    if isinstance(state_dict, ckpt.CheckpointStateDict):
-        path = state_dict.path
-        engine.load_weights(lambda key: ckpt.read_array(path, "master", key))
-        for key, value in state_dict.buffers.items():
-            engine.model.get_buffer(key).copy_(value)
-    else:
-        engine.load_state_dict(state_dict)
+        return _TrainingCalls(engine)
+    return _InferenceCalls(engine)
 
 
 def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
@@ -247,6 +279,7 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
         check_supported(net.config, streaming=streaming)
         if generation:
             check_generation(net)
+        check_block_calls(net)  # each block once per pass, in order
     if not streaming:
         return None
     source = getattr(module, "checkpoint_dir", None)
@@ -277,16 +310,21 @@ class EngineSlot:
     """
 
     def __init__(self) -> None:
-        self.engine: Engine | None = None
+        self.engine: AnyEngine | None = None
         """The engine of the last ``trainer.*`` call (training, or weights only)."""
         self.store: TieredStore | None = None
         self.tmpdir: tempfile.TemporaryDirectory[str] | None = None
         self.finalizer: weakref.finalize[Any, Any] | None = None
         """Closes the store when the owner is collected (or at exit)."""
-        self.handed_back: Engine | None = None
+        self.handed_back: AnyEngine | None = None
         """The engine whose module holds its weights (handed back at teardown)."""
         self.guard: HollowGuard | None = None
         """Guards a module left hollow at teardown (weights only in the store)."""
+
+    @property
+    def calls(self) -> Engine | None:
+        """What the strategy's hooks ask of the engine held (None when the slot is empty)."""
+        return None if self.engine is None else engine_calls(self.engine)
 
     def hold(self, built: Assembly, owner: object) -> None:
         """Keep ``built`` (the slot is empty: :meth:`close` first)."""
@@ -344,7 +382,7 @@ class EngineSlot:
         elif engine is not None:  # another module: the old one keeps its weights
             self._drop(engine)
 
-    def _drop(self, engine: Engine) -> None:
+    def _drop(self, engine: AnyEngine) -> None:
         """Forget a handed-back engine without touching its module's parameters."""
         if engine is self.engine:
             if isinstance(engine, TrainingEngine):  # a weights-only one has no more to stop

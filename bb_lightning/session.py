@@ -59,6 +59,7 @@ from bb_lightning.probe.calibrate import (
     probe_predict_compute,
     probe_train_compute,
 )
+from storage.store import StoreConfig
 from storage.tiers import Tier
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "TrainShape",
     "TrainerJob",
     "check_clipping",
+    "check_settings",
     "clip_config",
     "compute_dtype",
     "compute_dtype_check",
@@ -502,3 +504,17 @@ def compute_dtype(given: str | None, precision: str) -> torch.dtype:
         f"precision={precision!r} is not supported by balance_beam: use 'bf16-true', "
         "'bf16-mixed' or '32-true'"
     )
+
+
+def check_settings(
+    dtype: str | None, gather_limit: int | None, store: StoreConfig | None, nvme_path: str | None
+) -> None:
+    """Refuse constructor arguments that cannot work, before anything is built."""
+    compute_dtype_check(dtype)
+    if gather_limit is not None and gather_limit < 0:
+        raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
+    if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
+        raise ValueError(
+            f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
+            "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
+        )

@@ -1,28 +1,11 @@
 """``Trainer(strategy="balance_beam")``: Lightning lifecycle glue over the paging engine.
 
-The strategy never moves the whole model to the device. At setup it finds the repeated
-blocks, decides a :class:`~bb_lightning.engine.pager.Placement` (given, or planned by the
-planning session, :mod:`bb_lightning.session`: the job read once from the Trainer and its
-datamodule), and the engine factory (:mod:`bb_lightning.assembly`) opens a
-:class:`storage.store.TieredStore` sized for it and builds the
-:class:`~bb_lightning.engine.trainer_engine.TrainingEngine` of ``fit`` (only the
-embedding, final norm and head stay on the device) or, for ``predict`` / ``validate``
-without fit state, a weights-only engine. After ``warmup_steps`` optimizer steps the
-adapt controller (:mod:`bb_lightning.adapt`) compares measured with predicted step times
-(:attr:`plan_metrics`) and re-plans. Lightning's torch optimizer stays for its
-bookkeeping (learning-rate schedulers, hooks), but its ``step`` runs the engine's host
-AdamW; without gradient clipping, each block's step runs while backward continues on
-earlier blocks (``overlap_optimizer``).
-
-Lifecycle (:class:`~bb_lightning.assembly.EngineSlot`): the engine and its store outlive
-``teardown`` so that ``fit``, ``validate`` and ``fit`` again reuse them. At the end of
-every ``trainer.*`` call the module gets its trained weights back, as after plain
-Lightning (:mod:`bb_lightning.handback`); where they do not fit in host memory
-(``gather_limit``), the module stays hollow but says so (``state_dict()`` raises naming
-``bb-lightning export``, ``save_pretrained`` streams from the store). :meth:`close`, or
-garbage collection of the strategy, closes the store; :meth:`gather_full_model` puts the
-weights into the module and closes the store (``gather_on_teardown=True``: at the end of
-every call).
+Each hook delegates: the planning session (:mod:`bb_lightning.session`) reads the job
+and plans a :class:`~bb_lightning.placement.Placement`, the engine factory
+(:mod:`bb_lightning.assembly`) opens the store and builds the engine, the adapt
+controller (:mod:`bb_lightning.adapt`) re-plans from measured step times. The lifecycle
+(engines kept between calls, weights handed back) is in ``docs/architecture.md``,
+"strategy / glue".
 """
 
 from __future__ import annotations
@@ -125,7 +108,7 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         """The Trainer's devices (its accelerator and ``devices=``), set by Lightning; the
         first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
-        _check_settings(compute_dtype, gather_limit, store, nvme_path)
+        session.check_settings(compute_dtype, gather_limit, store, nvme_path)
         self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown
@@ -359,25 +342,28 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         dict without materialising the model on the host; each parameter is read when a
         key is asked for (``dict(...)`` of it makes a full fp32 copy).
         """
-        if self._slot.engine is None:
+        calls = self._slot.calls
+        if calls is None:
             return super().lightning_module_state_dict()
-        return assembly.module_state_dict(self._slot.engine)
+        return calls.checkpoint_state_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict (plain, or a checkpoint directory's) into the engine or module."""
         state_dict = checkpoint["state_dict"]
-        if self._slot.engine is None:
+        calls = self._slot.calls
+        if calls is None:
             super().load_model_state_dict({**checkpoint, "state_dict": dict(state_dict)}, strict)
         else:
-            assembly.load_weights(self._slot.engine, state_dict)
+            calls.load_weights(state_dict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's optimizer state (learning rates), then moments and step count."""
         super().load_optimizer_state_dict(checkpoint)
-        if self._slot.engine is not None:
-            assembly.load_optimizer(self._slot.engine, checkpoint.get("state_dict"))
+        calls = self._slot.calls
+        if calls is not None:
+            calls.load_optimizer(checkpoint.get("state_dict"))
 
     @property
     @override
@@ -422,8 +408,9 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
-        if self._slot.engine is not None:
-            assembly.settle(self._slot.engine)
+        calls = self._slot.calls
+        if calls is not None:
+            calls.settle()
             dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
             self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit)
         self.precision_plugin.teardown()
@@ -470,17 +457,3 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
-
-
-def _check_settings(
-    dtype: str | None, gather_limit: int | None, store: StoreConfig | None, nvme_path: str | None
-) -> None:
-    """Refuse constructor arguments that cannot work, before anything is built."""
-    session.compute_dtype_check(dtype)
-    if gather_limit is not None and gather_limit < 0:
-        raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
-    if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
-        raise ValueError(
-            f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
-            "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
-        )

@@ -36,6 +36,7 @@ from bb_lightning.engine.hf_quirks import (
 __all__ = [
     "TRACE_CONTEXT",
     "ModelParts",
+    "check_block_calls",
     "find_block_list",
     "find_parts",
     "load_config",
@@ -100,6 +101,8 @@ class _Trace:
     """Per block: bytes of distinct non-parameter storages saved for backward."""
     tokens: int = 0
     """Tokens in the traced batch."""
+    calls: list[int] = field(default_factory=list)
+    """Indices of the blocks in the order the forward entered them."""
 
 
 def _module_path(model: nn.Module, target: nn.Module) -> str:
@@ -259,6 +262,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
 
         def pre(_m: nn.Module, _a: Any, i: int = i) -> None:
             current[0] = i
+            trace.calls.append(i)
             trace.block_spans[i] = (recorder.ops, recorder.ops)
 
         def post(_m: nn.Module, _a: Any, _o: Any, i: int = i) -> None:
@@ -295,6 +299,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
 def _find_parts(model: nn.Module) -> tuple[ModelParts, _Trace, nn.ModuleList]:
     blocks_path, blocks = find_block_list(model)
     trace = _trace(model, blocks)
+    _check_block_calls(model, blocks_path, len(blocks), trace.calls)
     names = {id(p): n for n, p in model.named_parameters()}
 
     embedding = model.get_input_embeddings()  # type: ignore[operator]
@@ -342,6 +347,51 @@ def _find_parts(model: nn.Module) -> tuple[ModelParts, _Trace, nn.ModuleList]:
         tied_embeddings=bool(tied),
     )
     return parts, trace, blocks
+
+
+def _check_block_calls(model: nn.Module, path: str, count: int, calls: list[int]) -> None:
+    """Refuse a model whose forward does not run each block once, in order: the pager
+    streams the blocks as a sequence, one page-in per block per pass (a model that loops
+    over some of its blocks, or skips them, would compute with the wrong or no weights)."""
+    if calls == list(range(count)):
+        return
+    runs = {i: calls.count(i) for i in range(count)}
+    twice = sorted(i for i, n in runs.items() if n > 1)
+    never = sorted(i for i, n in runs.items() if n == 0)
+    how = (
+        f"runs blocks {twice} more than once" if twice
+        else f"never runs blocks {never}" if never
+        else f"runs them in the order {calls}"
+    )  # fmt: skip
+    raise ValueError(
+        f"{type(model).__name__} {how} of its {count} blocks ({path!r}) in one forward: "
+        "balance_beam pages each block once per pass, in order; train and generate this "
+        "model without balance_beam"
+    )
+
+
+def check_block_calls(model: nn.Module) -> None:
+    """Refuse, with one ``ValueError`` line, a model whose forward does not run each of
+    its blocks once, in order (a model looping over some of its layers). Runs one forward
+    of 8 tokens on meta stand-ins: no memory, no arithmetic, the model unchanged."""
+    path, blocks = find_block_list(model)
+    calls: list[int] = []
+    handles = [
+        block.register_forward_pre_hook(lambda _m, _a, i=i: calls.append(i))
+        for i, block in enumerate(blocks)
+    ]
+    stand_ins = {n: _meta_like(p) for n, p in model.named_parameters()}
+    stand_ins.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
+    ids = torch.zeros((1, 8), dtype=torch.long, device="meta")
+    try:
+        with no_pad_token(model), _trace_attention(model), torch.no_grad():
+            torch.func.functional_call(
+                model, stand_ins, (), {"input_ids": ids, "labels": ids}, strict=False
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    _check_block_calls(model, path, len(blocks), calls)
 
 
 def find_parts(model: nn.Module) -> ModelParts:

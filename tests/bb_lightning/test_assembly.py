@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bb_lightning.assembly import EngineSlot, build_engine, module_state_dict, store_config
+from bb_lightning.assembly import EngineSlot, build_engine, engine_calls, store_config
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement
 from bb_lightning.structure import find_block_list
@@ -48,7 +48,7 @@ def test_a_weights_only_engine_serves_the_models_weights_and_gives_them_back() -
     assert isinstance(built.engine, InferenceEngine) and built.tmpdir is None
     # one weights tensor per block, no master weights or moments
     assert sorted(built.store.names()) == [f"block.{i}.weight" for i in range(3)]
-    got = module_state_dict(built.engine)
+    got = engine_calls(built.engine).checkpoint_state_dict()
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)

@@ -183,6 +183,43 @@ def test_generation_without_a_static_kv_cache_is_refused_at_setup(
     strategy.close()
 
 
+LOOPED = {  # a model whose forward runs its middle blocks twice (recurrent depth)
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "n_input_layers": 1,
+    "n_output_layers": 1,
+    "n_recurrent_loops": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": VOCAB,
+    "sliding_window": 16,
+}
+
+
+@pytest.mark.parametrize("call", ["fit", "predict"])
+def test_a_model_running_a_block_twice_per_forward_is_refused_at_setup(
+    call: str, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """A family whose forward loops over some of its blocks cannot be paged one block per
+    pass: refused before anything is paged, naming the class and the blocks run twice
+    (found by running its forward, not by its name)."""
+    config = AutoConfig.for_model("dory", **LOOPED)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    module = _module(tmp_path / "ckpt")
+    strategy = BalanceBeamStrategy(placement=Placement.uniform(3, weights=Tier.HOST))
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    with pytest.raises(ValueError, match=r"\w+ForCausalLM runs blocks \[1\] more than once") as err:
+        if call == "fit":
+            trainer.fit(module, tiny.loader(1))
+        else:
+            trainer.predict(module, DataLoader([_prompts()], batch_size=None))
+    assert "\n" not in str(err.value) and "without balance_beam" in str(err.value)
+    assert strategy.store is None  # refused at setup: nothing paged
+    strategy.close()
+
+
 def test_a_quantized_checkpoint_is_refused_at_setup(tiny: SimpleNamespace, tmp_path: Path) -> None:
     path = saved("llama", tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
