@@ -15,6 +15,7 @@ bytes each block saves for backward, which :class:`ModelProfile` needs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from bb_lightning.engine.hf_quirks import (
     activation_checkpointing,
     config_int,
     config_value,
+    model_context,
     no_pad_token,
     resolve_model,
 )
@@ -227,7 +229,20 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT) -> _Trace:
-    """Run forward + loss on meta stand-ins (bf16) for batch 1 x ``context`` tokens."""
+    """Run forward + loss on meta stand-ins (bf16) for batch 1 x ``context`` tokens, with
+    attention through the fused stand-in (what a flash kernel saves for backward); a
+    model whose forward branches on its attention implementation's name and cannot run
+    the stand-in is traced with its own implementation instead (an upper bound)."""
+    limit = model_context(getattr(model, "config", None))
+    if limit is not None:  # a short-context model traces at most its context
+        context = min(context, limit)
+    try:
+        return _trace_once(model, blocks, context, fused=True)
+    except Exception:  # the model's forward rejects the stand-in: trace it as it is
+        return _trace_once(model, blocks, context, fused=False)
+
+
+def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused: bool) -> _Trace:
     if activation_checkpointing(model):
         raise ValueError(
             f"{type(model).__name__} has activation (gradient) checkpointing enabled, which "
@@ -278,7 +293,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, context: int = TRACE_CONTEXT
     try:
         with (
             no_pad_token(model),
-            _trace_attention(model),
+            _trace_attention(model) if fused else contextlib.nullcontext(),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
@@ -373,7 +388,9 @@ def _check_block_calls(model: nn.Module, path: str, count: int, calls: list[int]
 def check_block_calls(model: nn.Module) -> None:
     """Refuse, with one ``ValueError`` line, a model whose forward does not run each of
     its blocks once, in order (a model looping over some of its layers). Runs one forward
-    of 8 tokens on meta stand-ins: no memory, no arithmetic, the model unchanged."""
+    of 8 tokens on meta stand-ins: no memory, no arithmetic, the model unchanged; a
+    forward that meta stand-ins cannot run to its end (one reading a tensor's value) is
+    not checked."""
     path, blocks = find_block_list(model)
     calls: list[int] = []
     handles = [
@@ -384,10 +401,21 @@ def check_block_calls(model: nn.Module) -> None:
     stand_ins.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
     ids = torch.zeros((1, 8), dtype=torch.long, device="meta")
     try:
-        with no_pad_token(model), _trace_attention(model), torch.no_grad():
-            torch.func.functional_call(
-                model, stand_ins, (), {"input_ids": ids, "labels": ids}, strict=False
-            )
+        for fused in (True, False):  # the fused stand-in, else the model's own attention
+            calls.clear()
+            try:
+                with (
+                    no_pad_token(model),
+                    _trace_attention(model) if fused else contextlib.nullcontext(),
+                    torch.no_grad(),
+                ):
+                    torch.func.functional_call(
+                        model, stand_ins, (), {"input_ids": ids, "labels": ids}, strict=False
+                    )
+                break
+            except Exception:  # only a forward run to its end can tell: never refuse on a guess
+                if not fused:
+                    return  # meta stand-ins cannot run it (it reads a value): nothing to tell
     finally:
         for h in handles:
             h.remove()

@@ -32,6 +32,7 @@ transformers' ``sdpa`` attention on the CPU; prefill, and every step on CUDA, ke
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -159,7 +160,19 @@ class LayerMajorGenerator:
         if self._logits_kw:
             kwargs["logits_to_keep"] = 1
         self.steps += 1
-        logits: Tensor = self.model(**kwargs).logits
+        try:
+            logits: Tensor = self.model(**kwargs).logits
+        except (RuntimeError, AssertionError, IndexError) as err:
+            if isinstance(err, torch.OutOfMemoryError) or not _from_model_code(err):
+                raise
+            config = getattr(self.model, "config", None)
+            raise ValueError(
+                f"model_type={getattr(config, 'model_type', '?')!r} "
+                f"({type(self.model).__name__}) failed inside its own forward on a static KV "
+                f"cache with a cache-long attention mask ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else 'no message'}): generate with "
+                "transformers (model.generate) under plain Lightning"
+            ) from err
         return logits[:, -1, :]
 
     def check_prompt(self, length: int) -> str | None:
@@ -365,3 +378,14 @@ def _device_of(model: nn.Module) -> torch.device:
         if p.numel() > 0:
             return p.device
     return torch.device("cpu")
+
+
+def _from_model_code(err: BaseException) -> bool:
+    """Whether ``err`` passed through a transformers model file (a family's forward that
+    assumes another cache layout), not only through our code or torch's."""
+    tb = err.__traceback__
+    while tb is not None:
+        if f"{os.sep}transformers{os.sep}models{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False

@@ -76,7 +76,13 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
     "num_heads": ("num_attention_heads", "n_head", "num_heads"),
     "num_kv_heads": ("num_key_value_heads", "n_head_kv"),
     "head_dim": ("head_dim",),
-    "context": ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"),
+    "context": (
+        "max_position_embeddings",
+        "n_positions",
+        "max_sequence_length",
+        "seq_length",
+        "max_seq_len",
+    ),
     "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "experts_per_token": (
         "num_experts_per_tok",

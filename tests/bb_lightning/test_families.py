@@ -24,6 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.probe import model_profile_from_module
+from bb_lightning.structure import find_block_list
 from storage.tiers import Tier
 
 from .families import FAMILIES, VOCAB, saved
@@ -92,6 +94,24 @@ def _prompts() -> dict[str, Any]:
     for row, n in enumerate((7, 3, 5)):
         ids[row, : 7 - n], mask[row, : 7 - n] = 0, 0
     return {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_planner_profiles_the_family_from_its_checkpoint(family: str, tmp_path: Path) -> None:
+    """The default path plans: the model's profile (a trace of one forward on meta stand-ins)
+    counts every parameter of the model transformers loads, in its two blocks (priced as
+    the largest block each where the blocks differ, a dense first block beside MoE ones)."""
+    path = saved(family, tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    profile = model_profile_from_module(model)
+    assert profile.num_blocks == 2
+    total = sum(p.numel() for p in model.parameters())
+    _, blocks = find_block_list(model)
+    sizes = {sum(p.numel() for p in b.parameters()) for b in blocks}
+    if len(sizes) == 1:
+        assert profile.total_params == total
+    else:
+        assert profile.total_params >= total
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -180,6 +200,32 @@ def test_generation_without_a_static_kv_cache_is_refused_at_setup(
     message = str(err.value)
     assert "\n" not in message and why in message and "generate with transformers" in message
     assert strategy.store is None  # refused at setup: nothing paged
+    strategy.close()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "values"),
+    [
+        ("xlm", {"emb_dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": VOCAB}),
+        ("cpmant", {"hidden_size": 32, "dim_ff": 64, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "dim_head": 8, "vocab_size": VOCAB}),
+    ],
+)  # fmt: skip
+def test_a_family_whose_forward_breaks_on_the_static_cache_fails_in_one_line(
+    model_type: str, values: dict[str, Any], tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """A family whose own forward assumes another cache layout (the mask or key length
+    equal to the tokens so far) stops at its first forward with one line naming the
+    family, what failed and what to do, the model's error chained."""
+    config = AutoConfig.for_model(model_type, **values)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    named = rf"model_type='{model_type}' \(\w+\) failed inside its own forward"
+    with pytest.raises(ValueError, match=named) as err:
+        trainer.predict(_module(tmp_path / "ckpt"), DataLoader([_prompts()], batch_size=None))
+    assert "\n" not in str(err.value) and "generate with transformers" in str(err.value)
+    assert err.value.__cause__ is not None
     strategy.close()
 
 

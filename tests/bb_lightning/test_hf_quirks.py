@@ -86,8 +86,16 @@ def test_family_configs_read_as_the_built_model_is(family: str) -> None:
     model = _meta_model(values)
     width = model.get_input_embeddings().weight.shape[1]  # type: ignore[operator]
     assert config_int(config, "hidden_size") == width
-    assert model_context(config) == values.get("max_position_embeddings", values.get("n_positions"))
-    heads = values.get("num_attention_heads", values.get("n_head"))
+    context = next(
+        (
+            values[k]
+            for k in ("max_position_embeddings", "n_positions", "max_seq_len")
+            if k in values
+        ),
+        None,
+    )
+    assert model_context(config) == context
+    heads = next(values[k] for k in ("num_attention_heads", "n_head", "n_heads") if k in values)
     assert config_int(config, "num_heads") == heads
     assert config_int(config, "num_kv_heads", default=heads) == values.get(
         "num_key_value_heads", heads
