@@ -20,6 +20,7 @@ in the output and in every shard file, of whatever world size.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -148,17 +149,18 @@ def merge_shards(
 def _merge(output: Path, order: Sequence[str] | None, *, fsync: bool) -> int:
     shards = find_shards(output)
     first: dict[str, dict[str, Any]] = {}
+    duplicates = False
     for path in [output, *shards]:
         for row in read_jsonl(path):
-            first.setdefault(str(row["id"]), row)
-    if not shards and output.exists() and output.read_bytes().endswith(b"\n"):
-        rows = read_jsonl(output)
-        if len(rows) == len(first) and _in_order(first, order):
-            return len(rows)  # nothing to merge: leave the file as it is
+            duplicates |= first.setdefault(str(row["id"]), row) is not row
     position = {rid: i for i, rid in enumerate(order or ())}
     ids = sorted(first, key=lambda rid: position.get(rid, len(position)))  # stable
+    clean = not output.exists() or output.read_bytes().endswith(b"\n")
+    if not shards and not duplicates and clean and ids == list(first):
+        return len(ids)  # nothing to merge: leave the file (or its absence) as it is
+    for stale in output.parent.glob(f".{glob.escape(output.name)}.merge-*.tmp"):
+        stale.unlink(missing_ok=True)  # from a merge killed before its rename
     tmp = output.with_name(f".{output.name}.merge-{os.getpid()}.tmp")
-    output.parent.mkdir(parents=True, exist_ok=True)
     with tmp.open("w", encoding="utf-8") as f:
         f.write("".join(json.dumps(first[rid], ensure_ascii=False) + "\n" for rid in ids))
         f.flush()
@@ -170,12 +172,6 @@ def _merge(output: Path, order: Sequence[str] | None, *, fsync: bool) -> int:
     for path in shards:
         path.unlink(missing_ok=True)
     return len(ids)
-
-
-def _in_order(first: dict[str, dict[str, Any]], order: Sequence[str] | None) -> bool:
-    position = {rid: i for i, rid in enumerate(order or ())}
-    keys = [position.get(rid, len(position)) for rid in first]
-    return keys == sorted(keys)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -296,12 +292,16 @@ class JsonlPredictionWriter(BasePredictionWriter):
         if self.fsync:
             os.fsync(self._file.fileno())
 
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Close the file; with shard files, merge them into ``output`` (see
-        :func:`merge_shards`)."""
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Close the file; after a predict run with shard files, merge them into ``output``
+        (:func:`merge_shards`). Lightning calls this on every rank once the run succeeded,
+        also on a rank whose share was empty (it runs no predict hooks), so the barriers
+        match."""
+        self._ready = False
         self._close()
-        if not self._merge:
+        if stage != "predict" or not self._merge:
             return
+        self._merge = False
 
         def strategy_barrier() -> None:
             trainer.strategy.barrier("bb_lightning.writer.merge")
@@ -313,11 +313,6 @@ class JsonlPredictionWriter(BasePredictionWriter):
             barrier=self.barrier or strategy_barrier,
             fsync=self.fsync,
         )
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Close the file."""
-        self._ready = False
-        self._close()
 
     def _close(self) -> None:
         if self._file is not None:

@@ -225,8 +225,10 @@ def test_resume_at_two_ranks_skips_what_a_three_rank_run_wrote(tmp_path: Path) -
     assert find_shards(out0) == []
 
     # a restart after the merge has nothing left to run
-    again = _echo(prompts, JsonlPredictionWriter(out0, rank=0, world_size=2, barrier=_Barrier()))
+    barrier = _Barrier()
+    again = _echo(prompts, JsonlPredictionWriter(out0, rank=0, world_size=2, barrier=barrier))
     assert again == [] and out0.read_text() == "".join(expected[i] for i in IDS)
+    assert barrier.calls == 2  # an empty share still meets the other ranks at both barriers
 
 
 def test_resume_at_one_process_merges_the_shards_it_finds(tmp_path: Path) -> None:
@@ -249,12 +251,16 @@ def test_merge_keeps_the_first_record_of_an_id_and_orders_by_input(tmp_path: Pat
     shard_path(out, 0, 2).write_text('{"id": "b", "v": 3}\n{"id": "z", "v": 4}\n')
     other = tmp_path / "out.jsonl.rank0-of-2.jsonl.bak"
     other.write_text("not a shard\n")
+    stale = tmp_path / ".out.jsonl.merge-999.tmp"
+    stale.write_text('{"id": "a", "v": 0}\n')  # a merge killed before its rename
     barrier = _Barrier()
     assert merge_shards(out, ["a", "b", "c"], rank=1, barrier=barrier) is None
     assert barrier.calls == 2 and not out.exists()  # only rank 0 merges
     assert merge_shards(out, ["a", "b", "c"], barrier=barrier) == 3
     assert _lines(out) == [{"id": "a", "v": 2}, {"id": "b", "v": 3}, {"id": "z", "v": 4}]
-    assert find_shards(out) == [] and other.exists()
+    assert find_shards(out) == [] and other.exists() and not stale.exists()
+    assert merge_shards(tmp_path / "none.jsonl", ["a"]) == 0  # nothing written anywhere
+    assert not (tmp_path / "none.jsonl").exists()
     with pytest.raises(ValueError, match=r"rank=2 of world_size=2"):
         shard_path(out, 2, 2)
     with pytest.raises(ValueError, match=r"rank=0 of world_size=0"):
