@@ -235,7 +235,8 @@ class JsonlPredictionWriter(BasePredictionWriter):
             return
         rank = trainer.global_rank if self.rank is None else self.rank
         world = trainer.world_size if self.world_size is None else self.world_size
-        self.path = shard_path(self.output, rank, world) if world > 1 else self.output
+        shard = shard_path(self.output, rank, world)  # checks the rank
+        self.path = shard if world > 1 else self.output
         self._rank = rank
         self.written = recover_jsonl(self.path)
         shards = find_shards(self.output)

@@ -263,5 +263,7 @@ def test_merge_keeps_the_first_record_of_an_id_and_orders_by_input(tmp_path: Pat
     assert not (tmp_path / "none.jsonl").exists()
     with pytest.raises(ValueError, match=r"rank=2 of world_size=2"):
         shard_path(out, 2, 2)
+    with pytest.raises(ValueError, match=r"rank=1 of world_size=1"):
+        _echo(_prompts(tmp_path), JsonlPredictionWriter(out, rank=1, world_size=1))
     with pytest.raises(ValueError, match=r"rank=0 of world_size=0"):
         PromptsDataModule(str(_prompts(tmp_path))).use_share(0, 0)
