@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from bb_lightning.tokenizer import ByteTokenizer, Tokenizer, encode_text, eos_id, load_tokenizer
 from bb_lightning.tokenizer import pad_id as tokenizer_pad_id
@@ -349,6 +349,9 @@ class PromptsDataModule(pl.LightningDataModule):
         """One ``{"id", "input_ids", "error"}`` per prompt, in file order, after :meth:`setup`."""
         self.skipped: frozenset[str] = frozenset()
         """Ids left out of :meth:`predict_dataloader` (already predicted, see :meth:`skip_ids`)."""
+        self.rank = 0
+        """This process's share of the pending prompts is ``pending[rank::world_size]``."""
+        self.world_size = 1
 
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenise the prompts once."""
@@ -404,6 +407,15 @@ class PromptsDataModule(pl.LightningDataModule):
         """Leave prompts with these ids out of the batches (a resumed run's finished ones)."""
         self.skipped = frozenset(str(i) for i in ids)
 
+    def use_share(self, rank: int, world_size: int) -> None:
+        """Run only ``pending[rank::world_size]`` of the prompts not skipped (data parallel)."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank={rank} of world_size={world_size}: need world_size >= 1 and "
+                "0 <= rank < world_size"
+            )
+        self.rank, self.world_size = rank, world_size
+
     def _pending(self) -> list[dict[str, Any]]:
         if self.records is None:
             raise RuntimeError("PromptsDataModule.setup() must run before its dataloaders")
@@ -427,7 +439,8 @@ class PromptsDataModule(pl.LightningDataModule):
         self.planned_batch_size = concurrent_seqs
 
     def predict_dataloader(self) -> DataLoader[dict[str, Any]]:
-        """Prompt batches in file order, without the ids given to :meth:`skip_ids`."""
+        """Prompt batches in file order, without the ids given to :meth:`skip_ids`; with a
+        world size above 1 (:meth:`use_share`) this rank's strided share of them."""
         records = self._pending()
         batch_size = self.batch_size or self.planned_batch_size
         if batch_size is None:
@@ -439,6 +452,27 @@ class PromptsDataModule(pl.LightningDataModule):
             records,  # type: ignore[arg-type]
             batch_size=batch_size,
             shuffle=False,
+            sampler=_share_sampler(records, self.rank, self.world_size),
             collate_fn=self.collate,
             num_workers=self.num_workers,
         )
+
+
+class _StridedShare(DistributedSampler[Any]):
+    """Indices ``rank, rank + n, ...`` of a dataset, none repeated (a rank may get none).
+
+    A :class:`DistributedSampler`, so Lightning does not put its own around it; it strides
+    as Lightning's ``UnrepeatedDistributedSampler`` does, which refuses an empty share.
+    """
+
+    def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        self.num_samples = len(range(rank, len(dataset), world_size))
+        self.total_size = len(dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+
+def _share_sampler(records: list[Any], rank: int, world_size: int) -> Sampler[int] | None:
+    return None if world_size == 1 else _StridedShare(records, rank, world_size)

@@ -10,20 +10,37 @@ newline: the process died mid-write) is cut off, and the ids already written
 are handed to the data module (``skip_ids``, see
 :class:`~bb_lightning.data.PromptsDataModule`) so the restarted run only
 generates the rest. Ids already in the file are never written twice.
+
+With a world size above 1 each rank appends to its own shard file
+(:func:`shard_path`, ``<output>.rank<r>-of-<n>.jsonl``) and, after a barrier,
+rank 0 merges the output file and every shard file into the output in input
+order (:func:`merge_shards`). A restart at any world size skips the ids found
+in the output and in every shard file, of whatever world size.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-__all__ = ["JsonlPredictionWriter", "recover_jsonl"]
+__all__ = [
+    "JsonlPredictionWriter",
+    "find_shards",
+    "merge_shards",
+    "read_jsonl",
+    "recover_jsonl",
+    "shard_path",
+]
+
+_SHARD = re.compile(r"\.rank(\d+)-of-(\d+)\.jsonl$")
 
 
 def recover_jsonl(path: str | os.PathLike[str]) -> set[str]:
@@ -42,8 +59,22 @@ def recover_jsonl(path: str | os.PathLike[str]) -> set[str]:
             f.truncate(end)
             f.flush()
             os.fsync(f.fileno())
-    ids: set[str] = set()
-    for lineno, line in enumerate(data[:end].splitlines(), start=1):
+    return {str(row["id"]) for row in _rows(path, data[:end])}
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete lines of a predictions file, in file order; a half-written last line is
+    left out (the file is not changed). Raises ``ValueError`` as :func:`recover_jsonl`."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    return _rows(path, data[: data.rfind(b"\n") + 1])
+
+
+def _rows(path: Path, data: bytes) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for lineno, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -58,39 +89,171 @@ def recover_jsonl(path: str | os.PathLike[str]) -> set[str]:
                 f"{path}:{lineno}: a predictions line must be a JSON object with an 'id'; "
                 "write predictions to a new file"
             )
-        ids.add(str(row["id"]))
-    return ids
+        rows.append(row)
+    return rows
+
+
+def shard_path(output: str | os.PathLike[str], rank: int, world_size: int) -> Path:
+    """The file rank ``rank`` of ``world_size`` writes: ``<output>.rank<r>-of-<n>.jsonl``."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank={rank} of world_size={world_size}: need world_size >= 1 and "
+            "0 <= rank < world_size"
+        )
+    output = Path(output)
+    return output.with_name(f"{output.name}.rank{rank}-of-{world_size}.jsonl")
+
+
+def find_shards(output: str | os.PathLike[str]) -> list[Path]:
+    """The shard files of ``output`` on disk, of any world size, sorted by (world size, rank)."""
+    output = Path(output)
+    found: list[tuple[int, int, Path]] = []
+    if output.parent.is_dir():
+        for p in output.parent.iterdir():
+            if p.name.startswith(output.name + ".") and p.is_file():
+                m = _SHARD.fullmatch(p.name[len(output.name) :])
+                if m is not None:
+                    found.append((int(m.group(2)), int(m.group(1)), p))
+    return [p for _, _, p in sorted(found)]
+
+
+def merge_shards(
+    output: str | os.PathLike[str],
+    order: Sequence[str] | None = None,
+    *,
+    rank: int = 0,
+    barrier: Callable[[], None] | None = None,
+    fsync: bool = True,
+) -> int | None:
+    """Merge the shard files of ``output`` into ``output``, on rank 0, between two barriers.
+
+    Every rank calls it: ``barrier()`` (when given) waits until all ranks stopped writing;
+    then rank 0 reads ``output`` and every shard file (any world size; a half-written last
+    line is left out), keeps the first record of each id, writes them in ``order`` (the
+    prompts file's ids; ids not in it follow in the order read) to a temporary file,
+    fsyncs it, renames it over ``output`` and removes the shard files; a second
+    ``barrier()`` holds the other ranks until the merged file is in place. A run killed
+    at any point leaves files a resumed run recovers. Returns the records in ``output``
+    on rank 0, None on the others.
+    """
+    if barrier is not None:
+        barrier()
+    merged: int | None = None
+    if rank == 0:
+        merged = _merge(Path(output), order, fsync=fsync)
+    if barrier is not None:
+        barrier()
+    return merged
+
+
+def _merge(output: Path, order: Sequence[str] | None, *, fsync: bool) -> int:
+    shards = find_shards(output)
+    first: dict[str, dict[str, Any]] = {}
+    duplicates = False
+    for path in [output, *shards]:
+        for row in read_jsonl(path):
+            duplicates |= first.setdefault(str(row["id"]), row) is not row
+    position = {rid: i for i, rid in enumerate(order or ())}
+    ids = sorted(first, key=lambda rid: position.get(rid, len(position)))  # stable
+    clean = not output.exists() or output.read_bytes().endswith(b"\n")
+    if not shards and not duplicates and clean and ids == list(first):
+        return len(ids)  # nothing to merge: leave the file (or its absence) as it is
+    for stale in output.parent.glob(f".{glob.escape(output.name)}.merge-*.tmp"):
+        stale.unlink(missing_ok=True)  # from a merge killed before its rename
+    tmp = output.with_name(f".{output.name}.merge-{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(first[rid], ensure_ascii=False) + "\n" for rid in ids))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, output)
+    if fsync:
+        _fsync_dir(output.parent)
+    for path in shards:
+        path.unlink(missing_ok=True)
+    return len(ids)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class JsonlPredictionWriter(BasePredictionWriter):
     """Appends each predict batch's records to a JSONL file, durably, skipping written ids."""
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        barrier: Callable[[], None] | None = None,
+    ) -> None:
         """Write to ``path`` (created with its parent directory when absent).
 
         Args:
             path: the JSONL file; an existing one is resumed, not overwritten.
             fsync: ``os.fsync`` after each batch (off only for throwaway runs).
+            rank: this process's rank; None takes ``trainer.global_rank``.
+            world_size: processes writing ``path``; None takes ``trainer.world_size``.
+                Above 1 this rank writes :func:`shard_path` and rank 0 merges at the end.
+            barrier: waits for every rank (before and after the merge); None takes
+                ``trainer.strategy.barrier``.
         """
         super().__init__(write_interval="batch")
-        self.path = Path(path)
+        self.output = Path(path)
+        """The merged predictions file."""
+        self.path = self.output
+        """The file this rank appends to: ``output``, or its shard when the world size > 1."""
         self.fsync = fsync
+        self.rank = rank
+        self.world_size = world_size
+        self.barrier = barrier
         self.written: set[str] = set()
-        """Ids in the file (found at setup or written since)."""
+        """Ids in the files (found at setup or written since)."""
         self._file: IO[str] | None = None
         self._ready = False
+        self._merge = False
+        self._rank = 0
+        self._order: list[str] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Recover the file and tell the data module what to skip (opened at the first write,
-        so a run that fails before its first batch leaves no file)."""
+        """Recover the files and tell the data module what to skip and which share to run
+        (opened at the first write, so a run that fails before its first batch leaves no
+        file)."""
         if stage != "predict":
             return
+        rank = trainer.global_rank if self.rank is None else self.rank
+        world = trainer.world_size if self.world_size is None else self.world_size
+        shard = shard_path(self.output, rank, world)  # checks the rank
+        self.path = shard if world > 1 else self.output
+        self._rank = rank
         self.written = recover_jsonl(self.path)
+        shards = find_shards(self.output)
+        for other in [self.output, *shards]:  # other ranks' or runs' files: read, never cut
+            if other != self.path:
+                self.written.update(str(row["id"]) for row in read_jsonl(other))
+        self._merge = world > 1 or bool(shards)
         self._ready = True
         datamodule = getattr(trainer, "datamodule", None)
         skip = getattr(datamodule, "skip_ids", None)
         if callable(skip) and self.written:
             skip(self.written)
+        share = getattr(datamodule, "use_share", None)
+        if callable(share):
+            share(rank, world)
+        records = getattr(datamodule, "records", None)
+        self._order = [str(r["id"]) for r in records] if isinstance(records, list) else None
 
     def write_on_batch_end(
         self,
@@ -131,8 +294,28 @@ class JsonlPredictionWriter(BasePredictionWriter):
             os.fsync(self._file.fileno())
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Close the file."""
+        """Close the file; after a predict run with shard files, merge them into ``output``
+        (:func:`merge_shards`). Lightning calls this on every rank once the run succeeded,
+        also on a rank whose share was empty (it runs no predict hooks), so the barriers
+        match."""
         self._ready = False
+        self._close()
+        if stage != "predict" or not self._merge:
+            return
+        self._merge = False
+
+        def strategy_barrier() -> None:
+            trainer.strategy.barrier("bb_lightning.writer.merge")
+
+        merge_shards(
+            self.output,
+            self._order,
+            rank=self._rank,
+            barrier=self.barrier or strategy_barrier,
+            fsync=self.fsync,
+        )
+
+    def _close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
