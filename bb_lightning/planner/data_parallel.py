@@ -54,7 +54,7 @@ def rank_share(hw: HardwareProfile) -> HardwareProfile:
             "h2d_bandwidth": hw.h2d_bandwidth / g,
             "d2h_bandwidth": hw.d2h_bandwidth / g,
         }
-    return dataclasses.replace(hw, **changes)
+    return hw.replace(**changes)
 
 
 def rank_job(job: FitJob | PredictJob, world_size: int) -> FitJob | PredictJob:

@@ -133,7 +133,8 @@ def price(
     the rank's network busy time per step (:func:`_net_seconds`): the per-micro-batch
     reduce-scatters run beside the pass's compute as one more link
     (:func:`cost.pass_exposed_seconds`), the all-gathers beside the host AdamW in the
-    optimizer pipeline (:func:`cost.optimizer_exposed_seconds`).
+    optimizer pipeline (:func:`cost.optimizer_exposed_seconds`), where they share the
+    link with the last micro-batch's reduce-scatters.
     """
     n, p = model.num_blocks, float(model.block_train)  # trained params per block
     wb = job.compute_bytes  # bytes per compute-dtype element (weights, their gradients)
@@ -259,8 +260,9 @@ def price(
     disk = disk + cost.link_seconds((np_ - w_h) * p * wb, nvme_w, hw.nvme_efficiency)
     opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
     pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
-    if dp:  # the all-gathers of the updated shards run beside the AdamW, block by block
-        pipeline = np.maximum(pipeline, net_opt)
+    if dp:  # the all-gathers run beside the AdamW, block by block, on the link that
+        # carries the last micro-batch's reduce-scatters in the same window
+        pipeline = np.maximum(pipeline, net_pass + net_opt)
     opt_exposed = cost.optimizer_exposed_seconds(
         pipeline,
         np.full_like(kf, bwd),

@@ -371,7 +371,8 @@ class Plan:
                 f"({self.job.tokens_per_step} tokens) per optimizer step"
             )
             lines.append(
-                f"batch: micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
+                f"batch{' per rank' if hw.world_size > 1 else ''}: "
+                f"micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
                 f"{self.tokens_per_pass} tokens per pass, prefetch depth {self.prefetch_depth}, "
                 f"checkpointing {'on' if self.checkpointing else 'off'} "
                 f"({len(self.recomputed_blocks())} of {len(self.weights)} blocks recomputed; "
@@ -383,7 +384,8 @@ class Plan:
                 f"{self.job.new_tokens} new tokens each"
             )
             lines.append(
-                f"batch: {self.concurrent_seqs} concurrent sequences ({self.tokens_per_pass} "
+                f"batch{' per rank' if hw.world_size > 1 else ''}: "
+                f"{self.concurrent_seqs} concurrent sequences ({self.tokens_per_pass} "
                 f"tokens per decode pass), prefill micro-batch {self.micro_batch}, prefetch depth "
                 f"{self.prefetch_depth}, KV cache on {self.kv_cache.value if self.kv_cache else '-'}"
                 f" (limited by {self.limited_by})"
