@@ -599,7 +599,9 @@ def build_plan(
         f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per pass "
         f"(device {roof.device_flops / 1e12:.3g} TFLOP/s over H2D {bw[Link.HOST_TO_DEVICE] / 1e9:.3g} GB/s); "
         f"chosen {best.micro_batch} x {job.seq_len} = {tokens_pass:,} tokens, "
-        f"{ga} accumulation step(s) make the global batch (limited by {limited})",
+        f"{ga} accumulation step(s) make the "
+        + ("global batch" if hw.world_size == 1 else "rank's share of the global batch")
+        + f" (limited by {limited})",
         f"checkpointing {'on' if best.checkpointing else 'off'}: activations take "
         f"{format_bytes(cost.activation_bytes(model, best.micro_batch, job.seq_len, best.checkpointing))}"
         f" per micro-batch; "
