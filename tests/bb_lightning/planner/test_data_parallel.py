@@ -14,10 +14,12 @@ import pytest
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,
+    MeasuredTimes,
     ModelProfile,
     Plan,
     PlanOverrides,
     PredictJob,
+    adapt,
     make_plan,
     preset,
     preset_names,
@@ -276,3 +278,24 @@ def test_too_small_a_job_for_the_ranks_raises(model: ModelProfile, node: Hardwar
         make_plan(model, hw, FitJob(seq_len=128, global_batch_seqs=3))
     with pytest.raises(ValueError, match="at least 4 prompts"):
         make_plan(model, hw, PredictJob(prompt_len=16, new_tokens=4, num_prompts=2))
+
+
+def test_replanning_keeps_the_layout_and_divides_once(
+    model: ModelProfile, node: HardwareProfile
+) -> None:
+    hw = node.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=1e11)
+    plan = make_plan(model, hw, FitJob(seq_len=512, global_batch_seqs=8), overrides=HOST_HOMES)
+    again = adapt(plan, MeasuredTimes(optimizer_s=2.0 * plan.predicted.optimizer))
+    assert again.hardware.world_size == 2 and again.hardware.host_memory == 256 * GIB
+    assert next(m for m in again.memory if m.tier is Tier.HOST).capacity == 256 * GIB // 2
+    assert again.predicted.optimizer == pytest.approx(2.0 * plan.predicted.optimizer)
+
+
+def test_a_cpu_node_shares_its_memory_and_cores(model: ModelProfile, node: HardwareProfile) -> None:
+    cpu = node.replace(device_type="cpu", device_memory=64 * GIB, device_flops=1e11)
+    hw = cpu.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=1e10)
+    job = FitJob(seq_len=128, global_batch_seqs=4)
+    one, two = make_plan(model, cpu, job), make_plan(model, hw, job)
+    assert next(m for m in two.memory if m.tier is Tier.DEVICE).capacity == 64 * GIB // 2
+    # each rank computes half the batch on half the cores: the same compute seconds
+    assert two.predicted.compute == pytest.approx(one.predicted.compute)
