@@ -39,6 +39,8 @@ __all__ = [
     "nvme_budget",
     "optimizer_exposed_seconds",
     "pass_exposed_seconds",
+    "ring_seconds",
+    "shard_numel",
     "train_flops_per_token",
 ]
 
@@ -181,18 +183,46 @@ def host_adam_seconds(params: Num, hw: HardwareProfile) -> Num:
     return params / max(hw.host_adam_params_per_s * hw.optimizer_efficiency, MIN_BANDWIDTH)
 
 
-def pass_exposed_seconds(compute_s: Num, links: Mapping[Link, Num]) -> Num:
+def pass_exposed_seconds(
+    compute_s: Num, links: Mapping[Link, Num], net: Num | float | None = None
+) -> Num:
     """Seconds of one pass not hidden behind its compute.
 
     Overlap model: the links (NVMe read, NVMe write, H2D, D2H) run concurrently with
     compute and with each other, so a pass takes ``max(compute, each link's time)``
     and ``max(...) - compute`` is exposed. Bytes from NVMe to the device cross two
-    links (NVMe read, then H2D): both carry them, each priced on its own.
+    links (NVMe read, then H2D): both carry them, each priced on its own. ``net``, the
+    seconds of the pass's collectives between data-parallel ranks (:func:`ring_seconds`),
+    is one more such link (None: one rank, no network).
     """
     longest = compute_s
     for seconds in links.values():
         longest = np.maximum(longest, seconds)
+    if net is not None:
+        longest = np.maximum(longest, net)
     return longest - compute_s
+
+
+def ring_seconds(nbytes: Num, world_size: int, bandwidth: float, latency: float) -> Num:
+    """Seconds of one ring reduce-scatter or all-gather of a buffer of ``nbytes`` (the
+    whole buffer, all ranks' shards) over ``world_size`` ranks.
+
+    ``(N - 1) / N * bytes / bandwidth + (N - 1) * latency``: in each of the ring's
+    ``N - 1`` steps every rank sends one shard (``bytes / N``) to its neighbour and waits
+    ``latency`` seconds besides (Patarasuk and Yuan 2009, "Bandwidth optimal all-reduce
+    algorithms for clusters of workstations"; an all-reduce is both, twice this). The
+    ``bandwidth`` is that of the slowest hop (bytes/s); 0 seconds for one rank.
+    """
+    n = world_size
+    if n <= 1:
+        return 0.0 * nbytes
+    return (n - 1) / n * nbytes / max(bandwidth, MIN_BANDWIDTH) + (n - 1) * latency
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of one rank's dim-0 shard of ``numel`` elements: ``ceil(numel / N)``
+    (the last rank's shard padded to the others' size)."""
+    return -(-numel // max(world_size, 1))
 
 
 def optimizer_exposed_seconds(optimizer_s: Num, backward_s: Num, units: Num, clipping: bool) -> Num:

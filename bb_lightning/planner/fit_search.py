@@ -30,6 +30,7 @@ import numpy.typing as npt
 from bb_lightning.placement import READ_AHEAD, Placement
 from bb_lightning.planner import cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
+from bb_lightning.planner.data_parallel import REDUCE_BYTES
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import (
     LINK_FIELDS,
@@ -121,11 +122,27 @@ def price(
     kf: Arr,
     kw: Arr,
 ) -> dict[str, Arr]:
-    """Bytes per tier and seconds per step of every (kF, kW) for one batch shape."""
+    """Bytes per tier and seconds per step of every (kF, kW) for one batch shape.
+
+    With data parallelism (``hw.world_size`` N > 1) this prices one rank: ``hw`` is its
+    :func:`~bb_lightning.planner.data_parallel.rank_share` and ``job`` its share of the
+    batch. Master weights, moments, gradient accumulators and the host AdamW then count
+    the rank's dim-0 shard (``ps = ceil(params / N)`` per block, ``nbs`` outside); the
+    reduced fp32 gradient shard leaves the device, the updated weight shard goes up for
+    the all-gather and the gathered paged weights go back home. The ``net`` column is
+    the rank's network busy time per step (:func:`_net_seconds`): the per-micro-batch
+    reduce-scatters run beside the pass's compute as one more link
+    (:func:`cost.pass_exposed_seconds`), the all-gathers beside the host AdamW in the
+    optimizer pipeline (:func:`cost.optimizer_exposed_seconds`), where they share the
+    link with the last micro-batch's reduce-scatters.
+    """
     n, p = model.num_blocks, float(model.block_train)  # trained params per block
     wb = job.compute_bytes  # bytes per compute-dtype element (weights, their gradients)
     bb = float(model.block_params) * wb  # every weight is paged
     nb = float(model.rest_train)  # trained params outside the blocks
+    dp = hw.world_size > 1
+    ps = float(cost.shard_numel(model.block_train, hw.world_size))  # the rank's shard
+    nbs = float(cost.shard_numel(model.rest_train, hw.world_size))
     nw = float(model.rest_params)  # weights outside the blocks (on the device)
     g, s = job.seqs_per_step, job.seq_len
     ga = math.ceil(g / mb)
@@ -135,22 +152,25 @@ def price(
     # comes off the device and goes back each step (12 + 12 bytes per parameter), their
     # weights go back in bf16, and their gradient sums (homed on the device) are read
     # and written per micro-batch when several are summed.
-    grads_dev = kf * FP32_BYTES * p if ga > 1 else 0.0 * kf
+    grads_dev = kf * FP32_BYTES * ps if ga > 1 else 0.0 * kf
     paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
     # checkpointing forced on a placement that pages nothing: every block is recomputed
     act_kept = np.where(np_ > 0, kf + kw, 0.0) if ckpt else kf + kw
     # every block's gradients leave through the gradient sink (two batches in flight)
     in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model, wb)))
+    # the collectives' device buffers: a block's packed and reduced gradients, its gathered weights
+    collective = (2 * REDUCE_BYTES + wb) * p if dp else 0.0
     dev = (
         nw * wb
         + kw * bb
-        + kf * (bb + p * (FP32_BYTES + ADAM_STATE_BYTES))
+        + kf * (bb + ps * (FP32_BYTES + ADAM_STATE_BYTES))
         + paging
         + in_flight
+        + collective
         + cost.activation_bytes(model, mb, s, ckpt, act_kept)
         + cost.logits_bytes(model, mb * s)
     )
-    mandatory = paging + in_flight + nb * (FP32_BYTES + ADAM_STATE_BYTES)
+    mandatory = paging + in_flight + nbs * (FP32_BYTES + ADAM_STATE_BYTES)
     free = budgets[Tier.HOST] - mandatory
     # On a CPU device a host-home block is used in place: it keeps its activations (in
     # the same RAM) instead of being recomputed, so it costs them on the host too.
@@ -164,17 +184,17 @@ def price(
     in_place = w_h if in_place_act > 0 else 0.0 * w_h
     m_forced = ov.master_tier
     if m_forced is Tier.HOST:  # forced state is reserved before the gradients
-        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * p, m_forced)
-        free = free - m_h * ADAM_STATE_BYTES * p
-        g_h, _ = _fill(free, off, FP32_BYTES * p, None)
-        free = free - g_h * FP32_BYTES * p
+        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
+        free = free - m_h * ADAM_STATE_BYTES * ps
+        g_h, _ = _fill(free, off, FP32_BYTES * ps, None)
+        free = free - g_h * FP32_BYTES * ps
     else:
-        g_h, _ = _fill(free, off, FP32_BYTES * p, None)
-        free = free - g_h * FP32_BYTES * p
-        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * p, m_forced)
-        free = free - m_h * ADAM_STATE_BYTES * p
+        g_h, _ = _fill(free, off, FP32_BYTES * ps, None)
+        free = free - g_h * FP32_BYTES * ps
+        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
+        free = free - m_h * ADAM_STATE_BYTES * ps
     host = budgets[Tier.HOST] - free
-    nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * p + (off - m_h) * ADAM_STATE_BYTES * p
+    nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * ps + (off - m_h) * ADAM_STATE_BYTES * ps
     feasible = (
         (dev <= budgets[Tier.DEVICE])
         & (mandatory <= budgets[Tier.HOST])
@@ -190,7 +210,10 @@ def price(
     compute = cost.compute_seconds(flops, hw)
     c_pass = compute / ga
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
-    grads_nvme = (off - g_h) * FP32_BYTES * p  # read-modify-write per micro-batch
+    grads_nvme = (off - g_h) * FP32_BYTES * ps  # read-modify-write per micro-batch
+    # what leaves the device per micro-batch: the gradients (one rank: all of them in the
+    # compute dtype; data parallel: the rank's reduced fp32 shard)
+    grads_d2h = (n * ps + nbs) * REDUCE_BYTES if dp else (n * p + nb) * wb
     links = {
         Link.HOST_TO_DEVICE: cost.link_seconds(
             2.0 * np_ * bb + grads_dev, hw.h2d_bandwidth, hw.h2d_efficiency
@@ -200,36 +223,46 @@ def price(
         ),
         Link.HOST_TO_NVME: cost.link_seconds(grads_nvme, nvme_w, hw.nvme_efficiency),
         Link.DEVICE_TO_HOST: cost.link_seconds(
-            (n * p + nb) * wb + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
+            grads_d2h + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
         ),
     }
-    exposed_pass = cost.pass_exposed_seconds(np.full_like(kf, c_pass), links)
-    adam = cost.host_adam_seconds(n * p + nb + 0.0 * kf, hw)
+    net_pass, net_opt = _net_seconds(model, hw, wb)
+    exposed_pass = cost.pass_exposed_seconds(
+        np.full_like(kf, c_pass), links, net=net_pass if dp else None
+    )
+    adam = cost.host_adam_seconds(n * ps + nbs + 0.0 * kf, hw)
+    # after the step, weights go up: one rank the resident ones; data parallel every
+    # updated shard (for the all-gather), and the gathered paged weights come back home
+    weights_up = (n * ps + nbs) * wb if dp else ((kw + kf) * p + nb) * wb
+    weights_home = np_ * p * wb if dp else 0.0 * kf
     opt_links = {
         Link.NVME_TO_HOST: cost.link_seconds(
-            (off - m_h) * ADAM_STATE_BYTES * p + grads_nvme, nvme_r, hw.nvme_efficiency
+            (off - m_h) * ADAM_STATE_BYTES * ps + grads_nvme, nvme_r, hw.nvme_efficiency
         ),
         Link.HOST_TO_NVME: cost.link_seconds(
-            (off - m_h) * ADAM_STATE_BYTES * p + (np_ - w_h) * p * wb,
+            (off - m_h) * ADAM_STATE_BYTES * ps + (np_ - w_h) * p * wb,
             nvme_w,
             hw.nvme_efficiency,
         ),
         Link.HOST_TO_DEVICE: cost.link_seconds(
-            ((kw + kf) * p + nb) * wb + kf * ADAM_STATE_BYTES * p,
+            weights_up + kf * ADAM_STATE_BYTES * ps,
             hw.h2d_bandwidth,
             hw.h2d_efficiency,
         ),
         Link.DEVICE_TO_HOST: cost.link_seconds(
-            kf * ADAM_STATE_BYTES * p, hw.d2h_bandwidth, hw.d2h_efficiency
+            kf * ADAM_STATE_BYTES * ps + weights_home, hw.d2h_bandwidth, hw.d2h_efficiency
         ),
     }
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
-    k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd)
-    host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * p, 0.0)
+    k, disk = _state_reads(model, hw, job, off - m_h, free, compute - bwd, bwd, shard=ps)
+    host = host + np.where(off - m_h > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * ps, 0.0)
     disk = disk + cost.link_seconds(grads_nvme, nvme_r, hw.nvme_efficiency)
     disk = disk + cost.link_seconds((np_ - w_h) * p * wb, nvme_w, hw.nvme_efficiency)
     opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
     pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
+    if dp:  # the all-gathers run beside the AdamW, block by block, on the link that
+        # carries the last micro-batch's reduce-scatters in the same window
+        pipeline = np.maximum(pipeline, net_pass + net_opt)
     opt_exposed = cost.optimizer_exposed_seconds(
         pipeline,
         np.full_like(kf, bwd),
@@ -243,7 +276,7 @@ def price(
         # the fp32 gradient accumulation (a conversion pass over each off-device
         # gradient per micro-batch, at memory-copy speed) add to the step.
         accumulate = cost.link_seconds(
-            (n * p + nb) * FP32_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency
+            (n * ps + nbs) * FP32_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency
         )
         shared = adam + ga * accumulate
         total = total + shared
@@ -270,7 +303,33 @@ def price(
     for link in LINKS:  # columns named as the PredictedTime fields
         out[LINK_FIELDS[link]] = ga * links[link] + opt_links.get(link, 0.0)
     out["compute"] = np.full_like(kf, compute)
+    out["net"] = np.full_like(kf, ga * net_pass + net_opt)
     return out
+
+
+def _net_seconds(model: ModelProfile, hw: HardwareProfile, wb: int) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds per step) of one rank's ring collectives.
+
+    Per micro-batch each block's trained gradients, packed into one padded buffer of
+    ``N * ceil(block_train / N)`` elements of :data:`REDUCE_BYTES`, are reduce-scattered,
+    and so are the trained parameters outside the blocks (one more buffer); per step the
+    updated shards in the compute dtype (``wb`` bytes) are all-gathered, one buffer each.
+    Each collective is :func:`cost.ring_seconds` over ``hw.network_bandwidth`` and
+    ``hw.collective_latency``; (0, 0) for one rank.
+    """
+    n_ranks = hw.world_size
+    if n_ranks == 1:
+        return 0.0, 0.0
+    bw, lat = hw.network_bandwidth, hw.collective_latency
+    units = [(model.num_blocks, model.block_train), (1, model.rest_train)]
+    reduce = gather = 0.0
+    for count, numel in units:
+        if numel == 0:
+            continue
+        padded = float(n_ranks * cost.shard_numel(numel, n_ranks))
+        reduce += count * cost.ring_seconds(padded * REDUCE_BYTES, n_ranks, bw, lat)
+        gather += count * cost.ring_seconds(padded * wb, n_ranks, bw, lat)
+    return reduce, gather
 
 
 def _recompute(
@@ -306,6 +365,7 @@ def _state_reads(
     free: Arr,
     ahead_s: Arr,
     backward_s: Arr,
+    shard: float | None = None,
 ) -> tuple[Arr, Arr]:
     """Read-ahead sets for ``blocks`` blocks whose optimizer state is on NVMe, and the
     seconds from the start of the last backward until the disk has served the state
@@ -322,9 +382,10 @@ def _state_reads(
     which all that fits the backward (more sets never cost time, only host memory), at
     least :data:`MIN_READ_AHEAD`, at most ``blocks`` or what the host memory ``free``
     has left. With clipping the step starts after backward: every read and the writes
-    that free sets are waited on.
+    that free sets are waited on. ``shard``: the block's parameters whose state one rank
+    holds (data parallel; None: all of them).
     """
-    state = ADAM_STATE_BYTES * float(model.block_train)
+    state = ADAM_STATE_BYTES * float(model.block_train if shard is None else shard)
     eff = hw.nvme_efficiency * MIXED_IO_EFFICIENCY
     read = cost.link_seconds(state, hw.nvme_read_bandwidth, eff)
     write = cost.link_seconds(state, hw.nvme_write_bandwidth, eff)
@@ -507,6 +568,7 @@ def build_plan(
         optimizer=v["optimizer"],
         exposed=max(0.0, exposed),
         total=v["total"],
+        net=v["net"],
     )
     limited = cost.limited_by(
         v["exposed_pass"], v["compute"], best.micro_batch >= job.seqs_per_step
@@ -537,7 +599,9 @@ def build_plan(
         f"a paged weight pass hides behind compute from about {hide:,.0f} tokens per pass "
         f"(device {roof.device_flops / 1e12:.3g} TFLOP/s over H2D {bw[Link.HOST_TO_DEVICE] / 1e9:.3g} GB/s); "
         f"chosen {best.micro_batch} x {job.seq_len} = {tokens_pass:,} tokens, "
-        f"{ga} accumulation step(s) make the global batch (limited by {limited})",
+        f"{ga} accumulation step(s) make the "
+        + ("global batch" if hw.world_size == 1 else "rank's share of the global batch")
+        + f" (limited by {limited})",
         f"checkpointing {'on' if best.checkpointing else 'off'}: activations take "
         f"{format_bytes(cost.activation_bytes(model, best.micro_batch, job.seq_len, best.checkpointing))}"
         f" per micro-batch; "
@@ -559,7 +623,7 @@ def build_plan(
         reasons.append(
             f"optimizer state of {n - kf - m_h} blocks on NVMe is read ahead of each block's "
             f"step through {k} host buffer sets "
-            f"({format_bytes(k * ADAM_STATE_BYTES * model.block_train)}), sized so that its "
+            f"({format_bytes(k * ADAM_STATE_BYTES * cost.shard_numel(model.block_train, hw.world_size))}), sized so that its "
             "reads and write-backs fit the last backward where the host budget allows"
         )
     if not model.full_fine_tune:

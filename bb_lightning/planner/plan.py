@@ -97,6 +97,9 @@ class PredictedTime:
     """Seconds of transfers and optimizer not hidden behind compute."""
     total: float
     """Step time, seconds: ``compute + exposed``."""
+    net: float = 0.0
+    """Busy time of one rank's network link (its ring collectives with the other
+    data-parallel ranks), seconds (0 for one rank)."""
 
     @property
     def transfer(self) -> dict[Link, float]:
@@ -115,6 +118,8 @@ class PredictedTime:
             return "compute"
         phases = {LINK_FIELDS[k]: v for k, v in self.transfer.items()}
         phases["optimizer"] = self.optimizer
+        if self.net > 0:
+            phases["net"] = self.net
         return max(phases, key=lambda k: phases[k])
 
 
@@ -215,11 +220,13 @@ class Plan:
     """What the engine executes: the blocks' homes, recompute policy, compute dtype,
     prefetch depth and read-ahead, KV-cache tier and prefill chunk."""
     memory: tuple[TierMemory, ...]
-    """Bytes used and budgeted per tier (device, host, NVMe)."""
+    """Bytes used and budgeted per tier (device, host, NVMe), of one rank (its share of
+    what the node's ranks share, with data parallelism)."""
     predicted: PredictedTime
     """Predicted seconds per step."""
     tokens_per_s: float
-    """Predicted throughput: trained tokens/s (fit) or generated tokens/s (predict)."""
+    """Predicted throughput of the job: trained tokens/s (fit) or generated tokens/s
+    (predict); with data parallelism ``world_size`` times one rank's."""
     mfu: float
     """Model FLOPs utilisation: 6N (fit) / 2N (predict) FLOPs per processed token over device_flops."""
     limited_by: str
@@ -306,7 +313,7 @@ class Plan:
                 {"tier": m.tier.value, "used": m.used, "budget": m.budget, "capacity": m.capacity}
                 for m in self.memory
             ],
-            "predicted": dataclasses.asdict(self.predicted),
+            "predicted": _predicted_dict(self.predicted),
             "roofline": self.roofline.to_dict(),
             "reasons": list(self.reasons),
         }
@@ -364,7 +371,8 @@ class Plan:
                 f"({self.job.tokens_per_step} tokens) per optimizer step"
             )
             lines.append(
-                f"batch: micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
+                f"batch{' per rank' if hw.world_size > 1 else ''}: "
+                f"micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
                 f"{self.tokens_per_pass} tokens per pass, prefetch depth {self.prefetch_depth}, "
                 f"checkpointing {'on' if self.checkpointing else 'off'} "
                 f"({len(self.recomputed_blocks())} of {len(self.weights)} blocks recomputed; "
@@ -376,7 +384,8 @@ class Plan:
                 f"{self.job.new_tokens} new tokens each"
             )
             lines.append(
-                f"batch: {self.concurrent_seqs} concurrent sequences ({self.tokens_per_pass} "
+                f"batch{' per rank' if hw.world_size > 1 else ''}: "
+                f"{self.concurrent_seqs} concurrent sequences ({self.tokens_per_pass} "
                 f"tokens per decode pass), prefill micro-batch {self.micro_batch}, prefetch depth "
                 f"{self.prefetch_depth}, KV cache on {self.kv_cache.value if self.kv_cache else '-'}"
                 f" (limited by {self.limited_by})"
@@ -396,12 +405,17 @@ class Plan:
             f"  embedding · head · final norm on the device · compute in "
             f"{self.placement.compute_dtype}"
         )
-        lines.append("memory:          used      budget    headroom")
+        ranks = hw.world_size
+        lines.append(
+            "memory:          used      budget    headroom" + (" (per rank)" if ranks > 1 else "")
+        )
         for mem in self.memory:
             lines.append(
                 f"  {mem.tier.value:<7} {format_bytes(mem.used):>11} {format_bytes(mem.budget):>11}"
                 f" {format_bytes(mem.headroom):>11}"
             )
+        if ranks > 1:
+            lines.extend(self._data_parallel_lines())
         lines.append(
             f"step: {p.total:.3g} s = compute {p.compute:.3g} s + exposed {p.exposed:.3g} s "
             f"(bottleneck: {p.bottleneck})"
@@ -412,11 +426,51 @@ class Plan:
             + f" · optimizer {p.optimizer:.3g} s"
         )
         unit = "trained" if self.task == "fit" else "generated"
-        lines.append(f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s, MFU {self.mfu:.1%}")
+        per_rank = (
+            f" ({ranks} ranks x {self.tokens_per_s / ranks:.4g} per rank)" if ranks > 1 else ""
+        )
+        lines.append(
+            f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s{per_rank}, MFU {self.mfu:.1%}"
+        )
         if self.reasons:
             lines.append("why:")
             lines.extend(f"  - {r}" for r in self.reasons)
         return "\n".join(lines)
+
+    def _data_parallel_lines(self) -> list[str]:
+        """explain()'s lines on the ranks: the layout, memory per node, the network."""
+        hw, p = self.hardware, self.predicted
+        g = hw.ranks_per_node
+        work = (
+            "a share of the global batch, reduce-scattering each block's gradients and "
+            "all-gathering its updated weights"
+            if self.task == "fit"
+            else "its own share of the prompts"
+        )
+        lines = [
+            f"data parallel: {hw.world_size} ranks, {g} per node on {hw.num_nodes} node(s); "
+            f"each rank runs {work}",
+            f"  per node ({g} rank(s)): "
+            + " · ".join(
+                f"{mem.tier.value} {format_bytes(g * mem.used)} of {format_bytes(g * mem.capacity)}"
+                for mem in self.memory
+            ),
+        ]
+        if self.task == "fit":
+            lines.append(
+                f"  network: {p.net:.3g} s busy per step over "
+                f"{hw.network_bandwidth / 1e9:.3g} GB/s "
+                f"({'between nodes' if hw.num_nodes > 1 else 'within the node'}, ring)"
+            )
+        return lines
+
+
+def _predicted_dict(predicted: PredictedTime) -> dict[str, Any]:
+    """``predicted`` as a dict; ``net`` left out at 0 (one rank), as before ranks existed."""
+    d = dataclasses.asdict(predicted)
+    if not d["net"]:
+        del d["net"]
+    return d
 
 
 def placement_tiers(count: int, device: int, host: int) -> tuple[Tier, ...]:

@@ -23,6 +23,14 @@ __all__ = ["HardwareProfile", "ModelProfile", "preset", "preset_names"]
 
 BF16_BYTES = 2
 """Bytes per bf16 element."""
+LAYOUT_FIELDS = (
+    "world_size",
+    "ranks_per_node",
+    "intra_node_bandwidth",
+    "inter_node_bandwidth",
+    "collective_latency",
+)
+"""The :class:`HardwareProfile` fields of the data-parallel layout (defaults: one rank)."""
 
 _T = TypeVar("_T")
 
@@ -97,6 +105,19 @@ class HardwareProfile:
     over the whole KV cache) relative to a prefill or training pass, as a multiplier on
     ``device_flops * compute_efficiency`` (1.0 = the same rate; see
     :func:`bb_lightning.probe.calibrate.probe_predict_compute`)."""
+    world_size: int = 1
+    """Data-parallel ranks of the job, over all nodes (1: one process, no network)."""
+    ranks_per_node: int = 1
+    """Ranks (one device each) on one node; they share the node's host memory, NVMe
+    capacity and bandwidth and host AdamW cores. ``world_size`` is a multiple of it."""
+    intra_node_bandwidth: float = 0.0
+    """Bytes/s one rank sends to another of its node in a ring collective (NVLink, PCIe
+    peer-to-peer; 0.0: not given, needed when a node holds several ranks)."""
+    inter_node_bandwidth: float = 0.0
+    """Bytes/s one rank sends to a rank of another node (the network adapter's share of
+    one rank; 0.0: not given, needed when the ranks span several nodes)."""
+    collective_latency: float = 0.0
+    """Seconds each of a ring collective's ``world_size - 1`` steps waits besides its bytes."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -117,8 +138,12 @@ class HardwareProfile:
                 "host_adam_params_per_s",
                 "cores",
                 "device_memory_bandwidth",
+                "intra_node_bandwidth",
+                "inter_node_bandwidth",
+                "collective_latency",
             ),
         )
+        self._check_layout()
         for name in (
             "compute_efficiency",
             "h2d_efficiency",
@@ -133,13 +158,57 @@ class HardwareProfile:
                     f"HardwareProfile.{name} = {value} must be > 0 (1.0 = as profiled)"
                 )
 
+    def _check_layout(self) -> None:
+        for name in ("world_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"HardwareProfile.{name} = {value!r} must be a positive integer (1 = one rank)"
+                )
+        n, g = self.world_size, self.ranks_per_node
+        if n % g:
+            raise ValueError(
+                f"HardwareProfile.world_size = {n} is not a multiple of ranks_per_node = {g}: "
+                f"give world_size = ranks_per_node x the number of nodes"
+            )
+        if n > 1 and g > 1 and self.intra_node_bandwidth <= 0:
+            raise ValueError(
+                f"HardwareProfile.intra_node_bandwidth = {self.intra_node_bandwidth} with "
+                f"{g} ranks per node: give the bytes/s between two devices of a node (> 0)"
+            )
+        if self.num_nodes > 1 and self.inter_node_bandwidth <= 0:
+            raise ValueError(
+                f"HardwareProfile.inter_node_bandwidth = {self.inter_node_bandwidth} with the "
+                f"ranks on {self.num_nodes} nodes: give the bytes/s between two nodes (> 0)"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the ranks span: ``world_size / ranks_per_node``."""
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def network_bandwidth(self) -> float:
+        """Bytes/s of the slowest hop of the ranks' ring: ``inter_node_bandwidth`` when
+        the ranks span several nodes, else ``intra_node_bandwidth`` (0.0 for one rank)."""
+        if self.num_nodes > 1:
+            return self.inter_node_bandwidth
+        return self.intra_node_bandwidth if self.world_size > 1 else 0.0
+
     def replace(self, **changes: Any) -> HardwareProfile:
         """Return a copy with ``changes`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of all fields (JSON-serialisable)."""
-        return dataclasses.asdict(self)
+        """Plain dict of the fields (JSON-serialisable); the data-parallel layout's fields
+        (:data:`LAYOUT_FIELDS`) only where they differ from one rank's defaults, so that a
+        one-rank profile's dict is what it was before the layout existed."""
+        d = dataclasses.asdict(self)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in LAYOUT_FIELDS:
+            if d[name] == defaults[name]:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:

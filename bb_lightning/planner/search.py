@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bb_lightning.planner import cost, fit_search, predict_search
+from bb_lightning.planner import cost, data_parallel, fit_search, predict_search
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.plan import LINK_FIELDS, Plan, PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -136,20 +136,34 @@ def make_plan(
     *,
     overrides: PlanOverrides | None = None,
 ) -> Plan:
-    """Plan ``job`` for ``model`` on ``hardware``; raise :class:`PlanError` when nothing fits."""
+    """Plan ``job`` for ``model`` on ``hardware``; raise :class:`PlanError` when nothing fits.
+
+    With data parallelism (``hardware.world_size`` > 1) the plan is one rank's: priced on
+    :func:`~bb_lightning.planner.data_parallel.rank_share` of the node and
+    :func:`~bb_lightning.planner.data_parallel.rank_job` of the job, returned with the
+    node's profile, the whole job and the job's throughput (``world_size`` x one rank's).
+    """
     job.validate(model)
     ov = overrides or PlanOverrides()
-    _check_overrides(model, job, ov)
-    budgets = cost.budgets(hardware)
-    if isinstance(job, FitJob):
-        best = fit_search.search(model, hardware, job, ov, budgets)
+    rank_hw = data_parallel.rank_share(hardware)
+    rank_job = data_parallel.rank_job(job, hardware.world_size)
+    _check_overrides(model, rank_job, ov)
+    budgets = cost.budgets(rank_hw)
+    if isinstance(rank_job, FitJob):
+        best = fit_search.search(model, rank_hw, rank_job, ov, budgets)
         if best is None:
-            raise PlanError(fit_search.diagnose(model, hardware, job, ov, budgets))
-        return fit_search.build_plan(model, hardware, job, overrides, best, budgets)
-    best_p = predict_search.search(model, hardware, job, ov, budgets)
-    if best_p is None:
-        raise PlanError(predict_search.diagnose(model, hardware, job, ov, budgets))
-    return predict_search.build_plan(model, hardware, job, overrides, best_p, budgets)
+            raise PlanError(fit_search.diagnose(model, rank_hw, rank_job, ov, budgets))
+        plan = fit_search.build_plan(model, rank_hw, rank_job, overrides, best, budgets)
+    else:
+        best_p = predict_search.search(model, rank_hw, rank_job, ov, budgets)
+        if best_p is None:
+            raise PlanError(predict_search.diagnose(model, rank_hw, rank_job, ov, budgets))
+        plan = predict_search.build_plan(model, rank_hw, rank_job, overrides, best_p, budgets)
+    if hardware.world_size == 1:
+        return plan
+    return dataclasses.replace(
+        plan, hardware=hardware, job=job, tokens_per_s=plan.tokens_per_s * hardware.world_size
+    )
 
 
 def _clamp(x: float) -> float:

@@ -60,7 +60,7 @@ from typing import Any
 import psutil
 import torch
 
-from bb_lightning.planner.profile import HardwareProfile
+from bb_lightning.planner.profile import LAYOUT_FIELDS, HardwareProfile
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
 
@@ -445,7 +445,8 @@ def _read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
         data: dict[str, Any] = json.loads(path.read_text())
         if data.get("identity") != identity:
             return None
-        fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+        # a measured profile has one rank's layout, which its dict leaves out
+        fields = {f.name for f in dataclasses.fields(HardwareProfile)} - set(LAYOUT_FIELDS)
         if set(data["profile"]) != fields:  # an older layout lacks what was added since
             return None
         return HardwareProfile.from_dict(data["profile"])

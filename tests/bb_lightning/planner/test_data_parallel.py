@@ -1,0 +1,301 @@
+"""Data-parallel planning: one rank of N, priced against its share of the node.
+
+One rank (the default layout) must plan exactly as without a layout; with N ranks the
+network seconds, the rank's state bytes and its host AdamW time follow the formulas,
+written out here from the profiles' numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    MeasuredTimes,
+    ModelProfile,
+    Plan,
+    PlanOverrides,
+    PredictJob,
+    adapt,
+    make_plan,
+    preset,
+    preset_names,
+)
+from bb_lightning.planner.cost import ring_seconds
+from bb_lightning.planner.models import builtin_config
+from bb_lightning.planner.profile import LAYOUT_FIELDS
+from bb_lightning.probe import model_profile_from_config
+from storage.tiers import Tier
+
+GIB = 2**30
+
+SEVEN_B = dict(
+    builtin_config("llama-370m"),
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    intermediate_size=11008,
+)
+"""A 7B Llama shape (hidden 4096, 32 layers, ffn 11008)."""
+
+MODELS = {
+    "tiny": model_profile_from_config(builtin_config("tiny-llama")),
+    "374m": model_profile_from_config(builtin_config("llama-370m")),
+    "7b": model_profile_from_config(SEVEN_B),
+}
+JOBS = (
+    FitJob(seq_len=256, global_batch_seqs=4),
+    PredictJob(prompt_len=64, new_tokens=8, num_prompts=8),
+)
+
+
+def _one_rank_layout(hw: HardwareProfile) -> HardwareProfile:
+    """``hw`` with a one-rank layout written out, and a network that one rank never uses."""
+    return hw.replace(
+        world_size=1,
+        ranks_per_node=1,
+        intra_node_bandwidth=1e11,
+        inter_node_bandwidth=1e10,
+        collective_latency=1e-5,
+    )
+
+
+@pytest.mark.parametrize("hw_name", preset_names())
+def test_one_rank_plans_as_without_a_layout(hw_name: str) -> None:
+    hw = preset(hw_name)
+    assert not set(LAYOUT_FIELDS) & set(hw.to_dict())  # a preset's dict is what it was
+    for model in MODELS.values():
+        for job in JOBS:
+            try:
+                plain = make_plan(model, hw, job)
+            except ValueError as err:  # does not fit this device: neither may the layout
+                with pytest.raises(ValueError) as again:
+                    make_plan(model, _one_rank_layout(hw), job)
+                assert str(again.value) == str(err)
+                continue
+            laid_out = make_plan(model, _one_rank_layout(hw), job)
+            d_plain, d_laid = plain.to_dict(), laid_out.to_dict()
+            assert "net" not in d_plain["predicted"]
+            assert d_plain["hardware"] == hw.to_dict()
+            d_laid["hardware"] = d_plain["hardware"]
+            assert d_laid == d_plain
+            assert laid_out.explain() == plain.explain()
+            assert "data parallel" not in plain.explain()
+
+
+@pytest.fixture
+def model() -> ModelProfile:
+    """A 4-block model whose parameter counts do not divide by 2 or 4 (padded shards)."""
+    return ModelProfile(
+        name="odd",
+        num_blocks=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        vocab_size=1000,
+        max_positions=2048,
+        block_params=800_003,
+        block_matmul_params=790_000,
+        embed_params=256_000,
+        head_params=256_000,
+        final_params=257,
+        tied_embeddings=False,
+        act_bytes_per_token_checkpointed=512,
+        act_bytes_per_token_full=12_000,
+        kv_bytes_per_token=1024,
+    )
+
+
+@pytest.fixture
+def node() -> HardwareProfile:
+    """One node with 16 GiB devices, 256 GiB of host memory and one NVMe drive."""
+    return HardwareProfile(
+        name="node",
+        device_type="cuda",
+        device_memory=16 * GIB,
+        device_flops=1e14,
+        h2d_bandwidth=2e10,
+        d2h_bandwidth=2e10,
+        host_memory=256 * GIB,
+        nvme_read_bandwidth=5e9,
+        nvme_write_bandwidth=3e9,
+        nvme_capacity=10**12,
+        host_adam_params_per_s=2e9,
+        cores=16,
+    )
+
+
+HOST_HOMES = PlanOverrides(
+    weights_tier=Tier.HOST, master_tier=Tier.HOST, prefetch_depth=1, checkpointing=True
+)
+"""Every block paged from the host, its master weights, moments and gradients there too."""
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "bandwidth_field"),
+    [(2, 2, "intra_node_bandwidth"), (4, 2, "inter_node_bandwidth")],
+)
+def test_rank_follows_the_formulas(
+    model: ModelProfile,
+    node: HardwareProfile,
+    world: int,
+    per_node: int,
+    bandwidth_field: str,
+) -> None:
+    hw = node.replace(
+        world_size=world,
+        ranks_per_node=per_node,
+        intra_node_bandwidth=1.5e11,
+        inter_node_bandwidth=1.25e10,
+        collective_latency=2e-5,
+    )
+    job = FitJob(seq_len=512, global_batch_seqs=10)
+    plan = make_plan(model, hw, job, overrides=HOST_HOMES)
+
+    n, p, rest = model.num_blocks, model.block_params, model.rest_params  # all trained
+    shard, rest_shard = math.ceil(p / world), math.ceil(rest / world)  # dim-0, padded
+    rank_seqs = math.ceil(10 / world)
+    assert plan.grad_accum == math.ceil(rank_seqs / plan.micro_batch)
+    assert plan.job == job and plan.hardware == hw
+
+    # the rank's host memory: paging slot pair, gradients in flight, paged bf16 weights
+    # (full copies) and the fp32 master + 2 moments (12 B) + gradient accumulator (4 B) shards
+    block_bytes = 2 * p
+    state = n * (12 + 4) * shard + (12 + 4) * rest_shard
+    host = next(m for m in plan.memory if m.tier is Tier.HOST)
+    assert host.used == 2 * block_bytes + 2 * p * 2 + n * block_bytes + state
+    assert host.capacity == 256 * GIB // per_node
+    assert host.budget == int(256 * GIB // per_node * 0.95)
+    nvme = next(m for m in plan.memory if m.tier is Tier.NVME)
+    assert nvme.capacity == 10**12 // per_node
+
+    # host AdamW over the rank's shards, at the node's update rate shared by its ranks
+    assert plan.predicted.optimizer == pytest.approx((n * shard + rest_shard) / (2e9 / per_node))
+
+    # ring collectives: (N-1)/N * bytes / bandwidth + (N-1) * latency per buffer of N shards;
+    # fp32 gradients reduce-scattered every micro-batch, bf16 weights all-gathered per step
+    bw = getattr(hw, bandwidth_field)
+
+    def ring(nbytes: float) -> float:
+        return (world - 1) / world * nbytes / bw + (world - 1) * 2e-5
+
+    reduce = n * ring(world * shard * 4) + ring(world * rest_shard * 4)
+    gather = n * ring(world * shard * 2) + ring(world * rest_shard * 2)
+    assert plan.predicted.net == pytest.approx(plan.grad_accum * reduce + gather)
+
+    # the job's throughput: every rank trains its share of the batch in one step
+    assert plan.tokens_per_s == pytest.approx(world * rank_seqs * 512 / plan.predicted.total)
+    text = plan.explain()
+    assert f"data parallel: {world} ranks, {per_node} per node" in text
+    assert f"network: {plan.predicted.net:.3g} s busy per step" in text
+    per_node_host = f"host {_fmt(per_node * host.used)} of {_fmt(per_node * host.capacity)}"
+    assert per_node_host in text
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def _fmt(nbytes: int) -> str:
+    from storage.tiers import format_bytes
+
+    return format_bytes(nbytes)
+
+
+def test_a_rank_needs_less_state_than_one_process(
+    model: ModelProfile, node: HardwareProfile
+) -> None:
+    job = FitJob(seq_len=512, global_batch_seqs=8)
+    one = make_plan(model, node, job, overrides=HOST_HOMES)
+    two = make_plan(
+        model,
+        node.replace(world_size=2, ranks_per_node=1, inter_node_bandwidth=1e10),
+        job,
+        overrides=HOST_HOMES,
+    )
+    saved = model.num_blocks * 16 * (
+        model.block_params - math.ceil(model.block_params / 2)
+    ) + 16 * (model.rest_params - math.ceil(model.rest_params / 2))
+    used = [next(m.used for m in plan.memory if m.tier is Tier.HOST) for plan in (one, two)]
+    assert used[0] - used[1] == saved
+    assert one.predicted.net == 0.0 and two.predicted.net > 0.0
+
+
+def test_predict_ranks_share_the_prompts(model: ModelProfile, node: HardwareProfile) -> None:
+    hw = node.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=1e11)
+    job = PredictJob(prompt_len=64, new_tokens=8, num_prompts=9)
+    plan = make_plan(model, hw, job)
+    assert plan.job == job
+    assert plan.concurrent_seqs <= math.ceil(9 / 2)
+    c = plan.concurrent_seqs
+    assert plan.tokens_per_s == pytest.approx(2 * c * 8 / plan.predicted.total)
+    host = next(m for m in plan.memory if m.tier is Tier.HOST)
+    assert host.capacity == 256 * GIB // 2
+    assert "2 ranks x" in plan.explain()
+
+
+def test_ring_seconds_formula() -> None:
+    assert ring_seconds(1000.0, 1, 100.0, 0.5) == 0.0
+    assert ring_seconds(1000.0, 4, 100.0, 0.5) == pytest.approx(3 / 4 * 1000 / 100 + 3 * 0.5)
+
+
+def test_layout_round_trips(node: HardwareProfile) -> None:
+    hw = node.replace(
+        world_size=8, ranks_per_node=4, intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10
+    )
+    d = hw.to_dict()
+    assert d["world_size"] == 8 and "collective_latency" not in d  # defaults left out
+    assert HardwareProfile.from_dict(d) == hw
+    assert HardwareProfile.from_dict(node.to_dict()) == node
+    assert hw.num_nodes == 2 and hw.network_bandwidth == 2.5e10
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"world_size": 0}, "world_size = 0"),
+        ({"world_size": 2.0}, "world_size = 2.0"),
+        ({"ranks_per_node": True}, "ranks_per_node = True"),
+        ({"world_size": 4, "ranks_per_node": 3, "intra_node_bandwidth": 1e11}, "multiple"),
+        ({"world_size": 2, "ranks_per_node": 2}, "intra_node_bandwidth = 0.0"),
+        (
+            {"world_size": 4, "ranks_per_node": 2, "intra_node_bandwidth": 1e11},
+            "inter_node_bandwidth = 0.0",
+        ),
+        ({"collective_latency": -1e-6}, "collective_latency"),
+    ],
+)
+def test_invalid_layouts_raise(node: HardwareProfile, changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        node.replace(**changes)
+
+
+def test_too_small_a_job_for_the_ranks_raises(model: ModelProfile, node: HardwareProfile) -> None:
+    hw = node.replace(world_size=4, ranks_per_node=4, intra_node_bandwidth=1e11)
+    with pytest.raises(ValueError, match="at least 4 sequences"):
+        make_plan(model, hw, FitJob(seq_len=128, global_batch_seqs=3))
+    with pytest.raises(ValueError, match="at least 4 prompts"):
+        make_plan(model, hw, PredictJob(prompt_len=16, new_tokens=4, num_prompts=2))
+
+
+def test_replanning_keeps_the_layout_and_divides_once(
+    model: ModelProfile, node: HardwareProfile
+) -> None:
+    hw = node.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=1e11)
+    plan = make_plan(model, hw, FitJob(seq_len=512, global_batch_seqs=8), overrides=HOST_HOMES)
+    again = adapt(plan, MeasuredTimes(optimizer_s=2.0 * plan.predicted.optimizer))
+    assert again.hardware.world_size == 2 and again.hardware.host_memory == 256 * GIB
+    assert next(m for m in again.memory if m.tier is Tier.HOST).capacity == 256 * GIB // 2
+    assert again.predicted.optimizer == pytest.approx(2.0 * plan.predicted.optimizer)
+
+
+def test_a_cpu_node_shares_its_memory_and_cores(model: ModelProfile, node: HardwareProfile) -> None:
+    cpu = node.replace(device_type="cpu", device_memory=64 * GIB, device_flops=1e11)
+    hw = cpu.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=1e10)
+    job = FitJob(seq_len=128, global_batch_seqs=4)
+    one, two = make_plan(model, cpu, job), make_plan(model, hw, job)
+    assert next(m for m in two.memory if m.tier is Tier.DEVICE).capacity == 64 * GIB // 2
+    # each rank computes half the batch on half the cores: the same compute seconds
+    assert two.predicted.compute == pytest.approx(one.predicted.compute)
