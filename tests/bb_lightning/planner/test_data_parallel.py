@@ -7,6 +7,7 @@ written out here from the profiles' numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -88,27 +89,10 @@ def test_one_rank_plans_as_without_a_layout(hw_name: str) -> None:
 
 
 @pytest.fixture
-def model() -> ModelProfile:
-    """A 4-block model whose parameter counts do not divide by 2 or 4 (padded shards)."""
-    return ModelProfile(
-        name="odd",
-        num_blocks=4,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=64,
-        vocab_size=1000,
-        max_positions=2048,
-        block_params=800_003,
-        block_matmul_params=790_000,
-        embed_params=256_000,
-        head_params=256_000,
-        final_params=257,
-        tied_embeddings=False,
-        act_bytes_per_token_checkpointed=512,
-        act_bytes_per_token_full=12_000,
-        kv_bytes_per_token=1024,
-    )
+def model(small_model: ModelProfile) -> ModelProfile:
+    """The shared small model with parameter counts that do not divide by 2 or 4 (padded
+    shards)."""
+    return dataclasses.replace(small_model, name="odd", block_params=800_003, final_params=257)
 
 
 @pytest.fixture
