@@ -387,39 +387,16 @@ def _check_block_calls(model: nn.Module, path: str, count: int, calls: list[int]
 
 def check_block_calls(model: nn.Module) -> None:
     """Refuse, with one ``ValueError`` line, a model whose forward does not run each of
-    its blocks once, in order (a model looping over some of its layers). Runs one forward
-    of 8 tokens on meta stand-ins: no memory, no arithmetic, the model unchanged; a
+    its blocks once, in order (a model looping over some of its layers). Runs the meta
+    trace (:func:`_trace`) over 8 tokens: no memory, no arithmetic, the model unchanged; a
     forward that meta stand-ins cannot run to its end (one reading a tensor's value) is
     not checked."""
     path, blocks = find_block_list(model)
-    calls: list[int] = []
-    handles = [
-        block.register_forward_pre_hook(lambda _m, _a, i=i: calls.append(i))
-        for i, block in enumerate(blocks)
-    ]
-    stand_ins = {n: _meta_like(p) for n, p in model.named_parameters()}
-    stand_ins.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-    ids = torch.zeros((1, 8), dtype=torch.long, device="meta")
     try:
-        for fused in (True, False):  # the fused stand-in, else the model's own attention
-            calls.clear()
-            try:
-                with (
-                    no_pad_token(model),
-                    _trace_attention(model) if fused else contextlib.nullcontext(),
-                    torch.no_grad(),
-                ):
-                    torch.func.functional_call(
-                        model, stand_ins, (), {"input_ids": ids, "labels": ids}, strict=False
-                    )
-                break
-            except Exception:  # only a forward run to its end can tell: never refuse on a guess
-                if not fused:
-                    return  # meta stand-ins cannot run it (it reads a value): nothing to tell
-    finally:
-        for h in handles:
-            h.remove()
-    _check_block_calls(model, path, len(blocks), calls)
+        trace = _trace(model, blocks, context=8)
+    except Exception:  # only a forward run to its end can tell: never refuse on a guess
+        return
+    _check_block_calls(model, path, len(blocks), trace.calls)
 
 
 def find_parts(model: nn.Module) -> ModelParts:
