@@ -1,0 +1,172 @@
+"""Runs of ``dp_run.py`` as a user launches them: one process, or several ranks started
+by Lightning's popen launcher on gloo, each rank on one thread.
+
+A run is cached per session by its arguments, so that the tests comparing it with
+another (equivalence, resume) share it. Every run gets its own free ``MASTER_PORT`` and a
+timeout; the launched process and the ranks it starts are one process group, killed
+when the run ends, so a rank that hangs cannot outlive its test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SCRIPT = Path(__file__).resolve().parent / "dp_run.py"
+TIMEOUT = 180.0
+"""Seconds a run may take (a few on 2 cores; a hang fails the test instead of the suite)."""
+
+LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+"""The trained model: a tiny Llama, 2 blocks of hidden 64, vocab 256 (dropout is 0)."""
+
+PROMPT_LLAMA: dict[str, Any] = {
+    **LLAMA,
+    "vocab_size": 260,
+    "max_position_embeddings": 48,
+    "bos_token_id": 257,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+}
+"""The generating model: byte tokens plus pad 256, bos 257, eos 258."""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Run:
+    """A finished run of ``dp_run.py``: its exit status, output and result files."""
+
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    argv: list[str] = field(default_factory=list)
+
+    def check(self) -> Run:
+        """This run, after asserting that it succeeded."""
+        assert self.returncode == 0, f"{self.argv}\n{self.stdout[-3000:]}\n{self.stderr[-6000:]}"
+        return self
+
+    def losses(self) -> dict[int, list[float]]:
+        """Each step's micro-batch losses, every rank's, by step index."""
+        by_step: dict[int, list[float]] = {}
+        for path in sorted(self.out.glob("losses.rank*.json")):
+            for _rank, step, value in json.loads(path.read_text()):
+                by_step.setdefault(int(step), []).append(float(value))
+        return by_step
+
+    def loss_files(self) -> list[str]:
+        return sorted(p.name for p in self.out.glob("losses.rank*.json"))
+
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Masters and AdamW moments by kind and name, as rank 0 read them with zarr."""
+        return torch.load(self.out / "state.pt", weights_only=True)
+
+    def result(self) -> dict[str, Any]:
+        return json.loads((self.out / "result.json").read_text())
+
+    def seen(self) -> dict[int, list[str]]:
+        """The prompt ids each rank generated, by rank."""
+        return {
+            int(p.name.split(".")[1][4:]): json.loads(p.read_text())
+            for p in sorted(self.out.glob("seen.rank*.json"))
+        }
+
+
+def launch(out: Path, *args: str, timeout: float = TIMEOUT) -> Run:
+    """Run ``dp_run.py --out out ARGS`` in a new process group with a free master port."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["OMP_NUM_THREADS"] = "1"
+    for key in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    argv = [sys.executable, str(SCRIPT), *args, "--out", str(out)]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{argv} ran over {timeout} s (a rank hangs):\n{stderr[-6000:]}")
+    finally:
+        try:  # the other ranks, should the launching rank have left them behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Run(out, proc.returncode, stdout, stderr, argv)
+
+
+class Runs:
+    """Cached runs of ``dp_run.py`` in one session directory."""
+
+    def __init__(self, root: Path, model: Path, prompt_model: Path) -> None:
+        self.root = root
+        self.model = model
+        self.prompt_model = prompt_model
+        self._cache: dict[tuple[str, ...], Run] = {}
+
+    def fit(self, devices: int, accum: int, *args: str) -> Run:
+        """A (cached) training run of the tiny Llama at ``devices`` ranks; checked."""
+        key = ("fit", str(devices), str(accum), *args)
+        if key not in self._cache:
+            out = self.root / f"run{len(self._cache)}"
+            extra = list(args)
+            if "--tier" in extra and extra[extra.index("--tier") + 1] == "nvme":
+                extra += ["--nvme-path", str(out / "nvme")]
+            self._cache[key] = launch(
+                out, "--devices", str(devices), "--accum", str(accum),
+                "--model", str(self.model), *extra,
+            ).check()  # fmt: skip
+        return self._cache[key]
+
+    def new_dir(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True)
+        return path
+
+
+def _save(config: dict[str, Any], path: Path, seed: int) -> Path:
+    cfg = dict(config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The session's runs, over tiny models written with ``save_pretrained``."""
+    models = tmp_path_factory.mktemp("models")
+    return Runs(
+        tmp_path_factory.mktemp("runs"),
+        _save(LLAMA, models / "llama", seed=0),
+        _save(PROMPT_LLAMA, models / "prompt-llama", seed=3),
+    )

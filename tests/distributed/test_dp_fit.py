@@ -1,0 +1,112 @@
+"""Data-parallel training on 2 CPU ranks (gloo) equals one process at the same global batch.
+
+``devices=2`` with 2 micro-batches per rank against ``devices=1`` with 4, micro-batch 2
+(8 rows per optimizer step), 3 steps of AdamW (weight decay 0.1, constant lr): the fp32
+masters and both AdamW moments, read back from the checkpoint with plain zarr, the
+per-step mean losses and the step counts agree. The micro-batches are the same rows in
+both runs (``dp_run.StridedSteps``), so the only difference is where the sums happen.
+The clipped cases clip at 0.5, below the initial gradient norm (about 0.9), so that the
+clip changes the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+CLIP = ("--clip", "0.5")
+CASES: dict[str, tuple[str, ...]] = {
+    "host": ("--tier", "host"),
+    "nvme-clip": ("--tier", "nvme", *CLIP),
+    "host-clip": ("--tier", "host", *CLIP),
+    "nvme": ("--tier", "nvme"),
+}
+
+
+def assert_same_training(got: Any, want: Any, steps: int = 3) -> None:
+    """Equal step counts, per-step mean losses (rtol 1e-5) and state (rtol 1e-5, atol 1e-6)."""
+    assert got.result()["step"] == want.result()["step"] == steps
+    got_losses, want_losses = got.losses(), want.losses()
+    assert sorted(got_losses) == sorted(want_losses)
+    for step, values in want_losses.items():
+        assert len(got_losses[step]) == len(values), step  # micro-batches of the step
+        mean = torch.tensor(got_losses[step]).mean()
+        torch.testing.assert_close(mean, torch.tensor(values).mean(), rtol=1e-5, atol=0, msg=step)
+    got_state, want_state = got.state(), want.state()
+    for kind in KINDS:
+        assert got_state[kind].keys() == want_state[kind].keys(), kind
+        for name, value in want_state[kind].items():
+            torch.testing.assert_close(
+                got_state[kind][name], value, rtol=1e-5, atol=1e-6, msg=f"{kind} {name}"
+            )
+
+
+def _moved(run: Any, initial: dict[str, Any]) -> float:
+    """Largest change of any master weight from its initial value."""
+    masters = run.state()["master"]
+    return max(float((masters[k] - v).abs().max()) for k, v in initial.items())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_process(runs: Any, case: str) -> None:
+    one = runs.fit(1, 4, *CASES[case])
+    two = runs.fit(2, 2, *CASES[case])
+    assert two.result()["world_size"] == 2
+    assert two.loss_files() == ["losses.rank0.json", "losses.rank1.json"]
+    assert [len(v) for v in two.losses().values()] == [4, 4, 4]
+    assert_same_training(two, one)
+    initial = load_file(runs.model / "model.safetensors")
+    assert set(initial) == set(one.state()["master"])  # every parameter is trained
+    assert _moved(one, initial) > 1e-4  # three steps moved the weights
+
+
+def test_clip_changes_the_update(runs: Any) -> None:
+    plain = runs.fit(1, 4, *CASES["host"]).state()["master"]
+    clipped = runs.fit(1, 4, *CASES["host-clip"]).state()["master"]
+    assert max(float((clipped[k] - v).abs().max()) for k, v in plain.items()) > 1e-6
+
+
+def test_nvme_path_gets_a_directory_per_rank(runs: Any) -> None:
+    two = runs.fit(2, 2, *CASES["nvme-clip"])
+    dirs = sorted(p.name for p in (two.out / "nvme").iterdir() if p.is_dir())
+    assert dirs == ["rank0", "rank1"]
+    for rank in dirs:  # each rank's tier holds the arrays of its own store
+        assert any((two.out / "nvme" / rank).rglob("zarr.json")), rank
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(runs: Any) -> None:
+    first = runs.fit(2, 2, "--tier", "host", "--steps", "2")
+    assert first.result() == {"step": 2, "world_size": 2}
+    resumed = runs.fit(1, 4, "--tier", "host", "--resume", str(first.out / "ckpt"))
+    whole = runs.fit(1, 4, *CASES["host"])
+    assert sorted(resumed.losses()) == [2]  # only the third step ran
+    _assert_resumed(first, resumed, whole)
+
+
+def test_one_process_checkpoint_resumes_at_two_ranks(runs: Any) -> None:
+    first = runs.fit(1, 4, "--tier", "host", "--steps", "2")
+    resumed = runs.fit(2, 2, "--tier", "host", "--resume", str(first.out / "ckpt"))
+    whole = runs.fit(1, 4, *CASES["host"])
+    assert sorted(resumed.losses()) == [2] and resumed.result()["world_size"] == 2
+    _assert_resumed(first, resumed, whole)
+
+
+def _assert_resumed(first: Any, resumed: Any, whole: Any) -> None:
+    """``first`` then ``resumed`` trained as ``whole``: same losses per step, same state."""
+    losses = {**first.losses(), **resumed.losses()}
+    for step, values in whole.losses().items():
+        torch.testing.assert_close(
+            torch.tensor(losses[step]).mean(), torch.tensor(values).mean(), rtol=1e-5, atol=0
+        )
+    assert resumed.result()["step"] == whole.result()["step"] == 3
+    got, want = resumed.state(), whole.state()
+    for kind in KINDS:
+        assert got[kind].keys() == want[kind].keys()
+        for name, value in want[kind].items():
+            torch.testing.assert_close(got[kind][name], value, rtol=1e-5, atol=1e-6, msg=name)
