@@ -147,10 +147,16 @@ class Runs:
             ).check()  # fmt: skip
         return self._cache[key]
 
-    def new_dir(self, name: str) -> Path:
-        path = self.root / name
-        path.mkdir(parents=True)
-        return path
+    def predict(self, name: str, devices: int, prompts: Path, predictions: Path) -> Run:
+        """A predict run of the generating model at ``devices`` ranks; checked."""
+        return launch(
+            self.root / name, "--devices", str(devices), "--model", str(self.prompt_model),
+            "--predict", str(prompts), "--predictions", str(predictions),
+        ).check()  # fmt: skip
+
+    def unchecked(self, name: str, *args: str) -> Run:
+        """A training run of the tiny Llama that may fail (its exit status is the result)."""
+        return launch(self.root / name, "--model", str(self.model), *args, timeout=120)
 
 
 def _save(config: dict[str, Any], path: Path, seed: int) -> Path:

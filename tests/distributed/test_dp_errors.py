@@ -1,0 +1,45 @@
+"""What data-parallel runs refuse, with a ValueError that says why, and without hanging."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bb_lightning import BalanceBeamStrategy
+
+pytestmark = [pytest.mark.distributed]
+
+
+def test_spawn_is_refused() -> None:
+    with pytest.raises(ValueError, match="spawn"):
+        BalanceBeamStrategy(start_method="spawn")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_unequal_initial_weights_are_refused(runs: Any) -> None:
+    # random weights from the same seed on both ranks, then rank 1 changes one in block 1
+    run = runs.unchecked("unequal", "--devices", "2", "--accum", "2", "--from-config", "--perturb")
+    assert run.returncode != 0
+    assert "ValueError" in run.stderr and "initial weights differ" in run.stderr
+    message = run.stderr[run.stderr.index("initial weights differ") :].splitlines()[0]
+    assert "layers.1" in message and "layers.0" not in message, message
+
+
+@pytest.mark.slow
+def test_checkpoint_directory_every_rank_cannot_see_is_refused(runs: Any) -> None:
+    # ``here`` is a link to the cwd of whichever process follows it, and each rank moves
+    # to a directory of its own before saving: one path string, two directories
+    out = runs.root / "not-shared"
+    for rank in (0, 1):
+        (out / "cwd" / f"rank{rank}").mkdir(parents=True)
+    os.symlink("/proc/self/cwd", out / "here")
+    run = runs.unchecked(
+        "not-shared", "--devices", "2", "--accum", "2", "--steps", "1",
+        "--chdir", str(out / "cwd"), "--ckpt", str(out / "here" / "ckpt"),
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "ValueError" in run.stderr and "not visible" in run.stderr, run.stderr[-3000:]
+    assert not any(Path(out / "cwd" / "rank1").iterdir())  # rank 1 wrote nothing there
