@@ -9,6 +9,7 @@ when the run ends, so a rank that hangs cannot outlive its test.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -124,6 +125,20 @@ def launch(out: Path, *args: str, timeout: float = TIMEOUT) -> Run:
     return Run(out, proc.returncode, stdout, stderr, argv)
 
 
+def in_process(out: Path, *args: str) -> Run:
+    """``dp_run.main([*args, "--out", out])`` in this process (one rank only)."""
+    spec = importlib.util.spec_from_file_location("dp_run", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    try:
+        script.main([*args, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return Run(out, 0, "", "", list(args))
+
+
 class Runs:
     """Cached runs of ``dp_run.py`` in one session directory."""
 
@@ -134,17 +149,21 @@ class Runs:
         self._cache: dict[tuple[str, ...], Run] = {}
 
     def fit(self, devices: int, accum: int, *args: str) -> Run:
-        """A (cached) training run of the tiny Llama at ``devices`` ranks; checked."""
+        """A (cached) training run of the tiny Llama at ``devices`` ranks; checked.
+
+        One process runs in this one, through ``dp_run.main`` (no interpreter start).
+        """
         key = ("fit", str(devices), str(accum), *args)
         if key not in self._cache:
             out = self.root / f"run{len(self._cache)}"
-            extra = list(args)
-            if "--tier" in extra and extra[extra.index("--tier") + 1] == "nvme":
-                extra += ["--nvme-path", str(out / "nvme")]
-            self._cache[key] = launch(
-                out, "--devices", str(devices), "--accum", str(accum),
-                "--model", str(self.model), *extra,
-            ).check()  # fmt: skip
+            argv = ["--devices", str(devices), "--accum", str(accum), "--model", str(self.model)]
+            argv += args
+            if "--tier" in args and args[args.index("--tier") + 1] == "nvme":
+                argv += ["--nvme-path", str(out / "nvme")]
+            if devices == 1:
+                self._cache[key] = in_process(out, *argv)
+            else:
+                self._cache[key] = launch(out, *argv).check()
         return self._cache[key]
 
     def predict(self, name: str, devices: int, prompts: Path, predictions: Path) -> Run:

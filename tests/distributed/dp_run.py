@@ -49,8 +49,8 @@ SEQ = 32
 VOCAB = 256
 STEPS_PER_EPOCH = 2
 DATA_SEED = 7
-PERTURBED = "model.layers.1.mlp.up_proj.weight"
-"""The weight ``--perturb`` changes on rank 1 (its block is ``model.layers.1``)."""
+PERTURBED = "model.model.layers.1.mlp.up_proj.weight"
+"""The weight ``--perturb`` changes on rank 1 (in block 1, ``model.layers.1`` of the network)."""
 
 
 class StridedSteps(DistributedSampler[Any]):
