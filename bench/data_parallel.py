@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     config = _common.llama_config(args)
     model = model_profile_from_config(config)
     print(
-        f"model: Llama {model.total_params / 1e6:.0f}M params ({args.layers} x hidden "
+        f"model: Llama {model.total_params / 1e6:.3g}M params ({args.layers} x hidden "
         f"{args.hidden}, ffn {args.ffn}, {args.heads} heads, vocab {args.vocab}), seq {args.seq}, "
         f"bf16 compute, weights and AdamW state on the host; global batch {args.micro_batch} x "
         f"{args.accumulate} sequences; {args.warmup} warm-up + {args.steps} timed steps; "
