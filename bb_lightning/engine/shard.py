@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from storage.checksum import crc32c
+
 __all__ = ["Piece", "ShardComm", "ShardLayout", "digest"]
 
 
@@ -89,6 +91,8 @@ class ShardComm:
         call.
         """
         s = layout.shard_numel
+        if s == 0:  # nothing to reduce (the same on every rank: the layouts are equal)
+            return self._buffer("_part", 0)
         pack = self._buffer("_pack", s * self.world_size)
         layout.pack(grads, pack)
         pack.mul_(1.0 / self.world_size)
@@ -110,6 +114,8 @@ class ShardComm:
                 f"{shard.dtype} (world_size x shard)"
             )
         dst = out[:n]
+        if n == 0:
+            return dst
         dist.all_gather_into_tensor(dst, shard.contiguous(), group=self.group)
         self.bytes_sent += shard.numel() * shard.element_size()
         return dst
@@ -259,7 +265,5 @@ class ShardLayout:
 
 def digest(flat: Tensor) -> int:
     """A CRC-32C of a flat tensor's bytes (the same values give the same digest)."""
-    from storage.checksum import crc32c
-
     data = flat.detach().contiguous().reshape(-1).cpu()
     return int(crc32c(data.view(torch.uint8)))

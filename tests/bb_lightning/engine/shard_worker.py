@@ -39,7 +39,10 @@ CASES = {
     "host": (Tier.HOST, Tier.HOST, 1, True, None),
     "nvme-clip": (Tier.NVME, Tier.NVME, 2, False, 0.05),
     "nvme-overlap": (Tier.HOST, Tier.NVME, 2, True, None),
+    "frozen-outside": (Tier.HOST, Tier.HOST, 1, True, None),
 }
+FROZEN = "frozen-outside"
+"""The case that trains the blocks only: nothing outside them has optimizer state."""
 SAVED = "nvme-clip"
 """The case whose 2 ranks save a checkpoint after 2 steps (``two.ckpt``)."""
 RESUMED = "host"
@@ -105,10 +108,20 @@ def state_of(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     return out
 
 
+def freeze_outside(model: torch.nn.Module) -> None:
+    """Freeze every parameter outside the decoder layers."""
+    inside = {id(p) for p in model.model.layers.parameters()}
+    for p in model.parameters():
+        if id(p) not in inside:
+            p.requires_grad_(False)
+
+
 def engine_for(case: str, path: Path, comm: ShardComm | None) -> tuple[TrainingEngine, TieredStore]:
     """A training engine of ``case``'s placement over a fresh tiny Llama and store."""
     weights, state = CASES[case][:2]
     model = tiny_llama()
+    if case == FROZEN:
+        freeze_outside(model)
     placement = _placement(weights, state)
     store = _store(path, model, placement, WORLD if comm is not None else 1)
     engine = TrainingEngine(

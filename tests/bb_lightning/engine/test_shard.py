@@ -31,6 +31,7 @@ from storage.tiers import Tier
 from .shard_worker import (
     ADAMW,
     CASES,
+    FROZEN,
     LAYERS,
     RESUMED,
     SAVED,
@@ -38,6 +39,7 @@ from .shard_worker import (
     WORLD,
     batches,
     engine_for,
+    freeze_outside,
     restore,
     run_steps,
     save,
@@ -67,17 +69,22 @@ def _reference(case: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """One process, torch AdamW, the whole global batch per step."""
     _, _, _, _, clip = CASES[case]
     model = tiny_llama()
+    if case == FROZEN:
+        freeze_outside(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        model.parameters(), lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
+        trained, lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
     )
     for ids in batches()[:steps]:
         model(input_ids=ids, labels=ids).loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(trained, clip)
         opt.step()
         opt.zero_grad()
     out: dict[str, torch.Tensor] = {}
     for key, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         out[f"master/{key}"] = p.detach().clone()
         out[f"exp_avg/{key}"] = opt.state[p]["exp_avg"].clone()
         out[f"exp_avg_sq/{key}"] = opt.state[p]["exp_avg_sq"].clone()
