@@ -112,6 +112,7 @@ def _assert_resumed(first: Any, resumed: Any, whole: Any) -> None:
     """``first`` then ``resumed`` trained as ``whole``: same losses per step, same state."""
     losses = {**first.losses(), **resumed.losses()}
     for step, values in whole.losses().items():
+        assert len(losses[step]) == len(values), f"step {step}: micro-batches over the ranks"
         torch.testing.assert_close(
             torch.tensor(losses[step]).mean(), torch.tensor(values).mean(), rtol=1e-5, atol=0
         )
