@@ -168,11 +168,13 @@ class Runs:
         return self._cache[key]
 
     def predict(self, name: str, devices: int, prompts: Path, predictions: Path) -> Run:
-        """A predict run of the generating model at ``devices`` ranks; checked."""
-        return launch(
-            self.root / name, "--devices", str(devices), "--model", str(self.prompt_model),
-            "--predict", str(prompts), "--predictions", str(predictions),
-        ).check()  # fmt: skip
+        """A predict run of the generating model at ``devices`` ranks (one: in this
+        process); checked."""
+        argv = ["--devices", str(devices), "--model", str(self.prompt_model)]
+        argv += ["--predict", str(prompts), "--predictions", str(predictions)]
+        if devices == 1:
+            return in_process(self.root / name, *argv)
+        return launch(self.root / name, *argv).check()
 
     def unchecked(self, name: str, *args: str) -> Run:
         """A training run of the tiny Llama that may fail (its exit status is the result)."""

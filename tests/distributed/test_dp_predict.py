@@ -1,7 +1,9 @@
 """Bulk predict on 2 CPU ranks: one JSONL file per rank, merged by rank 0, resumable.
 
 Each rank generates its stride of the pending prompts; the merged file holds every id
-exactly once, in input order, with Hugging Face ``generate``'s greedy tokens.
+exactly once, in input order, with Hugging Face ``generate``'s greedy tokens. Files a
+killed run left (a shard cut inside a line) resume at 2 ranks and at one process: only
+the prompts not yet written run, and the merged file is the same.
 """
 
 from __future__ import annotations
@@ -76,5 +78,19 @@ def test_seeded_shard_with_a_torn_line_resumes(runs: Any, whole: Any) -> None:
     run = runs.predict("predict-seeded", 2, prompts, out)
     seen = run.seen()
     assert sorted(seen[0] + seen[1]) == ["p1", "p3", "p5", "p6"]  # the torn one again
+    assert out.read_text() == done.read_text()
+    assert find_shards(out) == []
+
+
+def test_one_process_resumes_what_two_ranks_left(runs: Any, whole: Any) -> None:
+    _, done = whole
+    lines = done.read_text().splitlines(keepends=True)
+    out = runs.root / "predict-shrunk" / "out.jsonl"
+    prompts = _prompts(out.parent)
+    # a 2-rank run killed early: rank 0 wrote p0, p2 and half of p4, rank 1 wrote p1
+    shard_path(out, 0, 2).write_text(lines[0] + lines[2] + lines[4][:7])
+    shard_path(out, 1, 2).write_text(lines[1])
+    run = runs.predict("predict-shrunk", 1, prompts, out)
+    assert run.seen() == {0: ["p3", "p4", "p5", "p6"]}
     assert out.read_text() == done.read_text()
     assert find_shards(out) == []
