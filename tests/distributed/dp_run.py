@@ -18,7 +18,8 @@ What it writes under ``--out``:
 - ``ckpt/`` (fit; or ``--ckpt``): the checkpoint, saved by every rank with
   ``trainer.save_checkpoint``;
 - ``state.pt`` and ``result.json`` (rank 0, fit): the masters and AdamW moments read
-  back from ``ckpt/state.zarr`` with plain zarr, and the step count of ``meta.json``.
+  back from ``ckpt/state.zarr`` with plain zarr; the step count and the world size that
+  saved it from ``meta.json``, and the run's world size.
 """
 
 from __future__ import annotations
@@ -180,17 +181,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     """Masters and moments by kind and parameter name, from ``path/state.zarr`` with plain
-    zarr, and the step count of ``path/meta.json``."""
+    zarr, and ``path/meta.json`` (the step count, the world size that saved it)."""
     group = zarr.open_group(str(path / "state.zarr"), mode="r")
     state: dict[str, dict[str, torch.Tensor]] = {}
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         sub = group[kind]
         assert isinstance(sub, zarr.Group)
         state[kind] = {name: torch.from_numpy(a[...]) for name, a in sub.arrays()}
-    meta = json.loads((path / "meta.json").read_text())
-    return state, int(meta["step"])
+    return state, json.loads((path / "meta.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,9 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = out / "ckpt" if args.ckpt is None else Path(args.ckpt)
     trainer.save_checkpoint(ckpt)
     if trainer.is_global_zero:
-        state, step = read_checkpoint(ckpt)
+        state, meta = read_checkpoint(ckpt)
         torch.save(state, out / "state.pt")
-        result = {"step": step, "world_size": trainer.world_size}
+        result = {"step": meta["step"], "world_size": trainer.world_size}
+        result["saved_by"] = meta["world_size"]
         (out / "result.json").write_text(json.dumps(result))
     strategy.close()
 

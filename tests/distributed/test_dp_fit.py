@@ -65,7 +65,8 @@ def _moved(run: Any, initial: dict[str, Any]) -> float:
 def test_two_ranks_equal_one_process(runs: Any, case: str) -> None:
     one = runs.fit(1, 4, *CASES[case])
     two = runs.fit(2, 2, *CASES[case])
-    assert two.result()["world_size"] == 2
+    assert two.result()["world_size"] == two.result()["saved_by"] == 2
+    assert one.result()["saved_by"] == 1
     assert two.loss_files() == ["losses.rank0.json", "losses.rank1.json"]
     assert [len(v) for v in two.losses().values()] == [4, 4, 4]
     assert_same_training(two, one)
@@ -92,7 +93,7 @@ def test_nvme_path_gets_a_directory_per_rank(runs: Any) -> None:
 def test_two_rank_checkpoint_resumes_in_one_process(runs: Any) -> None:
     case = CASES["host-clip"]
     first = runs.fit(2, 2, *case, "--steps", "2")
-    assert first.result() == {"step": 2, "world_size": 2}
+    assert first.result() == {"step": 2, "world_size": 2, "saved_by": 2}
     resumed = runs.fit(1, 4, *case, "--resume", str(first.out / "ckpt"))
     whole = runs.fit(1, 4, *case)
     assert sorted(resumed.losses()) == [2]  # only the third step ran
