@@ -553,7 +553,9 @@ def run_lightning_cli(args: Sequence[str]) -> int:
     from jsonargparse import ArgumentError
 
     try:
-        with _argv(sys.argv[:1]):  # the arguments come from ``args`` only
+        # the arguments come from ``args`` only; sys.argv says them too, for Lightning's
+        # launcher of several ranks, which starts each rank's process with sys.argv
+        with _argv([*sys.argv[:1], *args]):
             _build_lightning_cli(list(args))
     except ArgumentError as err:
         raise UsageError(
@@ -668,6 +670,8 @@ class BalanceBeamCLI(LightningCLI):
         strategy = self.trainer.strategy
         plan = getattr(strategy, "plan", None)
         engine = getattr(strategy, "engine", None)
+        if not self.trainer.is_global_zero:  # every rank ran the same plan: said once
+            plan = engine = None
         if plan is not None:
             print("plan used:\n" + plan.explain())
         elif engine is not None:
@@ -684,9 +688,9 @@ def _print_samples(cli: Any, prompts: list[str], new_tokens: int) -> None:
     from bb_lightning.tokenizer import decode_ids, encode_text, load_tokenizer
 
     gather = getattr(cli.trainer.strategy, "gather_full_model", None)
-    module = gather() if callable(gather) else cli.model
+    module = gather() if callable(gather) else cli.model  # on every rank (collective reads)
     net = getattr(module, "model", None)
-    if net is None:
+    if net is None or not cli.trainer.is_global_zero:
         return
     data = cli.datamodule
     tokenizer = getattr(data, "tokenizer", None) or load_tokenizer(None)
