@@ -130,9 +130,9 @@ class AdaptController:
 def apply_plan(engine: TrainingEngine, plan: Plan) -> bool:
     """Move the blocks' homes to ``plan``'s placement when the open store holds it."""
     placement = plan.placement
-    numels = [s.numel for s in engine.pager.states]
-    need = required_budgets(numels, engine.resident.numel, placement,
-                            engine.pager.frozen_numels)  # fmt: skip
+    numels = [s.full_numel for s in engine.pager.states]
+    need = required_budgets(numels, engine.resident.full_numel, placement,
+                            engine.pager.frozen_numels, shards=engine.world_size)  # fmt: skip
     room = {t: cap for t, (_, cap) in engine.store.usage().items()}
     short = [t.value for t in Tier if need[t] > room[t]]
     if short:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
 from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import (
     ParamLoader,
     TrainingEngine,
@@ -79,17 +80,21 @@ def build_engine(
     store: StoreConfig | None = None,
     nvme_path: str | None = None,
     plan: Plan | None = None,
+    comm: ShardComm | None = None,
 ) -> Assembly:
     """Open the store for ``placement`` and build the engine of ``module``'s ``blocks``.
 
     ``store`` None sizes the budgets (:func:`store_config`; with ``plan``, a training
-    store keeps room for its re-plans). Raises ``ValueError`` when the budgets cannot
+    store keeps room for its re-plans). ``comm``: data parallelism, the training
+    engine stores this rank's shard of the optimizer state (the weights-only engine
+    needs no collectives and ignores it). Raises ``ValueError`` when the budgets cannot
     hold the placement; a failure leaves nothing open.
     """
+    shards = 1 if comm is None or not training else comm.world_size
     if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        need = required_budgets(numels, rest, placement, frozen)
-        sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path)
+        need = required_budgets(numels, rest, placement, frozen, shards=shards)
+        sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path, shards)
     else:
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement)  # fmt: skip
@@ -99,8 +104,15 @@ def build_engine(
     try:
         check_budgets(need, _arena_bytes(config))
         opened = TieredStore(config)
-        kind = TrainingEngine if training else InferenceEngine
-        engine = kind(module, list(blocks), opened, placement, device=device, loader=loader)
+        engine: AnyEngine
+        if training:
+            engine = TrainingEngine(
+                module, list(blocks), opened, placement, device=device, loader=loader, comm=comm
+            )
+        else:
+            engine = InferenceEngine(
+                module, list(blocks), opened, placement, device=device, loader=loader
+            )
     except BaseException:
         if opened is not None:
             opened.close()
@@ -139,6 +151,7 @@ def _replan_room(
     frozen: list[int],
     plan: Plan | None,
     nvme_path: str | None,
+    shards: int = 1,
 ) -> dict[Tier, int]:
     """``need`` raised to the plan's budgets (room for re-plans), within what any
     placement of these blocks may use."""
@@ -157,6 +170,7 @@ def _replan_room(
                     compute_dtype=placement.compute_dtype,
                 ),
                 frozen,
+                shards=shards,
             )[t]
             for t in Tier
         }

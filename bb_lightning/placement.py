@@ -284,7 +284,7 @@ def weights_manifest(
 
 
 def training_manifest(
-    sizes: ModelSizes, placement: Placement, prefix: str = "block"
+    sizes: ModelSizes, placement: Placement, prefix: str = "block", *, shards: int = 1
 ) -> tuple[StoredTensor, ...]:
     """What the training engine stores, in registration order.
 
@@ -296,7 +296,14 @@ def training_manifest(
     :data:`SCRATCH_SETS` host scratch sets (four fp32 buffers and one compute-dtype
     ``cast`` of the largest block each), and, with optimizer state off the host,
     ``placement.read_ahead`` read-ahead sets (three fp32 buffers each).
+
+    With ``shards`` N > 1 (data parallelism, :mod:`bb_lightning.engine.shard`) every fp32
+    state holds one rank's shard, ``ceil(numel / N)`` elements, and so do the fp32 scratch
+    and read-ahead buffers; the weights stay whole, and each ``cast`` buffer holds N
+    shards of the largest block (the all-gathered weights).
     """
+    if shards < 1:
+        raise ValueError(f"shards={shards} must be >= 1 (the data-parallel world size)")
     _check_blocks(sizes, placement)
     if not placement.master:
         raise ValueError(
@@ -305,20 +312,25 @@ def training_manifest(
         )
     dtype, fp32, host = placement.compute_dtype, "float32", Tier.HOST
     frozen = sizes.frozen or (0,) * len(sizes.blocks)
-    out = _flat_state(RESIDENT_PREFIX, sizes.rest, host, host)
+
+    def shard(numel: int) -> int:
+        return -(-numel // shards)
+
+    out = _flat_state(RESIDENT_PREFIX, shard(sizes.rest), host, host)
     tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
     for i, (n, f, (w, m, g)) in enumerate(zip(sizes.blocks, frozen, tiers, strict=True)):
         name = f"{prefix}.{i}"
         if f:
             out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
         out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
-        out += _flat_state(name, n, m, g)
-    largest = max(sizes.blocks)
+        out += _flat_state(name, shard(n), m, g)
+    largest = shard(max(sizes.blocks))
+    cast = largest * shards if shards > 1 else largest
     for k in range(SCRATCH_SETS):
         name = f"{SCRATCH_PREFIX}.{k}"
         out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)
                 for b in SCRATCH_FP32]  # fmt: skip
-        out.append(StoredTensor(name=f"{name}.cast", numel=largest, dtype=dtype, home=host))
+        out.append(StoredTensor(name=f"{name}.cast", numel=cast, dtype=dtype, home=host))
     if placement.reads_ahead:
         for k in range(placement.read_ahead):
             out += [StoredTensor(name=read_ahead_name(k, s), numel=largest, dtype=fp32, home=host)

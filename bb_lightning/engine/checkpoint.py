@@ -31,6 +31,7 @@ of processes that are gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStateDict",
     "CheckpointWriteError",
+    "follow_save",
     "load_checkpoint",
     "model_info",
     "read_meta",
@@ -155,16 +157,19 @@ def _group_json(path: Path, attributes: dict[str, Any]) -> None:
     write_synced(path / "zarr.json", json.dumps(doc, indent=2).encode())
 
 
-def _write_state(engine: TrainingEngine, root: Path, kinds: tuple[StateKind, ...]) -> None:
-    """Every parameter's state in ``kinds`` as arrays of subgroups of ``root`` (fp32)."""
+def _write_state(
+    engine: TrainingEngine, root: Path, kinds: tuple[StateKind, ...], items: Iterator[Any]
+) -> None:
+    """Every parameter's state in ``kinds`` (``items``: ``engine.iter_state(kinds)``) as
+    arrays of subgroups of ``root`` (fp32)."""
     named = engine.named_states()
-    total = sum(padded(s.numel * 4) for s, _ in named)
+    total = sum(padded(s.full_numel * 4) for s, _ in named)
     largest = max(math.prod(shape) for s, _ in named for shape in s.shapes)
     buf = aligned_empty(padded(largest * 4))
     backend = open_backend()
     tiers = {k: NvmeTier(root / k, capacity=total, backend=backend) for k in kinds}
     try:
-        for name, state in engine.iter_state(kinds):
+        for name, state in items:
             for kind, value in state.items():
                 tier = tiers[kind]
                 tier.create(name, tuple(value.shape), torch.float32)
@@ -193,11 +198,22 @@ def save_checkpoint(
 
     A save that fails (a full disk...) removes what it wrote and leaves the previous
     checkpoint at ``path`` whole; a disk error raises :class:`CheckpointWriteError`.
+
+    Under data parallelism (``engine.comm``) rank 0 calls this while every other rank
+    calls :func:`follow_save` with the same ``weights_only``: the state is gathered from
+    every rank's shard; the file ``meta.json`` records the world size. A failed save
+    still takes part in every gather, so the other ranks never wait forever.
     """
     final = Path(path).absolute()
+    kinds: tuple[StateKind, ...] = ("master",) if weights_only else STATE_KINDS
+    items = engine.iter_state(kinds)
     try:
-        return _save(engine, final, trainer_state, weights_only)
+        return _save(engine, final, trainer_state, weights_only, items)
     except BaseException as exc:
+        if engine.comm is not None:
+            with contextlib.suppress(Exception):
+                for _ in items:  # the gathers the other ranks are in
+                    pass
         recover(final)  # drops this save's partial directory, puts back a checkpoint moved aside
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
             raise CheckpointWriteError(
@@ -208,8 +224,20 @@ def save_checkpoint(
         raise
 
 
+def follow_save(engine: TrainingEngine, *, weights_only: bool = False) -> None:
+    """A rank other than 0's part of a data-parallel :func:`save_checkpoint`: the same
+    gathers of the state, nothing written."""
+    kinds: tuple[StateKind, ...] = ("master",) if weights_only else STATE_KINDS
+    for _ in engine.iter_state(kinds):
+        pass
+
+
 def _save(
-    engine: TrainingEngine, final: Path, trainer_state: Mapping[str, Any], weights_only: bool
+    engine: TrainingEngine,
+    final: Path,
+    trainer_state: Mapping[str, Any],
+    weights_only: bool,
+    items: Iterator[Any],
 ) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     recover(final)
@@ -220,7 +248,7 @@ def _save(
     params = {key for _, keys in named for key in keys}
     attributes = {"format": FORMAT, "version": VERSION, "step": engine.step_count}
     _group_json(tmp / STATE_DIR, attributes)
-    _write_state(engine, tmp / STATE_DIR, kinds)
+    _write_state(engine, tmp / STATE_DIR, kinds, items)
 
     rest = {k: v for k, v in trainer_state.items() if k != "state_dict"}
     sd = trainer_state.get("state_dict", {})
@@ -242,6 +270,7 @@ def _save(
     meta = {
         **attributes,
         "weights_only": weights_only,
+        "world_size": engine.world_size,
         "model": model_info(engine.model),
         "parameters": [
             {"name": key, "shape": list(shape), "aliases": aliases[key]}

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.observers import BlockObserver
+from bb_lightning.engine.shard import ShardComm, digest
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import Placement, StoredTensor
 from storage.deferred import CopyEvent
@@ -126,6 +127,11 @@ class FlatState:
     else from the parameters' current values (which may then not be on the meta device).
     Its four tensors (``<name>.master``, ``.exp_avg``, ``.exp_avg_sq``, ``.grad``) are
     registered as the ``manifest`` entries of those names say (homes, sizes, dtypes).
+
+    With ``comm`` (data parallelism, :mod:`bb_lightning.engine.shard`) the four hold this
+    rank's shard only: :attr:`numel` is the shard's elements, :attr:`full_numel` the
+    parameters'; :meth:`accumulate` reduce-scatters the gradients first, and
+    :meth:`gather` gives the whole flat state from every rank's shard.
     """
 
     def __init__(
@@ -136,17 +142,27 @@ class FlatState:
         *,
         manifest: Mapping[str, StoredTensor],
         initial: Tensor | None = None,
+        comm: ShardComm | None = None,
     ) -> None:
         self.store = store
         self.name = name
+        self.comm = comm
+        """The collectives of data parallelism (None: one process holds the whole state)."""
         self.shapes = [tuple(p.shape) for p in params]
-        self.numel = sum(math.prod(s) for s in self.shapes)
+        self.full_numel = sum(math.prod(s) for s in self.shapes)
+        """Elements of the parameters laid end to end."""
+        self.numel = self.full_numel if comm is None else comm.shard_numel(self.full_numel)
+        """Elements of each stored tensor (this rank's shard under ``comm``)."""
         master = initial if initial is not None else flatten_fp32(params)
-        if master.shape != (self.numel,) or master.dtype != torch.float32:
+        if master.shape != (self.full_numel,) or master.dtype != torch.float32:
             raise ValueError(
                 f"initial values of {name!r} have shape {tuple(master.shape)} and {master.dtype}; "
-                f"expected ({self.numel},) and torch.float32: lay the parameters end to end"
+                f"expected ({self.full_numel},) and torch.float32: lay the parameters end to end"
             )
+        self.digest = digest(master) if comm is not None else None
+        """CRC-32C of the initial values under ``comm`` (checked equal on every rank)."""
+        if comm is not None:
+            master = comm.shard_of(master)
         zeros = torch.zeros(self.numel, dtype=torch.float32)
         register_stored(store, manifest[self.master_name], master)
         register_stored(store, manifest[f"{name}.exp_avg"], zeros)
@@ -172,6 +188,9 @@ class FlatState:
         Without ``persist`` the sum lives only in ``scratch`` (the caller steps from it).
         """
         first = not self.grad_pending
+        shapes = self.shapes
+        if self.comm is not None:  # this rank's shard of the mean over the ranks
+            grads, shapes = [self.comm.reduce_scatter(grads, self.shapes)], [(self.numel,)]
         if self.store.home(self.grad_name) is Tier.HOST:
             flat = self.store.host_view(self.grad_name)
             persist = False
@@ -183,9 +202,9 @@ class FlatState:
                 )
             flat = scratch[: self.numel] if first else self.gradient(scratch)
         if first:  # nothing to add to: the gradients are copied in (absent ones as zeros)
-            _copy_all(_views(flat, self.shapes), grads)
+            _copy_all(_views(flat, shapes), grads)
         else:
-            _add_all(_views(flat, self.shapes), grads)
+            _add_all(_views(flat, shapes), grads)
         self.grad_pending = True
         if persist:
             self.store.write(self.grad_name, flat)
@@ -224,8 +243,34 @@ class FlatState:
         return self.store.read(self.master_name, out=out)
 
     def master_views(self, flat: Tensor) -> list[Tensor]:
-        """Per-parameter views of a flat buffer laid out like this state."""
+        """Per-parameter views of a whole flat buffer laid out like this state (under
+        ``comm`` a shard must be gathered first: :meth:`gather`)."""
         return _views(flat, self.shapes)
+
+    def gather(self, shard: Tensor, out: Tensor | None = None) -> Tensor:
+        """The whole flat state (:attr:`full_numel` elements) from every rank's ``shard``.
+
+        Without ``comm`` that is ``shard`` itself. Under ``comm`` it is a collective:
+        every rank calls it for the same state in the same order. ``out`` (None: a new
+        tensor) holds at least ``world_size * numel`` elements of ``shard``'s dtype.
+        """
+        if self.comm is None:
+            return shard[: self.full_numel]
+        n = self.numel * self.comm.world_size
+        if out is None:
+            out = torch.empty(n, dtype=shard.dtype)
+        return self.comm.all_gather(shard[: self.numel], out)[: self.full_numel]
+
+    def local(self, full: Tensor, out: Tensor) -> Tensor:
+        """This rank's part of the whole flat ``full`` written into ``out`` (``numel``
+        elements, zero-padded); without ``comm`` that is ``full`` copied."""
+        if self.comm is None:
+            return out[: self.numel].copy_(full[: self.numel])
+        start, stop = self.comm.bounds(self.full_numel)
+        dst = out[: self.numel]
+        dst[: stop - start].copy_(full[start:stop])
+        dst[stop - start :].zero_()
+        return dst
 
     def move(self, home: Tier, grad_home: Tier | None = None) -> None:
         """Change the home tier of the master weights and moments (they must be released)
@@ -545,6 +590,7 @@ class BlockPager:
         loader: BlockLoader | None = None,
         timer: PhaseTimer | None = None,
         weights_only: bool = False,
+        comm: ShardComm | None = None,
     ) -> None:
         """Register every block's tensors in ``store`` as ``manifest`` (by name) says and
         unbind its parameters.
@@ -559,6 +605,7 @@ class BlockPager:
             weights_only: register only the compute-dtype weights (inference): no
                 :class:`FlatState` (master weights, moments, gradient accumulators);
                 :attr:`states` is then empty and ``placement.master`` is not read.
+            comm: data parallelism: each :class:`FlatState` holds this rank's shard.
         """
         if len(placement.weights) != len(blocks):
             raise ValueError(
@@ -605,7 +652,9 @@ class BlockPager:
             if weights_only:
                 del master
                 continue
-            state = FlatState(store, f"{prefix}.{i}", params, manifest=manifest, initial=master)
+            state = FlatState(
+                store, f"{prefix}.{i}", params, manifest=manifest, initial=master, comm=comm
+            )
             self.states.append(state)
             del master
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)

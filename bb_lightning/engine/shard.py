@@ -70,8 +70,7 @@ class ShardComm:
                 "ShardComm.from_world needs an initialised torch.distributed world: run under "
                 "a Lightning Trainer with devices > 1 or num_nodes > 1"
             )
-        kwargs = {} if timeout is None else {"timeout": timeout}
-        group = dist.new_group(backend=backend, **kwargs)
+        group = dist.new_group(backend=backend, timeout=timeout)
         return cls(group, rank=dist.get_rank(), world_size=dist.get_world_size())
 
     # -- layout -------------------------------------------------------------------

@@ -70,6 +70,7 @@ from bb_lightning.engine.pager import (
     torch_dtype,
 )
 from bb_lightning.engine.recompute import planned_autograd_blocks
+from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
     RESIDENT_PREFIX,
@@ -153,6 +154,8 @@ def required_budgets(
     resident_numel: int,
     placement: Placement,
     frozen_numels: Sequence[int] | None = None,
+    *,
+    shards: int = 1,
 ) -> dict[Tier, int]:
     """Bytes each tier needs for this placement: :func:`~bb_lightning.engine.pager.
     store_budgets` of the :func:`~bb_lightning.placement.training_manifest` (every tensor
@@ -160,14 +163,15 @@ def required_budgets(
 
     ``block_numels`` and ``resident_numel`` count trainable parameters; ``frozen_numels``
     (None: none) the frozen parameters of each block, which cost only their
-    compute-dtype weights on the weights' home and in the paging slots.
+    compute-dtype weights on the weights' home and in the paging slots. ``shards`` is the
+    data-parallel world size (each rank stores one shard of the fp32 state).
     """
     sizes = ModelSizes(
         blocks=tuple(block_numels),
         frozen=() if frozen_numels is None else tuple(frozen_numels),
         rest=resident_numel,
     )
-    return store_budgets(training_manifest(sizes, placement), placement)
+    return store_budgets(training_manifest(sizes, placement, shards=shards), placement)
 
 
 def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[int], int, list[int]]:
@@ -262,16 +266,21 @@ class TrainingEngine:
         *,
         device: torch.device,
         loader: ParamLoader | None = None,
+        comm: ShardComm | None = None,
     ) -> None:
         """Put ``blocks`` in ``store`` and the other parameters on ``device``.
 
         ``loader`` gives parameter values when the model was built on the meta device
         (each block is read into the store one tensor at a time); None reads the
-        parameters themselves.
+        parameters themselves. ``comm`` (data parallelism, :mod:`~bb_lightning.engine.
+        shard`): this rank stores one shard of every fp32 state; the initial weights are
+        checked equal on every rank (``ValueError`` naming the blocks that differ).
         """
         self.model = model
         self.store = store
         self.device = device
+        self.comm = comm
+        """The collectives of data parallelism (None: one process)."""
         self.compute_dtype = compute_dtype = torch_dtype(placement)
         """The dtype the device computes in (``placement.compute_dtype``)."""
         sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -302,7 +311,12 @@ class TrainingEngine:
         self._set_manifest(placement)
         initial = None if loader is None else flat_from(self.resident_params, loader)
         self.resident = FlatState(
-            store, RESIDENT_PREFIX, self.resident_params, manifest=self._by_name, initial=initial
+            store,
+            RESIDENT_PREFIX,
+            self.resident_params,
+            manifest=self._by_name,
+            initial=initial,
+            comm=comm,
         )
         block_lists = [[p for _, p in block_params(b)] for b in blocks]
         self.pager = BlockPager(
@@ -313,7 +327,10 @@ class TrainingEngine:
             device=device,
             loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
+            comm=comm,
         )
+        if comm is not None:
+            self._check_same_start(comm, blocks)
         if initial is not None:
             views = self.resident.master_views(initial)
             for p, v in zip(self.resident_params, views, strict=True):
@@ -330,6 +347,15 @@ class TrainingEngine:
         self.step_count = 0
         """Optimizer steps taken (the AdamW bias corrections use it)."""
         self._largest = max(s.numel for s in self.pager.states)
+        width = 1 if comm is None else comm.world_size
+        self._cast_part = torch.empty(
+            0 if comm is None else max(self._largest, self.resident.numel), dtype=compute_dtype
+        )
+        """A shard cast to the compute dtype before its all-gather (data parallelism)."""
+        self._resident_full = torch.empty(
+            0 if comm is None else self.resident.numel * width, dtype=compute_dtype
+        )
+        """The all-gathered compute-dtype values of the resident parameters."""
         self._sets = [self._scratch_set(k, self._largest) for k in range(SCRATCH_SETS)]
         self._next_set = 0
         self._free_ahead: list[_Scratch] = []
@@ -362,8 +388,22 @@ class TrainingEngine:
                 placement = dataclasses.replace(placement, recomputed=recomputed)
             self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
 
+    def _check_same_start(self, comm: ShardComm, blocks: Sequence[nn.Module]) -> None:
+        """Raise ``ValueError`` unless every rank starts from the same weights."""
+        where = {id(m): name for name, m in self.model.named_modules()}
+        labels = [f"block {i} ({where.get(id(b), '?')})" for i, b in enumerate(blocks)]
+        labels.append("the parameters outside the blocks (embedding, final norm, head)")
+        digests = [s.digest for s in self.states]
+        assert all(d is not None for d in digests)
+        comm.check_equal(labels, [int(d) for d in digests if d is not None])
+
+    @property
+    def world_size(self) -> int:
+        """Ranks sharing the optimizer state (1 without data parallelism)."""
+        return 1 if self.comm is None else self.comm.world_size
+
     def _set_manifest(self, placement: Placement) -> None:
-        self.manifest = training_manifest(self.sizes, placement)
+        self.manifest = training_manifest(self.sizes, placement, shards=self.world_size)
         self._by_name = {t.name: t for t in self.manifest}
 
     def _ensure_ahead_sets(self, placement: Placement) -> None:
@@ -378,7 +418,8 @@ class TrainingEngine:
         store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
         for name in (*SCRATCH_FP32, "cast"):
             entry = self._by_name[f"{prefix}.{name}"]
-            assert entry.numel == numel, (entry, numel)
+            want = numel * self.world_size if name == "cast" and self.comm else numel
+            assert entry.numel == want, (entry, want)
             register_stored(store, entry)
         return _Scratch(
             fp32={name: store.host_view(f"{prefix}.{name}") for name in SCRATCH_FP32},
@@ -522,6 +563,11 @@ class TrainingEngine:
         )
 
     def _write_weights(self, i: int, master: Tensor, scratch: _Scratch) -> None:
+        if self.comm is not None:  # every rank's stepped shard, cast, into scratch.cast
+            state = self.pager.states[i]
+            part = self._cast_part[: state.numel]
+            part.copy_(master[: state.numel])
+            master = state.gather(part, scratch.cast)
         ticket = self.pager.write_weights(i, master, scratch.cast)
         if ticket is not None:
             scratch.tickets.append(ticket)
@@ -539,7 +585,10 @@ class TrainingEngine:
         """Global 2-norm of the accumulated gradients (fp32)."""
         self.grads.wait()
         scratch = self._take_set().fp32["grad"]
-        return global_grad_norm(s.gradient(scratch) for s in self.states)
+        local = global_grad_norm(s.gradient(scratch) for s in self.states)
+        if self.comm is None:
+            return local
+        return math.sqrt(self.comm.sum(local * local))  # the shards' squares summed
 
     def optimizer_step(self, adamw: AdamWConfig, clip: ClipConfig | None = None) -> None:
         """One AdamW step of every parameter from the accumulated gradients; zeroes them.
@@ -567,8 +616,7 @@ class TrainingEngine:
         master = self._step_state(
             resident, overlap.stepper, overlap.lr, 1.0, overlap.step, None, resident.gradient()
         )
-        for p, v in zip(self.resident_params, resident.master_views(master), strict=True):
-            p.data.copy_(v)
+        self._set_resident(master)
 
     def _step_all(self, adamw: AdamWConfig, clip: ClipConfig | None) -> None:
         scale, clamp = 1.0, None
@@ -594,7 +642,17 @@ class TrainingEngine:
         master = self._step_state(
             self.resident, stepper, adamw.lr, scale, self.step_count, None, grad
         )
-        for p, v in zip(self.resident_params, self.resident.master_views(master), strict=True):
+        self._set_resident(master)
+
+    def _set_resident(self, master: Tensor) -> None:
+        """The resident parameters' device values from their stepped fp32 ``master``
+        (this rank's shard under data parallelism: cast, then all-gathered)."""
+        resident = self.resident
+        if self.comm is not None:
+            part = self._cast_part[: resident.numel]
+            part.copy_(master[: resident.numel])
+            master = resident.gather(part, self._resident_full)
+        for p, v in zip(self.resident_params, resident.master_views(master), strict=True):
             p.data.copy_(v)
 
     def _step_state(
@@ -674,18 +732,23 @@ class TrainingEngine:
 
         Reads one flat state at a time into the engine's scratch buffers (HOST-home
         state is seen in place): the tensors yielded are views, valid until the next
-        item (copy to keep them).
+        item (copy to keep them). Under data parallelism each flat state is gathered
+        from every rank's shard: a collective, so every rank iterates it to the end with
+        the same ``kinds``.
         """
         self.grads.wait()
         self.pager.release_all_except(())
         self._settle_sets()
         scratch = self._sets[0].fp32
+        wide = self._whole_buffers(kinds)
         for state, names in self.named_states():
             views: dict[StateKind, list[Tensor]] = {}
             for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                 if kind in kinds:
-                    flat = self._flat(name, scratch[kind], state.numel)
-                    views[kind] = state.master_views(self._read(name, flat))
+                    flat = self._read(name, self._flat(name, scratch[kind], state.numel))
+                    if self.comm is not None:
+                        flat = state.gather(flat, wide[kind])
+                    views[kind] = state.master_views(flat)
             for j, key in enumerate(names):
                 yield key, {kind: v[j] for kind, v in views.items()}
 
@@ -696,19 +759,26 @@ class TrainingEngine:
 
         ``out`` is an fp32 host view of the parameter's shape. When ``master`` is among
         ``kinds``, the compute-dtype weights (paged and resident) are re-derived from it.
+        Under data parallelism every rank fills whole parameters and keeps its shard (no
+        collective: each rank reads the values itself).
         """
         self.grads.wait()
         self.pager.release_all_except(())
         self._settle_sets()
         scratch = self._sets[0]
+        wide = self._whole_buffers(kinds)
         for i, (state, names) in enumerate(self.named_states()):
             flats: dict[StateKind, Tensor] = {}
             for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                 if kind not in kinds:
                     continue
-                flat = flats[kind] = self._flat(name, scratch.fp32[kind], state.numel)
-                for key, view in zip(names, state.master_views(flat), strict=True):
+                flat = self._flat(name, scratch.fp32[kind], state.numel)
+                whole = flat if self.comm is None else wide[kind][: state.full_numel]
+                flats[kind] = whole
+                for key, view in zip(names, state.master_views(whole), strict=True):
                     fill(key, kind, view)
+                if self.comm is not None:
+                    state.local(whole, flat)
                 if self.store.home(name) is not Tier.HOST:
                     self.store.write(name, flat)
             if "master" not in kinds:
@@ -721,6 +791,14 @@ class TrainingEngine:
             else:
                 for p, v in zip(self.resident_params, state.master_views(master), strict=True):
                     p.data.copy_(v)
+
+    def _whole_buffers(self, kinds: Sequence[StateKind]) -> dict[StateKind, Tensor]:
+        """fp32 host buffers of every rank's shards of the largest flat state, per kind
+        (data parallelism; none otherwise)."""
+        if self.comm is None:
+            return {}
+        n = max(s.numel for s in self.states) * self.comm.world_size
+        return {kind: torch.empty(n, dtype=torch.float32) for kind in kinds}
 
     def _flat(self, name: str, scratch: Tensor, numel: int) -> Tensor:
         """Where the state ``name`` is worked on: its host view (HOST home) or ``scratch``."""
@@ -836,8 +914,8 @@ class EngineStateDict(Mapping[str, Tensor]):
         if self._cached is None or self._cached[0] != i:
             engine = self.engine
             engine.grads.wait()
-            state = engine.states[i]
-            self._cached = (i, state.master_views(state.read_master()))
+            state = engine.states[i]  # under data parallelism a collective: every rank asks
+            self._cached = (i, state.master_views(state.gather(state.read_master())))
         return self._cached[1][j].clone()
 
     def __contains__(self, key: object) -> bool:

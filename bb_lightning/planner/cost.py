@@ -220,7 +220,7 @@ def ring_seconds(nbytes: Num, world_size: int, bandwidth: float, latency: float)
 
 
 def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of one rank's dim-0 shard of ``numel`` elements: ``ceil(numel / N)``
+    """Elements of one rank's shard (a contiguous range) of ``numel`` elements: ``ceil(numel / N)``
     (the last rank's shard padded to the others' size)."""
     return -(-numel // max(world_size, 1))
 
