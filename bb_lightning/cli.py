@@ -553,9 +553,7 @@ def run_lightning_cli(args: Sequence[str]) -> int:
     from jsonargparse import ArgumentError
 
     try:
-        # the arguments come from ``args`` only; sys.argv says them too, for Lightning's
-        # launcher of several ranks, which starts each rank's process with sys.argv
-        with _argv([*sys.argv[:1], *args]):
+        with _argv(sys.argv[:1]):  # the arguments come from ``args`` only
             _build_lightning_cli(list(args))
     except ArgumentError as err:
         raise UsageError(
@@ -607,6 +605,7 @@ class BalanceBeamCLI(LightningCLI):
         """Parse as LightningCLI does; a bad key or value becomes one :class:`UsageError` line."""
         from jsonargparse import ArgumentError
 
+        self._args = [a for a in (args or []) if isinstance(a, str)]
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -614,6 +613,12 @@ class BalanceBeamCLI(LightningCLI):
             command = next((a for a in words if a in _LIGHTNING_HELP), "fit")
             sub = getattr(self, "_subcommand_parsers", {}).get(command, parser)
             raise UsageError(explain_jsonargparse(str(err), parser_keys(sub), command)) from None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it with ``sys.argv`` saying the command: Lightning's launcher of several
+        ranks (``--trainer.devices 2``) starts each rank's process with ``sys.argv``."""
+        with _argv([*sys.argv[:1], *getattr(self, "_args", [])]):
+            super()._run_subcommand(subcommand)
 
     def before_instantiate_classes(self) -> None:
         cfg = self._config()

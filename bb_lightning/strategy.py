@@ -372,15 +372,12 @@ class BalanceBeamStrategy(ParallelStrategy):
             dtype = dtype_name(self.resolved_dtype())
             placement = dataclasses.replace(self.placement, compute_dtype=dtype)
         rank, ranks = self.global_rank, self.world_size
-        parallel: dict[str, Any] = {}  # one process: no collectives
-        if ranks > 1:
-            parallel["comm"] = self.shard_comm()
         built = assembly.build_engine(
             module, list(blocks), placement, training=training,
             device=self.root_device, loader=loader,
             store=world.rank_store_config(self.store_config, rank, ranks),
             nvme_path=world.rank_nvme_path(self.nvme_path, rank, ranks), plan=self.plan,
-            **parallel,
+            comm=self.shard_comm() if ranks > 1 else None,  # one process: no collectives
         )  # fmt: skip
         self._slot.hold(built, self)
 
