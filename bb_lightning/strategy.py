@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import tempfile
 import weakref
 from collections.abc import Callable, Generator, Mapping
@@ -413,12 +414,16 @@ class BalanceBeamStrategy(ParallelStrategy):
     ) -> tuple[Placement, Plan | None]:
         """``place()`` run on rank 0, its result (or its error) broadcast to every rank."""
         outcome: tuple[Placement, Plan | None] | BaseException | None = None
+        failed: Exception | None = None
         if self.is_global_zero:
             try:
                 outcome = place()
             except Exception as err:  # the other ranks raise it too, not wait for a plan
-                outcome = err
+                failed = err
+                outcome = err if _picklable(err) else RuntimeError(f"rank 0 cannot plan: {err}")
         outcome = self.broadcast(outcome)
+        if failed is not None:
+            raise failed
         if isinstance(outcome, BaseException):
             raise outcome
         assert outcome is not None
@@ -479,9 +484,10 @@ class BalanceBeamStrategy(ParallelStrategy):
             self._adopt(replanned)
 
     def _reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (host) all-reduced with MAX over the ranks (the world group)."""
-        result: torch.Tensor = self.reduce(tensor, reduce_op="max")
-        return result
+        """``tensor`` (host) all-reduced with MAX over the ranks (the world group, on this
+        rank's device: an NCCL-only world reduces no host tensors); returned on the host."""
+        result: torch.Tensor = self.reduce(tensor.to(self.root_device), reduce_op="max")
+        return result.cpu()
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module else None
@@ -614,7 +620,8 @@ class BalanceBeamStrategy(ParallelStrategy):
         ``"bf16-true"``, else fp32: the fp32 master weights after ``fit``, the
         compute-dtype weights after a weights-only ``validate`` / ``predict``); a later
         ``trainer.*`` call pages it again from these values (the AdamW moments are not
-        kept). Returns the module.
+        kept). Returns the module. With several ranks every rank calls it (the weights
+        are read with collectives).
         """
         module = self.lightning_module
         assert module is not None
@@ -645,6 +652,14 @@ class BalanceBeamStrategy(ParallelStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 def check_start_method(start_method: str) -> None:

@@ -194,3 +194,62 @@ def test_a_planning_error_on_rank_zero_is_raised_on_every_rank() -> None:
         zero._planned_on_rank_zero(fails)
     with pytest.raises(ValueError, match="cannot plan the batch in use"):
         one._planned_on_rank_zero(fails)  # raised from rank 0's broadcast, not run here
+
+
+class _Unpicklable(ValueError):
+    def __init__(self) -> None:
+        super().__init__("model too large")
+        self.hook = lambda: None  # a lambda does not pickle
+
+
+def test_an_unpicklable_planning_error_still_reaches_the_other_ranks() -> None:
+    sent: list[Any] = []
+    zero, one = _planning_rank(0, sent), _planning_rank(1, sent)
+
+    def fails() -> Any:
+        raise _Unpicklable
+
+    with pytest.raises(_Unpicklable):
+        zero._planned_on_rank_zero(fails)  # rank 0 raises its own error
+    with pytest.raises(RuntimeError, match="rank 0 cannot plan: model too large"):
+        one._planned_on_rank_zero(fails)
+
+
+class _SecondRankJoins(pl.Callback):
+    """At the end of training the world becomes two ranks, the other short of host memory."""
+
+    def __init__(self, strategy: BalanceBeamStrategy) -> None:
+        self.strategy = strategy
+        self.asked: list[bool] = []
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        def all_ranks(decision: bool, all: bool = True) -> bool:
+            self.asked.append(decision)
+            return False  # the other rank's weights do not fit
+
+        self.strategy.reduce_boolean_decision = all_ranks  # type: ignore[method-assign]
+        env = self.strategy.cluster_environment
+        assert env is not None
+        env.set_world_size(2)
+
+
+def test_hand_back_is_decided_for_every_rank_by_the_rank_with_least_memory(
+    tiny: SimpleNamespace,
+) -> None:
+    from bb_lightning.handback import WeightsInStoreError
+
+    strategy = BalanceBeamStrategy(
+        compute_dtype="fp32", placement=Placement.uniform(4, weights=Tier.HOST, master=Tier.HOST)
+    )
+    joins = _SecondRankJoins(strategy)
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    trainer.callbacks.append(joins)  # type: ignore[attr-defined]
+    module = tiny.make_module(tiny.tiny_llama())
+    trainer.fit(module, tiny.loader(1))
+    assert joins.asked == [True]  # this rank had room ...
+    with pytest.raises(WeightsInStoreError, match="another rank's host limit"):
+        module.state_dict()  # ... but every rank keeps them in the store
+    env = strategy.cluster_environment
+    assert env is not None
+    env.set_world_size(1)
+    strategy.close()
