@@ -132,7 +132,9 @@ def apply_plan(engine: TrainingEngine, plan: Plan) -> bool:
     placement = plan.placement
     numels = [s.full_numel for s in engine.pager.states]
     need = required_budgets(numels, engine.resident.full_numel, placement,
-                            engine.pager.frozen_numels, shards=engine.world_size)  # fmt: skip
+                            engine.pager.frozen_numels, shards=engine.world_size,
+                            shard_numels=[s.numel for s in engine.pager.states],
+                            shard_rest=engine.resident.numel)  # fmt: skip
     room = {t: cap for t, (_, cap) in engine.store.usage().items()}
     short = [t.value for t in Tier if need[t] > room[t]]
     if short:

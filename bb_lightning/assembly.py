@@ -31,6 +31,7 @@ from bb_lightning.engine.trainer_engine import (
     check_budgets,
     param_counts,
     required_budgets,
+    shard_counts,
 )
 from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
@@ -93,8 +94,11 @@ def build_engine(
     shards = 1 if comm is None or not training else comm.world_size
     if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
-        need = required_budgets(numels, rest, placement, frozen, shards=shards)
-        sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path, shards)
+        parts = shard_counts(module, list(blocks), shards) if shards > 1 else ([], 0)
+        need = required_budgets(numels, rest, placement, frozen, shards=shards,
+                                shard_numels=parts[0], shard_rest=parts[1])  # fmt: skip
+        sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path,
+                             (shards, parts))  # fmt: skip
     else:
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement)  # fmt: skip
@@ -151,7 +155,7 @@ def _replan_room(
     frozen: list[int],
     plan: Plan | None,
     nvme_path: str | None,
-    shards: int = 1,
+    sharding: tuple[int, tuple[list[int], int]] = (1, ([], 0)),
 ) -> dict[Tier, int]:
     """``need`` raised to the plan's budgets (room for re-plans), within what any
     placement of these blocks may use."""
@@ -170,7 +174,9 @@ def _replan_room(
                     compute_dtype=placement.compute_dtype,
                 ),
                 frozen,
-                shards=shards,
+                shards=sharding[0],
+                shard_numels=sharding[1][0],
+                shard_rest=sharding[1][1],
             )[t]
             for t in Tier
         }

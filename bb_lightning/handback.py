@@ -221,7 +221,17 @@ class HollowGuard:
                 "not supported while the weights stream from the balance_beam store: pass "
                 "only save_directory and max_shard_size (safetensors are written)"
             )
+        comm = getattr(engine, "comm", None)
+        if comm is not None and "is_main_process" not in kwargs:
+            raise ValueError(
+                f"save_pretrained({str(save_directory)!r}) under data parallelism "
+                f"({comm.world_size} ranks) gathers every rank's shard of the weights: call it "
+                "on every rank with is_main_process=trainer.is_global_zero (rank 0 writes)"
+            )
         if not kwargs.get("is_main_process", True):
+            if comm is not None and isinstance(engine, TrainingEngine):  # rank 0's gathers
+                for _ in engine.iter_state(("master",)):
+                    pass
             return
         dtype = self.dtype
         if dtype is None:

@@ -251,6 +251,11 @@ class ModelSizes:
     """Elements of each block's frozen parameters (training; empty: none)."""
     rest: int = 0
     """Elements of the trained parameters outside the blocks (training)."""
+    shard_blocks: tuple[int, ...] = ()
+    """Data parallelism: elements of one rank's shard of each block's fp32 state, padding
+    included (:class:`~bb_lightning.engine.shard.ShardLayout`); empty: no sharding."""
+    shard_rest: int = 0
+    """Data parallelism: elements of one rank's shard of the state outside the blocks."""
 
     def __post_init__(self) -> None:
         if self.frozen and len(self.frozen) != len(self.blocks):
@@ -298,12 +303,17 @@ def training_manifest(
     ``placement.read_ahead`` read-ahead sets (three fp32 buffers each).
 
     With ``shards`` N > 1 (data parallelism, :mod:`bb_lightning.engine.shard`) every fp32
-    state holds one rank's shard, ``ceil(numel / N)`` elements, and so do the fp32 scratch
-    and read-ahead buffers; the weights stay whole, and each ``cast`` buffer holds N
-    shards of the largest block (the all-gathered weights).
+    state holds one rank's shard (``sizes.shard_blocks``, ``sizes.shard_rest``), and so do
+    the fp32 scratch and read-ahead buffers; the weights stay whole, and each ``cast``
+    buffer holds N shards of the largest block (the all-gathered weights).
     """
     if shards < 1:
         raise ValueError(f"shards={shards} must be >= 1 (the data-parallel world size)")
+    if shards > 1 and len(sizes.shard_blocks) != len(sizes.blocks):
+        raise ValueError(
+            f"shards={shards} but sizes give {len(sizes.shard_blocks)} shard sizes for "
+            f"{len(sizes.blocks)} blocks: give one rank's shard elements per block"
+        )
     _check_blocks(sizes, placement)
     if not placement.master:
         raise ValueError(
@@ -313,18 +323,17 @@ def training_manifest(
     dtype, fp32, host = placement.compute_dtype, "float32", Tier.HOST
     frozen = sizes.frozen or (0,) * len(sizes.blocks)
 
-    def shard(numel: int) -> int:
-        return -(-numel // shards)
-
-    out = _flat_state(RESIDENT_PREFIX, shard(sizes.rest), host, host)
+    state = sizes.shard_blocks if shards > 1 else sizes.blocks
+    out = _flat_state(RESIDENT_PREFIX, sizes.shard_rest if shards > 1 else sizes.rest, host, host)
     tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
-    for i, (n, f, (w, m, g)) in enumerate(zip(sizes.blocks, frozen, tiers, strict=True)):
+    blocks = zip(sizes.blocks, state, frozen, tiers, strict=True)
+    for i, (n, s, f, (w, m, g)) in enumerate(blocks):
         name = f"{prefix}.{i}"
         if f:
             out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
         out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
-        out += _flat_state(name, shard(n), m, g)
-    largest = shard(max(sizes.blocks))
+        out += _flat_state(name, s, m, g)
+    largest = max(state)
     cast = largest * shards if shards > 1 else largest
     for k in range(SCRATCH_SETS):
         name = f"{SCRATCH_PREFIX}.{k}"

@@ -175,8 +175,47 @@ def array_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]
     }
 
 
-def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
-    """Validate one array's ``zarr.json``; return its spec and chunk file path."""
+def row_chunked_metadata(
+    shape: tuple[int, ...], dtype: torch.dtype, chunk_rows: int
+) -> dict[str, Any]:
+    """The ``zarr.json`` of an uncompressed array split along dim 0 only, into chunks of
+    ``chunk_rows`` rows (the last chunk stored whole, zero-padded, as zarr stores it)."""
+    meta = array_metadata(shape, dtype)
+    if shape:
+        rest = [max(1, d) for d in shape[1:]]
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [max(1, chunk_rows), *rest]
+    return meta
+
+
+def row_chunk_key(index: int, ndim: int) -> str:
+    """The chunk key (``/`` separated) of row chunk ``index`` of an ``ndim``-d array."""
+    return "c" if ndim == 0 else "/".join(["c", str(index), *(["0"] * (ndim - 1))])
+
+
+def row_chunks(name: str, meta_path: Path) -> tuple[ArraySpec, int, list[Path]]:
+    """Validate an array split along dim 0 only (or not split): the whole array's spec,
+    the rows per chunk, and every chunk's file, in row order. Each chunk file holds
+    ``rows * row bytes`` of data (padded) and, with a checksum, its CRC-32C trailer."""
+    spec, first = parse_array(name, meta_path, split_rows=True)
+    if not spec.shape or spec.shape[0] == 0:
+        return spec, max(1, spec.shape[0]) if spec.shape else 1, [first] if spec.nbytes else []
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    sep = ((meta.get("chunk_key_encoding") or {}).get("configuration") or {}).get("separator", "/")
+    count = -(-spec.shape[0] // rows)
+    paths = []
+    for k in range(count):
+        key = row_chunk_key(k, len(spec.shape)).replace("/", sep)
+        paths.append(meta_path.parent.joinpath(*key.split("/")))
+    return spec, rows, paths
+
+
+def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tuple[ArraySpec, Path]:
+    """Validate one array's ``zarr.json``; return its spec and chunk file path.
+
+    ``split_rows`` also accepts an array split along dim 0 only (:func:`row_chunks`);
+    the path is then the first chunk's.
+    """
     where = f"tensor {name!r} (file {meta_path})"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -197,11 +236,12 @@ def parse_array(name: str, meta_path: Path) -> tuple[ArraySpec, Path]:
         raise CorruptTensorError(
             f"{where}: chunk grid {grid!r} {chunks} does not fit shape {shape}"
         )
-    if any(s > 0 and c < s for s, c in zip(shape, chunks, strict=True)):
+    whole = list(zip(shape, chunks, strict=True))[1 if split_rows else 0 :]
+    if any(s > 0 and c < s for s, c in whole):
         raise UnsupportedArrayError(
             f"{where}: shape {shape} is split into several chunks of {chunks}: {fix}"
         )
-    if any(s > 0 and c != s for s, c in zip(shape, chunks, strict=True)):
+    if any(s > 0 and c != s for s, c in whole):
         raise CorruptTensorError(f"{where}: shape {shape} disagrees with its chunk shape {chunks}")
     try:
         endian = (codecs[0].get("configuration") or {}).get("endian", "little")

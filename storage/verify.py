@@ -2,19 +2,23 @@
 
 :func:`verify_group` walks a group (and its subgroups, as in a checkpoint's ``state.zarr``)
 and checks, for each array: its metadata, that its chunk exists, its length, and its CRC-32C
-(format 2; format 1 arrays, which have none, get the length check only). It reads through
+(format 2; format 1 arrays, which have none, get the length check only); an array split
+into chunks along dim 0 only (a checkpoint written by several ranks) gets every chunk
+checked. It reads through
 the page cache and takes no lock, so it runs beside nothing that writes the group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage.checksum import CHECKSUM_BYTES, decode, file_crc32c
-from storage.nvme import NvmeError, parse_array
+from storage.chunk_io import ArraySpec
+from storage.nvme import NvmeError, row_chunks
 
 __all__ = ["VerifyReport", "verify_group"]
 
@@ -43,7 +47,7 @@ class VerifyReport:
 def _check_array(name: str, meta: Path, report: VerifyReport) -> None:
     report.arrays += 1
     try:
-        spec, chunk = parse_array(name, meta)
+        spec, rows, chunks = row_chunks(name, meta)
     except NvmeError as exc:
         report.problems.append(str(exc))
         return
@@ -51,6 +55,14 @@ def _check_array(name: str, meta: Path, report: VerifyReport) -> None:
         return
     if not spec.checksum:
         report.unverified.append(name)
+    if len(chunks) > 1:  # split along dim 0: each chunk holds `rows` rows (the last padded)
+        nbytes = spec.nbytes // spec.shape[0] * rows
+        spec = dataclasses.replace(spec, shape=(rows, *spec.shape[1:]), nbytes=nbytes)
+    for chunk in chunks:
+        _check_chunk(name, spec, chunk, report)
+
+
+def _check_chunk(name: str, spec: ArraySpec, chunk: Path, report: VerifyReport) -> None:
     try:
         size = os.stat(chunk).st_size
     except FileNotFoundError:

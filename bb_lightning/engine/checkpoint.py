@@ -18,9 +18,16 @@ as its aliases in ``meta.json``. Each subgroup is laid out as the store's NVMe t
 tensors (:class:`storage.nvme.NvmeTier`: one uncompressed chunk per array, ending with its
 CRC-32C), so plain ``zarr.open_group`` reads it and checks every chunk; so does every read here.
 
-Format versions: 2 (this one); 1 (before checksums, trainer state pickled in
-``trainer_state.pt``) still loads: its arrays unverified, its pickle only under the allowlist
-of :mod:`bb_lightning.engine.trainer_state` (a pickle that would run code is refused).
+Data parallelism: a checkpoint saved by N ranks chunks each array along dim 0 by the
+rows one rank holds (``ceil(rows / N)``, :class:`~bb_lightning.engine.shard.ShardLayout`)
+and each rank writes its own chunks (:func:`follow_save`); plain zarr reads the arrays
+whole, and so does :func:`read_array`, so the checkpoint resumes at any world size.
+
+Format versions: 3 (this one: arrays may be chunked along dim 0; ``meta.json`` records
+``world_size``); 2 (one chunk per array) loads as well; 1 (before checksums, trainer
+state pickled in ``trainer_state.pt``) still loads: its arrays unverified, its pickle only
+under the allowlist of :mod:`bb_lightning.engine.trainer_state` (a pickle that would run
+code is refused).
 
 Crash safety: the directory is written as ``<path>.partial-<pid>`` (every file fsynced,
 ``meta.json`` last), an existing ``path`` is renamed to ``<path>.old-<pid>``, the new directory
@@ -31,7 +38,6 @@ of processes that are gone.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -47,9 +53,16 @@ from transformers import PreTrainedModel
 
 from bb_lightning.engine import trainer_state as state_files
 from bb_lightning.engine.trainer_engine import STATE_KINDS, StateKind, TrainingEngine
-from storage.checksum import CHECKSUM_BYTES, crc32c, decode
+from storage.checksum import CHECKSUM_BYTES, crc32c, decode, encode
 from storage.io import aligned_empty, open_backend, padded
-from storage.nvme import NvmeTier, fsync_dir, parse_array, write_synced
+from storage.nvme import (
+    NvmeTier,
+    fsync_dir,
+    row_chunk_key,
+    row_chunked_metadata,
+    row_chunks,
+    write_synced,
+)
 from storage.verify import VerifyReport, verify_group
 
 __all__ = [
@@ -70,8 +83,8 @@ __all__ = [
 ]
 
 FORMAT = "balance_beam.checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 STATE_DIR = "state.zarr"
 TRAINER_STATE = "trainer_state.pt"
 META = "meta.json"
@@ -200,20 +213,18 @@ def save_checkpoint(
     checkpoint at ``path`` whole; a disk error raises :class:`CheckpointWriteError`.
 
     Under data parallelism (``engine.comm``) rank 0 calls this while every other rank
-    calls :func:`follow_save` with the same ``weights_only``: the state is gathered from
-    every rank's shard; the file ``meta.json`` records the world size. A failed save
-    still takes part in every gather, so the other ranks never wait forever.
+    calls :func:`follow_save` with the same ``weights_only``: every array is chunked along
+    dim 0 by its shard rows and each rank writes its own chunks into rank 0's partial
+    directory (:func:`_save_sharded`); ``meta.json`` records the world size.
     """
     final = Path(path).absolute()
+    if engine.comm is not None:
+        return _save_sharded(engine, final, trainer_state, weights_only)
     kinds: tuple[StateKind, ...] = ("master",) if weights_only else STATE_KINDS
     items = engine.iter_state(kinds)
     try:
         return _save(engine, final, trainer_state, weights_only, items)
     except BaseException as exc:
-        if engine.comm is not None:
-            with contextlib.suppress(Exception):
-                for _ in items:  # the gathers the other ranks are in
-                    pass
         recover(final)  # drops this save's partial directory, puts back a checkpoint moved aside
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
             raise CheckpointWriteError(
@@ -225,11 +236,110 @@ def save_checkpoint(
 
 
 def follow_save(engine: TrainingEngine, *, weights_only: bool = False) -> None:
-    """A rank other than 0's part of a data-parallel :func:`save_checkpoint`: the same
-    gathers of the state, nothing written."""
+    """A rank other than 0's part of a data-parallel :func:`save_checkpoint`: it writes
+    this rank's chunks of every array into the directory rank 0 names."""
+    _save_sharded(engine, None, None, weights_only)
+
+
+def _save_sharded(
+    engine: TrainingEngine,
+    final: Path | None,
+    trainer_state: Mapping[str, Any] | None,
+    weights_only: bool,
+) -> Path:
+    """The data-parallel save, on every rank (``final`` and ``trainer_state`` on rank 0).
+
+    Rank 0 names the partial directory and broadcasts it; every rank writes its chunks
+    and fsyncs them; when every rank succeeded, rank 0 writes the arrays' metadata, the
+    trainer state and ``meta.json`` last, and renames the directory onto ``final`` (the
+    crash-safe protocol of :func:`save_checkpoint`). A failure on any rank fails the save
+    on every rank, and rank 0 removes what was written.
+    """
+    comm = engine.comm
+    assert comm is not None
+    rank = comm.rank
     kinds: tuple[StateKind, ...] = ("master",) if weights_only else STATE_KINDS
-    for _ in engine.iter_state(kinds):
-        pass
+    error: BaseException | None = None
+    tmp: Path | None = None
+    if rank == 0:
+        assert final is not None and trainer_state is not None
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            recover(final)
+            tmp = final.with_name(f"{final.name}{PARTIAL}{os.getpid()}")
+            tmp.mkdir()
+            _group_json(tmp / STATE_DIR, _attributes(engine))
+            for kind in kinds:
+                _group_json(tmp / STATE_DIR / kind, {})
+        except BaseException as exc:
+            error = exc
+    named = comm.broadcast_object(None if tmp is None or error else str(tmp))
+    if named is None:
+        raise error or CheckpointWriteError(
+            0, "the checkpoint save failed on rank 0 before any rank wrote: see rank 0's error"
+        )
+    where = Path(str(named))
+    try:
+        _write_chunks(engine, where / STATE_DIR, kinds, rank)
+    except BaseException as exc:
+        error = exc
+    if comm.all_true(error is None) and rank == 0:
+        assert final is not None and trainer_state is not None
+        try:
+            _finish_save(engine, where, final, trainer_state, weights_only, kinds)
+        except BaseException as exc:
+            error = exc
+    if not comm.all_true(error is None):
+        if rank == 0 and final is not None:
+            recover(final)  # drops the partial directory, puts back a checkpoint moved aside
+        if error is None:
+            raise CheckpointWriteError(
+                0,
+                f"the checkpoint save failed on another rank (this is rank {rank}): see its "
+                "error; nothing of this save is left and the previous checkpoint is whole",
+            )
+        if isinstance(error, OSError) and not isinstance(error, CheckpointWriteError):
+            raise CheckpointWriteError(
+                error.errno,
+                f"cannot save checkpoint on rank {rank}: {error}; nothing of this save is left "
+                "and the previous checkpoint at that path (if any) is whole",
+            ) from error
+        raise error
+    return final if final is not None else where
+
+
+def _attributes(engine: TrainingEngine) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "step": engine.step_count}
+
+
+def _write_chunks(
+    engine: TrainingEngine, root: Path, kinds: tuple[StateKind, ...], rank: int
+) -> None:
+    """This rank's chunks of every parameter's arrays under ``root`` (fsynced); rank 0
+    also writes each array's ``zarr.json`` (chunked along dim 0 by the shard rows)."""
+    dirs: set[Path] = set()
+    for state, names, flats in engine.iter_shards(kinds):
+        layout = state.layout
+        assert layout is not None
+        for piece, name, shape in zip(layout.pieces, names, state.shapes, strict=True):
+            lo, hi = piece.rows_of(rank)
+            for kind, shard in flats.items():
+                array = root / kind / name
+                array.mkdir(parents=True, exist_ok=True)
+                if rank == 0:
+                    meta = row_chunked_metadata(shape, torch.float32, piece.chunk)
+                    write_synced(array / "zarr.json", json.dumps(meta, indent=2).encode())
+                if hi <= lo:
+                    continue  # fewer rows than ranks: this rank holds none of them
+                rows = layout.rows_in_shard(piece, shard).contiguous()
+                data = rows.view(-1).view(torch.uint8)
+                chunk = array.joinpath(*row_chunk_key(rank if shape else 0, len(shape)).split("/"))
+                chunk.parent.mkdir(parents=True, exist_ok=True)
+                write_synced(chunk, data.numpy().tobytes() + encode(crc32c(data)))
+                dirs.add(chunk.parent)
+                _after_array(f"{kind}/{name}")
+    for d in dirs:
+        fsync_dir(d)
 
 
 def _save(
@@ -244,12 +354,24 @@ def _save(
     tmp = final.with_name(f"{final.name}{PARTIAL}{os.getpid()}")
     tmp.mkdir()
     kinds: tuple[StateKind, ...] = ("master",) if weights_only else STATE_KINDS
-    named = engine.named_states()
-    params = {key for _, keys in named for key in keys}
-    attributes = {"format": FORMAT, "version": VERSION, "step": engine.step_count}
-    _group_json(tmp / STATE_DIR, attributes)
+    _group_json(tmp / STATE_DIR, _attributes(engine))
     _write_state(engine, tmp / STATE_DIR, kinds, items)
 
+    return _finish_save(engine, tmp, final, trainer_state, weights_only, kinds)
+
+
+def _finish_save(
+    engine: TrainingEngine,
+    tmp: Path,
+    final: Path,
+    trainer_state: Mapping[str, Any],
+    weights_only: bool,
+    kinds: tuple[StateKind, ...],
+) -> Path:
+    """Trainer state and ``meta.json`` (last) into ``tmp``, then ``tmp`` onto ``final``."""
+    named = engine.named_states()
+    params = {key for _, keys in named for key in keys}
+    attributes = _attributes(engine)
     rest = {k: v for k, v in trainer_state.items() if k != "state_dict"}
     sd = trainer_state.get("state_dict", {})
     aliases: dict[str, list[str]] = {key: [] for key in params}
@@ -315,27 +437,49 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def read_array(path: str | os.PathLike[str], kind: str, name: str) -> Tensor:
-    """One parameter's ``kind`` array (``master``, ``exp_avg``, ``exp_avg_sq``) as a tensor."""
-    spec, chunk = parse_array(name, Path(path, STATE_DIR, kind, name, "zarr.json"))
+    """One parameter's ``kind`` array (``master``, ``exp_avg``, ``exp_avg_sq``) as a tensor.
+
+    An array written by several ranks (chunked along dim 0) is read chunk by chunk, each
+    checked, and its rows put together: a checkpoint loads at any world size.
+    """
+    spec, rows, chunks = row_chunks(name, Path(path, STATE_DIR, kind, name, "zarr.json"))
     if spec.nbytes == 0:
         return torch.zeros(spec.shape, dtype=spec.dtype)
-    raw = np.fromfile(chunk, dtype=np.uint8, count=spec.file_bytes + 1)
-    where = f"checkpoint {str(path)!r}: tensor {kind}/{name} (file {chunk})"
-    if raw.size != spec.file_bytes:
+    where = f"checkpoint {str(path)!r}: tensor {kind}/{name}"
+    if len(chunks) == 1:
+        data = _read_chunk(chunks[0], spec.nbytes, spec.checksum, where)
+        return data.view(spec.dtype).view(spec.shape)
+    per_row = spec.nbytes // spec.shape[0]
+    out = torch.empty(spec.nbytes, dtype=torch.uint8)
+    for k, chunk in enumerate(chunks):
+        data = _read_chunk(chunk, rows * per_row, spec.checksum, where)
+        start = k * rows * per_row
+        take = min(rows * per_row, spec.nbytes - start)
+        out[start : start + take].copy_(data[:take])
+    return out.view(spec.dtype).view(spec.shape)
+
+
+def _read_chunk(chunk: Path, nbytes: int, checksum: bool, where: str) -> Tensor:
+    """The ``nbytes`` data bytes of one chunk file, its length and CRC-32C checked."""
+    file_bytes = nbytes + (CHECKSUM_BYTES if checksum else 0)
+    raw = np.fromfile(chunk, dtype=np.uint8, count=file_bytes + 1) if chunk.exists() else None
+    if raw is None or raw.size != file_bytes:
+        held = "no file" if raw is None else f"{raw.size} bytes"
         raise CheckpointError(
-            f"{where} holds {raw.size} bytes, {spec.file_bytes} expected: the checkpoint is "
-            "damaged; resume from another checkpoint"
+            f"{where} (file {chunk}) holds {held}, {file_bytes} bytes expected: the checkpoint "
+            "is damaged; resume from another checkpoint"
         )
-    data = torch.from_numpy(raw[: spec.nbytes])
-    if spec.checksum:
-        stored = decode(raw[spec.nbytes : spec.nbytes + CHECKSUM_BYTES].tobytes())
+    data = torch.from_numpy(raw[:nbytes])
+    if checksum:
+        stored = decode(raw[nbytes : nbytes + CHECKSUM_BYTES].tobytes())
         computed = crc32c(data)
         if stored != computed:
             raise CheckpointError(
-                f"{where} fails its CRC-32C check (stored {stored:#010x}, computed "
-                f"{computed:#010x}): the checkpoint is damaged; resume from another checkpoint"
+                f"{where} (file {chunk}) fails its CRC-32C check (stored {stored:#010x}, "
+                f"computed {computed:#010x}): the checkpoint is damaged; resume from another "
+                "checkpoint"
             )
-    return data.view(spec.dtype).view(spec.shape)
+    return data
 
 
 class CheckpointStateDict(Mapping[str, Tensor]):

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.observers import BlockObserver
-from bb_lightning.engine.shard import ShardComm, digest
+from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import Placement, StoredTensor
 from storage.deferred import CopyEvent
@@ -151,7 +151,9 @@ class FlatState:
         self.shapes = [tuple(p.shape) for p in params]
         self.full_numel = sum(math.prod(s) for s in self.shapes)
         """Elements of the parameters laid end to end."""
-        self.numel = self.full_numel if comm is None else comm.shard_numel(self.full_numel)
+        self.layout = None if comm is None else ShardLayout(self.shapes, comm.world_size)
+        """Where each parameter's rows lie in a shard (None without ``comm``)."""
+        self.numel = self.full_numel if self.layout is None else self.layout.shard_numel
         """Elements of each stored tensor (this rank's shard under ``comm``)."""
         master = initial if initial is not None else flatten_fp32(params)
         if master.shape != (self.full_numel,) or master.dtype != torch.float32:
@@ -162,7 +164,7 @@ class FlatState:
         self.digest = digest(master) if comm is not None else None
         """CRC-32C of the initial values under ``comm`` (checked equal on every rank)."""
         if comm is not None:
-            master = comm.shard_of(master)
+            master = self.local(master, torch.empty(self.numel, dtype=torch.float32))
         zeros = torch.zeros(self.numel, dtype=torch.float32)
         register_stored(store, manifest[self.master_name], master)
         register_stored(store, manifest[f"{name}.exp_avg"], zeros)
@@ -190,7 +192,8 @@ class FlatState:
         first = not self.grad_pending
         shapes = self.shapes
         if self.comm is not None:  # this rank's shard of the mean over the ranks
-            grads, shapes = [self.comm.reduce_scatter(grads, self.shapes)], [(self.numel,)]
+            assert self.layout is not None
+            grads, shapes = [self.comm.reduce_scatter(grads, self.layout)], [(self.numel,)]
         if self.store.home(self.grad_name) is Tier.HOST:
             flat = self.store.host_view(self.grad_name)
             persist = False
@@ -247,30 +250,30 @@ class FlatState:
         ``comm`` a shard must be gathered first: :meth:`gather`)."""
         return _views(flat, self.shapes)
 
-    def gather(self, shard: Tensor, out: Tensor | None = None) -> Tensor:
+    def gather(self, shard: Tensor, buf: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """The whole flat state (:attr:`full_numel` elements) from every rank's ``shard``.
 
         Without ``comm`` that is ``shard`` itself. Under ``comm`` it is a collective:
-        every rank calls it for the same state in the same order. ``out`` (None: a new
-        tensor) holds at least ``world_size * numel`` elements of ``shard``'s dtype.
+        every rank calls it for the same state in the same order; the shards arrive in
+        ``buf`` (at least ``world_size * numel`` elements of ``shard``'s dtype) and are
+        unpacked into ``out`` (at least ``full_numel``); None allocates either.
         """
         if self.comm is None:
             return shard[: self.full_numel]
-        n = self.numel * self.comm.world_size
+        assert self.layout is not None
+        if buf is None:
+            buf = torch.empty(self.numel * self.comm.world_size, dtype=shard.dtype)
         if out is None:
-            out = torch.empty(n, dtype=shard.dtype)
-        return self.comm.all_gather(shard[: self.numel], out)[: self.full_numel]
+            out = torch.empty(self.full_numel, dtype=shard.dtype)
+        gathered = self.comm.all_gather(shard[: self.numel], buf)
+        return self.layout.unpack(gathered, out)
 
     def local(self, full: Tensor, out: Tensor) -> Tensor:
-        """This rank's part of the whole flat ``full`` written into ``out`` (``numel``
+        """This rank's shard of the whole flat ``full`` written into ``out`` (``numel``
         elements, zero-padded); without ``comm`` that is ``full`` copied."""
-        if self.comm is None:
+        if self.comm is None or self.layout is None:
             return out[: self.numel].copy_(full[: self.numel])
-        start, stop = self.comm.bounds(self.full_numel)
-        dst = out[: self.numel]
-        dst[: stop - start].copy_(full[start:stop])
-        dst[stop - start :].zero_()
-        return dst
+        return self.layout.take(full, self.comm.rank, out)
 
     def move(self, home: Tier, grad_home: Tier | None = None) -> None:
         """Change the home tier of the master weights and moments (they must be released)

@@ -2,17 +2,21 @@
 
 With ``world_size`` N > 1 every rank pages a full copy of the weights, but holds only
 one shard of each flat state (fp32 master weights, AdamW moments, gradient
-accumulator): a flat state of ``numel`` elements is cut into N contiguous ranges of
-``S = ceil(numel / N)`` elements, the last padded with zeros, and rank ``r`` holds range
-``r`` (:meth:`ShardComm.bounds`). The shard of one rank is therefore
-:func:`~bb_lightning.planner.cost.shard_numel` elements, as the planner prices it.
+accumulator), in the dim-0 layout of :class:`ShardLayout`: a parameter of ``rows``
+rows (its first dimension; a scalar is one row) is cut into N row ranges of
+``C = ceil(rows / N)`` rows, and rank ``r`` holds rows ``[r * C, (r + 1) * C)`` of every
+parameter of the state, zero-padded to ``C`` rows, laid end to end. A rank's rows of a
+parameter are therefore exactly chunk ``r`` of that parameter's array when it is
+chunked along dim 0 by ``C`` rows, which is how a checkpoint stores it (each rank writes
+its own chunks, :mod:`bb_lightning.engine.checkpoint`).
 
-Per block, per micro-batch: the block's gradients are laid end to end in one padded
-fp32 buffer of ``N * S`` elements, scaled by ``1 / N`` (gloo has no average) and
-reduce-scattered (:meth:`ShardComm.reduce_scatter`): each rank receives the mean over
-the ranks of its own range and adds it to its shard accumulator. After the rank's host
-AdamW step of a shard, the shard is cast to the compute dtype and all-gathered
-(:meth:`ShardComm.all_gather`) into the full flat weights every rank writes home.
+Per block, per micro-batch: the block's gradients are packed rank by rank into one fp32
+buffer of ``N * S`` elements (``S``: the shard's elements), scaled by ``1 / N`` (gloo has
+no average) and reduce-scattered (:meth:`ShardComm.reduce_scatter`): each rank receives
+the mean over the ranks of its own rows and adds it to its shard accumulator. After the rank's host
+AdamW step of a shard, the shard is cast to the compute dtype, all-gathered
+(:meth:`ShardComm.all_gather`) and unpacked (:meth:`ShardLayout.unpack`) into the full
+flat weights every rank writes home.
 
 The collectives run on a process group of their own (:meth:`ShardComm.from_world`),
 from one thread at a time, in the same order on every rank: the gradient worker's
@@ -24,13 +28,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ShardComm", "digest"]
+from storage.checksum import crc32c
+
+__all__ = ["Piece", "ShardComm", "ShardLayout", "digest"]
 
 
 class ShardComm:
@@ -73,51 +80,21 @@ class ShardComm:
         group = dist.new_group(backend=backend, timeout=timeout)
         return cls(group, rank=dist.get_rank(), world_size=dist.get_world_size())
 
-    # -- layout -------------------------------------------------------------------
-
-    def shard_numel(self, numel: int) -> int:
-        """Elements of one rank's shard of a flat state of ``numel`` elements."""
-        return -(-numel // self.world_size)
-
-    def bounds(self, numel: int) -> tuple[int, int]:
-        """``[start, stop)`` of this rank's range in a flat state of ``numel`` elements
-        (``stop - start`` is below :meth:`shard_numel` for the last ranks when padded)."""
-        s = self.shard_numel(numel)
-        start = min(self.rank * s, numel)
-        return start, min(start + s, numel)
-
-    def shard_of(self, full: Tensor) -> Tensor:
-        """A copy of this rank's range of the flat ``full``, zero-padded to the shard size."""
-        numel = full.numel()
-        start, stop = self.bounds(numel)
-        out = torch.zeros(self.shard_numel(numel), dtype=full.dtype)
-        out[: stop - start].copy_(full.reshape(-1)[start:stop])
-        return out
-
     # -- collectives --------------------------------------------------------------
 
-    def reduce_scatter(
-        self, grads: Sequence[Tensor | None], shapes: Sequence[tuple[int, ...]]
-    ) -> Tensor:
-        """This rank's shard of the mean over ranks of the gradients laid end to end.
+    def reduce_scatter(self, grads: Sequence[Tensor | None], layout: ShardLayout) -> Tensor:
+        """This rank's shard of the mean over ranks of the gradients of a flat state.
 
         ``grads`` (host tensors of any float dtype, None for a parameter without one,
-        counted as zeros) are shaped like ``shapes``. Returns a view of the comm's shard
-        buffer (fp32, :meth:`shard_numel` elements), valid until the next call.
+        counted as zeros) are shaped like ``layout``'s parameters. Returns a view of the
+        comm's shard buffer (fp32, ``layout.shard_numel`` elements), valid until the next
+        call.
         """
-        numel = sum(math.prod(s) for s in shapes)
-        s = self.shard_numel(numel)
+        s = layout.shard_numel
+        if s == 0:  # nothing to reduce (the same on every rank: the layouts are equal)
+            return self._buffer("_part", 0)
         pack = self._buffer("_pack", s * self.world_size)
-        offset = 0
-        for shape, g in zip(shapes, grads, strict=True):
-            size = math.prod(shape)
-            view = pack[offset : offset + size]
-            if g is None:
-                view.zero_()
-            else:
-                view.copy_(g.reshape(-1))
-            offset += size
-        pack[numel:].zero_()
+        layout.pack(grads, pack)
         pack.mul_(1.0 / self.world_size)
         part = self._buffer("_part", s)
         dist.reduce_scatter_tensor(part, pack, op=dist.ReduceOp.SUM, group=self.group)
@@ -127,8 +104,8 @@ class ShardComm:
     def all_gather(self, shard: Tensor, out: Tensor) -> Tensor:
         """Every rank's ``shard`` laid end to end (rank order) in ``out``; returns ``out``.
 
-        ``shard`` (host, contiguous) has :meth:`shard_numel` elements of the flat state;
-        ``out`` holds at least ``world_size`` times that, of the same dtype.
+        ``shard`` (host, contiguous) is one rank's shard of a flat state; ``out`` holds at
+        least ``world_size`` times its elements, of the same dtype.
         """
         n = shard.numel() * self.world_size
         if out.numel() < n or out.dtype != shard.dtype:
@@ -137,6 +114,8 @@ class ShardComm:
                 f"{shard.dtype} (world_size x shard)"
             )
         dst = out[:n]
+        if n == 0:
+            return dst
         dist.all_gather_into_tensor(dst, shard.contiguous(), group=self.group)
         self.bytes_sent += shard.numel() * shard.element_size()
         return dst
@@ -146,6 +125,22 @@ class ShardComm:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return float(t.item())
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Rank ``src``'s ``obj`` (picklable) on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group arrived here."""
+        dist.barrier(group=self.group)
 
     def check_equal(self, labels: Sequence[str], digests: Sequence[int]) -> None:
         """Raise ``ValueError`` naming every ``labels[i]`` whose ``digests[i]`` differs
@@ -171,9 +166,104 @@ class ShardComm:
         return buf[:numel]
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Where one parameter lies in a flat state and in a shard of it."""
+
+    start: int
+    """Offset (elements) of the parameter in the whole flat state."""
+    rows: int
+    """Rows of the parameter (its first dimension; 1 for a scalar)."""
+    row: int
+    """Elements per row."""
+    chunk: int
+    """Rows per rank: ``ceil(rows / world_size)``."""
+    offset: int
+    """Offset (elements) of the parameter's rows in every shard."""
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """``[lo, hi)``: the rows rank ``rank`` holds (empty for the last ranks of a
+        parameter with fewer rows than ranks)."""
+        lo = min(rank * self.chunk, self.rows)
+        return lo, min(lo + self.chunk, self.rows)
+
+
+class ShardLayout:
+    """The dim-0 shard layout of one flat state over ``world_size`` ranks (see the module
+    docstring): every rank's shard has :attr:`shard_numel` elements."""
+
+    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size = world_size
+        self.pieces: list[Piece] = []
+        full = shard = 0
+        for shape in shapes:
+            rows = int(shape[0]) if len(shape) else 1
+            row = math.prod(shape[1:]) if len(shape) else 1
+            chunk = -(-rows // world_size)
+            self.pieces.append(Piece(start=full, rows=rows, row=row, chunk=chunk, offset=shard))
+            full += rows * row
+            shard += chunk * row
+        self.full_numel = full
+        """Elements of the whole flat state."""
+        self.shard_numel = shard
+        """Elements of one rank's shard (padding included)."""
+
+    def _rank_rows(self, piece: Piece, buf: Tensor, rank: int) -> Tensor:
+        """Rank ``rank``'s ``chunk`` rows of ``piece`` in a rank-ordered buffer of shards."""
+        at = rank * self.shard_numel + piece.offset
+        return buf[at : at + piece.chunk * piece.row].view(piece.chunk, piece.row)
+
+    def pack(self, grads: Sequence[Tensor | None], out: Tensor) -> Tensor:
+        """Per-parameter tensors (None: zeros) into ``out``, rank by rank (``world_size``
+        shards, padding zeroed); returns ``out``."""
+        for piece, g in zip(self.pieces, grads, strict=True):
+            rows = None if g is None else g.reshape(piece.rows, piece.row)
+            for rank in range(self.world_size):
+                lo, hi = piece.rows_of(rank)
+                dst = self._rank_rows(piece, out, rank)
+                if rows is not None:
+                    dst[: hi - lo].copy_(rows[lo:hi])
+                    dst[hi - lo :].zero_()
+                else:
+                    dst.zero_()
+        return out
+
+    def unpack(self, gathered: Tensor, out: Tensor) -> Tensor:
+        """The whole flat state (``out``, :attr:`full_numel` elements) from every rank's
+        shard laid end to end in rank order (``gathered``); returns ``out``."""
+        for piece in self.pieces:
+            for rank in range(self.world_size):
+                lo, hi = piece.rows_of(rank)
+                if hi > lo:
+                    dst = out[piece.start + lo * piece.row : piece.start + hi * piece.row]
+                    dst.view(hi - lo, piece.row).copy_(
+                        self._rank_rows(piece, gathered, rank)[: hi - lo]
+                    )
+        return out[: self.full_numel]
+
+    def take(self, full: Tensor, rank: int, out: Tensor) -> Tensor:
+        """Rank ``rank``'s shard of the whole flat ``full`` into ``out`` (zero-padded)."""
+        flat = full.reshape(-1)
+        for piece in self.pieces:
+            lo, hi = piece.rows_of(rank)
+            dst = out[piece.offset : piece.offset + piece.chunk * piece.row].view(
+                piece.chunk, piece.row
+            )
+            src = flat[piece.start + lo * piece.row : piece.start + hi * piece.row]
+            dst[: hi - lo].copy_(src.view(hi - lo, piece.row))
+            dst[hi - lo :].zero_()
+        return out[: self.shard_numel]
+
+    def rows_in_shard(self, piece: Piece, shard: Tensor) -> Tensor:
+        """``piece``'s ``chunk`` rows (padding included) in one rank's ``shard``."""
+        return shard[piece.offset : piece.offset + piece.chunk * piece.row].view(
+            piece.chunk, piece.row
+        )
+
+
 def digest(flat: Tensor) -> int:
     """A CRC-32C of a flat tensor's bytes (the same values give the same digest)."""
-    from storage.checksum import crc32c
-
     data = flat.detach().contiguous().reshape(-1).cpu()
     return int(crc32c(data.view(torch.uint8)))

@@ -70,7 +70,7 @@ from bb_lightning.engine.pager import (
     torch_dtype,
 )
 from bb_lightning.engine.recompute import planned_autograd_blocks
-from bb_lightning.engine.shard import ShardComm
+from bb_lightning.engine.shard import ShardComm, ShardLayout
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
     RESIDENT_PREFIX,
@@ -95,6 +95,7 @@ __all__ = [
     "check_budgets",
     "param_counts",
     "required_budgets",
+    "shard_counts",
 ]
 
 
@@ -156,6 +157,8 @@ def required_budgets(
     frozen_numels: Sequence[int] | None = None,
     *,
     shards: int = 1,
+    shard_numels: Sequence[int] = (),
+    shard_rest: int = 0,
 ) -> dict[Tier, int]:
     """Bytes each tier needs for this placement: :func:`~bb_lightning.engine.pager.
     store_budgets` of the :func:`~bb_lightning.placement.training_manifest` (every tensor
@@ -164,12 +167,15 @@ def required_budgets(
     ``block_numels`` and ``resident_numel`` count trainable parameters; ``frozen_numels``
     (None: none) the frozen parameters of each block, which cost only their
     compute-dtype weights on the weights' home and in the paging slots. ``shards`` is the
-    data-parallel world size (each rank stores one shard of the fp32 state).
+    data-parallel world size: each rank stores one shard of the fp32 state, of
+    ``shard_numels`` elements per block and ``shard_rest`` outside (:func:`shard_counts`).
     """
     sizes = ModelSizes(
         blocks=tuple(block_numels),
         frozen=() if frozen_numels is None else tuple(frozen_numels),
         rest=resident_numel,
+        shard_blocks=tuple(shard_numels) if shards > 1 else (),
+        shard_rest=shard_rest if shards > 1 else 0,
     )
     return store_budgets(training_manifest(sizes, placement, shards=shards), placement)
 
@@ -183,6 +189,18 @@ def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[in
     trainable = [sum(p.numel() for p in ps if p.requires_grad) for ps in lists]
     frozen = [sum(p.numel() for p in ps if not p.requires_grad) for ps in lists]
     return trainable, rest, frozen
+
+
+def shard_counts(
+    model: nn.Module, blocks: Sequence[nn.Module], world_size: int
+) -> tuple[list[int], int]:
+    """Elements of one rank's shard of each block's trainable state, and of the trainable
+    parameters outside the blocks, over ``world_size`` ranks (padding included)."""
+    lists = [[p for _, p in block_params(b) if p.requires_grad] for b in blocks]
+    in_blocks = {id(p) for b in blocks for _, p in block_params(b)}
+    rest = [p for p in model.parameters() if id(p) not in in_blocks and p.requires_grad]
+    per_block = [ShardLayout([p.shape for p in ps], world_size).shard_numel for ps in lists]
+    return per_block, ShardLayout([p.shape for p in rest], world_size).shard_numel
 
 
 def reads_ahead(placement: Placement) -> bool:
@@ -303,7 +321,16 @@ class TrainingEngine:
             value = p if loader is None or not p.is_meta else loader(p)
             set_data(p, value.detach().to(device, compute_dtype))
         trainable, rest, frozen = param_counts(model, blocks)
-        self.sizes = ModelSizes(blocks=tuple(trainable), frozen=tuple(frozen), rest=rest)
+        shard_blocks, shard_rest = (
+            ([], 0) if comm is None else shard_counts(model, blocks, comm.world_size)
+        )
+        self.sizes = ModelSizes(
+            blocks=tuple(trainable),
+            frozen=tuple(frozen),
+            rest=rest,
+            shard_blocks=tuple(shard_blocks),
+            shard_rest=shard_rest,
+        )
         """Elements of the parameters whose tensors the store holds."""
         self.manifest: tuple[StoredTensor, ...] = ()
         """Every tensor the engine stores for the placement in force (registered from it)."""
@@ -352,10 +379,19 @@ class TrainingEngine:
             0 if comm is None else max(self._largest, self.resident.numel), dtype=compute_dtype
         )
         """A shard cast to the compute dtype before its all-gather (data parallelism)."""
-        self._resident_full = torch.empty(
+        self._resident_gathered = torch.empty(
             0 if comm is None else self.resident.numel * width, dtype=compute_dtype
         )
-        """The all-gathered compute-dtype values of the resident parameters."""
+        """Every rank's compute-dtype shard of the resident parameters (all-gathered)."""
+        self._resident_full = torch.empty(
+            0 if comm is None else self.resident.full_numel, dtype=compute_dtype
+        )
+        """The resident parameters' compute-dtype values, unpacked from the shards."""
+        self._full_cast = torch.empty(
+            0 if comm is None else max(s.full_numel for s in self.pager.states),
+            dtype=compute_dtype,
+        )
+        """A block's compute-dtype weights unpacked from the all-gathered shards."""
         self._sets = [self._scratch_set(k, self._largest) for k in range(SCRATCH_SETS)]
         self._next_set = 0
         self._free_ahead: list[_Scratch] = []
@@ -567,7 +603,7 @@ class TrainingEngine:
             state = self.pager.states[i]
             part = self._cast_part[: state.numel]
             part.copy_(master[: state.numel])
-            master = state.gather(part, scratch.cast)
+            master = state.gather(part, scratch.cast, self._full_cast)
         ticket = self.pager.write_weights(i, master, scratch.cast)
         if ticket is not None:
             scratch.tickets.append(ticket)
@@ -651,7 +687,7 @@ class TrainingEngine:
         if self.comm is not None:
             part = self._cast_part[: resident.numel]
             part.copy_(master[: resident.numel])
-            master = resident.gather(part, self._resident_full)
+            master = resident.gather(part, self._resident_gathered, self._resident_full)
         for p, v in zip(self.resident_params, resident.master_views(master), strict=True):
             p.data.copy_(v)
 
@@ -740,17 +776,38 @@ class TrainingEngine:
         self.pager.release_all_except(())
         self._settle_sets()
         scratch = self._sets[0].fp32
-        wide = self._whole_buffers(kinds)
+        wide, whole = self._whole_buffers(kinds), self._whole_buffers(kinds)
         for state, names in self.named_states():
             views: dict[StateKind, list[Tensor]] = {}
             for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                 if kind in kinds:
                     flat = self._read(name, self._flat(name, scratch[kind], state.numel))
                     if self.comm is not None:
-                        flat = state.gather(flat, wide[kind])
+                        flat = state.gather(flat, wide[kind], whole[kind])
                     views[kind] = state.master_views(flat)
             for j, key in enumerate(names):
                 yield key, {kind: v[j] for kind, v in views.items()}
+
+    def iter_shards(
+        self, kinds: Sequence[StateKind] = STATE_KINDS
+    ) -> Iterator[tuple[FlatState, list[str], dict[StateKind, Tensor]]]:
+        """Each flat state, its parameters' names, and the flat state as this rank stores
+        it per kind (its shard under data parallelism; no collective).
+
+        Reads one flat state at a time into the engine's scratch buffers (HOST-home state
+        is seen in place): the tensors yielded are valid until the next item.
+        """
+        self.grads.wait()
+        self.pager.release_all_except(())
+        self._settle_sets()
+        scratch = self._sets[0].fp32
+        for state, names in self.named_states():
+            flats = {
+                kind: self._read(name, self._flat(name, scratch[kind], state.numel))
+                for kind, name in zip(STATE_KINDS, state.state_names, strict=True)
+                if kind in kinds
+            }
+            yield state, names, flats
 
     def load_state(
         self, fill: Callable[[str, StateKind, Tensor], None], kinds: Sequence[StateKind]

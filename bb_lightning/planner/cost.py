@@ -220,8 +220,9 @@ def ring_seconds(nbytes: Num, world_size: int, bandwidth: float, latency: float)
 
 
 def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of one rank's shard (a contiguous range) of ``numel`` elements: ``ceil(numel / N)``
-    (the last rank's shard padded to the others' size)."""
+    """Elements of one rank's shard of ``numel`` elements: ``ceil(numel / N)`` (the
+    last rank's shard padded to the others' size; the engine's dim-0 shard pads each
+    parameter's rows, a few rows more per block)."""
     return -(-numel // max(world_size, 1))
 
 

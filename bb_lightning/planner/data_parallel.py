@@ -1,9 +1,9 @@
 """Data-parallel planning: one rank's share of a node and of the job.
 
 With ``world_size`` N > 1 (:class:`~bb_lightning.planner.profile.HardwareProfile`) every
-rank pages a full copy of the weights and holds a shard, one contiguous range
-(``ceil(numel / N)`` elements, :func:`~bb_lightning.planner.cost.shard_numel`), of the
-fp32 master weights, AdamW moments and gradient accumulators
+rank pages a full copy of the weights and holds a dim-0 shard (its rows of every
+parameter, about ``ceil(numel / N)`` elements: :func:`~bb_lightning.planner.cost.shard_numel`)
+of the fp32 master weights, AdamW moments and gradient accumulators
 (:mod:`bb_lightning.engine.shard` executes it); at each block's hand-off its gradients are
 reduce-scattered and after its host AdamW the updated compute-dtype shards are
 all-gathered (both ring collectives, :func:`~bb_lightning.planner.cost.ring_seconds`).

@@ -127,7 +127,7 @@ def price(
     With data parallelism (``hw.world_size`` N > 1) this prices one rank: ``hw`` is its
     :func:`~bb_lightning.planner.data_parallel.rank_share` and ``job`` its share of the
     batch. Master weights, moments, gradient accumulators and the host AdamW then count
-    the rank's shard (``ps = ceil(params / N)`` per block, ``nbs`` outside); the
+    the rank's dim-0 shard (``ps = ceil(params / N)`` per block, ``nbs`` outside); the
     reduced fp32 gradient shard leaves the device, the updated weight shard goes up for
     the all-gather and the gathered paged weights go back home. The ``net`` column is
     the rank's network busy time per step (:func:`_net_seconds`): the per-micro-batch

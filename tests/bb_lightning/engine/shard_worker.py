@@ -1,6 +1,7 @@
 """One rank of the sharded-engine test (``test_shard.py``): ``python shard_worker.py RANK
 PORT DIR`` trains every case of :data:`CASES` on its half of each global batch over a
-2-process gloo world and saves the gathered state to ``DIR/rank<RANK>.pt``."""
+2-process gloo world, saves and resumes checkpoints, and saves the gathered state to
+``DIR/rank<RANK>.pt``. The test imports its helpers for the 1-process runs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # run as a script: the tiny mode
 
 from tiny import LAYERS, tiny_llama
 
+from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.shard import ShardComm
@@ -23,6 +25,7 @@ from bb_lightning.engine.trainer_engine import (
     ClipConfig,
     TrainingEngine,
     required_budgets,
+    shard_counts,
 )
 from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore
@@ -36,10 +39,18 @@ CASES = {
     "host": (Tier.HOST, Tier.HOST, 1, True, None),
     "nvme-clip": (Tier.NVME, Tier.NVME, 2, False, 0.05),
     "nvme-overlap": (Tier.HOST, Tier.NVME, 2, True, None),
+    "frozen-outside": (Tier.HOST, Tier.HOST, 1, True, None),
 }
+FROZEN = "frozen-outside"
+"""The case that trains the blocks only: nothing outside them has optimizer state."""
+SAVED = "nvme-clip"
+"""The case whose 2 ranks save a checkpoint after 2 steps (``two.ckpt``)."""
+RESUMED = "host"
+"""The case a 1-process checkpoint after 2 steps (``one.ckpt``) resumes on 2 ranks."""
 
 
 def batches() -> list[torch.Tensor]:
+    """The global batch of every step (the same in every process)."""
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(0, 128, (ROWS, SEQ), generator=gen) for _ in range(STEPS)]
 
@@ -48,7 +59,10 @@ def _store(path: Path, model: torch.nn.Module, placement: Placement, shards: int
     blocks = model.model.layers
     numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement, shards=shards)
+    parts, rest_part = shard_counts(model, list(blocks), shards)
+    need = required_budgets(
+        numels, rest, placement, shards=shards, shard_numels=parts, shard_rest=rest_part
+    )
     return TieredStore(
         StoreConfig(
             device_budget=need[Tier.DEVICE],
@@ -70,29 +84,90 @@ def _placement(weights: Tier, state: Tier) -> Placement:
     )
 
 
-def _train(rank: int, comm: ShardComm, tmp: Path, case: str) -> dict[str, torch.Tensor]:
-    weights, state, accumulate, overlap, clip = CASES[case]
+def run_steps(engine: TrainingEngine, case: str, rank: int, world: int, steps: range) -> None:
+    """Optimizer steps ``steps`` of ``case``: this rank's share of each global batch."""
+    _, _, accumulate, overlap, clip = CASES[case]
+    share = ROWS // world
+    for step in steps:
+        mine = batches()[step][rank * share : (rank + 1) * share]
+        for k, micro in enumerate(mine.chunk(accumulate)):
+            if overlap and k == accumulate - 1:
+                engine.begin_overlapped_step(ADAMW)
+            loss = engine.model(input_ids=micro, labels=micro).loss / accumulate
+            loss.backward()
+            engine.after_backward()
+        engine.optimizer_step(ADAMW, ClipConfig(value=clip))
+
+
+def state_of(engine: TrainingEngine) -> dict[str, torch.Tensor]:
+    """Every parameter's master and moments (gathered: every rank calls it)."""
+    out = {}
+    for key, s in engine.iter_state():
+        for kind, value in s.items():
+            out[f"{kind}/{key}"] = value.clone()
+    return out
+
+
+def freeze_outside(model: torch.nn.Module) -> None:
+    """Freeze every parameter outside the decoder layers."""
+    inside = {id(p) for p in model.model.layers.parameters()}
+    for p in model.parameters():
+        if id(p) not in inside:
+            p.requires_grad_(False)
+
+
+def engine_for(case: str, path: Path, comm: ShardComm | None) -> tuple[TrainingEngine, TieredStore]:
+    """A training engine of ``case``'s placement over a fresh tiny Llama and store."""
+    weights, state = CASES[case][:2]
     model = tiny_llama()
+    if case == FROZEN:
+        freeze_outside(model)
     placement = _placement(weights, state)
-    out: dict[str, torch.Tensor] = {}
-    with _store(tmp / f"{case}-rank{rank}", model, placement, WORLD) as store:
-        engine = TrainingEngine(
-            model, model.model.layers, store, placement, device=torch.device("cpu"), comm=comm
-        )
-        share = ROWS // WORLD
-        for ids in batches():
-            mine = ids[rank * share : (rank + 1) * share]
-            for k, micro in enumerate(mine.chunk(accumulate)):
-                if overlap and k == accumulate - 1:
-                    engine.begin_overlapped_step(ADAMW)
-                loss = engine.model(input_ids=micro, labels=micro).loss / accumulate
-                loss.backward()
-                engine.after_backward()
-            engine.optimizer_step(ADAMW, ClipConfig(value=clip))
-        for key, s in engine.iter_state():  # a collective: both ranks iterate it
-            for kind, value in s.items():
-                out[f"{kind}/{key}"] = value.clone()
+    store = _store(path, model, placement, WORLD if comm is not None else 1)
+    engine = TrainingEngine(
+        model, model.model.layers, store, placement, device=torch.device("cpu"), comm=comm
+    )
+    return engine, store
+
+
+def save(engine: TrainingEngine, path: Path) -> None:
+    """A checkpoint of the engine (rank 0 saves, the other ranks follow)."""
+    if engine.comm is None or engine.comm.rank == 0:
+        ckpt.save_checkpoint(engine, path, {"state_dict": {}})
+    else:
+        ckpt.follow_save(engine)
+
+
+def restore(engine: TrainingEngine, path: Path) -> None:
+    """Masters, moments and step count from the checkpoint at ``path``."""
+    state_dict = ckpt.load_checkpoint(path)["state_dict"]
+    ckpt.restore_weights(engine, state_dict)
+    ckpt.restore_optimizer(engine, state_dict)
+
+
+def _train(rank: int, comm: ShardComm, tmp: Path, case: str) -> dict[str, torch.Tensor]:
+    engine, store = engine_for(case, tmp / f"{case}-rank{rank}", comm)
+    with store:
+        if case == SAVED:  # a 2-rank checkpoint after 2 steps, then the third step
+            run_steps(engine, case, rank, WORLD, range(STEPS - 1))
+            save(engine, tmp / "two.ckpt")
+            run_steps(engine, case, rank, WORLD, range(STEPS - 1, STEPS))
+        else:
+            run_steps(engine, case, rank, WORLD, range(STEPS))
+        out = state_of(engine)
         out["bytes_sent"] = torch.tensor(comm.bytes_sent)
+        engine.close()
+    return out
+
+
+def _resume(rank: int, comm: ShardComm, tmp: Path) -> dict[str, torch.Tensor]:
+    """A 1-process checkpoint after 2 steps (``one.ckpt``), resumed by 2 ranks for step 3."""
+    engine, store = engine_for(RESUMED, tmp / f"resume-rank{rank}", comm)
+    with store:
+        restore(engine, tmp / "one.ckpt")
+        run_steps(engine, RESUMED, rank, WORLD, range(STEPS - 1, STEPS))
+        out = state_of(engine)
+        out["step_count"] = torch.tensor(engine.step_count)
         engine.close()
     return out
 
@@ -104,6 +179,7 @@ def _rank(rank: int, port: int, tmp: str) -> None:
     try:
         comm = ShardComm.from_world()
         results = {case: _train(rank, comm, Path(tmp), case) for case in CASES}
+        results["resumed"] = _resume(rank, comm, Path(tmp))
         try:  # a rank whose weights differ: both ranks refuse, naming the block
             model = tiny_llama()
             if rank == 1:

@@ -8,6 +8,8 @@ equal one process's ``torch.optim.AdamW`` on the whole batch.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
 import subprocess
@@ -15,15 +17,34 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import zarr
 
+from bb_lightning.engine.checkpoint import verify_checkpoint
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.shard import ShardComm
-from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.engine.shard import ShardComm, ShardLayout
+from bb_lightning.engine.trainer_engine import required_budgets, shard_counts
 from storage.tiers import Tier
 
-from .shard_worker import ADAMW, CASES, LAYERS, WORLD, batches
+from .shard_worker import (
+    ADAMW,
+    CASES,
+    FROZEN,
+    LAYERS,
+    RESUMED,
+    SAVED,
+    STEPS,
+    WORLD,
+    batches,
+    engine_for,
+    freeze_outside,
+    restore,
+    run_steps,
+    save,
+    state_of,
+)
 from .tiny import tiny_llama
 
 WORKER = Path(__file__).with_name("shard_worker.py")
@@ -44,30 +65,45 @@ def _placement(weights: Tier, state: Tier) -> Placement:
     )
 
 
-def _reference(case: str) -> dict[str, torch.Tensor]:
+def _reference(case: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """One process, torch AdamW, the whole global batch per step."""
     _, _, _, _, clip = CASES[case]
     model = tiny_llama()
+    if case == FROZEN:
+        freeze_outside(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        model.parameters(), lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
+        trained, lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
     )
-    for ids in batches():
+    for ids in batches()[:steps]:
         model(input_ids=ids, labels=ids).loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(trained, clip)
         opt.step()
         opt.zero_grad()
     out: dict[str, torch.Tensor] = {}
     for key, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         out[f"master/{key}"] = p.detach().clone()
         out[f"exp_avg/{key}"] = opt.state[p]["exp_avg"].clone()
         out[f"exp_avg_sq/{key}"] = opt.state[p]["exp_avg_sq"].clone()
     return out
 
 
+Ranks = list[dict[str, dict[str, torch.Tensor]]]
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, torch.Tensor]]]:
+def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the two ranks ran: their results, ``one.ckpt`` (1 process, 2 steps, resumed
+    by the ranks) and ``two.ckpt`` (saved by the ranks after 2 steps)."""
     tmp = tmp_path_factory.mktemp("shard")
+    engine, store = engine_for(RESUMED, tmp / "one", None)
+    with store:
+        run_steps(engine, RESUMED, 0, 1, range(STEPS - 1))
+        save(engine, tmp / "one.ckpt")
+        engine.close()
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), port, str(tmp)], env=env,
@@ -82,14 +118,17 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[s
                 q.kill()
             raise
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shard_dir: Path) -> Ranks:
+    return [torch.load(shard_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_two_shards_step_like_torch_adamw_on_the_whole_batch(
-    two_ranks: list[dict[str, dict[str, torch.Tensor]]], case: str
-) -> None:
+def test_two_shards_step_like_torch_adamw_on_the_whole_batch(two_ranks: Ranks, case: str) -> None:
     want = _reference(case)
     for rank in range(WORLD):
         got = two_ranks[rank][case]
@@ -102,7 +141,7 @@ def test_two_shards_step_like_torch_adamw_on_the_whole_batch(
 
 @pytest.mark.slow
 def test_ranks_that_start_from_different_weights_are_refused(
-    two_ranks: list[dict[str, dict[str, torch.Tensor]]],
+    two_ranks: Ranks,
 ) -> None:
     for rank in range(WORLD):
         message = str(two_ranks[rank]["refused"]["message"])
@@ -111,14 +150,67 @@ def test_ranks_that_start_from_different_weights_are_refused(
         assert "block 0" not in message and "block 2" not in message
 
 
-@pytest.mark.parametrize(("numel", "world"), [(10, 2), (11, 2), (7, 3), (1, 4), (0, 2)])
-def test_the_shards_tile_the_flat_state(numel: int, world: int) -> None:
-    flat = torch.arange(numel, dtype=torch.float32)
-    shards = [ShardComm(None, rank=r, world_size=world).shard_of(flat) for r in range(world)]
-    size = -(-numel // world)
-    assert all(s.numel() == size for s in shards)
-    torch.testing.assert_close(torch.cat(shards)[:numel], flat)
-    assert not torch.cat(shards)[numel:].any()  # the padding is zeros
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_reads_whole_with_zarr_and_resumes_in_one_process(
+    shard_dir: Path, tmp_path: Path
+) -> None:
+    path = shard_dir / "two.ckpt"
+    assert json.loads((path / "meta.json").read_text())["world_size"] == WORLD
+    assert not verify_checkpoint(path).problems
+    want = _reference(SAVED, steps=STEPS - 1)
+    group = zarr.open_group(str(path / "state.zarr"), mode="r")
+    for key, value in want.items():
+        torch.testing.assert_close(
+            torch.from_numpy(np.asarray(group[key][...])), value, rtol=1e-4, atol=1e-5, msg=key
+        )
+    # each rank wrote its own rows: a matrix's array has one chunk per rank
+    array = path / "state.zarr" / "master" / "model.layers.0.mlp.up_proj.weight"
+    assert sorted(p.name for p in (array / "c").iterdir()) == ["0", "1"]
+    engine, store = engine_for(SAVED, tmp_path / "resume", None)
+    with store:
+        restore(engine, path)
+        assert engine.step_count == STEPS - 1
+        run_steps(engine, SAVED, 0, 1, range(STEPS - 1, STEPS))
+        got = state_of(engine)
+        engine.close()
+    for key, value in _reference(SAVED).items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_on_two_ranks(two_ranks: Ranks) -> None:
+    want = _reference(RESUMED)
+    for rank in range(WORLD):
+        got = two_ranks[rank]["resumed"]
+        assert int(got["step_count"]) == STEPS
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_every_rank_holds_its_rows_of_every_parameter(world: int) -> None:
+    shapes = [(7, 3), (4,), (), (1, 2, 2), (0, 5)]  # rows fewer than ranks, a scalar, empty
+    layout = ShardLayout(shapes, world)
+    full = torch.arange(1, layout.full_numel + 1, dtype=torch.float32)
+    shards = [layout.take(full, r, torch.full((layout.shard_numel,), -1.0)) for r in range(world)]
+    # the shards, rank by rank, unpack to the whole state
+    whole = layout.unpack(torch.cat(shards), torch.empty(layout.full_numel))
+    torch.testing.assert_close(whole, full)
+    # rank r's rows of a parameter are rows [r * C, (r + 1) * C) of it, zero-padded
+    params = torch.split(full, [math.prod(s) for s in shapes])
+    for piece, shape, value in zip(layout.pieces, shapes, params, strict=True):
+        rows = value.reshape(piece.rows, piece.row)
+        for r in range(world):
+            got = layout.rows_in_shard(piece, shards[r])
+            lo, hi = piece.rows_of(r)
+            torch.testing.assert_close(
+                got[: hi - lo], rows[r * piece.chunk : (r + 1) * piece.chunk]
+            )
+            assert not got[hi - lo :].any()
+        assert piece.chunk == -(-(shape[0] if shape else 1) // world)
+    # packing per-parameter gradients gives the same rank-ordered buffer
+    packed = layout.pack(list(params), torch.empty(layout.shard_numel * world))
+    torch.testing.assert_close(packed, torch.cat(shards))
 
 
 def test_one_process_needs_no_shard_comm() -> None:
@@ -132,7 +224,10 @@ def test_sharded_budgets_hold_one_shard_of_the_state() -> None:
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
     placement = replace(_placement(Tier.HOST, Tier.NVME), compute_dtype="float32")
     one = required_budgets(numels, rest, placement)
-    two = required_budgets(numels, rest, placement, shards=2)
+    parts, rest_part = shard_counts(model, list(model.model.layers), 2)
+    two = required_budgets(
+        numels, rest, placement, shards=2, shard_numels=parts, shard_rest=rest_part
+    )
     state = 4 * 3 * sum(numels)  # master, exp_avg, exp_avg_sq in fp32 on NVMe
     assert two[Tier.NVME] < one[Tier.NVME]
     assert one[Tier.NVME] - two[Tier.NVME] >= state // 2 - 4096
