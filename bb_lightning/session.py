@@ -78,6 +78,7 @@ __all__ = [
     "first_batch_shape",
     "follow_plan",
     "hf_model",
+    "measure_machine",
     "predict_job",
     "read_job",
 ]
@@ -364,7 +365,7 @@ class PlanningSession:
         if isinstance(spec, HardwareProfile):
             hardware = spec
         elif spec is None or spec == "measure":
-            hardware = measure(nvme_path=self.nvme_path)
+            hardware = measure_machine(self.nvme_path)
         else:
             hardware = preset(spec)
         forced = Tier.NVME in (
@@ -376,6 +377,12 @@ class PlanningSession:
                 nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
             )
         return world.with_world(hardware, self.world_size, self.ranks_per_node)
+
+
+def measure_machine(nvme_path: str | None) -> HardwareProfile:
+    """This machine's measured profile (cached per machine; the NVMe probe writes a
+    temporary file in ``nvme_path``)."""
+    return measure(nvme_path=nvme_path)
 
 
 def follow_plan(job: TrainerJob, plan: Plan | None) -> None:

@@ -391,8 +391,11 @@ class BalanceBeamStrategy(ParallelStrategy):
 
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
+        hardware = self.hardware
+        if self.world_size > 1 and (hardware is None or hardware == "measure"):
+            hardware = self._measured_nodes()
         planning = session.PlanningSession(
-            overrides=self.overrides, hardware=self.hardware, nvme_path=self.nvme_path,
+            overrides=self.overrides, hardware=hardware, nvme_path=self.nvme_path,
             dtype=self.resolved_dtype(), device=self.root_device,
             world_size=self.world_size, ranks_per_node=max(1, self.num_processes),
         )  # fmt: skip
@@ -408,6 +411,23 @@ class BalanceBeamStrategy(ParallelStrategy):
         if plan is not None:
             self._adopt(plan)
         return placement
+
+    def _measured_nodes(self) -> HardwareProfile:
+        """The local rank 0 of each node measures it (cached per machine) while its other
+        ranks wait; every rank gets the slowest node's figures (:func:`world.slowest_node`).
+        A rank whose measurement fails makes every rank raise, none waits."""
+        mine: HardwareProfile | str | None = None
+        if self.local_rank == 0:
+            try:
+                mine = session.measure_machine(self.nvme_path)
+            except Exception as err:
+                mine = f"rank {self.global_rank} cannot measure its node: {err}"
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return world.slowest_node(gathered)
 
     def _planned_on_rank_zero(
         self, place: Callable[[], tuple[Placement, Plan | None]]

@@ -5,7 +5,9 @@ N > 1 (``Trainer(devices=G, num_nodes=M)``, N = G x M); with N = 1 each returns 
 
 - Each rank's NVMe tier in ``<nvme_path>/rank<global_rank>`` (:func:`rank_nvme_path`): the
   tier locks its directory, so two ranks cannot share one.
-- The planner's hardware profile carries the layout (:func:`with_world`).
+- The planner's hardware profile carries the layout (:func:`with_world`); measured on
+  each node by its local rank 0, the slowest node's figures plan every rank
+  (:func:`slowest_node`).
 - The measured phase times of the re-plan decision are the slowest rank's
   (:func:`slowest_times`), so every rank re-plans, or not, at the same step.
 - A checkpoint directory must be one every rank sees (:func:`check_shared_directory`).
@@ -17,7 +19,7 @@ import dataclasses
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ __all__ = [
     "check_shared_directory",
     "rank_nvme_path",
     "rank_store_config",
+    "slowest_node",
     "slowest_times",
     "with_world",
 ]
@@ -135,3 +138,30 @@ def check_shared_directory(
             f"checkpoint directory {str(folder)!r} is not visible from every rank (see the "
             "other ranks' errors): put checkpoints on a filesystem every node shares"
         )
+
+
+_LAYOUT_FIELDS = frozenset({"world_size", "ranks_per_node"})
+_HIGHER_IS_WORSE = frozenset({"collective_latency"})
+
+
+def slowest_node(profiles: Sequence[HardwareProfile | None]) -> HardwareProfile:
+    """One profile for every node: the worst figure of each resource among ``profiles``
+    (one per node that measured; None for the ranks that did not): the least memory,
+    bandwidth, FLOP/s, cores and efficiency, the longest collective latency. Every
+    rank runs the same placement, so it must fit and keep pace on the slowest node."""
+    measured = [p for p in profiles if p is not None]
+    if not measured:
+        raise ValueError("no rank measured its node: the local rank 0 of each node measures")
+    first = measured[0]
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(first):
+        value = getattr(first, f.name)
+        if (
+            f.name in _LAYOUT_FIELDS
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+        ):
+            continue
+        values = [getattr(p, f.name) for p in measured]
+        changes[f.name] = max(values) if f.name in _HIGHER_IS_WORSE else min(values)
+    return first.replace(**changes)

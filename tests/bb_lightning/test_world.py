@@ -211,3 +211,20 @@ def test_the_fit_job_of_several_ranks_is_their_global_batch(tiny: SimpleNamespac
     assert one.job == FitJob(seq_len=32, global_batch_seqs=6)
     assert four.job == FitJob(seq_len=32, global_batch_seqs=24)  # 4 ranks x 2 x 3
     assert (four.micro_batch, four.grad_accum) == (2, 3)  # what each rank's loader runs
+
+
+def test_every_rank_plans_for_the_slowest_node() -> None:
+    fast = preset("a100-80gb")
+    slow = fast.replace(
+        host_memory=fast.host_memory // 2,
+        nvme_read_bandwidth=fast.nvme_read_bandwidth / 3,
+        collective_latency=fast.collective_latency + 1e-4,
+    )
+    got = world.slowest_node([fast, None, slow, None])  # local ranks 1 measured nothing
+    assert got.host_memory == slow.host_memory
+    assert got.nvme_read_bandwidth == slow.nvme_read_bandwidth
+    assert got.collective_latency == slow.collective_latency  # the longer one
+    assert got.device_flops == fast.device_flops == slow.device_flops
+    assert got.h2d_bandwidth == min(fast.h2d_bandwidth, slow.h2d_bandwidth)
+    with pytest.raises(ValueError, match="local rank 0 of each node measures"):
+        world.slowest_node([None, None])
