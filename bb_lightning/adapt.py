@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
 from bb_lightning.planner import MeasuredTimes, Plan, adapt, plan_differs
+from bb_lightning.world import Reducer, slowest_times
 from storage.tiers import Link, Tier
 
 __all__ = ["AdaptController", "MetricsSink", "apply_plan"]
@@ -55,14 +56,24 @@ class AdaptController:
         engine.timer.begin_step()
 
     def end_step(
-        self, engine: TrainingEngine, plan: Plan | None, log: MetricsSink | None = None
+        self,
+        engine: TrainingEngine,
+        plan: Plan | None,
+        log: MetricsSink | None = None,
+        reduce_max: Reducer | None = None,
     ) -> Plan | None:
         """End timing a step; after the last warm-up step compare with ``plan`` and return
-        the new plan (its placement applied where the store has room), else None."""
+        the new plan (its placement applied where the store has room), else None.
+
+        With several ranks ``reduce_max`` (an all-reduce with MAX) makes the measured
+        times the slowest rank's, so that every rank takes the same decision at the
+        same step (every rank must then call this at every step)."""
         engine.timer.end_step()
         if plan is None or len(engine.timer.steps) != self.warmup_steps:
             return None
         measured = self.measured(engine)
+        if reduce_max is not None:
+            measured = slowest_times(measured, reduce_max)
         new = self.review(plan, measured, log)
         if new is not None:
             apply_plan(engine, new)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -352,13 +352,20 @@ class EngineSlot:
         self.finalizer = weakref.finalize(owner, release, built.store, built.tmpdir)
 
     def hand_back(
-        self, owner: object, dtype: torch.dtype, gather: bool | None, limit: int | None
+        self,
+        owner: object,
+        dtype: torch.dtype,
+        gather: bool | None,
+        limit: int | None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         """The module's weights back in its parameters (``dtype``), or a loud hollow module.
 
         ``gather`` True always gives them back and closes the store; None gives them back
         when the fp32 weights fit ``limit`` bytes of host memory (None: the default share,
-        :func:`~bb_lightning.handback.fits_host`); False leaves them in the store.
+        :func:`~bb_lightning.handback.fits_host`); False leaves them in the store. With
+        several ranks (the engine's reads are collectives) ``agree`` makes the decision
+        every rank's: True only when the weights fit on every rank.
         """
         engine = self.engine
         if engine is None or self.handed_back is engine or self.guard is not None:
@@ -368,7 +375,8 @@ class EngineSlot:
             self.close()
             return
         nbytes = param_bytes(engine)
-        fits, most = fits_host(nbytes, limit)
+        fits_here, most = fits_host(nbytes, limit)
+        fits = fits_here if agree is None or gather is not None else agree(fits_here)
         if gather is None and fits:
             hand_back(engine, dtype)
             self.handed_back = engine
@@ -377,6 +385,9 @@ class EngineSlot:
             "gather_on_teardown=False"
             if gather is False
             else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {most / 2**30:.3g} GiB"
+            " (gather_limit)"
+            if not fits_here
+            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > another rank's host limit"
             " (gather_limit)"
         )
         self.guard = HollowGuard(engine, owner, why, dtype)

@@ -605,6 +605,7 @@ class BalanceBeamCLI(LightningCLI):
         """Parse as LightningCLI does; a bad key or value becomes one :class:`UsageError` line."""
         from jsonargparse import ArgumentError
 
+        self._args = [a for a in (args or []) if isinstance(a, str)]
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -612,6 +613,12 @@ class BalanceBeamCLI(LightningCLI):
             command = next((a for a in words if a in _LIGHTNING_HELP), "fit")
             sub = getattr(self, "_subcommand_parsers", {}).get(command, parser)
             raise UsageError(explain_jsonargparse(str(err), parser_keys(sub), command)) from None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it with ``sys.argv`` saying the command: Lightning's launcher of several
+        ranks (``--trainer.devices 2``) starts each rank's process with ``sys.argv``."""
+        with _argv([*sys.argv[:1], *getattr(self, "_args", [])]):
+            super()._run_subcommand(subcommand)
 
     def before_instantiate_classes(self) -> None:
         cfg = self._config()
@@ -668,6 +675,8 @@ class BalanceBeamCLI(LightningCLI):
         strategy = self.trainer.strategy
         plan = getattr(strategy, "plan", None)
         engine = getattr(strategy, "engine", None)
+        if not self.trainer.is_global_zero:  # every rank ran the same plan: said once
+            plan = engine = None
         if plan is not None:
             print("plan used:\n" + plan.explain())
         elif engine is not None:
@@ -684,9 +693,9 @@ def _print_samples(cli: Any, prompts: list[str], new_tokens: int) -> None:
     from bb_lightning.tokenizer import decode_ids, encode_text, load_tokenizer
 
     gather = getattr(cli.trainer.strategy, "gather_full_model", None)
-    module = gather() if callable(gather) else cli.model
+    module = gather() if callable(gather) else cli.model  # on every rank (collective reads)
     net = getattr(module, "model", None)
-    if net is None:
+    if net is None or not cli.trainer.is_global_zero:
         return
     data = cli.datamodule
     tokenizer = getattr(data, "tokenizer", None) or load_tokenizer(None)

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import PreTrainedModel
 from typing_extensions import Protocol, runtime_checkable
 
+from bb_lightning import world
 from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.trainer_engine import ClipConfig
 from bb_lightning.planner import (
@@ -75,7 +76,9 @@ __all__ = [
     "compute_dtype",
     "compute_dtype_check",
     "first_batch_shape",
+    "follow_plan",
     "hf_model",
+    "measure_machine",
     "predict_job",
     "read_job",
 ]
@@ -158,14 +161,19 @@ def hf_model(module: torch.nn.Module) -> PreTrainedModel | None:
 
 
 def read_job(
-    trainer: pl.Trainer, module: pl.LightningModule, given: FitJob | PredictJob | None = None
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    given: FitJob | PredictJob | None = None,
+    *,
+    world_size: int = 1,
 ) -> TrainerJob:
     """The job of the Trainer's current call, read once.
 
     ``predict`` of a Hugging Face model plans a :class:`PredictJob` (``given``, else
     :func:`predict_job`); ``fit`` of one, or any call with a given :class:`FitJob`, plans a
     :class:`FitJob` (``given``, else from :func:`first_batch_shape` and the Trainer's
-    accumulation and clipping); anything else plans nothing. Raises ``ValueError`` for a
+    accumulation and clipping: the global batch is micro-batch x accumulation x
+    ``world_size`` ranks); anything else plans nothing. Raises ``ValueError`` for a
     given ``FitJob`` and a module without a Hugging Face model.
     """
     net, fn = hf_model(module), trainer.state.fn
@@ -189,7 +197,7 @@ def read_job(
     seq_len, micro = first_batch_shape(trainer)
     accum = int(trainer.accumulate_grad_batches)
     clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-    fit = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum, grad_clipping=clip)
+    fit = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum * world_size, grad_clipping=clip)
     return TrainerJob(job=fit, micro_batch=micro, grad_accum=accum)
 
 
@@ -207,6 +215,10 @@ class PlanningSession:
     """Compute dtype of the probes."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Device the probes run on."""
+    world_size: int = 1
+    """Data-parallel ranks of the run (1: one process; the hardware profile as given)."""
+    ranks_per_node: int = 1
+    """Ranks on each node (the Trainer's devices); they share one node's profile."""
 
     def place(
         self, net: PreTrainedModel | None, job: TrainerJob, num_blocks: int
@@ -353,7 +365,7 @@ class PlanningSession:
         if isinstance(spec, HardwareProfile):
             hardware = spec
         elif spec is None or spec == "measure":
-            hardware = measure(nvme_path=self.nvme_path)
+            hardware = measure_machine(self.nvme_path)
         else:
             hardware = preset(spec)
         forced = Tier.NVME in (
@@ -364,7 +376,23 @@ class PlanningSession:
             hardware = hardware.replace(
                 nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
             )
-        return hardware
+        return world.with_world(hardware, self.world_size, self.ranks_per_node)
+
+
+def measure_machine(nvme_path: str | None) -> HardwareProfile:
+    """This machine's measured profile (cached per machine; the NVMe probe writes a
+    temporary file in ``nvme_path``)."""
+    return measure(nvme_path=nvme_path)
+
+
+def follow_plan(job: TrainerJob, plan: Plan | None) -> None:
+    """On a rank that received ``plan`` from the rank that planned ``job``: what
+    :meth:`PlanningSession.place` does besides planning (a :class:`PromptShape` datamodule
+    whose ``batch_size`` is None takes the plan's ``concurrent_seqs``)."""
+    if plan is None or not isinstance(job.job, PredictJob):
+        return
+    if job.batch_size is None and job.data is not None:
+        job.data.use_planned_batch_size(plan.concurrent_seqs)
 
 
 def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:

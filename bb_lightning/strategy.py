@@ -12,23 +12,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import pickle
 import tempfile
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from bb_lightning import assembly, session
+from bb_lightning import assembly, session, world
 from bb_lightning.adapt import AdaptController
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement, dtype_name
+from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_from_optimizer
 from bb_lightning.handback import handback_dtype
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
@@ -40,8 +56,15 @@ from storage.store import StoreConfig, TieredStore
 __all__ = ["BalanceBeamStrategy"]
 
 
-class BalanceBeamStrategy(SingleDeviceStrategy):
-    """Single-device strategy that pages transformer blocks through a three-tier store.
+class BalanceBeamStrategy(ParallelStrategy):
+    """Strategy that pages transformer blocks through a three-tier store, one device per
+    process; with ``devices=G, num_nodes=M`` (G x M > 1) data parallel over G x M ranks.
+
+    Data parallelism: every rank pages a full copy of the weights and holds its shard of
+    the optimizer state (:mod:`bb_lightning.engine.shard`); rank 0 plans and every rank
+    runs its placement; each rank's NVMe tier is ``<nvme_path>/rank<global rank>``;
+    checkpoints go to a directory every rank sees. Processes are started by Lightning's
+    script launcher (``start_method="popen"``), torchrun or srun.
 
     Args:
         store: budgets (bytes) and NVMe directory of the tensor store; None sizes
@@ -72,7 +95,16 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
             and closes the store (:meth:`gather_full_model`); False always leaves
             them in the store.
         gather_limit: most bytes of fp32 weights given back to the module's
-            parameters; None: 80% of the host memory available at that time.
+            parameters; None: 80% of the host memory available at that time (with
+            several ranks, the rank with the least).
+        parallel_devices: the devices of this node's ranks; None: the Trainer's.
+        cluster_environment: where ranks come from; None: Lightning's detection
+            (torchrun, SLURM, ..., else its own launcher).
+        process_group_backend: backend of the world process group; None:
+            ``"gloo"`` on CPU devices, ``"cpu:gloo,cuda:nccl"`` on CUDA devices.
+        timeout: of the process groups' collectives.
+        start_method: ``"popen"`` (the only one: ``"spawn"`` and ``"fork"`` hand the
+            module's state dict back to the parent, and paged weights are not in it).
     """
 
     strategy_name = "balance_beam"
@@ -97,17 +129,30 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any | None = None,
         precision_plugin: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen"] = "popen",
     ) -> None:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        check_start_method(start_method)
         super().__init__(
-            device=device,
             accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.parallel_devices: list[torch.device] | None = None
-        """The Trainer's devices (its accelerator and ``devices=``), set by Lightning; the
-        first is the root device. None outside a Trainer (then CUDA device 0 when visible)."""
+        self._root_device = (
+            torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        """The device outside a Trainer (no ``parallel_devices``): CUDA device 0 when visible."""
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.start_method = start_method
+        self._comm: ShardComm | None = None
+        """The engine's collectives (world size > 1), made once after the world group."""
         session.check_settings(compute_dtype, gather_limit, store, nvme_path)
         self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
@@ -164,28 +209,117 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _finalizer(self) -> weakref.finalize[Any, Any] | None:
         return self._slot.finalizer
 
-    # -- device ---------------------------------------------------------------------
+    # -- devices and ranks --------------------------------------------------------
 
     @property
     @override
     def root_device(self) -> torch.device:
-        """The Trainer's first device (``accelerator="cpu"`` -> cpu, ``devices=[i]`` -> cuda:i)."""
-        if self.parallel_devices:
-            return torch.device(self.parallel_devices[0])
-        return self._root_device
+        """This rank's device: the Trainer's devices at the local rank (``accelerator="cpu"``
+        -> cpu, ``devices=[i]`` -> cuda:i); CUDA device 0 when visible outside a Trainer."""
+        devices = self.parallel_devices
+        if not devices:
+            return self._root_device
+        if self.local_rank >= len(devices):
+            raise ValueError(
+                f"local rank {self.local_rank} has no device among {devices}: give the Trainer "
+                "as many devices as processes per node (devices=...)"
+            )
+        return torch.device(devices[self.local_rank])
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the run (the Trainer's ``num_nodes``)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (ranks, one device each) per node: the Trainer's devices."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether there are several ranks (then Lightning shards the data among them)."""
+        return self.world_size > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Lightning's distributed samplers: every rank of every node, this one's rank."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        """Backend of the world process group (the constructor's, else by device)."""
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "gloo" if self.root_device.type == "cpu" else "cpu:gloo,cuda:nccl"
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Lightning's script launcher for several ranks it starts itself (not torchrun/srun)."""
+        assert self.cluster_environment is not None
+        ranks = self.num_nodes * self.num_processes
+        if ranks > 1 and not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
-        """Take the device from the accelerator's devices, then set it up (Lightning)."""
-        devices = list(dict.fromkeys(torch.device(d) for d in self.parallel_devices or ()))
-        if len(devices) > 1:
-            rank_zero_warn(
-                f"balance_beam runs on one device; using {devices[0]} of {devices}: pass "
-                f"devices=[{devices[0].index or 0}] to choose it"
-            )
-        if devices:
-            self._root_device = devices[0]
+        """Set the device up; with several ranks, join the world process group."""
         super().setup_environment()
+        if self.num_nodes * self.num_processes <= 1:
+            return
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self.process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        """Global rank = node rank x processes per node + local rank; world = nodes x processes."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Lightning's rank-zero helpers (logging, warnings) read the rank from these
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (nothing with one process)."""
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself with one process)."""
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> torch.Tensor | Any:
+        """``tensor`` reduced over the ranks (``"mean"``, ``"sum"``, ``"max"``... or a
+        ``ReduceOp``), in place; anything but a tensor is returned as is."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     # -- model construction and setup ------------------------------------------
 
@@ -238,24 +372,82 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         else:  # the placement given, computing in the resolved dtype
             dtype = dtype_name(self.resolved_dtype())
             placement = dataclasses.replace(self.placement, compute_dtype=dtype)
+        rank, ranks = self.global_rank, self.world_size
         built = assembly.build_engine(
             module, list(blocks), placement, training=training,
-            device=self.root_device, loader=loader, store=self.store_config,
-            nvme_path=self.nvme_path, plan=self.plan,
+            device=self.root_device, loader=loader,
+            store=world.rank_store_config(self.store_config, rank, ranks),
+            nvme_path=world.rank_nvme_path(self.nvme_path, rank, ranks), plan=self.plan,
+            comm=self.shard_comm() if ranks > 1 else None,  # one process: no collectives
         )  # fmt: skip
         self._slot.hold(built, self)
 
+    def shard_comm(self) -> ShardComm:
+        """The engine's collectives on a process group of their own (made once, on every
+        rank, after the world process group: several ranks only)."""
+        if self._comm is None:
+            self._comm = ShardComm.from_world(timeout=self._timeout)
+        return self._comm
+
     def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
         """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
+        hardware = self.hardware
+        if self.world_size > 1 and (hardware is None or hardware == "measure"):
+            hardware = self._measured_nodes()
         planning = session.PlanningSession(
-            overrides=self.overrides, hardware=self.hardware, nvme_path=self.nvme_path,
+            overrides=self.overrides, hardware=hardware, nvme_path=self.nvme_path,
             dtype=self.resolved_dtype(), device=self.root_device,
+            world_size=self.world_size, ranks_per_node=max(1, self.num_processes),
         )  # fmt: skip
-        job = session.read_job(trainer, module, self.job)
-        placement, plan = planning.place(session.hf_model(module), job, num_blocks)
+        job = session.read_job(trainer, module, self.job, world_size=self.world_size)
+        if self.world_size == 1:
+            placement, plan = planning.place(session.hf_model(module), job, num_blocks)
+        else:  # rank 0 plans, every rank runs its placement
+            placement, plan = self._planned_on_rank_zero(
+                lambda: planning.place(session.hf_model(module), job, num_blocks)
+            )
+            if not self.is_global_zero:
+                session.follow_plan(job, plan)
         if plan is not None:
             self._adopt(plan)
         return placement
+
+    def _measured_nodes(self) -> HardwareProfile:
+        """The local rank 0 of each node measures it (cached per machine) while its other
+        ranks wait; every rank gets the slowest node's figures (:func:`world.slowest_node`).
+        A rank whose measurement fails makes every rank raise, none waits."""
+        mine: HardwareProfile | str | None = None
+        if self.local_rank == 0:
+            try:
+                mine = session.measure_machine(self.nvme_path)
+            except Exception as err:
+                mine = f"rank {self.global_rank} cannot measure its node: {err}"
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return world.slowest_node(gathered)
+
+    def _planned_on_rank_zero(
+        self, place: Callable[[], tuple[Placement, Plan | None]]
+    ) -> tuple[Placement, Plan | None]:
+        """``place()`` run on rank 0, its result (or its error) broadcast to every rank."""
+        outcome: tuple[Placement, Plan | None] | BaseException | None = None
+        failed: Exception | None = None
+        if self.is_global_zero:
+            try:
+                outcome = place()
+            except Exception as err:  # the other ranks raise it too, not wait for a plan
+                failed = err
+                outcome = err if _picklable(err) else RuntimeError(f"rank 0 cannot plan: {err}")
+        outcome = self.broadcast(outcome)
+        if failed is not None:
+            raise failed
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
@@ -306,9 +498,16 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
     def _after_step(self) -> None:
         engine = self.engine
         assert engine is not None
-        replanned = self._adapt.end_step(engine, self.plan, self._log_metrics)
+        reduce_max = None if self.world_size == 1 else self._reduce_max
+        replanned = self._adapt.end_step(engine, self.plan, self._log_metrics, reduce_max)
         if replanned is not None:
             self._adopt(replanned)
+
+    def _reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (host) all-reduced with MAX over the ranks (the world group, on this
+        rank's device: an NCCL-only world reduces no host tensors); returned on the host."""
+        result: torch.Tensor = self.reduce(tensor.to(self.root_device), reduce_op="max")
+        return result.cpu()
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module else None
@@ -386,9 +585,21 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
                 f"cannot save {filepath!r}: the balance_beam engine is built in setup; "
                 "save after trainer.fit has started"
             )
-        if self.is_global_zero:
-            weights_only = "optimizer_states" not in checkpoint
+        weights_only = "optimizer_states" not in checkpoint
+        if self.world_size == 1:
             ckpt.save_checkpoint(self.engine, filepath, checkpoint, weights_only=weights_only)
+            return
+        # several ranks: all take part in the state's gathers, rank 0 writes
+        path = self.broadcast(str(filepath))
+        world.check_shared_directory(
+            os.path.dirname(os.path.abspath(path)),
+            global_rank=self.global_rank, barrier=self.barrier, broadcast=self.broadcast,
+            all_true=self.reduce_boolean_decision,
+        )  # fmt: skip
+        if self.is_global_zero:
+            ckpt.save_checkpoint(self.engine, path, checkpoint, weights_only=weights_only)
+        else:
+            ckpt.follow_save(self.engine, weights_only=weights_only)
 
     @override
     def load_checkpoint(
@@ -412,7 +623,10 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         if calls is not None:
             calls.settle()
             dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
-            self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit)
+            agree = None if self.world_size == 1 else self.reduce_boolean_decision
+            self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit, agree)
+        if self.cluster_environment is not None and self.world_size > 1:
+            self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
@@ -426,7 +640,8 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
         ``"bf16-true"``, else fp32: the fp32 master weights after ``fit``, the
         compute-dtype weights after a weights-only ``validate`` / ``predict``); a later
         ``trainer.*`` call pages it again from these values (the AdamW moments are not
-        kept). Returns the module.
+        kept). Returns the module. With several ranks every rank calls it (the weights
+        are read with collectives).
         """
         module = self.lightning_module
         assert module is not None
@@ -457,3 +672,22 @@ class BalanceBeamStrategy(SingleDeviceStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse a start method other than ``"popen"`` (the script launcher, torchrun, srun)."""
+    if start_method != "popen":
+        raise ValueError(
+            f"start_method={start_method!r}: balance_beam cannot run under {start_method}: "
+            "that launcher returns the module's state_dict to the parent process, and paged "
+            "weights are not in the module; use start_method='popen' (the default), torchrun "
+            "or srun"
+        )

@@ -1,0 +1,167 @@
+"""The strategy's side of data parallelism: what each rank keeps apart and what the ranks agree on.
+
+Pure helpers of :class:`~bb_lightning.strategy.BalanceBeamStrategy` for ``world_size``
+N > 1 (``Trainer(devices=G, num_nodes=M)``, N = G x M); with N = 1 each returns its input.
+
+- Each rank's NVMe tier in ``<nvme_path>/rank<global_rank>`` (:func:`rank_nvme_path`): the
+  tier locks its directory, so two ranks cannot share one.
+- The planner's hardware profile carries the layout (:func:`with_world`); measured on
+  each node by its local rank 0, the slowest node's figures plan every rank
+  (:func:`slowest_node`).
+- The measured phase times of the re-plan decision are the slowest rank's
+  (:func:`slowest_times`), so every rank re-plans, or not, at the same step.
+- A checkpoint directory must be one every rank sees (:func:`check_shared_directory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bb_lightning.planner import HardwareProfile, MeasuredTimes
+from storage.store import StoreConfig
+
+__all__ = [
+    "DEFAULT_INTER_NODE_BANDWIDTH",
+    "DEFAULT_INTRA_NODE_BANDWIDTH",
+    "check_shared_directory",
+    "rank_nvme_path",
+    "rank_store_config",
+    "slowest_node",
+    "slowest_times",
+    "with_world",
+]
+
+DEFAULT_INTRA_NODE_BANDWIDTH = 2.0e9
+"""Bytes/s one rank sends another of its node when the profile gives none: the engine's
+collectives run on gloo over host memory (loopback TCP), a few GB/s."""
+DEFAULT_INTER_NODE_BANDWIDTH = 1.25e9
+"""Bytes/s one rank sends a rank of another node when the profile gives none (10 Gbit/s
+Ethernet); give ``HardwareProfile.inter_node_bandwidth`` for a faster network."""
+
+MARKER_PREFIX = ".bb-shared-"
+"""Name prefix of the marker file :func:`check_shared_directory` writes."""
+
+
+def rank_nvme_path(nvme_path: str | None, global_rank: int, world_size: int) -> str | None:
+    """The NVMe directory of rank ``global_rank``: ``<nvme_path>/rank<global_rank>`` when
+    ``world_size`` > 1, ``nvme_path`` itself for one process (None stays None: a temporary
+    directory, its own per process)."""
+    if nvme_path is None or world_size == 1:
+        return nvme_path
+    if not 0 <= global_rank < world_size:
+        raise ValueError(f"global_rank={global_rank} outside 0..{world_size - 1} (world_size)")
+    return os.path.join(nvme_path, f"rank{global_rank}")
+
+
+def rank_store_config(
+    store: StoreConfig | None, global_rank: int, world_size: int
+) -> StoreConfig | None:
+    """``store`` with its NVMe directory made the rank's (:func:`rank_nvme_path`)."""
+    if store is None or store.nvme_path is None or world_size == 1:
+        return store
+    path = rank_nvme_path(store.nvme_path, global_rank, world_size)
+    return dataclasses.replace(store, nvme_path=path)
+
+
+def with_world(hardware: HardwareProfile, world_size: int, ranks_per_node: int) -> HardwareProfile:
+    """``hardware`` (one node's profile) with the Trainer's layout: ``world_size`` ranks,
+    ``ranks_per_node`` on each node. A network bandwidth the layout needs and the profile
+    leaves at 0 takes :data:`DEFAULT_INTRA_NODE_BANDWIDTH` /
+    :data:`DEFAULT_INTER_NODE_BANDWIDTH`. One rank returns ``hardware`` unchanged."""
+    if world_size == 1:
+        return hardware
+    changes: dict[str, Any] = {"world_size": world_size, "ranks_per_node": ranks_per_node}
+    if ranks_per_node > 1 and hardware.intra_node_bandwidth <= 0:
+        changes["intra_node_bandwidth"] = DEFAULT_INTRA_NODE_BANDWIDTH
+    if world_size > ranks_per_node and hardware.inter_node_bandwidth <= 0:
+        changes["inter_node_bandwidth"] = DEFAULT_INTER_NODE_BANDWIDTH
+    return hardware.replace(**changes)
+
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+"""An all-reduce with MAX over the ranks of a float64 CPU tensor (returns the result)."""
+
+
+def slowest_times(measured: MeasuredTimes, reduce_max: Reducer) -> MeasuredTimes:
+    """``measured`` with each field the largest over the ranks (``reduce_max``); a field
+    no rank measured stays None."""
+    names = [f.name for f in dataclasses.fields(measured)]
+    values = [getattr(measured, n) for n in names]
+    packed = torch.tensor([-1.0 if v is None else float(v) for v in values], dtype=torch.float64)
+    reduced = reduce_max(packed).tolist()
+    return MeasuredTimes(**{n: (None if v < 0 else v) for n, v in zip(names, reduced, strict=True)})
+
+
+def check_shared_directory(
+    directory: str | os.PathLike[str],
+    *,
+    global_rank: int,
+    barrier: Callable[[], None],
+    broadcast: Callable[[str], str],
+    all_true: Callable[[bool], bool],
+) -> None:
+    """Check that every rank sees ``directory`` (collective: every rank calls it).
+
+    Rank 0 creates the directory and writes a marker file ``.bb-shared-<random>`` in it
+    (its name ``broadcast`` to the others); after a ``barrier`` every rank looks for it;
+    the ranks agree (``all_true``, a collective that is also the second barrier); rank 0
+    removes it. When any rank cannot see it every rank raises ``ValueError``: that rank
+    naming the directory, its rank and host, so that no rank is left waiting in a save.
+    """
+    folder = Path(directory).absolute()
+    marker = ""
+    if global_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = str(folder / f"{MARKER_PREFIX}{secrets.token_hex(8)}")
+        Path(marker).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    marker = broadcast(marker)
+    barrier()
+    seen = os.path.exists(marker)
+    everyone = all_true(seen)
+    if global_rank == 0:
+        Path(marker).unlink(missing_ok=True)
+    if not seen:
+        raise ValueError(
+            f"checkpoint directory {str(folder)!r} is not visible from rank {global_rank} on "
+            f"host {socket.gethostname()}: put checkpoints on a filesystem every node shares"
+        )
+    if not everyone:
+        raise ValueError(
+            f"checkpoint directory {str(folder)!r} is not visible from every rank (see the "
+            "other ranks' errors): put checkpoints on a filesystem every node shares"
+        )
+
+
+_LAYOUT_FIELDS = frozenset({"world_size", "ranks_per_node"})
+_HIGHER_IS_WORSE = frozenset({"collective_latency"})
+
+
+def slowest_node(profiles: Sequence[HardwareProfile | None]) -> HardwareProfile:
+    """One profile for every node: the worst figure of each resource among ``profiles``
+    (one per node that measured; None for the ranks that did not): the least memory,
+    bandwidth, FLOP/s, cores and efficiency, the longest collective latency. Every
+    rank runs the same placement, so it must fit and keep pace on the slowest node."""
+    measured = [p for p in profiles if p is not None]
+    if not measured:
+        raise ValueError("no rank measured its node: the local rank 0 of each node measures")
+    first = measured[0]
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(first):
+        value = getattr(first, f.name)
+        if (
+            f.name in _LAYOUT_FIELDS
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+        ):
+            continue
+        values = [getattr(p, f.name) for p in measured]
+        changes[f.name] = max(values) if f.name in _HIGHER_IS_WORSE else min(values)
+    return first.replace(**changes)
