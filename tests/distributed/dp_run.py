@@ -8,7 +8,7 @@ one seeded permutation in micro-batches, so that micro-batch ``j`` of optimizer 
 ``k`` holds the same rows whatever the world size: step ``k`` covers rows
 ``[k * G, (k + 1) * G)`` of the permutation (G the global batch), rank ``r`` takes
 its micro-batches ``r, r + N, ...``. An epoch is two optimizer steps, so a checkpoint
-written after step 2 ends an epoch and resumes at any world size.
+written at the end of step 2 ends an epoch.
 
 What it writes under ``--out``:
 
@@ -16,7 +16,8 @@ What it writes under ``--out``:
   nats per token, not divided by the accumulation);
 - ``seen.rank<r>.json`` (predict): the prompt ids this rank generated;
 - ``ckpt/`` (fit; or ``--ckpt``): the checkpoint, saved by every rank with
-  ``trainer.save_checkpoint``;
+  ``trainer.save_checkpoint`` after fit; ``mid.ckpt`` (``--save-at k``): the one
+  ``ModelCheckpoint`` saved at the end of step ``k``, the kind a run resumes from;
 - ``state.pt`` and ``result.json`` (rank 0, fit): the masters and AdamW moments read
   back from ``ckpt/state.zarr`` with plain zarr; the step count and the world size that
   saved it from ``meta.json``, and the run's world size.
@@ -35,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import zarr
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoConfig
 
@@ -172,6 +174,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a save_pretrained directory")
     p.add_argument("--from-config", action="store_true", help="random weights of its config")
     p.add_argument("--perturb", action="store_true", help="rank 1 changes one initial weight")
+    p.add_argument("--save-at", type=int, default=None, help="ModelCheckpoint at this step")
     p.add_argument("--resume", default=None, help="ckpt_path of trainer.fit")
     p.add_argument("--predict", default=None, help="a prompts .jsonl: predict instead of fit")
     p.add_argument("--predictions", default=None, help="the JSONL writer's output file")
@@ -191,6 +194,16 @@ def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
         assert isinstance(sub, zarr.Group)
         state[kind] = {name: torch.from_numpy(a[...]) for name, a in sub.arrays()}
     return state, json.loads((path / "meta.json").read_text())
+
+
+def callbacks(args: argparse.Namespace, out: Path) -> list[pl.Callback]:
+    """The prediction writer (predict), a ``ModelCheckpoint`` saving ``out/mid.ckpt`` at
+    step ``--save-at`` (fit)."""
+    if args.predict:
+        return [JsonlPredictionWriter(args.predictions)]
+    if args.save_at is None:
+        return []
+    return [ModelCheckpoint(dirpath=out, filename="mid", every_n_train_steps=args.save_at)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,11 +227,11 @@ def main(argv: list[str] | None = None) -> None:
         accumulate_grad_batches=args.accum,
         gradient_clip_val=args.clip,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.save_at is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[JsonlPredictionWriter(args.predictions)] if args.predict else [],
+        callbacks=callbacks(args, out),
     )
     model: Any = AutoConfig.from_pretrained(args.model) if args.from_config else args.model
     module = RecordingModule(

@@ -92,9 +92,9 @@ def test_nvme_path_gets_a_directory_per_rank(runs: Any) -> None:
 
 def test_two_rank_checkpoint_resumes_in_one_process(runs: Any) -> None:
     case = CASES["host-clip"]
-    first = runs.fit(2, 2, *case, "--steps", "2")
+    first = runs.fit(2, 2, *case, "--steps", "2", "--save-at", "2")
     assert first.result() == {"step": 2, "world_size": 2, "saved_by": 2}
-    resumed = runs.fit(1, 4, *case, "--resume", str(first.out / "ckpt"))
+    resumed = runs.fit(1, 4, *case, "--resume", str(first.out / "mid.ckpt"))
     whole = runs.fit(1, 4, *case)
     assert sorted(resumed.losses()) == [2]  # only the third step ran
     _assert_resumed(first, resumed, whole)
@@ -102,8 +102,8 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs: Any) -> None:
 
 def test_one_process_checkpoint_resumes_at_two_ranks(runs: Any) -> None:
     case = CASES["nvme"]
-    first = runs.fit(1, 4, *case, "--steps", "2")
-    resumed = runs.fit(2, 2, *case, "--resume", str(first.out / "ckpt"))
+    first = runs.fit(1, 4, *case, "--steps", "2", "--save-at", "2")
+    resumed = runs.fit(2, 2, *case, "--resume", str(first.out / "mid.ckpt"))
     whole = runs.fit(1, 4, *case)
     assert sorted(resumed.losses()) == [2] and resumed.result()["world_size"] == 2
     _assert_resumed(first, resumed, whole)
