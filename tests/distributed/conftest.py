@@ -1,10 +1,11 @@
-"""Runs of ``dp_run.py`` as a user launches them: one process, or several ranks started
-by Lightning's popen launcher on gloo, each rank on one thread.
+"""Runs of ``dp_run.py``: one process (in this one, through ``dp_run.main``), or several
+ranks as a user launches them (``python dp_run.py --devices 2 ...``, Lightning's popen
+launcher starting the other ranks), on gloo, each rank on one thread.
 
-A run is cached per session by its arguments, so that the tests comparing it with
-another (equivalence, resume) share it. Every run gets its own free ``MASTER_PORT`` and a
-timeout; the launched process and the ranks it starts are one process group, killed
-when the run ends, so a rank that hangs cannot outlive its test.
+A run is cached for the whole pytest run by its arguments, so that the tests comparing
+it with another (equivalence, resume) share it. Every launched run gets its own free
+``MASTER_PORT`` and a timeout; the launched process and the ranks it starts are one
+process group, killed when the run ends, so a rank that hangs cannot outlive its test.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def in_process(out: Path, *args: str) -> Run:
 
 
 class Runs:
-    """Cached runs of ``dp_run.py`` in one session directory."""
+    """Cached runs of ``dp_run.py`` under one directory."""
 
     def __init__(self, root: Path, model: Path, prompt_model: Path) -> None:
         self.root = root
@@ -191,7 +192,7 @@ def _save(config: dict[str, Any], path: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """The session's runs, over tiny models written with ``save_pretrained``."""
+    """The runs of this pytest run, over tiny models written with ``save_pretrained``."""
     models = tmp_path_factory.mktemp("models")
     return Runs(
         tmp_path_factory.mktemp("runs"),
