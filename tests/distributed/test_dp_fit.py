@@ -38,7 +38,8 @@ in the resume tests."""
 
 
 def assert_same_training(got: Any, want: Any, steps: int = 3) -> None:
-    """Equal step counts, per-step mean losses (rtol 1e-5) and state (rtol 1e-5, atol 1e-6)."""
+    """Equal step counts, per-step mean losses and each step's micro-batch losses (rtol
+    1e-5), and state (rtol 1e-5, atol 1e-6)."""
     assert got.result()["step"] == want.result()["step"] == steps
     got_losses, want_losses = got.losses(), want.losses()
     assert sorted(got_losses) == sorted(want_losses)
@@ -46,6 +47,10 @@ def assert_same_training(got: Any, want: Any, steps: int = 3) -> None:
         assert len(got_losses[step]) == len(values), step  # micro-batches of the step
         mean = torch.tensor(got_losses[step]).mean()
         torch.testing.assert_close(mean, torch.tensor(values).mean(), rtol=1e-5, atol=0, msg=step)
+        # the same rows in the same micro-batches: the same losses, whichever rank ran them
+        torch.testing.assert_close(
+            torch.tensor(sorted(got_losses[step])), torch.tensor(sorted(values)), rtol=1e-5, atol=0
+        )
     got_state, want_state = got.state(), want.state()
     for kind in KINDS:
         assert got_state[kind].keys() == want_state[kind].keys(), kind
