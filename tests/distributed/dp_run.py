@@ -20,7 +20,9 @@ What it writes under ``--out``:
   ``ModelCheckpoint`` saved at the end of step ``k``, the kind a run resumes from;
 - ``state.pt`` and ``result.json`` (rank 0, fit): the masters and AdamW moments read
   back from ``ckpt/state.zarr`` with plain zarr; the step count and the world size that
-  saved it from ``meta.json``, and the run's world size.
+  saved it from ``meta.json``, and the run's world size. With ``--plain`` (plain
+  Lightning, one process, no checkpoint): the parameters and ``torch.optim.AdamW``'s
+  moments.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nvme-path", default=None, help="the strategy's nvme_path")
     p.add_argument("--model", required=True, help="a save_pretrained directory")
     p.add_argument("--from-config", action="store_true", help="random weights of its config")
+    p.add_argument("--plain", action="store_true", help="plain Lightning (one process)")
     p.add_argument("--perturb", action="store_true", help="rank 1 changes one initial weight")
     p.add_argument("--save-at", type=int, default=None, help="ModelCheckpoint at this step")
     p.add_argument("--resume", default=None, help="ckpt_path of trainer.fit")
@@ -206,6 +209,20 @@ def callbacks(args: argparse.Namespace, out: Path) -> list[pl.Callback]:
     return [ModelCheckpoint(dirpath=out, filename="mid", every_n_train_steps=args.save_at)]
 
 
+def write_plain_state(trainer: pl.Trainer, module: pl.LightningModule, out: Path) -> None:
+    """``state.pt`` and ``result.json`` of a plain Lightning run: the parameters and
+    ``torch.optim.AdamW``'s moments, named as in the module."""
+    adam = trainer.optimizers[0].state
+    state: dict[str, dict[str, torch.Tensor]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, param in module.named_parameters():
+        state["master"][name] = param.detach().clone()
+        for kind in ("exp_avg", "exp_avg_sq"):
+            state[kind][name] = adam[param][kind].clone()
+    torch.save(state, out / "state.pt")
+    result = {"step": trainer.global_step, "world_size": 1, "saved_by": None}
+    (out / "result.json").write_text(json.dumps(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_num_threads(1)
@@ -221,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=strategy,
+        strategy="auto" if args.plain else strategy,
         precision="32-true",
         max_steps=args.steps,
         accumulate_grad_batches=args.accum,
@@ -247,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, datamodule=RowsData(args.micro, global_batch), ckpt_path=args.resume)
     rank = trainer.global_rank
     (out / f"losses.rank{rank}.json").write_text(json.dumps(module.losses))
+    if args.plain:
+        write_plain_state(trainer, module, out)
+        return  # the unused strategy opened nothing
     if args.chdir is not None:  # a path through /proc/self/cwd then differs between ranks
         os.chdir(Path(args.chdir) / f"rank{rank}")
     ckpt = out / "ckpt" if args.ckpt is None else Path(args.ckpt)

@@ -81,6 +81,24 @@ def test_two_ranks_equal_one_process(runs: Any, case: str) -> None:
     assert _moved(one, initial) > 1e-4  # three steps moved the weights
 
 
+@pytest.mark.parametrize("case", EQUIVALENCE)
+def test_one_process_equals_plain_lightning(runs: Any, case: str) -> None:
+    """The reference of the 2-rank runs trains as plain Lightning with torch AdamW."""
+    one = runs.fit(1, 4, *CASES[case])
+    plain = runs.fit(1, 4, "--plain", *CASES[case][2:])  # the clip, if any
+    assert one.losses().keys() == plain.losses().keys()
+    for step, values in plain.losses().items():
+        torch.testing.assert_close(
+            torch.tensor(one.losses()[step]), torch.tensor(values), rtol=1e-5, atol=0
+        )
+    got, want = one.state(), plain.state()
+    assert got["master"].keys() == want["master"].keys()
+    for name, value in want["master"].items():
+        torch.testing.assert_close(got["master"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        for kind in ("exp_avg", "exp_avg_sq"):  # as tests/bb_lightning/test_checkpoint.py
+            torch.testing.assert_close(got[kind][name], want[kind][name], rtol=1e-4, atol=1e-9)
+
+
 def test_clip_changes_the_update(runs: Any) -> None:
     plain = runs.fit(1, 4, *CASES["host"]).state()["master"]
     clipped = runs.fit(1, 4, *CASES["host-clip"]).state()["master"]
