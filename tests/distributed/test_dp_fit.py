@@ -12,6 +12,7 @@ Weights and state on the host without clipping (the optimizer step overlapped wi
 backward) and on NVMe with clipping (the whole step after backward) run 3 steps at both
 world sizes; the two other combinations run 2-rank steps in the resume tests, which
 compare a run resumed at the other world size with the uninterrupted one-process run.
+The one-process runs themselves train as plain Lightning with ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
