@@ -373,6 +373,9 @@ class BalanceBeamStrategy(ParallelStrategy):
             dtype = dtype_name(self.resolved_dtype())
             placement = dataclasses.replace(self.placement, compute_dtype=dtype)
         rank, ranks = self.global_rank, self.world_size
+        world.make_shared_nvme_dir(self.nvme_path, ranks)
+        if self.store_config is not None:
+            world.make_shared_nvme_dir(self.store_config.nvme_path, ranks)
         built = assembly.build_engine(
             module, list(blocks), placement, training=training,
             device=self.root_device, loader=loader,

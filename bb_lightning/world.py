@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_INTER_NODE_BANDWIDTH",
     "DEFAULT_INTRA_NODE_BANDWIDTH",
     "check_shared_directory",
+    "make_shared_nvme_dir",
     "rank_nvme_path",
     "rank_store_config",
     "slowest_node",
@@ -59,6 +60,17 @@ def rank_nvme_path(nvme_path: str | None, global_rank: int, world_size: int) -> 
     if not 0 <= global_rank < world_size:
         raise ValueError(f"global_rank={global_rank} outside 0..{world_size - 1} (world_size)")
     return os.path.join(nvme_path, f"rank{global_rank}")
+
+
+def make_shared_nvme_dir(nvme_path: str | None, world_size: int) -> None:
+    """Create ``nvme_path`` (the directory the ranks' own directories go in) when several
+    ranks run and its parent exists: one process's tier creates its directory itself,
+    and so each rank's directory needs this one. A missing parent is left for the tier
+    to name."""
+    if nvme_path is None or world_size == 1:
+        return
+    if os.path.isdir(os.path.dirname(os.path.abspath(nvme_path))):
+        os.makedirs(nvme_path, exist_ok=True)
 
 
 def rank_store_config(

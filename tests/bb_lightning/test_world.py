@@ -228,3 +228,13 @@ def test_every_rank_plans_for_the_slowest_node() -> None:
     assert got.h2d_bandwidth == min(fast.h2d_bandwidth, slow.h2d_bandwidth)
     with pytest.raises(ValueError, match="local rank 0 of each node measures"):
         world.slowest_node([None, None])
+
+
+def test_the_directory_of_the_ranks_directories_is_made_when_its_parent_exists(
+    tmp_path: Path,
+) -> None:
+    world.make_shared_nvme_dir(str(tmp_path / "nvme"), 2)
+    assert (tmp_path / "nvme").is_dir()
+    world.make_shared_nvme_dir(str(tmp_path / "one"), 1)  # one process: the tier makes it
+    world.make_shared_nvme_dir(str(tmp_path / "no" / "nvme"), 2)  # the tier names the parent
+    assert not (tmp_path / "one").exists() and not (tmp_path / "no").exists()

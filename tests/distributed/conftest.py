@@ -160,7 +160,7 @@ class Runs:
             argv = ["--devices", str(devices), "--accum", str(accum), "--model", str(self.model)]
             argv += args
             if "--tier" in args and args[args.index("--tier") + 1] == "nvme":
-                (out / "nvme").mkdir(parents=True)  # the NVMe directory a user mounts
+                out.mkdir(parents=True, exist_ok=True)  # the run makes the NVMe directory
                 argv += ["--nvme-path", str(out / "nvme")]
             if devices == 1:
                 self._cache[key] = in_process(out, *argv)
