@@ -44,7 +44,7 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -226,13 +226,18 @@ def save_checkpoint(
         return _save(engine, final, trainer_state, weights_only, items)
     except BaseException as exc:
         recover(final)  # drops this save's partial directory, puts back a checkpoint moved aside
-        if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
-            raise CheckpointWriteError(
-                exc.errno,
-                f"cannot save checkpoint {str(final)!r}: {exc}; nothing of this save is left "
-                "and the previous checkpoint at that path (if any) is whole",
-            ) from exc
-        raise
+        _raise_as_write_error(exc, repr(str(final)))
+
+
+def _raise_as_write_error(exc: BaseException, where: str) -> NoReturn:
+    """Raise ``exc``, a disk error (``OSError``) as a :class:`CheckpointWriteError`."""
+    if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
+        raise CheckpointWriteError(
+            exc.errno,
+            f"cannot save checkpoint {where}: {exc}; nothing of this save is left and the "
+            "previous checkpoint at that path (if any) is whole",
+        ) from exc
+    raise exc
 
 
 def follow_save(engine: TrainingEngine, *, weights_only: bool = False) -> None:
@@ -298,13 +303,7 @@ def _save_sharded(
                 f"the checkpoint save failed on another rank (this is rank {rank}): see its "
                 "error; nothing of this save is left and the previous checkpoint is whole",
             )
-        if isinstance(error, OSError) and not isinstance(error, CheckpointWriteError):
-            raise CheckpointWriteError(
-                error.errno,
-                f"cannot save checkpoint on rank {rank}: {error}; nothing of this save is left "
-                "and the previous checkpoint at that path (if any) is whole",
-            ) from error
-        raise error
+        _raise_as_write_error(error, f"on rank {rank}")
     return final if final is not None else where
 
 

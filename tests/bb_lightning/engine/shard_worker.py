@@ -75,7 +75,8 @@ def _store(path: Path, model: torch.nn.Module, placement: Placement, shards: int
     )
 
 
-def _placement(weights: Tier, state: Tier) -> Placement:
+def placement_of(weights: Tier, state: Tier) -> Placement:
+    """Every block's weights on ``weights`` and its optimizer state on ``state``, fp32."""
     return Placement(
         weights=(weights,) * LAYERS,
         master=(state,) * LAYERS,
@@ -122,7 +123,7 @@ def engine_for(case: str, path: Path, comm: ShardComm | None) -> tuple[TrainingE
     model = tiny_llama()
     if case == FROZEN:
         freeze_outside(model)
-    placement = _placement(weights, state)
+    placement = placement_of(weights, state)
     store = _store(path, model, placement, WORLD if comm is not None else 1)
     engine = TrainingEngine(
         model, model.model.layers, store, placement, device=torch.device("cpu"), comm=comm
@@ -185,7 +186,7 @@ def _rank(rank: int, port: int, tmp: str) -> None:
             if rank == 1:
                 with torch.no_grad():
                     model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
-            placement = _placement(Tier.HOST, Tier.HOST)
+            placement = placement_of(Tier.HOST, Tier.HOST)
             with _store(Path(tmp) / f"bad-rank{rank}", model, placement, WORLD) as store:
                 TrainingEngine(
                     model, model.model.layers, store, placement, device=torch.device("cpu"),

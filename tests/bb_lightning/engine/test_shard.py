@@ -23,7 +23,6 @@ import torch
 import zarr
 
 from bb_lightning.engine.checkpoint import verify_checkpoint
-from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.shard import ShardComm, ShardLayout
 from bb_lightning.engine.trainer_engine import required_budgets, shard_counts
 from storage.tiers import Tier
@@ -32,7 +31,6 @@ from .shard_worker import (
     ADAMW,
     CASES,
     FROZEN,
-    LAYERS,
     RESUMED,
     SAVED,
     STEPS,
@@ -40,6 +38,7 @@ from .shard_worker import (
     batches,
     engine_for,
     freeze_outside,
+    placement_of,
     restore,
     run_steps,
     save,
@@ -54,15 +53,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _placement(weights: Tier, state: Tier) -> Placement:
-    return Placement(
-        weights=(weights,) * LAYERS,
-        master=(state,) * LAYERS,
-        prefetch_depth=1,
-        compute_dtype="float32",
-    )
 
 
 def _reference(case: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
@@ -222,7 +212,7 @@ def test_sharded_budgets_hold_one_shard_of_the_state() -> None:
     model = tiny_llama()
     numels = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    placement = replace(_placement(Tier.HOST, Tier.NVME), compute_dtype="float32")
+    placement = replace(placement_of(Tier.HOST, Tier.NVME), compute_dtype="float32")
     one = required_budgets(numels, rest, placement)
     parts, rest_part = shard_counts(model, list(model.model.layers), 2)
     two = required_budgets(
