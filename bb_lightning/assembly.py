@@ -358,24 +358,33 @@ class EngineSlot:
         gather: bool | None,
         limit: int | None,
         agree: Callable[[bool], bool] | None = None,
+        *,
+        share: int = 1,
+        stopped: str | None = None,
     ) -> None:
         """The module's weights back in its parameters (``dtype``), or a loud hollow module.
 
         ``gather`` True always gives them back and closes the store; None gives them back
         when the fp32 weights fit ``limit`` bytes of host memory (None: the default share,
-        :func:`~bb_lightning.handback.fits_host`); False leaves them in the store. With
+        :func:`~bb_lightning.handback.fits_host`, divided among the ``share`` ranks of
+        this node that each hand a copy back); False leaves them in the store. With
         several ranks (the engine's reads are collectives) ``agree`` makes the decision
-        every rank's: True only when the weights fit on every rank.
+        every rank's: True only when the weights fit on every rank. ``stopped`` (several
+        ranks whose call ended in an error: the other ranks may be gone) leaves the module
+        hollow for that reason, without any collective.
         """
         engine = self.engine
         if engine is None or self.handed_back is engine or self.guard is not None:
+            return
+        if stopped is not None:
+            self.guard = HollowGuard(engine, owner, stopped, dtype)
             return
         if gather:
             self.gather(dtype)
             self.close()
             return
         nbytes = param_bytes(engine)
-        fits_here, most = fits_host(nbytes, limit)
+        fits_here, most = fits_host(nbytes, limit, share)
         fits = fits_here if agree is None or gather is not None else agree(fits_here)
         if gather is None and fits:
             hand_back(engine, dtype)

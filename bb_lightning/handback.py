@@ -73,11 +73,14 @@ def param_bytes(engine: Engine) -> int:
     return 4 * (paged + sum(p.numel() for p in engine.resident_params))
 
 
-def fits_host(nbytes: int, limit: int | None) -> tuple[bool, int]:
+def fits_host(nbytes: int, limit: int | None, share: int = 1) -> tuple[bool, int]:
     """Whether ``nbytes`` fit the host limit (bytes; None: :data:`HOST_SHARE` of the
-    memory available now), and the limit used."""
+    memory available now, divided among the ``share`` processes of this machine that
+    each take a copy), and the limit used."""
+    if share < 1:
+        raise ValueError(f"share={share} must be >= 1 (processes handing weights back)")
     if limit is None:
-        limit = int(HOST_SHARE * psutil.virtual_memory().available)
+        limit = int(HOST_SHARE * psutil.virtual_memory().available) // share
     return nbytes <= limit, limit
 
 

@@ -33,7 +33,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -624,16 +624,40 @@ class BalanceBeamStrategy(ParallelStrategy):
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
         calls = self._slot.calls
         if calls is not None:
-            calls.settle()
             dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
+            stopped = self._stopped_with_error()
+            if stopped is None:
+                calls.settle()
+            else:  # a collective still queued may fail now that another rank is gone
+                with contextlib.suppress(Exception):
+                    calls.settle()
             agree = None if self.world_size == 1 else self.reduce_boolean_decision
-            self._slot.hand_back(self, dtype, self.gather_on_teardown, self.gather_limit, agree)
+            self._slot.hand_back(
+                self, dtype, self.gather_on_teardown, self.gather_limit, agree,
+                share=max(1, self.num_processes) if self.world_size > 1 else 1,
+                stopped=stopped,
+            )  # fmt: skip
         if self.cluster_environment is not None and self.world_size > 1:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _stopped_with_error(self) -> str | None:
+        """Why the weights stay in the store when this ``trainer.*`` call of several ranks
+        ended in an error (None otherwise): the other ranks may have stopped, and giving
+        the weights back takes collectives with every rank."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None and module._trainer else None
+        if self.world_size == 1 or trainer is None:
+            return None
+        if trainer.state.status != TrainerStatus.INTERRUPTED:
+            return None
+        return (
+            f"the call stopped with an error on rank {self.global_rank} of {self.world_size}, "
+            "so no rank gathers the weights"
+        )
 
     def gather_full_model(self) -> torch.nn.Module:
         """Put the weights into the module's parameters (host); close the store.

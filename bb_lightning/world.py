@@ -130,11 +130,21 @@ def check_shared_directory(
     """
     folder = Path(directory).absolute()
     marker = ""
+    failed: OSError | None = None
     if global_rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        marker = str(folder / f"{MARKER_PREFIX}{secrets.token_hex(8)}")
-        Path(marker).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker = str(folder / f"{MARKER_PREFIX}{secrets.token_hex(8)}")
+            Path(marker).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        except OSError as exc:  # the other ranks learn it from the empty name, none waits
+            failed, marker = exc, ""
     marker = broadcast(marker)
+    if not marker:
+        raise ValueError(
+            f"checkpoint directory {str(folder)!r} cannot be created or written on rank 0"
+            f"{f' ({failed})' if failed else ' (see its error)'}: pass a directory every rank "
+            "can write"
+        ) from failed
     barrier()
     seen = os.path.exists(marker)
     everyone = all_true(seen)

@@ -238,3 +238,14 @@ def test_the_directory_of_the_ranks_directories_is_made_when_its_parent_exists(
     world.make_shared_nvme_dir(str(tmp_path / "one"), 1)  # one process: the tier makes it
     world.make_shared_nvme_dir(str(tmp_path / "no" / "nvme"), 2)  # the tier names the parent
     assert not (tmp_path / "one").exists() and not (tmp_path / "no").exists()
+
+
+def test_the_default_hand_back_limit_is_shared_by_the_ranks_of_a_node() -> None:
+    from bb_lightning.handback import fits_host
+
+    _, one = fits_host(0, None)
+    _, each = fits_host(0, None, share=4)
+    assert each <= one // 4 + (one // 100)  # each of 4 ranks gets about a quarter
+    assert fits_host(10, 10, share=4) == (True, 10)  # an explicit limit is each rank's own
+    with pytest.raises(ValueError, match="share=0"):
+        fits_host(0, None, share=0)

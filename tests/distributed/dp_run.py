@@ -32,6 +32,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -138,9 +139,12 @@ class RecordingModule(CausalLMModule):
     """The project's module, recording each micro-batch's loss and each predicted id;
     with ``perturb``, rank 1 adds 0.01 to one weight of the built network."""
 
-    def __init__(self, *args: Any, perturb: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, perturb: bool = False, raise_at: int | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.perturb = perturb
+        self.raise_at = raise_at
         self.losses: list[tuple[int, int, float]] = []
         self.seen: list[str] = []
 
@@ -152,8 +156,10 @@ class RecordingModule(CausalLMModule):
                 self.get_parameter(PERTURBED).add_(0.01)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
         trainer = self.trainer
+        if self.raise_at == trainer.global_step and trainer.global_rank == 1:
+            raise RuntimeError(f"the user's training_step fails at step {self.raise_at}")
+        loss = super().training_step(batch, batch_idx)
         self.losses.append((trainer.global_rank, trainer.global_step, float(loss.detach())))
         return loss
 
@@ -184,6 +190,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", default=None, help="where to save the checkpoint (default out/ckpt)")
     p.add_argument("--chdir", default=None, help="after fit, rank r works in <chdir>/rank<r>")
+    p.add_argument("--raise-at", type=int, default=None, help="rank 1 fails at this step")
+    p.add_argument("--pg-timeout", type=float, default=None, help="collectives' timeout (s)")
     return p.parse_args(argv)
 
 
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         placement=Placement.uniform(layers, weights=tier, master=tier),
         compute_dtype="fp32",
         nvme_path=args.nvme_path,
+        **({} if args.pg_timeout is None else {"timeout": timedelta(seconds=args.pg_timeout)}),
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -252,7 +261,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     model: Any = AutoConfig.from_pretrained(args.model) if args.from_config else args.model
     module = RecordingModule(
-        model, learning_rate=1e-3, weight_decay=0.1, max_new_tokens=5, perturb=args.perturb
+        model,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        max_new_tokens=5,
+        perturb=args.perturb,
+        raise_at=args.raise_at,
     )
     if args.predict:
         data = PromptsDataModule(args.predict, batch_size=2, max_prompt_len=64)

@@ -43,3 +43,33 @@ def test_checkpoint_directory_every_rank_cannot_see_is_refused(runs: Any) -> Non
     assert run.returncode != 0
     assert "ValueError" in run.stderr and "not visible" in run.stderr, run.stderr[-3000:]
     assert not any(Path(out / "cwd" / "rank1").iterdir())  # rank 1 wrote nothing there
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_ends_every_rank_without_waiting_for_the_timeout(
+    runs: Any,
+) -> None:
+    # the collectives' timeout is 60 s: a rank left waiting in one would print "Timed out"
+    run = runs.unchecked(
+        "raises", "--devices", "2", "--accum", "2", "--raise-at", "1", "--pg-timeout", "60"
+    )
+    assert run.returncode != 0
+    assert "the user's training_step fails at step 1" in run.stderr
+    assert "Timed out" not in run.stderr and "timed out" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_rank_0_cannot_create_is_refused_on_every_rank(
+    runs: Any,
+) -> None:
+    out = runs.root / "unwritable"
+    out.mkdir(parents=True)
+    (out / "a-file").write_text("not a directory\n")
+    run = runs.unchecked(
+        "unwritable", "--devices", "2", "--accum", "2", "--steps", "1", "--pg-timeout", "60",
+        "--ckpt", str(out / "a-file" / "ckpt"),
+    )  # fmt: skip
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if "cannot be created or written" in line]
+    assert any("[rank0]" in line for line in lines) and any("[rank1]" in line for line in lines)
+    assert "Timed out" not in run.stderr, run.stderr[-3000:]
