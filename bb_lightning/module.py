@@ -246,7 +246,9 @@ class CausalLMModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self(batch)
-        self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log(
+            "val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True
+        )
         return loss
 
     def configure_optimizers(self) -> Any:

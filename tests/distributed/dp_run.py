@@ -191,6 +191,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt", default=None, help="where to save the checkpoint (default out/ckpt)")
     p.add_argument("--chdir", default=None, help="after fit, rank r works in <chdir>/rank<r>")
     p.add_argument("--raise-at", type=int, default=None, help="rank 1 fails at this step")
+    p.add_argument("--validate", action="store_true", help="trainer.validate after fit")
     p.add_argument("--pg-timeout", type=float, default=None, help="collectives' timeout (s)")
     return p.parse_args(argv)
 
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / f"losses.rank{rank}.json").write_text(json.dumps(module.losses))
     if args.plain:
         write_plain_state(trainer, module, out)
+        validate(args, trainer, module, out)
         return  # the unused strategy opened nothing
     if args.chdir is not None:  # a path through /proc/self/cwd then differs between ranks
         os.chdir(Path(args.chdir) / f"rank{rank}")
@@ -291,7 +293,17 @@ def main(argv: list[str] | None = None) -> None:
         result = {"step": meta["step"], "world_size": trainer.world_size}
         result["saved_by"] = meta["world_size"]
         (out / "result.json").write_text(json.dumps(result))
+    validate(args, trainer, module, out)
     strategy.close()
+
+
+def validate(args: argparse.Namespace, trainer: pl.Trainer, module: Any, out: Path) -> None:
+    """With ``--validate``: ``trainer.validate`` on the 48 rows (Lightning shares them out
+    among the ranks) after fit; each rank writes the metrics it got, ``val.rank<r>.json``."""
+    if not args.validate:
+        return
+    metrics = trainer.validate(module, dataloaders=DataLoader(_Rows(), batch_size=4), verbose=False)
+    (out / f"val.rank{trainer.global_rank}.json").write_text(json.dumps(metrics[0]))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ The one-process runs themselves train as plain Lightning with ``torch.optim.Adam
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 CLIP = ("--clip", "0.5")
 CASES: dict[str, tuple[str, ...]] = {
-    "host": ("--tier", "host"),
+    "host": ("--tier", "host", "--validate"),
     "nvme-clip": ("--tier", "nvme", *CLIP),
     "host-clip": ("--tier", "host", *CLIP),
     "nvme": ("--tier", "nvme"),
@@ -98,6 +99,15 @@ def test_one_process_equals_plain_lightning(runs: Any, case: str) -> None:
         torch.testing.assert_close(got["master"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         for kind in ("exp_avg", "exp_avg_sq"):  # as tests/bb_lightning/test_checkpoint.py
             torch.testing.assert_close(got[kind][name], want[kind][name], rtol=1e-4, atol=1e-9)
+
+
+def test_validation_after_fit_reports_the_loss_over_every_rank_s_rows(runs: Any) -> None:
+    one = runs.fit(1, 4, *CASES["host"])
+    two = runs.fit(2, 2, *CASES["host"])
+    want = json.loads((one.out / "val.rank0.json").read_text())["val_loss"]
+    for rank in range(2):  # each rank reports the mean over both ranks' halves
+        got = json.loads((two.out / f"val.rank{rank}.json").read_text())["val_loss"]
+        assert got == pytest.approx(want, rel=1e-5), rank
 
 
 def test_clip_changes_the_update(runs: Any) -> None:
