@@ -639,6 +639,9 @@ class BlockPager:
         """Shapes of each block's parameters, in the order of its flat weights."""
         self.frozen_shapes = [[tuple(p.shape) for p in params] for params in self.frozen]
         """Shapes of each block's frozen parameters, in the order of its frozen weights."""
+        self.frozen_digests: list[int | None] = [None] * len(blocks)
+        """CRC-32C of each block's frozen weights under ``comm`` (checked equal on every
+        rank, as the trainable ones are through their :class:`FlatState`)."""
         self._tickets: dict[int, Ticket] = {}
         self._observers: tuple[BlockObserver, ...] | None = None
         self.handed_back = False
@@ -649,6 +652,8 @@ class BlockPager:
             frozen_name = self.frozen_names[i]
             if frozen_name is not None:
                 master, frozen = _split_frozen(master, every[i])
+                if comm is not None:
+                    self.frozen_digests[i] = digest(frozen)
                 register_stored(store, manifest[frozen_name], frozen)
                 del frozen
             register_stored(store, manifest[self.names[i]], master)

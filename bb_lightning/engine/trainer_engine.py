@@ -70,7 +70,7 @@ from bb_lightning.engine.pager import (
     torch_dtype,
 )
 from bb_lightning.engine.recompute import planned_autograd_blocks
-from bb_lightning.engine.shard import ShardComm, ShardLayout
+from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
     RESIDENT_PREFIX,
@@ -430,6 +430,14 @@ class TrainingEngine:
         labels = [f"block {i} ({where.get(id(b), '?')})" for i, b in enumerate(blocks)]
         labels.append("the parameters outside the blocks (embedding, final norm, head)")
         digests = [s.digest for s in self.states]
+        for i, frozen in enumerate(self.pager.frozen_digests):  # a LoRA base, say
+            if frozen is not None:
+                labels.append(f"the frozen weights of block {i} ({where.get(id(blocks[i]), '?')})")
+                digests.append(frozen)
+        if self.frozen_params:
+            values = [p.detach().reshape(-1).to("cpu", torch.float32) for p in self.frozen_params]
+            labels.append("the frozen parameters outside the blocks")
+            digests.append(digest(torch.cat(values)))
         assert all(d is not None for d in digests)
         comm.check_equal(labels, [int(d) for d in digests if d is not None])
 

@@ -173,6 +173,28 @@ def _resume(rank: int, comm: ShardComm, tmp: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _refusal(rank: int, comm: ShardComm, tmp: Path, *, frozen: bool) -> dict[str, str]:
+    """Rank 1 changes a weight of block 1 (frozen, under ``frozen``, as a LoRA base is)
+    before the engine is built: the message each rank's engine refuses with."""
+    model = tiny_llama()
+    weight = model.model.layers[1].mlp.up_proj.weight
+    if frozen:
+        weight.requires_grad_(False)
+    if rank == 1:
+        with torch.no_grad():
+            weight[0, 0] += 1.0
+    placement = placement_of(Tier.HOST, Tier.HOST)
+    name = f"bad-{'frozen-' if frozen else ''}rank{rank}"
+    try:
+        with _store(tmp / name, model, placement, WORLD) as store:
+            TrainingEngine(
+                model, model.model.layers, store, placement, device=torch.device("cpu"), comm=comm
+            )
+    except ValueError as exc:
+        return {"message": str(exc)}
+    return {"message": ""}
+
+
 def _rank(rank: int, port: int, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -181,20 +203,8 @@ def _rank(rank: int, port: int, tmp: str) -> None:
         comm = ShardComm.from_world()
         results = {case: _train(rank, comm, Path(tmp), case) for case in CASES}
         results["resumed"] = _resume(rank, comm, Path(tmp))
-        try:  # a rank whose weights differ: both ranks refuse, naming the block
-            model = tiny_llama()
-            if rank == 1:
-                with torch.no_grad():
-                    model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
-            placement = placement_of(Tier.HOST, Tier.HOST)
-            with _store(Path(tmp) / f"bad-rank{rank}", model, placement, WORLD) as store:
-                TrainingEngine(
-                    model, model.model.layers, store, placement, device=torch.device("cpu"),
-                    comm=comm,
-                )  # fmt: skip
-            results["refused"] = {"message": ""}  # type: ignore[dict-item]
-        except ValueError as exc:
-            results["refused"] = {"message": str(exc)}  # type: ignore[dict-item]
+        results["refused"] = _refusal(rank, comm, Path(tmp), frozen=False)
+        results["refused-frozen"] = _refusal(rank, comm, Path(tmp), frozen=True)
         torch.save(results, Path(tmp) / f"rank{rank}.pt")
     except BaseException:
         (Path(tmp) / f"rank{rank}.err").write_text(traceback.format_exc())

@@ -130,13 +130,13 @@ def test_two_shards_step_like_torch_adamw_on_the_whole_batch(two_ranks: Ranks, c
 
 
 @pytest.mark.slow
-def test_ranks_that_start_from_different_weights_are_refused(
-    two_ranks: Ranks,
-) -> None:
+@pytest.mark.parametrize("kind", ["refused", "refused-frozen"])
+def test_ranks_that_start_from_different_weights_are_refused(two_ranks: Ranks, kind: str) -> None:
     for rank in range(WORLD):
-        message = str(two_ranks[rank]["refused"]["message"])
+        message = str(two_ranks[rank][kind]["message"])
         assert "differ between the 2 ranks" in message
-        assert "block 1 (model.layers.1)" in message
+        where = "the frozen weights of block 1" if kind == "refused-frozen" else "block 1"
+        assert f"{where} (model.layers.1)" in message
         assert "block 0" not in message and "block 2" not in message
 
 
