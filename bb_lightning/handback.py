@@ -27,6 +27,7 @@ checkpoint). Forwards still run through the store's paged blocks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -207,8 +208,6 @@ class HollowGuard:
             raise WeightsInStoreError(self.message())
 
     def _save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
-        from bb_lightning.export import export_hf
-
         source, engine = self._source(), self._engine()
         if self._closed or source is None or engine is None:
             raise WeightsInStoreError(self.message())
@@ -224,22 +223,46 @@ class HollowGuard:
                 "not supported while the weights stream from the balance_beam store: pass "
                 "only save_directory and max_shard_size (safetensors are written)"
             )
-        comm = getattr(engine, "comm", None)
-        if comm is not None and "is_main_process" not in kwargs:
+        world = int(getattr(source, "world_size", 1))
+        if world > 1 and "is_main_process" not in kwargs:
             raise ValueError(
-                f"save_pretrained({str(save_directory)!r}) under data parallelism "
-                f"({comm.world_size} ranks) gathers every rank's shard of the weights: call it "
-                "on every rank with is_main_process=trainer.is_global_zero (rank 0 writes)"
+                f"save_pretrained({str(save_directory)!r}) with {world} ranks: call it on every "
+                "rank with is_main_process=trainer.is_global_zero (rank 0 writes; the weights "
+                "of a trained model are gathered from every rank's shard)"
             )
-        if not kwargs.get("is_main_process", True):
-            if comm is not None and isinstance(engine, TrainingEngine):  # rank 0's gathers
+        shard = shard_bytes(kwargs.get("max_shard_size") or "5GB")  # checked on every rank
+        main = bool(kwargs.get("is_main_process", True))
+        if not isinstance(engine, TrainingEngine) or engine.comm is None:
+            if main:  # weights only: every rank holds them whole, rank 0 writes
+                self._export(engine, save_directory, shard)
+            return
+        comm = engine.comm
+        failed: BaseException | None = None
+        engine.gathered_states = 0  # a failure before the export's first gather
+        try:
+            if main:
+                self._export(engine, save_directory, shard)
+            else:  # the gathers of rank 0's export
                 for _ in engine.iter_state(("master",)):
                     pass
-            return
+        except BaseException as exc:
+            failed = exc
+            with contextlib.suppress(Exception):
+                engine.finish_gathers(("master",))  # the others end their gathers
+        if not comm.all_true(failed is None):
+            if failed is not None:
+                raise failed
+            raise RuntimeError(
+                f"save_pretrained({str(save_directory)!r}) failed on another rank: see its error"
+            )
+
+    def _export(self, engine: Engine, save_directory: str | os.PathLike[str], shard: int) -> None:
+        """Rank 0's (or the only process's) streamed export into ``save_directory``."""
+        from bb_lightning.export import export_hf
+
         dtype = self.dtype
         if dtype is None:
             dtype = torch.float32 if isinstance(engine, TrainingEngine) else engine.compute_dtype
-        shard = shard_bytes(kwargs.get("max_shard_size") or "5GB")
         out = export_hf(engine, save_directory, dtype=dtype, max_shard_bytes=shard)
         net = self._saving[0]
         if net.can_generate():

@@ -373,6 +373,8 @@ class TrainingEngine:
         self.paged.install()
         self.step_count = 0
         """Optimizer steps taken (the AdamW bias corrections use it)."""
+        self.gathered_states = 0
+        """Flat states the last :meth:`iter_state` pass has read (and gathered)."""
         self._largest = max(s.numel for s in self.pager.states)
         width = 1 if comm is None else comm.world_size
         self._cast_part = torch.empty(
@@ -770,7 +772,7 @@ class TrainingEngine:
         ]
 
     def iter_state(
-        self, kinds: Sequence[StateKind] = STATE_KINDS
+        self, kinds: Sequence[StateKind] = STATE_KINDS, *, start: int = 0
     ) -> Iterator[tuple[str, dict[StateKind, Tensor]]]:
         """Each parameter's name and fp32 state (``master``, ``exp_avg``, ``exp_avg_sq``).
 
@@ -778,14 +780,16 @@ class TrainingEngine:
         state is seen in place): the tensors yielded are views, valid until the next
         item (copy to keep them). Under data parallelism each flat state is gathered
         from every rank's shard: a collective, so every rank iterates it to the end with
-        the same ``kinds``.
+        the same ``kinds``; a rank that stops early ends its part with
+        :meth:`finish_gathers`. ``start`` skips the first flat states.
         """
         self.grads.wait()
         self.pager.release_all_except(())
         self._settle_sets()
         scratch = self._sets[0].fp32
         wide, whole = self._whole_buffers(kinds), self._whole_buffers(kinds)
-        for state, names in self.named_states():
+        self.gathered_states = start
+        for state, names in self.named_states()[start:]:
             views: dict[StateKind, list[Tensor]] = {}
             for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                 if kind in kinds:
@@ -793,8 +797,15 @@ class TrainingEngine:
                     if self.comm is not None:
                         flat = state.gather(flat, wide[kind], whole[kind])
                     views[kind] = state.master_views(flat)
+            self.gathered_states += 1
             for j, key in enumerate(names):
                 yield key, {kind: v[j] for kind, v in views.items()}
+
+    def finish_gathers(self, kinds: Sequence[StateKind] = STATE_KINDS) -> None:
+        """The gathers left of an :meth:`iter_state` pass this rank stopped early (an
+        error while writing what it read), so that the other ranks' passes end too."""
+        for _ in self.iter_state(kinds, start=self.gathered_states):
+            pass
 
     def iter_shards(
         self, kinds: Sequence[StateKind] = STATE_KINDS

@@ -57,6 +57,8 @@ STEPS_PER_EPOCH = 2
 DATA_SEED = 7
 PERTURBED = "model.model.layers.1.mlp.up_proj.weight"
 """The weight ``--perturb`` changes on rank 1 (in block 1, ``model.layers.1`` of the network)."""
+EMBED = "model.model.embed_tokens.weight"
+"""The embedding, frozen by ``--freeze-embed``."""
 
 
 class StridedSteps(DistributedSampler[Any]):
@@ -140,17 +142,25 @@ class RecordingModule(CausalLMModule):
     with ``perturb``, rank 1 adds 0.01 to one weight of the built network."""
 
     def __init__(
-        self, *args: Any, perturb: bool = False, raise_at: int | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        perturb: bool = False,
+        raise_at: int | None = None,
+        freeze_embed: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.perturb = perturb
         self.raise_at = raise_at
+        self.freeze_embed = freeze_embed
         self.losses: list[tuple[int, int, float]] = []
         self.seen: list[str] = []
 
     def configure_model(self) -> None:
         built = self.model is not None
         super().configure_model()
+        if self.freeze_embed and not built:
+            self.get_parameter(EMBED).requires_grad_(False)
         if self.perturb and not built and self.trainer.global_rank == 1:
             with torch.no_grad():
                 self.get_parameter(PERTURBED).add_(0.01)
@@ -192,6 +202,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chdir", default=None, help="after fit, rank r works in <chdir>/rank<r>")
     p.add_argument("--raise-at", type=int, default=None, help="rank 1 fails at this step")
     p.add_argument("--validate", action="store_true", help="trainer.validate after fit")
+    p.add_argument(
+        "--save-pretrained", action="store_true", help="weights left in the store after fit, "
+        "then save_pretrained(out/hf) on every rank"
+    )  # fmt: skip
+    p.add_argument("--freeze-embed", action="store_true", help="the embedding trains not")
     p.add_argument("--pg-timeout", type=float, default=None, help="collectives' timeout (s)")
     return p.parse_args(argv)
 
@@ -243,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         placement=Placement.uniform(layers, weights=tier, master=tier),
         compute_dtype="fp32",
         nvme_path=args.nvme_path,
+        gather_on_teardown=False if args.save_pretrained else None,
         **({} if args.pg_timeout is None else {"timeout": timedelta(seconds=args.pg_timeout)}),
     )
     trainer = pl.Trainer(
@@ -268,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         max_new_tokens=5,
         perturb=args.perturb,
         raise_at=args.raise_at,
+        freeze_embed=args.freeze_embed,
     )
     if args.predict:
         data = PromptsDataModule(args.predict, batch_size=2, max_prompt_len=64)
@@ -294,7 +311,22 @@ def main(argv: list[str] | None = None) -> None:
         result["saved_by"] = meta["world_size"]
         (out / "result.json").write_text(json.dumps(result))
     validate(args, trainer, module, out)
+    save_pretrained(args, trainer, module, out)
     strategy.close()
+
+
+def save_pretrained(args: argparse.Namespace, trainer: pl.Trainer, module: Any, out: Path) -> None:
+    """With ``--save-pretrained``: every rank calls the network's ``save_pretrained(out/hf,
+    is_main_process=...)`` (the weights are still in the store) and writes what it raised,
+    if anything, to ``saved.rank<r>.json``."""
+    if not args.save_pretrained:
+        return
+    error = ""
+    try:
+        module.model.save_pretrained(out / "hf", is_main_process=trainer.is_global_zero)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    (out / f"saved.rank{trainer.global_rank}.json").write_text(json.dumps({"error": error}))
 
 
 def validate(args: argparse.Namespace, trainer: pl.Trainer, module: Any, out: Path) -> None:

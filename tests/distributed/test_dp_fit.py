@@ -157,3 +157,22 @@ def _assert_resumed(first: Any, resumed: Any, whole: Any) -> None:
         assert got[kind].keys() == want[kind].keys()
         for name, value in want[kind].items():
             torch.testing.assert_close(got[kind][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_weights_left_in_the_store_save_pretrained_from_every_rank(runs: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    two = runs.fit(2, 2, *CASES["host"], "--save-pretrained")
+    errors = [json.loads((two.out / f"saved.rank{r}.json").read_text())["error"] for r in (0, 1)]
+    assert errors == ["", ""]
+    saved = AutoModelForCausalLM.from_pretrained(two.out / "hf", dtype=torch.float32)
+    masters = two.state()["master"]
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(param.detach(), masters[f"model.{name}"], rtol=0, atol=0)
+
+
+def test_a_save_pretrained_rank_0_refuses_fails_on_every_rank(runs: Any) -> None:
+    two = runs.fit(2, 2, *CASES["host"], "--save-pretrained", "--freeze-embed", "--steps", "1")
+    first, second = (json.loads((two.out / f"saved.rank{r}.json").read_text()) for r in (0, 1))
+    assert "frozen parameters" in first["error"]
+    assert "failed on another rank" in second["error"]
