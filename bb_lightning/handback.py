@@ -189,18 +189,27 @@ class HollowGuard:
 
     def message(self) -> str:
         """The error text: where the weights are and how to take them home."""
+        source = self._source()
+        world = int(getattr(source, "world_size", 1)) if source is not None else 1
+        save = (
+            "model.save_pretrained(dir) (streamed from the store block by block), "
+            "bb_lightning.export.export_hf(strategy, dir), or"
+            if world == 1
+            else "model.save_pretrained(dir, is_main_process=trainer.is_global_zero) called on "
+            f"every one of the {world} ranks (streamed from the store block by block), or"
+        )
         where = (
             "were in the balance_beam store, which strategy.close() has closed: save them "
             "before closing, with"
             if self._closed
-            else "live in the balance_beam store, not in the module's parameters: save them "
-            "with model.save_pretrained(dir) (streamed from the store block by block), "
-            "bb_lightning.export.export_hf(strategy, dir), or"
+            else f"live in the balance_beam store, not in the module's parameters: save them with "
+            f"{save}"
         )
+        lazily = "lazily" if world == 1 else "lazily, on every rank in the same key order"
         return (
             f"the trained weights {where} `bb-lightning export CKPT OUT` on a checkpoint "
             f"(trainer.save_checkpoint); strategy.lightning_module_state_dict() reads them "
-            f"lazily ({self.reason})"
+            f"{lazily} ({self.reason})"
         )
 
     def _refuse(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
