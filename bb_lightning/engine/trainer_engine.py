@@ -375,6 +375,10 @@ class TrainingEngine:
         """Optimizer steps taken (the AdamW bias corrections use it)."""
         self.gathered_states = 0
         """Flat states the last :meth:`iter_state` pass has read (and gathered)."""
+        self._arrived: dict[int, Sequence[Tensor | None]] = {}
+        """Data parallelism: blocks handed on before a block that reduces first."""
+        self._expected = self._reduce_order()
+        """Data parallelism: blocks still to reduce in this backward, the next one last."""
         self._largest = max(s.numel for s in self.pager.states)
         width = 1 if comm is None else comm.world_size
         self._cast_part = torch.empty(
@@ -425,6 +429,12 @@ class TrainingEngine:
                 recomputed = tuple(sorted(copied | set(placement.recomputed)))
                 placement = dataclasses.replace(placement, recomputed=recomputed)
             self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
+
+    def _reduce_order(self) -> list[int]:
+        """Blocks whose gradients are reduced, in reverse (the first to reduce last)."""
+        if self.comm is None:
+            return []
+        return [i for i, s in enumerate(self.pager.states) if s.numel > 0]
 
     def _check_same_start(self, comm: ShardComm, blocks: Sequence[nn.Module]) -> None:
         """Raise ``ValueError`` unless every rank starts from the same weights."""
@@ -543,6 +553,9 @@ class TrainingEngine:
         self.backward_end = time.perf_counter()
         for i, grads in sorted(self.paged.take_pending().items(), reverse=True):
             self.paged.hand_off(i, grads)
+        for i in sorted(self._arrived, reverse=True):  # a block that got no gradient at all
+            self._dispatch_grads(i, self._arrived.pop(i))
+        self._expected = self._reduce_order()
         resident = self.resident
         self.grads.process_async(
             [p.grad for p in self.resident_params], lambda g: resident.accumulate(g, None)
@@ -576,6 +589,21 @@ class TrainingEngine:
         self.read_state_ahead()
 
     def _block_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
+        """Block ``i``'s gradients handed on by backward. Under data parallelism their
+        reduce-scatters must run in the same order on every rank, and a block whose
+        backward leaves a parameter without a gradient is handed on only at the end (which
+        parameters may depend on the data: experts no token of this rank chose), so they
+        are dispatched in a fixed order, last block first; a block that comes early
+        waits for the ones before it."""
+        if self.comm is None or self.pager.states[i].numel == 0:
+            self._dispatch_grads(i, grads)
+            return
+        self._arrived[i] = grads
+        while self._expected and self._expected[-1] in self._arrived:
+            j = self._expected.pop()
+            self._dispatch_grads(j, self._arrived.pop(j))
+
+    def _dispatch_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
         """Queue block ``i``'s gradients on the worker: summed, and stepped when overlapping."""
         overlap = self._overlap
         state = self.pager.states[i]

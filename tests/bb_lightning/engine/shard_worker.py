@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,11 @@ CASES = {
     "nvme-clip": (Tier.NVME, Tier.NVME, 2, False, 0.05),
     "nvme-overlap": (Tier.HOST, Tier.NVME, 2, True, None),
     "frozen-outside": (Tier.HOST, Tier.HOST, 1, True, None),
+    "late-block": (Tier.HOST, Tier.HOST, 2, True, None),
 }
+LATE = "late-block"
+"""The case in which rank 1's last block is handed on after the block before it (as when
+which parameters get a gradient depends on the data): the reductions keep their order."""
 FROZEN = "frozen-outside"
 """The case that trains the blocks only: nothing outside them has optimizer state."""
 SAVED = "nvme-clip"
@@ -146,8 +151,27 @@ def restore(engine: TrainingEngine, path: Path) -> None:
     ckpt.restore_optimizer(engine, state_dict)
 
 
+def _hand_last_block_late(engine: TrainingEngine) -> None:
+    """Block ``LAYERS - 1``'s gradients reach the engine after block ``LAYERS - 2``'s."""
+    handed = engine.paged.on_block_grads
+    assert handed is not None
+    held: list[tuple[int, Any]] = []
+
+    def late(i: int, grads: Any) -> None:
+        if i == LAYERS - 1:
+            held.append((i, list(grads)))
+            return
+        handed(i, grads)
+        if i == LAYERS - 2:
+            handed(*held.pop())
+
+    engine.paged.on_block_grads = late
+
+
 def _train(rank: int, comm: ShardComm, tmp: Path, case: str) -> dict[str, torch.Tensor]:
     engine, store = engine_for(case, tmp / f"{case}-rank{rank}", comm)
+    if case == LATE and rank == 1:
+        _hand_last_block_late(engine)
     with store:
         if case == SAVED:  # a 2-rank checkpoint after 2 steps, then the third step
             run_steps(engine, case, rank, WORLD, range(STEPS - 1))
