@@ -130,6 +130,16 @@ def _build_parser() -> argparse.ArgumentParser:
     nv.add_argument("--nvme-capacity", help="NVMe tier size, e.g. 2TiB (overrides the profile)")
     nv.add_argument("--no-nvme", action="store_true", help="plan without an NVMe tier")
     p.add_argument("--nvme-path", help="directory on the NVMe to measure (with --hardware measure)")
+    p.add_argument(
+        "--devices",
+        type=_positive_int,
+        default=1,
+        help="data-parallel ranks per node (the Trainer's devices; default 1): the plan is "
+        "one rank's, on its share of the node",
+    )
+    p.add_argument(
+        "--num-nodes", type=_positive_int, default=1, help="nodes (the Trainer's num_nodes)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a roofline plot of the plan")
     _add_convert_parser(sub)
@@ -263,7 +273,19 @@ def _check_plot_path(text: str) -> None:
         )
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
 def _plan(args: argparse.Namespace) -> int:
+    from bb_lightning import world
     from bb_lightning.planner import FitJob, PredictJob, make_plan, preset
     from bb_lightning.probe import measure
 
@@ -288,7 +310,7 @@ def _plan(args: argparse.Namespace) -> int:
                 "NVMe or --hardware measure --nvme-path DIR"
             )
         changes["nvme_capacity"] = parse_size(args.nvme_capacity)
-    hw = hw.replace(**changes)
+    hw = world.with_world(hw.replace(**changes), args.devices * args.num_nodes, args.devices)
     job: FitJob | PredictJob
     if args.task == "fit":
         seq = args.seq_len

@@ -196,3 +196,23 @@ def test_installed_entry_point() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "plan: fit llama-30b" in res.stdout and "tokens/s" in res.stdout
+
+
+def test_plan_for_several_ranks_prints_one_rank_and_the_layout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--model", "llama-1.5b", "--hardware", "a100-80gb", "--seq-len", "1024"]
+    assert main([*argv, "--devices", "4", "--num-nodes", "2", "--json"]) == 0
+    several = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--devices", "4", "--num-nodes", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "data parallel: 8 ranks, 4 per node on 2 node(s)" in text
+    assert several["hardware"]["world_size"] == 8
+    assert several["hardware"]["ranks_per_node"] == 4
+    assert one["hardware"].get("world_size", 1) == 1
+    assert several["tokens_per_s"] > one["tokens_per_s"]  # the job's, over 8 ranks
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--devices", "0"])
+    assert exc.value.code == 2
