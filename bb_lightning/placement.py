@@ -304,8 +304,8 @@ def training_manifest(
 
     With ``shards`` N > 1 (data parallelism, :mod:`bb_lightning.engine.shard`) every fp32
     state holds one rank's shard (``sizes.shard_blocks``, ``sizes.shard_rest``), and so do
-    the fp32 scratch and read-ahead buffers; the weights stay whole, and each ``cast``
-    buffer holds N shards of the largest block (the all-gathered weights).
+    the fp32 scratch and read-ahead buffers; the weights stay whole, and so does each
+    ``cast`` buffer (a block's weights, unpacked from every rank's shard).
     """
     if shards < 1:
         raise ValueError(f"shards={shards} must be >= 1 (the data-parallel world size)")
@@ -333,8 +333,7 @@ def training_manifest(
             out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
         out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
         out += _flat_state(name, s, m, g)
-    largest = max(state)
-    cast = largest * shards if shards > 1 else largest
+    largest, cast = max(state), max(sizes.blocks)
     for k in range(SCRATCH_SETS):
         name = f"{SCRATCH_PREFIX}.{k}"
         out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)

@@ -11,9 +11,9 @@ chunked along dim 0 by ``C`` rows, which is how a checkpoint stores it (each ran
 its own chunks, :mod:`bb_lightning.engine.checkpoint`).
 
 Per block, per micro-batch: the block's gradients are packed rank by rank into one fp32
-buffer of ``N * S`` elements (``S``: the shard's elements), scaled by ``1 / N`` (gloo has
-no average) and reduce-scattered (:meth:`ShardComm.reduce_scatter`): each rank receives
-the mean over the ranks of its own rows and adds it to its shard accumulator. After the rank's host
+buffer of ``N * S`` elements (``S``: the shard's elements) and reduce-scattered
+(:meth:`ShardComm.reduce_scatter`): each rank receives the sum over the ranks of its own
+rows, scales it by ``1 / N`` (gloo has no average) and adds it to its shard accumulator. After the rank's host
 AdamW step of a shard, the shard is cast to the compute dtype, all-gathered
 (:meth:`ShardComm.all_gather`) and unpacked (:meth:`ShardLayout.unpack`) into the full
 flat weights every rank writes home.
@@ -95,9 +95,9 @@ class ShardComm:
             return self._buffer("_part", 0)
         pack = self._buffer("_pack", s * self.world_size)
         layout.pack(grads, pack)
-        pack.mul_(1.0 / self.world_size)
         part = self._buffer("_part", s)
         dist.reduce_scatter_tensor(part, pack, op=dist.ReduceOp.SUM, group=self.group)
+        part.mul_(1.0 / self.world_size)  # the sum to the mean, on the shard only
         self.bytes_sent += pack.numel() * 4
         return part
 

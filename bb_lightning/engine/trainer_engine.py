@@ -393,11 +393,9 @@ class TrainingEngine:
             0 if comm is None else self.resident.full_numel, dtype=compute_dtype
         )
         """The resident parameters' compute-dtype values, unpacked from the shards."""
-        self._full_cast = torch.empty(
-            0 if comm is None else max(s.full_numel for s in self.pager.states),
-            dtype=compute_dtype,
-        )
-        """A block's compute-dtype weights unpacked from the all-gathered shards."""
+        self._gathered = torch.empty(self._largest * width if comm else 0, dtype=compute_dtype)
+        """Every rank's compute-dtype shard of a block (all-gathered), unpacked into the
+        block's scratch ``cast`` buffer, from which its weights are written home."""
         self._sets = [self._scratch_set(k, self._largest) for k in range(SCRATCH_SETS)]
         self._next_set = 0
         self._free_ahead: list[_Scratch] = []
@@ -474,7 +472,7 @@ class TrainingEngine:
         store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
         for name in (*SCRATCH_FP32, "cast"):
             entry = self._by_name[f"{prefix}.{name}"]
-            want = numel * self.world_size if name == "cast" and self.comm else numel
+            want = max(self.sizes.blocks) if name == "cast" else numel  # cast: whole weights
             assert entry.numel == want, (entry, want)
             register_stored(store, entry)
         return _Scratch(
@@ -637,11 +635,11 @@ class TrainingEngine:
         )
 
     def _write_weights(self, i: int, master: Tensor, scratch: _Scratch) -> None:
-        if self.comm is not None:  # every rank's stepped shard, cast, into scratch.cast
+        if self.comm is not None:  # every rank's stepped shard, cast, unpacked in scratch.cast
             state = self.pager.states[i]
             part = self._cast_part[: state.numel]
             part.copy_(master[: state.numel])
-            master = state.gather(part, scratch.cast, self._full_cast)
+            master = state.gather(part, self._gathered, scratch.cast)  # written from there
         ticket = self.pager.write_weights(i, master, scratch.cast)
         if ticket is not None:
             scratch.tickets.append(ticket)
