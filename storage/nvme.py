@@ -203,10 +203,8 @@ def row_chunks(name: str, meta_path: Path) -> tuple[ArraySpec, int, list[Path]]:
     rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     sep = ((meta.get("chunk_key_encoding") or {}).get("configuration") or {}).get("separator", "/")
     count = -(-spec.shape[0] // rows)
-    paths = []
-    for k in range(count):
-        key = row_chunk_key(k, len(spec.shape)).replace("/", sep)
-        paths.append(meta_path.parent.joinpath(*key.split("/")))
+    keys = [row_chunk_key(k, len(spec.shape)).replace("/", sep) for k in range(count)]
+    paths = [meta_path.parent.joinpath(*key.split("/")) for key in keys]
     return spec, rows, paths
 
 
@@ -273,7 +271,7 @@ def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tupl
             f"{where}: data_type {zdtype!r} is not one of {sorted(_DEFAULT_FOR_ZARR)}"
         )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    key = "c" if not shape else "c" + sep + sep.join("0" * len(shape))
+    key = row_chunk_key(0, len(shape)).replace("/", sep)
     spec = ArraySpec(name, shape, dtype, nbytes, checksum=checksum)
     return spec, meta_path.parent.joinpath(*key.split("/"))
 
