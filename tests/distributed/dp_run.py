@@ -41,7 +41,7 @@ import torch
 import zarr
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.data import PromptsDataModule
@@ -180,6 +180,32 @@ class RecordingModule(CausalLMModule):
         return super().predict_step(batch, batch_idx, dataloader_idx)
 
 
+class UserModule(pl.LightningModule):
+    """A LightningModule as a user writes one: a Hugging Face model loaded from its
+    ``save_pretrained`` directory in ``__init__``, its own ``training_step``, AdamW; it
+    records each micro-batch's loss as :class:`RecordingModule` does."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.losses: list[tuple[int, int, float]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        loss = self.net(input_ids=ids, labels=ids).loss
+        trainer = self.trainer
+        self.losses.append((trainer.global_rank, trainer.global_step, float(loss.detach())))
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ids = batch["input_ids"]
+        loss = self.net(input_ids=ids, labels=ids).loss
+        self.log("val_loss", loss, batch_size=ids.shape[0], sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, default=1)
@@ -207,6 +233,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "then save_pretrained(out/hf) on every rank"
     )  # fmt: skip
     p.add_argument("--freeze-embed", action="store_true", help="the embedding trains not")
+    p.add_argument("--user-module", action="store_true", help="UserModule, not the project's")
     p.add_argument("--pg-timeout", type=float, default=None, help="collectives' timeout (s)")
     return p.parse_args(argv)
 
@@ -277,14 +304,18 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=callbacks(args, out),
     )
     model: Any = AutoConfig.from_pretrained(args.model) if args.from_config else args.model
-    module = RecordingModule(
-        model,
-        learning_rate=1e-3,
-        weight_decay=0.1,
-        max_new_tokens=5,
-        perturb=args.perturb,
-        raise_at=args.raise_at,
-        freeze_embed=args.freeze_embed,
+    module: Any = (
+        UserModule(args.model)
+        if args.user_module
+        else RecordingModule(
+            model,
+            learning_rate=1e-3,
+            weight_decay=0.1,
+            max_new_tokens=5,
+            perturb=args.perturb,
+            raise_at=args.raise_at,
+            freeze_embed=args.freeze_embed,
+        )
     )
     if args.predict:
         data = PromptsDataModule(args.predict, batch_size=2, max_prompt_len=64)

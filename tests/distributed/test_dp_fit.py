@@ -88,6 +88,24 @@ def test_one_process_equals_plain_lightning(runs: Any, case: str) -> None:
     """The reference of the 2-rank runs trains as plain Lightning with torch AdamW."""
     one = runs.fit(1, 4, *CASES[case])
     plain = runs.fit(1, 4, "--plain", *CASES[case][2:])  # the clip, if any
+    assert_like_plain(one, plain)
+
+
+@pytest.mark.parametrize("case", ["host", "nvme-clip"])
+def test_a_user_s_own_module_trains_on_two_ranks_as_plain_lightning(runs: Any, case: str) -> None:
+    """A LightningModule of the user's (a Hugging Face model loaded in ``__init__``, its
+    own ``training_step`` and ``torch.optim.AdamW``): 2 ranks equal 1, which equals plain
+    Lightning."""
+    one = runs.fit(1, 4, *CASES[case], "--user-module")
+    two = runs.fit(2, 2, *CASES[case], "--user-module")
+    assert_same_training(two, one)
+    plain = runs.fit(1, 4, "--plain", "--user-module", *CASES[case][2:])
+    assert_like_plain(one, plain)
+
+
+def assert_like_plain(one: Any, plain: Any) -> None:
+    """A one-process run against plain Lightning: losses (rtol 1e-5), masters (rtol 1e-5,
+    atol 1e-6) and moments (rtol 1e-4, atol 1e-9)."""
     assert one.losses().keys() == plain.losses().keys()
     for step, values in plain.losses().items():
         torch.testing.assert_close(
