@@ -15,7 +15,8 @@ the tensor and file; a tensor over :data:`VERIFY_PIECE_BYTES` is read in pieces
 so that the checksum of the first ones runs while the later ones are read. Arrays written before checksums existed (store format 1:
 codecs just ``bytes``, as plain zarr writes by default) still open and read,
 unverified, and keep that layout when rewritten (:attr:`ArraySpec.checksum`);
-new arrays are format 2.
+new arrays are format 2 unless created with ``checksum=False`` (the store's scratch
+tensors, rewritten often and read back only by the process that wrote them).
 
 Crash safety: a write goes to ``<chunk>.partial-<pid>-<n>`` in the chunk's
 directory, is fsynced, renamed onto the chunk and the directory fsynced. A
@@ -149,8 +150,12 @@ def check_name(name: str) -> None:
         )
 
 
-def array_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
-    """The ``zarr.json`` of a single-chunk uncompressed array holding a ``dtype`` tensor."""
+def array_metadata(
+    shape: tuple[int, ...], dtype: torch.dtype, *, checksum: bool = True
+) -> dict[str, Any]:
+    """The ``zarr.json`` of a single-chunk uncompressed array holding a ``dtype`` tensor:
+    codecs ``bytes`` then ``crc32c`` (format 2), or ``bytes`` alone without ``checksum``
+    (format 1: no trailer, read unverified)."""
     zdtype = DTYPES[dtype]
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if torch.empty((), dtype=dtype).element_size() > 1:
@@ -169,7 +174,7 @@ def array_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]
         },
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
-        "codecs": [bytes_codec, dict(CODEC)],
+        "codecs": [bytes_codec, dict(CODEC)] if checksum else [bytes_codec],
         "attributes": {DTYPE_ATTR: str(dtype).removeprefix("torch.")},
         "storage_transformers": [],
     }
@@ -457,8 +462,12 @@ class NvmeTier:
         except KeyError:
             raise KeyError(f"tensor {name!r} is not in NVMe store {self.path}") from None
 
-    def create(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ArraySpec:
-        """Add tensor ``name`` (metadata only) and reserve its bytes under the capacity."""
+    def create(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, *, checksum: bool = True
+    ) -> ArraySpec:
+        """Add tensor ``name`` (metadata only) and reserve its bytes under the capacity; its
+        chunk ends with a CRC-32C trailer verified on every read unless ``checksum`` is
+        False (the format 1 layout, read unverified)."""
         self._check_open()
         check_name(name)
         dims = tuple(int(d) for d in shape)
@@ -479,7 +488,8 @@ class NvmeTier:
             try:
                 array_dir = self.path / name
                 array_dir.mkdir(exist_ok=True)
-                _write_json_atomic(array_dir / "zarr.json", array_metadata(dims, dtype))
+                meta = array_metadata(dims, dtype, checksum=checksum)
+                _write_json_atomic(array_dir / "zarr.json", meta)
                 fsync_dir(self.path)
                 entry = parse_array(name, array_dir / "zarr.json")
             except BaseException:

@@ -72,14 +72,16 @@ def register_stored(store: TieredStore, entry: StoredTensor, value: Tensor | Non
     or zeros. Raises ``ValueError`` when ``value`` has another number of elements."""
     dtype = getattr(torch, entry.dtype)
     if value is None:
-        store.register(entry.name, shape=(entry.numel,), dtype=dtype, home=entry.home)
+        store.register(
+            entry.name, shape=(entry.numel,), dtype=dtype, home=entry.home, scratch=entry.scratch
+        )
         return
     if value.numel() != entry.numel:
         raise ValueError(
             f"{entry.name!r} has {value.numel()} elements but the manifest {entry.numel}: "
             "build the manifest from this model's sizes"
         )
-    store.register(entry.name, value.reshape(-1).to(dtype), home=entry.home)
+    store.register(entry.name, value.reshape(-1).to(dtype), home=entry.home, scratch=entry.scratch)
 
 
 def store_budgets(manifest: Sequence[StoredTensor], placement: Placement) -> dict[Tier, int]:

@@ -28,6 +28,7 @@ from bb_lightning.engine.checkpoint import (
     CheckpointError,
     read_trainer_state,
     recover,
+    verify_checkpoint,
 )
 from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
@@ -97,6 +98,35 @@ def test_layout_is_plain_zarr_with_torch_adamw_state(tiny: SimpleNamespace, tmp_
     state = read_trainer_state(path)  # JSON + safetensors, no pickle
     assert "state_dict" not in state and state["global_step"] == 2
     assert {"loops", "lr_schedulers", "optimizer_states", "callbacks"} <= state.keys()
+
+
+def test_step_state_on_nvme_has_no_trailer_and_the_checkpoint_still_verifies(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The store's fp32 masters, moments and gradient accumulators are rewritten every
+    step, so their NVMe chunks carry no CRC-32C; the weights homed there keep theirs, and
+    a checkpoint's arrays are all checksummed."""
+    trainer, strategy, _ = _fit(tiny, tmp_path, 1)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    strategy.close()
+    codecs = {
+        meta.parent.name: [c["name"] for c in json.loads(meta.read_text())["codecs"]]
+        for meta in (tmp_path / "nvme-0").rglob("zarr.json")
+        if json.loads(meta.read_text())["node_type"] == "array"
+    }
+    nvme_state = {k: v for k, v in codecs.items() if k.split(".")[-1] in
+                  ("master", "exp_avg", "exp_avg_sq")}  # fmt: skip
+    assert len(nvme_state) == 6  # blocks 1 and 3 (master on NVMe) x 3 kinds
+    assert all(v == ["bytes"] for v in nvme_state.values()), nvme_state
+    weights = [v for k, v in codecs.items() if k.endswith(".weight")]
+    assert weights == [["bytes", "crc32c"]]  # block 0 is homed on NVMe
+    report = verify_checkpoint(tmp_path / "c.ckpt")
+    assert report.arrays > 0 and not report.problems and not report.unverified
+    group = zarr.open_group(str(tmp_path / "c.ckpt" / "state.zarr"), mode="r")
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        for key in group[kind].array_keys():
+            names = [c["name"] for c in group[kind][key].metadata.to_dict()["codecs"]]
+            assert names == ["bytes", "crc32c"], (kind, key)
 
 
 @pytest.mark.slow

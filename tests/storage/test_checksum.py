@@ -196,3 +196,44 @@ def test_checksum_benchmark_smoke(
     out = capsys.readouterr().out
     assert "machine: CPU" in out and "ratio verified / unverified" in out
     assert not (tmp_path / "checksum-cost").exists()  # scratch stores removed
+
+
+@pytest.mark.parametrize("verified", [False, True])
+def test_scratch_tensors_have_no_trailer_unless_asked_and_stay_plain_zarr(
+    tmp_path: Path, verified: bool
+) -> None:
+    """A scratch tensor (rewritten often, read back by this process only) is written
+    without the CRC-32C trailer; ``scratch_checksums`` keeps it; other tensors keep theirs,
+    and a scratch tensor moved onto NVMe later is laid out the same way."""
+    x, y = torch.randn(3000), torch.randn(777)
+    config = StoreConfig(
+        device_budget=1 << 20, host_budget=1 << 20, nvme_path=str(tmp_path / "n"),
+        nvme_budget=1 << 20, io=IOConfig(backend="posix", threads=2), device="cpu",
+        scratch_checksums=verified,
+    )  # fmt: skip
+    with TieredStore(config) as store:
+        store.register("state", x, home=Tier.NVME, scratch=True)
+        store.register("weights", x, home=Tier.NVME)
+        store.register("later", y, home=Tier.HOST, scratch=True)
+        store.move("later", Tier.NVME)
+        store.write("state", -x)
+        assert torch.equal(store.read("state"), -x)
+        assert torch.equal(store.read("later"), y)
+    group = zarr.open_group(tmp_path / "n", mode="r")
+    np.testing.assert_array_equal(group["state"][...], -x.numpy())  # plain zarr reads it
+    np.testing.assert_array_equal(group["later"][...], y.numpy())
+    for name, n, scratch in (("state", x.numel(), True), ("later", y.numel(), True),
+                             ("weights", x.numel(), False)):  # fmt: skip
+        codecs = json.loads((tmp_path / "n" / name / "zarr.json").read_text())["codecs"]
+        trailer = verified or not scratch
+        assert [c["name"] for c in codecs] == ["bytes", "crc32c"][: 2 if trailer else 1]
+        size = (tmp_path / "n" / name / "c" / "0").stat().st_size
+        assert size == 4 * n + (4 if trailer else 0)
+    flip(tmp_path / "n" / "state" / "c" / "0", 10)
+    with TieredStore(config) as store:  # the arrays are adopted with their layout
+        store.register("state", home=Tier.NVME, scratch=True)
+        if verified:
+            with pytest.raises(ChecksumError, match="tensor 'state'"):
+                store.read("state")
+        else:
+            assert not torch.equal(store.read("state"), -x)  # unverified: read as stored
