@@ -196,17 +196,18 @@ def forced_plan(
 def recommended_plan(
     args: argparse.Namespace, model: ModelProfile, hw: HardwareProfile
 ) -> tuple[Plan, Placement]:
-    """The planner's micro-batch, accumulation, placement and prefetch (optimizer on NVMe)."""
+    """The planner's micro-batch, accumulation, placement, checkpointing and prefetch
+    (optimizer state on NVMe, as in run 2)."""
     _, master = offload_tiers(args)
     ram = psutil.virtual_memory().available
     job = FitJob(seq_len=args.seq, global_batch_seqs=args.plan_global_seqs)
-    overrides = PlanOverrides(master_tier=master, checkpointing=True)
+    overrides = PlanOverrides(master_tier=master)
     plan = make_plan(model, hw, job, overrides=overrides)
     used = sum(m.used for m in plan.memory if m.tier is not Tier.NVME)
     if plan.micro_batch > args.max_micro_batch or used > ram:
         cap = min(args.max_micro_batch, plan.micro_batch // 2 if used > ram else plan.micro_batch)
         print(f"capping the planner's micro-batch {plan.micro_batch} to {cap} (RAM / option)")
-        overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master, checkpointing=True)
+        overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master)
         plan = make_plan(model, hw, job, overrides=overrides)
     return plan, plan.placement
 

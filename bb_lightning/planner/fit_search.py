@@ -171,7 +171,11 @@ def price(
         + cost.logits_bytes(model, mb * s)
     )
     mandatory = paging + in_flight + nbs * (FP32_BYTES + ADAM_STATE_BYTES)
-    free = budgets[Tier.HOST] - mandatory
+    # On a CPU device both tiers are the same RAM: one pool, whatever the device holds
+    # is not there for the host (:func:`pooled_budget`).
+    pool = pooled_budget(hw, budgets)
+    host_base = budgets[Tier.HOST] if pool is None else pool - dev
+    free = host_base - mandatory
     # On a CPU device a host-home block is used in place: it keeps its activations (in
     # the same RAM) instead of being recomputed, so it costs them on the host too.
     in_place_act = (
@@ -193,15 +197,14 @@ def price(
         free = free - g_h * FP32_BYTES * ps
         m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
         free = free - m_h * ADAM_STATE_BYTES * ps
-    host = budgets[Tier.HOST] - free
+    host = host_base - free
     nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * ps + (off - m_h) * ADAM_STATE_BYTES * ps
-    feasible = (
-        (dev <= budgets[Tier.DEVICE])
-        & (mandatory <= budgets[Tier.HOST])
-        & (nvme <= budgets[Tier.NVME])
-        & ok_w
-        & ok_m
+    in_memory = (
+        (dev <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])
+        if pool is None
+        else dev + mandatory <= pool
     )
+    feasible = in_memory & (nvme <= budgets[Tier.NVME]) & ok_w & ok_m
     recomputed, runnable = _recompute(model, hw, job, ov, ckpt, np_, w_h)
     feasible &= runnable
 
@@ -305,6 +308,18 @@ def price(
     out["compute"] = np.full_like(kf, compute)
     out["net"] = np.full_like(kf, ga * net_pass + net_opt)
     return out
+
+
+def pooled_budget(hw: HardwareProfile, budgets: Mapping[Tier, int]) -> int | None:
+    """Bytes of RAM the device and host tiers share on a CPU device, None elsewhere.
+
+    Without an accelerator both tiers are ordinary memory (the store's arenas are mapped
+    lazily: pages count only once written), so a plan may spend the two budgets in any
+    proportion: activations that outgrow the device budget take what the host leaves.
+    """
+    if hw.device_type != "cpu":
+        return None
+    return budgets[Tier.DEVICE] + budgets[Tier.HOST]
 
 
 def _net_seconds(model: ModelProfile, hw: HardwareProfile, wb: int) -> tuple[float, float]:
@@ -487,6 +502,9 @@ def diagnose(
         )
     dev, mand, nvme = float(a["device"][0]), float(a["mandatory"][0]), float(a["nvme"][0])
     dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
+    pool = pooled_budget(hw, budgets)
+    if pool is not None:  # a CPU device: what the pool leaves beside the host's staging
+        dev_b, host_b = max(0, int(pool - mand)), max(0, int(pool - dev))
     fmt = format_bytes
     if dev > dev_b:
         fits = [
@@ -518,7 +536,12 @@ def diagnose(
             f"even micro-batch {mb} at seq {job.seq_len} needs {fmt(dev)} on the device "
             f"(activations {fmt(cost.activation_bytes(model, mb, job.seq_len, ckpt))}, logits, "
             f"paging slots, embedding and head) but the device budget is {fmt(dev_b)} "
-            f"({fmt(hw.device_memory)} less a 10% + 1 GiB margin): {fix}"
+            + (
+                f"({fmt(hw.device_memory)} less a 10% + 1 GiB margin): {fix}"
+                if pool is None
+                else f"(the RAM pool of the CPU device and host, {fmt(pool)}, less "
+                f"{fmt(mand)} of host staging): {fix}"
+            )
         )
     if mand > host_b:
         return (
@@ -635,8 +658,9 @@ def build_plan(
         )
     if hw.device_type == "cpu":
         reasons.append(
-            f"CPU device: device and host tiers share RAM, planned against the split "
-            f"{format_bytes(hw.device_memory)} device / {format_bytes(hw.host_memory)} host"
+            f"CPU device: device and host tiers share RAM, planned as one pool of "
+            f"{format_bytes(pooled_budget(hw, budgets) or 0)} "
+            f"({format_bytes(v['device'])} device + {format_bytes(v['host'])} host used)"
             + (
                 f"; the {in_place} host-home blocks run in place, keeping their activations "
                 "on the host instead of recomputing them"
@@ -683,10 +707,17 @@ def build_plan(
 def _memory(
     hw: HardwareProfile, budgets: Mapping[Tier, int], v: dict[str, Any]
 ) -> tuple[TierMemory, ...]:
+    """Use and budget per tier; on a CPU device each memory tier's budget is what the
+    shared pool leaves it beside the other's use (:func:`pooled_budget`)."""
     caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
     used = (v["device"], v["host"], v["nvme"])
+    limits = dict(budgets)
+    pool = pooled_budget(hw, budgets)
+    if pool is not None:
+        limits[Tier.DEVICE] = max(0, int(pool - v["host"]))
+        limits[Tier.HOST] = max(0, int(pool - v["device"]))
     return tuple(
-        TierMemory(tier=t, used=int(u), budget=budgets[t], capacity=c)
+        TierMemory(tier=t, used=int(u), budget=limits[t], capacity=c)
         for t, u, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)
     )
 

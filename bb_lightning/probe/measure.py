@@ -20,7 +20,8 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
 
 Memory on the CPU: device and host tiers share RAM, so the device tier gets
 :data:`CPU_DEVICE_SHARE` and the host tier :data:`CPU_HOST_SHARE` of the RAM
-available now (the rest is left to the process and the OS). On CUDA the device
+available now (the rest is left to the process and the OS); the fit search spends the
+two budgets as one pool (``fit_search.pooled_budget``). On CUDA the device
 tier gets :data:`CUDA_DEVICE_SHARE` of what this process can still allocate
 (:func:`cuda_device_memory`: free memory once the allocator's cache is emptied,
 within ``torch.cuda.set_per_process_memory_fraction``), read afresh also when
