@@ -61,8 +61,12 @@ SPAN = 2
 difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan)."""
-REFERENCE_SIZE = {"cpu": 1024, "cuda": 4096}
-"""Side of the square bf16 matrix product timed between the model's passes, per device type."""
+REFERENCE_SIZE = {"cpu": 2048, "cuda": 4096}
+"""Side of the square bf16 matrix product timed between the model's passes, per device type:
+large enough to run at the hardware probe's best rate when nothing else runs (on a CPU
+with AMX a 1024-square product reaches only about 0.6 x the rate of a 2048-square one,
+which the drift check would take for a busy neighbour), small enough to repeat cheaply
+(17 GFLOP: 0.04 s at 0.43 TFLOP/s)."""
 
 
 @dataclass(frozen=True)
