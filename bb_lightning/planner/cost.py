@@ -84,6 +84,19 @@ def nvme_budget(hw: HardwareProfile) -> int:
     return int(hw.nvme_capacity * (1.0 - HOST_MARGIN_FRACTION))
 
 
+def pooled_budget(hw: HardwareProfile, budgets: Mapping[Tier, int]) -> int | None:
+    """Bytes of RAM the device and host tiers share on a CPU device, None elsewhere.
+
+    Without an accelerator both tiers are ordinary memory (the store's arenas are mapped
+    lazily: pages count only once written), so a plan may spend the two budgets in any
+    proportion: activations or a KV cache that outgrow the device budget take what the
+    host leaves.
+    """
+    if hw.device_type != "cpu":
+        return None
+    return budgets[Tier.DEVICE] + budgets[Tier.HOST]
+
+
 def budgets(hw: HardwareProfile) -> dict[Tier, int]:
     """Plannable bytes per tier: :func:`device_budget`, :func:`host_budget`, :func:`nvme_budget`."""
     return {Tier.DEVICE: device_budget(hw), Tier.HOST: host_budget(hw), Tier.NVME: nvme_budget(hw)}

@@ -172,8 +172,8 @@ def price(
     )
     mandatory = paging + in_flight + nbs * (FP32_BYTES + ADAM_STATE_BYTES)
     # On a CPU device both tiers are the same RAM: one pool, whatever the device holds
-    # is not there for the host (:func:`pooled_budget`).
-    pool = pooled_budget(hw, budgets)
+    # is not there for the host (:func:`cost.pooled_budget`).
+    pool = cost.pooled_budget(hw, budgets)
     host_base = budgets[Tier.HOST] if pool is None else pool - dev
     free = host_base - mandatory
     # On a CPU device a host-home block is used in place: it keeps its activations (in
@@ -308,18 +308,6 @@ def price(
     out["compute"] = np.full_like(kf, compute)
     out["net"] = np.full_like(kf, ga * net_pass + net_opt)
     return out
-
-
-def pooled_budget(hw: HardwareProfile, budgets: Mapping[Tier, int]) -> int | None:
-    """Bytes of RAM the device and host tiers share on a CPU device, None elsewhere.
-
-    Without an accelerator both tiers are ordinary memory (the store's arenas are mapped
-    lazily: pages count only once written), so a plan may spend the two budgets in any
-    proportion: activations that outgrow the device budget take what the host leaves.
-    """
-    if hw.device_type != "cpu":
-        return None
-    return budgets[Tier.DEVICE] + budgets[Tier.HOST]
 
 
 def _net_seconds(model: ModelProfile, hw: HardwareProfile, wb: int) -> tuple[float, float]:
@@ -502,7 +490,7 @@ def diagnose(
         )
     dev, mand, nvme = float(a["device"][0]), float(a["mandatory"][0]), float(a["nvme"][0])
     dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
-    pool = pooled_budget(hw, budgets)
+    pool = cost.pooled_budget(hw, budgets)
     if pool is not None:  # a CPU device: what the pool leaves beside the host's staging
         dev_b, host_b = max(0, int(pool - mand)), max(0, int(pool - dev))
     fmt = format_bytes
@@ -659,7 +647,7 @@ def build_plan(
     if hw.device_type == "cpu":
         reasons.append(
             f"CPU device: device and host tiers share RAM, planned as one pool of "
-            f"{format_bytes(pooled_budget(hw, budgets) or 0)} "
+            f"{format_bytes(cost.pooled_budget(hw, budgets) or 0)} "
             f"({format_bytes(v['device'])} device + {format_bytes(v['host'])} host used)"
             + (
                 f"; the {in_place} host-home blocks run in place, keeping their activations "
@@ -694,7 +682,7 @@ def build_plan(
                 compute_dtype=job.compute_dtype,
             ),
         ),
-        memory=_memory(hw, budgets, v),
+        memory=tier_memory(hw, budgets, v),
         predicted=pred,
         tokens_per_s=tok_s,
         mfu=cost.model_flops_per_token(model, "fit") * tok_s / hw.device_flops,
@@ -704,18 +692,21 @@ def build_plan(
     )
 
 
-def _memory(
+def tier_memory(
     hw: HardwareProfile, budgets: Mapping[Tier, int], v: dict[str, Any]
 ) -> tuple[TierMemory, ...]:
-    """Use and budget per tier; on a CPU device each memory tier's budget is what the
-    shared pool leaves it beside the other's use (:func:`pooled_budget`)."""
+    """Use (bytes) and budget per tier; on a CPU device each memory tier's budget is what
+    the shared pool leaves it beside the other's use (:func:`cost.pooled_budget`), and its
+    capacity the RAM both share."""
     caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
     used = (v["device"], v["host"], v["nvme"])
     limits = dict(budgets)
-    pool = pooled_budget(hw, budgets)
-    if pool is not None:
+    pool = cost.pooled_budget(hw, budgets)
+    if pool is not None:  # either memory tier may grow to the whole RAM share
         limits[Tier.DEVICE] = max(0, int(pool - v["host"]))
         limits[Tier.HOST] = max(0, int(pool - v["device"]))
+        ram = hw.device_memory + hw.host_memory
+        caps = (ram, ram, hw.nvme_capacity)
     return tuple(
         TierMemory(tier=t, used=int(u), budget=limits[t], capacity=c)
         for t, u, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from bb_lightning.placement import Placement
 from bb_lightning.planner import cost
 from bb_lightning.planner.cost import FP32_BYTES
-from bb_lightning.planner.fit_search import ladder
+from bb_lightning.planner.fit_search import ladder, tier_memory
 from bb_lightning.planner.job import PredictJob
 from bb_lightning.planner.plan import (
     LINK_FIELDS,
@@ -37,7 +37,6 @@ from bb_lightning.planner.plan import (
     PlanOverrides,
     PredictedTime,
     Roofline,
-    TierMemory,
     placement_tiers,
 )
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -95,18 +94,20 @@ def price(
         + kv_dev
     )
     mandatory = paging + (kv_all if kv is Tier.HOST else 0.0)
-    free = budgets[Tier.HOST] - mandatory
+    pool = cost.pooled_budget(hw, budgets)  # a CPU device: one RAM pool
+    free = (budgets[Tier.HOST] if pool is None else pool - dev) - mandatory
     if ov.weights_tier is Tier.NVME:
         w_h = np.zeros_like(kw)
     else:
         w_h = np.minimum(np_, np.floor(np.maximum(free, 0.0) / bb))
     host = mandatory + w_h * bb
     nvme = (np_ - w_h) * bb
-    feasible = (
-        (dev <= budgets[Tier.DEVICE])
-        & (mandatory <= budgets[Tier.HOST])
-        & (nvme <= budgets[Tier.NVME])
+    in_memory = (
+        (dev <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])
+        if pool is None
+        else dev + mandatory <= pool
     )
+    feasible = in_memory & (nvme <= budgets[Tier.NVME])
     if ov.weights_tier is Tier.HOST:
         feasible &= w_h >= np_
 
@@ -226,7 +227,15 @@ def diagnose(
     dev, host, nvme = (float(a[k][0]) for k in ("device", "host", "nvme"))
     fmt = format_bytes
     dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
-    if dev > dev_b:
+    pool = cost.pooled_budget(hw, budgets)
+    if pool is not None and dev + host > pool:  # a CPU device: one RAM pool
+        return (
+            f"even {cs[0]} sequence(s) with a {job.prompt_len}-token prompt need {fmt(dev + host)} "
+            f"of RAM ({fmt(dev)} for the embedding, head, paging slots and activations, "
+            f"{fmt(host)} for the KV cache and staging) but the RAM pool of the CPU device "
+            f"and host is {fmt(pool)}: use shorter prompts or fewer concurrent sequences"
+        )
+    if pool is None and dev > dev_b:
         return (
             f"even {cs[0]} sequence(s) with a {job.prompt_len}-token prompt need {fmt(dev)} on "
             f"the device (embedding, head, paging slots, activations) but the device budget is "
@@ -306,15 +315,11 @@ def build_plan(
     ]
     if hw.device_type == "cpu":
         reasons.append(
-            f"CPU device: device and host tiers share RAM, planned against the split "
-            f"{format_bytes(hw.device_memory)} device / {format_bytes(hw.host_memory)} host"
+            f"CPU device: device and host tiers share RAM, planned as one pool of "
+            f"{format_bytes(cost.pooled_budget(hw, budgets) or 0)} "
+            f"({format_bytes(v['device'])} device + {format_bytes(v['host'])} host used)"
         )
-    caps = (hw.device_memory, hw.host_memory, hw.nvme_capacity)
-    used = (v["device"], v["host"], v["nvme"])
-    memory = tuple(
-        TierMemory(tier=t, used=int(u), budget=budgets[t], capacity=cap)
-        for t, u, cap in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)
-    )
+    memory = tier_memory(hw, budgets, v)
     return Plan(
         task="predict",
         job=job,

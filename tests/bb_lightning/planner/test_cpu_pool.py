@@ -6,7 +6,15 @@ import dataclasses
 
 import pytest
 
-from bb_lightning.planner import FitJob, HardwareProfile, PlanError, PlanOverrides, cost, make_plan
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    PlanError,
+    PlanOverrides,
+    PredictJob,
+    cost,
+    make_plan,
+)
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
 
@@ -58,3 +66,29 @@ def test_a_cpu_pool_too_small_for_the_activations_names_the_pool() -> None:
     cpu = _hw("cpu", 1.2, 3.0)
     with pytest.raises(PlanError, match=r"RAM pool of the CPU device and host, [\d.]+ GiB"):
         make_plan(model, cpu, job)
+
+
+def test_a_kv_cache_past_the_device_share_stays_in_ram_on_a_cpu() -> None:
+    """Generation: the batch's KV cache takes what the host leaves of the pool, so a CPU
+    device keeps as many sequences going as the RAM holds; an accelerator with the same
+    figures is held to its device budget."""
+    model = model_profile_from_config(CONFIG)
+    job = PredictJob(prompt_len=256, new_tokens=64, num_prompts=128)
+    cpu = _hw("cpu", 3.0, 14.0)
+    kv = cost.kv_cache_bytes(model, 128, job.total_len)  # 128 sequences: above the device share
+    assert kv > cost.device_budget(cpu)
+    plan = make_plan(model, cpu, job, overrides=PlanOverrides(concurrent_seqs=128))
+    used = {m.tier: m.used for m in plan.memory}
+    assert plan.concurrent_seqs == 128 and plan.kv_cache is Tier.DEVICE
+    assert used[Tier.DEVICE] > cost.device_budget(cpu)
+    assert used[Tier.DEVICE] + used[Tier.HOST] <= cost.device_budget(cpu) + cost.host_budget(cpu)
+    gpu = dataclasses.replace(cpu, name="test cuda", device_type="cuda")
+    with pytest.raises(PlanError, match=r"device budget is 1\.70 GiB"):
+        make_plan(model, gpu, job, overrides=PlanOverrides(concurrent_seqs=128))
+
+
+def test_generation_past_the_cpu_pool_names_the_ram_it_needs() -> None:
+    model = model_profile_from_config(CONFIG)
+    job = PredictJob(prompt_len=512, new_tokens=128, num_prompts=256)
+    with pytest.raises(PlanError, match=r"of RAM .* RAM pool of the CPU device and host is"):
+        make_plan(model, _hw("cpu", 3.0, 14.0), job, overrides=PlanOverrides(concurrent_seqs=256))

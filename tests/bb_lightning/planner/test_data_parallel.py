@@ -280,6 +280,8 @@ def test_a_cpu_node_shares_its_memory_and_cores(model: ModelProfile, node: Hardw
     hw = cpu.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=1e10)
     job = FitJob(seq_len=128, global_batch_seqs=4)
     one, two = make_plan(model, cpu, job), make_plan(model, hw, job)
-    assert next(m for m in two.memory if m.tier is Tier.DEVICE).capacity == 64 * GIB // 2
+    # a CPU device's tiers share the node's RAM (device and host shares), split by rank
+    ram = (64 * GIB + cpu.host_memory) // 2
+    assert next(m for m in two.memory if m.tier is Tier.DEVICE).capacity == ram
     # each rank computes half the batch on half the cores: the same compute seconds
     assert two.predicted.compute == pytest.approx(one.predicted.compute)
