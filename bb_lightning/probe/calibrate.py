@@ -47,7 +47,7 @@ import torch
 
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from bb_lightning.probe import contention
+from bb_lightning.probe import contention, rate_cache
 from bb_lightning.probe.contention import Timing
 from bb_lightning.probe.model import model_profile_from_config
 
@@ -151,10 +151,13 @@ def _timed_rounds(
     repeats: int,
     timing: Timing,
     what: str,
+    recorded: bool = False,
 ) -> _Passes:
     """Time ``passes`` (label, run) in turn with a square matrix product after each turn,
     after one untimed warm-up turn, ``repeats`` turns per round, until the checks of the
-    module doc hold or ``contention.MAX_ROUNDS`` rounds ran."""
+    module doc hold or ``contention.MAX_ROUNDS`` rounds ran. ``recorded``: an undisturbed
+    probe's rates are on record (:mod:`bb_lightning.probe.rate_cache`); a disturbed probe
+    says it takes them."""
     n = REFERENCE_SIZE.get(device.type, REFERENCE_SIZE["cpu"])
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, torch.bfloat16) for _ in range(2))
@@ -196,11 +199,12 @@ def _timed_rounds(
     if busy > contention.BUSY_SHARE:
         parts.append(f"other processes took {busy:.0%} of this process's cores")
     drifted = drift < contention.DRIFT
-    taken = (
-        "taking the model's rate relative to the matrix products beside it"
-        if drifted
-        else "planning with the fastest passes"
-    )
+    if recorded:
+        taken = "taking the rates an undisturbed probe of this model and shape recorded here"
+    elif drifted:
+        taken = "taking the model's rate relative to the matrix products beside it"
+    else:
+        taken = "planning with the fastest passes"
     note = (
         f"balance_beam: the {what} stayed unsteady over {rounds} rounds ({'; '.join(parts)}): "
         f"another process is using the device; {taken} (measured steps re-plan after warm-up)"
@@ -217,6 +221,7 @@ def _pass_seconds(
     hw: HardwareProfile,
     repeats: int,
     timing: Timing,
+    recorded: bool = False,
 ) -> _Passes:
     """Fastest seconds of a forward + backward pass through the one- and the three-block
     model (labels ``"one"``, ``"more"``), timed alternately with a matrix product so that
@@ -240,7 +245,8 @@ def _pass_seconds(
 
     try:
         passes = [("one", train_pass(nets[0])), ("more", train_pass(nets[1]))]
-        return _timed_rounds(passes, device, hw, repeats, timing, "model-shaped compute probe")
+        what = "model-shaped compute probe"
+        return _timed_rounds(passes, device, hw, repeats, timing, what, recorded)
     finally:
         del nets
 
@@ -280,19 +286,31 @@ def probe_train_compute(
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
+    record = rate_cache.key(
+        "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type
+    )
+    known = (rate_cache.recall(record) or {}).get("train")
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        passes = _pass_seconds(config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM)
+        passes = _pass_seconds(
+            config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM, known is not None
+        )
     one, more = passes.best["one"], passes.best["more"]
     block = max(more - one, 0.0) / SPAN
     rest = max(one - block, 0.0)
     total = model.num_blocks * block + rest
     flops = micro_batch * seq_len * cost.train_flops_per_token(model, seq_len, False)
-    tflops = flops / max(total, 1e-9) / 1e12
-    eff = tflops * 1e12 / max(_peak(hw, passes), 1.0)
-    eff = min(max(eff, MIN_EFFICIENCY), MAX_EFFICIENCY)
+    rate = flops / max(total, 1e-9)
+    peak = _peak(hw, passes)
+    if passes.note is None:
+        rate_cache.remember(record, {"train": rate})
+    elif known is not None:  # disturbed: the undisturbed probe's rate, its times scaled
+        block, rest, total = (t * rate / known for t in (block, rest, total))
+        rate, peak = known, hw.device_flops
+    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), MAX_EFFICIENCY)
     return TrainCompute(
-        block_s=block, rest_s=rest, pass_s=total, tflops=tflops, efficiency=eff, note=passes.note
-    )
+        block_s=block, rest_s=rest, pass_s=total, tflops=rate / 1e12, efficiency=eff,
+        note=passes.note,
+    )  # fmt: skip
 
 
 def _peak(hw: HardwareProfile, passes: _Passes) -> float:
@@ -385,6 +403,7 @@ def _predict_seconds(
     hw: HardwareProfile,
     repeats: int,
     timing: Timing,
+    recorded: bool = False,
 ) -> _Passes:
     """Fastest seconds of a prefill and of a decode pass through the one- and the
     three-block model (labels ``"prefill one"``, ``"prefill more"``, ``"decode one"``,
@@ -439,7 +458,8 @@ def _predict_seconds(
                     (f"prefill {name}", prefill(net)),
                     (f"decode {name}", decode(net, cache)),
                 ]
-            return _timed_rounds(passes, device, hw, repeats, timing, "model-shaped predict probe")
+            what = "model-shaped predict probe"
+            return _timed_rounds(passes, device, hw, repeats, timing, what, recorded)
     finally:
         del nets
 
@@ -504,12 +524,17 @@ def probe_predict_compute(
         return None
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, int(model.vocab_size), (rows, prompt_len), generator=gen).to(dev)
+    record = rate_cache.key(
+        "predict", model, prompt_len=prompt_len, rows=rows, concurrent=concurrent,
+        cache_len=cache_len, context=context, dtype=dtype, device=dev.type,
+    )  # fmt: skip
+    known = rate_cache.recall(record)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         # the decode token's position: the cache's last, within the model's positions
         last = min(cache_len, model.max_positions or cache_len) - 1
         passes = _predict_seconds(
             config, prompts, concurrent, cache_len, last, dtype, dev, hw, repeats,
-            timing or contention.SYSTEM,
+            timing or contention.SYSTEM, known is not None,
         )  # fmt: skip
     n, head, best = model.num_blocks, model.head_flops_per_token(), passes.best
     pre_block, pre_rest, pre_total = _split(best["prefill one"], best["prefill more"], n)
@@ -521,6 +546,17 @@ def probe_predict_compute(
     peak = max(_peak(hw, passes), 1.0)
     pre_rate = pre_flops / max(pre_total, 1e-9)
     dec_rate = dec_flops / max(dec_total, 1e-9)
+    if passes.note is None:
+        rate_cache.remember(record, {"prefill": pre_rate, "decode": dec_rate})
+    elif known is not None and {"prefill", "decode"} <= known.keys():
+        # disturbed: the undisturbed probe's rates, its times scaled to them
+        pre_block, pre_rest, pre_total = (
+            t * pre_rate / known["prefill"] for t in (pre_block, pre_rest, pre_total)
+        )
+        dec_block, dec_rest, dec_total = (
+            t * dec_rate / known["decode"] for t in (dec_block, dec_rest, dec_total)
+        )
+        pre_rate, dec_rate, peak = known["prefill"], known["decode"], max(hw.device_flops, 1.0)
     eff = _clip(pre_rate / peak)
     return PredictCompute(
         prefill_block_s=pre_block,

@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile
-from bb_lightning.probe import calibrate, contention, model_profile_from_config
+from bb_lightning.probe import calibrate, contention, model_profile_from_config, rate_cache
 from bb_lightning.probe.calibrate import probe_predict_compute, probe_train_compute
 from bb_lightning.probe.contention import Timing
 from bb_lightning.probe.measure import ROUNDS, cache_path, machine_identity, measure
@@ -29,6 +29,12 @@ LAYERS, SEQ = 4, 16
 PEAK = 1e9
 """The profile's matrix-product rate, FLOP/s (the scripted passes run the tiny model at a
 tenth to a half of it)."""
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test its own cache directory: no probe reads the rates another one recorded."""
+    monkeypatch.setenv("BB_CACHE_DIR", str(tmp_path / "cache"))
 
 
 class Scripted(Timing):
@@ -138,6 +144,52 @@ def test_predict_probe_takes_the_fast_passes_after_slow_ones(tmp_path: Path) -> 
     assert probe.decode_block_s == pytest.approx(0.001)
     assert probe.decode_rest_s == pytest.approx(0.001)
     assert timing.calls["decode more"] == 2 * 3
+
+
+def test_a_disturbed_train_probe_takes_the_rate_an_undisturbed_one_recorded(
+    tmp_path: Path,
+) -> None:
+    """Beside a busy neighbour the model's passes slow down more than the matrix products
+    (here 4 x against 2 x): the rate an undisturbed probe of the same model and shape
+    recorded on this machine is taken instead of the relative one."""
+    path = model_dir(tmp_path)
+    fast = {"one": 0.006, "more": 0.014}
+    calm = probe_train_compute(
+        path, cpu(), seq_len=SEQ, repeats=2, timing=Scripted(lambda label, i: fast[label])
+    )
+    assert calm is not None and calm.note is None
+    assert (tmp_path / "cache" / rate_cache.FILE_NAME).exists()
+    busy = Scripted(lambda label, i: 4 * fast[label], lambda i: 0.5 * PEAK)
+    with pytest.warns(RuntimeWarning, match="undisturbed probe of this model and shape"):
+        probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=busy)
+    assert probe is not None and probe.note is not None
+    assert probe.efficiency == pytest.approx(calm.efficiency)
+    assert probe.tflops == pytest.approx(calm.tflops)
+    assert probe.block_s == pytest.approx(calm.block_s)
+    # another shape has no record: rated against the products beside it (4 x / 2 x slower)
+    with pytest.warns(RuntimeWarning, match="relative to the matrix products"):
+        other = probe_train_compute(path, cpu(), seq_len=SEQ, micro_batch=2, repeats=2, timing=busy)
+    assert other is not None
+    flops = 2 * train_flops(path)
+    assert other.efficiency == pytest.approx(flops / other.pass_s / (0.5 * PEAK))
+
+
+def test_a_disturbed_predict_probe_takes_the_rates_an_undisturbed_one_recorded(
+    tmp_path: Path,
+) -> None:
+    path = model_dir(tmp_path)
+    fast = {"prefill one": 0.005, "prefill more": 0.011, "decode one": 0.002, "decode more": 0.004}
+    shape = {"prompt_len": 8, "concurrent": 2, "cache_len": 16, "repeats": 2}
+    calm = probe_predict_compute(
+        path, cpu(), **shape, timing=Scripted(lambda label, i: fast[label])
+    )
+    busy = Scripted(lambda label, i: 3 * fast[label], lambda i: 0.4 * PEAK)
+    with pytest.warns(RuntimeWarning, match="undisturbed probe of this model and shape"):
+        probe = probe_predict_compute(path, cpu(), **shape, timing=busy)
+    assert calm is not None and probe is not None
+    assert probe.efficiency == pytest.approx(calm.efficiency)
+    assert probe.decode_efficiency == pytest.approx(calm.decode_efficiency)
+    assert probe.prefill_s == pytest.approx(calm.prefill_s)
 
 
 @pytest.fixture
