@@ -231,10 +231,6 @@ class StoredTensor:
     block: int | None = None
     """Index of the block whose compute-dtype weights it is (paged in with the block into
     a device slot); None for every other tensor."""
-    scratch: bool = False
-    """Rewritten every optimizer step and read back only by this process (fp32 master
-    weights, AdamW moments, gradient accumulators): registered as the store's scratch,
-    without a checksum trailer on NVMe (checkpoints carry their own)."""
 
     @property
     def nbytes(self) -> int:
@@ -365,7 +361,7 @@ def manifest_bytes(manifest: tuple[StoredTensor, ...]) -> dict[Tier, int]:
 
 def _flat_state(name: str, numel: int, home: Tier, grad_home: Tier) -> list[StoredTensor]:
     kinds = [(k, home) for k in STATE_KINDS] + [("grad", grad_home)]
-    return [StoredTensor(name=f"{name}.{k}", numel=numel, dtype="float32", home=t, scratch=True)
+    return [StoredTensor(name=f"{name}.{k}", numel=numel, dtype="float32", home=t)
             for k, t in kinds]  # fmt: skip
 
 

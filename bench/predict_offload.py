@@ -83,6 +83,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--acc-max-batches", type=int, default=1, help="time Accelerate's first N")
     p.add_argument("--check-prompts", type=int, default=8, help="prompts compared in fp32")
     p.add_argument("--batch", type=int, default=None, help="our batch (default: the plan's)")
+    p.add_argument(
+        "--prefetch", type=int, default=None, help="our prefetch depth (default: the plan's)"
+    )
     p.add_argument("--nvme-dir", default=None, help="directory on the disk for the NVMe tier")
     p.add_argument("--measure-seconds", type=float, default=10.0)
     p.add_argument(
@@ -330,7 +333,9 @@ def _job(args: argparse.Namespace) -> PredictJob:
 
 def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:
     """The predict plan with every block's weights on the NVMe tier (``--batch`` forced)."""
-    ov = PlanOverrides(weights_tier=Tier.NVME, concurrent_seqs=args.batch)
+    ov = PlanOverrides(
+        weights_tier=Tier.NVME, concurrent_seqs=args.batch, prefetch_depth=args.prefetch
+    )
     return make_plan(model_profile_from_config(config), hw, _job(args), overrides=ov)
 
 

@@ -69,19 +69,24 @@ BlockLoader = Callable[[int], Tensor]
 
 def register_stored(store: TieredStore, entry: StoredTensor, value: Tensor | None = None) -> None:
     """Register manifest ``entry`` in ``store``: ``value`` (flat, cast to the entry's dtype)
-    or zeros. Raises ``ValueError`` when ``value`` has another number of elements."""
+    or zeros. Raises ``ValueError`` when ``value`` has another number of elements.
+
+    Every tensor an engine stores is the store's scratch: this run writes it (here, from
+    the module, a checkpoint or zeros) before reading it, and only this run reads it, so
+    on NVMe it goes without a CRC-32C trailer unless ``StoreConfig.scratch_checksums``;
+    the checksum pass would otherwise cost a core-second per ~6 GB read or written, on
+    every weight pass and optimizer step. Checkpoints carry their own checksums.
+    """
     dtype = getattr(torch, entry.dtype)
     if value is None:
-        store.register(
-            entry.name, shape=(entry.numel,), dtype=dtype, home=entry.home, scratch=entry.scratch
-        )
+        store.register(entry.name, shape=(entry.numel,), dtype=dtype, home=entry.home, scratch=True)
         return
     if value.numel() != entry.numel:
         raise ValueError(
             f"{entry.name!r} has {value.numel()} elements but the manifest {entry.numel}: "
             "build the manifest from this model's sizes"
         )
-    store.register(entry.name, value.reshape(-1).to(dtype), home=entry.home, scratch=entry.scratch)
+    store.register(entry.name, value.reshape(-1).to(dtype), home=entry.home, scratch=True)
 
 
 def store_budgets(manifest: Sequence[StoredTensor], placement: Placement) -> dict[Tier, int]:

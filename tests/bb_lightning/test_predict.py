@@ -117,6 +117,11 @@ def test_predict_pages_from_nvme_and_equals_generate(tmp_path: Path) -> None:
     assert used[Tier.NVME][0] == pytest.approx(3 * 4 * block, abs=3 * 4096)  # fp32 weights
     assert used[Tier.HOST][0] < 3 * 12 * block  # staging only: no masters and moments
     strategy.close()
+    # the run's own store: weights written at setup, read back only by this run, with no
+    # CRC-32C trailer (no checksum pass on every weight pass)
+    for meta in (tmp_path / "nvme").rglob("block.*.weight/zarr.json"):
+        assert [c["name"] for c in json.loads(meta.read_text())["codecs"]] == ["bytes"], meta
+    assert len(list((tmp_path / "nvme").rglob("block.*.weight/zarr.json"))) == 3
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == [f"p{i}" for i in range(len(PROMPTS))]
     assert records[2] == {
