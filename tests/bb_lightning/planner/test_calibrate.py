@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,6 +71,12 @@ class ScriptedClock:
         self.passes.append((layers, tuple(ids.shape), cached))
         block, rest = self.decode if cached else self.prefill
         self.now += layers * block + rest
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probes' rate records go to the test's own directory, not the user's cache."""
+    monkeypatch.setenv("BB_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.fixture
