@@ -529,6 +529,8 @@ def probe_predict_compute(
         cache_len=cache_len, context=context, dtype=dtype, device=dev.type,
     )  # fmt: skip
     known = rate_cache.recall(record)
+    if known is not None and not {"prefill", "decode"} <= known.keys():
+        known = None  # an incomplete record is no record
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         # the decode token's position: the cache's last, within the model's positions
         last = min(cache_len, model.max_positions or cache_len) - 1
@@ -548,7 +550,7 @@ def probe_predict_compute(
     dec_rate = dec_flops / max(dec_total, 1e-9)
     if passes.note is None:
         rate_cache.remember(record, {"prefill": pre_rate, "decode": dec_rate})
-    elif known is not None and {"prefill", "decode"} <= known.keys():
+    elif known is not None:
         # disturbed: the undisturbed probe's rates, its times scaled to them
         pre_block, pre_rest, pre_total = (
             t * pre_rate / known["prefill"] for t in (pre_block, pre_rest, pre_total)

@@ -71,6 +71,7 @@ __all__ = [
     "CPU_HOST_SHARE",
     "CUDA_DEVICE_SHARE",
     "HOST_SHARE",
+    "cache_dir",
     "cache_path",
     "cuda_device_memory",
     "machine_identity",
@@ -125,12 +126,16 @@ def machine_identity(nvme_path: str | None) -> dict[str, str]:
     }
 
 
+def cache_dir() -> Path:
+    """The directory of the probes' caches: ``$BB_CACHE_DIR``, else ``~/.cache/balance_beam``."""
+    return Path(os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "balance_beam"))
+
+
 def cache_path(identity: dict[str, str]) -> Path:
     """Cache file for ``identity``: ``<cache dir>/hardware-<hostname>-<hash>.json``."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "balance_beam")
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     host = "".join(c if c.isalnum() or c in "-_." else "_" for c in identity["hostname"])
-    return Path(root) / f"hardware-{host}-{digest}.json"
+    return cache_dir() / f"hardware-{host}-{digest}.json"
 
 
 def _rates(

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from bb_lightning.planner.profile import ModelProfile
-from bb_lightning.probe.measure import CACHE_ENV, machine_identity
+from bb_lightning.probe.measure import cache_dir, machine_identity
 
 __all__ = ["FILE_NAME", "key", "recall", "remember"]
 
@@ -34,8 +34,7 @@ FILE_NAME = "model-rates.json"
 
 
 def _path() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "balance_beam")
-    return Path(root) / FILE_NAME
+    return cache_dir() / FILE_NAME
 
 
 def key(kind: str, model: ModelProfile, **shape: object) -> str:
