@@ -44,6 +44,7 @@ from storage.host import StagingPool
 from storage.io import ALIGNMENT, aligned_empty
 from storage.nvme import NvmeTier
 from storage.residency import Record
+from storage.threads import single_threaded
 from storage.tiers import Link, Tier
 
 __all__ = ["LINKS", "Events", "LinkStats", "Transfers", "Work", "done_future", "flat_bytes"]
@@ -215,8 +216,11 @@ class Transfers:
             self.streams = {
                 d: torch.cuda.Stream(device) for d in (Link.HOST_TO_DEVICE, Link.DEVICE_TO_HOST)
             }
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store")
-        self._memory_pool = ThreadPoolExecutor(threads, thread_name_prefix="bb-store-mem")
+        # on a CPU device the copy threads run beside the compute's own thread team
+        # (storage/threads.py says why they must not form teams of their own)
+        init = None if self.cuda else single_threaded
+        self._pool = ThreadPoolExecutor(threads, "bb-store", initializer=init)
+        self._memory_pool = ThreadPoolExecutor(threads, "bb-store-mem", initializer=init)
         self._order = threading.Lock()  # guards Record.last across caller threads
 
     # -- ordering --------------------------------------------------------------------------

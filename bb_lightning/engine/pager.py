@@ -44,6 +44,7 @@ from storage.device import slot_bytes
 from storage.host import HostBuffer
 from storage.observers import added, removed
 from storage.store import Ticket, TieredStore
+from storage.threads import limit_torch_threads
 from storage.tiers import Residency, Tier
 from storage.transfers import settled
 
@@ -379,14 +380,26 @@ class GradSink:
     stream), and the work converts them to fp32 as it adds them. Without a store, or on
     a CPU device, the worker takes the gradients themselves. :meth:`wait` is the one
     sync point of a backward pass.
+
+    ``threads`` sets the intra-op (OpenMP) threads of the worker's torch ops (None: the
+    process's). On a CPU device the worker runs beside the compute's own thread team
+    and the engine passes 1 (:mod:`storage.threads` says why).
     """
 
     def __init__(
-        self, timer: PhaseTimer | None = None, *, store: TieredStore | None = None, pending: int = 2
+        self,
+        timer: PhaseTimer | None = None,
+        *,
+        store: TieredStore | None = None,
+        pending: int = 2,
+        threads: int | None = None,
     ) -> None:
         if pending < 1:
             raise ValueError(f"GradSink pending={pending} must be >= 1: pass 1 or more")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-grads")
+        if threads is not None and threads < 1:
+            raise ValueError(f"GradSink threads={threads} must be >= 1, or None (the process's)")
+        init = None if threads is None else functools.partial(limit_torch_threads, threads)
+        self._pool = ThreadPoolExecutor(1, "bb-grads", initializer=init)
         self._futures: list[Future[object]] = []
         self._store = store
         self.max_pending = pending

@@ -366,7 +366,10 @@ class TrainingEngine:
             for p in self.resident_params:
                 p.data = p.data.to(device, compute_dtype)
         buffers_to(model, device, compute_dtype)
-        self.grads = GradSink(self.timer, store=store)
+        # on a CPU device the worker runs beside the compute's thread team: one thread
+        self.grads = GradSink(
+            self.timer, store=store, threads=1 if store.device.type == "cpu" else None
+        )
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads
         self._set_autograd_blocks(placement)

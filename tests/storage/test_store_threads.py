@@ -77,3 +77,54 @@ def test_worker_read_write_while_main_thread_pages(tmp_path: Path) -> None:
             torch.testing.assert_close(store.read(f"w{i}"), torch.full((numel,), float(counts[i])))
             assert torch.equal(store.read(f"p{i}"), paged[i])
         assert store.usage()[Tier.DEVICE][0] == 0
+
+
+class _ThreadCounts:
+    """Records the copy thread's torch intra-op thread count at each transfer."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def transfer_started(self, kind: object, name: str) -> None:
+        with self._lock:
+            self.seen.append((name, torch.get_num_threads()))
+
+    def transfer_finished(self, kind: object, name: str) -> None:
+        pass
+
+
+def test_copy_threads_of_a_cpu_store_run_torch_ops_on_one_thread(tmp_path: Path) -> None:
+    """On a CPU device the copy threads form no OpenMP teams of their own beside the
+    compute's (see storage/threads.py); every other thread keeps the process's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = StoreConfig(
+            device_budget=8 * MiB,
+            host_budget=8 * MiB,
+            nvme_path=str(tmp_path / "nvme"),
+            nvme_budget=64 * MiB,
+            io=IOConfig(backend="posix", threads=2),
+            device="cpu",
+        )
+        counts = _ThreadCounts()
+        with TieredStore(config) as store:
+            store.add_observer(counts)
+            for home in (Tier.DEVICE, Tier.HOST, Tier.NVME):
+                x = torch.randn(10_000)
+                store.register(home.value, torch.zeros_like(x), home=home)
+                store.write(home.value, x)  # a write-back from a host tensor
+                assert torch.equal(store.read(home.value), x)
+                got = store.prefetch_async([home.value]).wait()[home.value]
+                assert torch.equal(got, x)
+                store.release([home.value])
+            later: list[int] = []
+            thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+        assert {"host", "nvme"} <= {name for name, _ in counts.seen}
+        assert {n for _, n in counts.seen} == {1}
+        assert torch.get_num_threads() == 2 and later == [2]
+    finally:
+        torch.set_num_threads(before)

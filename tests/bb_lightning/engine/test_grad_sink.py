@@ -104,3 +104,31 @@ def test_cuda_gradients_arrive_exact_with_the_device_busy() -> None:
     assert len(seen) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(seen, want, strict=True))
     assert sink.peak_pending <= 2
+
+
+def test_a_thread_limited_worker_leaves_every_other_thread_its_count() -> None:
+    """``threads=1``: the worker's torch ops run on one thread; the caller and threads
+    started later keep the process's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sink = GradSink(threads=1)
+        seen: list[int] = []
+        sink.submit(lambda: seen.append(torch.get_num_threads()))
+        sink.wait()
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == [1]
+        assert torch.get_num_threads() == 2 and later == [2]
+        unlimited = GradSink()
+        unlimited.submit(lambda: seen.append(torch.get_num_threads()))
+        unlimited.wait()
+        assert seen == [1, 2]
+        sink.close()
+        unlimited.close()
+        with pytest.raises(ValueError, match="threads=0"):
+            GradSink(threads=0)
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,45 @@
+"""Background threads that stay out of the compute's way on a CPU device.
+
+torch runs an operation's elementwise and matrix work on an OpenMP team formed by
+the thread that calls it. On a CPU device the training or generating thread's team
+already takes every core; a copy or gradient thread that forms a team of its own
+beside it leaves both teams waiting at their barriers. Measured on a 2-core machine
+(a 12-block Llama, fit with the blocks' weight write-backs on the store's copy
+threads): the cores were busy 80-86 % of each step with two-thread copy teams and
+99 % with single-threaded copy threads, and the step took 4.4-4.8 s against 3.75 s.
+
+:func:`single_threaded` is a ``ThreadPoolExecutor`` initializer that gives the
+new thread one intra-op thread and leaves every other thread's count as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["limit_torch_threads", "single_threaded"]
+
+
+def limit_torch_threads(threads: int) -> None:
+    """Give the calling thread (one that has not run a parallel torch op yet)
+    ``threads`` intra-op threads; every other thread keeps its count.
+
+    ``torch.set_num_threads`` sets the calling thread's count and also the default that
+    threads take when they first run an op. This thread reads its own count right away
+    (so it keeps it), and a short-lived thread then sets the default back.
+    """
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+    default = torch.get_num_threads()  # a new thread's count: the process default
+    torch.set_num_threads(threads)
+    torch.get_num_threads()  # read now: this thread keeps ``threads``
+    if default != threads:
+        restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+        restore.start()
+        restore.join()
+
+
+def single_threaded() -> None:
+    """``ThreadPoolExecutor`` initializer: the pool's threads run torch ops on one thread."""
+    limit_torch_threads(1)
