@@ -20,6 +20,10 @@ import torch
 
 __all__ = ["limit_torch_threads", "single_threaded"]
 
+_default_lock = threading.Lock()
+"""Held while a thread has the process default changed: a pool starting several threads
+at once must not let one read another's temporary default as the one to restore."""
+
 
 def limit_torch_threads(threads: int) -> None:
     """Give the calling thread (one that has not run a parallel torch op yet)
@@ -31,13 +35,14 @@ def limit_torch_threads(threads: int) -> None:
     """
     if threads < 1:
         raise ValueError(f"threads={threads} must be >= 1")
-    default = torch.get_num_threads()  # a new thread's count: the process default
-    torch.set_num_threads(threads)
-    torch.get_num_threads()  # read now: this thread keeps ``threads``
-    if default != threads:
-        restore = threading.Thread(target=torch.set_num_threads, args=(default,))
-        restore.start()
-        restore.join()
+    with _default_lock:
+        default = torch.get_num_threads()  # a new thread's count: the process default
+        torch.set_num_threads(threads)
+        torch.get_num_threads()  # read now: this thread keeps ``threads``
+        if default != threads:
+            restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+            restore.start()
+            restore.join()
 
 
 def single_threaded() -> None:
