@@ -174,6 +174,39 @@ def test_a_disturbed_train_probe_takes_the_rate_an_undisturbed_one_recorded(
     assert other.efficiency == pytest.approx(flops / other.pass_s / (0.5 * PEAK))
 
 
+def test_a_busy_neighbour_beside_steady_passes_is_noticed_and_records_nothing(
+    tmp_path: Path,
+) -> None:
+    """A neighbour spinning on one of two cores slows the model's passes steadily (3 x)
+    while the fastest of the matrix products beside them may still pass the drift check:
+    the neighbours' share of the cores marks the probe disturbed all the same, so it
+    neither records its slow rate nor replaces an undisturbed one."""
+    path = model_dir(tmp_path)
+    fast = {"one": 0.006, "more": 0.014}
+    calm = probe_train_compute(
+        path, cpu(), seq_len=SEQ, repeats=2, timing=Scripted(lambda label, i: fast[label])
+    )
+    assert calm is not None and calm.note is None
+    records = tmp_path / "cache" / rate_cache.FILE_NAME
+    before = records.read_text()
+    busy = Scripted(lambda label, i: 3 * fast[label], lambda i: 0.65 * PEAK, busy=0.4)
+    with pytest.warns(RuntimeWarning, match="other processes took 40%") as warned:
+        probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=busy)
+    assert "undisturbed probe of this model and shape" in str(warned[0].message)
+    assert busy.calls["one"] == contention.MAX_ROUNDS * 2
+    assert probe is not None and probe.note is not None
+    assert probe.tflops == pytest.approx(calm.tflops)  # the recorded rate, not a third of it
+    assert records.read_text() == before
+    # with no record (a fresh cache) the slow rate is not recorded either
+    monkey_cache = tmp_path / "fresh"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BB_CACHE_DIR", str(monkey_cache))
+        with pytest.warns(RuntimeWarning, match="other processes took 40%"):
+            fresh = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=busy)
+    assert fresh is not None and fresh.note is not None
+    assert not (monkey_cache / rate_cache.FILE_NAME).exists()
+
+
 def test_a_disturbed_predict_probe_takes_the_rates_an_undisturbed_one_recorded(
     tmp_path: Path,
 ) -> None:
