@@ -177,8 +177,11 @@ class Transfers:
     Transfers run on copy threads (:meth:`submit`), each after the previous
     operation on its tensor, so a page-in never reads contents that a write-back
     in flight is still replacing. Tensors homed on NVMe use ``threads`` disk
-    threads; the others (copies between memory tiers) use ``threads`` threads of
-    their own, so a page-in from host memory never queues behind disk traffic. ``direct_device`` says whether
+    threads, and their page-ins (``urgent`` submissions: the compute waits for them)
+    ``threads`` disk threads of their own, so a block's weights never queue behind the
+    optimizer state's reads and write-backs; the others (copies between memory tiers)
+    use ``threads`` threads of their own, so a page-in from host memory never queues
+    behind disk traffic. ``direct_device`` says whether
     the I/O backend reads into and writes from device memory (kvikio);
     ``stage_nvme`` routes every NVMe transfer through ``staging`` even where
     it could go direct. ``double`` runs copies that touch device memory (as
@@ -220,16 +223,19 @@ class Transfers:
         # (storage/threads.py says why they must not form teams of their own)
         init = None if self.cuda else single_threaded
         self._pool = ThreadPoolExecutor(threads, "bb-store", initializer=init)
+        self._urgent_pool = ThreadPoolExecutor(threads, "bb-store-in", initializer=init)
         self._memory_pool = ThreadPoolExecutor(threads, "bb-store-mem", initializer=init)
         self._order = threading.Lock()  # guards Record.last across caller threads
 
     # -- ordering --------------------------------------------------------------------------
 
-    def submit(self, rec: Record, work: Work) -> Future[CopyEvent | None]:
+    def submit(self, rec: Record, work: Work, *, urgent: bool = False) -> Future[CopyEvent | None]:
         """Run ``work`` on a copy thread after the previous operation on ``rec``.
 
         Callable from several threads: the operation is chained after whichever one on
-        ``rec`` was issued last, by any thread.
+        ``rec`` was issued last, by any thread. ``urgent`` (a page-in the compute will
+        wait for) runs an NVMe-homed tensor's transfer on the disk threads kept for
+        page-ins, ahead of the other disk traffic queued so far.
         """
 
         def job() -> CopyEvent | None:
@@ -242,7 +248,10 @@ class Transfers:
                 after = () if event is None else (event,)
             return work(after)
 
-        pool = self._pool if rec.home is Tier.NVME else self._memory_pool
+        if rec.home is not Tier.NVME:
+            pool = self._memory_pool
+        else:
+            pool = self._urgent_pool if urgent else self._pool
         with self._order:
             prev = rec.last
             rec.last = fut = pool.submit(job)
@@ -282,6 +291,7 @@ class Transfers:
     def shutdown(self) -> None:
         """Wait for the copy threads to finish their work and stop them."""
         self._pool.shutdown(wait=True)
+        self._urgent_pool.shutdown(wait=True)
         self._memory_pool.shutdown(wait=True)
 
     def _direct(self, buf: torch.Tensor) -> bool:

@@ -128,3 +128,59 @@ def test_copy_threads_of_a_cpu_store_run_torch_ops_on_one_thread(tmp_path: Path)
         assert torch.get_num_threads() == 2 and later == [2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_page_in_does_not_queue_behind_disk_write_backs(tmp_path: Path) -> None:
+    """While every disk thread of the store is busy writing optimizer-state-like tensors
+    back to NVMe, a block's page-in from NVMe still runs: the compute waits only for its
+    own weights, not for the disk traffic queued before them."""
+    from storage.observers import TransferKind
+
+    threads = 2
+    config = StoreConfig(
+        device_budget=8 * MiB,
+        host_budget=8 * MiB,
+        nvme_path=str(tmp_path / "nvme"),
+        nvme_budget=64 * MiB,
+        io=IOConfig(backend="posix", threads=2),
+        device="cpu",
+    )
+    numel = 50_000
+    weights = torch.arange(numel, dtype=torch.float32)
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    class HoldWriteBacks:  # a disk slow enough that the write-backs are still running
+        def transfer_started(self, kind: TransferKind, name: str) -> None:
+            if kind is TransferKind.WRITE_BACK:
+                started.release()
+                gate.wait(timeout=60)
+
+        def transfer_finished(self, kind: TransferKind, name: str) -> None:
+            pass
+
+    with TieredStore(config) as store:
+        store.register("block", weights, home=Tier.NVME)
+        for i in range(threads + 2):
+            store.register(f"state{i}", torch.zeros(numel), home=Tier.NVME)
+        store.add_observer(HoldWriteBacks())
+        held = [store.write_back_async(f"state{i}", torch.full((numel,), float(i)))
+                for i in range(threads + 2)]  # fmt: skip
+        for _ in range(threads):  # every disk thread for write-backs is now held
+            assert started.acquire(timeout=60)
+        got: dict[str, torch.Tensor] = {}
+        paging = threading.Thread(target=lambda: got.update(store.prefetch_async("block").wait()))
+        paging.start()
+        paging.join(timeout=60)
+        page_in_done = not paging.is_alive()
+        write_backs_running = not any(t.done() for t in held)
+        gate.set()
+        paging.join()
+        for ticket in held:
+            ticket.wait()
+        assert page_in_done, "the page-in waited for the write-backs queued before it"
+        assert write_backs_running
+        assert torch.equal(got["block"].view(torch.float32)[:numel], weights)
+        store.release("block")
+        for i in range(threads + 2):
+            assert torch.equal(store.read(f"state{i}"), torch.full((numel,), float(i)))
