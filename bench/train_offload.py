@@ -25,15 +25,18 @@ during the probe.
 
 Each run takes ``--warmup`` optimizer steps, then ``--steps`` timed ones. Printed:
 trained tokens/s of each (tokens = micro-batch x sequence x accumulation per step),
-the ratio balance_beam / plain (target >= 0.8), the planner's predicted step time
+the ratio balance_beam / plain (target >= 0.95), the planner's predicted step time
 next to the measured one (target within +-25%) from the hardware probe with the
 model-shaped compute probe (what the strategy plans with at the start of fit) and from
 the compute rate the plain run sustained in this same process, and where each step's time went
 (forward, backward, gradient hand-off, optimizer; link busy times of the store).
+With ``--repeat R`` runs 1 and 2 alternate R times (plain, balance_beam, plain, ...) and
+the ratios take each side's fastest run (a busy neighbour on a shared machine only ever
+slows a run down), with each alternating pair's ratio printed beside them.
 
     .venv/bin/python bench/train_offload.py [--steps 3] [--warmup 3] [--micro-batch 1]
         [--accumulate 4] [--layers 24] [--hidden 1024] [--weights-on-nvme] [--nvme-dir D]
-        [--peer deepspeed] [--busy-probe]
+        [--peer deepspeed] [--busy-probe] [--repeat 1]
 """
 
 from __future__ import annotations
@@ -162,7 +165,9 @@ def forced_plan(
     """The planner's prediction for the forced configuration, and that placement.
 
     ``resident_blocks`` blocks stay on the device and the others are homed on the
-    weights tier; the gradient accumulators go where the plan puts them.
+    weights tier; the gradient accumulators go where the plan puts them, and the run
+    recomputes exactly the blocks the plan priced as recomputed (those paged in by copy;
+    on a CPU device the host-homed ones are used in place and keep their activations).
     """
     weights, master = offload_tiers(args)
     overrides = PlanOverrides(
@@ -172,7 +177,6 @@ def forced_plan(
         weights_tier=weights,
         master_tier=master,
         prefetch_depth=args.prefetch,
-        checkpointing=True,
     )
     job = FitJob(seq_len=args.seq, global_batch_seqs=args.micro_batch * args.accumulate)
     plan = make_plan(model, hw, job, overrides=overrides)
@@ -183,6 +187,7 @@ def forced_plan(
         prefetch_depth=args.prefetch,
         grads=plan.grads,
         read_ahead=plan.read_ahead,
+        recomputed=plan.recomputed_blocks(),
     )
     if plan.weights != placement.weights:
         print(
@@ -303,6 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-recommended", action="store_true", help="only runs 1 and 2")
     parser.add_argument("--profile", type=int, default=0, help="print top N cProfile rows")
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="alternate the plain and balance_beam runs this many times; ratios use each "
+        "side's fastest run",
+    )
+    parser.add_argument(
         "--peer", choices=["deepspeed"], default=None, help="also run DeepSpeed ZeRO-3 offload"
     )
     parser.add_argument(
@@ -318,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--resident {args.resident} outside 0..{args.layers}: pass fewer")
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat} must be >= 1 (alternating pairs of runs)")
 
     base = _common.nvme_base(args.nvme_dir)
     print(_common.machine(base), flush=True)
@@ -351,16 +365,25 @@ def main(argv: list[str] | None = None) -> None:
         f"offloaded placement: {args.resident} of {args.layers} blocks resident, the other "
         f"{args.layers - args.resident} on {weights.value}, master + moments on NVMe "
         f"(read ahead through {placement.read_ahead} host buffer sets), prefetch depth "
-        f"{args.prefetch}",
+        f"{args.prefetch}, {len(plan.recomputed_blocks())} blocks recomputed in backward",
         flush=True,
     )
 
-    plain = train(args, config, "plain", "auto", args.micro_batch, args.accumulate)
-    results = {"plain": plain}
-    with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
-        strategy = strategy_for(args, placement, Path(run_dir))
-        bb = train(args, config, "balance_beam", strategy, args.micro_batch, args.accumulate)
-    results["balance_beam"] = bb
+    plains: list[Result] = []
+    bbs: list[Result] = []
+    for k in range(args.repeat):
+        if args.repeat > 1:
+            print(f"alternating runs: pair {k + 1} of {args.repeat}", flush=True)
+        plains.append(train(args, config, "plain", "auto", args.micro_batch, args.accumulate))
+        with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
+            strategy = strategy_for(args, placement, Path(run_dir))
+            bbs.append(
+                train(args, config, "balance_beam", strategy, args.micro_batch, args.accumulate)
+            )
+    # each side's least disturbed run: a busy neighbour only ever slows a run down
+    plain = min(plains, key=lambda r: r.step_s)
+    bb = min(bbs, key=lambda r: r.step_s)
+    results = {"plain": plain, "balance_beam": bb}
     # what the strategy predicts at the start of fit: the hardware probe with the
     # model-shaped compute probe; then, as adapt() does after warm-up, from a measured run
     print(predicted_line("balance_beam", plan, bb))
@@ -389,13 +412,19 @@ def main(argv: list[str] | None = None) -> None:
             f"  {r.name:<13} micro-batch {r.micro_batch} x accum {r.accumulate}: "
             f"{r.tokens_per_s:9.1f} tokens/s  ({r.step_s:.2f} s/step)"
         )
+    best = f", the fastest of {args.repeat} alternating runs each" if args.repeat > 1 else ""
     print(
         f"ratio balance_beam / plain = {bb.tokens_per_s / plain.tokens_per_s:.2f} "
-        "(target >= 0.80, same micro-batch and accumulation)"
+        f"(target >= 0.95, same micro-batch and accumulation{best})"
     )
+    if args.repeat > 1:
+        pairs = ", ".join(
+            f"{b.tokens_per_s / p.tokens_per_s:.2f}" for p, b in zip(plains, bbs, strict=True)
+        )
+        print(f"ratio balance_beam / plain of each alternating pair: {pairs}")
     # The compute floor: forward + backward of the in-memory run at the same shape, what an
     # offloading schedule reaches at best with these kernels (no optimizer, no copies).
-    floor = plain.forward_backward_s
+    floor = min(r.forward_backward_s for r in plains)
     print(
         f"[floor] plain Lightning's in-memory forward + backward at micro-batch "
         f"{plain.micro_batch} x accumulation {plain.accumulate}: {floor:.4g} s/step; "
