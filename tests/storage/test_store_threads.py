@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from storage.io import IOConfig
+from storage.observers import TransferKind
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Residency, Tier
 
@@ -94,20 +95,25 @@ class _ThreadCounts:
         pass
 
 
+def _cpu_store(tmp_path: Path) -> StoreConfig:
+    """A CPU store with 8 MiB device and host tiers, NVMe under ``tmp_path``, two disk threads."""
+    return StoreConfig(
+        device_budget=8 * MiB,
+        host_budget=8 * MiB,
+        nvme_path=str(tmp_path / "nvme"),
+        nvme_budget=64 * MiB,
+        io=IOConfig(backend="posix", threads=2),
+        device="cpu",
+    )
+
+
 def test_copy_threads_of_a_cpu_store_run_torch_ops_on_one_thread(tmp_path: Path) -> None:
     """On a CPU device the copy threads form no OpenMP teams of their own beside the
     compute's (see storage/threads.py); every other thread keeps the process's count."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        config = StoreConfig(
-            device_budget=8 * MiB,
-            host_budget=8 * MiB,
-            nvme_path=str(tmp_path / "nvme"),
-            nvme_budget=64 * MiB,
-            io=IOConfig(backend="posix", threads=2),
-            device="cpu",
-        )
+        config = _cpu_store(tmp_path)
         counts = _ThreadCounts()
         with TieredStore(config) as store:
             store.add_observer(counts)
@@ -134,17 +140,8 @@ def test_a_page_in_does_not_queue_behind_disk_write_backs(tmp_path: Path) -> Non
     """While every disk thread of the store is busy writing optimizer-state-like tensors
     back to NVMe, a block's page-in from NVMe still runs: the compute waits only for its
     own weights, not for the disk traffic queued before them."""
-    from storage.observers import TransferKind
-
     threads = 2
-    config = StoreConfig(
-        device_budget=8 * MiB,
-        host_budget=8 * MiB,
-        nvme_path=str(tmp_path / "nvme"),
-        nvme_budget=64 * MiB,
-        io=IOConfig(backend="posix", threads=2),
-        device="cpu",
-    )
+    config = _cpu_store(tmp_path)
     numel = 50_000
     weights = torch.arange(numel, dtype=torch.float32)
     gate = threading.Event()
