@@ -7,8 +7,8 @@ single query row and a padding mask it spends most of a decode step's
 attention time on per-tile overhead (about 23 ms per layer for 128 sequences ×
 16 heads × 192 cached tokens on two AVX-512 cores, against 6 ms for two batched
 matrix products and a softmax). :func:`decode_attention` computes the same
-attention as two batched products (``q·Kᵀ``, then ``softmax·V``) with the
-softmax in fp32, grouping query heads over their key/value head (GQA) without
+attention as two batched products (the scores as ``K·qᵀ``, which reads the cache in
+its own row-major layout, then ``softmax·V``) with the softmax in fp32, grouping query heads over their key/value head (GQA) without
 copying the cache; every other call (prefill, training, softcapping,
 attention sinks, position bias, dropout) goes to transformers' ``sdpa``
 function unchanged.
@@ -78,10 +78,13 @@ def decode_attention(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    # [batch, kv_heads, group, dim] @ [batch, kv_heads, dim, kv_len]: the heads sharing a
-    # key/value head are rows of one product, so the cache is read once and never copied
+    # [batch, kv_heads, kv_len, dim] @ [batch, kv_heads, dim, group]: the heads sharing a
+    # key/value head are columns of one product, so the cache is read once and never
+    # copied, and in its own row-major layout (q·Kᵀ, the same product with the cache as
+    # its transposed right operand, took 3 x as long on the CPU)
     q = query.reshape(batch, kv_heads, group, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scale)
+    scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
+    scores = scores.to(torch.float32, memory_format=torch.contiguous_format).mul_(scale)
     if attention_mask is not None:
         mask = _grouped_mask(attention_mask, batch, kv_heads, group, kv_len)
         if mask.dtype == torch.bool:
