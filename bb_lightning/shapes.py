@@ -8,8 +8,11 @@ from __future__ import annotations
 
 __all__ = ["CACHE_ROUND", "cache_length"]
 
-CACHE_ROUND = 64
-"""KV cache lengths are multiples of this many tokens."""
+CACHE_ROUND = 32
+"""KV cache lengths are multiples of this many tokens. A decode pass reads the whole
+cache, so a coarser rounding costs memory traffic: 128 sequences of 128 + 32 tokens in a
+192-position cache (rounded to 64) read a fifth more keys and values per pass than in
+their 160 positions."""
 
 
 def cache_length(tokens: int) -> int:

@@ -133,7 +133,8 @@ class LayerMajorGenerator:
     def _cache(self, rows: int, max_len: int) -> KVCache:
         """The KV cache for a batch, reused while batches have as many rows and fit its length.
 
-        Lengths are rounded up to 64 tokens so that batches of ragged prompts share one cache.
+        Lengths are rounded up to a multiple of ``CACHE_ROUND`` (32) tokens so that batches
+        of ragged prompts share one cache.
         """
         if self._kv is None or not self._kv.fits(rows, max_len):
             max_len = cache_length(max_len)

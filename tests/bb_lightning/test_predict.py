@@ -192,9 +192,9 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
     plan = strategy.plan
     assert plan is not None and isinstance(plan.job, PredictJob)
     job = plan.job
-    # probed at the batch in use, over the generator's cache (prompt + new, rounded to 64)
+    # probed at the batch in use, over the generator's cache (15 + 5 tokens rounded up to 32)
     assert probed == [
-        {"prompt_len": job.prompt_len, "concurrent": 2, "cache_len": 64,
+        {"prompt_len": job.prompt_len, "concurrent": 2, "cache_len": 32,
          "context": job.prompt_len + 2.5, "dtype": torch.float32,
          "device": torch.device("cpu")}
     ]  # fmt: skip

@@ -104,7 +104,7 @@ def test_a_decode_pass_is_no_faster_than_the_device_streams_weights_and_cache(
     bound = make_plan(small_model, slow, JOB, overrides=ov)
     m = small_model
     kv_tok = m.kv_bytes_per_token * m.num_blocks
-    cache = 128  # JOB's 81 tokens in a cache of a multiple of 64 positions, all of it read
+    cache = 96  # JOB's 81 tokens in a cache of a multiple of 32 positions, all of it read
     pass_bytes = m.num_blocks * m.block_bytes + m.head_params * 2 + 32 * (cache + 1) * kv_tok
     prefill = free.predicted.compute - (JOB.new_tokens - 1) * cost.compute_seconds(
         32 * cost.forward_flops_per_token(m, JOB.mean_context), small_gpu
