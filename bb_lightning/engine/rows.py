@@ -81,6 +81,15 @@ def call_in_row_chunks(
     return _join(outs)
 
 
+def _holds(layer: Any, keys: Tensor, values: Tensor) -> bool:
+    """Whether an allocated layer's buffers take these keys and values (heads, width, type)."""
+    held = layer.keys, layer.values
+    return all(
+        b.shape[1] == x.shape[1] and b.shape[-1] == x.shape[-1] and b.dtype == x.dtype
+        for b, x in zip(held, (keys, values), strict=True)
+    )
+
+
 def _is_cache(x: Any) -> bool:
     """A transformers cache (positional, as GPT-2 passes it, or under any keyword)."""
     return hasattr(x, "update") and hasattr(x, "layers")
@@ -143,11 +152,8 @@ class _RowWindow:
         """Write the chunk's keys and values at the positions of the whole call; return the
         chunk's rows of the layer's keys and values."""
         layer: Any = self.cache.layers[layer_idx]
-        if not layer.is_initialized:  # allocate every row, not the chunk's
-            layer.lazy_initialization(
-                keys[:1].expand(self.batch, *keys.shape[1:]),
-                values[:1].expand(self.batch, *values.shape[1:]),
-            )
+        if not layer.is_initialized or not _holds(layer, keys, values):
+            self._allocate(layer_idx, keys, values)
         if layer_idx not in self._start:
             self._start[layer_idx] = layer.cumulative_length.clone()
         start = self._start[layer_idx]
@@ -160,6 +166,24 @@ class _RowWindow:
         finally:
             layer.keys, layer.values = full
         return out
+
+    def _allocate(self, layer_idx: int, keys: Tensor, values: Tensor) -> None:
+        """Allocate the layer's buffers for every row, not the chunk's.
+
+        At the first allocation every layer not yet allocated gets buffers shaped like
+        this one's, back to back, before the prefill's activations come between them:
+        allocated one per layer as the prefill reaches it, the cache (1.9 GiB for 128
+        sequences of 160 tokens of a 24-layer, 1024-wide model) and the activations
+        interleave on the host heap, and each block's output then takes fresh pages (a
+        prefill of that batch took 12.1 s against 11.0 s). A layer whose keys or values
+        turn out shaped otherwise is allocated again at its own first update.
+        """
+        layers: list[Any] = list(self.cache.layers)
+        first = not any(layer.is_initialized for layer in layers)
+        k = keys[:1].expand(self.batch, *keys.shape[1:])
+        v = values[:1].expand(self.batch, *values.shape[1:])
+        for j in range(len(layers)) if first else [layer_idx]:
+            layers[j].lazy_initialization(k, v)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)

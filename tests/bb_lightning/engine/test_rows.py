@@ -90,3 +90,36 @@ def test_calls_that_fit_or_cannot_share_their_cache_run_whole() -> None:
         call_in_row_chunks(lambda h: {"h": h}, (x,), {}, 3)
     with pytest.raises(ValueError, match="max_tokens=0"):
         call_in_row_chunks(forward, (x,), {}, 0)
+
+
+def test_layers_of_other_widths_share_one_cache_in_chunks() -> None:
+    """The first chunked update allocates every layer like itself; a layer with other
+    key/value heads gets buffers of its own shape and the same results as a whole call."""
+    layer0, cfg = _layer()
+    narrow = LlamaConfig(**{**cfg.to_dict(), "num_key_value_heads": 1})
+    narrow._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    layer1 = LlamaDecoderLayer(narrow, 1).eval()
+    two = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 2})
+
+    def run(max_tokens: int | None) -> tuple[list[torch.Tensor], StaticCache]:
+        cache = StaticCache(config=two, max_cache_len=16)
+        outs = []
+        with torch.inference_mode():
+            for start, length in ((0, PROMPT), (PROMPT, 1)):
+                kw = dict(_inputs(cfg, start, length), cache=cache)
+                for layer in (layer0, layer1):
+                    if max_tokens is None:
+                        outs.append(layer(**kw))
+                    else:
+                        outs.append(call_in_row_chunks(layer, (), kw, max_tokens))
+        return outs, cache
+
+    whole, cache = run(None)
+    chunked, shared = run(7)
+    for got, want in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert [tuple(x.keys.shape) for x in shared.layers] == [(ROWS, 2, 16, 8), (ROWS, 1, 16, 8)]
+    for got_layer, want_layer in zip(shared.layers, cache.layers, strict=True):
+        torch.testing.assert_close(got_layer.keys, want_layer.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_layer.values, want_layer.values, rtol=1e-5, atol=1e-6)
