@@ -54,6 +54,13 @@ per 128-token prompt at 16 prompts, 5.0-5.1 ms at 64; the whole model's prefill 
 prompts from NVMe 8.3-8.4 s against 9.3-9.4 s). The predict probe times a prefill of
 the same size (``probe.calibrate.PREFILL_PROBE_TOKENS``)."""
 
+PREFETCH_DEPTHS = (1, 2, 4)
+"""Prefetch depths (blocks paged in ahead) the search tries. The cost model prices a pass
+at its mean rates, where every depth ties; the deepest one that fits wins the tie, as more
+reads in flight ride out a slow one: a 374M Llama's 31 decode passes, weights read from
+NVMe as fast as the passes compute (2 cores with AMX, 128 sequences), waited 3.8-4.6 s
+for page-ins at depth 1 and 2 and 0.0 s at 4 (decode 16.2-16.9 s against 10.5 s)."""
+
 
 @dataclass
 class Priced:
@@ -181,7 +188,7 @@ def _overlapped(links: dict[Link, Arr]) -> dict[Link, Arr]:
 
 
 def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
-    depths = [ov.prefetch_depth] if ov.prefetch_depth else [1, 2]
+    depths = [ov.prefetch_depth] if ov.prefetch_depth else list(PREFETCH_DEPTHS)
     cs = [ov.concurrent_seqs] if ov.concurrent_seqs else ladder(job.num_prompts)
     if ov.resident_blocks is not None:
         ks = [ov.resident_blocks]
@@ -214,8 +221,9 @@ def search(
                 i = int(ok[np.lexsort((a["device"][ok], a["per_token"][ok]))[0]])
                 # Ties go to more concurrency (a profile without device memory bandwidth
                 # does not see that decoding few sequences is bound by it), then to a KV
-                # cache on the device (no transfers to overlap), then to less device memory.
-                tie = (-float(c), float(kv is Tier.HOST), float(a["device"][i]))
+                # cache on the device (no transfers to overlap), then to a deeper prefetch
+                # (see PREFETCH_DEPTHS), then to less device memory.
+                tie = (-float(c), float(kv is Tier.HOST), -float(depth), float(a["device"][i]))
                 key = (float(a["per_token"][i]), *tie)
                 if best is None or key < best[0]:
                     vals = {k: float(v[i]) for k, v in a.items()}
