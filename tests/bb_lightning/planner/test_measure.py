@@ -88,13 +88,14 @@ def test_a_cache_of_an_older_layout_is_measured_again(cache_dir: Path) -> None:
 def test_cache_key(tmp_path: Path, cache_dir: Path) -> None:
     a = machine_identity(str(tmp_path))
     assert machine_identity(str(tmp_path)) == a
-    assert set(a) == {"hostname", "cpu", "gpu", "nvme_path"}
+    assert set(a) == {"probes", "hostname", "cpu", "gpu", "nvme_path"}
     path = cache_path(a)
     assert path.parent == cache_dir
     assert path.name.startswith("hardware-") and path.suffix == ".json"
     assert cache_path(dict(a)) == path
     assert cache_path(a | {"nvme_path": "/elsewhere"}) != path
     assert cache_path(a | {"gpu": "NVIDIA H200"}) != path
+    assert cache_path(a | {"probes": "1"}) != path  # a profile of earlier probes is not reused
     assert cache_path(a | {"hostname": "other"}).name.startswith("hardware-other-")
 
 
