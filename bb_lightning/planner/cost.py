@@ -191,6 +191,19 @@ def compute_seconds(flops: Num, hw: HardwareProfile) -> Num:
     return flops / max(hw.device_flops * hw.compute_efficiency, MIN_BANDWIDTH)
 
 
+def host_grad_bytes_per_param(grad_accum: Num, compute_bytes: float) -> Num:
+    """Bytes of host memory the gradient worker moves per trained parameter and optimizer
+    step, besides the AdamW update itself.
+
+    The first micro-batch's gradient (``compute_bytes`` per element) is read and its fp32
+    copy written (``compute_bytes + 4``); every later one is read and added to the fp32
+    sum, which is read and written again (``compute_bytes + 8``); after the update the
+    fp32 master is read and cast back to the compute dtype (``4 + compute_bytes``). With
+    bf16 and 4 micro-batches that is 6 + 3 x 10 + 6 = 42 bytes.
+    """
+    return (compute_bytes + 4) + (grad_accum - 1) * (compute_bytes + 8) + (4 + compute_bytes)
+
+
 def host_adam_seconds(params: Num, hw: HardwareProfile) -> Num:
     """Seconds of host AdamW: ``params / (host_adam_params_per_s * optimizer_efficiency)``."""
     return params / max(hw.host_adam_params_per_s * hw.optimizer_efficiency, MIN_BANDWIDTH)

@@ -275,13 +275,15 @@ def price(
     total = compute + ga * exposed_pass + opt_exposed
     shared = np.zeros_like(kf)
     if hw.device_type == "cpu":
-        # The host work shares the compute's cores on a CPU device: the AdamW updates and
-        # the fp32 gradient accumulation (a conversion pass over each off-device
-        # gradient per micro-batch, at memory-copy speed) add to the step.
+        # The host work shares the compute's cores on a CPU device: the AdamW updates,
+        # the fp32 gradient accumulation and the weights' cast after the step add to it
+        # (the bytes of cost.host_grad_bytes_per_param, at memory-copy speed).
         accumulate = cost.link_seconds(
-            (n * ps + nbs) * FP32_BYTES, hw.h2d_bandwidth, hw.h2d_efficiency
+            (n * ps + nbs) * cost.host_grad_bytes_per_param(ga, wb),
+            hw.h2d_bandwidth,
+            hw.h2d_efficiency,
         )
-        shared = adam + ga * accumulate
+        shared = adam + accumulate
         total = total + shared
     out = {
         "feasible": feasible.astype(np.float64),

@@ -154,7 +154,11 @@ def test_cpu_device_adds_its_host_work_to_the_step() -> None:
     on_gpu = make_plan(m, hw.replace(device_type="cuda"), job, overrides=ov)
     params = m.num_blocks * m.block_params + m.embed_params + m.head_params + m.final_params
     adam = params / hw.host_adam_params_per_s
-    accumulate = on_cpu.grad_accum * params * 4 / hw.h2d_bandwidth
+    ga = on_cpu.grad_accum
+    # bf16 gradients: copied to fp32 (2 + 4 bytes), then each added to the fp32 sum
+    # (2 + 4 + 4), then the updated fp32 master cast back (4 + 2)
+    accumulate = params * (6 + (ga - 1) * 10 + 6) / hw.h2d_bandwidth
+    assert ga == 4
     assert on_cpu.predicted.compute == pytest.approx(on_gpu.predicted.compute)
     assert on_cpu.predicted.total - on_gpu.predicted.total == pytest.approx(adam + accumulate)
     assert any("take the same cores" in r for r in on_cpu.reasons)
