@@ -277,13 +277,20 @@ def price(
     if hw.device_type == "cpu":
         # The host work shares the compute's cores on a CPU device: the AdamW updates,
         # the fp32 gradient accumulation and the weights' cast after the step add to it
-        # (the bytes of cost.host_grad_bytes_per_param, at memory-copy speed).
+        # (the bytes of cost.host_grad_bytes_per_param, at memory-copy speed), and so
+        # does the CPU time of every byte the step moves to and from NVMe.
         accumulate = cost.link_seconds(
             (n * ps + nbs) * cost.host_grad_bytes_per_param(ga, wb),
             hw.h2d_bandwidth,
             hw.h2d_efficiency,
         )
-        shared = adam + accumulate
+        nvme_bytes = (
+            ga * (2.0 * (np_ - w_h) * bb + 2.0 * grads_nvme)  # page-ins, gradient sums
+            + 2.0 * (off - m_h) * ADAM_STATE_BYTES * ps  # optimizer state read and written
+            + grads_nvme  # the last sum read for the step
+            + (np_ - w_h) * p * wb  # updated weights written home
+        )
+        shared = adam + accumulate + nvme_bytes * hw.nvme_cpu_seconds_per_byte
         total = total + shared
     out = {
         "feasible": feasible.astype(np.float64),

@@ -154,19 +154,22 @@ def price(
         Link.NVME_TO_HOST: nvme_s,
         Link.DEVICE_TO_HOST: cost.link_seconds(np.full_like(kw, kv_dec[1]), *d2h),
     }
-    c_pre_a, c_dec_a = np.full_like(kw, c_pre), np.full_like(kw, c_dec)
+    # on a CPU device the CPU time of a pass's reads from NVMe comes out of its cores
+    io_cpu = (np_ - w_h) * bb * hw.nvme_cpu_seconds_per_byte
+    io_cpu = io_cpu if hw.device_type == "cpu" else np.zeros_like(kw)
+    c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu
     # the cache's copies to the host run on the compute stream: exposed, not overlapped
     exp_pre = cost.pass_exposed_seconds(c_pre_a, _overlapped(pre_links))
     exp_pre = exp_pre + pre_links[Link.DEVICE_TO_HOST]
     exp_dec = cost.pass_exposed_seconds(c_dec_a, _overlapped(dec_links))
     exp_dec = exp_dec + dec_links[Link.DEVICE_TO_HOST]
-    compute = c_pre + steps * c_dec
+    compute = c_pre_a + steps * c_dec_a
     total = compute + exp_pre + steps * exp_dec
     out = {
         "feasible": feasible.astype(np.float64),
         "total": total,
         "per_token": total / (c * new),
-        "compute": np.full_like(kw, compute),
+        "compute": compute,
         "exposed_pass": exp_dec if steps > 0 else exp_pre,
         "device": dev,
         "host": host,

@@ -90,6 +90,10 @@ class HardwareProfile:
     """Bytes/s the device streams its own memory at, reads and writes together (0.0: not
     modelled). A decode pass reads every block's weights and the KV cache once for a few
     tokens per sequence; it takes at least those bytes over this bandwidth."""
+    nvme_cpu_seconds_per_byte: float = 0.0
+    """CPU seconds the process spends per byte it writes to or reads from the NVMe tier
+    (the kernel's share of ``O_DIRECT`` transfers and the I/O threads'; 0.0: not modelled).
+    On a CPU device they come out of the compute's cores."""
     compute_efficiency: float = 1.0
     """Multiplier on ``device_flops`` learnt from measured steps (1.0 = as profiled)."""
     h2d_efficiency: float = 1.0
@@ -138,6 +142,7 @@ class HardwareProfile:
                 "host_adam_params_per_s",
                 "cores",
                 "device_memory_bandwidth",
+                "nvme_cpu_seconds_per_byte",
                 "intra_node_bandwidth",
                 "inter_node_bandwidth",
                 "collective_latency",

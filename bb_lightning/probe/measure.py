@@ -121,7 +121,8 @@ def _cores() -> int:
 
 PROBES_VERSION = "2"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
-threads), so that profiles cached by the earlier probes are measured again."""
+threads, and the CPU time of NVMe transfers), so that profiles cached by the earlier probes
+are measured again."""
 
 
 def machine_identity(nvme_path: str | None) -> dict[str, str]:
@@ -281,8 +282,14 @@ def _drop_cache(path: str) -> None:
 
 def _probe_nvme(
     nvme_path: str, seconds: float, timing: Timing = contention.SYSTEM
-) -> tuple[float, float, int]:
-    """(read bytes/s, write bytes/s, free bytes) of the filesystem holding ``nvme_path``."""
+) -> tuple[float, float, int, float]:
+    """(read bytes/s, write bytes/s, free bytes, CPU seconds per byte moved) of the
+    filesystem holding ``nvme_path``.
+
+    The CPU seconds are the process's (user and system, every thread) over the writes and
+    the reads, per byte written or read: the kernel's share of ``O_DIRECT`` transfers and
+    the I/O threads', which on a CPU device come out of the compute's cores (2 cores with
+    AMX, a virtual disk: 0.04-0.08 CPU-seconds per GB)."""
     from storage.io import IOFuture, aligned_empty, open_backend
 
     total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
@@ -305,15 +312,20 @@ def _probe_nvme(
 
                 return timing.seconds(label, run)
 
+            cpu = time.process_time()
             write_s = all_files(backend.write_async, "nvme write")
+            cpu = time.process_time() - cpu
             for p in paths:
                 _drop_cache(p)
+            cpu -= time.process_time()
             read_s = all_files(backend.read_async, "nvme read")
+            cpu += time.process_time()
     if int(buffers[-1][0]) != files:
         raise AssertionError("NVMe probe read back other bytes than it wrote")
     moved = float(files * per_file)
     free = shutil.disk_usage(nvme_path).free
-    return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free)
+    per_byte = max(cpu, 0.0) / (2.0 * moved)
+    return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free), per_byte
 
 
 def _probe_adam(
@@ -373,7 +385,8 @@ def _probe_round(
     out["h2d"], out["d2h"] = _probe_copy(device, share["copy"] * 0.75, copy_bytes, timing)
     out["memory"] = _probe_memory(device, share["copy"] * 0.25, copy_bytes, timing)
     if nvme_path:
-        out["nvme_read"], out["nvme_write"], free = _probe_nvme(nvme_path, share["nvme"], timing)
+        nvme = _probe_nvme(nvme_path, share["nvme"], timing)
+        out["nvme_read"], out["nvme_write"], free, out["nvme_cpu"] = nvme
         out["nvme_free"] = float(free)
     # the gradient worker's threads: one on a CPU device (see _probe_adam)
     worker = 1 if device.type == "cpu" else None
@@ -409,6 +422,7 @@ def _probe_rounds(
     best = {k: max(r[k] for r in rounds) for k in rounds[0]}
     if nvme_path:
         best["nvme_free"] = rounds[-1]["nvme_free"]
+        best["nvme_cpu"] = min(r["nvme_cpu"] for r in rounds)  # a cost: the least
     if not unsteady and busy <= contention.BUSY_SHARE:
         return best, None
     names = {"flops": "matrix-product", "nvme_read": "NVMe read", "nvme_write": "NVMe write"}
@@ -442,9 +456,9 @@ def _measure_now(
     flops, h2d, d2h, memory_bw, adam = (best[k] for k in ("flops", "h2d", "d2h", "memory", "adam"))
     if nvme_path:
         nvme_read, nvme_write = best["nvme_read"], best["nvme_write"]
-        nvme_free = int(best["nvme_free"])
+        nvme_free, nvme_cpu = int(best["nvme_free"]), best["nvme_cpu"]
     else:
-        nvme_read, nvme_write, nvme_free = 0.0, 0.0, 0
+        nvme_read, nvme_write, nvme_free, nvme_cpu = 0.0, 0.0, 0, 0.0
     available = psutil.virtual_memory().available
     if cuda:
         device_memory = int(cuda_device_memory(device) * CUDA_DEVICE_SHARE)
@@ -465,6 +479,7 @@ def _measure_now(
         nvme_read_bandwidth=nvme_read,
         nvme_write_bandwidth=nvme_write,
         nvme_capacity=nvme_free,
+        nvme_cpu_seconds_per_byte=nvme_cpu,
         host_adam_params_per_s=adam,
         cores=_cores(),
         device_memory_bandwidth=memory_bw,

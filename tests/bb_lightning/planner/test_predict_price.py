@@ -151,3 +151,21 @@ def test_an_offloaded_cache_is_priced_as_transformers_moves_it(
     # a cache on the device moves nothing
     d = price(m, hw, JOB, PlanOverrides(), budgets, 1, c, Tier.DEVICE, kw)
     assert float(d["total"][0]) == pytest.approx(pre + steps * dec)
+
+
+def test_a_cpu_device_adds_the_cpu_time_of_each_pass_s_reads_from_nvme(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    """Every pass (the prefill and each of the 16 decode passes) reads every block's bf16
+    weights from NVMe; on a CPU device each byte costs the profile's CPU seconds on top of
+    the pass's compute, on a CUDA device nothing."""
+    ov = PlanOverrides(weights_tier=Tier.NVME, concurrent_seqs=32, prefetch_depth=1)
+    per_byte = 1e-9
+    pass_bytes = small_model.num_blocks * small_model.block_params * 2
+    for device_type, extra in (("cpu", JOB.new_tokens * pass_bytes), ("cuda", 0)):
+        hw = small_gpu.replace(device_type=device_type)
+        free = make_plan(small_model, hw, JOB, overrides=ov)
+        costly = make_plan(
+            small_model, hw.replace(nvme_cpu_seconds_per_byte=per_byte), JOB, overrides=ov
+        )
+        assert costly.predicted.compute - free.predicted.compute == pytest.approx(extra * per_byte)

@@ -162,3 +162,20 @@ def test_cpu_device_adds_its_host_work_to_the_step() -> None:
     assert on_cpu.predicted.compute == pytest.approx(on_gpu.predicted.compute)
     assert on_cpu.predicted.total - on_gpu.predicted.total == pytest.approx(adam + accumulate)
     assert any("take the same cores" in r for r in on_cpu.reasons)
+
+
+def test_cpu_device_adds_the_cpu_time_of_its_nvme_traffic() -> None:
+    """Master weights and both moments (12 bytes per parameter) are read from NVMe and
+    written back once per step: on a CPU device each of those bytes costs the profile's
+    CPU seconds per byte on top of the step; on a CUDA-typed profile nothing changes."""
+    m, hw = model(), cpu(1.3e9, 1.5e9)
+    job = FitJob(seq_len=512, global_batch_seqs=4)
+    ov = PlanOverrides(
+        micro_batch=1, weights_tier=Tier.DEVICE, master_tier=Tier.NVME, checkpointing=True
+    )
+    per_byte = 1e-10
+    for device_type, extra in (("cpu", 2 * 12 * m.num_blocks * m.block_params), ("cuda", 0)):
+        base = hw.replace(device_type=device_type)
+        free = make_plan(m, base, job, overrides=ov)
+        costly = make_plan(m, base.replace(nvme_cpu_seconds_per_byte=per_byte), job, overrides=ov)
+        assert costly.predicted.total - free.predicted.total == pytest.approx(extra * per_byte)
