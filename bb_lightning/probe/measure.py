@@ -12,7 +12,8 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
 - NVMe: write then read a few files (up to 384 MiB in all) under ``nvme_path``
   through :func:`storage.io.open_backend`, with ``fsync`` on write and a cold
   page cache on read (``O_DIRECT`` where the filesystem accepts it, else
-  ``posix_fadvise(DONTNEED)``); capacity is the free space there;
+  ``posix_fadvise(DONTNEED)``); capacity is the free space there; the process's CPU
+  seconds over those transfers per byte moved (``nvme_cpu_seconds_per_byte``);
 - optimizer: fused ``torch.optim.AdamW`` steps on 16 Mi fp32 host parameters
   (4 Mi when ``max_seconds`` < 8), 256 MiB of parameter, gradient and moments,
   more than a CPU cache holds; the median step, since the step shares host memory
