@@ -42,6 +42,7 @@ def test_measure_is_sane_and_cached(
     assert 1e8 < first.device_memory_bandwidth < 1e13
     assert 1e6 < first.nvme_read_bandwidth < 1e11 and 1e6 < first.nvme_write_bandwidth < 1e11
     assert 1e6 < first.host_adam_params_per_s < 1e11
+    assert 0 < first.nvme_cpu_seconds_per_byte < 1e-7  # the transfers cost some CPU time
     assert first.nvme_capacity == pytest.approx(shutil.disk_usage(disk).free, rel=0.05)
     total_ram = psutil.virtual_memory().total
     assert 0 < first.host_memory < total_ram and 0 < first.device_memory

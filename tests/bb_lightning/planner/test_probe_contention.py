@@ -266,10 +266,12 @@ def test_a_busy_neighbour_warns_and_the_profile_is_not_cached(
     assert not cache_path(machine_identity(None)).exists()
 
 
-def figures(flops: float, read: float, write: float = 1e9) -> dict[str, float]:
-    """One round's figures of every probe (FLOP/s, bytes/s, updates/s)."""
+def figures(
+    flops: float, read: float, write: float = 1e9, io_cpu: float = 1e-10
+) -> dict[str, float]:
+    """One round's figures of every probe (FLOP/s, bytes/s, updates/s, CPU seconds/byte)."""
     rates = {"h2d": 1e10, "d2h": 1e10, "memory": 2e10, "adam": 1e8, "nvme_free": 1e11}
-    return rates | {"flops": flops, "nvme_read": read, "nvme_write": write}
+    return rates | {"flops": flops, "nvme_read": read, "nvme_write": write, "nvme_cpu": io_cpu}
 
 
 @pytest.mark.parametrize(
@@ -305,9 +307,10 @@ def test_rounds_that_agree_after_a_disturbed_one_are_cached(
 ) -> None:
     disk = tmp_path / "nvme"
     disk.mkdir()
-    left = [figures(1e10, 1e9), figures(4e10, 1e9), figures(3.5e10, 1.2e9)]
+    left = [figures(1e10, 1e9, io_cpu=9e-11), figures(4e10, 1e9), figures(3.5e10, 1.2e9)]
     monkeypatch.setattr(measure_module, "_probe_round", lambda *args: left.pop(0))
     profile = measure(nvme_path=str(disk), max_seconds=0.5, timing=Scripted())
     assert not left and profile.device_flops == 4e10 and profile.nvme_read_bandwidth == 1.2e9
+    assert profile.nvme_cpu_seconds_per_byte == 9e-11  # a cost: the least of the rounds
     cached = json.loads(cache_path(machine_identity(str(disk))).read_text())["profile"]
     assert cached == profile.to_dict()
