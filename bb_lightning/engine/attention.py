@@ -8,8 +8,8 @@ attention time on per-tile overhead (about 23 ms per layer for 128 sequences ×
 16 heads × 192 cached tokens on two AVX-512 cores, against 6 ms for two batched
 matrix products and a softmax). :func:`decode_attention` computes the same
 attention as two batched products (the scores as ``K·qᵀ``, which reads the cache in
-its own row-major layout, then ``softmax·V``) with the softmax in fp32, grouping query heads over their key/value head (GQA) without
-copying the cache; every other call (prefill, training, softcapping,
+its own row-major layout, then ``softmax·V``) with the softmax in fp32, grouping query
+heads over their key/value head (GQA) without copying the cache; every other call (prefill, training, softcapping,
 attention sinks, position bias, dropout) goes to transformers' ``sdpa``
 function unchanged.
 

@@ -664,7 +664,7 @@ def build_plan(
                 if in_place
                 else ""
             )
-            + f"; host AdamW and gradient accumulation take the same cores: "
+            + f"; host AdamW, gradient accumulation and NVMe transfers take the same cores: "
             f"+{v.get('shared', 0.0):.3g} s per step"
         )
     copied = paged - (w_h if hw.device_type == "cpu" else 0)

@@ -155,8 +155,8 @@ def price(
         Link.DEVICE_TO_HOST: cost.link_seconds(np.full_like(kw, kv_dec[1]), *d2h),
     }
     # on a CPU device the CPU time of a pass's reads from NVMe comes out of its cores
-    io_cpu = (np_ - w_h) * bb * hw.nvme_cpu_seconds_per_byte
-    io_cpu = io_cpu if hw.device_type == "cpu" else np.zeros_like(kw)
+    per_byte = hw.nvme_cpu_seconds_per_byte if hw.device_type == "cpu" else 0.0
+    io_cpu = (np_ - w_h) * bb * per_byte
     c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu
     # the cache's copies to the host run on the compute stream: exposed, not overlapped
     exp_pre = cost.pass_exposed_seconds(c_pre_a, _overlapped(pre_links))
