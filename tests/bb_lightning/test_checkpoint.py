@@ -90,8 +90,11 @@ def test_layout_is_plain_zarr_with_torch_adamw_state(tiny: SimpleNamespace, tmp_
         torch.testing.assert_close(master, want[key], rtol=0, atol=0, msg=key)
         torch.testing.assert_close(master, param.detach(), rtol=1e-5, atol=1e-6, msg=key)
         for kind in ("exp_avg", "exp_avg_sq"):
-            got = torch.from_numpy(group[kind][key][...])
-            torch.testing.assert_close(got, by_name[key][kind], rtol=1e-4, atol=1e-9, msg=key)
+            got, ref = torch.from_numpy(group[kind][key][...]), by_name[key][kind]
+            # fp32 rounding of the gradient sums differs with the CPU's kernels: an element
+            # near zero may differ by about 1e-7 of the tensor's largest (seen: 3.5e-7)
+            scale = float(ref.abs().max())
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6 * scale + 1e-12, msg=key)
     meta = json.loads((path / "meta.json").read_text())
     assert {p["name"] for p in meta["parameters"]} == set(want)
     assert meta["model"]["config"]["num_hidden_layers"] == 4

@@ -81,6 +81,11 @@ def _reference(case: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     return out
 
 
+ATOL = 5e-5
+"""Tolerance of a trained value against one process's (absolute): the ranks sum each
+gradient in another order, and AdamW's normalised step magnifies that fp32 rounding where
+a gradient is near zero; half a percent of one step at lr 1e-2 (seen: 1.6e-5)."""
+
 Ranks = list[dict[str, dict[str, torch.Tensor]]]
 
 
@@ -124,7 +129,7 @@ def test_two_shards_step_like_torch_adamw_on_the_whole_batch(two_ranks: Ranks, c
         got = two_ranks[rank][case]
         assert set(want) <= set(got)
         for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=ATOL, msg=key)
     # every rank handed its gradients and its stepped shards to the collectives
     assert all(int(r[case]["bytes_sent"]) > 0 for r in two_ranks)
 
@@ -151,7 +156,7 @@ def test_a_two_rank_checkpoint_reads_whole_with_zarr_and_resumes_in_one_process(
     group = zarr.open_group(str(path / "state.zarr"), mode="r")
     for key, value in want.items():
         torch.testing.assert_close(
-            torch.from_numpy(np.asarray(group[key][...])), value, rtol=1e-4, atol=1e-5, msg=key
+            torch.from_numpy(np.asarray(group[key][...])), value, rtol=1e-4, atol=ATOL, msg=key
         )
     # each rank wrote its own rows: a matrix's array has one chunk per rank
     array = path / "state.zarr" / "master" / "model.layers.0.mlp.up_proj.weight"
@@ -164,7 +169,7 @@ def test_a_two_rank_checkpoint_reads_whole_with_zarr_and_resumes_in_one_process(
         got = state_of(engine)
         engine.close()
     for key, value in _reference(SAVED).items():
-        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=ATOL, msg=key)
 
 
 @pytest.mark.slow
@@ -174,7 +179,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(two_ranks: Ranks) -> None
         got = two_ranks[rank]["resumed"]
         assert int(got["step_count"]) == STEPS
         for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=ATOL, msg=key)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
