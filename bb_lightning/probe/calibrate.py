@@ -62,11 +62,26 @@ difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan)."""
 REFERENCE_SIZE = {"cpu": 2048, "cuda": 4096}
-"""Side of the square bf16 matrix product timed between the model's passes, per device type:
-large enough to run at the hardware probe's best rate when nothing else runs (on a CPU
-with AMX a 1024-square product reaches only about 0.6 x the rate of a 2048-square one,
-which the drift check would take for a busy neighbour), small enough to repeat cheaply
-(17 GFLOP: 0.04 s at 0.43 TFLOP/s)."""
+"""Largest side of the square bf16 matrix product timed between the model's passes, per
+device type: large enough to run at the hardware probe's best rate when nothing else runs
+(on a CPU with AMX a 1024-square product reaches only about 0.6 x the rate of a
+2048-square one, which the drift check would take for a busy neighbour), small enough to
+repeat cheaply (17 GFLOP: 0.04 s at 0.43 TFLOP/s). A device whose profile rate would take
+longer than :data:`REFERENCE_SECONDS` gets a smaller one (:func:`reference_size`)."""
+REFERENCE_SECONDS = 0.05
+"""Longest a reference product may take at the hardware profile's rate, seconds."""
+MIN_REFERENCE_SIZE = 256
+"""Smallest side of the reference product."""
+
+
+def reference_size(device_type: str, device_flops: float) -> int:
+    """Side of the reference product: :data:`REFERENCE_SIZE`, or the largest multiple of
+    256 whose ``2 n^3`` FLOPs take at most :data:`REFERENCE_SECONDS` at ``device_flops``
+    (FLOP/s), at least :data:`MIN_REFERENCE_SIZE`. A CPU without bf16 matrix instructions
+    (AVX2 only: 0.015 TFLOP/s) would spend over a second on each 2048-square product."""
+    largest = REFERENCE_SIZE.get(device_type, REFERENCE_SIZE["cpu"])
+    fits = (max(device_flops, 1.0) * REFERENCE_SECONDS / 2.0) ** (1.0 / 3.0)
+    return int(min(largest, max(MIN_REFERENCE_SIZE, fits // 256 * 256)))
 
 
 @dataclass(frozen=True)
@@ -158,13 +173,13 @@ def _timed_rounds(
     module doc hold or ``contention.MAX_ROUNDS`` rounds ran. ``recorded``: an undisturbed
     probe's rates are on record (:mod:`bb_lightning.probe.rate_cache`); a disturbed probe
     says it takes them."""
-    n = REFERENCE_SIZE.get(device.type, REFERENCE_SIZE["cpu"])
+    n = reference_size(device.type, hw.device_flops)
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, torch.bfloat16) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
 
     def product() -> None:
-        torch.matmul(a, b, out=out)
+        torch.matmul(a, b.t(), out=out)  # x @ W^T, as a linear layer multiplies
         _sync(device)
 
     ref = f"matmul {n}"

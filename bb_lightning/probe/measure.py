@@ -120,10 +120,10 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-PROBES_VERSION = "2"
+PROBES_VERSION = "3"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
-threads, and the CPU time of NVMe transfers), so that profiles cached by the earlier probes
-are measured again."""
+threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
+order), so that profiles cached by the earlier probes are measured again."""
 
 
 def machine_identity(nvme_path: str | None) -> dict[str, str]:
@@ -198,8 +198,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _probe_flops(device: torch.device, seconds: float, timing: Timing = contention.SYSTEM) -> float:
-    """Dense bf16 matrix-product FLOP/s: ``2 n³`` per product, best of repeats (timed
-    under the label ``"matmul <n>"``)."""
+    """Dense bf16 matrix-product FLOP/s: ``2 n³`` per product ``a @ b^T`` (the operand
+    order of a linear layer: on a CPU without bf16 matrix instructions ``a @ b`` runs
+    10 x slower), best of repeats (timed under the label ``"matmul <n>"``)."""
     sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 4096)
     best = 0.0
     deadline = time.perf_counter() + seconds
@@ -207,11 +208,11 @@ def _probe_flops(device: torch.device, seconds: float, timing: Timing = contenti
         a = torch.randn(n, n, device=device).to(torch.bfloat16)
         b = torch.randn(n, n, device=device).to(torch.bfloat16)
         out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-        torch.matmul(a, b, out=out)  # warm-up
+        torch.matmul(a, b.t(), out=out)  # warm-up
         _sync(device)
 
         def run(a: torch.Tensor = a, b: torch.Tensor = b, out: torch.Tensor = out) -> None:
-            torch.matmul(a, b, out=out)
+            torch.matmul(a, b.t(), out=out)
             _sync(device)
 
         first = timing.seconds(f"matmul {n}", run)
