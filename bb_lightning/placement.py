@@ -72,6 +72,14 @@ class Placement:
     optimizer step, each into its own host buffers (three fp32 tensors of the largest
     block); >= 1. More blocks give the reads more of the step to run in, at
     ``12 * largest block params`` host bytes each."""
+    hold_grads: bool = False
+    """Training with several micro-batches per step: keep each earlier micro-batch's
+    gradients as the backward made them, in the compute dtype, and sum them into the
+    fp32 accumulators once, in the window's last backward (``compute bytes * micro-batches
+    + 4`` bytes of memory traffic per trained parameter instead of ``(compute bytes + 8)``
+    per micro-batch), at ``compute bytes`` of memory per trained parameter and held
+    micro-batch. Honoured where gradients arrive as host tensors of their own (a CPU
+    device) and are not reduced across ranks as they come; ignored elsewhere."""
     compute_dtype: str = "bfloat16"
     """Dtype of the weights the device computes with, a key of :data:`DTYPE_BYTES`."""
     kv_cache: Tier | None = None
@@ -176,6 +184,7 @@ class Placement:
             "recompute_resident": self.recompute_resident,
             "recomputed": None if self.recomputed is None else list(self.recomputed),
             "read_ahead": self.read_ahead,
+            "hold_grads": self.hold_grads,
             "compute_dtype": self.compute_dtype,
             "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
             "prefill_tokens": self.prefill_tokens,

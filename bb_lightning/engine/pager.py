@@ -180,6 +180,9 @@ class FlatState:
         register_stored(store, manifest[self.grad_name])
         self.grad_pending = False
         """Whether the accumulator holds gradients since the last :meth:`clear_grad`."""
+        self.held: list[Sequence[Tensor | None]] = []
+        """Gradients of earlier micro-batches kept as they came (:meth:`hold`), not yet
+        summed into the accumulator."""
 
     @property
     def grad_name(self) -> str:
@@ -196,12 +199,42 @@ class FlatState:
         is read first when one is pending) and, with ``persist``, written to its home
         before returning (call it off the training thread: the gradient worker does).
         Without ``persist`` the sum lives only in ``scratch`` (the caller steps from it).
+        Gradients :meth:`hold` kept are summed first, in the order they came.
         """
-        first = not self.grad_pending
-        shapes = self.shapes
         if self.comm is not None:  # this rank's shard of the mean over the ranks
             assert self.layout is not None
-            grads, shapes = [self.comm.reduce_scatter(grads, self.layout)], [(self.numel,)]
+            reduced = self.comm.reduce_scatter(grads, self.layout)
+            return self._sum([[reduced]], [(self.numel,)], scratch, persist)
+        return self._sum([*self.held, grads], self.shapes, scratch, persist)
+
+    def hold(self, grads: Sequence[Tensor | None]) -> None:
+        """Keep ``grads`` (host tensors the caller no longer touches) to sum later.
+
+        Adding a micro-batch's gradient to an fp32 accumulator reads and writes the
+        accumulator each time (``compute bytes + 8`` per element); held gradients are
+        summed once, tile by tile, when the next :meth:`accumulate` or :meth:`gradient`
+        needs the sum (``compute bytes`` per element each, plus 4 for the sum), in the
+        same order and fp32 arithmetic, so the sum is the same. Each held micro-batch
+        keeps its gradients' memory until then. Not under ``comm``: the ranks reduce
+        every micro-batch's gradient.
+        """
+        if self.comm is not None:
+            raise ValueError(
+                f"{self.name!r} is sharded over {self.comm.world_size} ranks: its gradients "
+                "are reduce-scattered as they come; call accumulate"
+            )
+        self.held.append(grads)
+
+    def _sum(
+        self,
+        batches: Sequence[Sequence[Tensor | None]],
+        shapes: Sequence[tuple[int, ...]],
+        scratch: Tensor | None,
+        persist: bool,
+    ) -> Tensor:
+        """The accumulator plus ``batches`` (each one gradient per view), stored as
+        :meth:`accumulate` says; forgets the held gradients."""
+        first = not self.grad_pending
         if self.store.home(self.grad_name) is Tier.HOST:
             flat = self.store.host_view(self.grad_name)
             persist = False
@@ -211,11 +244,12 @@ class FlatState:
                     f"{self.grad_name!r} is homed on {self.store.home(self.grad_name).value}: "
                     f"pass an fp32 scratch buffer of at least {self.numel} elements"
                 )
-            flat = scratch[: self.numel] if first else self.gradient(scratch)
-        if first:  # nothing to add to: the gradients are copied in (absent ones as zeros)
-            _copy_all(_views(flat, shapes), grads)
-        else:
-            _add_all(_views(flat, shapes), grads)
+            flat = scratch[: self.numel]
+            if not first:
+                self.store.read(self.grad_name, out=flat)
+        # nothing to add to: the first gradients are copied in (absent ones as zeros)
+        sum_tiles(_views(flat, shapes), batches, into=not first)
+        self.held = []
         self.grad_pending = True
         if persist:
             self.store.write(self.grad_name, flat)
@@ -224,20 +258,30 @@ class FlatState:
     def gradient(self, scratch: Tensor | None = None) -> Tensor:
         """The accumulated gradient (zeros when none is pending), flat fp32 on the host.
 
-        A HOST-home accumulator is returned as a view of its home (no copy); another is
-        read into ``scratch`` (a new tensor when None).
+        A HOST-home accumulator is returned as a view of its home (no copy), the held
+        gradients summed into it; another is read into ``scratch`` (a new tensor when
+        None) and the held gradients are added there, still held (nothing is written).
         """
         if self.store.home(self.grad_name) is Tier.HOST:
+            if self.held:
+                return self._sum(self.held, self.shapes, None, False)
             flat = self.store.host_view(self.grad_name)
             return flat if self.grad_pending else flat.zero_()
-        out = None if scratch is None else scratch[: self.numel]
+        out = torch.empty(self.numel) if scratch is None else scratch[: self.numel]
+        if self.held:
+            if self.grad_pending:
+                self.store.read(self.grad_name, out=out)
+            sum_tiles(_views(out, self.shapes), self.held, into=self.grad_pending)
+            return out
         if self.grad_pending:
             return self.store.read(self.grad_name, out=out)
-        return torch.zeros(self.numel) if out is None else out.zero_()
+        return out.zero_()
 
     def clear_grad(self) -> None:
-        """Forget the accumulated gradient (after the optimizer step); nothing is written."""
+        """Forget the accumulated and held gradients (after the optimizer step); nothing
+        is written."""
         self.grad_pending = False
+        self.held = []
 
     @property
     def master_name(self) -> str:
@@ -559,12 +603,37 @@ def _add_all(dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
             add_converted(view, g.to(view.device))
 
 
-def _copy_all(dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
-    for view, g in zip(dst, grads, strict=True):
-        if g is None:
-            view.zero_()
-        else:
-            view.copy_(g)
+def sum_tiles(
+    dst: Sequence[Tensor], batches: Sequence[Sequence[Tensor | None]], *, into: bool
+) -> None:
+    """``dst[j] (+)= batches[0][j] + batches[1][j] + ...`` in ``dst``'s dtype, left to right.
+
+    ``into`` adds to what ``dst`` holds; otherwise the first present gradient is copied
+    in (zeros where a view has none). Contiguous CPU views are summed
+    :data:`CONVERT_CHUNK` elements at a time, every batch's slice in turn, so each
+    element of ``dst`` is read and written once whatever the number of batches.
+    """
+    for j, view in enumerate(dst):
+        grads = [g for b in batches if (g := b[j]) is not None]
+        if not grads:
+            if not into:
+                view.zero_()
+            continue
+        if view.device.type != "cpu" or not view.is_contiguous() or len(grads) == 1:
+            if not into:
+                view.copy_(grads[0])
+            for g in grads if into else grads[1:]:
+                add_converted(view, g.to(view.device))
+            continue
+        flat = view.view(-1)
+        srcs = [g.reshape(-1) for g in grads]
+        for start in range(0, flat.numel(), CONVERT_CHUNK):
+            stop = min(start + CONVERT_CHUNK, flat.numel())
+            tile = flat[start:stop]
+            if not into:
+                tile.copy_(srcs[0][start:stop])
+            for src in srcs if into else srcs[1:]:
+                add_converted(tile, src[start:stop])
 
 
 def add_converted(dst: Tensor, src: Tensor) -> None:

@@ -373,6 +373,7 @@ class TrainingEngine:
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads
         self._set_autograd_blocks(placement)
+        self._hold = self._holds(placement)
         self.paged.install()
         self.step_count = 0
         """Optimizer steps taken (the AdamW bias corrections use it)."""
@@ -559,7 +560,8 @@ class TrainingEngine:
         self._expected = self._reduce_order()
         resident = self.resident
         self.grads.process_async(
-            [p.grad for p in self.resident_params], lambda g: resident.accumulate(g, None)
+            [p.grad for p in self.resident_params],
+            resident.hold if self._hold else lambda g: resident.accumulate(g, None),
         )
         for p in self.resident_params:
             p.grad = None
@@ -611,6 +613,8 @@ class TrainingEngine:
         if overlap is not None and i not in overlap.done:
             overlap.done.add(i)
             self.grads.process_async(grads, lambda g: self._step_block(i, overlap, g))
+        elif self._hold:
+            self.grads.process_async(grads, state.hold)
         else:
             self.grads.process_async(
                 grads, lambda g: state.accumulate(g, self._grad_scratch(state))
@@ -655,6 +659,13 @@ class TrainingEngine:
         self._set_manifest(placement)
         self._ensure_ahead_sets(placement)
         self._set_autograd_blocks(placement)
+        self._hold = self._holds(placement)
+
+    def _holds(self, placement: Placement) -> bool:
+        """Whether earlier micro-batches' gradients are held and summed once
+        (``placement.hold_grads``): only where they arrive as host tensors of their own
+        (a CPU device) and are not reduced across ranks as they come."""
+        return placement.hold_grads and self.comm is None and not self.store.copies_to_host
 
     def grad_norm(self) -> float:
         """Global 2-norm of the accumulated gradients (fp32)."""

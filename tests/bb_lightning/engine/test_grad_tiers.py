@@ -43,14 +43,20 @@ def _store(tmp_path: Path, model: torch.nn.Module, placement: Placement) -> Tier
 
 
 @pytest.mark.parametrize(
-    ("grads", "accumulate", "overlap", "clip", "early", "sets"),
+    ("grads", "accumulate", "overlap", "clip", "early", "sets", "hold"),
     [
-        (Tier.NVME, 1, True, None, False, 2),  # the sum goes from scratch into the step
-        (Tier.NVME, 2, True, None, False, 2),  # read-add-write on NVMe, stepped in backward
-        (Tier.NVME, 2, False, 0.05, False, 2),  # clipping: every gradient stored, then norm
-        (Tier.HOST, 2, True, None, False, 2),  # summed in place in the host arena
-        (Tier.NVME, 2, True, None, True, 1),  # state read from the window's start, one set
-        (Tier.HOST, 3, True, None, True, 3),  # ... every block's state held from the start
+        (Tier.NVME, 1, True, None, False, 2, False),  # the sum goes from scratch into the step
+        (Tier.NVME, 2, True, None, False, 2, False),  # read-add-write on NVMe, stepped in backward
+        (Tier.NVME, 2, False, 0.05, False, 2, False),  # clipping: every gradient stored, then norm
+        (Tier.HOST, 2, True, None, False, 2, False),  # summed in place in the host arena
+        (Tier.NVME, 2, True, None, True, 1, False),  # state read from the window's start, one set
+        (Tier.HOST, 3, True, None, True, 3, False),  # ... every block's state held from the start
+        # earlier micro-batches' gradients held and summed once, in the last backward ...
+        (Tier.HOST, 3, True, None, False, 2, True),
+        (Tier.NVME, 3, True, None, False, 2, True),
+        # ... or, with clipping, when the norm and then each block's step ask for the sum
+        (Tier.NVME, 3, False, 0.05, False, 2, True),
+        (Tier.HOST, 2, False, 0.05, False, 2, True),
     ],
 )
 def test_engine_steps_equal_torch_adamw(
@@ -61,6 +67,7 @@ def test_engine_steps_equal_torch_adamw(
     clip: float | None,
     early: bool,
     sets: int,
+    hold: bool,
 ) -> None:
     reference = tiny_llama()
     model = copy.deepcopy(reference)
@@ -70,6 +77,7 @@ def test_engine_steps_equal_torch_adamw(
         grads=(grads,) * LAYERS,
         prefetch_depth=1,
         read_ahead=sets,
+        hold_grads=hold,
     )
     adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     opt = torch.optim.AdamW(
@@ -93,6 +101,10 @@ def test_engine_steps_equal_torch_adamw(
                 loss = engine.model(input_ids=ids, labels=ids).loss / accumulate
                 loss.backward()
                 engine.after_backward()
+                if not (overlap and k == accumulate - 1):  # else stepped in backward
+                    assert [len(s.held) for s in engine.states] == [k + 1 if hold else 0] * (
+                        LAYERS + 1
+                    )
                 want = reference(input_ids=ids, labels=ids).loss / accumulate
                 want.backward()
                 torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
