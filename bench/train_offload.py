@@ -188,6 +188,7 @@ def forced_plan(
         grads=plan.grads,
         read_ahead=plan.read_ahead,
         recomputed=plan.recomputed_blocks(),
+        hold_grads=plan.placement.hold_grads,
     )
     if plan.weights != placement.weights:
         print(

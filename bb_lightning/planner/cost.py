@@ -191,7 +191,7 @@ def compute_seconds(flops: Num, hw: HardwareProfile) -> Num:
     return flops / max(hw.device_flops * hw.compute_efficiency, MIN_BANDWIDTH)
 
 
-def host_grad_bytes_per_param(grad_accum: Num, compute_bytes: float) -> Num:
+def host_grad_bytes_per_param(grad_accum: Num, compute_bytes: float, held: bool = False) -> Num:
     """Bytes of host memory the gradient worker moves per trained parameter and optimizer
     step, besides the AdamW update itself.
 
@@ -199,9 +199,19 @@ def host_grad_bytes_per_param(grad_accum: Num, compute_bytes: float) -> Num:
     copy written (``compute_bytes + 4``); every later one is read and added to the fp32
     sum, which is read and written again (``compute_bytes + 8``); after the update the
     fp32 master is read and cast back to the compute dtype (``4 + compute_bytes``). With
-    bf16 and 4 micro-batches that is 6 + 3 x 10 + 6 = 42 bytes.
+    bf16 and 4 micro-batches that is 6 + 3 x 10 + 6 = 42 bytes. With ``held`` gradients
+    (``Placement.hold_grads``) every micro-batch's gradient is read once and the fp32 sum
+    written once: ``grad_accum * compute_bytes + 4``, then the cast: 8 + 4 + 6 = 18 bytes.
     """
+    if held:
+        return grad_accum * compute_bytes + 4 + (4 + compute_bytes)
     return (compute_bytes + 4) + (grad_accum - 1) * (compute_bytes + 8) + (4 + compute_bytes)
+
+
+def held_grad_bytes(grad_accum: int, compute_bytes: int, trained_params: float) -> float:
+    """Bytes of memory that held gradients take at most (``Placement.hold_grads``): every
+    micro-batch's but the last, ``compute_bytes`` per trained parameter each."""
+    return float(max(grad_accum - 1, 0) * compute_bytes) * trained_params
 
 
 def host_adam_seconds(params: Num, hw: HardwareProfile) -> Num:

@@ -93,6 +93,8 @@ class Priced:
     depth: int
     micro_batch: int
     values: dict[str, float]
+    hold: bool = False
+    """Whether the earlier micro-batches' gradients are held (``Placement.hold_grads``)."""
 
 
 TIE_TOLERANCE = 0.01
@@ -121,8 +123,12 @@ def price(
     mb: int,
     kf: Arr,
     kw: Arr,
+    hold: bool = False,
 ) -> dict[str, Arr]:
     """Bytes per tier and seconds per step of every (kF, kW) for one batch shape.
+
+    ``hold`` prices ``Placement.hold_grads``: the earlier micro-batches' gradients take
+    device memory (:func:`cost.held_grad_bytes`) and are summed once.
 
     With data parallelism (``hw.world_size`` N > 1) this prices one rank: ``hw`` is its
     :func:`~bb_lightning.planner.data_parallel.rank_share` and ``job`` its share of the
@@ -160,8 +166,10 @@ def price(
     in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model, wb)))
     # the collectives' device buffers: a block's packed and reduced gradients, its gathered weights
     collective = (2 * REDUCE_BYTES + wb) * p if dp else 0.0
+    held = cost.held_grad_bytes(ga, wb, n * p + nb) if hold else 0.0
     dev = (
-        nw * wb
+        held
+        + nw * wb
         + kw * bb
         + kf * (bb + ps * (FP32_BYTES + ADAM_STATE_BYTES))
         + paging
@@ -280,7 +288,7 @@ def price(
         # (the bytes of cost.host_grad_bytes_per_param, at memory-copy speed), and so
         # does the CPU time of every byte the step moves to and from NVMe.
         accumulate = cost.link_seconds(
-            (n * ps + nbs) * cost.host_grad_bytes_per_param(ga, wb),
+            (n * ps + nbs) * cost.host_grad_bytes_per_param(ga, wb, hold),
             hw.h2d_bandwidth,
             hw.h2d_efficiency,
         )
@@ -436,6 +444,18 @@ def _options(job: FitJob, ov: PlanOverrides) -> tuple[list[bool], list[int], lis
     return ckpts, depths, mbs
 
 
+def _shapes(hw: HardwareProfile, job: FitJob, mbs: list[int]) -> list[tuple[int, bool]]:
+    """(micro-batch, hold) pairs to price: gradients are held (``Placement.hold_grads``)
+    only where the engine honours it, a CPU device of one rank, with several
+    micro-batches per step; either way there, as memory decides."""
+    holds = hw.device_type == "cpu" and hw.world_size == 1
+    return [
+        (mb, hold)
+        for mb in mbs
+        for hold in ((True, False) if holds and math.ceil(job.seqs_per_step / mb) > 1 else (False,))
+    ]
+
+
 def search(
     model: ModelProfile,
     hw: HardwareProfile,
@@ -451,8 +471,8 @@ def search(
     ckpts, depths, mbs = _options(job, ov)
     for ckpt in ckpts:
         for depth in depths:
-            for mb in mbs:
-                a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw)
+            for mb, hold in _shapes(hw, job, mbs):
+                a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, hold)
                 traffic = a["h2d"] + a["nvme_read"] + a["nvme_write"] + a["d2h"]
                 for i in np.flatnonzero(a["feasible"] > 0):
                     vals = {k: float(v[i]) for k, v in a.items()}
@@ -462,7 +482,13 @@ def search(
                             float(traffic[i]),
                             float(mb),
                             vals["device"],
-                            Priced(checkpointing=ckpt, depth=depth, micro_batch=mb, values=vals),
+                            Priced(
+                                checkpointing=ckpt,
+                                depth=depth,
+                                micro_batch=mb,
+                                values=vals,
+                                hold=hold,
+                            ),
                         )
                     )
     if not found:
@@ -666,6 +692,13 @@ def build_plan(
             )
             + f"; host AdamW, gradient accumulation and NVMe transfers take the same cores: "
             f"+{v.get('shared', 0.0):.3g} s per step"
+            + (
+                f"; the gradients of the first {ga - 1} micro-batches are held "
+                f"({format_bytes(cost.held_grad_bytes(ga, wb, n * model.block_train + model.rest_train))}) "
+                "and summed once, in the last backward"
+                if best.hold
+                else ""
+            )
         )
     copied = paged - (w_h if hw.device_type == "cpu" else 0)
     return Plan(
@@ -688,6 +721,7 @@ def build_plan(
                 # checkpointing where no block is copied in: the in-place blocks are recomputed
                 recompute_resident=best.checkpointing and copied == 0,
                 read_ahead=int(v["read_ahead"]),
+                hold_grads=best.hold,
                 compute_dtype=job.compute_dtype,
             ),
         ),

@@ -62,6 +62,9 @@ def test_strategy_by_name_plans_from_the_first_batch(
     assert plan.job.seq_len == tiny.batches(1)[0]["input_ids"].shape[1]
     assert plan.job.seqs_per_step == 2 * 2  # micro-batch 2 x accumulate 2
     assert (plan.micro_batch, plan.grad_accum) == (2, 2)  # the batch in use is planned
+    # a CPU device with memory to spare holds the first micro-batch's gradients and sums
+    # them once (Placement.hold_grads): the run below still trains as plain Lightning does
+    assert plan.placement.hold_grads and "held" in plan.explain()
     assert Tier.NVME not in plan.weights + plan.master  # no nvme_path: no NVMe tier
     assert strategy.engine is not None
     assert strategy.engine.pager.placement.weights == plan.weights

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from bb_lightning.planner import fit_search
+from bb_lightning.planner import cost, fit_search
 from bb_lightning.planner.cost import ADAM_STATE_BYTES
 from bb_lightning.planner.fit_search import MIN_READ_AHEAD, MIXED_IO_EFFICIENCY, _state_reads
 from bb_lightning.planner.job import FitJob
@@ -155,9 +155,11 @@ def test_cpu_device_adds_its_host_work_to_the_step() -> None:
     params = m.num_blocks * m.block_params + m.embed_params + m.head_params + m.final_params
     adam = params / hw.host_adam_params_per_s
     ga = on_cpu.grad_accum
-    # bf16 gradients: copied to fp32 (2 + 4 bytes), then each added to the fp32 sum
-    # (2 + 4 + 4), then the updated fp32 master cast back (4 + 2)
-    accumulate = params * (6 + (ga - 1) * 10 + 6) / hw.h2d_bandwidth
+    # memory to spare: the bf16 gradients of the first three micro-batches are held and
+    # all four read once (4 x 2 bytes) into the fp32 sum (4), then the updated fp32
+    # master is cast back (4 + 2)
+    assert on_cpu.placement.hold_grads and not on_gpu.placement.hold_grads
+    accumulate = params * (ga * 2 + 4 + 6) / hw.h2d_bandwidth
     assert ga == 4
     assert on_cpu.predicted.compute == pytest.approx(on_gpu.predicted.compute)
     assert on_cpu.predicted.total - on_gpu.predicted.total == pytest.approx(adam + accumulate)
@@ -179,3 +181,21 @@ def test_cpu_device_adds_the_cpu_time_of_its_nvme_traffic() -> None:
         free = make_plan(m, base, job, overrides=ov)
         costly = make_plan(m, base.replace(nvme_cpu_seconds_per_byte=per_byte), job, overrides=ov)
         assert costly.predicted.total - free.predicted.total == pytest.approx(extra * per_byte)
+
+
+def test_held_gradients_trade_memory_for_the_accumulator_s_traffic() -> None:
+    """``Placement.hold_grads`` priced on a CPU device: the gradients of every micro-batch
+    but the last take RAM (2 bytes per trained parameter each, in bf16), and the worker
+    moves 2 x 4 + 4 bytes per parameter for the sum instead of 6 + 3 x 10."""
+    m, hw = model(), cpu(1.3e9, 1.5e9)
+    job = FitJob(seq_len=512, global_batch_seqs=4)
+    ov = PlanOverrides(micro_batch=1, weights_tier=Tier.HOST, master_tier=Tier.NVME)
+    kf, kw = np.array([0.0]), np.array([0.0])
+    budgets = cost.budgets(hw)
+    args = (m, hw, job, ov, budgets, True, 1, 1, kf, kw)
+    summed, held = fit_search.price(*args, hold=False), fit_search.price(*args, hold=True)
+    trained = m.num_blocks * m.block_train + m.rest_train
+    assert float(held["device"][0] - summed["device"][0]) == pytest.approx(3 * 2 * trained)
+    saved = trained * ((6 + 3 * 10) - (4 * 2 + 4)) / hw.h2d_bandwidth
+    assert float(summed["shared"][0] - held["shared"][0]) == pytest.approx(saved)
+    assert float(summed["total"][0] - held["total"][0]) == pytest.approx(saved)
