@@ -91,3 +91,17 @@ def test_train_large_rejects_a_host_budget_below_the_store_need(tmp_path: Path) 
     )
     assert done.returncode != 0
     assert "ValueError" in done.stderr and "raise the budget" in done.stderr
+
+
+def test_grad_hold_prints_the_ratio_and_equal_weights(tmp_path: Path) -> None:
+    tiny = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--vocab", "256"]
+    cmd = [sys.executable, str(BENCH / "grad_hold.py"), *tiny, "--seq", "32", "--repeat", "2"]
+    cmd += ["--dtype", "float32", "--nvme-dir", str(tmp_path / "nvme")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "machine: CPU" in out
+    assert len(re.findall(r"hold_grads=(?:True |False): step \d: [\d.]+ s", out)) == 4
+    _number(r"held / accumulated step time = ([\d.]+)", out)
+    # the same sums in the same order: the two ways train the same weights, bit for bit
+    assert re.search(r"largest weight difference between the two 0(\.0)?$", out, re.M), out
