@@ -444,11 +444,13 @@ def _options(job: FitJob, ov: PlanOverrides) -> tuple[list[bool], list[int], lis
     return ckpts, depths, mbs
 
 
-def _shapes(hw: HardwareProfile, job: FitJob, mbs: list[int]) -> list[tuple[int, bool]]:
+def _shapes(
+    hw: HardwareProfile, job: FitJob, ov: PlanOverrides, mbs: list[int]
+) -> list[tuple[int, bool]]:
     """(micro-batch, hold) pairs to price: gradients are held (``Placement.hold_grads``)
-    only where the engine honours it, a CPU device of one rank, with several
-    micro-batches per step; either way there, as memory decides."""
-    holds = hw.device_type == "cpu" and hw.world_size == 1
+    only when ``ov.hold_grads`` asks and where the engine honours it, a CPU device of one
+    rank, with several micro-batches per step; either way there, as memory decides."""
+    holds = ov.hold_grads and hw.device_type == "cpu" and hw.world_size == 1
     return [
         (mb, hold)
         for mb in mbs
@@ -471,7 +473,7 @@ def search(
     ckpts, depths, mbs = _options(job, ov)
     for ckpt in ckpts:
         for depth in depths:
-            for mb, hold in _shapes(hw, job, mbs):
+            for mb, hold in _shapes(hw, job, ov, mbs):
                 a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, hold)
                 traffic = a["h2d"] + a["nvme_read"] + a["nvme_write"] + a["d2h"]
                 for i in np.flatnonzero(a["feasible"] > 0):

@@ -58,6 +58,12 @@ class PlanOverrides:
     """Home tier of every block's bf16 weights."""
     master_tier: Tier | None = None
     """Tier of every block's fp32 master weights and AdamW moments (fit)."""
+    hold_grads: bool = False
+    """Let the search hold the earlier micro-batches' gradients and sum them once
+    (``Placement.hold_grads``; a CPU device of one rank, several micro-batches per step)
+    where memory allows and its price is lower (fit). Off unless asked: on a 2-core
+    AVX2-only EPYC in fp32 a step took 1.002-1.027 x the fp32 accumulator's
+    (``bench/grad_hold.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (tiers as their names)."""

@@ -62,9 +62,7 @@ def test_strategy_by_name_plans_from_the_first_batch(
     assert plan.job.seq_len == tiny.batches(1)[0]["input_ids"].shape[1]
     assert plan.job.seqs_per_step == 2 * 2  # micro-batch 2 x accumulate 2
     assert (plan.micro_batch, plan.grad_accum) == (2, 2)  # the batch in use is planned
-    # a CPU device with memory to spare holds the first micro-batch's gradients and sums
-    # them once (Placement.hold_grads): the run below still trains as plain Lightning does
-    assert plan.placement.hold_grads and "held" in plan.explain()
+    assert not plan.placement.hold_grads  # only when the overrides ask
     assert Tier.NVME not in plan.weights + plan.master  # no nvme_path: no NVMe tier
     assert strategy.engine is not None
     assert strategy.engine.pager.placement.weights == plan.weights
@@ -87,6 +85,24 @@ def test_overrides_force_tiers_and_depth(tiny: SimpleNamespace, reference_run: A
     _assert_same(
         (recorder.losses, dict(strategy.lightning_module_state_dict())),
         reference_run(tiny.tiny_llama(), 2),
+    )
+    strategy.close()
+
+
+def test_held_gradients_train_as_plain_lightning(tiny: SimpleNamespace, reference_run: Any) -> None:
+    """Asked for, the plan holds the first micro-batches' gradients and sums them once in
+    the last backward: the losses and weights are plain Lightning's, accumulating 3."""
+    strategy = BalanceBeamStrategy(
+        hardware=cpu_profile(), overrides=PlanOverrides(hold_grads=True), compute_dtype="fp32"
+    )
+    trainer, recorder = tiny.make_trainer(strategy, 2, accumulate_grad_batches=3)
+    trainer.fit(tiny.make_module(tiny.tiny_llama()), tiny.loader(6))
+    plan = strategy.plan
+    assert plan is not None and plan.grad_accum == 3
+    assert plan.placement.hold_grads and "held" in plan.explain()
+    _assert_same(
+        (recorder.losses, dict(strategy.lightning_module_state_dict())),
+        reference_run(tiny.tiny_llama(), 2, accumulate_grad_batches=3),
     )
     strategy.close()
 

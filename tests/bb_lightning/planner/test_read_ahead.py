@@ -148,7 +148,11 @@ def test_cpu_device_adds_its_host_work_to_the_step() -> None:
     m, hw = model(), cpu(1.3e9, 1.5e9)
     job = FitJob(seq_len=512, global_batch_seqs=4)
     ov = PlanOverrides(
-        micro_batch=1, weights_tier=Tier.DEVICE, master_tier=Tier.NVME, checkpointing=True
+        micro_batch=1,
+        weights_tier=Tier.DEVICE,
+        master_tier=Tier.NVME,
+        checkpointing=True,
+        hold_grads=True,
     )
     on_cpu = make_plan(m, hw, job, overrides=ov)
     on_gpu = make_plan(m, hw.replace(device_type="cuda"), job, overrides=ov)
