@@ -62,7 +62,7 @@ class PlanOverrides:
     """Let the search hold the earlier micro-batches' gradients and sum them once
     (``Placement.hold_grads``; a CPU device of one rank, several micro-batches per step)
     where memory allows and its price is lower (fit). Off unless asked: on a 2-core
-    AVX2-only EPYC in fp32 a step took 1.002-1.027 x the fp32 accumulator's
+    AVX2-only EPYC in fp32 a step took 0.995-1.027 x the fp32 accumulator's
     (``bench/grad_hold.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
