@@ -37,6 +37,7 @@ warm-up).
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ SPAN = 2
 """Blocks between the two timed copies (1 and ``1 + SPAN`` blocks): the block time is their
 difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
-"""Range the measured efficiency is clipped to (a disturbed probe must not derail a plan)."""
+"""Range the measured efficiency is clipped to (a disturbed probe must not derail a plan).
+A model computing in another dtype than bf16 may go as far above as that dtype's matrix
+products run faster than bf16's (:func:`dtype_ceiling`)."""
 REFERENCE_SIZE = {"cpu": 2048, "cuda": 4096}
 """Largest side of the square bf16 matrix product timed between the model's passes, per
 device type: large enough to run at the hardware probe's best rate when nothing else runs
@@ -138,6 +141,29 @@ def _fits(model: ModelProfile, seq_len: int, micro_batch: int, device: torch.dev
     else:
         free = psutil.virtual_memory().available
     return need <= MEMORY_SHARE * free
+
+
+def dtype_ceiling(dtype: torch.dtype, device: torch.device, hw: HardwareProfile) -> float:
+    """Highest efficiency a model computing in ``dtype`` may be credited with:
+    :data:`MAX_EFFICIENCY` times how much faster a ``dtype`` matrix product ``a @ b^T``
+    runs than the profile's bf16 rate, when it does. ``hw.device_flops`` is a bf16 rate;
+    a CPU without bf16 matrix instructions (AVX2 only) multiplies fp32 about 8 x faster
+    than bf16, so an fp32 model there runs far above it. Times the fastest of three
+    1024-square products (18 ms each in fp32 at 0.12 TFLOP/s); bf16 needs no product."""
+    if dtype == torch.bfloat16:
+        return MAX_EFFICIENCY
+    n = 1024
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(4):  # the first one warms up
+        start = time.perf_counter()
+        torch.matmul(a, b.t(), out=out)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    rate = 2.0 * n**3 / max(best, 1e-9)
+    return MAX_EFFICIENCY * max(1.0, rate / max(hw.device_flops, 1.0))
 
 
 def _sync(device: torch.device) -> None:
@@ -323,7 +349,7 @@ def probe_train_compute(
     elif known is not None:  # disturbed: the undisturbed probe's rate, its times scaled
         block, rest, total = (t * rate / known for t in (block, rest, total))
         rate, peak = known, hw.device_flops
-    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), MAX_EFFICIENCY)
+    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), dtype_ceiling(dtype, dev, hw))
     return TrainCompute(
         block_s=block, rest_s=rest, pass_s=total, tflops=rate / 1e12, efficiency=eff,
         note=passes.note,
@@ -576,7 +602,7 @@ def probe_predict_compute(
             t * dec_rate / known["decode"] for t in (dec_block, dec_rest, dec_total)
         )
         pre_rate, dec_rate, peak = known["prefill"], known["decode"], max(hw.device_flops, 1.0)
-    eff = _clip(pre_rate / peak)
+    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), dtype_ceiling(dtype, dev, hw))
     return PredictCompute(
         prefill_block_s=pre_block,
         prefill_rest_s=pre_rest,

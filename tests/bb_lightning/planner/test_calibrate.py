@@ -224,3 +224,15 @@ def test_predict_probe_keeps_the_decode_position_within_the_model() -> None:
         cfg, cpu(1e12), prompt_len=16, concurrent=4, cache_len=64, repeats=1
     )
     assert probe is not None and probe.decode_s > 0
+
+
+def test_a_dtype_that_multiplies_faster_than_bf16_raises_the_efficiency_ceiling() -> None:
+    """``device_flops`` is a bf16 rate; an fp32 model on a CPU without bf16 matrix
+    instructions runs far above it, and the ceiling on its efficiency follows the fp32
+    product's rate. bf16 keeps the plain ceiling; so does a profile no product beats."""
+    dev = torch.device("cpu")
+    assert calibrate.dtype_ceiling(torch.bfloat16, dev, cpu(1e3)) == calibrate.MAX_EFFICIENCY
+    assert calibrate.dtype_ceiling(torch.float32, dev, cpu(1e18)) == calibrate.MAX_EFFICIENCY
+    # any CPU multiplies fp32 faster than 1 MFLOP/s: the ceiling rises with the rate
+    raised = calibrate.dtype_ceiling(torch.float32, dev, cpu(1e6))
+    assert raised > 100 * calibrate.MAX_EFFICIENCY
