@@ -57,6 +57,7 @@ from bb_lightning.probe import measure, model_profile_from_module
 from bb_lightning.probe.calibrate import (
     PredictCompute,
     TrainCompute,
+    fp32_advice,
     probe_predict_compute,
     probe_train_compute,
 )
@@ -329,6 +330,7 @@ class PlanningSession:
         on the device (see :mod:`bb_lightning.probe.calibrate`); unchanged when the
         probe does not fit in memory."""
         micro = micro or getattr(self.overrides, "micro_batch", None) or 1
+        self._advise_dtype()
         probe = functools.partial(
             probe_train_compute,
             net.config,
@@ -347,6 +349,7 @@ class PlanningSession:
         on the device at ``rows`` concurrent sequences (see
         :func:`~bb_lightning.probe.calibrate.probe_predict_compute`); unchanged when the
         probe does not fit in memory."""
+        self._advise_dtype()
         probe = functools.partial(
             probe_predict_compute,
             net.config,
@@ -359,6 +362,14 @@ class PlanningSession:
             device=self.device,
         )
         return _calibrated(hardware, probe, "predict compute probe")
+
+    def _advise_dtype(self) -> None:
+        """Warn a bf16 job on a CPU that multiplies fp32 much faster (see
+        :func:`~bb_lightning.probe.calibrate.fp32_advice`)."""
+        if self.dtype == torch.bfloat16:
+            advice = fp32_advice(self.device)
+            if advice is not None:
+                rank_zero_warn(advice)
 
     def _hardware(self) -> HardwareProfile:
         spec = self.hardware

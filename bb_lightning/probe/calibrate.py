@@ -143,16 +143,9 @@ def _fits(model: ModelProfile, seq_len: int, micro_batch: int, device: torch.dev
     return need <= MEMORY_SHARE * free
 
 
-def dtype_ceiling(dtype: torch.dtype, device: torch.device, hw: HardwareProfile) -> float:
-    """Highest efficiency a model computing in ``dtype`` may be credited with:
-    :data:`MAX_EFFICIENCY` times how much faster a ``dtype`` matrix product ``a @ b^T``
-    runs than the profile's bf16 rate, when it does. ``hw.device_flops`` is a bf16 rate;
-    a CPU without bf16 matrix instructions (AVX2 only) multiplies fp32 about 8 x faster
-    than bf16, so an fp32 model there runs far above it. Times the fastest of three
-    1024-square products (18 ms each in fp32 at 0.12 TFLOP/s); bf16 needs no product."""
-    if dtype == torch.bfloat16:
-        return MAX_EFFICIENCY
-    n = 1024
+def product_rate(dtype: torch.dtype, device: torch.device, n: int = 1024) -> float:
+    """FLOP/s of the fastest of three ``n``-square matrix products ``a @ b^T`` in ``dtype``
+    (after one warm-up): 18 ms each for n = 1024 in fp32 at 0.12 TFLOP/s."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=dtype)
@@ -162,8 +155,42 @@ def dtype_ceiling(dtype: torch.dtype, device: torch.device, hw: HardwareProfile)
         torch.matmul(a, b.t(), out=out)
         _sync(device)
         best = min(best, time.perf_counter() - start)
-    rate = 2.0 * n**3 / max(best, 1e-9)
+    return 2.0 * n**3 / max(best, 1e-9)
+
+
+def dtype_ceiling(dtype: torch.dtype, device: torch.device, hw: HardwareProfile) -> float:
+    """Highest efficiency a model computing in ``dtype`` may be credited with:
+    :data:`MAX_EFFICIENCY` times how much faster a ``dtype`` matrix product
+    (:func:`product_rate`) runs than the profile's bf16 rate, when it does.
+    ``hw.device_flops`` is a bf16 rate; a CPU without bf16 matrix instructions (AVX2
+    only) multiplies fp32 about 8 x faster than bf16, so an fp32 model there runs far
+    above it. bf16 needs no product."""
+    if dtype == torch.bfloat16:
+        return MAX_EFFICIENCY
+    rate = product_rate(dtype, device)
     return MAX_EFFICIENCY * max(1.0, rate / max(hw.device_flops, 1.0))
+
+
+FP32_ADVICE_RATIO = 2.0
+"""fp32 products this many times faster than bf16 ones make a bf16 job on a CPU worth a
+warning (:func:`fp32_advice`)."""
+
+
+def fp32_advice(device: torch.device) -> str | None:
+    """On a CPU whose fp32 matrix products run :data:`FP32_ADVICE_RATIO` x or more faster
+    than its bf16 ones (no bf16 matrix instructions: AVX2 only), a line saying so and how
+    to compute in fp32; None elsewhere (other devices, CPUs with AVX-512 bf16 or AMX)."""
+    if device.type != "cpu":
+        return None
+    bf16, fp32 = product_rate(torch.bfloat16, device), product_rate(torch.float32, device)
+    if fp32 < FP32_ADVICE_RATIO * bf16:
+        return None
+    return (
+        f"balance_beam: this CPU multiplies bf16 matrices at {bf16 / 1e12:.3g} TFLOP/s and "
+        f"fp32 at {fp32 / 1e12:.3g} TFLOP/s (no bf16 matrix instructions): compute in fp32 "
+        f"for about {fp32 / bf16:.1f} x the speed (Trainer(precision='32-true'), "
+        "--trainer.precision=32-true)"
+    )
 
 
 def _sync(device: torch.device) -> None:

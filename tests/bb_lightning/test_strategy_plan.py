@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,7 @@ import bb_lightning.session as session_module
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
 from bb_lightning.planner import HardwareProfile, PlanOverrides
+from bb_lightning.probe import calibrate
 from storage.tiers import Tier
 
 
@@ -180,3 +182,26 @@ def test_gather_full_model_and_close_on_collection(tiny: SimpleNamespace, tmp_pa
     assert finalizer.peek() is not None and finalizer.peek()[0] is other  # type: ignore[index]
     finalizer()
     assert not other_dir.exists() and store._closed
+
+
+@pytest.mark.parametrize(("fp32", "warned"), [(8e10, True), (1e10, False)])
+def test_a_bf16_fit_on_a_cpu_that_multiplies_fp32_faster_is_told_to_use_fp32(
+    tiny: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, fp32: float, warned: bool
+) -> None:
+    """A CPU without bf16 matrix instructions (AVX2 only) multiplies fp32 about 8 x faster
+    than bf16: a bf16-true fit there hears so, with the setting that fixes it; a CPU
+    whose bf16 products are the faster (AVX-512 bf16, AMX) hears nothing."""
+    monkeypatch.setattr(session_module, "measure", lambda **_: cpu_profile())
+    rates = {torch.bfloat16: 1e10, torch.float32: fp32}
+    monkeypatch.setattr(calibrate, "product_rate", lambda dtype, device, n=1024: rates[dtype])
+    trainer, _ = tiny.make_trainer("balance_beam", 1, precision="bf16-true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(tiny.make_module(tiny.tiny_llama()), tiny.loader(1))
+    told = [str(w.message) for w in caught if "bf16 matrices" in str(w.message)]
+    if warned:
+        assert len(told) == 1, told
+        assert "8.0 x the speed" in told[0] and "precision='32-true'" in told[0]
+    else:
+        assert told == []
+    trainer.strategy.close()
