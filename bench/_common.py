@@ -287,14 +287,20 @@ def max_rss() -> int:
 
 
 def quiet_trainer(
-    strategy: Any, *, steps: int, accumulate: int, callbacks: list[pl.Callback]
+    strategy: Any,
+    *,
+    steps: int,
+    accumulate: int,
+    callbacks: list[pl.Callback],
+    precision: str = "bf16-true",
 ) -> pl.Trainer:
-    """A CPU bf16-true Trainer running ``steps`` optimizer steps, without logging or saving."""
+    """A CPU Trainer (``precision``, default bf16-true) running ``steps`` optimizer steps,
+    without logging or saving."""
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        precision="bf16-true",
+        precision=precision,  # type: ignore[arg-type]
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         logger=False,

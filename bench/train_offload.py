@@ -2,7 +2,8 @@
 
 A Llama-shaped model (default about 370M parameters: hidden 1024, 24 layers,
 ffn 2816, 16 heads, vocab 32000) with random weights from its config trains on
-random tokens, bf16 compute, sequence 512, with AdamW:
+random tokens, bf16 compute (``--dtype fp32`` for a CPU without bf16 matrix
+instructions), sequence 512, with AdamW:
 
 1. plain Lightning: ``Trainer(accelerator="cpu", precision="bf16-true")``, everything
    in memory, torch AdamW;
@@ -107,7 +108,13 @@ def train(
     module = CausalLMModule(config, learning_rate=1e-4, seed=SEED)
     timer = _common.StepTimer()
     steps = args.warmup + args.steps
-    trainer = _common.quiet_trainer(strategy, steps=steps, accumulate=accumulate, callbacks=[timer])
+    trainer = _common.quiet_trainer(
+        strategy,
+        steps=steps,
+        accumulate=accumulate,
+        callbacks=[timer],
+        precision=PRECISION[args.dtype],
+    )
     data = _common.token_loader(micro_batch, steps * accumulate, args.seq, args.vocab)
     profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
@@ -149,6 +156,12 @@ def train(
     return Result(name, tps, step_s, phases, micro_batch, accumulate, links, fwd_bwd)
 
 
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+"""``--dtype`` choices and the compute dtype each names."""
+PRECISION = {"bf16": "bf16-true", "fp32": "32-true"}
+"""The plain Trainer's precision for each ``--dtype``."""
+
+
 def offload_tiers(args: argparse.Namespace) -> tuple[Tier, Tier]:
     """(home of the non-resident blocks' weights, home of the optimizer state)."""
     return (Tier.NVME if args.weights_on_nvme else Tier.HOST), Tier.NVME
@@ -156,7 +169,9 @@ def offload_tiers(args: argparse.Namespace) -> tuple[Tier, Tier]:
 
 def strategy_for(args: argparse.Namespace, placement: Placement, run_dir: Path) -> Any:
     """A balance_beam strategy with ``placement``, its NVMe tier under ``run_dir``."""
-    return BalanceBeamStrategy(placement=placement, nvme_path=str(run_dir), compute_dtype="bf16")
+    return BalanceBeamStrategy(
+        placement=placement, nvme_path=str(run_dir), compute_dtype=args.dtype
+    )
 
 
 def forced_plan(
@@ -178,7 +193,11 @@ def forced_plan(
         master_tier=master,
         prefetch_depth=args.prefetch,
     )
-    job = FitJob(seq_len=args.seq, global_batch_seqs=args.micro_batch * args.accumulate)
+    job = FitJob(
+        seq_len=args.seq,
+        global_batch_seqs=args.micro_batch * args.accumulate,
+        compute_dtype=DTYPES[args.dtype],
+    )
     plan = make_plan(model, hw, job, overrides=overrides)
     n = args.layers
     placement = Placement(
@@ -206,7 +225,9 @@ def recommended_plan(
     (optimizer state on NVMe, as in run 2)."""
     _, master = offload_tiers(args)
     ram = psutil.virtual_memory().available
-    job = FitJob(seq_len=args.seq, global_batch_seqs=args.plan_global_seqs)
+    job = FitJob(
+        seq_len=args.seq, global_batch_seqs=args.plan_global_seqs, compute_dtype=DTYPES[args.dtype]
+    )
     overrides = PlanOverrides(master_tier=master)
     plan = make_plan(model, hw, job, overrides=overrides)
     used = sum(m.used for m in plan.memory if m.tier is not Tier.NVME)
@@ -321,7 +342,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--busy-probe", action="store_true", help="a process spins on one core during the probes"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="compute dtype of every run (fp32 for a CPU without bf16 matrix instructions)",
+    )
     args = parser.parse_args(argv)
+    if args.peer is not None and args.dtype != "bf16":
+        parser.error(f"--peer {args.peer} runs bf16 only: drop --dtype {args.dtype}")
     _common.quiet()
     if args.resident is None:
         args.resident = args.layers // 4
@@ -341,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model: Llama {model.total_params / 1e6:.0f}M params ({args.layers} x hidden "
         f"{args.hidden}, ffn {args.ffn}, {args.heads} heads, vocab {args.vocab}), seq {args.seq}, "
-        f"bf16 compute, AdamW; {args.warmup} warm-up + {args.steps} timed optimizer steps"
+        f"{args.dtype} compute, AdamW; {args.warmup} warm-up + {args.steps} timed optimizer steps"
     )
     with _common.busy_neighbour(args.busy_probe) as core:
         if core is not None:
@@ -354,7 +383,13 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         matmul_hw = hw
-        probe = probe_train_compute(config, hw, seq_len=args.seq, micro_batch=args.micro_batch)
+        probe = probe_train_compute(
+            config,
+            hw,
+            seq_len=args.seq,
+            micro_batch=args.micro_batch,
+            dtype=getattr(torch, DTYPES[args.dtype]),
+        )
         if probe is not None:
             print(probe.describe(hw), flush=True)
             hw = probe.applied_to(hw)
