@@ -26,7 +26,7 @@ def _bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 def _args(*, weights_on_nvme: bool) -> argparse.Namespace:
     return argparse.Namespace(
         micro_batch=1, accumulate=4, seq=512, layers=24, hidden=1024, ffn=2816, heads=16,
-        vocab=32000, resident=6, prefetch=1, weights_on_nvme=weights_on_nvme,
+        vocab=32000, resident=6, prefetch=1, weights_on_nvme=weights_on_nvme, dtype="bf16",
     )  # fmt: skip
 
 
