@@ -158,17 +158,17 @@ def product_rate(dtype: torch.dtype, device: torch.device, n: int = 1024) -> flo
     return 2.0 * n**3 / max(best, 1e-9)
 
 
-def dtype_ceiling(dtype: torch.dtype, device: torch.device, hw: HardwareProfile) -> float:
+def dtype_ceiling(dtype: torch.dtype, device: torch.device) -> float:
     """Highest efficiency a model computing in ``dtype`` may be credited with:
-    :data:`MAX_EFFICIENCY` times how much faster a ``dtype`` matrix product
-    (:func:`product_rate`) runs than the profile's bf16 rate, when it does.
-    ``hw.device_flops`` is a bf16 rate; a CPU without bf16 matrix instructions (AVX2
-    only) multiplies fp32 about 8 x faster than bf16, so an fp32 model there runs far
-    above it. bf16 needs no product."""
+    :data:`MAX_EFFICIENCY` times how much faster a ``dtype`` matrix product runs than a
+    bf16 one (:func:`product_rate`, timed back to back, so that a busy neighbour slows
+    both), when it does. ``device_flops`` is a bf16 rate; a CPU without bf16 matrix
+    instructions (AVX2 only) multiplies fp32 about 8 x faster than bf16, so an fp32 model
+    there runs far above it. bf16 needs no product."""
     if dtype == torch.bfloat16:
         return MAX_EFFICIENCY
-    rate = product_rate(dtype, device)
-    return MAX_EFFICIENCY * max(1.0, rate / max(hw.device_flops, 1.0))
+    ratio = product_rate(dtype, device) / max(product_rate(torch.bfloat16, device), 1.0)
+    return MAX_EFFICIENCY * max(1.0, ratio)
 
 
 FP32_ADVICE_RATIO = 2.0
@@ -376,7 +376,7 @@ def probe_train_compute(
     elif known is not None:  # disturbed: the undisturbed probe's rate, its times scaled
         block, rest, total = (t * rate / known for t in (block, rest, total))
         rate, peak = known, hw.device_flops
-    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), dtype_ceiling(dtype, dev, hw))
+    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), dtype_ceiling(dtype, dev))
     return TrainCompute(
         block_s=block, rest_s=rest, pass_s=total, tflops=rate / 1e12, efficiency=eff,
         note=passes.note,
@@ -629,7 +629,7 @@ def probe_predict_compute(
             t * dec_rate / known["decode"] for t in (dec_block, dec_rest, dec_total)
         )
         pre_rate, dec_rate, peak = known["prefill"], known["decode"], max(hw.device_flops, 1.0)
-    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), dtype_ceiling(dtype, dev, hw))
+    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), dtype_ceiling(dtype, dev))
     return PredictCompute(
         prefill_block_s=pre_block,
         prefill_rest_s=pre_rest,

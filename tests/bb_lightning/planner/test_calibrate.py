@@ -226,13 +226,27 @@ def test_predict_probe_keeps_the_decode_position_within_the_model() -> None:
     assert probe is not None and probe.decode_s > 0
 
 
-def test_a_dtype_that_multiplies_faster_than_bf16_raises_the_efficiency_ceiling() -> None:
+def test_a_dtype_that_multiplies_faster_than_bf16_raises_the_efficiency_ceiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``device_flops`` is a bf16 rate; an fp32 model on a CPU without bf16 matrix
-    instructions runs far above it, and the ceiling on its efficiency follows the fp32
-    product's rate. bf16 keeps the plain ceiling; so does a profile no product beats."""
+    instructions runs far above it, and the ceiling on its efficiency follows how much
+    faster fp32 products run than bf16 ones. bf16 keeps the plain ceiling, and so does a
+    CPU whose bf16 products are the faster."""
     dev = torch.device("cpu")
-    assert calibrate.dtype_ceiling(torch.bfloat16, dev, cpu(1e3)) == calibrate.MAX_EFFICIENCY
-    assert calibrate.dtype_ceiling(torch.float32, dev, cpu(1e18)) == calibrate.MAX_EFFICIENCY
-    # any CPU multiplies fp32 faster than 1 MFLOP/s: the ceiling rises with the rate
-    raised = calibrate.dtype_ceiling(torch.float32, dev, cpu(1e6))
-    assert raised > 100 * calibrate.MAX_EFFICIENCY
+    rates: dict[torch.dtype, float] = {}
+    monkeypatch.setattr(calibrate, "product_rate", lambda dtype, device, n=1024: rates[dtype])
+    assert calibrate.dtype_ceiling(torch.bfloat16, dev) == calibrate.MAX_EFFICIENCY
+    rates.update({torch.bfloat16: 1e10, torch.float32: 8e10})  # AVX2 only
+    assert calibrate.dtype_ceiling(torch.float32, dev) == pytest.approx(
+        8 * calibrate.MAX_EFFICIENCY
+    )
+    rates.update({torch.bfloat16: 2.8e12, torch.float32: 4e11})  # AMX
+    assert calibrate.dtype_ceiling(torch.float32, dev) == calibrate.MAX_EFFICIENCY
+
+
+def test_product_rate_times_real_products() -> None:
+    """Two products of a CPU's, each a positive finite FLOP/s (no ratio is asserted)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        rate = calibrate.product_rate(dtype, torch.device("cpu"), n=256)
+        assert math.isfinite(rate) and rate > 0
