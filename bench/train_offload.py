@@ -31,6 +31,10 @@ next to the measured one (target within +-25%) from the hardware probe with the
 model-shaped compute probe (what the strategy plans with at the start of fit) and from
 the compute rate the plain run sustained in this same process, and where each step's time went
 (forward, backward, gradient hand-off, optimizer; link busy times of the store).
+Every run gets the same host allocator setting,
+:func:`~bb_lightning.engine.inference.keep_host_allocations` (which ``balance_beam``
+applies on a CPU device: process-wide, so the runs after it would have it anyway),
+so that the comparison does not depend on the order of the runs.
 With ``--repeat R`` runs 1 and 2 alternate R times (plain, balance_beam, plain, ...) and
 the ratios take each side's fastest run (a busy neighbour on a shared machine only ever
 slows a run down), with each alternating pair's ratio printed beside them.
@@ -57,6 +61,7 @@ import psutil
 import torch
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
@@ -365,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = _common.nvme_base(args.nvme_dir)
     print(_common.machine(base), flush=True)
+    print(f"host allocator keeps freed memory (all runs): {keep_host_allocations()}")
     config = _common.llama_config(args)
     model = model_profile_from_config(config)
     print(
