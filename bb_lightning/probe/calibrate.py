@@ -60,6 +60,12 @@ take, weights, gradients and activations together; a larger model is not probed.
 SPAN = 2
 """Blocks between the two timed copies (1 and ``1 + SPAN`` blocks): the block time is their
 difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
+TRAIN_SPANS = (6, 2)
+"""Blocks between the training probe's two timed copies, the first whose copies fit
+:data:`MEMORY_SHARE`: a wider span weighs the timing noise less and keeps more of a block's
+activations out of the cache, as in the whole model. On a 2-core Xeon with AMX (a 480 MiB
+L3) the 374M Llama's block timed 49.6-58.6 ms over five probes with a span of 2 and
+54.2-57.8 ms with 6; one block of the whole model's step took about 63 ms."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan).
 A model computing in another dtype than bf16 may go as far above as that dtype's matrix
@@ -128,11 +134,13 @@ def _with_layers(config: Any, layers: int) -> Any:
     return cfg
 
 
-def _fits(model: ModelProfile, seq_len: int, micro_batch: int, device: torch.device) -> bool:
-    """Whether the one- and three-block copies (weights, gradients, activations) fit
+def _fits(
+    model: ModelProfile, seq_len: int, micro_batch: int, device: torch.device, span: int
+) -> bool:
+    """Whether the one- and ``1 + span``-block copies (weights, gradients, activations) fit
     :data:`MEMORY_SHARE`."""
     rest = model.embed_params + model.head_params + model.final_params
-    params = (SPAN + 2) * model.block_params + 2 * rest  # the one- and three-block copies
+    params = (span + 2) * model.block_params + 2 * rest  # the two copies
     tokens = seq_len * micro_batch
     need = 2 * 2 * params  # bf16 weights and gradients
     need += 2 * tokens * model.act_bytes_per_token_full + 3 * 4 * tokens * model.vocab_size
@@ -292,16 +300,17 @@ def _pass_seconds(
     repeats: int,
     timing: Timing,
     recorded: bool = False,
+    span: int = SPAN,
 ) -> _Passes:
-    """Fastest seconds of a forward + backward pass through the one- and the three-block
-    model (labels ``"one"``, ``"more"``), timed alternately with a matrix product so that
-    a disturbance on the machine falls on all."""
+    """Fastest seconds of a forward + backward pass through the one- and the
+    ``1 + span``-block model (labels ``"one"``, ``"more"``), timed alternately with a
+    matrix product so that a disturbance on the machine falls on all."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         nets = [
             AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype).train()
-            for layers in (1, SPAN + 1)
+            for layers in (1, span + 1)
         ]
 
     def train_pass(net: Any) -> Callable[[], None]:
@@ -337,8 +346,9 @@ def probe_train_compute(
     ``config`` is the model's Hugging Face config (or anything
     :func:`bb_lightning.structure.load_config` reads). Returns None when the
     copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
-    ``2 * (repeats + 1)`` passes, alternating a one- and a three-block model and a matrix
-    product (a few seconds on a CPU for a 370M-parameter model at 512 tokens), and up to
+    ``2 * (repeats + 1)`` passes, alternating a one- and a seven-block model (three-block
+    where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (about 10 s on a
+    2-core CPU for a 370M-parameter model at 512 tokens), and up to
     ``contention.MAX_ROUNDS`` x as many while they are unsteady (see the module doc).
     ``timing`` times the passes (default: the real clock).
     """
@@ -351,21 +361,24 @@ def probe_train_compute(
     config = load_config(config)
     dev = torch.device(device if device is not None else hw.device_type)
     model = model_profile_from_config(config)
-    if not _fits(model, seq_len, micro_batch, dev):
+    span = next((s for s in TRAIN_SPANS if _fits(model, seq_len, micro_batch, dev, s)), None)
+    if span is None:
         return None
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
     record = rate_cache.key(
-        "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type
-    )
+        "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type,
+        span=span,
+    )  # fmt: skip
     known = (rate_cache.recall(record) or {}).get("train")
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         passes = _pass_seconds(
-            config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM, known is not None
-        )
+            config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM,
+            known is not None, span,
+        )  # fmt: skip
     one, more = passes.best["one"], passes.best["more"]
-    block = max(more - one, 0.0) / SPAN
+    block = max(more - one, 0.0) / span
     rest = max(one - block, 0.0)
     total = model.num_blocks * block + rest
     flops = micro_batch * seq_len * cost.train_flops_per_token(model, seq_len, False)

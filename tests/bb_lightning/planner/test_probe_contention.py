@@ -26,6 +26,8 @@ from .test_read_ahead import CPU
 measure_module = importlib.import_module("bb_lightning.probe.measure")
 
 LAYERS, SEQ = 4, 16
+MORE = 0.006 + calibrate.TRAIN_SPANS[0] * 0.004
+"""Seconds of the wider train-probe copy: the rest 2 ms and 1 + span blocks of 4 ms."""
 PEAK = 1e9
 """The profile's matrix-product rate, FLOP/s (the scripted passes run the tiny model at a
 tenth to a half of it)."""
@@ -90,8 +92,8 @@ def train_flops(path: str) -> float:
 
 def test_train_probe_takes_the_fast_passes_after_slow_ones(tmp_path: Path) -> None:
     path = model_dir(tmp_path)
-    # one block 4 ms, the rest 2 ms: the one-block model 6 ms, the three-block one 14 ms
-    timing = Scripted(slow_then_fast({"one": 0.006, "more": 0.014}))
+    # one block 4 ms, the rest 2 ms: the one-block model 6 ms, the wider one MORE
+    timing = Scripted(slow_then_fast({"one": 0.006, "more": MORE}))
     probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=3, timing=timing)
     assert probe is not None and probe.note is None
     assert probe.block_s == pytest.approx(0.004) and probe.rest_s == pytest.approx(0.002)
@@ -107,7 +109,7 @@ def test_a_slow_device_beside_the_train_probe_warns_and_rates_against_it(
     tmp_path: Path,
 ) -> None:
     path = model_dir(tmp_path)
-    timing = Scripted(lambda label, i: {"one": 0.006, "more": 0.014}[label], lambda i: 0.3 * PEAK)
+    timing = Scripted(lambda label, i: {"one": 0.006, "more": MORE}[label], lambda i: 0.3 * PEAK)
     with pytest.warns(RuntimeWarning, match="another process is using the device") as record:
         probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=timing)
     assert len(record) == 1 and "0.30 x the hardware profile's" in str(record[0].message)
@@ -121,7 +123,7 @@ def test_a_slow_device_beside_the_train_probe_warns_and_rates_against_it(
 def test_unsteady_train_passes_warn_and_keep_the_fastest(tmp_path: Path) -> None:
     path = model_dir(tmp_path)
     # one fast pass of the one-block model, then only passes three times as slow
-    timing = Scripted(lambda label, i: 0.014 if label == "more" else 0.006 * (1 if i == 0 else 3))
+    timing = Scripted(lambda label, i: MORE if label == "more" else 0.006 * (1 if i == 0 else 3))
     with pytest.warns(RuntimeWarning, match=r"one passes differed 3\.0 x"):
         probe = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=timing)
     assert probe is not None and probe.note is not None and "fastest passes" in probe.note
@@ -153,7 +155,7 @@ def test_a_disturbed_train_probe_takes_the_rate_an_undisturbed_one_recorded(
     (here 4 x against 2 x): the rate an undisturbed probe of the same model and shape
     recorded on this machine is taken instead of the relative one."""
     path = model_dir(tmp_path)
-    fast = {"one": 0.006, "more": 0.014}
+    fast = {"one": 0.006, "more": MORE}
     calm = probe_train_compute(
         path, cpu(), seq_len=SEQ, repeats=2, timing=Scripted(lambda label, i: fast[label])
     )
@@ -182,7 +184,7 @@ def test_a_busy_neighbour_beside_steady_passes_is_noticed_and_records_nothing(
     the neighbours' share of the cores marks the probe disturbed all the same, so it
     neither records its slow rate nor replaces an undisturbed one."""
     path = model_dir(tmp_path)
-    fast = {"one": 0.006, "more": 0.014}
+    fast = {"one": 0.006, "more": MORE}
     calm = probe_train_compute(
         path, cpu(), seq_len=SEQ, repeats=2, timing=Scripted(lambda label, i: fast[label])
     )
