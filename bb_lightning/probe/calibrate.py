@@ -62,7 +62,7 @@ SPAN = 2
 difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 TRAIN_SPANS = (6, 2)
 """Blocks between the training probe's two timed copies, the first whose copies fit
-:data:`MEMORY_SHARE`: a wider span weighs the timing noise less and keeps more of a block's
+:data:`MEMORY_SHARE` (at most the model's blocks less one, at least :data:`SPAN`): a wider span weighs the timing noise less and keeps more of a block's
 activations out of the cache, as in the whole model. On a 2-core Xeon with AMX (a 480 MiB
 L3) the 374M Llama's block timed 49.6-58.6 ms over five probes with a span of 2 and
 54.2-57.8 ms with 6; one block of the whole model's step took about 63 ms."""
@@ -346,8 +346,8 @@ def probe_train_compute(
     ``config`` is the model's Hugging Face config (or anything
     :func:`bb_lightning.structure.load_config` reads). Returns None when the
     copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
-    ``2 * (repeats + 1)`` passes, alternating a one- and a seven-block model (three-block
-    where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (about 10 s on a
+    ``2 * (repeats + 1)`` passes, alternating a one-block model and one of up to seven blocks
+    (three where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (about 10 s on a
     2-core CPU for a 370M-parameter model at 512 tokens), and up to
     ``contention.MAX_ROUNDS`` x as many while they are unsteady (see the module doc).
     ``timing`` times the passes (default: the real clock).
@@ -361,7 +361,8 @@ def probe_train_compute(
     config = load_config(config)
     dev = torch.device(device if device is not None else hw.device_type)
     model = model_profile_from_config(config)
-    span = next((s for s in TRAIN_SPANS if _fits(model, seq_len, micro_batch, dev, s)), None)
+    spans = [min(s, max(model.num_blocks - 1, SPAN)) for s in TRAIN_SPANS]  # no wider than it
+    span = next((s for s in spans if _fits(model, seq_len, micro_batch, dev, s)), None)
     if span is None:
         return None
     gen = torch.Generator().manual_seed(0)

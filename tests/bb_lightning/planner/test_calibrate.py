@@ -109,14 +109,16 @@ class _ScriptedTiming(contention.Timing):
         return lambda: 0.0
 
 
-def test_probe_times_one_and_three_block_copies_and_splits_their_times(
+def test_probe_times_a_one_and_a_wider_block_copy_and_splits_their_times(
     clock: ScriptedClock,
 ) -> None:
     cfg, hw = config(), cpu()
     probe = probe_train_compute(cfg, hw, seq_len=SEQ, micro_batch=2, repeats=3)
     assert probe is not None
-    # a warm-up and three timed passes of each copy, alternating, at the batch's shape
-    assert clock.passes == [(1, (2, SEQ), False), (calibrate.SPAN + 1, (2, SEQ), False)] * 4
+    # a warm-up and three timed passes of each copy, alternating, at the batch's shape; the
+    # wider copy has as many blocks as the model (no more than TRAIN_SPANS[0] + 1)
+    wide = min(calibrate.TRAIN_SPANS[0] + 1, LAYERS)
+    assert clock.passes == [(1, (2, SEQ), False), (wide, (2, SEQ), False)] * 4
     block, rest = clock.prefill
     assert probe.block_s == pytest.approx(block) and probe.rest_s == pytest.approx(rest)
     assert probe.pass_s == pytest.approx(LAYERS * block + rest)
@@ -126,6 +128,20 @@ def test_probe_times_one_and_three_block_copies_and_splits_their_times(
     clipped = min(max(raw, calibrate.MIN_EFFICIENCY), calibrate.MAX_EFFICIENCY)
     assert probe.efficiency == pytest.approx(clipped)
     assert "TFLOP/s" in probe.describe(hw)
+
+
+def test_probe_takes_a_three_block_copy_where_the_wider_one_does_not_fit(
+    clock: ScriptedClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fits = calibrate._fits
+    monkeypatch.setattr(
+        calibrate, "_fits", lambda *args: args[-1] <= calibrate.SPAN and fits(*args)
+    )
+    probe = probe_train_compute(config(), cpu(), seq_len=SEQ, repeats=1)
+    assert probe is not None
+    assert {blocks for blocks, _, _ in clock.passes} == {1, calibrate.SPAN + 1}
+    block, rest = clock.prefill
+    assert probe.block_s == pytest.approx(block) and probe.rest_s == pytest.approx(rest)
 
 
 def test_probe_leaves_the_global_rng_alone() -> None:

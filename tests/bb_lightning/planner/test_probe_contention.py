@@ -26,8 +26,9 @@ from .test_read_ahead import CPU
 measure_module = importlib.import_module("bb_lightning.probe.measure")
 
 LAYERS, SEQ = 4, 16
-MORE = 0.006 + calibrate.TRAIN_SPANS[0] * 0.004
-"""Seconds of the wider train-probe copy: the rest 2 ms and 1 + span blocks of 4 ms."""
+MORE = 0.006 + min(calibrate.TRAIN_SPANS[0], LAYERS - 1) * 0.004
+"""Seconds of the wider train-probe copy (as many blocks as the model): the rest 2 ms and
+1 + span blocks of 4 ms."""
 PEAK = 1e9
 """The profile's matrix-product rate, FLOP/s (the scripted passes run the tiny model at a
 tenth to a half of it)."""
