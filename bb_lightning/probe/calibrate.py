@@ -62,8 +62,9 @@ SPAN = 2
 difference over ``SPAN``, so timing noise weighs ``1 / SPAN`` on it."""
 TRAIN_SPANS = (6, 2)
 """Blocks between the training probe's two timed copies, the first whose copies fit
-:data:`MEMORY_SHARE` (at most the model's blocks less one, at least :data:`SPAN`): a wider span weighs the timing noise less and keeps more of a block's
-activations out of the cache, as in the whole model. On a 2-core Xeon with AMX (a 480 MiB
+:data:`MEMORY_SHARE` (at most the model's blocks less one, at least :data:`SPAN`): a wider
+span weighs the timing noise less and keeps more of a block's activations out of the
+cache, as in the whole model. On a 2-core Xeon with AMX (a 480 MiB
 L3) the 374M Llama's block timed 49.6-58.6 ms over five probes with a span of 2 and
 54.2-57.8 ms with 6; one block of the whole model's step took about 63 ms."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
@@ -143,7 +144,9 @@ def _fits(
     params = (span + 2) * model.block_params + 2 * rest  # the two copies
     tokens = seq_len * micro_batch
     need = 2 * 2 * params  # bf16 weights and gradients
-    need += 2 * tokens * model.act_bytes_per_token_full + 3 * 4 * tokens * model.vocab_size
+    # one copy runs at a time: the wider one's activations, and the fp32 logits and loss
+    need += (span + 1) * tokens * model.act_bytes_per_token_full
+    need += 3 * 4 * tokens * model.vocab_size
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
