@@ -25,7 +25,10 @@ sums each block's gradient and steps it on the gradient worker (with one
 micro-batch per step, a non-HOST accumulator is never written: the gradient
 goes from a scratch buffer straight into the step), so host updates run while
 backward continues on earlier blocks; :meth:`TrainingEngine.optimizer_step`
-then waits for them and steps only the parameters outside the blocks.
+then waits for them and steps only the parameters outside the blocks. On a CPU
+device the cores are the compute's: there the training thread sums and steps each
+block itself as its gradient comes (:meth:`TrainingEngine._inline_grads`), between two
+blocks' backward, and only the optimizer state's reads and write-backs run beside it.
 
 On a CPU device the engine calls
 :func:`~bb_lightning.engine.inference.keep_host_allocations` (process-wide), as the
@@ -378,10 +381,11 @@ class TrainingEngine:
             for p in self.resident_params:
                 p.data = p.data.to(device, compute_dtype)
         buffers_to(model, device, compute_dtype)
-        # on a CPU device the worker runs beside the compute's thread team: one thread
+        # on a CPU device a worker runs beside the compute's thread team: one thread
         self.grads = GradSink(
             self.timer, store=store, threads=1 if store.device.type == "cpu" else None
         )
+        self.grads.inline = self._inline_grads(placement)
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads
         self._set_autograd_blocks(placement)
@@ -672,6 +676,20 @@ class TrainingEngine:
         self._ensure_ahead_sets(placement)
         self._set_autograd_blocks(placement)
         self._hold = self._holds(placement)
+        self.grads.inline = self._inline_grads(placement)
+
+    def _inline_grads(self, placement: Placement) -> bool:
+        """Whether the gradient work (sums, the overlapped step's block updates) runs on
+        the training thread (:class:`~bb_lightning.engine.pager.GradSink`, ``inline``): on
+        a CPU device, whose cores the compute's team holds, unless a block's gradient sums
+        are homed on NVMe (their reads and writes would then stall the compute instead of
+        running beside it) or data parallelism reduces them (its collectives run on the
+        worker, in their fixed order, while backward goes on)."""
+        return (
+            self.store.device.type == "cpu"
+            and self.comm is None
+            and Tier.NVME not in placement.grad_tiers
+        )
 
     def _holds(self, placement: Placement) -> bool:
         """Whether earlier micro-batches' gradients are held and summed once

@@ -17,8 +17,8 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
 - optimizer: fused ``torch.optim.AdamW`` steps on 16 Mi fp32 host parameters
   (4 Mi when ``max_seconds`` < 8), 256 MiB of parameter, gradient and moments,
   more than a CPU cache holds; the median step, since the step shares host memory
-  bandwidth with everything else (parameter updates/s); on a CPU device on one
-  intra-op thread, as the engine's gradient worker steps there.
+  bandwidth with everything else (parameter updates/s); on the calling thread's
+  intra-op team, as the training engine steps a CPU device's blocks.
 
 Memory on the CPU: device and host tiers share RAM, so the device tier gets
 :data:`CPU_DEVICE_SHARE` and the host tier :data:`CPU_HOST_SHARE` of the RAM
@@ -120,10 +120,11 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-PROBES_VERSION = "3"
+PROBES_VERSION = "4"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
 threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
-order), so that profiles cached by the earlier probes are measured again."""
+order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it),
+so that profiles cached by the earlier probes are measured again."""
 
 
 def machine_identity(nvme_path: str | None) -> dict[str, str]:
@@ -336,10 +337,10 @@ def _probe_adam(
     """Fused AdamW parameter updates/s on host fp32 parameters (4 tensors of ``numel/4``).
 
     ``threads``: the intra-op threads the updates run on (a thread of their own is started
-    for them); None: the calling thread's. The engine's gradient worker steps on one thread
-    on a CPU device, beside the compute's team (:mod:`storage.threads`): on 2 cores with
-    AMX the fused kernel updated 766-802 M parameters/s on one thread against 1415-1543 M
-    on two, so a profile probed on two priced a 374M model's step 0.24 s short.
+    for them); None: the calling thread's. The training engine steps a CPU device's blocks
+    on the compute's own thread and team (:class:`~bb_lightning.engine.pager.GradSink`,
+    ``inline``), so the probe takes the calling thread's: on 2 cores with AMX the fused
+    kernel updated 766-802 M parameters/s on one thread against 1415-1543 M on two.
     """
     if threads is not None:
         with ThreadPoolExecutor(1, initializer=limit_torch_threads, initargs=(threads,)) as pool:
@@ -390,9 +391,8 @@ def _probe_round(
         nvme = _probe_nvme(nvme_path, share["nvme"], timing)
         out["nvme_read"], out["nvme_write"], free, out["nvme_cpu"] = nvme
         out["nvme_free"] = float(free)
-    # the gradient worker's threads: one on a CPU device (see _probe_adam)
-    worker = 1 if device.type == "cpu" else None
-    out["adam"] = _probe_adam(share["adam"], (4 << 20) if small else (16 << 20), timing, worker)
+    # on the calling thread's team, as the training engine steps a CPU device (see _probe_adam)
+    out["adam"] = _probe_adam(share["adam"], (4 << 20) if small else (16 << 20), timing)
     return out
 
 

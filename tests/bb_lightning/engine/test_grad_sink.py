@@ -132,3 +132,53 @@ def test_a_thread_limited_worker_leaves_every_other_thread_its_count() -> None:
             GradSink(threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_inline_work_runs_on_the_calling_thread_and_raises_at_wait() -> None:
+    """``inline``: each batch's work runs at once on the caller's thread with the caller's
+    thread count, exact and in order, through the store's copies too; a failure surfaces
+    at :meth:`GradSink.wait` as a worker's does, and the slots are all free again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _double_store() as store:
+            sink = GradSink(store=store, threads=1, inline=True)
+            caller = threading.get_ident()
+            runs: list[tuple[int, int, list[torch.Tensor | None]]] = []
+            sent = [_grads(k) for k in range(4)]
+            for grads in sent:
+                sink.process_async(
+                    grads,
+                    lambda h: runs.append(
+                        (
+                            threading.get_ident(),
+                            torch.get_num_threads(),
+                            [None if t is None else t.clone() for t in h],
+                        )
+                    ),
+                )
+            assert len(runs) == len(sent)
+            assert all(ident == caller and threads == 2 for ident, threads, _ in runs)
+            for (_, _, got), want in zip(runs, sent, strict=True):
+                for a, b in zip(got, want, strict=True):
+                    assert (a is None) == (b is None)
+                    if a is not None and b is not None:
+                        assert a.dtype == b.dtype and torch.equal(a, b)
+
+            def fail(_h: object) -> None:
+                raise RuntimeError("block 3 failed")
+
+            sink.process_async(_grads(9), fail)
+            done: list[int] = []
+            sink.submit(lambda: done.append(threading.get_ident()))
+            assert done == [caller]  # later work still runs
+            with pytest.raises(RuntimeError, match="block 3 failed"):
+                sink.wait()
+            sink.wait()  # reported once
+            for k in range(sink.max_pending + 1):  # every slot was given back
+                sink.process_async(_grads(k), lambda _h: None)
+            sink.wait()
+            assert sink.peak_pending == 1
+            sink.close()
+    finally:
+        torch.set_num_threads(before)
