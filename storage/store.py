@@ -690,7 +690,9 @@ class TieredStore:
         observers = self._observers
         if observers is not None:
             work = observed(work, observers, kind, rec.spec.name)
-        return self._io.submit(rec, work, urgent=kind is TransferKind.PAGE_IN)
+        return self._io.submit(
+            rec, work, urgent=kind is TransferKind.PAGE_IN, read=kind is TransferKind.READ
+        )
 
     # -- observers -------------------------------------------------------------------------
 
