@@ -24,7 +24,7 @@ from pathlib import Path
 import _common
 import torch
 
-from storage.io import IOConfig, aligned_empty, open_backend
+from storage.io import POSIX_TASK_SIZE, IOConfig, aligned_empty, open_backend
 from storage.nvme import NvmeTier
 
 DD_BLOCK = 4 << 20  # bytes per dd block
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--total-gib", type=float, default=2.0, help="GiB written and read")
     parser.add_argument("--tensor-mib", type=float, default=128.0, help="MiB per tensor")
     parser.add_argument("--threads", type=int, default=IOConfig().threads)
-    parser.add_argument("--task-mib", type=float, default=IOConfig().task_size / 2**20)
+    parser.add_argument("--task-mib", type=float, default=POSIX_TASK_SIZE / 2**20)
     parser.add_argument("--in-flight", type=int, default=4, help="tensor transfers in flight")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; median kept")
     args = parser.parse_args(argv)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(_common.machine(root))
     print(
         f"{count} tensors x {tensor_bytes / 2**20:.0f} MiB = {total / 2**30:.2f} GiB; posix backend "
-        f"threads={config.threads} task_size={config.task_size >> 10} KiB, "
+        f"threads={config.threads} task_size={int(args.task_mib * 1024)} KiB, "
         f"{args.in_flight} tensors in flight; dd bs=4M"
     )
     gen = torch.Generator().manual_seed(0)

@@ -37,6 +37,8 @@ import torch
 __all__ = [
     "ALIGNMENT",
     "BACKEND_ENV",
+    "KVIKIO_TASK_SIZE",
+    "POSIX_TASK_SIZE",
     "IOBackend",
     "IOConfig",
     "IOFuture",
@@ -49,6 +51,18 @@ __all__ = [
 
 ALIGNMENT: int = 4096
 """Alignment of buffer addresses, file offsets and lengths for ``O_DIRECT``, in bytes."""
+
+POSIX_TASK_SIZE = 64 << 20
+"""Default bytes per ``preadv`` / ``pwritev`` of the POSIX backend. The kernel splits a
+request into the device's largest transfers itself, so large tasks cost the disk nothing;
+what they save is kernel time, which on a CPU device comes out of the compute's cores:
+on a 2-core Xeon VM with AMX (ext4 on a virtio disk, ``O_DIRECT``), 0.024-0.026
+CPU-seconds per GB read or written with 64 MiB tasks against 0.039-0.078 with 4 MiB ones,
+at the same bandwidth; a training step of the 374M Llama with its optimizer state on NVMe
+(7.4 GB a step) took 6.79-6.88 s instead of 7.14-7.37."""
+KVIKIO_TASK_SIZE = 4 << 20
+"""Default bytes per task of kvikio's thread pool (kvikio's own default): GPUDirect
+Storage reads a transfer's tasks in parallel."""
 
 BACKEND_ENV = "BB_IO_BACKEND"
 """Environment variable (``posix`` | ``kvikio`` | ``auto``) that overrides ``backend="auto"``."""
@@ -96,8 +110,9 @@ class IOConfig:
     threads: int = 4
     """Worker threads of the POSIX backend (transfers in flight at once, in tasks), and
     the size of kvikio's thread pool (its own default is one thread)."""
-    task_size: int = 4 << 20
-    """Bytes per pread/pwrite task; a multiple of ALIGNMENT (4096 bytes)."""
+    task_size: int | None = None
+    """Bytes per pread/pwrite task, a multiple of ALIGNMENT (4096 bytes); None: the
+    backend's own (:data:`POSIX_TASK_SIZE`, :data:`KVIKIO_TASK_SIZE`)."""
     direct: bool = True
     """Open files with ``O_DIRECT`` (bypassing the page cache) where the filesystem
     accepts it; files it refuses fall back to buffered I/O, one file at a time."""
@@ -109,10 +124,11 @@ class IOConfig:
             )
         if self.threads < 1:
             raise ValueError(f"IOConfig.threads={self.threads} must be >= 1: use at least 1")
-        if self.task_size <= 0 or self.task_size % ALIGNMENT:
+        if self.task_size is not None and (self.task_size <= 0 or self.task_size % ALIGNMENT):
             raise ValueError(
                 f"IOConfig.task_size={self.task_size} bytes must be a positive multiple of "
-                f"{ALIGNMENT} bytes: use e.g. {max(ALIGNMENT, padded(self.task_size))}"
+                f"{ALIGNMENT} bytes: use e.g. {max(ALIGNMENT, padded(self.task_size))}, "
+                "or None for the backend's own"
             )
 
 
@@ -526,7 +542,7 @@ class PosixBackend(_PooledBackend):
         future.direct = direct
         future._result = nbytes
         view = tensor_memoryview(buf)
-        step = self.config.task_size
+        step = self.config.task_size or POSIX_TASK_SIZE
         offsets = list(range(0, length, step)) or [0]
         transfer = _Transfer(future, len(offsets), finish)
 
@@ -670,7 +686,10 @@ class KvikioBackend(_PooledBackend):
         kfuture = None
         if nbytes:
             kfuture = handle.pread(
-                self._target(dst, nbytes), nbytes, offset, task_size=self.config.task_size
+                self._target(dst, nbytes),
+                nbytes,
+                offset,
+                task_size=self.config.task_size or KVIKIO_TASK_SIZE,
             )
         return self._finish(p, handle, kfuture, fsync=False)
 
@@ -690,6 +709,9 @@ class KvikioBackend(_PooledBackend):
         kfuture = None
         if nbytes:
             kfuture = handle.pwrite(
-                self._target(src, nbytes), nbytes, offset, task_size=self.config.task_size
+                self._target(src, nbytes),
+                nbytes,
+                offset,
+                task_size=self.config.task_size or KVIKIO_TASK_SIZE,
             )
         return self._finish(p, handle, kfuture, fsync=fsync)
