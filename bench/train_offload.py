@@ -251,15 +251,19 @@ def calibrated(
 
     The probe times bare matrix products; a training step also runs attention,
     norms, activations and the loss, and on a shared machine other processes take
-    cores. The plain run (no offload, no recompute: ``6N`` FLOPs per token plus
-    attention) measures what the device sustains now, as the strategy's own
-    ``adapt`` does after warm-up; the offloaded run is then predicted from it.
+    cores. The plain run's forward and backward (no offload, no recompute: ``6N`` FLOPs
+    per token plus attention) measure what the device sustains now, as the strategy's
+    own ``adapt`` does after warm-up; the offloaded run is then predicted from it. Its
+    optimizer step is left out: that is plain Lightning's own AdamW (the plan prices
+    balance_beam's), not compute the offloaded run repeats.
     """
     tokens = plain.micro_batch * plain.accumulate * args.seq
     flops = tokens * cost.train_flops_per_token(model, args.seq, False)
-    efficiency = flops / (hw.device_flops * plain.step_s)
+    seconds = plain.forward_backward_s or plain.step_s
+    efficiency = flops / (hw.device_flops * seconds)
     print(
-        f"calibration: the plain run sustained {flops / plain.step_s / 1e12:.3f} TFLOP/s = "
+        f"calibration: the plain run's forward + backward sustained "
+        f"{flops / seconds / 1e12:.3f} TFLOP/s = "
         f"{efficiency:.2f} x the probe's {hw.device_flops / 1e12:.3f} TFLOP/s"
     )
     return hw.replace(compute_efficiency=efficiency)
