@@ -690,9 +690,7 @@ class TieredStore:
         observers = self._observers
         if observers is not None:
             work = observed(work, observers, kind, rec.spec.name)
-        return self._io.submit(
-            rec, work, urgent=kind is TransferKind.PAGE_IN, read=kind is TransferKind.READ
-        )
+        return self._io.submit(rec, work, urgent=kind is TransferKind.PAGE_IN)
 
     # -- observers -------------------------------------------------------------------------
 

@@ -177,12 +177,9 @@ class Transfers:
     Transfers run on copy threads (:meth:`submit`), each after the previous
     operation on its tensor, so a page-in never reads contents that a write-back
     in flight is still replacing. Tensors homed on NVMe use ``threads`` disk
-    threads for write-backs, their page-ins (``urgent`` submissions: the compute waits for
-    them) ``threads`` disk threads of their own, so a block's weights never queue behind the
-    optimizer state's reads and write-backs, and their reads into host tensors (``read``
-    submissions: the optimizer state read ahead of its step) ``threads`` more, so a
-    window's reads run beside the last window's write-backs instead of after all of them;
-    the others (copies between memory tiers)
+    threads, and their page-ins (``urgent`` submissions: the compute waits for them)
+    ``threads`` disk threads of their own, so a block's weights never queue behind the
+    optimizer state's reads and write-backs; the others (copies between memory tiers)
     use ``threads`` threads of their own, so a page-in from host memory never queues
     behind disk traffic. ``direct_device`` says whether
     the I/O backend reads into and writes from device memory (kvikio);
@@ -227,22 +224,18 @@ class Transfers:
         init = None if self.cuda else single_threaded
         self._pool = ThreadPoolExecutor(threads, "bb-store", initializer=init)
         self._urgent_pool = ThreadPoolExecutor(threads, "bb-store-in", initializer=init)
-        self._read_pool = ThreadPoolExecutor(threads, "bb-store-read", initializer=init)
         self._memory_pool = ThreadPoolExecutor(threads, "bb-store-mem", initializer=init)
         self._order = threading.Lock()  # guards Record.last across caller threads
 
     # -- ordering --------------------------------------------------------------------------
 
-    def submit(
-        self, rec: Record, work: Work, *, urgent: bool = False, read: bool = False
-    ) -> Future[CopyEvent | None]:
+    def submit(self, rec: Record, work: Work, *, urgent: bool = False) -> Future[CopyEvent | None]:
         """Run ``work`` on a copy thread after the previous operation on ``rec``.
 
         Callable from several threads: the operation is chained after whichever one on
         ``rec`` was issued last, by any thread. ``urgent`` (a page-in the compute will
         wait for) runs an NVMe-homed tensor's transfer on the disk threads kept for
-        page-ins, ahead of the other disk traffic queued so far; ``read`` (a read into a
-        host tensor) on those kept for reads, beside the write-backs queued so far.
+        page-ins, ahead of the other disk traffic queued so far.
         """
 
         def job() -> CopyEvent | None:
@@ -258,7 +251,7 @@ class Transfers:
         if rec.home is not Tier.NVME:
             pool = self._memory_pool
         else:
-            pool = self._urgent_pool if urgent else self._read_pool if read else self._pool
+            pool = self._urgent_pool if urgent else self._pool
         with self._order:
             prev = rec.last
             rec.last = fut = pool.submit(job)
@@ -299,7 +292,6 @@ class Transfers:
         """Wait for the copy threads to finish their work and stop them."""
         self._pool.shutdown(wait=True)
         self._urgent_pool.shutdown(wait=True)
-        self._read_pool.shutdown(wait=True)
         self._memory_pool.shutdown(wait=True)
 
     def _direct(self, buf: torch.Tensor) -> bool:
