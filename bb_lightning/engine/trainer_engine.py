@@ -383,9 +383,11 @@ class TrainingEngine:
         buffers_to(model, device, compute_dtype)
         # on a CPU device a worker runs beside the compute's thread team: one thread
         self.grads = GradSink(
-            self.timer, store=store, threads=1 if store.device.type == "cpu" else None
+            self.timer,
+            store=store,
+            threads=1 if store.device.type == "cpu" else None,
+            inline=self._inline_grads(placement),
         )
-        self.grads.inline = self._inline_grads(placement)
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
         self.paged.on_block_grads = self._block_grads
         self._set_autograd_blocks(placement)
