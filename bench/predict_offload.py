@@ -3,7 +3,8 @@
 A Llama-shaped model (default about 370M parameters: hidden 1024, 24 layers,
 ffn 2816, vocab 32000) with random weights is saved as a local safetensors
 checkpoint. ``--prompts`` random prompts of ``--prompt-len`` tokens are each
-extended by ``--new-tokens`` greedy tokens, in bf16:
+extended by ``--new-tokens`` greedy tokens, in bf16 (``--dtype fp32`` for a CPU without
+bf16 matrix instructions: every run computes in fp32 from the same bf16 checkpoint):
 
 - ours: ``trainer.predict(CausalLMModule(checkpoint))`` under ``BalanceBeamStrategy``
   planning the predict job with every block's weights forced onto the NVMe tier
@@ -28,8 +29,9 @@ and fp32 over ``--check-prompts`` prompts), the plan's predicted tokens/s (price
 the matrix-product probe's rate, and at the rates of the model's own prefill and
 decode passes from :func:`~bb_lightning.probe.calibrate.probe_predict_compute`),
 and the floor of any schedule that reads the weights from NVMe on every pass
-(prefill FLOPs at the matrix-product rate, then the decode passes' reads at the
-NVMe rate) beside Accelerate's best. With ``--busy-probe`` a process spins on one core
+(prefill FLOPs at the matrix-product rate, then the decode passes' reads of the
+checkpoint's bf16 weights at the NVMe rate; never below all FLOPs at that rate)
+beside Accelerate's best. With ``--busy-probe`` a process spins on one core
 while the probes run and the plan is made, and stops before the runs (measured /
 predicted then checks the plan made beside a busy neighbour).
 Run ``python bench/predict_offload.py --help``.
@@ -91,7 +93,17 @@ def _args() -> argparse.Namespace:
     p.add_argument(
         "--busy-probe", action="store_true", help="a process spins on one core during the probes"
     )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="compute dtype of every run (fp32 for a CPU without bf16 matrix instructions)",
+    )
     return p.parse_args()
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""``--dtype`` choices and the compute dtype each names."""
 
 
 def _batches(n: str) -> list[int]:
@@ -131,9 +143,12 @@ def _ours(
     nvme: Path,
     prompts: torch.Tensor,
     plan: Plan,
-    dtype: str = "bf16",
+    dtype: str,
+    *,
+    report: bool = True,
 ) -> tuple[float, list[list[int]]]:
-    """(generated tokens/s, token ids per prompt) of ``trainer.predict`` at the plan's batch."""
+    """(generated tokens/s, token ids per prompt) of ``trainer.predict`` at the plan's batch,
+    computing in ``dtype`` (``"bf16"`` or ``"fp32"``); ``report`` prints its phases."""
     rows = [
         {"id": str(i), "input_ids": p, "attention_mask": torch.ones_like(p), "error": None}
         for i, p in enumerate(prompts)
@@ -161,7 +176,7 @@ def _ours(
     strategy.close()
     tokens = [r["token_ids"] for b in out for r in b]  # type: ignore[union-attr]
     tok_s = sum(map(len, tokens)) / timer.seconds
-    if dtype == "bf16":
+    if report:
         wait = waits.wait_page_in if waits is not None else 0.0
         print(
             f"[ours] setup + teardown {total - timer.seconds:.1f} s (weights to the NVMe tier); "
@@ -216,8 +231,12 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.generation_config.eos_token_id = None
         model.save_pretrained(ckpt, safe_serialization=True)
+        model = model.to(DTYPES[args.dtype])
         params = sum(p.numel() for p in model.parameters())
-        print(f"model: llama {params / 1e6:.0f}M parameters, bf16, checkpoint {ckpt}")
+        print(
+            f"model: llama {params / 1e6:.0f}M parameters, bf16 checkpoint {ckpt}, "
+            f"{args.dtype} compute"
+        )
         print(
             f"job: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
             "tokens each, greedy"
@@ -233,7 +252,7 @@ def main() -> None:
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)
-        ours, ours_tokens = _ours(args, ckpt, work / "nvme", prompts, plan)
+        ours, ours_tokens = _ours(args, ckpt, work / "nvme", prompts, plan, args.dtype)
         print(f"[ours] NVMe weights, batch {batch}: {ours:.1f} tokens/s")
         for label, p in (("matrix-product probe", _plan(args, config, matmul_hw)),
                          ("model-shaped probe", plan)):  # fmt: skip
@@ -255,10 +274,11 @@ def main() -> None:
         print(f"ratio ours / hf generate (best, batch {best_hf}) = {ours / hf[best_hf]:.2f}")
         assert same_shape is not None
         share = _same(ours_tokens[: len(same_shape)], same_shape)
-        print(f"identical sequences vs in-memory generate at batch {batch} (bf16): "
+        print(f"identical sequences vs in-memory generate at batch {batch} ({args.dtype}): "
               f"{share:.1%} of {len(same_shape)}")  # fmt: skip
         del model
-        _fp32_check(args, config, hw, ckpt, work / "nvme32", prompts)
+        if args.dtype != "fp32":
+            _fp32_check(args, config, hw, ckpt, work / "nvme32", prompts)
 
         best_cold = 0.0
         for cold in (True, False):
@@ -282,7 +302,7 @@ def _probed(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) 
     job = _job(args)
     probe = probe_predict_compute(
         config, hw, prompt_len=args.prompt_len, concurrent=rows,
-        cache_len=job.cache_len, context=job.mean_context,
+        cache_len=job.cache_len, context=job.mean_context, dtype=DTYPES[args.dtype],
     )  # fmt: skip
     if probe is None:
         print("[plan] model too large for the predict probe: planning at the matrix-product rate")
@@ -298,36 +318,68 @@ def _floor(
 
     The sequences whose prefill ends last still need ``new_tokens - 1`` decode passes
     after it, with no prefill left to hide their weight reads behind: those passes take
-    at least their reads at the NVMe probe's rate. Before them, all prefill runs: at
-    least its FLOPs at the matrix-product probe's rate.
+    at least their reads of the checkpoint's bf16 weights at the NVMe probe's rate.
+    Before them, all prefill runs: at least its FLOPs at the matrix-product rate of the
+    compute dtype (the hardware probe's bf16 rate; in fp32 the fastest fp32 product,
+    :func:`_product_rate`). Nor can the whole job take less than all its block FLOPs,
+    prefill and decode, at that rate.
     """
     model = model_profile_from_config(config)
     head = model.head_flops_per_token()
-    flops = (
+    job = _job(args)
+    dtype = DTYPES[args.dtype]
+    rate = hw.device_flops if dtype == torch.bfloat16 else _product_rate(dtype)
+    prefill_flops = (
         args.prompts
         * args.prompt_len
         * (cost.forward_flops_per_token(model, args.prompt_len) - head)
     )
-    prefill = flops / hw.device_flops
-    pass_bytes = model.num_blocks * model.block_params * 2  # bf16 weights
+    decode_flops = (
+        args.prompts
+        * (args.new_tokens - 1)
+        * (cost.forward_flops_per_token(model, job.mean_context) - head)
+    )
+    prefill = prefill_flops / rate
+    pass_bytes = model.num_blocks * model.block_params * 2  # the checkpoint's bf16 weights
     decode = (args.new_tokens - 1) * pass_bytes / hw.nvme_read_bandwidth
-    best = args.prompts * args.new_tokens / (prefill + decode)
+    compute = (prefill_flops + decode_flops) / rate
+    floor = max(prefill + decode, compute)
+    best = args.prompts * args.new_tokens / floor
     print(
         f"[floor] any schedule reading the weights from NVMe each pass: prefill >= "
-        f"{prefill:.1f} s (its block FLOPs at {hw.device_flops / 1e12:.3g} TFLOP/s) + "
+        f"{prefill:.1f} s (its block FLOPs at {rate / 1e12:.3g} TFLOP/s in {args.dtype}) + "
         f"{args.new_tokens - 1} decode passes after it >= {decode:.1f} s "
         f"({pass_bytes / 1e6:.0f} MB each at {hw.nvme_read_bandwidth / 1e9:.2f} GB/s) = "
-        f"{prefill + decode:.1f} s -> at most {best:.1f} tokens/s; ours reaches "
-        f"{ours / best:.0%} of it"
+        f"{prefill + decode:.1f} s; all block FLOPs >= {compute:.1f} s -> at most "
+        f"{best:.1f} tokens/s; ours reaches {ours / best:.0%} of it"
     )
     if acc > 0:
         print(f"[floor] = {best / acc:.2f} x Accelerate's best (cold page cache); "
               f"3 x would need {3 * acc:.1f} tokens/s")  # fmt: skip
 
 
+def _product_rate(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 4096)) -> float:
+    """FLOP/s of the fastest ``n``-square product ``a @ bᵀ`` in ``dtype`` over ``sizes``
+    (three timed after a warm-up each; the sizes of the hardware probe's bf16 products).
+    A 1024-square fp32 product runs well below what a model's larger ones sustain."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        for i in range(4):
+            start = time.perf_counter()
+            torch.matmul(a, b.t(), out=out)
+            if i:
+                best = max(best, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
+    return best
+
+
 def _job(args: argparse.Namespace) -> PredictJob:
     return PredictJob(
-        prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.prompts
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        num_prompts=args.prompts,
+        compute_dtype=str(DTYPES[args.dtype]).removeprefix("torch."),
     )
 
 
@@ -351,9 +403,9 @@ def _fp32_check(
     n = min(args.check_prompts, len(prompts))
     if n < 1:
         return
-    sub = argparse.Namespace(**{**vars(args), "prompts": n, "batch": None})
+    sub = argparse.Namespace(**{**vars(args), "prompts": n, "batch": None, "dtype": "fp32"})
     plan = _plan(sub, config, hw)
-    _, ours = _ours(sub, ckpt, nvme, prompts[:n], plan, dtype="fp32")
+    _, ours = _ours(sub, ckpt, nvme, prompts[:n], plan, "fp32", report=False)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     _, ref = _hf_generate(model, prompts[:n], plan.concurrent_seqs, args.new_tokens)
     print(f"identical sequences vs in-memory generate at batch {plan.concurrent_seqs} (fp32): "
@@ -387,7 +439,7 @@ def _accelerate(
     out: dict[int, float] = {}
     label = "cold page cache" if cold else "warm page cache"
     for b in _batches(args.acc_batches):
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[args.dtype]).eval()
         disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
         if cold:
             model.register_forward_pre_hook(_evicting(folder))

@@ -52,3 +52,24 @@ def test_predict_offload_prints_ratios(tmp_path: Path) -> None:
     _number(r"prefill ([\d.]+) s \+ decode", out)
     # greedy fp32 tokens equal in-memory generate's on the same batch shape
     assert _number(r"\(fp32\): ([\d.]+)% of 2", out) == 100.0
+
+
+@pytest.mark.slow
+def test_predict_offload_fp32_computes_every_run_in_fp32(tmp_path: Path) -> None:
+    """``--dtype fp32``: ours plans and runs in fp32 from the bf16 checkpoint, and its tokens
+    equal in-memory fp32 ``generate``'s at the same batch (the ratio run itself)."""
+    env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    tiny = [a if a != "2,4" else "4" for a in TINY]
+    cmd = [sys.executable, str(BENCH), *tiny, "--acc-batches", "", "--batch", "4"]
+    cmd += ["--dtype", "fp32", "--nvme-dir", str(tmp_path / "nvme")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "bf16 checkpoint" in out and "fp32 compute" in out
+    assert "compute in float32" in out  # the plan in force
+    assert _number(r"at batch 4 \(fp32\): ([\d.]+)% of 4", out) == 100.0
+    assert "(bf16)" not in out  # no bf16 run, no separate fp32 check
+    assert re.search(r"block FLOPs at [\d.e+-]+ TFLOP/s in fp32", out)
+    floor = _number(r"-> at most ([\d.]+) tokens/s", out)
+    ours = _number(r"\[ours\] NVMe weights, batch 4: ([\d.]+) tokens/s", out)
+    assert _number(r"ours reaches (\d+)% of it", out) == pytest.approx(100 * ours / floor, abs=1)
