@@ -6,8 +6,8 @@ first use (a C++ compiler and ``libaio`` with its headers are needed: Debian's
 ``libaio-dev``). :func:`unavailable` says why it cannot run here, or None.
 
 The peer trains the same Llama config (random weights, same seed) on the same
-random-token micro-batches with the same accumulation and AdamW settings, bf16
-compute, in this process: ZeRO stage 3 with the parameters offloaded to the CPU
+random-token micro-batches with the same accumulation and AdamW settings, in the
+benchmark's compute dtype (bf16, or fp32 with ``--dtype fp32``), in this process: ZeRO stage 3 with the parameters offloaded to the CPU
 (``offload_param.device = "cpu"``) or, with ``weights_on_nvme``, to NVMe, and the
 optimizer state (fp32 master weights and AdamW moments) on NVMe under
 ``nvme_dir``, updated by DeepSpeed's CPU Adam. Parameter prefetch is off and
@@ -87,10 +87,17 @@ def unavailable() -> str | None:
 
 
 def ds_config(
-    *, micro_batch: int, accumulate: int, nvme_dir: Path, weights_on_nvme: bool, max_param: int
+    *,
+    micro_batch: int,
+    accumulate: int,
+    nvme_dir: Path,
+    weights_on_nvme: bool,
+    max_param: int,
+    bf16: bool = True,
 ) -> dict[str, Any]:
     """The ZeRO-3 offload config (see the module doc); ``max_param`` is the largest
-    parameter's element count (NVMe parameter buffers must hold it)."""
+    parameter's element count (NVMe parameter buffers must hold it); ``bf16`` False
+    computes in fp32."""
     if weights_on_nvme:
         param: dict[str, Any] = {
             "device": "nvme", "nvme_path": str(nvme_dir), "pin_memory": False,
@@ -101,7 +108,7 @@ def ds_config(
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulate,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": bf16},
         "optimizer": {
             "type": "AdamW",
             "params": {
@@ -148,13 +155,14 @@ def train_deepspeed(
     nvme_dir: Path,
     weights_on_nvme: bool,
     seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[list[float], int]:
     """Seconds of each optimizer step after the first ``warmup`` ones, and the bytes of
     DeepSpeed's swap files under ``nvme_dir`` after the last step.
 
     ``batches`` are the micro-batches of token ids (``micro_batch`` x seq each),
-    ``accumulate`` per optimizer step; the model is built from ``config`` under
-    ``deepspeed.zero.Init`` with ``torch.manual_seed(seed)``.
+    ``accumulate`` per optimizer step; the model is built from ``config`` in ``dtype``
+    (bf16 or fp32) under ``deepspeed.zero.Init`` with ``torch.manual_seed(seed)``.
     """
     _environment()
     import deepspeed
@@ -166,7 +174,8 @@ def train_deepspeed(
     probe = cfg.vocab_size * cfg.hidden_size
     max_param = max(probe, cfg.hidden_size * cfg.intermediate_size)
     ds = ds_config(micro_batch=micro_batch, accumulate=accumulate, nvme_dir=nvme_dir,
-                   weights_on_nvme=weights_on_nvme, max_param=max_param)  # fmt: skip
+                   weights_on_nvme=weights_on_nvme, max_param=max_param,
+                   bf16=dtype == torch.bfloat16)  # fmt: skip
     # zero.Init patches tensor construction, under which torch._dynamo (imported lazily by
     # the model's module) fails to import: import them first
     importlib.import_module("torch._dynamo")
@@ -174,8 +183,8 @@ def train_deepspeed(
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
     torch.manual_seed(seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.bfloat16):
-        model = model_class._from_config(cfg, dtype=torch.bfloat16)
+    with deepspeed.zero.Init(config_dict_or_path=ds, dtype=dtype):
+        model = model_class._from_config(cfg, dtype=dtype)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     engine.train()
     seconds: list[float] = []

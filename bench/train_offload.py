@@ -287,7 +287,7 @@ def deepspeed_run(args: argparse.Namespace, config: dict[str, Any], base: Path) 
         seconds, on_disk = _deepspeed.train_deepspeed(
             config, batches, micro_batch=args.micro_batch, accumulate=args.accumulate,
             warmup=args.warmup, nvme_dir=Path(run_dir), weights_on_nvme=args.weights_on_nvme,
-            seed=SEED,
+            seed=SEED, dtype=getattr(torch, DTYPES[args.dtype]),
         )  # fmt: skip
     step_s = sum(seconds) / len(seconds)
     tps = args.micro_batch * args.seq * args.accumulate / step_s
@@ -358,8 +358,6 @@ def main(argv: list[str] | None = None) -> None:
         help="compute dtype of every run (fp32 for a CPU without bf16 matrix instructions)",
     )
     args = parser.parse_args(argv)
-    if args.peer is not None and args.dtype != "bf16":
-        parser.error(f"--peer {args.peer} runs bf16 only: drop --dtype {args.dtype}")
     _common.quiet()
     if args.resident is None:
         args.resident = args.layers // 4

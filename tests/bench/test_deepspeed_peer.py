@@ -56,3 +56,13 @@ def test_parameters_on_nvme_need_no_cpu_copy_and_no_prefetch(
     )
     assert on_cpu["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert on_cpu["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(tmp_path)
+
+
+def test_the_peer_computes_in_the_benchmarks_dtype(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--dtype fp32`` (a CPU without bf16 matrix instructions) turns DeepSpeed's bf16 off."""
+    module = peer(monkeypatch)
+    common = dict(micro_batch=1, accumulate=1, nvme_dir=tmp_path, weights_on_nvme=False)
+    assert module.ds_config(**common, max_param=1)["bf16"]["enabled"] is True
+    assert module.ds_config(**common, max_param=1, bf16=False)["bf16"]["enabled"] is False
