@@ -64,7 +64,7 @@ from bb_lightning.planner import (
     make_plan,
 )
 from bb_lightning.probe import measure, model_profile_from_config
-from bb_lightning.probe.calibrate import probe_predict_compute
+from bb_lightning.probe.calibrate import probe_predict_compute, product_rate
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
@@ -359,19 +359,10 @@ def _floor(
 
 
 def _product_rate(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 4096)) -> float:
-    """FLOP/s of the fastest ``n``-square product ``a @ bᵀ`` in ``dtype`` over ``sizes``
-    (three timed after a warm-up each; the sizes of the hardware probe's bf16 products).
-    A 1024-square fp32 product runs well below what a model's larger ones sustain."""
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        for i in range(4):
-            start = time.perf_counter()
-            torch.matmul(a, b.t(), out=out)
-            if i:
-                best = max(best, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
-    return best
+    """FLOP/s of the fastest ``n``-square product in ``dtype`` over ``sizes`` (the sizes of
+    the hardware probe's bf16 products; :func:`~bb_lightning.probe.calibrate.product_rate`
+    each). A 1024-square fp32 product runs well below what a model's larger ones sustain."""
+    return max(product_rate(dtype, torch.device("cpu"), n) for n in sizes)
 
 
 def _job(args: argparse.Namespace) -> PredictJob:
