@@ -7,6 +7,7 @@ Not a benchmark itself. The scripts in this folder import it as ``_common``
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import platform
 import resource
@@ -15,10 +16,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning
 import lightning.pytorch as pl
@@ -29,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
+R = TypeVar("R")
 
 
 def mount_of(path: Path) -> tuple[str, str, str]:
@@ -343,6 +346,27 @@ def busy_neighbour(on: bool = True) -> Iterator[int | None]:
     finally:
         proc.terminate()
         proc.wait()
+
+
+def isolated(fn: Callable[..., R], *fn_args: Any) -> R:
+    """``fn(*fn_args)`` in a child process of its own; its (picklable) result.
+
+    Each timed run of a benchmark gets a fresh process, as a user's job does: nothing
+    an earlier run allocated, cached or left fragmented in this process's heap (tens of
+    GiB on a model of a few hundred million parameters) and no page-fault pattern it
+    set up carries into the next run. On the 2-core VMs the order of two runs in one
+    process moved their step times by 10-25 %. The children fork from a server that
+    imported torch, Lightning, transformers and the library once, before any thread
+    pool started; each child then runs the script's module level (its imports are
+    already loaded), so module-level functions of the script pickle by name. An
+    exception in ``fn`` is raised here; a child killed by the system raises
+    ``BrokenProcessPool``.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    # by name: Python 3.11's forkserver does not pass the script's path on to preload it
+    ctx.set_forkserver_preload(["_common", "bb_lightning", "bb_lightning.module"])
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(fn, *fn_args).result()
 
 
 def gib(nbytes: float) -> str:

@@ -15,7 +15,7 @@ instructions), sequence 512, with AdamW:
    recommends for a global batch of ``--plan-global-seqs`` sequences (default: the
    same as 1 and 2), optimizer state on NVMe.
 
-With ``--peer deepspeed`` a fourth run, last in the process: DeepSpeed ZeRO-3 on the same
+With ``--peer deepspeed`` a fourth run, last: DeepSpeed ZeRO-3 on the same
 model, micro-batch, accumulation and data, parameters offloaded to the CPU (to NVMe
 with ``--weights-on-nvme``) and the optimizer state to NVMe (see ``bench/_deepspeed.py``;
 needs the ``bench`` extra and libaio; skipped with a line saying why where it cannot run),
@@ -29,12 +29,14 @@ trained tokens/s of each (tokens = micro-batch x sequence x accumulation per ste
 the ratio balance_beam / plain (target >= 0.95), the planner's predicted step time
 next to the measured one (target within +-25%) from the hardware probe with the
 model-shaped compute probe (what the strategy plans with at the start of fit) and from
-the compute rate the plain run sustained in this same process, and where each step's time went
+the compute rate the plain run sustained in this same benchmark, and where each step's time went
 (forward, backward, gradient hand-off, optimizer; link busy times of the store).
-Every run gets the same host allocator setting,
+Every run trains in a child process of its own (``_common.isolated``), as a user's job
+does, so that the comparison does not depend on the order of the runs (in one process,
+an earlier run's heap and page faults moved the next one's step time by 10-25 % on the
+2-core VMs), and every run gets the same host allocator setting,
 :func:`~bb_lightning.engine.inference.keep_host_allocations` (which ``balance_beam``
-applies on a CPU device: process-wide, so the runs after it would have it anyway),
-so that the comparison does not depend on the order of the runs.
+applies on a CPU device).
 With ``--repeat R`` runs 1 and 2 alternate R times (plain, balance_beam, plain, ...) and
 the ratios take each side's fastest run (a busy neighbour on a shared machine only ever
 slows a run down), with each alternating pair's ratio printed beside them.
@@ -159,6 +161,48 @@ def train(
     del trainer, module
     gc.collect()
     return Result(name, tps, step_s, phases, micro_batch, accumulate, links, fwd_bwd)
+
+
+def train_alone(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    name: str,
+    placement: Placement | None,
+    base: Path,
+    micro_batch: int | None = None,
+    accumulate: int | None = None,
+) -> Result:
+    """:func:`train` in a child process of its own (``_common.isolated``): plain Lightning
+    with ``placement`` None, else balance_beam with that placement and its NVMe tier in a
+    fresh directory under ``base``; at ``--micro-batch`` x ``--accumulate`` unless given."""
+    return _common.isolated(
+        _train_child,
+        args,
+        config,
+        name,
+        placement,
+        base,
+        args.micro_batch if micro_batch is None else micro_batch,
+        args.accumulate if accumulate is None else accumulate,
+    )
+
+
+def _train_child(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    name: str,
+    placement: Placement | None,
+    base: Path,
+    micro_batch: int,
+    accumulate: int,
+) -> Result:
+    keep_host_allocations()
+    _common.quiet()
+    if placement is None:
+        return train(args, config, name, "auto", micro_batch, accumulate)
+    with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
+        strategy = strategy_for(args, placement, Path(run_dir))
+        return train(args, config, name, strategy, micro_batch, accumulate)
 
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -373,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     base = _common.nvme_base(args.nvme_dir)
     print(_common.machine(base), flush=True)
     print(f"host allocator keeps freed memory (all runs): {keep_host_allocations()}")
+    print("each run below trains in a fresh child process of its own", flush=True)
     config = _common.llama_config(args)
     model = model_profile_from_config(config)
     print(
@@ -418,12 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     for k in range(args.repeat):
         if args.repeat > 1:
             print(f"alternating runs: pair {k + 1} of {args.repeat}", flush=True)
-        plains.append(train(args, config, "plain", "auto", args.micro_batch, args.accumulate))
-        with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
-            strategy = strategy_for(args, placement, Path(run_dir))
-            bbs.append(
-                train(args, config, "balance_beam", strategy, args.micro_batch, args.accumulate)
-            )
+        plains.append(train_alone(args, config, "plain", None, base))
+        bbs.append(train_alone(args, config, "balance_beam", placement, base))
     # each side's least disturbed run: a busy neighbour only ever slows a run down
     plain = min(plains, key=lambda r: r.step_s)
     bb = min(bbs, key=lambda r: r.step_s)
@@ -437,16 +478,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_recommended:
         rec_plan, rec_placement = recommended_plan(args, model, hw)
         print(rec_plan.explain())
-        with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
-            strategy = strategy_for(args, rec_placement, Path(run_dir))
-            rec = train(
-                args, config, "planned", strategy, rec_plan.micro_batch, rec_plan.grad_accum
-            )
+        rec = train_alone(
+            args, config, "planned", rec_placement, base, rec_plan.micro_batch, rec_plan.grad_accum
+        )
         results["planned"] = rec
         print(predicted_line("planned", rec_plan, rec))
 
     if args.peer == "deepspeed":
-        peer = deepspeed_run(args, config, base)
+        peer = _common.isolated(deepspeed_run, args, config, base)
         if peer is not None:
             results["deepspeed"] = peer
 
