@@ -105,3 +105,20 @@ def test_grad_hold_prints_the_ratio_and_equal_weights(tmp_path: Path) -> None:
     _number(r"held / accumulated step time = ([\d.]+)", out)
     # the same sums in the same order: the two ways train the same weights, bit for bit
     assert re.search(r"largest weight difference between the two 0(\.0)?$", out, re.M), out
+
+
+def test_io_beside_compute_prints_the_compute_lost_per_gb(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "io_beside_compute.py"), "--gib", "0.25"]
+    cmd += ["--seconds", "0.3", "--repeat", "2", "--nvme-dir", str(tmp_path / "nvme")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "machine: CPU" in out
+    rounds = re.findall(r"round \d: alone ([\d.]+) s .*reads ([\d.]+) s \(([\d.]+) GB", out)
+    assert len(rounds) == 2, out
+    alone = min(float(r[0]) for r in rounds)
+    reads = min(float(r[1]) for r in rounds)
+    ratio = _number(r"beside reads: [\d.]+ s = ([\d.]+) x alone", out)
+    assert ratio == pytest.approx(reads / alone, abs=0.02 + 0.01 * ratio)
+    assert re.search(r"beside writes: .* compute lost -?[\d.]+ s per GB; steal [\d.]+", out), out
+    assert not list((tmp_path / "nvme").glob("bb-io-beside-*"))  # its files are gone
