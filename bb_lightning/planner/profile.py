@@ -91,9 +91,11 @@ class HardwareProfile:
     modelled). A decode pass reads every block's weights and the KV cache once for a few
     tokens per sequence; it takes at least those bytes over this bandwidth."""
     nvme_cpu_seconds_per_byte: float = 0.0
-    """CPU seconds the process spends per byte it writes to or reads from the NVMe tier
-    (the kernel's share of ``O_DIRECT`` transfers and the I/O threads'; 0.0: not modelled).
-    On a CPU device they come out of the compute's cores."""
+    """Seconds of the compute's time each byte written to or read from the NVMe tier costs
+    (0.0: not modelled): the process's CPU time for it (the kernel's share of ``O_DIRECT``
+    transfers and the I/O threads'), and where the probe measured more, what compute on
+    every core loses beside the transfers (on a virtual machine, also the cores' time the
+    hypervisor takes to emulate the disk). On a CPU device it comes out of the compute."""
     compute_efficiency: float = 1.0
     """Multiplier on ``device_flops`` learnt from measured steps (1.0 = as profiled)."""
     h2d_efficiency: float = 1.0

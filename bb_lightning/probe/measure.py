@@ -12,8 +12,11 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
 - NVMe: write then read a few files (up to 384 MiB in all) under ``nvme_path``
   through :func:`storage.io.open_backend`, with ``fsync`` on write and a cold
   page cache on read (``O_DIRECT`` where the filesystem accepts it, else
-  ``posix_fadvise(DONTNEED)``); capacity is the free space there; the process's CPU
-  seconds over those transfers per byte moved (``nvme_cpu_seconds_per_byte``);
+  ``posix_fadvise(DONTNEED)``); capacity is the free space there; the compute seconds
+  those transfers cost per byte moved (``nvme_cpu_seconds_per_byte``): the process's CPU
+  seconds over them, and on a CPU device at least what a loop of matrix products loses
+  beside reads and writes (on a virtual machine the hypervisor's emulation of the disk
+  takes the cores' time too);
 - optimizer: fused ``torch.optim.AdamW`` steps on 16 Mi fp32 host parameters
   (4 Mi when ``max_seconds`` < 8), 256 MiB of parameter, gradient and moments,
   more than a CPU cache holds; the median step, since the step shares host memory
@@ -54,6 +57,7 @@ import shutil
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -120,11 +124,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-PROBES_VERSION = "4"
+PROBES_VERSION = "5"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
 threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
-order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it),
-so that profiles cached by the earlier probes are measured again."""
+order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it;
+5: on a CPU device, the compute lost beside NVMe transfers), so that profiles cached by
+the earlier probes are measured again."""
 
 
 def machine_identity(nvme_path: str | None) -> dict[str, str]:
@@ -284,15 +289,18 @@ def _drop_cache(path: str) -> None:
 
 
 def _probe_nvme(
-    nvme_path: str, seconds: float, timing: Timing = contention.SYSTEM
+    nvme_path: str, seconds: float, timing: Timing = contention.SYSTEM, *, beside: bool = False
 ) -> tuple[float, float, int, float]:
-    """(read bytes/s, write bytes/s, free bytes, CPU seconds per byte moved) of the
+    """(read bytes/s, write bytes/s, free bytes, compute seconds per byte moved) of the
     filesystem holding ``nvme_path``.
 
-    The CPU seconds are the process's (user and system, every thread) over the writes and
-    the reads, per byte written or read: the kernel's share of ``O_DIRECT`` transfers and
-    the I/O threads', which on a CPU device come out of the compute's cores (2 cores with
-    AMX, a virtual disk: 0.04-0.08 CPU-seconds per GB)."""
+    The compute seconds per byte are at least the process's CPU time (user and system,
+    every thread) over the writes and the reads, per byte written or read: the kernel's
+    share of ``O_DIRECT`` transfers and the I/O threads', which on a CPU device come out
+    of the compute's cores (2 cores with AMX, a virtual disk: 0.04-0.08 CPU-seconds per
+    GB). With ``beside`` (a CPU device), also what a loop of matrix products loses beside
+    reads and beside writes (:func:`_compute_lost_per_byte`), which includes the cores'
+    time a hypervisor takes to emulate the disk: the larger of the two."""
     from storage.io import IOFuture, aligned_empty, open_backend
 
     total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
@@ -323,12 +331,74 @@ def _probe_nvme(
             cpu -= time.process_time()
             read_s = all_files(backend.read_async, "nvme read")
             cpu += time.process_time()
-    if int(buffers[-1][0]) != files:
-        raise AssertionError("NVMe probe read back other bytes than it wrote")
+            if int(buffers[-1][0]) != files:
+                raise AssertionError("NVMe probe read back other bytes than it wrote")
+            lost = (
+                _compute_lost_per_byte(backend, paths, buffers, per_file, seconds / 6)
+                if beside
+                else 0.0
+            )
     moved = float(files * per_file)
     free = shutil.disk_usage(nvme_path).free
-    per_byte = max(cpu, 0.0) / (2.0 * moved)
+    per_byte = max(max(cpu, 0.0) / (2.0 * moved), lost)
     return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free), per_byte
+
+
+def _compute_lost_per_byte(
+    backend: Any, paths: list[str], buffers: list[torch.Tensor], per_file: int, seconds: float
+) -> float:
+    """Seconds a loop of fp32 matrix products on the calling thread's team loses per byte
+    the I/O backend moves beside it: the mean of the loss beside reads of ``paths`` and
+    beside writes of them (each with ``fsync``, as the store writes), against the fastest
+    of two loops alone. 0.0 where no transfer finished during a loop.
+
+    On a CPU device the loss is the NVMe traffic's real cost to the compute: the kernel's
+    share of the transfers and, on a virtual machine, the cores' time the hypervisor
+    takes to emulate the disk (steal time, on no process's account). Measured on a 2-core
+    AMD EPYC VM: 0.20 s per GB beside reads, 0.47 beside writes, where the process's own
+    CPU time was 0.10-0.12 CPU-seconds per GB (``bench/io_beside_compute.py``).
+    """
+    a = torch.randn(512, 512)
+    out = torch.empty_like(a)
+
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, a, out=out)
+        return time.perf_counter() - start
+
+    n = max(4, int(seconds / max(loop(8) / 8, 1e-9)))
+
+    def beside(write: bool) -> tuple[float, int]:
+        """(seconds of the loop, bytes whose transfer finished while it ran)."""
+        stop = threading.Event()
+        moved = [0]
+
+        def transfers() -> None:
+            k = 0
+            while not stop.is_set():
+                i = k % len(paths)
+                if write:
+                    backend.write_async(paths[i], buffers[i], per_file).wait()
+                else:
+                    backend.read_async(paths[i], buffers[i], per_file).wait()
+                moved[0] += per_file
+                k += 1
+
+        worker = threading.Thread(target=transfers, name="bb-probe-io", daemon=True)
+        worker.start()
+        took = loop(n)
+        done = moved[0]
+        stop.set()
+        worker.join()
+        return took, done
+
+    alone = loop(n)
+    reads = beside(False)
+    writes = beside(True)
+    alone = min(alone, loop(n))
+    losses = [max(took - alone, 0.0) / done for took, done in (reads, writes) if done > 0]
+    return sum(losses) / len(losses) if len(losses) == 2 else 0.0
 
 
 def _probe_adam(
@@ -388,7 +458,7 @@ def _probe_round(
     out["h2d"], out["d2h"] = _probe_copy(device, share["copy"] * 0.75, copy_bytes, timing)
     out["memory"] = _probe_memory(device, share["copy"] * 0.25, copy_bytes, timing)
     if nvme_path:
-        nvme = _probe_nvme(nvme_path, share["nvme"], timing)
+        nvme = _probe_nvme(nvme_path, share["nvme"], timing, beside=device.type == "cpu")
         out["nvme_read"], out["nvme_write"], free, out["nvme_cpu"] = nvme
         out["nvme_free"] = float(free)
     # on the calling thread's team, as the training engine steps a CPU device (see _probe_adam)
