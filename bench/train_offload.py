@@ -432,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"hardware profile: {hw.device_flops / 1e12:.2f} TFLOP/s, NVMe read "
             f"{hw.nvme_read_bandwidth / 1e9:.2f} / write {hw.nvme_write_bandwidth / 1e9:.2f} "
-            f"GB/s, host AdamW {hw.host_adam_params_per_s / 1e6:.0f} M params/s",
+            f"GB/s, host AdamW {hw.host_adam_params_per_s / 1e6:.0f} M params/s, NVMe "
+            f"transfers cost {hw.nvme_cpu_seconds_per_byte * 1e9:.3f} s of compute per GB",
             flush=True,
         )
         matmul_hw = hw
