@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs["reads"].append(_phase(n, backend, paths, buf, False))
                 runs["writes"].append(_phase(n, backend, paths, buf, True))
                 line = ", ".join(
-                    f"{name} {r[-1].per_loop:.2f} s ({r[-1].moved / 1e9:.2f} GB in {r[-1].loops} "
+                    f"{name} {r[-1].per_loop:.3f} s ({r[-1].moved / 1e9:.2f} GB in {r[-1].loops} "
                     f"loop{'s' if r[-1].loops > 1 else ''}, steal "
                     f"{r[-1].steal:.2f} CPU-s)"
                     for name, r in runs.items()
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     alone = min(runs["alone"], key=lambda p: p.per_loop)
-    print(f"compute alone: {alone.seconds:.2f} s (steal {alone.steal:.2f} CPU-s)")
+    print(f"compute alone: {alone.seconds:.3f} s (steal {alone.steal:.2f} CPU-s)")
     for name in ("reads", "writes"):
         moving = [p for p in runs[name] if p.moved > 0]
         if not moving:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         lost = best.seconds - best.loops * alone.per_loop
         extra_cpu = best.cpu - best.loops * alone.cpu
         print(
-            f"beside {name}: {best.per_loop:.2f} s = {best.per_loop / alone.per_loop:.2f} x "
+            f"beside {name}: {best.per_loop:.3f} s = {best.per_loop / alone.per_loop:.3f} x "
             f"alone while {gb:.2f} GB moved at {gb / best.seconds:.2f} GB/s; compute lost "
             f"{lost / gb:.3f} s per GB; steal {best.steal / gb:.3f} CPU-s per GB; this "
             f"process's CPU beyond the loop's {extra_cpu / gb:.3f} CPU-s per GB",
