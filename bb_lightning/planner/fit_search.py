@@ -19,6 +19,7 @@ matrices skip their weight gradients (:func:`cost.train_flops_per_token`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -124,11 +125,19 @@ def price(
     kf: Arr,
     kw: Arr,
     hold: bool = False,
+    state_first: bool = False,
 ) -> dict[str, Arr]:
     """Bytes per tier and seconds per step of every (kF, kW) for one batch shape.
 
     ``hold`` prices ``Placement.hold_grads``: the earlier micro-batches' gradients take
     device memory (:func:`cost.held_grad_bytes`) and are summed once.
+
+    The host's free memory goes to the paged blocks' weights first, then to gradient
+    accumulators, then to optimizer state; ``state_first`` fills it the other way round
+    (gradients, state, then weights). On a CPU device a host-home block also keeps its
+    activations there, so one more such block may displace more state than it saves:
+    :func:`search` prices both orders there, which keeps a bigger memory from ever
+    predicting a slower step.
 
     With data parallelism (``hw.world_size`` N > 1) this prices one rank: ``hw`` is its
     :func:`~bb_lightning.planner.data_parallel.rank_share` and ``job`` its share of the
@@ -191,10 +200,10 @@ def price(
         if ckpt and hw.device_type == "cpu"
         else 0.0
     )
-    w_h, ok_w = _fill(free, np_, bb + in_place_act, ov.weights_tier)
-    free = free - w_h * (bb + in_place_act)
-    in_place = w_h if in_place_act > 0 else 0.0 * w_h
-    m_forced = ov.master_tier
+    w_forced, m_forced = ov.weights_tier, ov.master_tier
+    if w_forced is Tier.HOST or not state_first:  # forced weights are reserved first
+        w_h, ok_w = _fill(free, np_, bb + in_place_act, w_forced)
+        free = free - w_h * (bb + in_place_act)
     if m_forced is Tier.HOST:  # forced state is reserved before the gradients
         m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
         free = free - m_h * ADAM_STATE_BYTES * ps
@@ -205,6 +214,10 @@ def price(
         free = free - g_h * FP32_BYTES * ps
         m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
         free = free - m_h * ADAM_STATE_BYTES * ps
+    if state_first and w_forced is not Tier.HOST:
+        w_h, ok_w = _fill(free, np_, bb + in_place_act, w_forced)
+        free = free - w_h * (bb + in_place_act)
+    in_place = w_h if in_place_act > 0 else 0.0 * w_h
     host = host_base - free
     nvme = (np_ - w_h) * bb + (off - g_h) * FP32_BYTES * ps + (off - m_h) * ADAM_STATE_BYTES * ps
     in_memory = (
@@ -471,28 +484,23 @@ def search(
         return None
     found: list[tuple[float, float, float, float, Priced]] = []
     ckpts, depths, mbs = _options(job, ov)
-    for ckpt in ckpts:
-        for depth in depths:
-            for mb, hold in _shapes(hw, job, ov, mbs):
-                a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, hold)
-                traffic = a["h2d"] + a["nvme_read"] + a["nvme_write"] + a["d2h"]
-                for i in np.flatnonzero(a["feasible"] > 0):
-                    vals = {k: float(v[i]) for k, v in a.items()}
-                    found.append(
-                        (
-                            vals["per_token"],
-                            float(traffic[i]),
-                            float(mb),
-                            vals["device"],
-                            Priced(
-                                checkpointing=ckpt,
-                                depth=depth,
-                                micro_batch=mb,
-                                values=vals,
-                                hold=hold,
-                            ),
-                        )
-                    )
+    fills = (False, True) if hw.device_type == "cpu" else (False,)
+    for ckpt, depth, (mb, hold), first in itertools.product(
+        ckpts, depths, _shapes(hw, job, ov, mbs), fills
+    ):
+        a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, hold, first)
+        traffic = a["h2d"] + a["nvme_read"] + a["nvme_write"] + a["d2h"]
+        for i in np.flatnonzero(a["feasible"] > 0):
+            vals = {k: float(v[i]) for k, v in a.items()}
+            found.append(
+                (
+                    vals["per_token"],
+                    float(traffic[i]),
+                    float(mb),
+                    vals["device"],
+                    Priced(checkpointing=ckpt, depth=depth, micro_batch=mb, values=vals, hold=hold),
+                )
+            )
     if not found:
         return None
     fastest = min(c[0] for c in found)
