@@ -344,13 +344,56 @@ def _probe_nvme(
     return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free), per_byte
 
 
+BESIDE_MAX_LOOPS = 8
+"""Loops of matrix products beside transfers at most while waiting for one to finish."""
+
+
+def _loop_beside(
+    backend: Any,
+    paths: list[str],
+    buffers: list[torch.Tensor],
+    per_file: int,
+    write: bool,
+    loop: Callable[[], float],
+) -> tuple[float, int, int]:
+    """(seconds, loops, bytes): ``loop()`` run beside reads (or writes) of ``paths``, again
+    until at least one transfer has finished (a slow disk's first file may outlast a
+    loop), at most :data:`BESIDE_MAX_LOOPS` times; the bytes whose transfer finished
+    meanwhile."""
+    stop = threading.Event()
+    moved = [0]
+
+    def transfers() -> None:
+        k = 0
+        while not stop.is_set():
+            i = k % len(paths)
+            if write:
+                backend.write_async(paths[i], buffers[i], per_file).wait()
+            else:
+                backend.read_async(paths[i], buffers[i], per_file).wait()
+            moved[0] += per_file
+            k += 1
+
+    worker = threading.Thread(target=transfers, name="bb-probe-io", daemon=True)
+    worker.start()
+    took, loops = 0.0, 0
+    while loops < BESIDE_MAX_LOOPS and (loops == 0 or moved[0] == 0):
+        took += loop()
+        loops += 1
+    done = moved[0]
+    stop.set()
+    worker.join()
+    return took, loops, done
+
+
 def _compute_lost_per_byte(
     backend: Any, paths: list[str], buffers: list[torch.Tensor], per_file: int, seconds: float
 ) -> float:
     """Seconds a loop of fp32 matrix products on the calling thread's team loses per byte
     the I/O backend moves beside it: the mean of the loss beside reads of ``paths`` and
     beside writes of them (each with ``fsync``, as the store writes), against the fastest
-    of two loops alone. 0.0 where no transfer finished during a loop.
+    of two loops alone (:func:`_loop_beside`). 0.0 where no transfer finished in
+    :data:`BESIDE_MAX_LOOPS` loops.
 
     On a CPU device the loss is the NVMe traffic's real cost to the compute: the kernel's
     share of the transfers and, on a virtual machine, the cores' time the hypervisor
@@ -361,43 +404,20 @@ def _compute_lost_per_byte(
     a = torch.randn(512, 512)
     out = torch.empty_like(a)
 
-    def loop(n: int) -> float:
+    def products(n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
             torch.mm(a, a, out=out)
         return time.perf_counter() - start
 
-    n = max(4, int(seconds / max(loop(8) / 8, 1e-9)))
-
-    def beside(write: bool) -> tuple[float, int]:
-        """(seconds of the loop, bytes whose transfer finished while it ran)."""
-        stop = threading.Event()
-        moved = [0]
-
-        def transfers() -> None:
-            k = 0
-            while not stop.is_set():
-                i = k % len(paths)
-                if write:
-                    backend.write_async(paths[i], buffers[i], per_file).wait()
-                else:
-                    backend.read_async(paths[i], buffers[i], per_file).wait()
-                moved[0] += per_file
-                k += 1
-
-        worker = threading.Thread(target=transfers, name="bb-probe-io", daemon=True)
-        worker.start()
-        took = loop(n)
-        done = moved[0]
-        stop.set()
-        worker.join()
-        return took, done
-
-    alone = loop(n)
-    reads = beside(False)
-    writes = beside(True)
-    alone = min(alone, loop(n))
-    losses = [max(took - alone, 0.0) / done for took, done in (reads, writes) if done > 0]
+    n = max(4, int(seconds / max(products(8) / 8, 1e-9)))
+    alone = products(n)
+    beside = [
+        _loop_beside(backend, paths, buffers, per_file, w, lambda: products(n))
+        for w in (False, True)
+    ]
+    alone = min(alone, products(n))
+    losses = [max(took - loops * alone, 0.0) / done for took, loops, done in beside if done > 0]
     return sum(losses) / len(losses) if len(losses) == 2 else 0.0
 
 

@@ -59,7 +59,24 @@ def test_reads_then_writes_run_beside_the_loop(tmp_path: Path) -> None:
     assert math.isfinite(per_byte) and per_byte >= 0.0
 
 
+def test_the_loop_runs_again_until_a_transfer_has_finished(tmp_path: Path) -> None:
+    def loop() -> float:  # stands for the products: a loop of 10 ms
+        time.sleep(0.01)
+        return 0.01
+
+    backend = _Backend(0.03)  # a transfer outlasts about three loops
+    paths = [str(tmp_path / "f0")]
+    buffers = [torch.empty(1 << 20, dtype=torch.uint8)]
+    for write in (False, True):
+        took, loops, done = measure_module._loop_beside(
+            backend, paths, buffers, 1 << 20, write, loop
+        )
+        assert done >= 1 << 20 and 1 < loops <= measure_module.BESIDE_MAX_LOOPS, (loops, done)
+        assert took > 0.0
+    assert backend.reads >= 1 and backend.writes >= 1
+
+
 def test_no_transfer_finished_during_the_loops_prices_nothing(tmp_path: Path) -> None:
-    backend = _Backend(3.0)  # each transfer outlasts its loop (about 0.05 s)
+    backend = _Backend(3.0)  # each transfer outlasts BESIDE_MAX_LOOPS loops (about 0.05 s)
     assert _run(backend, tmp_path, 0.05) == 0.0
     assert backend.reads == 1 and backend.writes == 1
