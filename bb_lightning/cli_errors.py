@@ -18,7 +18,24 @@ import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-__all__ = ["OneLineArgumentParser", "closest", "explain_jsonargparse", "parser_keys"]
+__all__ = [
+    "OneLineArgumentParser",
+    "UsageError",
+    "closest",
+    "explain_jsonargparse",
+    "first_line",
+    "parser_keys",
+]
+
+
+class UsageError(ValueError):
+    """A bad command-line argument; the message says how to fix it."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of ``err``'s message (library errors can span many lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def closest(word: str, valid: Iterable[str]) -> str | None:

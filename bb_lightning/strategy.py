@@ -48,6 +48,7 @@ from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_from_optimizer
 from bb_lightning.handback import handback_dtype
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
+from bb_lightning.register import STRATEGY_NAME, add_to
 from bb_lightning.session import ComputeDtype, clip_config
 from bb_lightning.structure import find_block_list
 from bb_lightning.summary import describe_placement, use_paged_summary
@@ -107,7 +108,7 @@ class BalanceBeamStrategy(ParallelStrategy):
             module's state dict back to the parent, and paged weights are not in it).
     """
 
-    strategy_name = "balance_beam"
+    strategy_name = STRATEGY_NAME
     streams_weights = True
     """Modules may leave parameters on the meta device: the engine reads their checkpoint."""
 
@@ -687,11 +688,9 @@ class BalanceBeamStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"balance_beam"`` unless already there."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="pages blocks through a tiered store"
-            )
+        """Register ``"balance_beam"`` unless already there (as :mod:`bb_lightning.register`
+        does on importing the package)."""
+        add_to(strategy_registry)
 
 
 # -- helpers -----------------------------------------------------------------------------

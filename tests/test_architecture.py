@@ -27,6 +27,7 @@ LEAVES = ("bb_lightning.shapes",)
 UPWARD = (
     "bb_lightning.strategy",
     "bb_lightning.cli",
+    "bb_lightning.lightning_cli",
     "bb_lightning.module",
     "bb_lightning.callbacks",
 )

@@ -27,7 +27,8 @@ from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bb_lightning.cli import BalanceBeamCLI, _build_lightning_cli, main
+from bb_lightning.cli import main
+from bb_lightning.lightning_cli import BalanceBeamCLI, _build_lightning_cli
 from bb_lightning.data import TextDataModule
 from bb_lightning.engine.pager import Placement
 from bb_lightning.summary import describe_placement
