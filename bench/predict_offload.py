@@ -19,10 +19,12 @@ bf16 matrix instructions: every run computes in fp32 from the same bf16 checkpoi
 
 ``--hf-max-batches`` / ``--acc-max-batches`` time only the first batches of a
 baseline (its tokens/s is then the rate over those batches, said in the output).
-Every run (ours and the baselines) gets the same host allocator setting,
+Every run (ours and the baselines) loads the checkpoint in a child process of its own
+(``_common.isolated``), as a user's job does, and gets the same host allocator setting,
 :func:`~bb_lightning.engine.inference.keep_host_allocations` (which our engine
 applies on a CPU device), so that the comparison does not depend on the order of
-the runs. Printed: the machine, tokens/s (generated tokens per second of generation) of
+the runs, and no run inherits the heap the earlier ones grew (in one process, the
+fp32 runs of the default model grew it past 23 GiB). Printed: the machine, tokens/s (generated tokens per second of generation) of
 each, the ratios ours / best HF and ours / best Accelerate, the share of
 sequences whose tokens equal the in-memory run at the same batch shape (bf16,
 and fp32 over ``--check-prompts`` prompts), the plan's predicted tokens/s (priced at
@@ -49,7 +51,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import PredictTimer, busy_neighbour, drop_cache, machine, nvme_base, quiet
+from _common import (
+    PredictTimer,
+    busy_neighbour,
+    drop_cache,
+    isolated,
+    machine,
+    nvme_base,
+    quiet,
+)
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -135,6 +145,31 @@ def _hf_generate(
             out += gen[:, ids.shape[1] :].tolist()
     seconds = time.perf_counter() - start
     return sum(map(len, out)) / seconds, out
+
+
+def _hf_run(
+    ckpt: Path, dtype: str, prompts: torch.Tensor, batch: int, new: int, max_batches: int = 0
+) -> tuple[float, list[list[int]]]:
+    """:func:`_hf_generate` of the checkpoint's model loaded in ``dtype``; run it through
+    :func:`~_common.isolated`, a child process of its own."""
+    keep_host_allocations()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
+    return _hf_generate(model, prompts, batch, new, max_batches)
+
+
+def _ours_run(
+    args: argparse.Namespace,
+    ckpt: Path,
+    nvme: Path,
+    prompts: torch.Tensor,
+    plan: Plan,
+    dtype: str,
+    report: bool = True,
+) -> tuple[float, list[list[int]]]:
+    """:func:`_ours` with the host allocator kept as in every run; run it through
+    :func:`~_common.isolated`."""
+    keep_host_allocations()
+    return _ours(args, ckpt, nvme, prompts, plan, dtype, report=report)
 
 
 def _ours(
@@ -231,8 +266,8 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.generation_config.eos_token_id = None
         model.save_pretrained(ckpt, safe_serialization=True)
-        model = model.to(DTYPES[args.dtype])
         params = sum(p.numel() for p in model.parameters())
+        del model  # every run loads the checkpoint in a child process of its own
         print(
             f"model: llama {params / 1e6:.0f}M parameters, bf16 checkpoint {ckpt}, "
             f"{args.dtype} compute"
@@ -252,19 +287,20 @@ def main() -> None:
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)
-        ours, ours_tokens = _ours(args, ckpt, work / "nvme", prompts, plan, args.dtype)
+        ours, ours_tokens = isolated(
+            _ours_run, args, ckpt, work / "nvme", prompts, plan, args.dtype
+        )
         print(f"[ours] NVMe weights, batch {batch}: {ours:.1f} tokens/s")
         for label, p in (("matrix-product probe", _plan(args, config, matmul_hw)),
                          ("model-shaped probe", plan)):  # fmt: skip
             print(f"[plan] predicted ({label}): {p.tokens_per_s:.1f} tokens/s; measured / "
                   f"predicted = {ours / p.tokens_per_s:.2f}")  # fmt: skip
 
-        model.eval()
         hf: dict[int, float] = {}
         same_shape: list[list[int]] | None = None
         cap = args.hf_max_batches
         for b in sorted({*_batches(args.hf_batches), batch}):
-            hf[b], tokens = _hf_generate(model, prompts, b, args.new_tokens, cap)
+            hf[b], tokens = isolated(_hf_run, ckpt, args.dtype, prompts, b, args.new_tokens, cap)
             part = f" (first {len(tokens)} prompts)" if len(tokens) < len(prompts) else ""
             print(f"[hf generate] in memory, batch {b}: {hf[b]:.1f} tokens/s{part}")
             if b == batch:
@@ -276,7 +312,6 @@ def main() -> None:
         share = _same(ours_tokens[: len(same_shape)], same_shape)
         print(f"identical sequences vs in-memory generate at batch {batch} ({args.dtype}): "
               f"{share:.1%} of {len(same_shape)}")  # fmt: skip
-        del model
         if args.dtype != "fp32":
             _fp32_check(args, config, hw, ckpt, work / "nvme32", prompts)
 
@@ -396,9 +431,8 @@ def _fp32_check(
         return
     sub = argparse.Namespace(**{**vars(args), "prompts": n, "batch": None, "dtype": "fp32"})
     plan = _plan(sub, config, hw)
-    _, ours = _ours(sub, ckpt, nvme, prompts[:n], plan, "fp32", report=False)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    _, ref = _hf_generate(model, prompts[:n], plan.concurrent_seqs, args.new_tokens)
+    _, ours = isolated(_ours_run, sub, ckpt, nvme, prompts[:n], plan, "fp32", False)
+    _, ref = isolated(_hf_run, ckpt, "fp32", prompts[:n], plan.concurrent_seqs, args.new_tokens)
     print(f"identical sequences vs in-memory generate at batch {plan.concurrent_seqs} (fp32): "
           f"{_same(ours, ref):.1%} of {n}")  # fmt: skip
 
@@ -425,21 +459,35 @@ def _accelerate(
     this 0.7 GB model stays in the page cache after the first pass: the weights then
     come from RAM, not from the disk.
     """
-    from accelerate import disk_offload
-
     out: dict[int, float] = {}
     label = "cold page cache" if cold else "warm page cache"
     for b in _batches(args.acc_batches):
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[args.dtype]).eval()
-        disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
-        if cold:
-            model.register_forward_pre_hook(_evicting(folder))
-        out[b], tokens = _hf_generate(model, prompts, b, args.new_tokens, args.acc_max_batches)
-        part = f" (rate over the first {len(tokens)} prompts)" if len(tokens) < len(prompts) else ""
+        out[b], done = isolated(_accelerate_run, args, ckpt, folder, prompts, b, cold)
+        part = f" (rate over the first {done} prompts)" if done < len(prompts) else ""
         print(f"[accelerate] disk offload ({label}), batch {b}: {out[b]:.1f} tokens/s{part}")
-        del model
         shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def _accelerate_run(
+    args: argparse.Namespace,
+    ckpt: Path,
+    folder: Path,
+    prompts: torch.Tensor,
+    batch: int,
+    cold: bool,
+) -> tuple[float, int]:
+    """(tokens/s, prompts generated) of Accelerate's disk offload at ``batch``; run it
+    through :func:`~_common.isolated`, a child process of its own."""
+    from accelerate import disk_offload
+
+    keep_host_allocations()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[args.dtype]).eval()
+    disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
+    if cold:
+        model.register_forward_pre_hook(_evicting(folder))
+    rate, tokens = _hf_generate(model, prompts, batch, args.new_tokens, args.acc_max_batches)
+    return rate, len(tokens)
 
 
 if __name__ == "__main__":
