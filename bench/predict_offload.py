@@ -152,6 +152,7 @@ def _hf_run(
 ) -> tuple[float, list[list[int]]]:
     """:func:`_hf_generate` of the checkpoint's model loaded in ``dtype``; run it through
     :func:`~_common.isolated`, a child process of its own."""
+    quiet()
     keep_host_allocations()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
     return _hf_generate(model, prompts, batch, new, max_batches)
@@ -166,8 +167,9 @@ def _ours_run(
     dtype: str,
     report: bool = True,
 ) -> tuple[float, list[list[int]]]:
-    """:func:`_ours` with the host allocator kept as in every run; run it through
-    :func:`~_common.isolated`."""
+    """:func:`_ours` with the host allocator kept as in every run (and Lightning's banners
+    silenced, as in this process); run it through :func:`~_common.isolated`."""
+    quiet()
     keep_host_allocations()
     return _ours(args, ckpt, nvme, prompts, plan, dtype, report=report)
 
@@ -481,6 +483,7 @@ def _accelerate_run(
     through :func:`~_common.isolated`, a child process of its own."""
     from accelerate import disk_offload
 
+    quiet()
     keep_host_allocations()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[args.dtype]).eval()
     disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
