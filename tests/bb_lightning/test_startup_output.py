@@ -28,9 +28,9 @@ from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.cli import main
-from bb_lightning.lightning_cli import BalanceBeamCLI, _build_lightning_cli
 from bb_lightning.data import TextDataModule
 from bb_lightning.engine.pager import Placement
+from bb_lightning.lightning_cli import BalanceBeamCLI, _build_lightning_cli
 from bb_lightning.summary import describe_placement
 from storage.tiers import Tier, format_count
 
