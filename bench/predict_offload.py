@@ -158,22 +158,6 @@ def _hf_run(
     return _hf_generate(model, prompts, batch, new, max_batches)
 
 
-def _ours_run(
-    args: argparse.Namespace,
-    ckpt: Path,
-    nvme: Path,
-    prompts: torch.Tensor,
-    plan: Plan,
-    dtype: str,
-    report: bool = True,
-) -> tuple[float, list[list[int]]]:
-    """:func:`_ours` with the host allocator kept as in every run (and Lightning's banners
-    silenced, as in this process); run it through :func:`~_common.isolated`."""
-    quiet()
-    keep_host_allocations()
-    return _ours(args, ckpt, nvme, prompts, plan, dtype, report=report)
-
-
 def _ours(
     args: argparse.Namespace,
     ckpt: Path,
@@ -181,11 +165,14 @@ def _ours(
     prompts: torch.Tensor,
     plan: Plan,
     dtype: str,
-    *,
     report: bool = True,
 ) -> tuple[float, list[list[int]]]:
     """(generated tokens/s, token ids per prompt) of ``trainer.predict`` at the plan's batch,
-    computing in ``dtype`` (``"bf16"`` or ``"fp32"``); ``report`` prints its phases."""
+    computing in ``dtype`` (``"bf16"`` or ``"fp32"``); ``report`` prints its phases. Run it
+    through :func:`~_common.isolated`, a child process of its own: it sets the host
+    allocator as every run does and silences Lightning's banners as this process does."""
+    quiet()
+    keep_host_allocations()
     rows = [
         {"id": str(i), "input_ids": p, "attention_mask": torch.ones_like(p), "error": None}
         for i, p in enumerate(prompts)
@@ -289,9 +276,7 @@ def main() -> None:
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)
-        ours, ours_tokens = isolated(
-            _ours_run, args, ckpt, work / "nvme", prompts, plan, args.dtype
-        )
+        ours, ours_tokens = isolated(_ours, args, ckpt, work / "nvme", prompts, plan, args.dtype)
         print(f"[ours] NVMe weights, batch {batch}: {ours:.1f} tokens/s")
         for label, p in (("matrix-product probe", _plan(args, config, matmul_hw)),
                          ("model-shaped probe", plan)):  # fmt: skip
@@ -433,7 +418,7 @@ def _fp32_check(
         return
     sub = argparse.Namespace(**{**vars(args), "prompts": n, "batch": None, "dtype": "fp32"})
     plan = _plan(sub, config, hw)
-    _, ours = isolated(_ours_run, sub, ckpt, nvme, prompts[:n], plan, "fp32", False)
+    _, ours = isolated(_ours, sub, ckpt, nvme, prompts[:n], plan, "fp32", False)
     _, ref = isolated(_hf_run, ckpt, "fp32", prompts[:n], plan.concurrent_seqs, args.new_tokens)
     print(f"identical sequences vs in-memory generate at batch {plan.concurrent_seqs} (fp32): "
           f"{_same(ours, ref):.1%} of {n}")  # fmt: skip
