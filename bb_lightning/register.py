@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["REGISTRY_MODULES", "STRATEGY_NAME", "build_strategy", "register"]
+__all__ = ["REGISTRY_MODULES", "STRATEGY_NAME", "add_to", "build_strategy", "register"]
 
 STRATEGY_NAME = "balance_beam"
 """The name a Trainer, a recipe or the command line gives the strategy."""
