@@ -43,7 +43,8 @@ cached.
 
 The result is cached as JSON in ``$BB_CACHE_DIR`` (default
 ``~/.cache/balance_beam``) under a name derived from the machine identity
-(hostname, CPU model, GPU name, NVMe path).
+(hostname, CPU model, GPU name, and the filesystem that holds the NVMe path: another
+directory on the same filesystem reuses the profile, its free space read afresh).
 """
 
 from __future__ import annotations
@@ -134,15 +135,30 @@ the earlier probes are measured again."""
 
 def machine_identity(nvme_path: str | None) -> dict[str, str]:
     """What a cached profile is valid for: the probes' version, hostname, CPU model, GPU
-    name and NVMe path."""
+    name and the filesystem that holds the NVMe path (:func:`filesystem_of`)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     return {
         "probes": PROBES_VERSION,
         "hostname": socket.gethostname(),
         "cpu": _cpu_model(),
         "gpu": gpu,
-        "nvme_path": os.path.realpath(nvme_path) if nvme_path else "",
+        "nvme_filesystem": filesystem_of(nvme_path) if nvme_path else "",
     }
+
+
+def filesystem_of(path: str) -> str:
+    """The filesystem that holds ``path``: its device number and mount point
+    (``"259:1 /mnt/nvme"``). The NVMe probes measure the disk and filesystem, not the
+    directory, so every directory on one filesystem shares a profile; a path that does
+    not exist yet is judged by its nearest existing parent."""
+    real = Path(os.path.realpath(path))
+    while not real.exists() and real != real.parent:
+        real = real.parent
+    mount = real
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    dev = os.stat(real).st_dev
+    return f"{os.major(dev)}:{os.minor(dev)} {mount}"
 
 
 def cache_dir() -> Path:
@@ -619,6 +635,8 @@ def measure(
     path = cache_path(identity)
     if cache:
         cached = _read_cache(path, identity)
+        if cached is not None and nvme_path is not None:  # this directory's free space of now
+            cached = cached.replace(nvme_capacity=shutil.disk_usage(nvme_path).free)
         if cached is not None and cached.device_type == "cuda":  # the free memory of now
             device = torch.device("cuda", torch.cuda.current_device())
             return cached.replace(device_memory=int(cuda_device_memory(device) * CUDA_DEVICE_SHARE))

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def test_measure_is_sane_and_cached(
 
     monkeypatch.setattr(measure_module, "_measure_now", no_measuring)
     second = measure(nvme_path=str(disk), max_seconds=2.0)  # from the cache, not measured
-    assert second == first
+    assert second.nvme_capacity == pytest.approx(shutil.disk_usage(disk).free, rel=0.05)
+    assert second.replace(nvme_capacity=first.nvme_capacity) == first
     path = cache_path(machine_identity(str(disk)))
     assert path.parent == cache_dir
     assert cached_profile_dict(path) == first.to_dict()
@@ -89,15 +91,42 @@ def test_a_cache_of_an_older_layout_is_measured_again(cache_dir: Path) -> None:
 def test_cache_key(tmp_path: Path, cache_dir: Path) -> None:
     a = machine_identity(str(tmp_path))
     assert machine_identity(str(tmp_path)) == a
-    assert set(a) == {"probes", "hostname", "cpu", "gpu", "nvme_path"}
+    assert set(a) == {"probes", "hostname", "cpu", "gpu", "nvme_filesystem"}
     path = cache_path(a)
     assert path.parent == cache_dir
     assert path.name.startswith("hardware-") and path.suffix == ".json"
     assert cache_path(dict(a)) == path
-    assert cache_path(a | {"nvme_path": "/elsewhere"}) != path
+    assert cache_path(a | {"nvme_filesystem": "259:1 /mnt/nvme"}) != path
     assert cache_path(a | {"gpu": "NVIDIA H200"}) != path
     assert cache_path(a | {"probes": "1"}) != path  # a profile of earlier probes is not reused
     assert cache_path(a | {"hostname": "other"}).name.startswith("hardware-other-")
+
+
+def test_a_directory_on_the_same_filesystem_reuses_the_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first_dir, other_dir = tmp_path / "run1" / "nvme", tmp_path / "run2" / "nvme"
+    first_dir.mkdir(parents=True)
+    other_dir.mkdir(parents=True)
+    stat = os.stat(tmp_path)
+    # the key names the filesystem as the kernel does: device number and mount point
+    device, mount = machine_identity(str(other_dir))["nvme_filesystem"].split(" ", 1)
+    assert device == f"{os.major(stat.st_dev)}:{os.minor(stat.st_dev)}"
+    assert os.path.ismount(mount) and str(other_dir.resolve()).startswith(mount)
+    first = measure(nvme_path=str(first_dir), max_seconds=1.0)
+
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("a profile of the same filesystem was measured again")
+
+    monkeypatch.setattr(measure_module, "_measure_now", no_measuring)
+    reused = measure(nvme_path=str(other_dir), max_seconds=1.0)
+    assert reused.nvme_read_bandwidth == first.nvme_read_bandwidth > 0
+    assert reused.nvme_capacity == pytest.approx(shutil.disk_usage(other_dir).free, rel=0.05)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.stat(shm).st_dev != stat.st_dev:  # another filesystem: measured
+        with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
+            with pytest.raises(AssertionError, match="measured again"):
+                measure(nvme_path=elsewhere, max_seconds=1.0)
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
