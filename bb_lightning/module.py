@@ -64,9 +64,16 @@ SafetensorsCheckpoint = HFCheckpoint
 
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
-    """Seed every generator for the block, then restore the caller's random state."""
+    """Seed every generator and make new tensors on the CPU for the block, then restore the
+    caller's random state.
+
+    The CPU also where a strategy's init context names the accelerator (plain Lightning
+    on a GPU builds the model in ``torch.device("cuda")``): a CUDA generator draws other
+    numbers from the same seed, so ``seed`` would give other initial weights there than
+    under a strategy that builds on the host. The strategy moves the model afterwards.
+    """
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=cuda):
+    with torch.random.fork_rng(devices=cuda), torch.device("cpu"):
         torch.manual_seed(seed)
         yield
 

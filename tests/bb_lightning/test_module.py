@@ -114,6 +114,21 @@ def test_configure_model_is_idempotent_and_seeded() -> None:
     assert not torch.equal(next(third.model.parameters()), next(first.parameters()))
 
 
+def test_seed_gives_the_same_weights_inside_an_init_context_of_another_device() -> None:
+    # plain Lightning on a GPU calls configure_model inside torch.device("cuda"), whose
+    # generator draws other numbers than the CPU's from one seed; the meta device stands
+    # in for it here: the weights are still real, on the host, and equal to a plain build
+    plain = CausalLMModule(TINY, seed=3)
+    plain.configure_model()
+    inside = CausalLMModule(TINY, seed=3)
+    with torch.device("meta"):
+        inside.configure_model()
+    assert plain.model is not None and inside.model is not None
+    for (name, a), b in zip(plain.model.named_parameters(), inside.model.parameters(), strict=True):
+        assert b.device.type == "cpu", name
+        assert torch.equal(a, b), name
+
+
 def test_load_local_checkpoint_and_config_sources(tmp_path: Path) -> None:
     torch.manual_seed(5)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY))
