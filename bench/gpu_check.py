@@ -17,6 +17,7 @@ else ``OUTDIR/nvme`` (put OUTDIR on the local NVMe).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -221,6 +222,9 @@ LLAMAS = [  # (name, hidden, ffn, layers, heads): published shapes
     ("llama-7b", 4096, 11008, 32, 32),
     ("llama-13b", 5120, 13824, 40, 40),
 ]
+LARGEST = 1
+"""How far up the ladders the fine-tune and predict steps may go (1: their first entry):
+building a larger model with random weights on the host, twice, outlasts a step's limit."""
 HOST_BYTES_PER_PARAM = 24
 """Host bytes per parameter of a full fine-tune with host-side AdamW (fp32 model as
 built, master, two moments, gradient accumulator, bf16 weights), for the size ladder."""
@@ -239,9 +243,9 @@ def finetune(ctx: Ctx) -> Outcome:
     else:
         room = 0.8 * psutil.virtual_memory().available
         fits = [s for s in LLAMAS if _llama_params(*s[1:]) * HOST_BYTES_PER_PARAM <= room]
-        name, hidden, ffn, layers, heads = (fits or LLAMAS[:1])[-1]
+        name, hidden, ffn, layers, heads = (fits or LLAMAS[:1])[min(len(fits), LARGEST) - 1]
         spec = {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
-                "seq": 2048, "micro": 4, "accum": 4, "steps": 3}  # fmt: skip
+                "seq": 2048, "micro": 4, "accum": 2, "steps": 3}  # fmt: skip
     spec["params"] = _llama_params(spec["hidden"], spec["ffn"], spec["layers"], spec["heads"])
     ctx.figures["model"] = spec
     runs: dict[str, Any] = {}
@@ -250,7 +254,7 @@ def finetune(ctx: Ctx) -> Outcome:
         if why is not None:
             runs[framework] = {"skipped": why}
             continue
-        limit = 120 if ctx.dry else 80
+        limit = 120 if ctx.dry else 65
         runs[framework] = _in_subprocess(ctx, "train", framework, spec, limit=limit)
     ctx.figures["runs"] = runs
     ours = runs["balance_beam"]
@@ -279,7 +283,7 @@ def predict(ctx: Ctx) -> Outcome:
     else:
         room = 0.35 * psutil.virtual_memory().available  # bf16 weights, pinned copy, slack
         fits = [s for s in OPTS if 2 * 12 * s[1] ** 2 * s[3] <= room]
-        name, hidden, ffn, layers, heads = (fits or OPTS[:1])[-1]
+        name, hidden, ffn, layers, heads = (fits or OPTS[:1])[min(len(fits), LARGEST) - 1]
         spec = {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
                 "prompts": 16, "prompt_len": 128, "new": 8}  # fmt: skip
     ctx.figures["model"] = spec
@@ -292,14 +296,14 @@ def predict(ctx: Ctx) -> Outcome:
 
 STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
     "versions": (versions, 20),
-    "pytest": (pytest_gpu, 120),
-    "page_in": (page_in, 40),
-    "nvme_read": (nvme_read, 50),
+    "pytest": (pytest_gpu, 100),
+    "page_in": (page_in, 30),
+    "nvme_read": (nvme_read, 40),
     "measure": (measure_step, 40),
-    "finetune": (finetune, 200),
+    "finetune": (finetune, 150),
     "predict": (predict, 100),
 }
-"""Step name -> (function, seconds the driver allows it): 570 s in all."""
+"""Step name -> (function, seconds the driver allows it): 480 s in all."""
 
 
 # -------------------------------------------------------------------- child runs
@@ -308,19 +312,27 @@ STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
 def _in_subprocess(ctx: Ctx, kind: str, framework: str, spec: dict[str, Any], limit: int) -> Any:
     """Run one framework in a fresh process (device memory, process groups and allocator
     caches do not leak into the next); its last output line is its result JSON."""
-    cmd = [sys.executable, __file__, str(ctx.out), "--child", kind, framework, json.dumps(spec)]
+    cmd = [sys.executable, __file__, str(ctx.out), "--child", kind, framework, json.dumps(spec),
+           "--dump-after", str(max(1, limit - 5))]  # fmt: skip
     if ctx.dry:
         cmd.append("--dry-run")
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
     except subprocess.TimeoutExpired as err:
-        print(str(err.stdout or "")[-3000:], str(err.stderr or "")[-3000:])
+        print(_text(err.stdout)[-3000:], _text(err.stderr)[-6000:])  # stderr: the stacks
         return {"error": f"timed out after {limit} s"}
     print(done.stdout[-3000:], done.stderr[-3000:])
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         return {"error": f"exit {done.returncode}: {done.stderr.strip()[-500:]}"}
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _text(out: str | bytes | None) -> str:
+    """A timed-out child's output (bytes even under ``text=True``) as text."""
+    if isinstance(out, bytes):
+        return out.decode(errors="replace")
+    return out or ""
 
 
 def _cannot_run(framework: str, ctx: Ctx) -> str | None:
@@ -419,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--collect", action="store_true")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "FRAMEWORK", "SPEC"))
+    parser.add_argument("--dump-after", type=float, default=0.0,
+                        help="a child prints every thread's stack after this many seconds")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, (_, limit) in STEPS.items():
@@ -431,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         from gpu_check_runs import predict_child, train_child  # bench/ is on sys.path
 
+        if args.dump_after > 0:  # where a child that outlasts its limit was
+            faulthandler.dump_traceback_later(args.dump_after, exit=False)
         kind, framework, spec = args.child
         if kind == "train":
             result = train_child(ctx, framework, json.loads(spec))

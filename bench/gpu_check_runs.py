@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from typing import Any
 
@@ -22,6 +23,15 @@ PREDICT_DEVICE_CAP = 16 * GIB
 """Device bytes a generation run may use."""
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 """Dense bf16 tensor-core FLOP/s by GPU name (vendor data sheets), for MFU."""
+
+
+_START = time.perf_counter()
+
+
+def _note(what: str) -> None:
+    """A progress line on stderr, seconds since the child started: a child killed at its
+    limit shows how far it got."""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def _cap_device(ctx: Ctx, cap: int) -> None:
@@ -62,6 +72,7 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
 
         strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
     module = CausalLMModule(config, learning_rate=1e-5, seed=0)
+    _note(f"{framework}: fit starts")
     timer = _step_clock(spec["accum"], ctx)
     steps = spec["steps"]
     trainer = pl.Trainer(
@@ -73,7 +84,21 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(0, 32000, (spec["micro"], spec["seq"]), generator=g)}
             for _ in range(steps * spec["accum"])]  # fmt: skip
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))  # type: ignore[arg-type, var-annotated]
+    at_oom: list[Any] = []  # the allocator's state when it first ran out (before teardown)
+    if ctx.cuda:  # stacks of live allocations, for the report should the device fill up
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        torch._C._cuda_attach_out_of_memory_observer(
+            lambda *_: at_oom.append(torch.cuda.memory._snapshot()) if not at_oom else None
+        )
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))  # type: ignore[arg-type, var-annotated]
+    except Exception as err:
+        if not (at_oom or isinstance(err, torch.OutOfMemoryError)):
+            raise
+        return _oom_report(strategy, err, at_oom[0] if at_oom else None)
+    finally:
+        if ctx.cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
     timed = timer.ends[1:]  # the first step warms up
     seconds = (timed[-1] - timer.ends[0]) / len(timed)
     tokens = spec["micro"] * spec["seq"] * spec["accum"]
@@ -91,6 +116,57 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     return out
 
 
+POOL = (1 << 24) + 7
+"""Values in the pool ``random_weights`` tiles: a prime-ish count, so that tiles do not
+line up with rows."""
+
+
+def random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter in seconds: 1-D weights 1 (norm scales), 1-D biases 0, the
+    rest tiled from one pool of N(0, 0.02) values (a throughput check needs no better)."""
+    pool = torch.randn(POOL, generator=torch.Generator().manual_seed(seed)) * 0.02
+    cast: dict[torch.dtype, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            src = cast.setdefault(p.dtype, pool.to(p.dtype))
+            flat = p.view(-1)
+            for start in range(0, flat.numel(), POOL):
+                n = min(POOL, flat.numel() - start)
+                flat[start : start + n].copy_(src[:n])
+
+
+def _oom_report(strategy: Any, err: BaseException, snapshot: Any) -> dict[str, Any]:
+    """What held the device when fitting ran out of its memory: the bytes allocated, the
+    plan's device bytes, and the live blocks of the allocator's ``snapshot`` taken then,
+    summed by the innermost frame of this project or of transformers that allocated them."""
+    report: dict[str, Any] = {"error": f"CUDA out of memory: {str(err)[:300]}",
+                              "allocated": torch.cuda.memory_allocated(),
+                              "max_allocated": torch.cuda.max_memory_allocated()}  # fmt: skip
+    plan = getattr(strategy, "plan", None)
+    if plan is not None:
+        report["planned_device_bytes"] = plan.memory[0].used
+        report["plan"] = plan.explain()
+    if snapshot is None:
+        report["holders"] = "no snapshot was taken when the allocator ran out"
+        return report
+    held: dict[str, int] = {}
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            ours = [f for f in frames if "bb_lightning" in f["filename"] or "storage/" in f["filename"]
+                    or "transformers" in f["filename"]]  # fmt: skip
+            top = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+            key = f"{top['filename'].rsplit('/', 2)[-1]}:{top['line']} {top['name']}"
+            held[key] = held.get(key, 0) + int(block.get("size", 0))
+    report["holders"] = sorted(held.items(), key=lambda kv: -kv[1])[:15]
+    return report
+
+
 def _step_clock(accum: int, ctx: Ctx) -> Any:
     """A Lightning callback noting the wall time at the end of each optimizer step, after
     a device sync (``.ends``)."""
@@ -104,6 +180,7 @@ def _step_clock(accum: int, ctx: Ctx) -> Any:
             if (args[-1] + 1) % accum == 0:
                 ctx.sync()
                 self.ends.append(time.perf_counter())
+                _note(f"optimizer step {len(self.ends)} done")
 
     return StepClock()
 
@@ -137,7 +214,13 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
         vocab_size=50272, max_position_embeddings=2048, pad_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    _note("building the model")
+    with torch.device("meta"):  # transformers' own init draws every value: minutes at 6.7 B
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device="cpu").eval()
+    model.tie_weights()
+    random_weights(model, seed=0)
+    _note("model built")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 50272, (spec["prompts"], spec["prompt_len"]), generator=g)
     mask = torch.ones_like(ids)
@@ -147,6 +230,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
         nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
     )
     plan = make_plan(model_profile_from_module(model), hw, job)
+    _note(f"planned: {plan.concurrent_seqs} rows at once")
     _, blocks = find_block_list(model)
     placement = plan.placement
     need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks], placement)
@@ -159,6 +243,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     engine = InferenceEngine(model, list(blocks), store, placement,
                              device=ctx.device, loader=lambda p: own[id(p)])  # fmt: skip
     gen = LayerMajorGenerator(model, kv_tier=plan.kv_cache)
+    _note("engine holds the weights")
     rows = plan.concurrent_seqs
     ours: list[list[int]] = []
     ctx.sync()
@@ -167,6 +252,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
         done = gen.generate(ids[i : i + rows], mask[i : i + rows],
                             GenerationConfig(max_new_tokens=spec["new"]))  # fmt: skip
         ours += [r.token_ids for r in done]
+        _note(f"balance_beam: {len(ours)} of {len(ids)} prompts")
     ours_s = time.perf_counter() - t0
     engine.close()
     store.close()
@@ -182,6 +268,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     device_map = infer_auto_device_map(model, max_memory=budget,  # type: ignore[arg-type]
                                        no_split_module_classes=["OPTDecoderLayer"])  # fmt: skip
     model = dispatch_model(model, device_map=device_map)
+    _note("accelerate: model dispatched")
     first = ctx.device
     ref: list[list[int]] = []
     ctx.sync()
@@ -193,6 +280,7 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
                                  max_new_tokens=spec["new"], min_new_tokens=spec["new"],
                                  pad_token_id=1)  # fmt: skip
             ref += out[:, spec["prompt_len"] :].tolist()
+            _note(f"accelerate: {len(ref)} of {len(ids)} prompts")
     acc_s = time.perf_counter() - t0
     tokens = spec["prompts"] * spec["new"]
     same = sum(a == b for a, b in zip(ours, ref, strict=True)) / len(ref)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The checks of a first run on a GPU machine, each step under its own time limit (about
-# 10 minutes in all on one H200): writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.log.
+# The checks of a first run on a GPU machine, each step under its own time limit (8
+# minutes at most in all): writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.log.
 # --dry-run runs every step's Python on the CPU at tiny sizes. The steps: bench/gpu_check.py.
 # Usage: bash scripts/gpu-check.sh OUTDIR [--dry-run]
 set -uo pipefail
