@@ -6,4 +6,5 @@ bash scripts/setup.sh
 .venv/bin/ruff check storage bb_lightning tests bench
 .venv/bin/ruff format --check storage bb_lightning tests bench
 .venv/bin/mypy
-.venv/bin/pytest -q -p no:cacheprovider "$@"
+# two worker processes (pytest-xdist): a quarter less wall time on 2 cores; -n 0 runs serially
+.venv/bin/pytest -q -p no:cacheprovider -n 2 "$@"
