@@ -157,8 +157,16 @@ def _replan_room(
     nvme_path: str | None,
     sharding: tuple[int, tuple[list[int], int]] = (1, ([], 0)),
 ) -> dict[Tier, int]:
-    """``need`` raised to the plan's budgets (room for re-plans), within what any
-    placement of these blocks may use."""
+    """``need`` raised by the plan's headroom in each tier (room for re-plans), within
+    what any placement of these blocks may use.
+
+    Not to the plan's budgets: a tier's budget also pays for what the plan puts there
+    outside the store (on the device the activations, logits, gradients in flight and
+    the weights outside the blocks), and the store allocates its device arena whole. A
+    device arena sized to the budget left no room for the activations: on an H200 capped
+    at 24 GiB a plan of 17.95 GiB (2 GiB of it in the store) held an 18.4 GiB arena and
+    ran out of device memory in its first forward.
+    """
     need = dict(need)
     if plan is not None:  # room for re-plans, within what the plan may use
         n = len(numels)
@@ -181,7 +189,8 @@ def _replan_room(
             for t in Tier
         }
         for mem in plan.memory:
-            need[mem.tier] = max(need[mem.tier], min(most[mem.tier], mem.budget))
+            room = need[mem.tier] + max(mem.headroom, 0)
+            need[mem.tier] = max(need[mem.tier], min(most[mem.tier], room))
         if nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
             need[Tier.NVME] = 0
     return need

@@ -172,3 +172,44 @@ def test_a_plan_keeping_a_copied_block_bound_is_refused() -> None:
     assert planned_autograd_blocks(cpu_plan, {D, H}) == {0, 1}
     with pytest.raises(ValueError, match=r"blocks \[1\] \(homed on \['host'\]\).*hardware="):
         planned_autograd_blocks(cpu_plan, {D})
+
+
+def test_a_gpu_plan_leaves_room_for_its_activations_beside_the_store(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The store's device arena holds the placement's blocks and the plan's headroom, not
+    the whole device budget: the activations and logits the plan prices on the device are
+    allocated beside it, and a GPU allocates the arena whole (on an H200 the arena took
+    the budget and the first forward ran out of device memory). Planned for a GPU whose
+    budget holds half of the model's training state, run on the CPU."""
+    seq, seqs = 64, 4  # the model's whole context
+    module = tiny.make_module(tiny.tiny_llama(8))
+    module.configure_model()
+    assert module.model is not None
+    profile = model_profile_from_module(module.model)
+    state = 18 * sum(
+        p.numel() for p in module.model.parameters()
+    )  # bf16, fp32 master, AdamW, grads
+    budget = state // 2 + cost.activation_bytes(profile, seqs, seq, True)
+    hw = preset("a100-80gb").replace(device_memory=int((budget + (1 << 30)) / 0.9))
+    strategy = BalanceBeamStrategy(
+        job=FitJob(seq_len=seq, global_batch_seqs=seqs), hardware=hw,
+        overrides=PlanOverrides(micro_batch=seqs, grad_accum=1),
+        nvme_path=str(tmp_path / "nvme"), compute_dtype="fp32",
+    )  # fmt: skip
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 256, (seqs, seq), generator=g)}]
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))  # type: ignore[arg-type,var-annotated]
+    plan = strategy.plan
+    assert plan is not None and strategy.store is not None
+    assert set(plan.weights) != {D}  # the budget binds: some blocks are paged
+    device = next(m for m in plan.memory if m.tier is D)
+    # what the plan puts on the device outside the store, at the least
+    outside = cost.activation_bytes(profile, seqs, seq, plan.checkpointing) + cost.logits_bytes(
+        profile, seqs * seq
+    )
+    arena = strategy.store.usage()[D][1]
+    mib = 1 << 20
+    assert arena + outside <= device.budget + mib, (arena / mib, outside / mib, device)
+    strategy.close()
