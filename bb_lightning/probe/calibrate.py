@@ -50,6 +50,7 @@ from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import contention, rate_cache
 from bb_lightning.probe.contention import Timing
+from bb_lightning.probe.measure import cuda_device_memory
 from bb_lightning.probe.model import model_profile_from_config
 
 __all__ = ["PredictCompute", "TrainCompute", "probe_predict_compute", "probe_train_compute"]
@@ -147,8 +148,8 @@ def _fits(
     # one copy runs at a time: the wider one's activations, and the fp32 logits and loss
     need += (span + 1) * tokens * model.act_bytes_per_token_full
     need += 3 * 4 * tokens * model.vocab_size
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # within set_per_process_memory_fraction's cap
+        free = cuda_device_memory(device)
     else:
         free = psutil.virtual_memory().available
     return need <= MEMORY_SHARE * free
@@ -473,7 +474,7 @@ def _predict_fits(
     need += scale * (SPAN + 2) * dec_rows * cache_len * model.kv_bytes_per_token
     need += 4 * max(rows, dec_rows) * model.vocab_size
     if dev.type == "cuda":
-        free = torch.cuda.mem_get_info(dev)[0]
+        free = cuda_device_memory(dev)
     else:
         free = psutil.virtual_memory().available
     return need <= MEMORY_SHARE * free

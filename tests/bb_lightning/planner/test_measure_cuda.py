@@ -70,3 +70,20 @@ def test_a_cached_cuda_profile_gets_the_device_memory_of_now(
     got = m.measure()
     assert got.replace(device_memory=cached.device_memory) == cached
     assert got.device_memory == int((int(0.3 * 80 * GIB) - 2 * GIB) * m.CUDA_DEVICE_SHARE)
+
+
+def test_the_model_shaped_probe_runs_only_within_the_process_share(
+    fake_cuda: dict[str, float],
+) -> None:
+    # the probe's copies of a 1.26 B Llama at 4 x 2048 tokens need about 12 GiB: room on
+    # the whole device, none within a tenth of it (set_per_process_memory_fraction)
+    from bb_lightning.probe import calibrate, model_profile_from_config
+
+    config = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+              "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "vocab_size": 32000, "tie_word_embeddings": False}  # fmt: skip
+    model = model_profile_from_config(config)
+    cuda = torch.device("cuda", 0)
+    assert calibrate._fits(model, 2048, 4, cuda, span=7)
+    fake_cuda["fraction"] = 0.1
+    assert not calibrate._fits(model, 2048, 4, cuda, span=7)
