@@ -145,6 +145,52 @@ def test_backward_holds_no_more_than_the_planned_gradients_in_flight() -> None:
     assert len(peak.deltas) == 2 and peak.deltas[-1] <= bound, (peak.deltas, bound)
 
 
+def test_fit_stays_within_its_planned_device_budget(tmp_path: Path) -> None:
+    """A plan for a device whose budget holds one block's weights besides the activations,
+    logits and gradients in flight: the run's peak allocation stays within that budget
+    (the store's arena, allocated whole, with everything the plan prices beside it).
+    The arena once took the whole budget: out of device memory on an H200."""
+    from bb_lightning.module import CausalLMModule
+    from bb_lightning.planner import FitJob, PlanOverrides, preset
+
+    layers, seqs, seq = 8, 16, 64
+    config = wide_llama(layers)
+    profile = model_profile_from_config(config)
+    budget = (
+        layers * profile.block_params  # half the blocks' bf16 weights
+        + cost.activation_bytes(profile, seqs, seq, True)
+        + cost.logits_bytes(profile, seqs * seq)
+        + 2 * cost.grad_bytes_in_flight(profile)
+        + 2 * (profile.embed_params + profile.head_params)
+    )
+    hw = preset("h100").replace(device_memory=int((budget + cost.DEVICE_MARGIN_BYTES) / 0.9))
+    strategy = BalanceBeamStrategy(
+        job=FitJob(seq_len=seq, global_batch_seqs=seqs), hardware=hw,
+        overrides=PlanOverrides(micro_batch=seqs, grad_accum=1), nvme_path=str(tmp_path / "nvme"),
+    )  # fmt: skip
+    module = CausalLMModule(config, learning_rate=1e-3, seed=0)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, VOCAB, (seqs, seq), generator=g)} for _ in range(2)]
+    trainer = pl.Trainer(
+        accelerator="cuda", devices=1, strategy=strategy, precision="bf16-true", max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))  # type: ignore[arg-type,var-annotated]
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    plan = strategy.plan
+    strategy.close()
+    assert plan is not None and set(plan.weights) != {D}  # some blocks are paged
+    device = next(m for m in plan.memory if m.tier is D)
+    # cuBLAS workspaces of the compute and autograd threads come on top
+    assert peak <= device.budget + (64 << 20), (peak, device)
+
+
 def _tokens(
     gen: LayerMajorGenerator, ids: torch.Tensor, mask: torch.Tensor, eos: tuple[int, ...]
 ) -> list[Any]:
