@@ -435,9 +435,15 @@ class Plan:
         per_rank = (
             f" ({ranks} ranks x {self.tokens_per_s / ranks:.4g} per rank)" if ranks > 1 else ""
         )
-        lines.append(
-            f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s{per_rank}, MFU {self.mfu:.1%}"
+        # MFU is against the bf16 matrix-product rate: on a CPU without bf16 matrix
+        # instructions an fp32 job runs far above it (an MFU of 249 %), so a CPU gets the
+        # model's FLOP/s, as the progress bar shows it
+        rate = (
+            f"{self.mfu * self.hardware.device_flops / 1e9:.4g} model GFLOP/s"
+            if self.hardware.device_type == "cpu"
+            else f"MFU {self.mfu:.1%}"
         )
+        lines.append(f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s{per_rank}, {rate}")
         if self.reasons:
             lines.append("why:")
             lines.extend(f"  - {r}" for r in self.reasons)

@@ -8,6 +8,7 @@ import pytest
 
 from bb_lightning.planner import (
     FitJob,
+    HardwareProfile,
     MeasuredTimes,
     ModelProfile,
     Plan,
@@ -19,6 +20,7 @@ from bb_lightning.planner import (
     plan_differs,
     preset,
 )
+from bb_lightning.planner.cost import model_flops_per_token
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
@@ -172,3 +174,19 @@ def test_explain_names_placement_memory_and_bottleneck(llama30b: ModelProfile) -
         "why:",
     ):
         assert needle in text
+
+
+def test_explain_gives_a_cpu_the_model_flop_rate_not_mfu() -> None:
+    # MFU is against the bf16 product rate; an fp32 job on a CPU without bf16 matrix
+    # instructions runs far above it, so a CPU's plan prints the model's FLOP/s
+    model = model_profile_from_config(builtin_config("tiny-llama"))
+    cpu = HardwareProfile(
+        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
+        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=1e9,
+        nvme_write_bandwidth=1e9, nvme_capacity=8 << 30, host_adam_params_per_s=2e8, cores=2,
+    )  # fmt: skip
+    plan = make_plan(model, cpu, FitJob(seq_len=64, global_batch_seqs=4))
+    line = next(ln for ln in plan.explain().splitlines() if ln.startswith("throughput:"))
+    gflops = plan.tokens_per_s * model_flops_per_token(model, "fit") / 1e9
+    assert line.endswith(f", {gflops:.4g} model GFLOP/s"), line
+    assert "MFU" not in plan.explain()
