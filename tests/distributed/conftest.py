@@ -2,14 +2,18 @@
 ranks as a user launches them (``python dp_run.py --devices 2 ...``, Lightning's popen
 launcher starting the other ranks), on gloo, each rank on one thread.
 
-A run is cached for the whole pytest run by its arguments, so that the tests comparing
-it with another (equivalence, resume) share it. Every launched run gets its own free
+A training run is cached for the whole pytest run by its arguments, so that the tests
+comparing it with another (equivalence, resume) share it; under pytest-xdist the workers
+share one cache directory, and a run another worker started is waited for (a file lock)
+and read, not run again. Every launched run gets its own free
 ``MASTER_PORT`` and a timeout; the launched process and the ranks it starts are one
 process group, killed when the run ends, so a rank that hangs cannot outlive its test.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -17,7 +21,9 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,33 +146,61 @@ def in_process(out: Path, *args: str) -> Run:
     return Run(out, 0, "", "", list(args))
 
 
-class Runs:
-    """Cached runs of ``dp_run.py`` under one directory."""
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (made if missing), across processes."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
-    def __init__(self, root: Path, model: Path, prompt_model: Path) -> None:
+
+def _once(out: Path, run: Callable[[], Run]) -> Run:
+    """``run()``'s result for the run directory ``out``, run by whichever process of this
+    pytest run asks first; the others wait for it and read its record (``run.json``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = out / "run.json"
+    with _locked(out.parent / f"{out.name}.lock"):
+        if not record.exists():
+            done = run()
+            out.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({**asdict(done), "out": str(done.out)}))
+    fields = json.loads(record.read_text())
+    return Run(**{**fields, "out": Path(fields["out"])})
+
+
+class Runs:
+    """Cached runs of ``dp_run.py``: named ones under ``root`` (this process's), training
+    runs under ``shared`` (every xdist worker's), keyed by their arguments."""
+
+    def __init__(self, root: Path, shared: Path, model: Path, prompt_model: Path) -> None:
         self.root = root
+        self.shared = shared
         self.model = model
         self.prompt_model = prompt_model
-        self._cache: dict[tuple[str, ...], Run] = {}
 
     def fit(self, devices: int, accum: int, *args: str) -> Run:
         """A (cached) training run of the tiny Llama at ``devices`` ranks; checked.
 
         One process runs in this one, through ``dp_run.main`` (no interpreter start).
         """
-        key = ("fit", str(devices), str(accum), *args)
-        if key not in self._cache:
-            out = self.root / f"run{len(self._cache)}"
-            argv = ["--devices", str(devices), "--accum", str(accum), "--model", str(self.model)]
-            argv += args
+        key = json.dumps(["fit", devices, accum, *args])
+        out = self.shared / f"fit-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+        argv = ["--devices", str(devices), "--accum", str(accum), "--model", str(self.model)]
+        argv += args
+
+        def run() -> Run:
+            extra: list[str] = []
             if "--tier" in args and args[args.index("--tier") + 1] == "nvme":
                 out.mkdir(parents=True, exist_ok=True)  # the run makes the NVMe directory
-                argv += ["--nvme-path", str(out / "nvme")]
+                extra = ["--nvme-path", str(out / "nvme")]
             if devices == 1:
-                self._cache[key] = in_process(out, *argv)
-            else:
-                self._cache[key] = launch(out, *argv).check()
-        return self._cache[key]
+                return in_process(out, *argv, *extra)
+            return launch(out, *argv, *extra).check()
+
+        return _once(out, run)
 
     def predict(self, name: str, devices: int, prompts: Path, predictions: Path) -> Run:
         """A predict run of the generating model at ``devices`` ranks (one: in this
@@ -192,10 +226,14 @@ def _save(config: dict[str, Any], path: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """The runs of this pytest run, over tiny models written with ``save_pretrained``."""
-    models = tmp_path_factory.mktemp("models")
-    return Runs(
-        tmp_path_factory.mktemp("runs"),
-        _save(LLAMA, models / "llama", seed=0),
-        _save(PROMPT_LLAMA, models / "prompt-llama", seed=3),
-    )
+    """The runs of this pytest run, over tiny models written with ``save_pretrained``
+    (once, into the directory every xdist worker shares)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dp-shared"
+    models = shared / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    with _locked(shared / "models.lock"):
+        for name, config, seed in (("llama", LLAMA, 0), ("prompt-llama", PROMPT_LLAMA, 3)):
+            if not (models / name / "config.json").exists():
+                _save(config, models / name, seed)
+    return Runs(tmp_path_factory.mktemp("runs"), shared, models / "llama", models / "prompt-llama")
