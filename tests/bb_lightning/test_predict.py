@@ -255,6 +255,7 @@ def test_predict_after_fit_reuses_the_trained_weights(tmp_path: Path) -> None:
     assert [r["token_ids"] for r in records] == list(_generate(reference, PROMPTS[:2], 4).values())
 
 
+@pytest.mark.slow  # measures the machine (about 20 s on 2 cores)
 def test_validate_without_fit_then_fit(tmp_path: Path) -> None:
     module = CausalLMModule(CONFIG, seed=4)
     reference = CausalLMModule(CONFIG, seed=4)
