@@ -22,10 +22,3 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--cuda-double"):
         os.environ[DOUBLE_ENV] = "1"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests marked ``slow`` first, each group in its collected order: the two
-    xdist workers, which take each other's queued tests when idle, then end on short tests
-    instead of one of them waiting for a minute-long test that another started last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
