@@ -11,7 +11,9 @@ shared between micro-batches).
 Decode passes compute at ``decode_efficiency`` times the rate of prefill (thin
 matrix products, attention over the cache), and no faster than the device streams
 every block's weights, the head and the KV cache from its memory
-(``device_memory_bandwidth``, where the profile has it). A KV cache on the host streams to a
+(``device_memory_bandwidth``, where the profile has it): the whole static cache on an
+accelerator, the positions cached so far on a CPU device (whose decode step cuts the
+cache after the last attended position), ``mean_context`` on average. A KV cache on the host streams to a
 CUDA device block by block as transformers' offloading cache moves it
 (:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per
 decode pass, the copies to the host on the compute stream, so exposed); a CPU device
@@ -136,7 +138,8 @@ def price(
     kv_tok = float(model.kv_bytes_per_token * n)
     if hw.device_memory_bandwidth > 0:  # a decode pass streams the weights and the cache
         head_bytes = (model.head_params or model.embed_params) * wb
-        dec_bytes = n * bb + head_bytes + c * (job.cache_len + 1.0) * kv_tok  # whole cache
+        read = ctx if hw.device_type == "cpu" else float(job.cache_len)
+        dec_bytes = n * bb + head_bytes + c * (read + 1.0) * kv_tok
         c_dec = max(c_dec, dec_bytes / hw.device_memory_bandwidth)
     w_h2d = np_ * bb
     nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)

@@ -532,7 +532,8 @@ def _predict_seconds(
             def decode(net: Any, cache: Any) -> Callable[[], None]:
                 def run() -> None:
                     # the step's cost does not depend on what the cache holds: it attends
-                    # over all cache_len positions, as the engine's static cache does
+                    # over the positions up to ``last``, as the engine's decode step at
+                    # that position does on a CPU (the whole cache on an accelerator)
                     _sync(device)
                     with decode_attention_for(net):
                         net(**step, **{cache_kw: cache}, **last_only)
@@ -584,10 +585,9 @@ def probe_predict_compute(
         hw: the hardware profile whose ``device_flops`` the rates are relative to.
         prompt_len: tokens per prompt.
         concurrent: sequences per decode pass (the plan's ``concurrent_seqs``).
-        cache_len: KV cache positions a decode pass attends over (the generator's static
-            cache length).
-        context: mean attended context (tokens) the planner counts decode FLOPs at;
-            None: ``cache_len``.
+        cache_len: positions of the generator's static KV cache.
+        context: mean attended context (tokens) the planner counts decode FLOPs at; the
+            decode pass is timed with its token at that position (None: ``cache_len``).
         dtype, device: compute dtype and device (default: the profile's device type).
         repeats: timed passes of each shape and model per round (after one warm-up); up to
             ``contention.MAX_ROUNDS`` rounds while they are unsteady (see the module doc).
@@ -612,16 +612,20 @@ def probe_predict_compute(
         return None
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, int(model.vocab_size), (rows, prompt_len), generator=gen).to(dev)
+    # the decode token's position: the mean context (a CPU decode step reads the cache
+    # up to the token, an accelerator's sdpa the whole cache), within the cache and the
+    # model's positions
+    reach = cache_len if context is None else max(1, round(context))
+    last = min(reach, cache_len, model.max_positions or cache_len) - 1
     record = rate_cache.key(
         "predict", model, prompt_len=prompt_len, rows=rows, concurrent=concurrent,
-        cache_len=cache_len, context=context, dtype=dtype, device=dev.type,
+        cache_len=cache_len, context=context, decode_position=last, dtype=dtype,
+        device=dev.type,
     )  # fmt: skip
     known = rate_cache.recall(record)
     if known is not None and not {"prefill", "decode"} <= known.keys():
         known = None  # an incomplete record is no record
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        # the decode token's position: the cache's last, within the model's positions
-        last = min(cache_len, model.max_positions or cache_len) - 1
         passes = _predict_seconds(
             config, prompts, concurrent, cache_len, last, dtype, dev, hw, repeats,
             timing or contention.SYSTEM, known is not None,

@@ -95,26 +95,31 @@ def test_the_hide_threshold_names_the_link_the_paged_weights_cross(
         assert f"({link}) hides behind compute from about {tokens:,.0f} tokens" in plan.explain()
 
 
+@pytest.mark.parametrize(
+    ("device", "read"),
+    [
+        ("cuda", 96.0),  # JOB's 81 tokens in a cache of a multiple of 32 positions: all of it
+        ("cpu", JOB.mean_context),  # the decode step reads the positions cached so far
+    ],
+)
 def test_a_decode_pass_is_no_faster_than_the_device_streams_weights_and_cache(
-    small_model: ModelProfile, small_gpu: HardwareProfile
+    small_model: ModelProfile, small_gpu: HardwareProfile, device: str, read: float
 ) -> None:
+    hw = small_gpu.replace(device_type=device)
     ov = PlanOverrides(weights_tier=Tier.DEVICE, concurrent_seqs=32)
-    free = make_plan(small_model, small_gpu, JOB, overrides=ov)
-    slow = small_gpu.replace(device_memory_bandwidth=1e8)  # the pass is bound by it
+    free = make_plan(small_model, hw, JOB, overrides=ov)
+    slow = hw.replace(device_memory_bandwidth=1e8)  # the pass is bound by it
     bound = make_plan(small_model, slow, JOB, overrides=ov)
     m = small_model
     kv_tok = m.kv_bytes_per_token * m.num_blocks
-    cache = 96  # JOB's 81 tokens in a cache of a multiple of 32 positions, all of it read
-    pass_bytes = m.num_blocks * m.block_bytes + m.head_params * 2 + 32 * (cache + 1) * kv_tok
+    pass_bytes = m.num_blocks * m.block_bytes + m.head_params * 2 + 32 * (read + 1) * kv_tok
     prefill = free.predicted.compute - (JOB.new_tokens - 1) * cost.compute_seconds(
-        32 * cost.forward_flops_per_token(m, JOB.mean_context), small_gpu
+        32 * cost.forward_flops_per_token(m, JOB.mean_context), hw
     )
     want = prefill + (JOB.new_tokens - 1) * pass_bytes / 1e8
     assert bound.predicted.compute == pytest.approx(want)
     # a fast memory changes nothing: the pass stays bound by its FLOPs
-    fast = make_plan(
-        small_model, small_gpu.replace(device_memory_bandwidth=1e15), JOB, overrides=ov
-    )
+    fast = make_plan(small_model, hw.replace(device_memory_bandwidth=1e15), JOB, overrides=ov)
     assert fast.predicted.compute == pytest.approx(free.predicted.compute)
 
 
