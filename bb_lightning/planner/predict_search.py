@@ -13,9 +13,9 @@ matrix products, attention over the cache), and no faster than the device stream
 every block's weights, the head and the KV cache from its memory
 (``device_memory_bandwidth``, where the profile has it): the whole static cache on an
 accelerator, the positions cached so far on a CPU device (whose decode step cuts the
-cache after the last attended position), ``mean_context`` on average. A KV cache on the host streams to a
-CUDA device block by block as transformers' offloading cache moves it
-(:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per
+cache after the last attended position), ``mean_context`` on average. A KV cache on
+the host streams to a CUDA device block by block as transformers' offloading cache
+moves it (:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per
 decode pass, the copies to the host on the compute stream, so exposed); a CPU device
 reads it in place.
 """
