@@ -96,10 +96,13 @@ class FaultyBackend(IOBackend):
         *,
         fsync: bool = True,
         offset: int = 0,
+        in_place: bool = False,
     ) -> IOFuture:
         fault = self._fails("write", os.fspath(path))
         if fault is None:
-            return self.inner.write_async(path, src, nbytes, fsync=fsync, offset=offset)
+            return self.inner.write_async(
+                path, src, nbytes, fsync=fsync, offset=offset, in_place=in_place
+            )
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)))
         return self._failed(fault, os.fspath(path))
 

@@ -276,6 +276,7 @@ class IOBackend(abc.ABC):
         *,
         fsync: bool = True,
         offset: int = 0,
+        in_place: bool = False,
     ) -> IOFuture:
         """Write ``nbytes`` bytes from the start of ``src`` to file ``path`` at byte ``offset``.
 
@@ -283,7 +284,11 @@ class IOBackend(abc.ABC):
         ``nbytes`` bytes. ``offset > 0`` (a multiple of :data:`ALIGNMENT`)
         writes one piece of a file written in parts, in increasing offsets:
         the file is created if missing, never truncated first, and ends at
-        ``offset + nbytes`` when that piece is the last one. Same buffer rule
+        ``offset + nbytes`` when that piece is the last one. ``in_place`` also
+        keeps the file at ``offset=0``: the bytes are written over the file's
+        own blocks (the caller rewrites a file of the same size), which on ext4
+        allocates nothing and journals nothing but the times, where truncating
+        frees every block and the write allocates them again. Same buffer rule
         as :meth:`read_async`. With ``fsync`` the data is on stable storage
         before the future completes.
         """
@@ -502,9 +507,10 @@ class PosixBackend(_PooledBackend):
         *,
         fsync: bool = True,
         offset: int = 0,
+        in_place: bool = False,
     ) -> IOFuture:
         p = self._checked_path(path, src, nbytes, offset)  # before open(): O_TRUNC empties it
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 and not in_place else 0)
         fd, direct = self._open(p, flags, src.data_ptr() % ALIGNMENT == 0)
         length = padded(nbytes) if direct else nbytes
 
@@ -701,11 +707,13 @@ class KvikioBackend(_PooledBackend):
         *,
         fsync: bool = True,
         offset: int = 0,
+        in_place: bool = False,
     ) -> IOFuture:
         p = self._checked_path(path, src, nbytes, offset)  # before CuFile(p, "w") empties it
-        if offset:  # a later piece: keep what the earlier ones wrote ("r+" does not truncate)
+        keep = bool(offset) or in_place  # "r+" does not truncate: a later piece, or in place
+        if keep:
             os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o644))
-        handle = self._kvikio.CuFile(p, "w" if offset == 0 else "r+")
+        handle = self._kvikio.CuFile(p, "r+" if keep else "w")
         kfuture = None
         if nbytes:
             kfuture = handle.pwrite(

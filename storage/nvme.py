@@ -23,6 +23,20 @@ directory, is fsynced, renamed onto the chunk and the directory fsynced. A
 crash leaves the previous version (or no chunk) and a stale partial file,
 which the next opener removes. One process at a time holds a store, through
 ``fcntl.flock`` on ``<path>/.bb-lock``.
+
+Scratch arrays (``create(..., durable=False)``, :meth:`NvmeTier.set_durable`): a tensor
+that only this process reads back, rewritten often (optimizer state, gradient sums,
+paged weights of a run), needs none of that. Once its chunk exists and has no checksum
+trailer, a write goes over the chunk's own blocks: no partial file, no fsync, no rename,
+nothing allocated (on a 2-core VM's virtual disk, write-backs of 16 scratch tensors of
+48 MiB through a :class:`storage.store.TieredStore` ran at 1.35-1.42 GB/s in place
+against 0.29-0.31 GB/s written atomically, and a loop of matrix products beside them
+lost 0.44-0.49 s of compute per GB written against 1.47-1.51 s).
+Readers in flight see a mix of the two versions; :class:`storage.store.TieredStore`
+runs the operations on one tensor in order, so none is. A write that fails part-way
+removes the chunk (reads then raise :class:`CorruptTensorError`, as for a write that
+never completed); a crash mid-write leaves a torn chunk, which no later run reads
+before writing it.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +341,8 @@ class NvmeTier:
         self._mutex = threading.Lock()
         self._counter = itertools.count()
         self._reading: dict[str, tuple[int, int]] = {}  # piece reads: next offset, crc so far
+        self._scratch: set[str] = set()  # arrays written in place (durable=False)
+        self._torn: set[str] = set()  # scratch arrays whose last write failed part-way
         if capacity < 0:
             raise ValueError(f"NVMe capacity {capacity} bytes is negative: pass a size >= 0")
         probe = self._check_path(create)
@@ -463,11 +479,18 @@ class NvmeTier:
             raise KeyError(f"tensor {name!r} is not in NVMe store {self.path}") from None
 
     def create(
-        self, name: str, shape: Sequence[int], dtype: torch.dtype, *, checksum: bool = True
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        checksum: bool = True,
+        durable: bool = True,
     ) -> ArraySpec:
         """Add tensor ``name`` (metadata only) and reserve its bytes under the capacity; its
         chunk ends with a CRC-32C trailer verified on every read unless ``checksum`` is
-        False (the format 1 layout, read unverified)."""
+        False (the format 1 layout, read unverified). ``durable=False``: a scratch array
+        (:meth:`set_durable`)."""
         self._check_open()
         check_name(name)
         dims = tuple(int(d) for d in shape)
@@ -496,7 +519,47 @@ class NvmeTier:
                 self._budget.release(name)
                 raise
             self._arrays[name] = entry
+        self.set_durable(name, durable)
         return entry[0]
+
+    def set_durable(self, name: str, durable: bool) -> None:
+        """Whether writes of tensor ``name`` replace its chunk atomically (True, the default)
+        or, once the chunk exists, go over it in place when it has no checksum trailer
+        (False: a scratch array that only this process reads back; see the module doc)."""
+        self._entry(name)
+        with self._mutex:
+            if durable:
+                self._scratch.discard(name)
+            else:
+                self._scratch.add(name)
+
+    def _writes_in_place(self, spec: ArraySpec, chunk: Path) -> bool:
+        """Whether the next write of ``spec`` goes over its existing chunk (see the module doc)."""
+        if spec.name not in self._scratch or spec.checksum:
+            return False
+        try:
+            return os.stat(chunk).st_size == spec.file_bytes
+        except FileNotFoundError:
+            return False
+
+    def _tear(self, name: str, chunk: Path) -> None:
+        """A write over ``chunk`` failed part-way: its bytes are neither version; remove it."""
+        with self._mutex:
+            self._torn.add(name)
+        with contextlib.suppress(OSError):
+            chunk.unlink()
+
+    def _settler(self, name: str, chunk: Path) -> Callable[[bool], None]:
+        """``settle(torn)`` for a write over the chunk of ``name``: torn, or whole again."""
+
+        def settle(torn: bool) -> None:
+            if torn:
+                self._tear(name, chunk)
+            else:
+                with self._mutex:
+                    self._torn.discard(name)
+
+        return settle
 
     def delete(self, name: str) -> None:
         """Remove tensor ``name`` and its files; its bytes return to the budget.
@@ -508,6 +571,8 @@ class NvmeTier:
             self._entry(name)
             del self._arrays[name]
             self._reading.pop(name, None)
+            self._scratch.discard(name)
+            self._torn.discard(name)
             if self._budget.holds(name):
                 self._budget.release(name)
             shutil.rmtree(self.path / name)
@@ -532,10 +597,15 @@ class NvmeTier:
         spec, chunk = self._entry(name)
         if spec.nbytes == 0:
             return IOFuture.completed(0, path=str(chunk))
+        if self._writes_in_place(spec, chunk):
+            return self._write_in_place(spec, chunk, src)
+        durable = name not in self._scratch
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
         try:
-            inner = self.backend.write_async(tmp, src, spec.nbytes, fsync=not spec.checksum)
+            inner = self.backend.write_async(
+                tmp, src, spec.nbytes, fsync=durable and not spec.checksum
+            )
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
@@ -546,7 +616,10 @@ class NvmeTier:
                 if spec.checksum:  # src is the caller's until this future completes
                     finish_chunk(tmp, spec.nbytes, crc32c(src[: spec.nbytes]))
                 os.replace(tmp, chunk)
-                fsync_dir(chunk.parent)
+                if durable:
+                    fsync_dir(chunk.parent)
+                with self._mutex:
+                    self._torn.discard(name)
             except BaseException:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
@@ -560,13 +633,30 @@ class NvmeTier:
         inner.add_done_callback(clean)
         return chain(inner, commit, name, "write", tmp, spec.nbytes)
 
+    def _write_in_place(self, spec: ArraySpec, chunk: Path, src: torch.Tensor) -> IOFuture:
+        """Write scratch tensor ``spec`` over its existing chunk (see the module doc)."""
+        name = spec.name
+        try:
+            inner = self.backend.write_async(chunk, src, spec.nbytes, fsync=False, in_place=True)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from exc
+        except OSError as exc:
+            raise io_error(name, "write", chunk, exc) from exc
+
+        settle = self._settler(name, chunk)
+        inner.add_done_callback(lambda done: settle(done._error is not None))
+        return chain(inner, lambda: None, name, "write", chunk, spec.nbytes)
+
     def begin_write(self, name: str) -> NvmeWrite:
-        """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`), atomically."""
+        """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`): atomically, or
+        over its chunk for a scratch array whose chunk exists (see the module doc)."""
         self._check_open()
         spec, chunk = self._entry(name)
+        if self._writes_in_place(spec, chunk):
+            return NvmeWrite(spec, chunk, chunk, self.backend, settle=self._settler(name, chunk))
         self._ensure_dir(chunk.parent)
         tmp = chunk.with_name(f"{chunk.name}{PARTIAL}{os.getpid()}-{next(self._counter)}")
-        return NvmeWrite(spec, chunk, tmp, self.backend)
+        return NvmeWrite(spec, chunk, tmp, self.backend, durable=name not in self._scratch)
 
     def _piece_read(self, spec: ArraySpec, chunk: Path, dst: torch.Tensor, offset: int) -> None:
         """Fold one piece read of ``spec`` into its running checksum; verify at the last piece.
@@ -609,6 +699,11 @@ class NvmeTier:
         count = _check_piece(spec, offset, nbytes)
         if count == 0:
             return IOFuture.completed(0, path=str(chunk))
+        if name in self._torn:
+            raise CorruptTensorError(
+                f"tensor {name!r}: its last write over chunk file {chunk} failed part-way (a "
+                f"scratch array, written in place), so its contents are lost; write it again"
+            )
         try:
             size = os.stat(chunk).st_size
         except FileNotFoundError:
@@ -718,12 +813,28 @@ class NvmeWrite:
     Until then readers see the previous version; :meth:`abort` (or leaving a
     ``with`` block without committing) removes the temporary file, and a
     crash leaves it for the next opener to remove.
+
+    A scratch array's write (``durable=False``) skips the fsyncs; with ``settle``
+    (``tmp`` is the chunk itself) the pieces go over the chunk in place, :meth:`commit`
+    only checks them and calls ``settle(False)``, and an abort after a piece was written
+    calls ``settle(True)``: the chunk is torn (see the module doc).
     """
 
-    def __init__(self, spec: ArraySpec, chunk: Path, tmp: Path, backend: IOBackend) -> None:
+    def __init__(
+        self,
+        spec: ArraySpec,
+        chunk: Path,
+        tmp: Path,
+        backend: IOBackend,
+        *,
+        durable: bool = True,
+        settle: Callable[[bool], None] | None = None,
+    ) -> None:
         self.spec = spec
         """The tensor being written."""
         self._chunk, self._tmp, self._backend = chunk, tmp, backend
+        self._durable = durable and settle is None
+        self._settle = settle
         self._written = 0
         self._crc = 0
         self._done = False
@@ -748,7 +859,9 @@ class NvmeWrite:
                 f"{self._written} bytes written so far: write pieces in order from offset 0"
             )
         try:
-            fut = self._backend.write_async(self._tmp, src, count, fsync=False, offset=offset)
+            fut = self._backend.write_async(
+                self._tmp, src, count, fsync=False, offset=offset, in_place=self._settle is not None
+            )
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
@@ -773,31 +886,40 @@ class NvmeWrite:
                     f"tensor {name!r}: {self._written} of {self.spec.nbytes} bytes were written "
                     f"({size} bytes in {self._tmp}): write every piece before commit()"
                 )
+            if self._settle is not None:
+                self._settle(False)
+                return
             if self.spec.checksum:
                 finish_chunk(self._tmp, self.spec.nbytes, self._crc)
-            else:
+            elif self._durable:
                 fd = os.open(self._tmp, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
             os.replace(self._tmp, self._chunk)
-            fsync_dir(self._chunk.parent)
+            if self._durable:
+                fsync_dir(self._chunk.parent)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                self._tmp.unlink()
+            self._drop()
             raise io_error(name, "write", self._tmp, exc) from exc
         except BaseException:
-            with contextlib.suppress(OSError):
-                self._tmp.unlink()
+            self._drop()
             raise
 
     def abort(self) -> None:
-        """Drop the pieces written so far; the tensor keeps its previous contents. Idempotent."""
+        """Drop the pieces written so far; the tensor keeps its previous contents (written in
+        place: its chunk is torn once a piece was written, see the class doc). Idempotent."""
         if not self._done:
             self._done = True
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._settle is None:
             with contextlib.suppress(OSError):
                 self._tmp.unlink()
+        elif self._written:
+            self._settle(True)
 
     def __enter__(self) -> NvmeWrite:
         return self

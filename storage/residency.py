@@ -92,6 +92,8 @@ class Record:
     """Its slot in the device arena while paged in (the home slot for ``DEVICE`` home)."""
     written: bool = True
     """``NVME`` home: whether its chunk file exists (never-written tensors read as zeros)."""
+    scratch: bool = False
+    """Registered as scratch: rewritten often, read back by this process only."""
     last: Future[CopyEvent | None] | None = None
     """The last operation issued on it; the next one waits for it."""
 

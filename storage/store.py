@@ -242,7 +242,9 @@ class TieredStore:
         adopted when shape and dtype match (both may be omitted), keeping its
         layout. ``scratch``: the caller rewrites the tensor often and no other
         process reopens it; on NVMe (now or after a :meth:`move`) its chunk then
-        has no CRC-32C trailer unless ``StoreConfig.scratch_checksums`` is set.
+        has no CRC-32C trailer unless ``StoreConfig.scratch_checksums`` is set,
+        and is rewritten in place, without the fsyncs and rename of an atomic
+        write (:meth:`storage.nvme.NvmeTier.set_durable`).
         Raises ``ValueError`` when the tier cannot hold it, naming the bytes
         needed and free; nothing changes then.
         """
@@ -281,7 +283,7 @@ class TieredStore:
         if existing is not None:  # an adopted array keeps its layout
             checksum = existing.checksum
         spec = ArraySpec(name=name, shape=dims, dtype=dtype, nbytes=nbytes, checksum=checksum)
-        rec = Record(spec=spec, home=home, residency=ResidencyMachine(name))
+        rec = Record(spec=spec, home=home, residency=ResidencyMachine(name), scratch=scratch)
         if home is Tier.NVME:
             assert nvme is not None
             if existing is not None:
@@ -292,8 +294,9 @@ class TieredStore:
                         f"stored shape and dtype, or use another name"
                     )
                 rec.written = nvme.chunk_path(name).exists() or nbytes == 0
+                nvme.set_durable(name, not scratch)
             else:
-                nvme.create(name, dims, dtype, checksum=checksum)
+                nvme.create(name, dims, dtype, checksum=checksum, durable=not scratch)
                 rec.written = False
         else:
             arena = self._device_arena if home is Tier.DEVICE else self._host_arena
@@ -622,7 +625,9 @@ class TieredStore:
                 f"{tier.value} needs it RELEASED; {rec.residency.hint()}"
             )
         self._io.settle(rec, sync=True)
-        new = Record(spec=rec.spec, home=tier, residency=rec.residency, written=False)
+        new = Record(
+            spec=rec.spec, home=tier, residency=rec.residency, written=False, scratch=rec.scratch
+        )
         if tier is Tier.NVME:
             nvme = self._nvme_for(name)
             if nvme.contains(name):
@@ -630,7 +635,13 @@ class TieredStore:
                     f"tensor {name!r}: the NVMe group already holds an unregistered array of "
                     f"that name: delete it from the group or rename the tensor"
                 )
-            nvme.create(name, rec.spec.shape, rec.spec.dtype, checksum=rec.spec.checksum)
+            nvme.create(
+                name,
+                rec.spec.shape,
+                rec.spec.dtype,
+                checksum=rec.spec.checksum,
+                durable=not rec.scratch,
+            )
         else:
             arena = self._device_arena if tier is Tier.DEVICE else self._host_arena
             new.home_slot = self._allocate(arena, rec.spec)

@@ -79,6 +79,20 @@ def test_write_truncates_longer_file(backend: IOBackend, tmp_path: Path) -> None
     assert path.stat().st_size == 10
 
 
+@pytest.mark.parametrize("size, n", [(3 * 4096, 4096), (10_000, 10_000)])
+def test_in_place_write_goes_over_the_file_without_truncating_it(
+    backend: IOBackend, tmp_path: Path, size: int, n: int
+) -> None:
+    old = random_bytes(size, seed=1)
+    path = tmp_path / "old.bin"
+    path.write_bytes(old.numpy().tobytes())
+    inode = path.stat().st_ino
+    new = random_bytes(n, seed=2)
+    assert backend.write_async(path, filled(new), n, fsync=False, in_place=True).wait() == n
+    assert path.read_bytes() == new.numpy().tobytes() + old[n:].numpy().tobytes()
+    assert path.stat().st_ino == inode
+
+
 def test_short_file_raises_naming_file(backend: IOBackend, tmp_path: Path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"a" * 100)

@@ -308,3 +308,111 @@ def test_failed_write_keeps_previous_version(
         monkeypatch.undo()
         assert not list((tmp_path / "s").rglob("*.partial-*"))
         assert torch.equal(read(tier, "w", from_buffer), old)
+
+
+def _inode(tier: NvmeTier, name: str) -> int:
+    return tier.chunk_path(name).stat().st_ino
+
+
+def test_a_scratch_array_is_rewritten_over_its_own_chunk(
+    tmp_path: Path, posix_backend: IOBackend, to_buffer: ToBuf, from_buffer: FromBuf
+) -> None:
+    with NvmeTier(tmp_path / "s", capacity=GiB, backend=posix_backend) as tier:
+        tier.create("scratch", (50_001,), torch.float32, checksum=False, durable=False)
+        tier.create("kept", (50_001,), torch.float32, checksum=False)
+        inodes: dict[str, set[int]] = {"scratch": set(), "kept": set()}
+        for step in range(3):
+            x = sample((50_001,), torch.float32, seed=step)
+            for name in inodes:
+                tier.write_async(name, to_buffer(x)).wait()
+                assert torch.equal(read(tier, name, from_buffer), x)
+                inodes[name].add(_inode(tier, name))
+                # plain zarr reads what was written last
+                got = zarr.open_group(str(tmp_path / "s"), mode="r")[name][...]
+                np.testing.assert_array_equal(got, x.numpy())
+        assert len(inodes["scratch"]) == 1  # created once, then written in place
+        assert len(inodes["kept"]) > 1  # each write a new file renamed onto the chunk
+        assert not list((tmp_path / "s").rglob("*.partial-*"))
+
+
+def test_a_scratch_array_with_checksums_is_still_replaced_atomically(
+    tmp_path: Path, posix_backend: IOBackend, to_buffer: ToBuf, from_buffer: FromBuf
+) -> None:
+    with NvmeTier(tmp_path / "s", capacity=GiB, backend=posix_backend) as tier:
+        tier.create("c", (4096,), torch.int32, durable=False)
+        seen = set()
+        for step in range(3):
+            x = sample((4096,), torch.int32, seed=step)
+            tier.write_async("c", to_buffer(x)).wait()
+            assert torch.equal(read(tier, "c", from_buffer), x)
+            seen.add(_inode(tier, "c"))
+        assert len(seen) > 1  # the trailer is written with the file: no write in place
+
+
+def test_a_failed_write_over_a_scratch_chunk_is_refused_on_read_until_written_again(
+    tmp_path: Path,
+    posix_backend: IOBackend,
+    to_buffer: ToBuf,
+    from_buffer: FromBuf,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    old = torch.arange(100_000, dtype=torch.int32)
+    with NvmeTier(tmp_path / "s", capacity=GiB, backend=posix_backend) as tier:
+        tier.create("w", old.shape, old.dtype, checksum=False, durable=False)
+        tier.write_async("w", to_buffer(old)).wait()
+        calls = [0]
+        real = sio.os.pwritev
+
+        def failing_second_piece(fd: int, buffers: list[memoryview], offset: int) -> int:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError(5, "Input/output error")
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(sio.os, "pwritev", failing_second_piece)
+        with pytest.raises(OSError, match="Input/output error"):
+            tier.write_async("w", to_buffer(-old)).wait()
+        monkeypatch.undo()
+        # some pieces landed, others not: neither version is left to read
+        with pytest.raises(CorruptTensorError, match=r"'w'.*failed part-way.*write it again"):
+            tier.read_async("w", aligned_empty(old.numel() * 4)).wait()
+        tier.write_async("w", to_buffer(-old)).wait()
+        assert torch.equal(read(tier, "w", from_buffer), -old)
+    with NvmeTier(tmp_path / "s", capacity=GiB, backend=posix_backend) as tier:
+        assert torch.equal(read(tier, "w", from_buffer), -old)  # a later opener reads it
+
+
+def test_a_scratch_array_written_in_pieces_goes_in_place_and_an_abort_tears_it(
+    tmp_path: Path, posix_backend: IOBackend, to_buffer: ToBuf, from_buffer: FromBuf
+) -> None:
+    x = sample((100_000,), torch.float32)
+    nbytes, step = x.numel() * 4, 64 << 10
+
+    def pieces(t: torch.Tensor, count: int) -> list[tuple[int, torch.Tensor]]:
+        raw = t.reshape(-1).view(torch.uint8)
+        out = []
+        for offset in range(0, nbytes, step)[:count]:
+            n = min(step, nbytes - offset)
+            buf = aligned_empty(n)
+            buf[:n] = raw[offset : offset + n]
+            out.append((offset, buf))
+        return out
+
+    with NvmeTier(tmp_path / "s", capacity=GiB, backend=posix_backend) as tier:
+        tier.create("p", x.shape, x.dtype, checksum=False, durable=False)
+        with tier.begin_write("p") as first:  # no chunk yet: a new file renamed onto it
+            for offset, buf in pieces(x, 99):
+                first.write_async(buf, offset=offset, nbytes=min(step, nbytes - offset)).wait()
+            first.commit()
+        inode = _inode(tier, "p")
+        with tier.begin_write("p") as again:
+            for offset, buf in pieces(-x, 99):
+                again.write_async(buf, offset=offset, nbytes=min(step, nbytes - offset)).wait()
+            again.commit()
+        assert torch.equal(read(tier, "p", from_buffer), -x) and _inode(tier, "p") == inode
+        assert not list((tmp_path / "s").rglob("*.partial-*"))
+        with tier.begin_write("p") as torn:  # left after one piece, without commit()
+            offset, buf = pieces(x, 1)[0]
+            torn.write_async(buf, offset=offset, nbytes=step).wait()
+        with pytest.raises(CorruptTensorError, match="failed part-way"):
+            tier.read_async("p", aligned_empty(nbytes)).wait()

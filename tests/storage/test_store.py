@@ -200,12 +200,14 @@ def test_write_back_then_read(store: TieredStore, tmp_path: Path, home: Tier) ->
         np.testing.assert_array_equal(zarr_contents(tmp_path, "w"), as_numpy(y))
 
 
-def test_page_in_waits_for_write_back_in_flight(store: TieredStore) -> None:
-    """A page-in issued right after a write-back must see the new contents."""
+@pytest.mark.parametrize("scratch", [False, True])
+def test_page_in_waits_for_write_back_in_flight(store: TieredStore, scratch: bool) -> None:
+    """A page-in issued right after a write-back must see the new contents (a scratch
+    tensor's second write goes over its chunk in place)."""
     for rnd in range(3):
         x = sample(torch.float32, (1024, 1024), seed=rnd)  # 4 MiB: several I/O tasks
         name = f"big{rnd}"
-        store.register(name, shape=x.shape, dtype=x.dtype, home=Tier.NVME)
+        store.register(name, shape=x.shape, dtype=x.dtype, home=Tier.NVME, scratch=scratch)
         store.write_back_async(name, x)  # not waited on
         assert torch.equal(store.prefetch_async(name).wait()[name], x)
         dev = store.get(name)
@@ -216,10 +218,15 @@ def test_page_in_waits_for_write_back_in_flight(store: TieredStore) -> None:
         store.release(name)
 
 
+@pytest.mark.parametrize("scratch", [False, True])
 @pytest.mark.parametrize("home", [Tier.HOST, Tier.NVME])
 @pytest.mark.parametrize("shape", [(128, 1024), (33, 65)])
 def test_read_async_after_write_back_in_flight(
-    store: TieredStore, monkeypatch: pytest.MonkeyPatch, home: Tier, shape: tuple[int, ...]
+    store: TieredStore,
+    monkeypatch: pytest.MonkeyPatch,
+    home: Tier,
+    shape: tuple[int, ...],
+    scratch: bool,
 ) -> None:
     """read_async lands after a write-back issued before it; a whole number of aligned
     4 KiB blocks is read straight into an aligned out, anything else through staging."""
@@ -237,8 +244,9 @@ def test_read_async_after_write_back_in_flight(
     for rnd in range(3):
         x = sample(torch.float32, shape, seed=rnd)
         name = f"t{rnd}"
-        store.register(name, shape=shape, dtype=torch.float32, home=home)
-        store.write_back_async(name, x)  # not waited on
+        store.register(name, shape=shape, dtype=torch.float32, home=home, scratch=scratch)
+        store.write_back_async(name, -x)
+        store.write_back_async(name, x)  # not waited on; a scratch tensor's goes in place
         aligned = sio.aligned_empty(x.numel() * 4).view(torch.float32)[: x.numel()].view(shape)
         got = store.read_async(name, aligned).wait()[name]
         assert got.data_ptr() == aligned.data_ptr() and torch.equal(got, x)
@@ -250,6 +258,37 @@ def test_read_async_after_write_back_in_flight(
         assert len(staged) == (3 if whole else 6)
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         store.read_async("t0", torch.empty(shape[::-1]).t())
+
+
+def test_scratch_tensors_are_written_back_over_their_own_chunks(tmp_path: Path) -> None:
+    """Registered as scratch (on NVMe, moved there, or adopted again), a tensor's chunk is
+    written over in place; any other NVMe tensor's write is a new file renamed onto it."""
+    x = sample(torch.int32, (256, 1024))
+
+    def inode(name: str) -> int:
+        return (tmp_path / "nvme" / name / "c" / "0" / "0").stat().st_ino  # the one chunk
+
+    with TieredStore(make_config(tmp_path)) as store:
+        store.register("state", x, home=Tier.NVME, scratch=True)
+        store.register("weights", x, home=Tier.NVME)
+        store.register("later", x, home=Tier.HOST, scratch=True)
+        store.move("later", Tier.NVME)
+        before = {name: inode(name) for name in ("state", "weights", "later")}
+        for k in (1, 2):
+            for name in before:
+                store.prefetch_async(name).wait()[name].add_(1)
+                store.write_back_async(name).wait()
+                store.release(name)
+                if name == "weights" and k == 1:
+                    assert inode(name) != before[name]
+        for name in before:
+            assert torch.equal(store.read(name), x + 2)
+        assert inode("state") == before["state"] and inode("later") == before["later"]
+    with TieredStore(make_config(tmp_path)) as store:
+        store.register("state", home=Tier.NVME, scratch=True)
+        store.write("state", -x)
+        assert torch.equal(store.read("state"), -x) and inode("state") == before["state"]
+    np.testing.assert_array_equal(zarr_contents(tmp_path, "state"), as_numpy(-x))
 
 
 def test_write_updates_home_and_device_copy(store: TieredStore, tmp_path: Path) -> None:

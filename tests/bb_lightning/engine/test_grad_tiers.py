@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +16,7 @@ from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import ClipConfig, required_budgets
 from storage.io import IOConfig
+from storage.nvme import NvmeTier
 from storage.store import StoreConfig, Ticket, TieredStore
 from storage.tiers import Tier
 
@@ -230,8 +230,9 @@ def test_resident_blocks_are_not_recomputed(tmp_path: Path, recompute: bool) -> 
 def test_optimizer_writes_leave_the_training_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
-    """No fsync of an NVMe write runs on the training thread during training steps: the
-    optimizer's writes go back on the store's threads, ordered before the next page-in."""
+    """No NVMe write starts on the training thread during training steps (not even the
+    start of one, which opens the file): the optimizer's writes go back on the store's
+    threads, ordered before the next page-in."""
     model = tiny_llama()
     placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME, prefetch_depth=1)
     adamw = AdamWConfig(lr=1e-2)
@@ -239,10 +240,14 @@ def test_optimizer_writes_leave_the_training_thread(
     with _store(tmp_path, model, placement) as store:
         engine = cpu_engine(model, store, placement)
         threads: list[str] = []
-        fsync = os.fsync
-        monkeypatch.setattr(
-            os, "fsync", lambda fd: (threads.append(threading.current_thread().name), fsync(fd))
-        )
+        for method in ("write_async", "begin_write"):
+            original = getattr(NvmeTier, method)
+
+            def starting(self: NvmeTier, *args: Any, _original: Any = original) -> Any:
+                threads.append(threading.current_thread().name)
+                return _original(self, *args)
+
+            monkeypatch.setattr(NvmeTier, method, starting)
         for _ in range(2):
             if overlap:
                 engine.begin_overlapped_step(adamw)
