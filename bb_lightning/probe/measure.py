@@ -125,11 +125,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-PROBES_VERSION = "5"
+PROBES_VERSION = "6"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
 threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
 order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it;
-5: on a CPU device, the compute lost beside NVMe transfers), so that profiles cached by
+5: on a CPU device, the compute lost beside NVMe transfers; 6: NVMe writes over existing
+files without fsync, as the store writes its scratch tensors), so that profiles cached by
 the earlier probes are measured again."""
 
 
@@ -339,8 +340,10 @@ def _probe_nvme(
 
                 return timing.seconds(label, run)
 
+            for p, b in zip(paths, buffers, strict=True):  # the files exist, as chunks do
+                backend.write_async(p, b, per_file).wait()
             cpu = time.process_time()
-            write_s = all_files(backend.write_async, "nvme write")
+            write_s = all_files(_rewrite(backend), "nvme write")
             cpu = time.process_time() - cpu
             for p in paths:
                 _drop_cache(p)
@@ -358,6 +361,17 @@ def _probe_nvme(
     free = shutil.disk_usage(nvme_path).free
     per_byte = max(max(cpu, 0.0) / (2.0 * moved), lost)
     return moved / max(read_s, 1e-9), moved / max(write_s, 1e-9), int(free), per_byte
+
+
+def _rewrite(backend: Any) -> Callable[[str, torch.Tensor, int], Any]:
+    """A write as the store writes its scratch tensors (optimizer state, gradient sums,
+    paged weights): over the existing file in place, without ``fsync``
+    (:meth:`storage.nvme.NvmeTier.set_durable`)."""
+
+    def write(path: str, src: torch.Tensor, nbytes: int) -> Any:
+        return backend.write_async(path, src, nbytes, fsync=False, in_place=True)
+
+    return write
 
 
 BESIDE_MAX_LOOPS = 8
@@ -384,7 +398,7 @@ def _loop_beside(
         while not stop.is_set():
             i = k % len(paths)
             if write:
-                backend.write_async(paths[i], buffers[i], per_file).wait()
+                _rewrite(backend)(paths[i], buffers[i], per_file).wait()
             else:
                 backend.read_async(paths[i], buffers[i], per_file).wait()
             moved[0] += per_file
@@ -407,7 +421,7 @@ def _compute_lost_per_byte(
 ) -> float:
     """Seconds a loop of fp32 matrix products on the calling thread's team loses per byte
     the I/O backend moves beside it: the mean of the loss beside reads of ``paths`` and
-    beside writes of them (each with ``fsync``, as the store writes), against the fastest
+    beside writes over them (in place, as the store writes its scratch tensors), against the fastest
     of two loops alone (:func:`_loop_beside`). 0.0 where no transfer finished in
     :data:`BESIDE_MAX_LOOPS` loops.
 
