@@ -184,23 +184,56 @@ def train_deepspeed(
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
     torch.manual_seed(seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds, dtype=dtype):
+    # the dtype comes from the config's bf16 switch: DeepSpeed 0.19's zero.Init ignores a
+    # dtype argument of torch.float32 on an accelerator without fp16 (the CPU's) and makes
+    # the parameters bf16, which a CPU without bf16 matrix instructions runs 5-10 x slower
+    with deepspeed.zero.Init(config_dict_or_path=ds):
         model = model_class._from_config(cfg, dtype=dtype)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     engine.train()
+    computed = _ComputeDtype(model)
     seconds: list[float] = []
     start = time.perf_counter()
     try:
         for i, ids in enumerate(batches):
             loss = engine(input_ids=ids, labels=ids).loss
+            computed.check(dtype)
             engine.backward(loss)
             engine.step()
             if (i + 1) % accumulate == 0:
                 now = time.perf_counter()
                 seconds.append(now - start)
                 start = now
+                what = "warm-up" if len(seconds) <= warmup else "timed"
+                print(f"[deepspeed] step {len(seconds)} ({what}): {seconds[-1]:.2f} s", flush=True)
         on_disk = sum(f.stat().st_size for f in nvme_dir.rglob("*") if f.is_file())
     finally:
+        computed.remove()
         engine.destroy()
         del engine, model
     return seconds[warmup:], on_disk
+
+
+class _ComputeDtype:
+    """The dtype of the hidden states the model's input embedding hands to its first block:
+    what the peer computes in."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seen: torch.dtype | None = None
+        embedding = model.get_input_embeddings()
+
+        def hook(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> None:
+            self.seen = out.dtype
+
+        self._handle = embedding.register_forward_hook(hook)
+
+    def check(self, dtype: torch.dtype) -> None:
+        """Raise ``RuntimeError`` when the last forward computed in another dtype."""
+        if self.seen is not None and self.seen != dtype:
+            raise RuntimeError(
+                f"DeepSpeed computed in {self.seen}, not the benchmark's {dtype}: its "
+                "timing would not compare with the other runs'"
+            )
+
+    def remove(self) -> None:
+        self._handle.remove()
