@@ -54,6 +54,7 @@ import gc
 import pstats
 import tempfile
 import time
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         plan, placement = forced_plan(args, model, hw)
     if core is not None:
         print("busy neighbour stopped: the runs below have the cores to themselves")
+    print(f"this process holds {_common.gib(_common.trim_heap())} during the runs (heap trimmed)")
     weights, _ = offload_tiers(args)
     print(
         f"offloaded placement: {args.resident} of {args.layers} blocks resident, the other "
@@ -486,7 +488,15 @@ def main(argv: list[str] | None = None) -> None:
         print(predicted_line("planned", rec_plan, rec))
 
     if args.peer == "deepspeed":
-        peer = _common.isolated(deepspeed_run, args, config, base)
+        try:
+            peer = _common.isolated(deepspeed_run, args, config, base)
+        except BrokenProcessPool:
+            print(
+                "[deepspeed] its process was killed by the system (out of memory: a smaller "
+                "--micro-batch needs less); no DeepSpeed ratio",
+                flush=True,
+            )
+            peer = None
         if peer is not None:
             results["deepspeed"] = peer
 
