@@ -7,7 +7,8 @@ first use (a C++ compiler and ``libaio`` with its headers are needed: Debian's
 
 The peer trains the same Llama config (random weights, same seed) on the same
 random-token micro-batches with the same accumulation and AdamW settings, in the
-benchmark's compute dtype (bf16, or fp32 with ``--dtype fp32``), in this process:
+benchmark's compute dtype (bf16, or fp32 with ``--dtype fp32``; a run whose embedding
+hands its first block another dtype stops with an error), in this process:
 ZeRO stage 3 with the parameters offloaded to the CPU
 (``offload_param.device = "cpu"``) or, with ``weights_on_nvme``, to NVMe, and the
 optimizer state (fp32 master weights and AdamW moments) on NVMe under

@@ -55,10 +55,12 @@ from _common import (
     PredictTimer,
     busy_neighbour,
     drop_cache,
+    gib,
     isolated,
     machine,
     nvme_base,
     quiet,
+    trim_heap,
 )
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -273,6 +275,7 @@ def main() -> None:
             plan = _plan(args, config, hw)
         if core is not None:
             print("busy neighbour stopped: the runs below have the cores to themselves")
+        print(f"this process holds {gib(trim_heap())} during the runs (heap trimmed)")
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)
