@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import multiprocessing
 import os
 import platform
@@ -76,11 +77,47 @@ def cpu_model() -> str:
         return platform.processor() or "?"
 
 
+def cpu_flags() -> tuple[set[str], str]:
+    """(the CPU's feature flags, ``"family F model M"``) from ``/proc/cpuinfo`` (empty, ``"?"``
+    elsewhere)."""
+    flags: set[str] = set()
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags" and not flags:
+                    flags = set(value.split())
+                elif key in ("cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                elif not line.strip() and flags:
+                    break
+    except OSError:
+        pass
+    if not fields:
+        return flags, "?"
+    return flags, f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
+def cpu_kind() -> str:
+    """The machine kind by its fastest bf16 matrix instructions: ``"amx"`` (Intel AMX),
+    ``"avx512_bf16"`` (AVX-512 with bf16 dot products, no AMX) or ``"no_bf16"`` (neither:
+    bf16 products run 5-10 x slower than fp32 there)."""
+    flags, _ = cpu_flags()
+    if "amx_bf16" in flags or "amx_tile" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "no_bf16"
+
+
 def machine(nvme_dir: Path | None) -> str:
     """Lines describing this machine, the NVMe directory's filesystem and the versions."""
     mem = psutil.virtual_memory()
     lines = [
-        f"machine: CPU {cpu_model()}, {os.cpu_count()} cores, "
+        f"machine: CPU {cpu_model()} ({cpu_flags()[1]}, matrix kind {cpu_kind()}), "
+        f"{os.cpu_count()} cores, "
         f"RAM {mem.total / GIB:.1f} GiB ({mem.available / GIB:.1f} GiB available), "
         f"kernel {platform.release()}",
         "load average (1/5/15 min): " + " / ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -95,6 +132,36 @@ def machine(nvme_dir: Path | None) -> str:
             f"NVMe dir: {nvme_dir} on {fstype} {dev} (mounted at {mnt}), {free / GIB:.1f} GiB free"
         )
     return "\n".join(lines)
+
+
+def write_figures(path: str | None, bench: str, figures: dict[str, Any]) -> None:
+    """``figures`` as JSON at ``path`` (nothing when None) with the machine and the command line.
+
+    What ``bench/cpu_check.py`` collects from each benchmark it runs (``--json PATH``).
+    Values are the figures the benchmark printed (ratios, tokens/s, seconds), None where
+    it measured nothing (a peer that could not run). Written whole or not at all.
+    """
+    if path is None:
+        return
+    doc = {
+        "bench": bench,
+        "argv": sys.argv[1:],
+        "machine": {
+            "cpu": cpu_model(),
+            "id": cpu_flags()[1],
+            "kind": cpu_kind(),
+            "cores": os.cpu_count(),
+            "ram_gib": round(psutil.virtual_memory().total / GIB, 1),
+            "torch": torch.__version__,
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "figures": figures,
+    }
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out)
 
 
 class RandomTokens(Dataset[dict[str, torch.Tensor]]):

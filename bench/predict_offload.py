@@ -61,6 +61,7 @@ from _common import (
     nvme_base,
     quiet,
     trim_heap,
+    write_figures,
 )
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -111,6 +112,7 @@ def _args() -> argparse.Namespace:
         default="bf16",
         help="compute dtype of every run (fp32 for a CPU without bf16 matrix instructions)",
     )
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return p.parse_args()
 
 
@@ -168,9 +170,10 @@ def _ours(
     plan: Plan,
     dtype: str,
     report: bool = True,
-) -> tuple[float, list[list[int]]]:
-    """(generated tokens/s, token ids per prompt) of ``trainer.predict`` at the plan's batch,
-    computing in ``dtype`` (``"bf16"`` or ``"fp32"``); ``report`` prints its phases. Run it
+) -> tuple[float, list[list[int]], dict[str, float]]:
+    """(generated tokens/s, token ids per prompt, seconds of prefill, decode and page-in
+    waits) of ``trainer.predict`` at the plan's batch, computing in ``dtype`` (``"bf16"`` or
+    ``"fp32"``); ``report`` prints its phases. Run it
     through :func:`~_common.isolated`, a child process of its own: it sets the host
     allocator as every run does and silences Lightning's banners as this process does."""
     quiet()
@@ -202,8 +205,10 @@ def _ours(
     strategy.close()
     tokens = [r["token_ids"] for b in out for r in b]  # type: ignore[union-attr]
     tok_s = sum(map(len, tokens)) / timer.seconds
+    wait = waits.wait_page_in if waits is not None else 0.0
+    phases = {"prefill_s": gen.seconds["prefill"], "decode_s": gen.seconds["decode"]}
+    phases["page_in_wait_s"] = wait
     if report:
-        wait = waits.wait_page_in if waits is not None else 0.0
         print(
             f"[ours] setup + teardown {total - timer.seconds:.1f} s (weights to the NVMe tier); "
             f"generation {timer.seconds:.1f} s = prefill {gen.seconds['prefill']:.1f} s + decode "
@@ -212,7 +217,7 @@ def _ours(
         )
         print(f"[ours] plan in force: {strategy.plan.concurrent_seqs} concurrent sequences, "
               f"KV cache on {getattr(strategy.plan.kv_cache, 'value', 'device')}")  # fmt: skip
-    return tok_s, tokens
+    return tok_s, tokens, phases
 
 
 class _PageWaits(pl.Callback):
@@ -279,12 +284,20 @@ def main() -> None:
         print(plan.explain())
         batch = plan.concurrent_seqs
         prompts = _prompts(args)
-        ours, ours_tokens = isolated(_ours, args, ckpt, work / "nvme", prompts, plan, args.dtype)
+        ours, ours_tokens, phases = isolated(
+            _ours, args, ckpt, work / "nvme", prompts, plan, args.dtype
+        )
         print(f"[ours] NVMe weights, batch {batch}: {ours:.1f} tokens/s")
-        for label, p in (("matrix-product probe", _plan(args, config, matmul_hw)),
-                         ("model-shaped probe", plan)):  # fmt: skip
+        figures: dict[str, Any] = {"dtype": args.dtype, "batch": batch, "ours_tokens_per_s": ours}
+        figures.update(phases)
+        for key, label, p in (
+            ("matrix_probe_measured_over_predicted", "matrix-product probe",
+             _plan(args, config, matmul_hw)),
+            ("measured_over_predicted", "model-shaped probe", plan),
+        ):  # fmt: skip
             print(f"[plan] predicted ({label}): {p.tokens_per_s:.1f} tokens/s; measured / "
                   f"predicted = {ours / p.tokens_per_s:.2f}")  # fmt: skip
+            figures[key] = ours / p.tokens_per_s
 
         hf: dict[int, float] = {}
         same_shape: list[list[int]] | None = None
@@ -298,12 +311,17 @@ def main() -> None:
         tried = [b for b in hf if b in _batches(args.hf_batches)] or list(hf)
         best_hf = max(tried, key=lambda b: hf[b])
         print(f"ratio ours / hf generate (best, batch {best_hf}) = {ours / hf[best_hf]:.2f}")
+        figures["generate_tokens_per_s"] = {str(b): v for b, v in hf.items()}
+        figures["over_generate"] = ours / hf[best_hf]
         assert same_shape is not None
         share = _same(ours_tokens[: len(same_shape)], same_shape)
         print(f"identical sequences vs in-memory generate at batch {batch} ({args.dtype}): "
               f"{share:.1%} of {len(same_shape)}")  # fmt: skip
+        figures["identical_share"] = share
         if args.dtype != "fp32":
-            _fp32_check(args, config, hw, ckpt, work / "nvme32", prompts)
+            figures["identical_share_fp32"] = _fp32_check(
+                args, config, hw, ckpt, work / "nvme32", prompts
+            )
 
         best_cold = 0.0
         for cold in (True, False):
@@ -313,7 +331,11 @@ def main() -> None:
                 best_cold = best_cold or acc[best_acc]
                 print(f"ratio ours / accelerate disk offload ({'cold' if cold else 'warm'} page "
                       f"cache; best, batch {best_acc}) = {ours / acc[best_acc]:.2f}")  # fmt: skip
-        _floor(args, config, matmul_hw, ours, best_cold)
+                figures[f"over_accelerate_{'cold' if cold else 'warm'}"] = ours / acc[best_acc]
+        floor = _floor(args, config, matmul_hw, ours, best_cold)
+        figures.update(floor_tokens_per_s=floor, floor_share=ours / floor)
+        figures["floor_over_accelerate_cold"] = floor / best_cold if best_cold else None
+        write_figures(args.json, "predict_offload", figures)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
@@ -338,8 +360,9 @@ def _probed(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) 
 
 def _floor(
     args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile, ours: float, acc: float
-) -> None:
-    """The fastest any schedule can be that reads every block's weights from NVMe each pass.
+) -> float:
+    """The fastest any schedule can be that reads every block's weights from NVMe each pass
+    (tokens/s, printed beside ``ours`` and Accelerate's best ``acc``).
 
     The sequences whose prefill ends last still need ``new_tokens - 1`` decode passes
     after it, with no prefill left to hide their weight reads behind: those passes take
@@ -381,6 +404,7 @@ def _floor(
     if acc > 0:
         print(f"[floor] = {best / acc:.2f} x Accelerate's best (cold page cache); "
               f"3 x would need {3 * acc:.1f} tokens/s")  # fmt: skip
+    return best
 
 
 def _product_rate(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 4096)) -> float:
@@ -414,17 +438,20 @@ def _fp32_check(
     ckpt: Path,
     nvme: Path,
     prompts: torch.Tensor,
-) -> None:
-    """Share of identical sequences against in-memory generate, both in fp32."""
+) -> float | None:
+    """Share of identical sequences against in-memory generate, both in fp32 (None: none
+    compared)."""
     n = min(args.check_prompts, len(prompts))
     if n < 1:
-        return
+        return None
     sub = argparse.Namespace(**{**vars(args), "prompts": n, "batch": None, "dtype": "fp32"})
     plan = _plan(sub, config, hw)
-    _, ours = isolated(_ours, sub, ckpt, nvme, prompts[:n], plan, "fp32", False)
+    _, ours, _ = isolated(_ours, sub, ckpt, nvme, prompts[:n], plan, "fp32", False)
     _, ref = isolated(_hf_run, ckpt, "fp32", prompts[:n], plan.concurrent_seqs, args.new_tokens)
+    share = _same(ours, ref)
     print(f"identical sequences vs in-memory generate at batch {plan.concurrent_seqs} (fp32): "
-          f"{_same(ours, ref):.1%} of {n}")  # fmt: skip
+          f"{share:.1%} of {n}")  # fmt: skip
+    return share
 
 
 def _evicting(folder: Path) -> Any:

@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         default="bf16",
         help="compute dtype of every run (fp32 for a CPU without bf16 matrix instructions)",
     )
+    parser.add_argument(
+        "--json", default=None, help="also write the figures to this JSON file (cpu_check.py)"
+    )
     args = parser.parse_args(argv)
     _common.quiet()
     if args.resident is None:
@@ -475,9 +478,11 @@ def main(argv: list[str] | None = None) -> None:
     # what the strategy predicts at the start of fit: the hardware probe with the
     # model-shaped compute probe; then, as adapt() does after warm-up, from a measured run
     print(predicted_line("balance_beam", plan, bb))
+    figures: dict[str, Any] = {"measured_over_predicted": bb.step_s / plan.predicted.total}
     hw = calibrated(args, model, matmul_hw, plain)
     plan, _ = forced_plan(args, model, hw)
     print(predicted_line("balance_beam, calibrated", plan, bb))
+    figures["calibrated_measured_over_predicted"] = bb.step_s / plan.predicted.total
     if not args.skip_recommended:
         rec_plan, rec_placement = recommended_plan(args, model, hw)
         print(rec_plan.explain())
@@ -486,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         results["planned"] = rec
         print(predicted_line("planned", rec_plan, rec))
+        figures["planned_measured_over_predicted"] = rec.step_s / rec_plan.predicted.total
 
     if args.peer == "deepspeed":
         try:
@@ -497,8 +503,11 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
             peer = None
+            figures["deepspeed_missing"] = "killed by the system (out of memory)"
         if peer is not None:
             results["deepspeed"] = peer
+        else:
+            figures.setdefault("deepspeed_missing", "skipped: see the [deepspeed] line")
 
     print("\nsummary (trained tokens/s):")
     for r in results.values():
@@ -533,6 +542,24 @@ def main(argv: list[str] | None = None) -> None:
             f"(ZeRO-3, parameters on {where}, optimizer state on NVMe; same micro-batch and "
             "accumulation)"
         )
+    figures.update(
+        dtype=args.dtype,
+        micro_batch=args.micro_batch,
+        accumulate=args.accumulate,
+        tokens_per_s={name: r.tokens_per_s for name, r in results.items()},
+        step_s={name: r.step_s for name, r in results.items()},
+        ratio_plain=bb.tokens_per_s / plain.tokens_per_s,
+        pairs=[b.tokens_per_s / p.tokens_per_s for p, b in zip(plains, bbs, strict=True)],
+        floor_s=floor,
+        step_over_floor=bb.step_s / floor,
+        planned_over_plain=(
+            results["planned"].tokens_per_s / plain.tokens_per_s if "planned" in results else None
+        ),
+        over_deepspeed=(
+            bb.tokens_per_s / results["deepspeed"].tokens_per_s if "deepspeed" in results else None
+        ),
+    )
+    _common.write_figures(args.json, "train_offload", figures)
 
 
 if __name__ == "__main__":
