@@ -11,7 +11,8 @@ fastest pass of each, and check the figures:
   :data:`SPREAD` (``DISK_SPREAD`` for disks); one fast pass among slow ones means
   something else ran during the others;
 - *drift*: the matrix products the model-shaped probes time beside the model's
-  passes run at no less than :data:`DRIFT` x the hardware profile's rate;
+  passes run at no less than :data:`DRIFT` x the hardware profile's rate (the median
+  product: one lucky product among slowed ones does not pass);
 - *neighbours*: other processes took no more than :data:`BUSY_SHARE` of the CPU
   time of this process's cores during the probe (``/proc/stat``, via psutil).
 

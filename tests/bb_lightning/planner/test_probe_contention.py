@@ -210,6 +210,38 @@ def test_a_busy_neighbour_beside_steady_passes_is_noticed_and_records_nothing(
     assert not (monkey_cache / rate_cache.FILE_NAME).exists()
 
 
+def test_one_lucky_product_beside_a_busy_neighbour_does_not_pass_the_drift_check(
+    tmp_path: Path,
+) -> None:
+    """A neighbour spinning on one of two cores slowed the products beside the predict
+    probe to about half the profile's rate, and the model's passes 2.35 x; one product ran
+    at the full rate. Judged by its fastest product the probe planned with its slowed
+    passes (2.2 x too slow, with no record of this shape); by the median product it rates
+    the passes against the products, as the neighbour slowed both."""
+    path = model_dir(tmp_path)
+    fast = {"prefill one": 0.005, "prefill more": 0.011, "decode one": 0.002, "decode more": 0.004}
+    shape = {"prompt_len": 8, "concurrent": 2, "cache_len": 16, "repeats": 2}
+    calm = probe_predict_compute(
+        path, cpu(), **shape, timing=Scripted(lambda label, i: fast[label])
+    )
+    assert calm is not None and calm.note is None
+    with pytest.MonkeyPatch.context() as mp:  # no record of the undisturbed rates
+        mp.setenv("BB_CACHE_DIR", str(tmp_path / "fresh"))
+        busy = Scripted(
+            lambda label, i: 2.35 * fast[label],
+            lambda i: PEAK if i == 1 else 0.5 * PEAK,
+            busy=0.41,
+        )
+        with pytest.warns(RuntimeWarning, match="relative to the matrix products") as warned:
+            probe = probe_predict_compute(path, cpu(), **shape, timing=busy)
+    assert "0.50 x the hardware profile's" in str(warned[0].message)
+    assert probe is not None and probe.note is not None
+    assert probe.prefill_s == pytest.approx(2.35 * calm.prefill_s)  # the passes as timed
+    # their rate against half the profile's: 2.35 / 2 = 1.18 x the undisturbed time
+    assert probe.efficiency == pytest.approx(calm.efficiency * 2 / 2.35)
+    assert probe.decode_efficiency == pytest.approx(calm.decode_efficiency)
+
+
 def test_a_disturbed_predict_probe_takes_the_rates_an_undisturbed_one_recorded(
     tmp_path: Path,
 ) -> None:
