@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(wanted) - set(names))
     if unknown or not wanted:
         parser.error(f"--only {args.only!r}: unknown {unknown or 'nothing'}; steps are {names}")
+    wanted = [n for n in names if n in wanted]  # in the order they run
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
     kind = _common.cpu_kind()

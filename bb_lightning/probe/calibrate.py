@@ -29,15 +29,21 @@ pass of each series must be matched by another within ``SPREAD``, and the matrix
 products timed between the model's passes must run at ``DRIFT`` x the profile's
 ``device_flops`` or more (their median: one lucky product among slowed ones does not
 pass). While a check fails they take another round of passes
-(``MAX_ROUNDS`` in all); still failing, they warn in one line and take the model's rate
-relative to the matrix products timed beside it, which a busy neighbour slows alike
-(the plan is then priced as on an undisturbed machine; measured steps re-plan after
-warm-up).
+(``MAX_ROUNDS`` in all); still failing, they warn in one line and take, in this order:
+the rates an undisturbed probe of the same model and shape recorded on this machine
+(:mod:`bb_lightning.probe.rate_cache`); on a CPU whose other processes left one of its
+cores alone, the passes timed again with one thread pinned to that core, counted at the
+thread count's worth (a neighbour spinning on one of two cores slowed the passes 2.35-3 x,
+and on a first run the hardware profile was measured beside it too, so the products
+beside the passes showed no drift); the model's rate relative to the matrix products
+timed beside it, which a busy neighbour slows alike; else the fastest passes. Measured
+steps re-plan after warm-up.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -223,6 +229,13 @@ class _Passes:
     """Why not to trust them (one line), or None."""
     drifted: bool = False
     """Whether the matrix products stayed below ``DRIFT`` x the profile's rate."""
+    ceiling: float | None = None
+    """:func:`dtype_ceiling` as measured on the quiet core the passes were timed alone on
+    (None: not timed alone; measure it as usual)."""
+
+    def ceiling_for(self, dtype: torch.dtype, device: torch.device) -> float:
+        """The efficiency ceiling of a model computing in ``dtype``."""
+        return self.ceiling if self.ceiling is not None else dtype_ceiling(dtype, device)
 
 
 def _timed_rounds(
@@ -233,12 +246,13 @@ def _timed_rounds(
     timing: Timing,
     what: str,
     recorded: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> _Passes:
     """Time ``passes`` (label, run) in turn with a square matrix product after each turn,
     after one untimed warm-up turn, ``repeats`` turns per round, until the checks of the
     module doc hold or ``contention.MAX_ROUNDS`` rounds ran. ``recorded``: an undisturbed
     probe's rates are on record (:mod:`bb_lightning.probe.rate_cache`); a disturbed probe
-    says it takes them."""
+    says it takes them. ``dtype``: the passes' compute dtype (for :func:`dtype_ceiling`)."""
     n = reference_size(device.type, hw.device_flops)
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, torch.bfloat16) for _ in range(2))
@@ -285,8 +299,20 @@ def _timed_rounds(
     if busy > contention.BUSY_SHARE:
         parts.append(f"other processes took {busy:.0%} of this process's cores")
     drifted = drift < contention.DRIFT
+    core, ceiling = None, None
+    if not recorded and device.type == "cpu" and busy > contention.BUSY_SHARE:
+        core = timing.quiet_core()
     if recorded:
         taken = "taking the rates an undisturbed probe of this model and shape recorded here"
+    elif core is not None:
+        threads = torch.get_num_threads()
+        alone, ceiling = _alone(passes, core, repeats, timing, threads, dtype, device)
+        best.update(alone)
+        drifted = False  # the passes' own times, on a core nobody else used
+        taken = (
+            f"timing the passes with one thread on core {core}, which the others left alone, "
+            f"and counting {threads} threads' worth of it"
+        )
     elif drifted:
         taken = "taking the model's rate relative to the matrix products beside it"
     else:
@@ -296,7 +322,45 @@ def _timed_rounds(
         f"another process is using the device; {taken} (measured steps re-plan after warm-up)"
     )
     warnings.warn(note, RuntimeWarning, stacklevel=3)
-    return _Passes(best, rate, note, drifted)
+    return _Passes(best, rate, note, drifted, ceiling)
+
+
+def _alone(
+    passes: list[tuple[str, Callable[[], None]]],
+    core: int,
+    repeats: int,
+    timing: Timing,
+    threads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[dict[str, float], float]:
+    """The fastest seconds of each pass run with one thread pinned to ``core``, over
+    ``threads``: what ``threads`` threads would take on cores of their own, were the passes
+    to divide perfectly among them (matrix products do, within a few per cent; the norms,
+    activations and attention less, so this errs fast: a 374M Llama's training block took
+    259 ms this way against 308 ms undisturbed on two Zen 3 cores). Labels as in
+    ``passes``; the timed series are labelled ``"<label> alone"``. With them,
+    :func:`dtype_ceiling` for ``dtype`` timed on that core too (beside the neighbour its
+    fp32 / bf16 ratio read 5.4 against 8.9 alone, which capped the credited rate). The
+    thread's affinity and torch's thread count are restored afterwards."""
+    pin = hasattr(os, "sched_setaffinity")
+    keep = os.sched_getaffinity(0) if pin else set()
+    torch.set_num_threads(1)
+    if pin:
+        os.sched_setaffinity(0, {core})  # this thread only: torch's workers sit idle
+    try:
+        for _, run in passes:
+            run()  # warm-up on one thread
+        times: dict[str, list[float]] = {label: [] for label, _ in passes}
+        for _ in range(repeats):
+            for label, run in passes:
+                times[label].append(timing.seconds(f"{label} alone", run))
+        ceiling = dtype_ceiling(dtype, device)
+    finally:
+        if pin:
+            os.sched_setaffinity(0, keep)
+        torch.set_num_threads(threads)
+    return {label: contention.fastest(t) / threads for label, t in times.items()}, ceiling
 
 
 def _pass_seconds(
@@ -333,7 +397,7 @@ def _pass_seconds(
     try:
         passes = [("one", train_pass(nets[0])), ("more", train_pass(nets[1]))]
         what = "model-shaped compute probe"
-        return _timed_rounds(passes, device, hw, repeats, timing, what, recorded)
+        return _timed_rounds(passes, device, hw, repeats, timing, what, recorded, dtype)
     finally:
         del nets
 
@@ -398,7 +462,7 @@ def probe_train_compute(
     elif known is not None:  # disturbed: the undisturbed probe's rate, its times scaled
         block, rest, total = (t * rate / known for t in (block, rest, total))
         rate, peak = known, hw.device_flops
-    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), dtype_ceiling(dtype, dev))
+    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), passes.ceiling_for(dtype, dev))
     return TrainCompute(
         block_s=block, rest_s=rest, pass_s=total, tflops=rate / 1e12, efficiency=eff,
         note=passes.note,
@@ -552,7 +616,7 @@ def _predict_seconds(
                     (f"decode {name}", decode(net, cache)),
                 ]
             what = "model-shaped predict probe"
-            return _timed_rounds(passes, device, hw, repeats, timing, what, recorded)
+            return _timed_rounds(passes, device, hw, repeats, timing, what, recorded, dtype)
     finally:
         del nets
 
@@ -655,7 +719,7 @@ def probe_predict_compute(
             t * dec_rate / known["decode"] for t in (dec_block, dec_rest, dec_total)
         )
         pre_rate, dec_rate, peak = known["prefill"], known["decode"], max(hw.device_flops, 1.0)
-    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), dtype_ceiling(dtype, dev))
+    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), passes.ceiling_for(dtype, dev))
     return PredictCompute(
         prefill_block_s=pre_block,
         prefill_rest_s=pre_rest,

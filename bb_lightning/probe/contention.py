@@ -37,6 +37,8 @@ __all__ = [
     "DISK_SPREAD",
     "DRIFT",
     "MAX_ROUNDS",
+    "QUIET_SHARE",
+    "QUIET_WINDOW",
     "SPREAD",
     "SYSTEM",
     "Timing",
@@ -56,6 +58,10 @@ BUSY_SHARE = 0.25
 """Largest share of this process's cores' CPU time other processes may take during a probe."""
 MAX_ROUNDS = 3
 """Rounds of passes a probe takes at most (the first one included) while a check fails."""
+QUIET_WINDOW = 0.3
+"""Seconds :meth:`Timing.quiet_core` watches the cores for."""
+QUIET_SHARE = 0.25
+"""Largest busy share of a core :meth:`Timing.quiet_core` still calls quiet."""
 
 
 class Timing:
@@ -80,6 +86,27 @@ class Timing:
             return min(max(others / wall, 0.0), 1.0) if wall > 0 else 0.0
 
         return share
+
+    def quiet_core(self) -> int | None:
+        """The core of this process's that other processes use least, watched over
+        :data:`QUIET_WINDOW` seconds while this thread sleeps; None when every one of them
+        was busy :data:`QUIET_SHARE` of the time or more, or there is only one."""
+        cpus = sorted(_affinity())
+        if len(cpus) < 2:
+            return None
+        before = psutil.cpu_times(percpu=True)
+        time.sleep(QUIET_WINDOW)
+        after = psutil.cpu_times(percpu=True)
+        shares = {}
+        for i in cpus:
+            if i < len(before) and i < len(after):
+                wall = sum(after[i]) - sum(before[i])
+                idle = after[i].idle - before[i].idle
+                shares[i] = 1.0 - idle / wall if wall > 0 else 1.0
+        if not shares:
+            return None
+        core = min(shares, key=lambda i: shares[i])
+        return core if shares[core] < QUIET_SHARE else None
 
 
 SYSTEM = Timing()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -84,7 +85,8 @@ def test_a_dry_run_collects_what_each_benchmark_printed(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(BENCH / "cpu_check.py"), str(out), "--dry-run"]
     cmd += ["--only", "fit-busy,predict-busy", "--nvme-dir", str(tmp_path / "nvme")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "cpu-check.json").read_text(encoding="utf-8"))
     kind = _kind_from_cpuinfo()

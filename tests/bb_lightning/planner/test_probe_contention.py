@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from bb_lightning.planner import cost
@@ -50,8 +52,9 @@ class Scripted(Timing):
         script: Callable[[str, int], float] = lambda label, i: 0.01,
         products: Callable[[int], float] = lambda i: PEAK,
         busy: float = 0.0,
+        quiet: int | None = None,
     ) -> None:
-        self.script, self.products, self.busy = script, products, busy
+        self.script, self.products, self.busy, self.quiet = script, products, busy, quiet
         self.calls: Counter[str] = Counter()
 
     def seconds(self, label: str, run: Callable[[], None]) -> float:
@@ -65,6 +68,9 @@ class Scripted(Timing):
 
     def watch(self) -> Callable[[], float]:
         return lambda: self.busy
+
+    def quiet_core(self) -> int | None:
+        return self.quiet
 
 
 def model_dir(tmp_path: Path) -> str:
@@ -240,6 +246,61 @@ def test_one_lucky_product_beside_a_busy_neighbour_does_not_pass_the_drift_check
     # their rate against half the profile's: 2.35 / 2 = 1.18 x the undisturbed time
     assert probe.efficiency == pytest.approx(calm.efficiency * 2 / 2.35)
     assert probe.decode_efficiency == pytest.approx(calm.decode_efficiency)
+
+
+def test_with_no_record_a_disturbed_probe_times_its_passes_alone_on_a_quiet_core(
+    tmp_path: Path,
+) -> None:
+    """A first run beside a neighbour: no record, and the hardware profile measured beside
+    the neighbour too, so the products beside the passes match it and the drift check sees
+    nothing, while the neighbours' share of the cores says they are busy. The passes are
+    timed again with one thread on the core the neighbour left alone, and counted at the
+    thread count's worth: here a thread alone takes ``threads`` x the undisturbed passes, so
+    the probe gives the undisturbed figures (the fit benchmark's first run beside a
+    neighbour was priced 2.9 x too slow, measured / predicted 0.35)."""
+    path = model_dir(tmp_path)
+    threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0)
+    train = {"one": 0.006, "more": MORE}
+    predict = {"prefill one": 0.005, "prefill more": 0.011, "decode one": 0.002}
+    predict["decode more"] = 0.004
+    fast = {**train, **predict}
+    shape = {"prompt_len": 8, "concurrent": 2, "cache_len": 16, "repeats": 2}
+    quiet = Scripted(lambda label, i: fast[label])
+    calm_train = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=quiet)
+    calm = probe_predict_compute(path, cpu(), **shape, timing=quiet)
+    assert calm_train is not None and calm is not None
+
+    def disturbed(label: str, i: int) -> float:
+        if label.endswith(" alone"):
+            return threads * fast[label.removesuffix(" alone")]
+        return 3 * fast[label]
+
+    with pytest.MonkeyPatch.context() as mp:  # no record of the undisturbed rates
+        mp.setenv("BB_CACHE_DIR", str(tmp_path / "fresh"))
+        busy = Scripted(disturbed, busy=0.4, quiet=0)
+        with pytest.warns(RuntimeWarning, match="one thread on core 0") as warned:
+            probe_t = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=busy)
+            probe = probe_predict_compute(path, cpu(), **shape, timing=busy)
+    assert len(warned) == 2 and all("other processes took 40%" in str(w.message) for w in warned)
+    assert busy.calls["one alone"] == busy.calls["decode more alone"] == 2  # repeats
+    assert probe_t is not None and probe is not None
+    assert probe_t.pass_s == pytest.approx(calm_train.pass_s)
+    assert probe_t.efficiency == pytest.approx(calm_train.efficiency)
+    assert probe.prefill_s == pytest.approx(calm.prefill_s)
+    assert probe.decode_s == pytest.approx(calm.decode_s)
+    assert probe.efficiency == pytest.approx(calm.efficiency)
+    assert probe.decode_efficiency == pytest.approx(calm.decode_efficiency)
+    # the thread count and this thread's cores are as before
+    assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == affinity
+    # no core left quiet: the fastest passes, as timed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BB_CACHE_DIR", str(tmp_path / "fresh2"))
+        with pytest.warns(RuntimeWarning, match="planning with the fastest passes"):
+            slow = probe_train_compute(
+                path, cpu(), seq_len=SEQ, repeats=2, timing=Scripted(disturbed, busy=0.4)
+            )
+    assert slow is not None and slow.pass_s == pytest.approx(3 * calm_train.pass_s)
 
 
 def test_a_disturbed_predict_probe_takes_the_rates_an_undisturbed_one_recorded(
