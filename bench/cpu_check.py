@@ -61,7 +61,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Target:
-    """A figure of a step's JSON and the bound the CPU issue's targets set on it."""
+    """A figure of a step's JSON and the bound a CPU target sets on it."""
 
     step: str
     figure: str
