@@ -134,6 +134,20 @@ def machine(nvme_dir: Path | None) -> str:
     return "\n".join(lines)
 
 
+def machine_facts() -> dict[str, Any]:
+    """This machine as JSON-ready facts: CPU model, family and model, matrix kind
+    (:func:`cpu_kind`), cores, RAM (GiB), torch version, load average now (1/5/15 min)."""
+    return {
+        "cpu": cpu_model(),
+        "id": cpu_flags()[1],
+        "kind": cpu_kind(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / GIB, 1),
+        "torch": torch.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def write_figures(path: str | None, bench: str, figures: dict[str, Any]) -> None:
     """``figures`` as JSON at ``path`` (nothing when None) with the machine and the command line.
 
@@ -143,20 +157,7 @@ def write_figures(path: str | None, bench: str, figures: dict[str, Any]) -> None
     """
     if path is None:
         return
-    doc = {
-        "bench": bench,
-        "argv": sys.argv[1:],
-        "machine": {
-            "cpu": cpu_model(),
-            "id": cpu_flags()[1],
-            "kind": cpu_kind(),
-            "cores": os.cpu_count(),
-            "ram_gib": round(psutil.virtual_memory().total / GIB, 1),
-            "torch": torch.__version__,
-            "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        },
-        "figures": figures,
-    }
+    doc = {"bench": bench, "argv": sys.argv[1:], "machine": machine_facts(), "figures": figures}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

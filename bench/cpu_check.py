@@ -250,12 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     met = sum(r["met"] is True for r in rows)
     print(f"targets met: {met} of {len(rows)} ({_common.cpu_model()}, {kind}, {dtype})")
     doc = {
-        "machine": {
-            "cpu": _common.cpu_model(),
-            "id": _common.cpu_flags()[1],
-            "kind": kind,
-            "cores": os.cpu_count(),
-        },
+        "machine": _common.machine_facts(),
         "dtype": dtype,
         "dry_run": args.dry_run,
         "steps": ran,
