@@ -31,8 +31,10 @@ Without grad (validation, prediction, ``inference_mode``) a block is paged in,
 run and released, with the next blocks prefetched cyclically so that the next
 batch finds block 0 in flight; with :attr:`PagedBlocks.max_tokens` set, a batch
 of more tokens runs through the block in chunks of rows while it is paged in
-(the planner's prefill micro-batch). Only ``hidden_states`` (the first positional
-argument, or the keyword) carries gradient; other arguments pass through.
+(the planner's prefill micro-batch). A recomputed block passes gradient to its hidden
+states (the first positional argument, or the keyword) and to every other tensor argument
+that requires it (a per-layer input computed from trainable embeddings, as Gemma 3n's);
+other arguments pass through.
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
 from bb_lightning.engine.rows import call_in_row_chunks
 
 __all__ = ["PagedBlocks"]
-
-
-Call = Callable[[Tensor], Any]
 
 
 class PagedBlocks:
@@ -138,7 +137,9 @@ class PagedBlocks:
                 return original(*args, **kwargs)
             hidden, call = _split(original, args, kwargs)
             holder: list[Any] = []
-            out = _PagedBlockFunction.apply(self, i, call, holder, self._dummy, hidden)
+            out = _PagedBlockFunction.apply(
+                self, i, call, holder, self._dummy, hidden, *call.extras
+            )
             return _repack(holder[0], out)
 
         return paged_forward
@@ -232,9 +233,52 @@ class PagedBlocks:
             self.leave(i, upcoming)
 
 
+class _BlockCall:
+    """Runs a block on given hidden states, its other arguments bound.
+
+    :attr:`extras` are the other tensor arguments that require gradient (top-level, in a
+    tuple, or in ``**kwargs``); a call given new values for them runs on those instead.
+    """
+
+    def __init__(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> None:
+        self.original, self.bound = original, bound
+        self.first = next(iter(inspect.signature(original).parameters))
+        self._slots: list[tuple[dict[str, Any], str, int | None]] = []
+        """Where each extra sits: (dict, key, index in the tuple there or None)."""
+        for key, value in bound.arguments.items():
+            if key == self.first:
+                continue
+            if isinstance(value, dict):  # **kwargs
+                for k, v in value.items():
+                    self._collect(value, k, v)
+            else:
+                self._collect(bound.arguments, key, value)
+        self.extras: list[Tensor] = [d[k] if j is None else d[k][j] for d, k, j in self._slots]
+
+    def _collect(self, where: dict[str, Any], key: str, value: Any) -> None:
+        if isinstance(value, Tensor) and value.requires_grad:
+            self._slots.append((where, key, None))
+        elif isinstance(value, tuple):
+            for j, v in enumerate(value):
+                if isinstance(v, Tensor) and v.requires_grad:
+                    self._slots.append((where, key, j))
+
+    def __call__(self, hidden: Tensor, *extras: Tensor) -> Any:
+        self.bound.arguments[self.first] = hidden
+        for (where, key, j), value in zip(self._slots, extras, strict=False):
+            if j is None:
+                where[key] = value
+            else:
+                old = where[key]
+                items = list(old)
+                items[j] = value
+                where[key] = tuple(items) if type(old) is tuple else type(old)(*items)
+        return self.original(*self.bound.args, **self.bound.kwargs)
+
+
 def _split(
     original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Tensor, Call]:
+) -> tuple[Tensor, _BlockCall]:
     """The hidden states (the forward's first parameter) and a call running the block on others.
 
     Cache arguments, positional or keyword, are set to None and ``use_cache`` to False.
@@ -259,11 +303,7 @@ def _split(
             "the hidden states as the block's first argument"
         )
 
-    def call(h: Tensor) -> Any:
-        arguments[first] = h
-        return original(*bound.args, **bound.kwargs)
-
-    return hidden, call
+    return hidden, _BlockCall(original, bound)
 
 
 _NO_CACHE = (*CACHE_KWARGS, "use_cache")
@@ -309,52 +349,54 @@ def _sum_into(state: FlatState, grads: Sequence[Tensor | None]) -> None:
 
 
 class _PagedBlockFunction(torch.autograd.Function):
-    """One block with per-block checkpointing: only the input is saved."""
+    """One block with per-block checkpointing: only its inputs are saved (the hidden
+    states and the other tensor arguments that require gradient)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         runner: PagedBlocks,
         i: int,
-        call: Call,
+        call: _BlockCall,
         holder: list[Any],
         dummy: Tensor,
         hidden: Tensor,
+        *extras: Tensor,
     ) -> Tensor:
         cuda_state = torch.cuda.get_rng_state() if hidden.is_cuda else None
         ctx.rng = (torch.get_rng_state(), cuda_state)
         ctx.runner, ctx.i, ctx.call = runner, i, call
         upcoming = runner.enter(i, "forward_grad")
         try:
-            out = call(hidden)
+            out = call(hidden, *extras)
         finally:
             runner.leave(i, upcoming)
         holder.append(out)
-        ctx.save_for_backward(hidden)
+        ctx.save_for_backward(hidden, *extras)
         return _first(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (hidden,) = ctx.saved_tensors
+        saved = ctx.saved_tensors
         runner: PagedBlocks = ctx.runner
         i: int = ctx.i
+        wants = [bool(w) for w in ctx.needs_input_grad[5:]]  # hidden, then the extras
         upcoming = runner.enter(i, "backward")
         try:
             params = runner.pager.params[i]
-            wants_input = bool(ctx.needs_input_grad[5])
-            h = hidden.detach().requires_grad_(wants_input)
-            inputs = [h, *params] if wants_input else list(params)
+            given = [t.detach().requires_grad_(w) for t, w in zip(saved, wants, strict=True)]
+            wanted = [t for t, w in zip(given, wants, strict=True) if w]
+            inputs = [*wanted, *params]
             grads: tuple[Tensor | None, ...] = (None,) * len(inputs)
             if inputs:  # else nothing of this block trains and no gradient flows through it
                 with torch.enable_grad(), _rng_restored(ctx.rng):
-                    first = _first(ctx.call(h))
+                    first = _first(ctx.call(*given))
                     grads = torch.autograd.grad(first, inputs, grad_out, allow_unused=True)
         finally:
             runner.leave(i, upcoming)
-        if not wants_input:
-            grads = (None, *grads)
-        runner.hand_off(i, grads[1:])
-        return None, None, None, None, None, grads[0]
+        runner.hand_off(i, grads[len(wanted) :])
+        of_inputs = iter(grads[: len(wanted)])
+        return (None,) * 5 + tuple(next(of_inputs) if w else None for w in wants)
 
 
 class _InputDone(torch.autograd.Function):

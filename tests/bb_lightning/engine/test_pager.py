@@ -144,3 +144,52 @@ def test_add_converted_equals_the_exact_sum_rounded(src_dtype: torch.dtype) -> N
     cols = rows.t()
     add_converted(cols, torch.ones(6, 8, dtype=torch.bfloat16))
     assert torch.equal(rows, torch.ones(8, 6))
+
+
+def _scaled_rotary(model: torch.nn.Module) -> None:
+    """Every decoder layer gets its rotary cosines times a trainable scalar of the model
+    (outside the blocks), passed in the ``position_embeddings`` tuple."""
+    model.model.rotary_scale = torch.nn.Parameter(torch.tensor(1.25))
+
+    def scaled(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cos, sin = kwargs["position_embeddings"]
+        kwargs["position_embeddings"] = (cos * model.model.rotary_scale, sin)
+        return args, kwargs
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(scaled, with_kwargs=True)
+
+
+def test_a_recomputed_block_passes_gradient_to_its_other_tensor_arguments(tmp_path) -> None:
+    """A block argument besides the hidden states that requires gradient (here in the
+    ``position_embeddings`` tuple) gets it from the recomputed block as from autograd."""
+    reference = tiny_llama()
+    model = copy.deepcopy(reference)
+    _scaled_rotary(reference)
+    _scaled_rotary(model)
+    store = TieredStore(
+        StoreConfig(
+            device_budget=8 << 20, host_budget=16 << 20, device="cpu",
+            nvme_path=str(tmp_path / "nvme"), nvme_budget=64 << 20,
+        )
+    )  # fmt: skip
+    placement = Placement(weights=(Tier.NVME,) * 3, master=(Tier.HOST,) * 3, prefetch_depth=1)
+    engine = cpu_engine(model, store, placement)
+    try:
+        assert not engine.paged.autograd_blocks  # every block recomputed in backward
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+        loss = engine.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        engine.after_backward()
+        want = reference(input_ids=ids, labels=ids).loss
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        names = {id(p): n for n, p in engine.model.named_parameters()}
+        views = engine.resident.master_views(engine.resident.gradient())
+        got = {names[id(p)]: g for p, g in zip(engine.resident_params, views, strict=True)}
+        grad = reference.model.rotary_scale.grad
+        assert grad is not None and grad.abs() > 0
+        torch.testing.assert_close(got["model.rotary_scale"], grad, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+        store.close()
