@@ -213,6 +213,7 @@ class CausalLMModule(pl.LightningModule):
                     base = AutoModelForCausalLM.from_config(self._config)
             with _seeded(int(self.hparams["seed"])):
                 self.model = wrap_lora(base, self._lora)
+            self.model.train(self.training)
             return
         if self.checkpoint_dir is not None and self._streams_weights():
             # Parameters on the meta device (buffers real, tied ones tied): the strategy reads
@@ -223,6 +224,9 @@ class CausalLMModule(pl.LightningModule):
         else:
             with _seeded(int(self.hparams["seed"])):
                 self.model = AutoModelForCausalLM.from_config(self._config)
+        # from_pretrained returns the network in eval mode, and Lightning's fit keeps the
+        # modes it finds: without this a loaded checkpoint would train without its dropout
+        self.model.train(self.training)
 
     def _streams_weights(self) -> bool:
         """Whether the attached strategy reads the local checkpoint itself."""

@@ -4,8 +4,9 @@ For each family: ``trainer.fit`` under balance_beam (weights and optimizer state
 NVMe, gradient accumulation and norm clipping) against plain Lightning on the same
 directory (``from_pretrained``), losses and final weights; ``trainer.predict``
 (weights on NVMe, ragged left-padded prompts) against Hugging Face greedy ``generate``.
-Tied heads, sliding windows and MoE blocks (per-expert tensors on disk, fused in the
-module) are among them.
+Tied heads, sliding windows, MoE blocks (per-expert tensors on disk, fused in the
+module), blocks that take a trainable per-layer input besides the hidden states, dropout
+and a router that samples experts in training mode (both runs seeded alike) are among them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _module(path: Path) -> CausalLMModule:
 
 
 def _fit(tiny: SimpleNamespace, strategy: Any, path: Path) -> tuple[list[float], dict[str, Any]]:
+    torch.manual_seed(0)  # the same dropout masks and sampled experts in both runs
     module = _module(path)
     trainer, recorder = tiny.make_trainer(
         strategy, STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=0.5

@@ -160,6 +160,40 @@ def test_load_local_checkpoint_and_config_sources(tmp_path: Path) -> None:
         resolve_model_config(str(tmp_path / "missing.json"))
 
 
+class _Modes(pl.Callback):
+    def __init__(self) -> None:
+        self.eval_modules: list[int] = []
+        self.rng: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: Any, *_: Any) -> None:
+        self.eval_modules.append(sum(not m.training for m in module.modules()))
+        self.rng.append(torch.get_rng_state())
+
+
+def test_a_loaded_checkpoint_trains_with_its_dropout(tmp_path: Path) -> None:
+    """``from_pretrained`` gives the network in eval mode and Lightning's fit keeps the modes
+    it finds: the module trains a loaded checkpoint in train mode, as one built from a
+    config, and its training losses are those of the network in train mode."""
+    config = AutoConfig.for_model(**{**TINY, "attention_dropout": 0.5})
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    module = CausalLMModule(str(tmp_path / "ckpt"), **HPARAMS)
+    modes, losses = _Modes(), _Losses()
+    trainer = _trainer(max_steps=2, callbacks=[modes, losses])
+    batches = _batches(2)
+    trainer.fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
+    assert modes.eval_modules == [0, 0]
+    # the first step's loss: the checkpoint's network with dropout on, same random state
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        torch.set_rng_state(modes.rng[0])
+        dropped = reference.train()(input_ids=ids, labels=ids).loss
+        kept = reference.eval()(input_ids=ids, labels=ids).loss
+    assert losses.losses[0] == pytest.approx(float(dropped), rel=1e-6)
+    assert not torch.isclose(dropped, kept)
+
+
 def test_optimizer_hyperparameters() -> None:
     module = CausalLMModule(TINY, eps=1e-7, **HPARAMS)
     assert module.adamw_config() == AdamWConfig(
