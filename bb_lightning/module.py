@@ -326,8 +326,9 @@ class CausalLMModule(pl.LightningModule):
 
         Runs :class:`~bb_lightning.engine.generate.LayerMajorGenerator` over the whole
         batch (each block once per step). ``token_ids`` are the new tokens, cut before
-        the first eos or stop string. Prompts flagged with an ``error`` in the batch, or
-        too long for the model's context, are not run and come back as ``{"id", "error"}``.
+        the first eos or stop string. Prompts flagged with an ``error`` in the batch, too
+        long for the model's context, or longer with their new tokens than the static KV
+        cache the model generates right with, are not run and come back as ``{"id", "error"}``.
         """
         net = self._net()
         gen = self._generator
@@ -336,7 +337,8 @@ class CausalLMModule(pl.LightningModule):
         ids: list[str] = list(batch["id"])
         errors: list[str | None] = list(batch.get("error") or [None] * len(ids))
         lengths = batch["attention_mask"].sum(-1).tolist()
-        errors = [e or gen.check_prompt(int(n)) for e, n in zip(errors, lengths, strict=True)]
+        new = self.generation_config().max_new_tokens
+        errors = [e or gen.check_prompt(int(n), new) for e, n in zip(errors, lengths, strict=True)]
         keep = [i for i, e in enumerate(errors) if e is None]
         results: dict[int, dict[str, Any]] = {
             i: {"id": ids[i], "error": e} for i, e in enumerate(errors) if e is not None

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from bb_lightning.engine.attention import decode_attention_for
-from bb_lightning.engine.hf_quirks import forward_options, model_context
+from bb_lightning.engine.hf_quirks import forward_options, model_context, static_cache_limit
 from bb_lightning.engine.kv import KVCache
 from bb_lightning.shapes import cache_length
 from storage.tiers import Tier
@@ -122,6 +122,10 @@ class LayerMajorGenerator:
         self.kv_tier = kv_tier
         self.context = model_context(getattr(model, "config", None))
         """Longest sequence the model takes (tokens), or None when the config has no limit."""
+        config = getattr(model, "config", None)
+        self.cache_limit = None if config is None else static_cache_limit(config)
+        """Most positions of a static KV cache the model generates right with, and why
+        (:func:`~bb_lightning.engine.hf_quirks.static_cache_limit`), or None."""
         self._kv: KVCache | None = None
         self._cache_kw, self._logits_kw = forward_options(model)
         self.steps = 0
@@ -138,6 +142,8 @@ class LayerMajorGenerator:
         """
         if self._kv is None or not self._kv.fits(rows, max_len):
             max_len = cache_length(max_len)
+            if self.cache_limit is not None:  # no rounding past it (the rows fit it)
+                max_len = min(max_len, max(self.cache_limit[0], 1))
             self._kv = None  # free the old buffers before allocating new ones
             config = self.model.config
             assert isinstance(config, PretrainedConfig), "a Hugging Face model has a config"
@@ -176,14 +182,25 @@ class LayerMajorGenerator:
             ) from err
         return logits[:, -1, :]
 
-    def check_prompt(self, length: int) -> str | None:
-        """Why a prompt of ``length`` tokens cannot run (None: it can)."""
+    def check_prompt(self, length: int, new_tokens: int = 0) -> str | None:
+        """Why a prompt of ``length`` tokens followed by up to ``new_tokens`` new ones cannot
+        run (None: it can)."""
         if length < 1:
             return "prompt has 0 tokens"
         if self.context is not None and length >= self.context:
             return (
                 f"prompt has {length} tokens >= the model's context of {self.context}: "
                 f"shorten it below {self.context} tokens"
+            )
+        if self.cache_limit is not None and length + new_tokens > self.cache_limit[0]:
+            limit, why = self.cache_limit
+            config = getattr(self.model, "config", None)
+            return (
+                f"prompt has {length} tokens + {new_tokens} new > {limit}: "
+                f"model_type={getattr(config, 'model_type', '?')!r} generates on balance_beam's "
+                f"static KV cache only up to {limit} positions ({why}); shorten the prompt to "
+                f"{max(limit - new_tokens, 0)} tokens or lower max_new_tokens, or generate with "
+                "transformers (model.generate) under plain Lightning"
             )
         return None
 
@@ -224,12 +241,18 @@ class LayerMajorGenerator:
             )
         lengths = attention_mask.sum(-1).tolist()
         for n in lengths:
-            if (why := self.check_prompt(int(n))) is not None:
+            if (why := self.check_prompt(int(n), config.max_new_tokens)) is not None:
                 raise ValueError(why)
         device = _device_of(self.model)
         total = plen + config.max_new_tokens
         if self.context is not None:
             total = min(total, self.context + plen - int(max(lengths)))
+        if self.cache_limit is not None and total > self.cache_limit[0]:
+            raise ValueError(
+                f"a batch {plen} tokens wide + {config.max_new_tokens} new > "
+                f"{self.cache_limit[0]} positions ({self.cache_limit[1]}): drop the padding "
+                "columns no prompt uses, or lower max_new_tokens"
+            )
         run = _Run(self, config, rows, plen, total, device, seeds, decode)
         with decode_attention_for(self.model):
             return run.run(input_ids.to(device), attention_mask.to(device))

@@ -20,7 +20,9 @@ nowhere else:
   (the one reader of a sharded checkpoint's ``*.index.json``) and
   :data:`SAFETENSORS_DTYPES` (the dtype names of the safetensors header);
 * **what is refused** — :func:`check_supported` (quantized, remote-code and
-  encoder-decoder models), :func:`check_generation` (a recurrent state);
+  encoder-decoder models), :func:`check_generation` (a recurrent state), and
+  :func:`static_cache_limit` (the longest sequences a family generates right on a static
+  KV cache);
 * **tracing** — :func:`no_pad_token` (GPT-2 reads its pad token from the input ids) and
   :func:`activation_checkpointing` (the attribute moved in transformers 5).
 
@@ -69,6 +71,7 @@ __all__ = [
     "no_pad_token",
     "read_weight_index",
     "resolve_model",
+    "static_cache_limit",
 ]
 
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -308,6 +311,27 @@ def static_cache_gap(model: nn.Module) -> str | None:
             "(transformers' _supports_default_dynamic_cache() is False)"
         )
     return None
+
+
+def static_cache_limit(config: Any) -> tuple[int, str] | None:
+    """The most positions a static KV cache of ``config``'s model may have, and why (None:
+    no limit but the context).
+
+    Local attention that cuts its window out of a mask by the length of the keys it is
+    given (GPT-Neo's ``attention_layers`` with ``"local"`` entries and ``window_size``)
+    assumes that length is the tokens so far, as a growing cache gives it; a static cache
+    gives the cache's length, which moves the window by the unwritten positions and hides
+    keys the window holds once the cache is longer than the window. Within the window the
+    mask cuts nothing, so generation is exact up to a cache of ``window_size`` positions.
+    """
+    layers = getattr(config, "attention_layers", None)
+    window = getattr(config, "window_size", None)
+    if not isinstance(window, int) or not layers or "local" not in list(layers):
+        return None
+    return window, (
+        f"its local attention cuts its window (window_size={window}) out of a mask by the "
+        "length of the KV cache, which is right on a static cache no longer than the window"
+    )
 
 
 def check_generation(model: PreTrainedModel) -> None:

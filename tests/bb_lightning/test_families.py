@@ -231,6 +231,43 @@ def test_a_family_whose_forward_breaks_on_the_static_cache_fails_in_one_line(
     strategy.close()
 
 
+def test_a_local_attention_family_refuses_prompts_longer_than_its_window(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """GPT-Neo cuts its local window out of a mask by the cache's length, right only while
+    the static cache is no longer than the window: a prompt that would need more positions
+    (with its new tokens) comes back with one error line naming the limit and what to do;
+    the others run, as Hugging Face ``generate`` runs them."""
+    values = {**FAMILIES["gpt_neo_local"], "window_size": 8}
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    module = _module(tmp_path / "ckpt")
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(2, weights=N), nvme_path=str(tmp_path)
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    batch = _prompts()  # 7, 3 and 5 tokens; + NEW (5) new ones: 12, 8 and 10 > 8 positions
+    records = trainer.predict(module, DataLoader([batch], batch_size=None))
+    strategy.close()
+    assert records is not None
+    got = records[0]  # type: ignore[index]
+    for row in (0, 2):
+        error = got[row]["error"]
+        assert "window_size=8" in error and "8 positions" in error and "\n" not in error
+        assert "shorten the prompt to 3 tokens" in error
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    ids = batch["input_ids"][1][batch["attention_mask"][1].bool()][None]
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+            do_sample=False, pad_token_id=0,
+        )[0, ids.shape[1] :].tolist()  # fmt: skip
+    stop = set(module.generation_config().eos_token_ids)
+    cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+    assert got[1]["token_ids"] == out[:cut]
+
+
 LOOPED = {  # a model whose forward runs its middle blocks twice (recurrent depth)
     "hidden_size": 32,
     "intermediate_size": 64,

@@ -95,7 +95,8 @@ def test_family_configs_read_as_the_built_model_is(family: str) -> None:
         None,
     )
     assert model_context(config) == context
-    heads = next(values[k] for k in ("num_attention_heads", "n_head", "n_heads") if k in values)
+    spellings = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+    heads = next(values[k] for k in spellings if k in values)
     assert config_int(config, "num_heads") == heads
     assert config_int(config, "num_kv_heads", default=heads) == values.get(
         "num_key_value_heads", heads
