@@ -1,7 +1,9 @@
 """The parts of any Hugging Face causal LM, found by structure and one meta-device trace.
 
 No class names, no attribute names: the repeated blocks are the ``nn.ModuleList``
-with the most parameters whose children all share one type; the input
+with the most parameters whose children are of one type, or of several that each keep
+parameters in modules of their own (hybrid models that interleave attention and
+state-space layers), and no two blocks may share a parameter; the input
 embedding and output head come from ``get_input_embeddings()`` /
 ``get_output_embeddings()``; every other parameter is placed by when the
 forward first touches it, before the first block (embedding side) or after the
@@ -119,23 +121,51 @@ def _count(module: nn.Module) -> int:
 
 
 def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Path and module of the repeated block list (see the module docstring)."""
+    """Path and module of the repeated block list (see the module docstring).
+
+    Raises ``ValueError`` when there is none, or when two of its blocks share a parameter
+    (one layer's weights used by several: each block is paged with its own).
+    """
     best: tuple[int, str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if len({type(child) for child in module}) != 1:
+        if not _holds_blocks(module):
             continue
         n = _count(module)
         if n > 0 and (best is None or n > best[0]):
             best = (n, name, module)
     if best is None:
         raise ValueError(
-            f"{type(model).__name__} has no nn.ModuleList of same-typed children holding "
-            "parameters, so its repeated blocks cannot be found: keep the decoder layers in "
-            "one nn.ModuleList (as Hugging Face causal LMs do)"
+            f"{type(model).__name__} has no nn.ModuleList of blocks (children of one type, "
+            "or layers whose parameters sit in modules of their own) holding parameters, so "
+            "its repeated blocks cannot be found: keep the decoder layers in one nn.ModuleList "
+            "(as Hugging Face causal LMs do)"
         )
+    _check_unshared(model, best[1], best[2])
     return best[1], best[2]
+
+
+def _holds_blocks(layers: nn.ModuleList) -> bool:
+    """Children of one type, or of several that each keep parameters in modules of their
+    own (a hybrid model's mamba and attention layers; not a list of bare layers)."""
+    if len({type(child) for child in layers}) == 1:
+        return True
+    return all(any(_count(sub) > 0 for sub in child.children()) for child in layers)
+
+
+def _check_unshared(model: nn.Module, path: str, blocks: nn.ModuleList) -> None:
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for key, p in block.named_parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"{type(model).__name__}: blocks {j} and {i} of {path or 'the model'} share "
+                    f"the parameter {key!r} (one set of weights used by several layers), and "
+                    "balance_beam pages each block with weights of its own: train and run "
+                    "this model under plain Lightning"
+                )
 
 
 class _Recorder(TorchDispatchMode):

@@ -65,7 +65,71 @@ def _fit(tiny: SimpleNamespace, strategy: Any, path: Path) -> tuple[list[float],
 def test_family_fits_like_plain_lightning(
     family: str, tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
-    path = saved(family, tmp_path / "ckpt")
+    _fits_like_plain_lightning(tiny, saved(family, tmp_path / "ckpt"), tmp_path)
+
+
+JAMBA: dict[str, Any] = {  # mamba and attention layers, every other one MoE
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "mamba_d_state": 8,
+    "mamba_dt_rank": 4,
+    "use_mamba_kernels": False,
+    "attention_dropout": 0.0,
+}
+
+
+def test_a_hybrid_family_with_layers_of_two_types_fits_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Jamba keeps mamba and attention layers, two classes, in one layer list: those are
+    its blocks, paged like any others."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("jamba", **JAMBA))
+    assert len({type(layer) for layer in model.model.layers}) == 2
+    model.save_pretrained(tmp_path / "ckpt")
+    _fits_like_plain_lightning(tiny, tmp_path / "ckpt", tmp_path)
+
+
+def test_a_model_whose_blocks_share_weights_is_refused_at_setup(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Zamba's hybrid layers all run one shared attention block: a block cannot be paged
+    with weights of its own, so fit is refused in one line naming the shared parameter."""
+    values = {
+        **{k: v for k, v in JAMBA.items() if not k.startswith(("expert", "num_experts"))},
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "attention_hidden_size": 64,
+        "n_mamba_heads": 2,
+        "layer_types": ["hybrid", "mamba", "hybrid"],
+    }
+    values.pop("use_mamba_kernels")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("zamba", **values)).save_pretrained(
+        tmp_path / "ckpt"
+    )
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=N), nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    data = [{"input_ids": b["input_ids"] % VOCAB} for b in tiny.batches(1)]
+    with pytest.raises(ValueError, match=r"blocks 0 and 2 of .* share the parameter") as err:
+        trainer.fit(_module(tmp_path / "ckpt"), DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    assert "\n" not in str(err.value) and "plain Lightning" in str(err.value)
+    assert strategy.store is None  # refused before anything was paged
+    strategy.close()
+
+
+def _fits_like_plain_lightning(tiny: SimpleNamespace, path: Path, tmp_path: Path) -> None:
     want_losses, want = _fit(tiny, "auto", path)
     strategy = BalanceBeamStrategy(
         placement=Placement.uniform(2, weights=N, master=N, prefetch_depth=1),
@@ -146,17 +210,23 @@ def test_family_generates_like_hf_generate(
         assert tokens == out[:cut], (family, row)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "values"),
+    [
+        ("mamba", {"hidden_size": 32, "state_size": 8, "num_hidden_layers": 2,
+                   "vocab_size": VOCAB}),
+        ("jamba", JAMBA),
+    ],
+)  # fmt: skip
 def test_generation_of_a_recurrent_state_family_is_refused_at_setup(
-    tiny: SimpleNamespace, tmp_path: Path
+    model_type: str, values: dict[str, Any], tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
-    config = AutoConfig.for_model(
-        "mamba", hidden_size=32, state_size=8, num_hidden_layers=2, vocab_size=VOCAB
-    )
+    config = AutoConfig.for_model(model_type, **values)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
     module = _module(tmp_path / "ckpt")
     strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
     trainer, _ = tiny.make_trainer(strategy, 1)
-    with pytest.raises(ValueError, match=r"model_type='mamba'.*recurrent state") as err:
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}'.*recurrent state") as err:
         trainer.predict(module, DataLoader([_prompts()], batch_size=None))
     assert "\n" not in str(err.value)
     strategy.close()
