@@ -242,13 +242,14 @@ class _BlockCall:
 
     def __init__(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> None:
         self.original, self.bound = original, bound
-        self.first = next(iter(inspect.signature(original).parameters))
+        params = inspect.signature(original).parameters
+        self.first = next(iter(params))
         self._slots: list[tuple[dict[str, Any], str, int | None]] = []
         """Where each extra sits: (dict, key, index in the tuple there or None)."""
         for key, value in bound.arguments.items():
             if key == self.first:
                 continue
-            if isinstance(value, dict):  # **kwargs
+            if params[key].kind is inspect.Parameter.VAR_KEYWORD:  # a copy (``_split``)
                 for k, v in value.items():
                     self._collect(value, k, v)
             else:
