@@ -340,7 +340,15 @@ def set_data(param: Tensor, value: Tensor) -> None:
     """``param.data = value``, also for a parameter on the meta device (swapped in place,
     so the parameter object and every reference to it stay the same)."""
     if param.is_meta and not value.is_meta:
-        new = nn.Parameter(value, requires_grad=param.requires_grad)
+        # a parameter of its own holding ``value``: ``nn.Parameter(value)`` would share
+        # value's version counter, as an alias does, so parameters bound to one tensor (the
+        # empty stand-in of unbound ones) would share one, and an in-place change to one
+        # (peft's parametrization of fused experts) would void the others' saved tensors
+        new = nn.Parameter(
+            torch.empty(0, dtype=value.dtype, device=value.device),
+            requires_grad=param.requires_grad,
+        )
+        new.data = value
         torch.utils.swap_tensors(param, new)
     else:
         param.data = value

@@ -205,3 +205,42 @@ def test_streamed_lora_trains_saved_modules_like_plain_lightning(
     for key, value in want_file.items():
         torch.testing.assert_close(got_file[key], value, rtol=1e-5, atol=2e-5, msg=key)
     strategy.close()
+
+
+def test_lora_on_fused_experts_trains_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """peft's default targets on a Qwen3-MoE checkpoint reach its fused expert weights,
+    which peft wraps in a parametrization registered (an in-place change of the expert
+    weights) at every forward: the block's other streamed weights keep their own version
+    counters, so autograd still takes them (it refused them as modified in place), and
+    the adapters train as under plain Lightning."""
+    from torch.utils.data import DataLoader
+
+    from .families import VOCAB, saved
+
+    path = saved("qwen3_moe", tmp_path / "ckpt")
+    data = [{"input_ids": b["input_ids"] % VOCAB} for b in tiny.batches(2 * 2)]
+    runs = []
+    for strategy in (
+        "auto",
+        BalanceBeamStrategy(
+            placement=Placement.uniform(2, weights=N, master=N, prefetch_depth=1),
+            compute_dtype="fp32", nvme_path=str(tmp_path / "nvme"), adapt_tolerance=None,
+        ),
+    ):  # fmt: skip
+        torch.manual_seed(0)
+        module = CausalLMModule(path, learning_rate=1e-3, lora={"rank": 4})
+        trainer, recorder = tiny.make_trainer(strategy, 2, accumulate_grad_batches=2)
+        trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+        assert module.model is not None
+        runs.append((recorder.losses, get_peft_model_state_dict(module.model)))
+        if isinstance(strategy, BalanceBeamStrategy):
+            strategy.close()
+    (want_losses, want), (losses, got) = runs
+    assert any(".experts." in k for k in want)  # the fused experts carry adapters
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=2e-5, msg=key)
