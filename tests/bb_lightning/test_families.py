@@ -69,12 +69,7 @@ def test_family_fits_like_plain_lightning(
 
 
 JAMBA: dict[str, Any] = {  # mamba and attention layers, every other one MoE
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": VOCAB,
+    **{k: v for k, v in FAMILIES["llama"].items() if k != "model_type"},
     "num_experts": 2,
     "num_experts_per_tok": 1,
     "expert_layer_period": 2,

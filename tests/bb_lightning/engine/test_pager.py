@@ -34,12 +34,7 @@ def test_paged_backward_equals_plain_backward(engine_and_reference) -> None:
     engine, reference, _ = engine_and_reference
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(2):  # two micro-batches accumulate
-        loss = engine.model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        engine.after_backward()
-        want = reference(input_ids=ids, labels=ids).loss
-        want.backward()
-        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        _backward_both(engine, reference, ids)
     names = {id(p): n for n, p in reference.named_parameters()}
     ref_params = dict(reference.named_parameters())
     got: dict[str, torch.Tensor] = {}
@@ -53,6 +48,17 @@ def test_paged_backward_equals_plain_backward(engine_and_reference) -> None:
     assert len(got) == len(names)
     for name, grad in got.items():
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _backward_both(engine: TrainingEngine, reference: torch.nn.Module, ids: torch.Tensor) -> None:
+    """One micro-batch's forward and backward through the engine and the reference; the
+    losses equal."""
+    loss = engine.model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    engine.after_backward()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
 
 
 def test_no_grad_forward_pages_within_the_window(engine_and_reference) -> None:
@@ -178,12 +184,7 @@ def test_a_recomputed_block_passes_gradient_to_its_other_tensor_arguments(tmp_pa
     try:
         assert not engine.paged.autograd_blocks  # every block recomputed in backward
         ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
-        loss = engine.model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        engine.after_backward()
-        want = reference(input_ids=ids, labels=ids).loss
-        want.backward()
-        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        _backward_both(engine, reference, ids)
         names = {id(p): n for n, p in engine.model.named_parameters()}
         views = engine.resident.master_views(engine.resident.gradient())
         got = {names[id(p)]: g for p, g in zip(engine.resident_params, views, strict=True)}
