@@ -242,7 +242,7 @@ class _BlockCall:
 
     def __init__(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> None:
         self.original, self.bound = original, bound
-        params = inspect.signature(original).parameters
+        params = bound.signature.parameters
         self.first = next(iter(params))
         self._slots: list[tuple[dict[str, Any], str, int | None]] = []
         """Where each extra sits: (dict, key, index in the tuple there or None)."""
