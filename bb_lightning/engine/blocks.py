@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine.hf_quirks import CACHE_KWARGS
+from bb_lightning.engine.hf_quirks import CACHE_KWARGS, CapturedOutputs, recording
 from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
 from bb_lightning.engine.rows import call_in_row_chunks
 
@@ -137,10 +137,13 @@ class PagedBlocks:
                 return original(*args, **kwargs)
             hidden, call = _split(original, args, kwargs)
             holder: list[Any] = []
-            out = _PagedBlockFunction.apply(
+            outputs = _PagedBlockFunction.apply(
                 self, i, call, holder, self._dummy, hidden, *call.extras
             )
-            return _repack(holder[0], out)
+            out, captured = holder
+            made = len(_outputs(out))
+            captured.replace(list(outputs[made:]))
+            return _repack(out, outputs[:made])
 
         return paged_forward
 
@@ -264,6 +267,20 @@ class _BlockCall:
                 if isinstance(v, Tensor) and v.requires_grad:
                     self._slots.append((where, key, j))
 
+    def passed(self, exclude: Sequence[Tensor]) -> set[int]:
+        """Ids of the tensors among the bound arguments (top level, in a tuple, in
+        ``**kwargs``), those in ``exclude`` left out."""
+        params = self.bound.signature.parameters
+        found: list[Any] = []
+        for key, value in self.bound.arguments.items():
+            if params[key].kind is inspect.Parameter.VAR_KEYWORD:
+                found.extend(value.values())
+            else:
+                found.append(value)
+        tensors = [t for v in found for t in (v if isinstance(v, tuple) else (v,))]
+        skip = {id(t) for t in exclude}
+        return {id(t) for t in tensors if isinstance(t, Tensor) and id(t) not in skip}
+
     def __call__(self, hidden: Tensor, *extras: Tensor) -> Any:
         self.bound.arguments[self.first] = hidden
         for (where, key, j), value in zip(self._slots, extras, strict=False):
@@ -319,20 +336,21 @@ def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _first(out: Any) -> Tensor:
-    first = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(first, Tensor):
+def _outputs(out: Any) -> list[Tensor]:
+    """The tensors a block returns: itself, or those at the top level of its tuple / list."""
+    items = list(out) if isinstance(out, (tuple, list)) else [out]
+    if not items or not isinstance(items[0], Tensor):
         raise ValueError(f"block returned {type(out).__name__} without a leading Tensor")
-    return first
+    return [t for t in items if isinstance(t, Tensor)]
 
 
-def _repack(out: Any, first: Tensor) -> Any:
-    """The block's output structure with its first tensor replaced by ``first``."""
-    if isinstance(out, tuple):
-        return (first, *out[1:])
-    if isinstance(out, list):
-        return [first, *out[1:]]
-    return first
+def _repack(out: Any, outputs: Sequence[Tensor]) -> Any:
+    """The block's output structure with its tensors replaced, in order, by ``outputs``."""
+    if not isinstance(out, (tuple, list)):
+        return outputs[0]
+    given = iter(outputs)
+    items = [next(given) if isinstance(t, Tensor) else t for t in out]
+    return tuple(items) if isinstance(out, tuple) else items
 
 
 @contextlib.contextmanager
@@ -351,7 +369,13 @@ def _sum_into(state: FlatState, grads: Sequence[Tensor | None]) -> None:
 
 class _PagedBlockFunction(torch.autograd.Function):
     """One block with per-block checkpointing: only its inputs are saved (the hidden
-    states and the other tensor arguments that require gradient)."""
+    states and the other tensor arguments that require gradient).
+
+    Every tensor the block returns is an output, so a second one that a later block reads
+    (a router's state handed down the stack) carries its gradient back as the first does;
+    so is every tensor transformers' output capture recorded inside it (router logits for
+    an MoE's auxiliary loss), recorded again when the block is recomputed.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -363,21 +387,37 @@ class _PagedBlockFunction(torch.autograd.Function):
         dummy: Tensor,
         hidden: Tensor,
         *extras: Tensor,
-    ) -> Tensor:
+    ) -> tuple[Tensor, ...]:
         cuda_state = torch.cuda.get_rng_state() if hidden.is_cuda else None
         ctx.rng = (torch.get_rng_state(), cuda_state)
         ctx.runner, ctx.i, ctx.call = runner, i, call
         upcoming = runner.enter(i, "forward_grad")
+        captured = CapturedOutputs.since_now()
         try:
             out = call(hidden, *extras)
         finally:
             runner.leave(i, upcoming)
-        holder.append(out)
+        holder.extend((out, captured))
+        ctx.layout = captured.layout()
         ctx.save_for_backward(hidden, *extras)
-        return _first(out)
+        # A tensor the block hands through from its other arguments (a mask, a position
+        # table) leaves as an alias outside the graph: returned itself, autograd would
+        # give the caller's tensor this node as its grad_fn.
+        passed = call.passed(exclude=(hidden, *extras))
+        made = [*_outputs(out), *captured.tensors()]
+        outputs = [t.detach() if id(t) in passed else t for t in made]
+        ctx.set_materialize_grads(False)  # an output nothing reads gets None, not zeros
+        ctx.mark_non_differentiable(
+            *(
+                o
+                for o, t in zip(outputs, made, strict=True)
+                if o is not t or not o.is_floating_point()
+            )
+        )
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_outs: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
         runner: PagedBlocks = ctx.runner
         i: int = ctx.i
@@ -390,9 +430,17 @@ class _PagedBlockFunction(torch.autograd.Function):
             inputs = [*wanted, *params]
             grads: tuple[Tensor | None, ...] = (None,) * len(inputs)
             if inputs:  # else nothing of this block trains and no gradient flows through it
-                with torch.enable_grad(), _rng_restored(ctx.rng):
-                    first = _first(ctx.call(*given))
-                    grads = torch.autograd.grad(first, inputs, grad_out, allow_unused=True)
+                with torch.enable_grad(), _rng_restored(ctx.rng), recording(ctx.layout) as redone:
+                    outputs = [*_outputs(ctx.call(*given)), *redone.tensors()]
+                read = [
+                    (o, g)
+                    for o, g in zip(outputs, grad_outs, strict=True)
+                    if g is not None and o.requires_grad
+                ]
+                if read:
+                    grads = torch.autograd.grad(
+                        [o for o, _ in read], inputs, [g for _, g in read], allow_unused=True
+                    )
         finally:
             runner.leave(i, upcoming)
         runner.hand_off(i, grads[len(wanted) :])

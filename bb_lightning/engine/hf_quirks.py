@@ -24,7 +24,11 @@ nowhere else:
   :func:`static_cache_limit` (the longest sequences a family generates right on a static
   KV cache);
 * **tracing** — :func:`no_pad_token` (GPT-2 reads its pad token from the input ids) and
-  :func:`activation_checkpointing` (the attribute moved in transformers 5).
+  :func:`activation_checkpointing` (the attribute moved in transformers 5);
+* **captured outputs** — :class:`CapturedOutputs` and :func:`recording`: the tensors
+  transformers' output capture records from inside a block (``output_router_logits`` for
+  an MoE's auxiliary loss, ``output_attentions``), which a block recomputed in backward
+  must return and record again.
 
 Families differ here only by entries in these tables and checks, all behind the same
 functions (one adapter for every family, keyed by how configs and files spell things,
@@ -50,6 +54,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+try:  # transformers 5: forward hooks append to the collector this context variable holds
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - an older transformers returns them from the blocks
+    _active_collector = None  # type: ignore[assignment]
+
 __all__ = [
     "CACHE_KWARGS",
     "CONFIG_ALIASES",
@@ -60,6 +69,7 @@ __all__ = [
     "TORCH_INDEX",
     "TORCH_SINGLE",
     "WEIGHT_FILES",
+    "CapturedOutputs",
     "ResolvedModel",
     "activation_checkpointing",
     "check_generation",
@@ -70,6 +80,7 @@ __all__ = [
     "model_context",
     "no_pad_token",
     "read_weight_index",
+    "recording",
     "resolve_model",
     "static_cache_limit",
 ]
@@ -374,3 +385,65 @@ def no_pad_token(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         config.pad_token_id = pad  # type: ignore[union-attr]
+
+
+class CapturedOutputs:
+    """What transformers' output capture records while one block runs.
+
+    A model asked for ``output_router_logits`` (an MoE's auxiliary loss) or
+    ``output_attentions`` records those tensors from forward hooks on modules inside its
+    blocks, into a collector of the model's forward. :meth:`tensors` are those recorded
+    since this object was made, in order; :meth:`replace` puts others (the same values,
+    carrying a gradient) in their places; :meth:`layout` is what :func:`recording` needs
+    to record them again (no tensor in it).
+    """
+
+    def __init__(self, collector: dict[str, Any] | None) -> None:
+        self._collector = collector
+        self._start = {k: len(v) for k, v in (collector or {}).items() if isinstance(v, list)}
+
+    @classmethod
+    def since_now(cls) -> CapturedOutputs:
+        """The recording of the model forward running now (none outside one)."""
+        return cls(_active_collector.get() if _active_collector is not None else None)
+
+    def _slots(self) -> list[tuple[str, int]]:
+        found = self._collector or {}
+        return [
+            (key, j)
+            for key, start in self._start.items()
+            for j in range(start, len(found[key]))
+            if isinstance(found[key][j], torch.Tensor)
+        ]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors recorded since this object was made."""
+        found = self._collector or {}
+        return [found[key][j] for key, j in self._slots()]
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Put ``tensors`` in the places of :meth:`tensors`, in order."""
+        found = self._collector or {}
+        for (key, j), tensor in zip(self._slots(), tensors, strict=True):
+            found[key][j] = tensor
+
+    def layout(self) -> dict[str, Any] | None:
+        """The collector with its lists empty (None: no model forward is recording)."""
+        if self._collector is None:
+            return None
+        return {k: ([] if isinstance(v, list) else v) for k, v in self._collector.items()}
+
+
+@contextmanager
+def recording(layout: dict[str, Any] | None) -> Iterator[CapturedOutputs]:
+    """Record what ``layout`` (:meth:`CapturedOutputs.layout`) asks for while a block runs
+    again outside its model's forward (recomputed in backward)."""
+    if layout is None or _active_collector is None:
+        yield CapturedOutputs(None)
+        return
+    fresh = {k: (list(v) if isinstance(v, list) else v) for k, v in layout.items()}
+    token = _active_collector.set(fresh)
+    try:
+        yield CapturedOutputs(fresh)
+    finally:
+        _active_collector.reset(token)

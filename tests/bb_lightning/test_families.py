@@ -124,6 +124,35 @@ def test_a_model_whose_blocks_share_weights_is_refused_at_setup(
     strategy.close()
 
 
+ZAYA: dict[str, Any] = {  # each MoE block hands its router's state to the next one
+    **{k: v for k, v in FAMILIES["llama"].items() if k != "model_type"},
+    "head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 32,
+    "router_hidden_size": 16,
+    "layer_types": ["hybrid", "hybrid"],
+    "sliding_window": 8,
+}
+
+
+def test_a_block_handing_a_second_output_to_the_next_fits_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Zaya's blocks return their router's state beside the hidden states and the next
+    block's router reads it: the gradient of that second output reaches the block that
+    made it, as in plain Lightning."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("zaya", **ZAYA))
+    out = model.model.layers[0](
+        torch.randn(1, 4, 32),
+        position_embeddings=model.model.rotary_emb(torch.zeros(1), torch.arange(4)[None], "hybrid"),
+    )
+    assert isinstance(out, tuple) and out[1] is not None  # the state the next block reads
+    model.save_pretrained(tmp_path / "ckpt")
+    _fits_like_plain_lightning(tiny, tmp_path / "ckpt", tmp_path)
+
+
 def _fits_like_plain_lightning(tiny: SimpleNamespace, path: Path, tmp_path: Path) -> None:
     want_losses, want = _fit(tiny, "auto", path)
     strategy = BalanceBeamStrategy(

@@ -194,3 +194,72 @@ def test_a_recomputed_block_passes_gradient_to_its_other_tensor_arguments(tmp_pa
     finally:
         engine.close()
         store.close()
+
+
+class _BiasBlock(torch.nn.Module):
+    """Returns the position bias it was given beside its output, as WavLM's layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, hidden: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.tanh(self.linear(hidden) + bias), bias
+
+
+class _BiasStack(torch.nn.Module):
+    """Blocks that hand a bias made without gradient down the stack; the last bias beside
+    the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_BiasBlock() for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = torch.linspace(-1, 1, 16)
+        for layer in self.layers:
+            x, bias = layer(x, bias)
+        return self.head(x).square().mean(), bias
+
+
+def test_a_tensor_a_block_hands_through_stays_outside_the_graph(tmp_path) -> None:
+    """A recomputed block returning an argument it was given (a bias that needs no
+    gradient) returns it without gradient, and the weights' gradients equal autograd's."""
+    torch.manual_seed(0)
+    reference = _BiasStack()
+    model = copy.deepcopy(reference)
+    store = TieredStore(
+        StoreConfig(
+            device_budget=8 << 20, host_budget=16 << 20, device="cpu",
+            nvme_path=str(tmp_path / "nvme"), nvme_budget=64 << 20,
+        )
+    )  # fmt: skip
+    placement = Placement(weights=(Tier.NVME,) * 3, master=(Tier.HOST,) * 3, prefetch_depth=1)
+    engine = TrainingEngine(
+        model,
+        model.layers,
+        store,
+        dataclasses.replace(placement, compute_dtype="float32"),
+        device=torch.device("cpu"),
+    )
+    try:
+        assert not engine.paged.autograd_blocks  # every block recomputed in backward
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4))
+        loss, bias = engine.model(x)
+        assert not bias.requires_grad and bias.grad_fn is None
+        loss.backward()
+        engine.after_backward()
+        want, _ = reference(x)
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        names = {id(p): n for n, p in engine.model.named_parameters()}
+        got = {}
+        for params, state in zip(engine.pager.params, engine.pager.states, strict=True):
+            for p, g in zip(params, state.master_views(state.gradient()), strict=True):
+                got[names[id(p)]] = g
+        for name, p in reference.layers.named_parameters(prefix="layers"):
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        engine.close()
+        store.close()
