@@ -43,7 +43,12 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from bb_lightning.engine.attention import decode_attention_for
-from bb_lightning.engine.hf_quirks import forward_options, model_context, static_cache_limit
+from bb_lightning.engine.hf_quirks import (
+    forward_options,
+    model_context,
+    static_cache_limit,
+    unread_outputs_off,
+)
 from bb_lightning.engine.kv import KVCache
 from bb_lightning.shapes import cache_length
 from storage.tiers import Tier
@@ -163,6 +168,7 @@ class LayerMajorGenerator:
             "cache_position": cache_pos,
             "use_cache": True,
             self._cache_kw: kv.cache,
+            **unread_outputs_off(self.model),
         }
         if self._logits_kw:
             kwargs["logits_to_keep"] = 1

@@ -10,8 +10,8 @@ nowhere else:
   (``hidden_size`` / ``n_embd`` / ``d_model``, ...); read with :func:`config_value`,
   :func:`config_int`, :func:`model_context`;
 * **forward options** — :data:`CACHE_KWARGS`, the keyword arguments through which
-  layers take a KV cache, and :func:`forward_options`, how a model's forward takes
-  one and whether it takes ``logits_to_keep``;
+  layers take a KV cache, :func:`forward_options`, how a model's forward takes
+  one and whether it takes ``logits_to_keep``, and :func:`unread_outputs_off`;
 * **model specs** — :func:`resolve_model`: a built-in name, a checkpoint directory, a
   ``config.json``, a config dict or object, or a hub id -> the config and where the
   weights are;
@@ -83,6 +83,7 @@ __all__ = [
     "recording",
     "resolve_model",
     "static_cache_limit",
+    "unread_outputs_off",
 ]
 
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -179,6 +180,14 @@ def forward_options(model: nn.Module) -> tuple[str, bool]:
     it takes ``logits_to_keep`` (the generator asks for the last token's logits only)."""
     params = inspect.signature(model.forward).parameters
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
+def unread_outputs_off(model: nn.Module) -> dict[str, bool]:
+    """Keyword arguments switching off what a generation step never reads: the routers'
+    logits an MoE config asks for (``output_router_logits``), whose load-balancing loss
+    the forward would compute from a KV-cache-long attention mask and fail."""
+    params = inspect.signature(model.forward).parameters
+    return {"output_router_logits": False} if "output_router_logits" in params else {}
 
 
 @dataclass(frozen=True)

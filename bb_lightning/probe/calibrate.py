@@ -568,7 +568,7 @@ def _predict_seconds(
     from transformers import AutoModelForCausalLM, StaticCache
 
     from bb_lightning.engine.attention import decode_attention_for
-    from bb_lightning.engine.hf_quirks import forward_options
+    from bb_lightning.engine.hf_quirks import forward_options, unread_outputs_off
 
     with torch.device(device):
         nets = [
@@ -588,6 +588,7 @@ def _predict_seconds(
             caches = [StaticCache(config=net.config, max_cache_len=cache_len) for net in nets]
             cache_kw, logits_kw = forward_options(nets[0])
             last_only = {"logits_to_keep": 1} if logits_kw else {}
+            last_only.update(unread_outputs_off(nets[0]))
 
             def prefill(net: Any) -> Callable[[], None]:
                 def run() -> None:

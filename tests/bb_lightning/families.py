@@ -130,6 +130,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
     },
+    "mixtral_aux_loss": {  # the routers' load-balancing loss joins the loss (captured logits)
+        "model_type": "mixtral",
+        **_BASE,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.5,
+    },
     "qwen2_moe": {
         "model_type": "qwen2_moe",
         **_BASE,

@@ -5,8 +5,9 @@ NVMe, gradient accumulation and norm clipping) against plain Lightning on the sa
 directory (``from_pretrained``), losses and final weights; ``trainer.predict``
 (weights on NVMe, ragged left-padded prompts) against Hugging Face greedy ``generate``.
 Tied heads, sliding windows, MoE blocks (per-expert tensors on disk, fused in the
-module), blocks that take a trainable per-layer input besides the hidden states, dropout
-and a router that samples experts in training mode (both runs seeded alike) are among them.
+module), an MoE whose routers' load-balancing loss joins the loss, blocks that take a
+trainable per-layer input besides the hidden states, dropout and a router that samples
+experts in training mode (both runs seeded alike) are among them.
 """
 
 from __future__ import annotations
