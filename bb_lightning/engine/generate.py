@@ -302,7 +302,8 @@ class _Run:
         self.mask[:, :plen] = attention_mask
         pos = attention_mask.long().cumsum(-1) - 1
         pos.masked_fill_(attention_mask == 0, 1)
-        logits = self.gen._forward(input_ids, self.mask, pos, self.cache_pos[:plen], self.kv)
+        mask = self.mask[:, :plen] if self.kv.has_states else self.mask
+        logits = self.gen._forward(input_ids, mask, pos, self.cache_pos[:plen], self.kv)
         step_pos = pos[:, -1:] + 1
         for cur in range(plen, total + 1):
             tokens = self._choose(logits)

@@ -11,6 +11,11 @@ to the front of each layer's buffers and narrows the layers to views of
 those rows, so finished sequences stop costing attention and projection work;
 :meth:`KVCache.reset` widens the views again for the next batch.
 
+A model with convolution or linear-attention layers (LFM2's short convolutions)
+gets transformers' state layers in the same cache: a fixed-size state per row
+instead of keys and values. They are compacted alike, and :meth:`KVCache.reset`
+zeroes them (a state, unlike masked keys, would carry into the next batch).
+
 Placement: on a CUDA device with ``tier`` :attr:`Tier.HOST` the cache uses
 transformers' offloaded static layers (host copies, each layer moved to the
 device on a side stream while the previous layer computes). Elsewhere it lives
@@ -61,7 +66,15 @@ class KVCache:
         cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
         offload = tier is Tier.HOST and cuda
         self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
-        self._full: list[tuple[Tensor, Tensor]] = []
+        self._full: list[dict[tuple[str, int | None], Tensor]] = []
+        """Each layer's buffers of all rows, by (attribute, state index), while compacted."""
+
+    @property
+    def has_states(self) -> bool:
+        """Whether some layer keeps a per-row state (convolution / linear attention) whose
+        prefill must see only the prompt's mask (transformers masks such a layer's padding
+        with the mask's last prompt-length columns)."""
+        return any(_is_state_layer(layer) for layer in self.cache.layers)
 
     def fits(self, rows: int, max_len: int) -> bool:
         """Whether a batch of ``rows`` sequences of ``max_len`` tokens can use these buffers.
@@ -74,11 +87,16 @@ class KVCache:
         """Forget every cached token and widen compacted layers back to all rows."""
         layers: list[Any] = list(self.cache.layers)
         if self._full:
-            for layer, (keys, values) in zip(layers, self._full, strict=True):
-                layer.keys, layer.values, layer.batch_size = keys, values, self.rows
+            for layer, full in zip(layers, self._full, strict=True):
+                for slot, buf in full.items():
+                    _set(layer, slot, buf)
+                if not _is_state_layer(layer):
+                    layer.batch_size = self.rows
             self._full = []
         for layer in layers:
-            if getattr(layer, "is_initialized", False):
+            if _is_state_layer(layer):
+                layer.reset()  # zero states, and the next update is a prefill again
+            elif getattr(layer, "is_initialized", False):
                 layer.cumulative_length.zero_()
 
     def compact(self, keep: Tensor) -> None:
@@ -99,13 +117,46 @@ class KVCache:
             compute.wait_stream(self.cache.prefetch_stream)  # the prefetched layer
             compute.synchronize()  # the host buffers written by non-blocking copies
         if not self._full:
-            self._full = [(layer.keys, layer.values) for layer in layers]
+            self._full = [{slot: _get(layer, slot) for slot in _slots(layer)} for layer in layers]
         n = int(keep.numel())
         on: dict[torch.device, Tensor] = {}
         for layer in layers:
-            for attr in ("keys", "values"):
-                buf: Tensor = getattr(layer, attr)
+            for slot in _slots(layer):
+                buf = _get(layer, slot)
                 idx = on.setdefault(buf.device, keep.to(buf.device))
                 buf[:n] = buf.index_select(0, idx)
-                setattr(layer, attr, buf[:n])
-            layer.batch_size = n
+                _set(layer, slot, buf[:n])
+            if not _is_state_layer(layer):
+                layer.batch_size = n
+
+
+def _is_state_layer(layer: Any) -> bool:
+    """A transformers cache layer of per-row states (``conv_states`` / ``recurrent_states``,
+    as its linear-attention layers keep) rather than keys and values."""
+    return hasattr(layer, "conv_states") and hasattr(layer, "recurrent_states")
+
+
+def _slots(layer: Any) -> list[tuple[str, int | None]]:
+    """Where ``layer`` keeps per-row buffers: keys and values, or its initialized states."""
+    if not _is_state_layer(layer):
+        return [("keys", None), ("values", None)]
+    return [
+        (attr, i)
+        for attr in ("conv_states", "recurrent_states")
+        for i, buf in getattr(layer, attr).items()
+        if isinstance(buf, Tensor)
+    ]
+
+
+def _get(layer: Any, slot: tuple[str, int | None]) -> Tensor:
+    attr, i = slot
+    value = getattr(layer, attr)
+    return value if i is None else value[i]
+
+
+def _set(layer: Any, slot: tuple[str, int | None], buf: Tensor) -> None:
+    attr, i = slot
+    if i is None:
+        setattr(layer, attr, buf)
+    else:
+        getattr(layer, attr)[i] = buf

@@ -55,6 +55,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "intermediate_size": [64, 64],
         "activation_sparsity_pattern": [0.0, 0.0],
     },
+    "lfm2_conv": {  # short convolutions: a per-row state in the cache beside keys and values
+        "model_type": "lfm2",
+        **_BASE,
+        "block_ff_dim": 64,
+        "layer_types": ["conv", "full_attention"],
+        "conv_L_cache": 3,
+        "initializer_range": 0.2,  # weights large enough that a wrong state shows in tokens
+    },
     "gpt2_tied": {
         "model_type": "gpt2",
         "n_embd": 32,

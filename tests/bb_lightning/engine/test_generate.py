@@ -47,6 +47,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "word_embed_proj_dim": 64,
     },
 }
+STATE_CONFIGS: dict[str, dict[str, Any]] = {  # layers with a per-row state in the cache
+    "lfm2": {  # short convolutions before an attention layer; weights large enough to matter
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "block_ff_dim": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "conv_L_cache": 3,
+        "initializer_range": 0.2,
+    },
+}
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +74,9 @@ def _one_thread() -> Iterator[None]:
 
 def _model(arch: str) -> torch.nn.Module:
     config = AutoConfig.for_model(
-        arch, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, **CONFIGS[arch]
-    )
+        arch, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **{**CONFIGS, **STATE_CONFIGS}[arch],
+    )  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -96,8 +111,11 @@ def _mid_eos(rows: list[list[int]]) -> int:
     return counts.most_common(1)[0][0]
 
 
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("arch", sorted(CONFIGS) + sorted(STATE_CONFIGS))
 def test_greedy_equals_generate_with_mid_eos(arch: str) -> None:
+    """Greedy tokens equal ``generate``'s, then with EOS mid-way (the batch compacts; a
+    layer's state, as a convolution keeps, is narrowed to the rows still running) on the
+    same cache (a state is zeroed for the next batch)."""
     model = _model(arch)
     gen = LayerMajorGenerator(model)
     ids, mask = _prompts()
