@@ -78,8 +78,13 @@ class PagedBlocks:
         listed: their weights stay bound from forward until their gradients are in."""
         self._pending: dict[int, list[Tensor | None]] = {}
         """Gradients collected so far of autograd blocks whose backward is under way."""
-        self._input_pending: set[int] = set()
-        """Autograd blocks with frozen weights whose input gradient is not computed yet."""
+        self._input_pending: dict[int, int] = {}
+        """Autograd blocks with frozen weights, and how many of their input gradients (one
+        per forward in this micro-batch) are not computed yet."""
+        self._runs: dict[int, int] = {}
+        """Recomputed blocks: forwards with grad in this micro-batch whose backward has not
+        run (a training step may run the model more than once before one backward; an
+        autograd block's hooks see the sum of its uses at once)."""
         self._hooks: list[Any] = []
         self.on_block_backward: Callable[[int], None] | None = None
         """Called with ``i`` once block ``i``'s backward has queued its gradients and released
@@ -116,7 +121,7 @@ class PagedBlocks:
             handle.remove()
         self._hooks = []
         self._pending = {}
-        self._input_pending = set()
+        self._input_pending = {}
         self.pager.release_all_except(())
         for i in self.autograd_blocks:  # bound since their last forward
             self.pager.release(i)
@@ -128,14 +133,15 @@ class PagedBlocks:
                 return self._run_no_grad(i, original, args, kwargs)
             if i in self.autograd_blocks:
                 self.enter(i, "forward_grad")  # stays bound until its gradients are in
-                self._pending[i] = [None] * len(self.pager.params[i])
+                self._pending.setdefault(i, [None] * len(self.pager.params[i]))
                 if self.pager.frozen[i]:
                     hidden, call = _split(original, args, kwargs)
                     if hidden.requires_grad:
-                        self._input_pending.add(i)
+                        self._input_pending[i] = self._input_pending.get(i, 0) + 1
                         return call(_InputDone.apply(self, i, hidden))
                 return original(*args, **kwargs)
             hidden, call = _split(original, args, kwargs)
+            self._runs[i] = self._runs.get(i, 0) + 1
             holder: list[Any] = []
             outputs = _PagedBlockFunction.apply(
                 self, i, call, holder, self._dummy, hidden, *call.extras
@@ -156,6 +162,7 @@ class PagedBlocks:
             pending = self._pending.get(i)
             if pending is None:  # not an autograd pass of this block
                 return
+            # autograd sums every use of the parameter in this backward before the hook
             pending[j], param.grad = param.grad, None
             self._maybe_done(i, needed)
 
@@ -172,7 +179,10 @@ class PagedBlocks:
 
     def input_done(self, i: int) -> None:
         """Autograd has computed block ``i``'s input gradient: its weights are no longer read."""
-        self._input_pending.discard(i)
+        left = self._input_pending.pop(i, 1) - 1
+        if left > 0:  # its weights are read by the input gradient of another forward
+            self._input_pending[i] = left
+            return
         self._maybe_done(i, sum(p.requires_grad for p in self.pager.params[i]))
 
     def hand_off(self, i: int, grads: Sequence[Tensor | None]) -> None:
@@ -186,11 +196,24 @@ class PagedBlocks:
         if self.on_block_backward is not None:
             self.on_block_backward(i)
 
+    def runs_left(self, i: int) -> int:
+        """Backward passes of block ``i`` still to come in this micro-batch (a step that ran
+        the model twice hands each block's gradients on twice; the last hand-off holds
+        its last part)."""
+        return self._runs.get(i, 0)
+
+    def backward_ran(self, i: int) -> None:
+        """One backward pass of block ``i`` (recomputed) has computed its gradients."""
+        if self._runs.get(i, 0) > 0:
+            self._runs[i] -= 1
+
     def take_pending(self) -> dict[int, list[Tensor | None]]:
         """Autograd blocks whose backward left parameters without a gradient, and what
-        they got (``.grad`` read for those the hooks did not see); forgets them."""
+        they got (``.grad`` read for those the hooks did not see); forgets them, and the
+        forwards whose backward did not run (their outputs were not in the loss)."""
         pending, self._pending = self._pending, {}
-        self._input_pending = set()
+        self._input_pending = {}
+        self._runs = {}
         for i, grads in pending.items():
             for j, p in enumerate(self.pager.params[i]):
                 if grads[j] is None and p.grad is not None:
@@ -213,15 +236,17 @@ class PagedBlocks:
     def enter(self, i: int, phase: str) -> list[int]:
         """Page block ``i`` in and prefetch the next ones; the blocks kept after it."""
         upcoming = self._upcoming(i, phase)
-        if phase != "backward" and i == 0:
-            self.pager.release_all_except([0, *upcoming])
+        if phase != "backward" and i == 0:  # autograd blocks stay bound for their backward
+            self.pager.release_all_except([0, *upcoming, *self._pending])
         self.pager.acquire(i)
         self.pager.prefetch(upcoming)
         return upcoming
 
     def leave(self, i: int, upcoming: Sequence[int]) -> None:
-        """Release block ``i`` unless the schedule visits it again within the window."""
-        if i not in upcoming:
+        """Release block ``i`` unless the schedule visits it again within the window, or
+        its backward with ordinary autograd is still to come (a forward without grad ran
+        between that block's forward and its backward)."""
+        if i not in upcoming and i not in self._pending:
             self.pager.release(i)
 
     def _run_no_grad(
@@ -443,6 +468,7 @@ class _PagedBlockFunction(torch.autograd.Function):
                     )
         finally:
             runner.leave(i, upcoming)
+        runner.backward_ran(i)
         runner.hand_off(i, grads[len(wanted) :])
         of_inputs = iter(grads[: len(wanted)])
         return (None,) * 5 + tuple(next(of_inputs) if w else None for w in wants)

@@ -401,6 +401,9 @@ class TrainingEngine:
         """Data parallelism: blocks handed on before a block that reduces first."""
         self._expected = self._reduce_order()
         """Data parallelism: blocks still to reduce in this backward, the next one last."""
+        self._again: dict[int, list[Sequence[Tensor | None]]] = {}
+        """Data parallelism: gradients of blocks the step ran more than once, after their
+        first, reduced at the end of the backward in the fixed order."""
         self._largest = max(s.numel for s in self.pager.states)
         width = 1 if comm is None else comm.world_size
         self._cast_part = torch.empty(
@@ -575,6 +578,9 @@ class TrainingEngine:
             self.paged.hand_off(i, grads)
         for i in sorted(self._arrived, reverse=True):  # a block that got no gradient at all
             self._dispatch_grads(i, self._arrived.pop(i))
+        for i in sorted(self._again, reverse=True):
+            for more in self._again.pop(i):
+                self._dispatch_grads(i, more)
         self._expected = self._reduce_order()
         resident = self.resident
         self.grads.process_async(
@@ -619,6 +625,9 @@ class TrainingEngine:
         if self.comm is None or self.pager.states[i].numel == 0:
             self._dispatch_grads(i, grads)
             return
+        if i in self._arrived or i not in self._expected:  # a block run twice this step
+            self._again.setdefault(i, []).append(grads)  # reduced at the end, in order
+            return
         self._arrived[i] = grads
         while self._expected and self._expected[-1] in self._arrived:
             j = self._expected.pop()
@@ -628,7 +637,8 @@ class TrainingEngine:
         """Queue block ``i``'s gradients on the worker: summed, and stepped when overlapping."""
         overlap = self._overlap
         state = self.pager.states[i]
-        if overlap is not None and i not in overlap.done:
+        last = self.paged.runs_left(i) == 0  # else more of this micro-batch's gradient comes
+        if overlap is not None and i not in overlap.done and last:
             overlap.done.add(i)
             self.grads.process_async(grads, lambda g: self._step_block(i, overlap, g))
         elif self._hold:

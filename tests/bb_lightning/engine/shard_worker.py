@@ -42,6 +42,7 @@ CASES = {
     "nvme-overlap": (Tier.HOST, Tier.NVME, 2, True, None),
     "frozen-outside": (Tier.HOST, Tier.HOST, 1, True, None),
     "late-block": (Tier.HOST, Tier.HOST, 2, True, None),
+    "two-forwards": (Tier.NVME, Tier.HOST, 1, True, None),
 }
 LATE = "late-block"
 """The case in which rank 1's last block is handed on after the block before it (as when
@@ -52,6 +53,9 @@ SAVED = "nvme-clip"
 """The case whose 2 ranks save a checkpoint after 2 steps (``two.ckpt``)."""
 RESUMED = "host"
 """The case a 1-process checkpoint after 2 steps (``one.ckpt``) resumes on 2 ranks."""
+TWICE = "two-forwards"
+"""The case whose micro-batches run the model twice (a row each) before one backward:
+every recomputed block hands its gradients on twice."""
 
 
 def batches() -> list[torch.Tensor]:
@@ -99,7 +103,11 @@ def run_steps(engine: TrainingEngine, case: str, rank: int, world: int, steps: r
         for k, micro in enumerate(mine.chunk(accumulate)):
             if overlap and k == accumulate - 1:
                 engine.begin_overlapped_step(ADAMW)
-            loss = engine.model(input_ids=micro, labels=micro).loss / accumulate
+            if case == TWICE:  # the mean of the rows' losses, as of the whole micro-batch
+                halves = [engine.model(input_ids=m, labels=m).loss for m in micro.chunk(2)]
+                loss = sum(halves) / len(halves)
+            else:
+                loss = engine.model(input_ids=micro, labels=micro).loss / accumulate
             loss.backward()
             engine.after_backward()
         engine.optimizer_step(ADAMW, ClipConfig(value=clip))
