@@ -45,7 +45,7 @@ from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.shard import ShardComm
-from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_from_optimizer
+from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_groups_from_optimizer
 from bb_lightning.handback import handback_dtype
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
 from bb_lightning.register import STRATEGY_NAME, add_to
@@ -459,10 +459,16 @@ class BalanceBeamStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Lightning's optimizers, whose ``step`` runs the engine's host AdamW."""
-        super().setup_optimizers(trainer)
+        """Lightning's optimizers, whose ``step`` runs the engine's host AdamW.
+
+        ``configure_optimizers`` sees every parameter with its shape (a paged block's
+        parameters hold a meta stand-in meanwhile), as code grouping them by ``ndim``
+        expects."""
+        engine = self.engine
+        with engine.pager.shaped() if engine is not None else contextlib.nullcontext():
+            super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
-            adamw_from_optimizer(optimizer)
+            adamw_groups_from_optimizer(optimizer)
             optimizer.step = self._host_step(optimizer)  # type: ignore[method-assign]
 
     def _host_step(self, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
@@ -471,7 +477,7 @@ class BalanceBeamStrategy(ParallelStrategy):
             # the closure); the lr read now is this step's (schedulers step afterwards).
             trainer = self.lightning_module.trainer if self.lightning_module else None
             clip = clip_config(trainer)
-            adamw = adamw_from_optimizer(optimizer)
+            adamw = adamw_groups_from_optimizer(optimizer)
             engine = self.engine
             assert engine is not None
             if self.overlap_optimizer and clip.value is None and closure is not None:

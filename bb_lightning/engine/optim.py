@@ -30,6 +30,7 @@ from torch import Tensor
 
 __all__ = [
     "AdamWConfig",
+    "AdamWGroups",
     "HostAdamW",
     "clip_coefficient",
     "copy_bf16_",
@@ -67,6 +68,57 @@ class AdamWConfig:
                 f"AdamW weight_decay={self.weight_decay!r} must be finite and >= 0: "
                 "pass 0.0 to disable it"
             )
+
+
+@dataclass(frozen=True, eq=False)
+class AdamWGroups:
+    """AdamW hyperparameters per parameter group, as a torch optimizer's ``param_groups``
+    hold them (weight decay off for norms and biases, a lower learning rate for the
+    embeddings, ...).
+
+    ``params`` None: one group holds every trainable parameter. Else a parameter in no
+    group is not stepped, as torch steps only the parameters it was given.
+    """
+
+    configs: tuple[AdamWConfig, ...]
+    """Each group's hyperparameters, its learning rate that of this step."""
+    params: tuple[tuple[Tensor, ...], ...] | None = None
+    """Each group's parameters (None: every parameter is in the one group)."""
+
+    def __post_init__(self) -> None:
+        if not self.configs:
+            raise ValueError("AdamWGroups needs at least one group's AdamWConfig")
+        if self.params is not None and len(self.params) != len(self.configs):
+            raise ValueError(
+                f"{len(self.configs)} AdamW configs but {len(self.params)} parameter groups: "
+                "give one config per group"
+            )
+
+    def group_of(self) -> dict[int, int] | None:
+        """``id()`` of each grouped parameter -> its group (None: all in group 0)."""
+        if self.params is None:
+            return None
+        return {id(p): g for g, group in enumerate(self.params) for p in group}
+
+
+def adam_runs(
+    params: Sequence[Tensor],
+    ranges: Sequence[tuple[int, int]],
+    group_of: dict[int, int] | None,
+) -> list[tuple[int, int, int]]:
+    """``(start, end, group)`` element ranges of a flat state whose parameters ``params``
+    lie at ``ranges`` (``(start, end)`` each, in order): neighbours of one group merged,
+    parameters in no group (not stepped) left out."""
+    runs: list[tuple[int, int, int]] = []
+    for p, (start, end) in zip(params, ranges, strict=True):
+        g = 0 if group_of is None else group_of.get(id(p))
+        if g is None or end <= start:
+            continue
+        if runs and runs[-1][2] == g and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, g)
+        else:
+            runs.append((start, end, g))
+    return runs
 
 
 def _fused_available() -> bool:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -297,6 +298,14 @@ class FlatState:
     def read_master(self, out: Tensor | None = None) -> Tensor:
         """The fp32 master weights as a flat host tensor (into ``out`` when given)."""
         return self.store.read(self.master_name, out=out)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """Where each parameter's elements lie in a stored tensor, ``(start, end)``: end to
+        end, or under ``comm`` its rows in this rank's shard (with their padding)."""
+        if self.layout is None:
+            ends = list(itertools.accumulate(math.prod(s) for s in self.shapes))
+            return list(zip([0, *ends], ends, strict=False))
+        return [(q.offset, q.offset + q.chunk * q.row) for q in self.layout.pieces]
 
     def master_views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of a whole flat buffer laid out like this state (under
@@ -870,6 +879,33 @@ class BlockPager:
             return
         for p in (*self.params[i], *self.frozen[i]):
             set_data(p, self._empty)
+
+    @contextlib.contextmanager
+    def shaped(self) -> Iterator[None]:
+        """Meanwhile every unbound parameter holds a meta tensor of its shape and dtype.
+
+        Unbound, a parameter holds an empty tensor, so code reading it (a user's
+        ``configure_optimizers`` that puts parameters with ``ndim >= 2`` in the decayed
+        group, or counts ``numel()``) would see no shape. Each is swapped in place with a
+        meta stand-in (the parameter object, its hooks and its ``requires_grad`` are
+        those of before, put back at the end).
+        """
+        swapped: list[tuple[Tensor, Tensor]] = []
+        try:
+            for i in range(self.num_blocks):
+                groups = ((self.params[i], self.shapes[i]), (self.frozen[i], self.frozen_shapes[i]))
+                for params, shapes in groups:
+                    for p, shape in zip(params, shapes, strict=True):
+                        if p.is_meta or p.numel() != 0 or math.prod(shape) == 0:
+                            continue  # bound, or nothing to show
+                        meta = torch.empty(shape, dtype=p.dtype, device="meta")
+                        stand_in: Tensor = nn.Parameter(meta, requires_grad=p.requires_grad)
+                        torch.utils.swap_tensors(p, stand_in)
+                        swapped.append((p, stand_in))
+            yield
+        finally:
+            for param, held in reversed(swapped):
+                torch.utils.swap_tensors(param, held)
 
     def read_frozen(self, i: int) -> list[Tensor]:
         """Block ``i``'s frozen parameters as fp32 CPU tensors (read from their home)."""

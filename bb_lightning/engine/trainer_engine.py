@@ -61,14 +61,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.blocks import PagedBlocks
 from bb_lightning.engine.inference import keep_host_allocations
-from bb_lightning.engine.optim import AdamWConfig, HostAdamW, clip_coefficient, global_grad_norm
+from bb_lightning.engine.optim import (
+    AdamWConfig,
+    AdamWGroups,
+    HostAdamW,
+    adam_runs,
+    clip_coefficient,
+    global_grad_norm,
+)
 from bb_lightning.engine.pager import (
     BlockPager,
     FlatState,
@@ -104,7 +110,7 @@ __all__ = [
     "ClipConfig",
     "EngineStateDict",
     "TrainingEngine",
-    "adamw_from_optimizer",
+    "adamw_groups_from_optimizer",
     "check_budgets",
     "param_counts",
     "required_budgets",
@@ -130,37 +136,45 @@ class ClipConfig:
             raise ValueError(f"gradient clip value {self.value!r} must be finite and > 0")
 
 
-def adamw_from_optimizer(optimizer: torch.optim.Optimizer) -> AdamWConfig:
-    """AdamW hyperparameters (learning rate included) of a torch AdamW's param groups."""
-    if not isinstance(optimizer, torch.optim.AdamW):
+def adamw_groups_from_optimizer(optimizer: torch.optim.Optimizer) -> AdamWGroups:
+    """Each param group's AdamW hyperparameters (the learning rate of now) and parameters.
+
+    ``torch.optim.AdamW``, or ``torch.optim.Adam`` where no group decays weights (the same
+    update); anything else, AMSGrad or ``maximize`` raises ``ValueError`` saying so.
+    """
+    kind = type(optimizer).__name__
+    plain_adam = type(optimizer) is torch.optim.Adam
+    if not isinstance(optimizer, torch.optim.AdamW) and not plain_adam:
         raise ValueError(
             f"the balance_beam strategy steps AdamW on the host, but configure_optimizers "
-            f"returned {type(optimizer).__name__}: return torch.optim.AdamW"
+            f"returned {kind}: return torch.optim.AdamW"
         )
-    keys = ("lr", "betas", "eps", "weight_decay")
-    groups = {tuple(_flat_values(g, keys)) for g in optimizer.param_groups}
-    if len(groups) != 1:
-        raise ValueError(
-            f"AdamW has {len(optimizer.param_groups)} param groups with different "
-            "hyperparameters: use one param group"
+    configs = []
+    for k, g in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(
+                    f"{kind} param group {k} sets {flag}=True, which the balance_beam "
+                    f"strategy's host AdamW does not do: drop {flag}"
+                )
+        if plain_adam and float(g["weight_decay"]) != 0.0:
+            raise ValueError(
+                f"Adam param group {k} has weight_decay={g['weight_decay']} (L2 added to the "
+                "gradient), but the balance_beam strategy steps AdamW (decoupled decay): "
+                "return torch.optim.AdamW, or Adam with weight_decay=0"
+            )
+        lr = g["lr"].item() if isinstance(g["lr"], Tensor) else float(g["lr"])
+        b1, b2 = g["betas"]
+        configs.append(
+            AdamWConfig(
+                lr=lr,
+                betas=(float(b1), float(b2)),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+            )
         )
-    g = optimizer.param_groups[0]
-    lr = g["lr"].item() if isinstance(g["lr"], Tensor) else float(g["lr"])
-    b1, b2 = g["betas"]
-    return AdamWConfig(
-        lr=lr,
-        betas=(float(b1), float(b2)),
-        eps=float(g["eps"]),
-        weight_decay=float(g["weight_decay"]),
-    )
-
-
-def _flat_values(group: Mapping[str, Any], keys: Sequence[str]) -> list[float]:
-    out: list[float] = []
-    for k in keys:
-        v = group[k]
-        out.extend(float(x) for x in (v if isinstance(v, (tuple, list)) else [v]))
-    return out
+    params = tuple(tuple(g["params"]) for g in optimizer.param_groups)
+    return AdamWGroups(configs=tuple(configs), params=params)
 
 
 def required_budgets(
@@ -279,10 +293,25 @@ class _Scratch:
 class _Overlap:
     """An optimizer step whose block updates run during the last backward of the window."""
 
-    stepper: HostAdamW
-    lr: float
+    adam: _Steppers
     step: int
     done: set[int] = field(default_factory=set)
+
+
+class _Steppers:
+    """One optimizer step's AdamW: a stepper per parameter group, and which elements of a
+    flat state each steps."""
+
+    def __init__(self, adamw: AdamWConfig | AdamWGroups) -> None:
+        groups = adamw if isinstance(adamw, AdamWGroups) else AdamWGroups(configs=(adamw,))
+        self.steppers = [HostAdamW(config) for config in groups.configs]
+        self._group_of = groups.group_of()
+
+    def runs(self, state: FlatState, params: Sequence[Tensor]) -> list[tuple[int, int, HostAdamW]]:
+        """``(start, end, stepper)`` of the element ranges of ``state`` (laid out from
+        ``params``) to step; a parameter in no group is left as it is."""
+        runs = adam_runs(params, state.ranges(), self._group_of)
+        return [(a, b, self.steppers[g]) for a, b, g in runs]
 
 
 class TrainingEngine:
@@ -603,7 +632,7 @@ class TrainingEngine:
         """
         self._plan_reads(range(self.pager.num_blocks - 1, -1, -1))
 
-    def begin_overlapped_step(self, adamw: AdamWConfig) -> None:
+    def begin_overlapped_step(self, adamw: AdamWConfig | AdamWGroups) -> None:
         """Step each block during the coming backward, as soon as its gradient is in.
 
         Call before the last backward of an accumulation window, only when no
@@ -612,7 +641,7 @@ class TrainingEngine:
         """
         self.step_count += 1
         self.overlap_starts = []
-        self._overlap = _Overlap(stepper=HostAdamW(adamw), lr=adamw.lr, step=self.step_count)
+        self._overlap = _Overlap(adam=_Steppers(adamw), step=self.step_count)
         self.read_state_ahead()
 
     def _block_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
@@ -665,9 +694,7 @@ class TrainingEngine:
             grad = state.gradient(scratch.fp32["grad"])
         else:
             grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
-        self._step_state(
-            state, overlap.stepper, overlap.lr, 1.0, overlap.step, scratch, grad, block=i
-        )
+        self._step_state(state, overlap.adam, 1.0, overlap.step, scratch, grad, block=i)
 
     def _write_weights(self, i: int, master: Tensor, scratch: _Scratch) -> None:
         if self.comm is not None:  # every rank's stepped shard, cast, unpacked in scratch.cast
@@ -718,7 +745,9 @@ class TrainingEngine:
             return local
         return math.sqrt(self.comm.sum(local * local))  # the shards' squares summed
 
-    def optimizer_step(self, adamw: AdamWConfig, clip: ClipConfig | None = None) -> None:
+    def optimizer_step(
+        self, adamw: AdamWConfig | AdamWGroups, clip: ClipConfig | None = None
+    ) -> None:
         """One AdamW step of every parameter from the accumulated gradients; zeroes them.
 
         After :meth:`begin_overlapped_step` the blocks stepped during backward are only
@@ -742,11 +771,11 @@ class TrainingEngine:
                 self._step_block(i, overlap)
         resident = self.resident
         master = self._step_state(
-            resident, overlap.stepper, overlap.lr, 1.0, overlap.step, None, resident.gradient()
+            resident, overlap.adam, 1.0, overlap.step, None, resident.gradient()
         )
         self._set_resident(master)
 
-    def _step_all(self, adamw: AdamWConfig, clip: ClipConfig | None) -> None:
+    def _step_all(self, adamw: AdamWConfig | AdamWGroups, clip: ClipConfig | None) -> None:
         scale, clamp = 1.0, None
         if clip is not None and clip.value is not None:
             if clip.algorithm == "norm":
@@ -754,22 +783,18 @@ class TrainingEngine:
             else:
                 clamp = clip.value
         self.step_count += 1
-        stepper = HostAdamW(adamw)
+        adam = _Steppers(adamw)
         self._plan_reads(range(self.pager.num_blocks))
         for i, state in enumerate(self.pager.states):
             scratch = self._take_set()
             grad = state.gradient(scratch.fp32["grad"])
             if clamp is not None:
                 grad.clamp_(-clamp, clamp)
-            self._step_state(
-                state, stepper, adamw.lr, scale, self.step_count, scratch, grad, block=i
-            )
+            self._step_state(state, adam, scale, self.step_count, scratch, grad, block=i)
         grad = self.resident.gradient()
         if clamp is not None:
             grad.clamp_(-clamp, clamp)
-        master = self._step_state(
-            self.resident, stepper, adamw.lr, scale, self.step_count, None, grad
-        )
+        master = self._step_state(self.resident, adam, scale, self.step_count, None, grad)
         self._set_resident(master)
 
     def _set_resident(self, master: Tensor) -> None:
@@ -786,8 +811,7 @@ class TrainingEngine:
     def _step_state(
         self,
         state: FlatState,
-        stepper: HostAdamW,
-        lr: float,
+        adam: _Steppers,
         scale: float,
         step: int,
         scratch: _Scratch | None,
@@ -822,7 +846,11 @@ class TrainingEngine:
                 assert scratch is not None, f"{name} is not on host and no scratch was given"
                 bufs.append(self.store.read(name, out=scratch.fp32[kind][: state.numel]))
         master, exp_avg, exp_avg_sq = bufs
-        stepper.step_block(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, grad_scale=scale)
+        params = self.resident_params if block is None else self.pager.params[block]
+        for a, b, stepper in adam.runs(state, params):
+            stepper.step_block(
+                master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, grad_scale=scale
+            )
         for name, buf in zip(state.state_names, bufs, strict=True):
             if self.store.home(name) is not Tier.HOST:
                 assert held is not None

@@ -1,7 +1,10 @@
-"""A user's own ``training_step`` that uses the model as plain PyTorch allows, under
-balance_beam against plain Lightning: two forwards before one backward (a preference
-pair), a forward without grad beside the one that trains (a reference's log-probs), and
-a loss on what transformers captures inside the blocks (attention weights).
+"""A user's own ``training_step`` and ``configure_optimizers`` that use the model as plain
+PyTorch allows, under balance_beam against plain Lightning: two forwards before one
+backward (a preference pair), a forward without grad beside the one that trains (a
+reference's log-probs), a loss on what transformers captures inside the blocks (attention
+weights); AdamW param groups of their own weight decay, learning rate, betas and eps
+(grouped by ``ndim`` as code written for plain PyTorch does, a scheduler on top), an
+optimizer given only some of the parameters, torch ``Adam`` without weight decay.
 
 The checkpoint is written with ``save_pretrained`` and loaded by path in the module;
 both runs are seeded alike. Blocks paged from NVMe are recomputed in backward; blocks
@@ -83,10 +86,10 @@ class Steps(pl.LightningModule):
 
 
 def _fit(
-    strategy: Any, path: Path, kind: str, tiny: SimpleNamespace
+    strategy: Any, path: Path, kind: str, tiny: SimpleNamespace, cls: type[Steps] | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    module = Steps(path, kind)
+    module = (cls or Steps)(path, kind)
     trainer, recorder = tiny.make_trainer(strategy, STEPS, accumulate_grad_batches=ACCUM)
     trainer.fit(module, tiny.loader(STEPS * ACCUM))
     return recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -111,3 +114,100 @@ def test_a_users_training_step_trains_like_plain_lightning(
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=2e-5, msg=key)
+
+
+def _by_ndim(net: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """Matrices (decayed) and vectors (norms: not decayed), as nanoGPT-style code splits them."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+
+def _optimizer(net: torch.nn.Module, kind: str) -> Any:
+    if kind == "groups_by_ndim_scheduled":
+        matrices, vectors = _by_ndim(net)
+        assert matrices and vectors
+        opt = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": 0.1, "lr": 2e-3}, {"params": vectors}],
+            lr=1e-3, weight_decay=0.0,
+        )  # fmt: skip
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+    if kind == "groups_of_their_own_betas_and_eps":
+        matrices, vectors = _by_ndim(net)
+        return torch.optim.AdamW(
+            [{"params": matrices, "betas": (0.8, 0.9)}, {"params": vectors, "eps": 1e-3}],
+            lr=1e-3, weight_decay=0.05,
+        )  # fmt: skip
+    if kind == "attention_and_head_only":  # the other parameters get gradients, no steps
+        chosen = [p for n, p in net.named_parameters() if "self_attn" in n or "lm_head" in n]
+        return torch.optim.AdamW(chosen, lr=1e-3, weight_decay=0.01)
+    assert kind == "adam_without_decay"
+    return torch.optim.Adam(net.parameters(), lr=1e-3)
+
+
+class Optimized(Steps):
+    """Plain next-token loss; the optimizer of ``kind``."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return self.net(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> Any:
+        return _optimizer(self.net, self.kind)
+
+
+@pytest.mark.parametrize("weights", [Tier.NVME, Tier.HOST], ids=lambda t: t.value)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "groups_by_ndim_scheduled",
+        "groups_of_their_own_betas_and_eps",
+        "attention_and_head_only",
+        "adam_without_decay",
+    ],
+)
+def test_a_users_optimizer_trains_like_plain_lightning(
+    kind: str, weights: Tier, checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    want_losses, want = _fit("auto", checkpoint, kind, tiny, Optimized)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=weights, master=Tier.NVME, prefetch_depth=1),
+        compute_dtype="fp32",
+        nvme_path=str(tmp_path / "nvme"),
+    )
+    losses, got = _fit(strategy, checkpoint, kind, tiny, Optimized)
+    strategy.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=2e-5, msg=key)
+
+
+class Refused(Optimized):
+    def configure_optimizers(self) -> Any:
+        params = self.net.parameters()
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=1e-2)
+        if self.kind == "amsgrad":
+            return torch.optim.AdamW(params, lr=1e-3, amsgrad=True)
+        return torch.optim.Adam(params, lr=1e-3, weight_decay=0.01)
+
+
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("sgd", r"returned SGD: return torch.optim.AdamW"),
+        ("amsgrad", r"AdamW param group 0 sets amsgrad=True.*drop amsgrad"),
+        ("adam_l2", r"Adam param group 0 has weight_decay=0.01 .*Adam with weight_decay=0"),
+    ],
+)
+def test_an_optimizer_the_host_step_cannot_run_is_refused_at_setup(
+    kind: str, match: str, checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=Tier.NVME), nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    with pytest.raises(ValueError, match=match) as err:
+        trainer.fit(Refused(checkpoint, kind), tiny.loader(1))
+    assert "\n" not in str(err.value)
+    strategy.close()

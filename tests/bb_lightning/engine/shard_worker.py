@@ -25,6 +25,7 @@ from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
     TrainingEngine,
+    adamw_groups_from_optimizer,
     required_budgets,
     shard_counts,
 )
@@ -43,6 +44,7 @@ CASES = {
     "frozen-outside": (Tier.HOST, Tier.HOST, 1, True, None),
     "late-block": (Tier.HOST, Tier.HOST, 2, True, None),
     "two-forwards": (Tier.NVME, Tier.HOST, 1, True, None),
+    "param-groups": (Tier.HOST, Tier.NVME, 2, True, None),
 }
 LATE = "late-block"
 """The case in which rank 1's last block is handed on after the block before it (as when
@@ -53,6 +55,8 @@ SAVED = "nvme-clip"
 """The case whose 2 ranks save a checkpoint after 2 steps (``two.ckpt``)."""
 RESUMED = "host"
 """The case a 1-process checkpoint after 2 steps (``one.ckpt``) resumes on 2 ranks."""
+GROUPS = "param-groups"
+"""The case whose AdamW has two param groups (:func:`param_groups`)."""
 TWICE = "two-forwards"
 """The case whose micro-batches run the model twice (a row each) before one backward:
 every recomputed block hands its gradients on twice."""
@@ -94,15 +98,36 @@ def placement_of(weights: Tier, state: Tier) -> Placement:
     )
 
 
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """torch AdamW param groups of the :data:`GROUPS` case: matrices at twice the
+    learning rate, vectors (norms) without weight decay and with an eps of their own."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in trained if p.dim() >= 2], "lr": 2 * ADAMW.lr},
+        {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0, "eps": 1e-3},
+    ]
+
+
+def torch_adamw(case: str, model: torch.nn.Module) -> torch.optim.AdamW:
+    """The torch AdamW of ``case`` over ``model``'s trained parameters."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups(model) if case == GROUPS else trained
+    return torch.optim.AdamW(
+        groups, lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
+    )
+
+
 def run_steps(engine: TrainingEngine, case: str, rank: int, world: int, steps: range) -> None:
     """Optimizer steps ``steps`` of ``case``: this rank's share of each global batch."""
     _, _, accumulate, overlap, clip = CASES[case]
+    with engine.pager.shaped():  # the blocks' parameters with their shapes, to group them
+        adamw = adamw_groups_from_optimizer(torch_adamw(case, engine.model))
     share = ROWS // world
     for step in steps:
         mine = batches()[step][rank * share : (rank + 1) * share]
         for k, micro in enumerate(mine.chunk(accumulate)):
             if overlap and k == accumulate - 1:
-                engine.begin_overlapped_step(ADAMW)
+                engine.begin_overlapped_step(adamw)
             if case == TWICE:  # the mean of the rows' losses, as of the whole micro-batch
                 halves = [engine.model(input_ids=m, labels=m).loss for m in micro.chunk(2)]
                 loss = sum(halves) / len(halves)
@@ -110,7 +135,7 @@ def run_steps(engine: TrainingEngine, case: str, rank: int, world: int, steps: r
                 loss = engine.model(input_ids=micro, labels=micro).loss / accumulate
             loss.backward()
             engine.after_backward()
-        engine.optimizer_step(ADAMW, ClipConfig(value=clip))
+        engine.optimizer_step(adamw, ClipConfig(value=clip))
 
 
 def state_of(engine: TrainingEngine) -> dict[str, torch.Tensor]:

@@ -28,7 +28,6 @@ from bb_lightning.engine.trainer_engine import required_budgets, shard_counts
 from storage.tiers import Tier
 
 from .shard_worker import (
-    ADAMW,
     CASES,
     FROZEN,
     RESUMED,
@@ -43,6 +42,7 @@ from .shard_worker import (
     run_steps,
     save,
     state_of,
+    torch_adamw,
 )
 from .tiny import tiny_llama
 
@@ -62,9 +62,7 @@ def _reference(case: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     if case == FROZEN:
         freeze_outside(model)
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        trained, lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
-    )
+    opt = torch_adamw(case, model)
     for ids in batches()[:steps]:
         model(input_ids=ids, labels=ids).loss.backward()
         if clip is not None:
