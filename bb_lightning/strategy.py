@@ -42,6 +42,7 @@ from typing_extensions import override
 from bb_lightning import assembly, session, world
 from bb_lightning.adapt import AdaptController
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.hf_quirks import activation_checkpointing_off, activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.shard import ShardComm
@@ -161,6 +162,8 @@ class BalanceBeamStrategy(ParallelStrategy):
         self.gather_limit = gather_limit
         self._slot = assembly.EngineSlot()
         """The engine, its store, and where the module's weights are between calls."""
+        self._checkpointing: list[torch.nn.Module] = []
+        """Modules whose activation checkpointing is off during this ``trainer.*`` call."""
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
@@ -344,6 +347,13 @@ class BalanceBeamStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             session.check_clipping(trainer, module)  # fails before anything is built
         self._slot.take_back(module)
+        self._checkpointing = activation_checkpointing_off(module)
+        if self._checkpointing:
+            rank_zero_info(
+                f"balance_beam: the model's activation checkpointing is off during "
+                f"trainer.{getattr(trainer.state.fn, 'value', 'fit')} (paged blocks are "
+                "recomputed in backward by balance_beam itself) and on again after it"
+            )
         use_paged_summary(trainer)  # the model summary counts the paged blocks' real sizes
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
@@ -644,6 +654,8 @@ class BalanceBeamStrategy(ParallelStrategy):
                 share=max(1, self.num_processes) if self.world_size > 1 else 1,
                 stopped=stopped,
             )  # fmt: skip
+        activation_checkpointing_on(self._checkpointing)
+        self._checkpointing = []
         if self.cluster_environment is not None and self.world_size > 1:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -24,7 +24,9 @@ nowhere else:
   :func:`static_cache_limit` (the longest sequences a family generates right on a static
   KV cache);
 * **tracing** — :func:`no_pad_token` (GPT-2 reads its pad token from the input ids) and
-  :func:`activation_checkpointing` (the attribute moved in transformers 5);
+  :func:`activation_checkpointing` (the attribute moved in transformers 5), turned off
+  and on again around a ``trainer.*`` call by :func:`activation_checkpointing_off` /
+  :func:`activation_checkpointing_on`;
 * **captured outputs** — :class:`CapturedOutputs` and :func:`recording`: the tensors
   transformers' output capture records from inside a block (``output_router_logits`` for
   an MoE's auxiliary loss, ``output_attentions``), which a block recomputed in backward
@@ -72,6 +74,8 @@ __all__ = [
     "CapturedOutputs",
     "ResolvedModel",
     "activation_checkpointing",
+    "activation_checkpointing_off",
+    "activation_checkpointing_on",
     "check_generation",
     "check_supported",
     "config_int",
@@ -369,6 +373,23 @@ def check_generation(model: PreTrainedModel) -> None:
             f"on balance_beam's static KV cache: {gap}; fit and validate it, or generate with "
             "transformers (model.generate) under plain Lightning"
         )
+
+
+def activation_checkpointing_off(model: nn.Module) -> list[nn.Module]:
+    """Turn transformers' activation checkpointing off in ``model``; the modules it was on
+    in (their flag only: :func:`activation_checkpointing_on` puts it back as it was, with
+    the checkpoint function and its options the model was given)."""
+    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in on:
+        setattr(m, "gradient_checkpointing", False)  # noqa: B010 (nn.Module attribute typing)
+    return on
+
+
+def activation_checkpointing_on(modules: list[nn.Module]) -> None:
+    """Turn activation checkpointing back on in ``modules`` (from
+    :func:`activation_checkpointing_off`)."""
+    for m in modules:
+        setattr(m, "gradient_checkpointing", True)  # noqa: B010 (nn.Module attribute typing)
 
 
 def activation_checkpointing(model: nn.Module) -> bool:

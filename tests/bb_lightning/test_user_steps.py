@@ -2,7 +2,7 @@
 PyTorch allows, under balance_beam against plain Lightning: two forwards before one
 backward (a preference pair), a forward without grad beside the one that trains (a
 reference's log-probs), a loss on what transformers captures inside the blocks (attention
-weights); AdamW param groups of their own weight decay, learning rate, betas and eps
+weights), with the model's activation checkpointing on; AdamW param groups of their own weight decay, learning rate, betas and eps
 (grouped by ``ndim`` as code written for plain PyTorch does, a scheduler on top), an
 optimizer given only some of the parameters, torch ``Adam`` without weight decay.
 
@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
+from bb_lightning.planner import HardwareProfile
 from storage.tiers import Tier
 
 STEPS, ACCUM = 2, 2
@@ -211,3 +212,38 @@ def test_an_optimizer_the_host_step_cannot_run_is_refused_at_setup(
         trainer.fit(Refused(checkpoint, kind), tiny.loader(1))
     assert "\n" not in str(err.value)
     strategy.close()
+
+
+class Checkpointed(Optimized):
+    """The model's activation checkpointing turned on, as fine-tuning scripts habitually do."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__(path, kind)
+        self.net.gradient_checkpointing_enable()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.net.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def test_a_model_with_activation_checkpointing_on_is_planned_and_trains_like_plain_lightning(
+    checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """balance_beam recomputes the paged blocks itself: the model's own checkpointing is
+    off while the strategy plans and trains (its trace refused it), and on again after."""
+    want_losses, want = _fit("auto", checkpoint, "", tiny, Checkpointed)
+    cpu = HardwareProfile(
+        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
+        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=1e9,
+        nvme_write_bandwidth=1e9, nvme_capacity=1 << 30, host_adam_params_per_s=2e8, cores=2,
+    )  # fmt: skip
+    strategy = BalanceBeamStrategy(hardware=cpu, compute_dtype="fp32", nvme_path=str(tmp_path))
+    torch.manual_seed(0)
+    module = Checkpointed(checkpoint, "")
+    trainer, recorder = tiny.make_trainer(strategy, STEPS, accumulate_grad_batches=ACCUM)
+    trainer.fit(module, tiny.loader(STEPS * ACCUM))
+    strategy.close()
+    assert strategy.plan is not None  # planned, not refused by the profile's trace
+    assert module.net.is_activation_checkpointing  # the user's setting, back
+    torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(want_losses))
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=2e-5, msg=key)
