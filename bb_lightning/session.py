@@ -512,7 +512,8 @@ def clip_config(trainer: pl.Trainer | None) -> ClipConfig:
 
 
 def check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
-    """Refuse, before training, clipping settings the engine cannot run."""
+    """Refuse, before training, clipping settings the engine cannot run; warn of a hook
+    that would read or clip parameter gradients (there are none on the parameters)."""
     clip_config(trainer)
     if (
         type(module).configure_gradient_clipping
@@ -522,6 +523,13 @@ def check_clipping(trainer: pl.Trainer, module: pl.LightningModule) -> None:
             f"{type(module).__name__} overrides configure_gradient_clipping, which balance_beam "
             "cannot run (gradients reach the host AdamW, never .grad): remove the override and "
             "set Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value')"
+        )
+    if type(module).on_before_optimizer_step is not pl.LightningModule.on_before_optimizer_step:
+        rank_zero_warn(
+            f"{type(module).__name__} overrides on_before_optimizer_step: under balance_beam "
+            "the parameters hold no .grad there (the gradients are summed in the store and "
+            "stepped by the host AdamW), so gradient norms read or clipping done in that hook "
+            "see nothing; clip with Trainer(gradient_clip_val=...)"
         )
 
 

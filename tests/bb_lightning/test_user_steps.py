@@ -247,3 +247,40 @@ def test_a_model_with_activation_checkpointing_on_is_planned_and_trains_like_pla
     torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(want_losses))
     for key, value in module.state_dict().items():
         torch.testing.assert_close(value, want[key], rtol=1e-5, atol=2e-5, msg=key)
+
+
+class ClipsItself(Optimized):
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.net.parameters(), lr=1e-3)
+
+
+class ReadsGradients(ClipsItself):
+    configure_gradient_clipping = pl.LightningModule.configure_gradient_clipping
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
+
+
+def test_hooks_that_clip_parameter_gradients_are_refused_or_warned(
+    checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The parameters hold no ``.grad`` under balance_beam: a clipping override is refused
+    before anything is built, a hook that reads gradients is warned about."""
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=Tier.NVME), nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    with pytest.raises(ValueError, match=r"overrides configure_gradient_clipping") as err:
+        trainer.fit(ClipsItself(checkpoint, ""), tiny.loader(1))
+    assert "\n" not in str(err.value) and strategy.store is None
+    strategy.close()
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=Tier.NVME), nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    with pytest.warns(UserWarning, match=r"on_before_optimizer_step: .* no \.grad there"):
+        trainer.fit(ReadsGradients(checkpoint, ""), tiny.loader(1))
+    strategy.close()
