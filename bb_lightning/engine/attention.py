@@ -13,11 +13,12 @@ heads over their key/value head (GQA) without copying the cache; every other cal
 attention sinks, position bias, dropout) goes to transformers' ``sdpa``
 function unchanged.
 
-:func:`decode_attention_for` installs it on a model for the duration of a
-``with`` block, only when the model runs transformers' ``sdpa`` implementation
-(an ``eager`` or flash model is left as it is) on the CPU (on CUDA, ``sdpa``'s
-own kernels serve a decode step), and restores the model's setting afterwards,
-so training and a user's own calls see the model as loaded.
+:func:`decode_attention_for` installs it for the duration of a ``with`` block,
+only when the model runs transformers' ``sdpa`` implementation (an ``eager`` or
+flash model is left as it is) on the CPU (on CUDA, ``sdpa``'s own kernels serve a
+decode step), under the name ``sdpa`` itself, so the model runs exactly the code it
+runs for ``sdpa``; afterwards ``sdpa`` is transformers' own again, so training and a
+user's own calls see the model as loaded.
 """
 
 from __future__ import annotations
@@ -30,13 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["DECODE_ATTENTION", "attended_prefix", "decode_attention", "decode_attention_for"]
-
-DECODE_ATTENTION = "balance_beam_decode"
-"""The name :func:`decode_attention` is registered under in transformers' attention interfaces."""
+__all__ = ["attended_prefix", "decode_attention", "decode_attention_for"]
 
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -135,36 +132,37 @@ def _grouped_mask(mask: Tensor, batch: int, kv_heads: int, group: int, kv_len: i
     return mask.reshape(b, kv_heads, group, kv_len)
 
 
-ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+def _as_sdpa(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """What the model's ``sdpa`` calls run while :func:`decode_attention_for` holds."""
+    return decode_attention(module, *args, **kwargs)
 
 
 @contextmanager
 def decode_attention_for(model: nn.Module) -> Iterator[bool]:
-    """Run ``model`` with :func:`decode_attention` inside the block when it uses ``sdpa``
-    on the CPU (the device of its first parameter or buffer; a model with neither is on
-    the CPU).
+    """Run ``model``'s ``sdpa`` attention calls through :func:`decode_attention` when it
+    uses ``sdpa`` on the CPU (the device of its first parameter or buffer; a model with
+    neither is on the CPU).
 
-    Yields whether it was installed. Every configuration reachable from the model's
-    modules that says ``sdpa`` is switched, and switched back on exit (also on error).
+    Yields whether it was installed. The model keeps ``sdpa`` as its attention
+    implementation's name: transformers' attention functions map that name to
+    :func:`decode_attention` meanwhile (for every model of the process), and back on
+    exit (also on error). A model that branches on the name (DOTS3's indexer folds its
+    top-k selection into the mask for ``"eager"`` and ``"sdpa"`` only) thus hands this
+    function what it hands ``sdpa``.
     """
-    configs: list[Any] = []
-    seen: set[int] = set()
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     if first is not None and first.device.type != "cpu":
         yield False
         return
-    for mod in model.modules():
-        config = getattr(mod, "config", None)
-        if config is None or id(config) in seen or not hasattr(config, "_attn_implementation"):
-            continue
-        seen.add(id(config))
-        if config._attn_implementation == "sdpa":
-            configs.append(config)
-    for config in configs:
-        config._attn_implementation = DECODE_ATTENTION
+    configs = (getattr(mod, "config", None) for mod in model.modules())
+    if not any(getattr(c, "_attn_implementation", None) == "sdpa" for c in configs):
+        yield False
+        return
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _as_sdpa
     try:
-        yield bool(configs)
+        yield True
     finally:
-        for config in configs:
-            config._attn_implementation = "sdpa"
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]  # the local override; the global entry stays
+        if ALL_ATTENTION_FUNCTIONS["sdpa"] is not before:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = before

@@ -8,15 +8,11 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from bb_lightning.engine.attention import (
-    DECODE_ATTENTION,
-    attended_prefix,
-    decode_attention,
-    decode_attention_for,
-)
+from bb_lightning.engine import attention
+from bb_lightning.engine.attention import attended_prefix, decode_attention, decode_attention_for
 
 
 def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
@@ -133,17 +129,19 @@ def _tiny(attn: str) -> nn.Module:
 
 def test_installed_only_on_sdpa_models_and_restored() -> None:
     model = _tiny("sdpa")
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with decode_attention_for(model) as on:
         assert on
-        assert model.config._attn_implementation == DECODE_ATTENTION
-    assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == "sdpa"  # the name the model branches on
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
     with pytest.raises(RuntimeError, match="boom"), decode_attention_for(model):
         raise RuntimeError("boom")
-    assert model.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
     eager = _tiny("eager")
     with decode_attention_for(eager) as on:
         assert not on
-        assert eager.config._attn_implementation == "eager"
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
 
 
 def test_model_decode_step_logits_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +152,7 @@ def test_model_decode_step_logits_unchanged(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(args[1].shape[2])  # query rows
         return decode_attention(*args, **kwargs)
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, DECODE_ATTENTION, counted)
+    monkeypatch.setattr(attention, "decode_attention", counted)
     torch.manual_seed(0)
     model = _tiny("sdpa").eval()
     ids = torch.randint(1, 64, (3, 7))
@@ -178,6 +176,37 @@ def test_model_decode_step_logits_unchanged(monkeypatch: pytest.MonkeyPatch) -> 
 def test_left_to_sdpa_off_the_cpu() -> None:
     # the CPU-tuned decode step is for the CPU only; a model elsewhere keeps sdpa
     model = _tiny("sdpa").to("meta")
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with decode_attention_for(model) as on:
         assert not on
-        assert model.config._attn_implementation == "sdpa"
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
+
+
+def test_a_model_branching_on_the_attention_name_decodes_as_with_sdpa() -> None:
+    """DOTS3's indexer folds its top-k key selection into the mask only when the
+    implementation is named ``eager`` or ``sdpa``: under :func:`decode_attention_for` the
+    model still takes its ``sdpa`` branch, and a cached decode step's logits are sdpa's."""
+    config = AutoConfig.for_model(
+        "dots3_note_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=32, shared_experts_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, index_topk=4,
+        index_head_dim=8, index_n_heads=2, mlp_layer_types=["dense", "dense"],
+        layer_types=["indexed_attention", "full_attention"], per_layer_config={},
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        full = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        ref = model(input_ids=nxt, attention_mask=full, cache=out.past_key_values).logits
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        with decode_attention_for(model) as on:
+            got = model(input_ids=nxt, attention_mask=full, cache=out.past_key_values).logits
+    assert on
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
