@@ -13,8 +13,11 @@ those rows, so finished sequences stop costing attention and projection work;
 
 A model with convolution or linear-attention layers (LFM2's short convolutions)
 gets transformers' state layers in the same cache: a fixed-size state per row
-instead of keys and values. They are compacted alike, and :meth:`KVCache.reset`
-zeroes them (a state, unlike masked keys, would carry into the next batch).
+instead of keys and values. They are compacted alike. :meth:`KVCache.reset` resets
+every layer but a plain ``StaticLayer`` with the layer's own ``reset`` (a state, unlike
+masked keys, would carry into the next batch; a sliding-window layer keeps its position
+in a counter of its own, which left unreset placed the next batch's tokens past the
+window).
 
 Placement: on a CUDA device with ``tier`` :attr:`Tier.HOST` the cache uses
 transformers' offloaded static layers (host copies, each layer moved to the
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import PretrainedConfig, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from storage.tiers import Tier
 
@@ -94,10 +98,11 @@ class KVCache:
                     layer.batch_size = self.rows
             self._full = []
         for layer in layers:
-            if _is_state_layer(layer):
-                layer.reset()  # zero states, and the next update is a prefill again
-            elif getattr(layer, "is_initialized", False):
-                layer.cumulative_length.zero_()
+            if type(layer) is StaticLayer:  # its unwritten positions are masked: counter only
+                if layer.is_initialized:
+                    layer.cumulative_length.zero_()
+            else:  # every counter of its own (a sliding window's position as a Python int,
+                layer.reset()  # a state's "prefill done"), and its buffers zeroed
 
     def compact(self, keep: Tensor) -> None:
         """Keep only the rows ``keep`` (ascending indices of the current rows), in order.

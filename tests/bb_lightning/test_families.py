@@ -177,14 +177,16 @@ def _fits_like_plain_lightning(tiny: SimpleNamespace, path: Path, tmp_path: Path
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=2e-5, msg=key)
 
 
-def _prompts() -> dict[str, Any]:
-    """Three left-padded prompts of 7, 3 and 5 tokens."""
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+def _prompts(seed: int = 5, lengths: tuple[int, ...] = (7, 3, 5)) -> dict[str, Any]:
+    """Left-padded prompts of ``lengths`` tokens (three of 7, 3 and 5 by default)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=g)
     mask = torch.ones_like(ids)
-    for row, n in enumerate((7, 3, 5)):
-        ids[row, : 7 - n], mask[row, : 7 - n] = 0, 0
-    return {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
+    for row, n in enumerate(lengths):
+        ids[row, : width - n], mask[row, : width - n] = 0, 0
+    return {"id": [f"{seed}-{row}" for row in range(len(lengths))], "input_ids": ids,
+            "attention_mask": mask}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -215,24 +217,25 @@ def test_family_generates_like_hf_generate(
         placement=Placement.uniform(2, weights=N), compute_dtype="fp32", nvme_path=str(tmp_path)
     )
     trainer, _ = tiny.make_trainer(strategy, 1)
-    batch = _prompts()
-    records = trainer.predict(module, DataLoader([batch], batch_size=None))
+    # the second batch reuses the first one's cache; its sequences pass a window of 8
+    batches = [_prompts(), _prompts(6, (4, 7, 6))]
+    records = trainer.predict(module, DataLoader(batches, batch_size=None))
     assert strategy.store is not None and strategy.store.usage()[N][0] > 0
     strategy.close()
-    assert records is not None
-    got = [r["token_ids"] for r in records[0]]  # type: ignore[index]
+    assert records is not None and len(records) == len(batches)
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     stop = set(module.generation_config().eos_token_ids)
     pad = module.generation_config().pad_token_id
-    for row, tokens in enumerate(got):
-        ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
-        with torch.no_grad():
-            out = reference.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                do_sample=False, pad_token_id=pad, eos_token_id=sorted(stop) or None,
-            )[0, ids.shape[1] :].tolist()  # fmt: skip
-        cut = next((i for i, t in enumerate(out) if t in stop), len(out))
-        assert tokens == out[:cut], (family, row)
+    for batch, got in zip(batches, records, strict=True):
+        for row, record in enumerate(got):  # type: ignore[arg-type]
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
+            with torch.no_grad():
+                out = reference.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                    do_sample=False, pad_token_id=pad, eos_token_id=sorted(stop) or None,
+                )[0, ids.shape[1] :].tolist()  # fmt: skip
+            cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+            assert record["token_ids"] == out[:cut], (family, record["id"])
 
 
 @pytest.mark.parametrize(
