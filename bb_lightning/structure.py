@@ -458,9 +458,9 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     widest = max(range(len(blocks)), key=lambda i: (total(parts.block_param_names[i]), -i))
     first, block_name = parts.block_param_names[widest], parts.block_names[widest]
     hidden = config_int(config, "hidden_size")
-    num_heads = config_int(config, "num_heads")
+    num_heads = config_int(config, "num_heads", default=0)  # 0: no attention (Mamba)
     kv_heads = config_int(config, "num_kv_heads", default=num_heads)
-    head_dim = config_int(config, "head_dim", default=hidden // num_heads)
+    head_dim = config_int(config, "head_dim", default=hidden // num_heads if num_heads else 0)
     act_full = -(-max(trace.saved_bytes) // trace.tokens)
     matmul = tuple(n for n in first if n in trace.matmul_params)
     experts, top_k, expert_names = _experts(config, model.get_submodule(block_name))

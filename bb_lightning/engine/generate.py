@@ -159,7 +159,7 @@ class LayerMajorGenerator:
         return self._kv
 
     def _forward(
-        self, ids: Tensor, mask: Tensor, pos: Tensor, cache_pos: Tensor, kv: KVCache
+        self, ids: Tensor, mask: Tensor | None, pos: Tensor, cache_pos: Tensor, kv: KVCache
     ) -> Tensor:
         kwargs: dict[str, Any] = {
             "input_ids": ids,
@@ -318,8 +318,8 @@ class _Run:
                 tokens, step_pos = self._compact(done, tokens, step_pos)
             self.mask[:, cur] = 1
             logits = self.gen._forward(
-                tokens[:, None], self.mask, step_pos, self.cache_pos[cur : cur + 1],
-                self.kv,
+                tokens[:, None], self.mask if self.kv.attends else None, step_pos,
+                self.cache_pos[cur : cur + 1], self.kv,
             )  # fmt: skip
             step_pos += 1
         out = [r for r in self.results if r is not None]

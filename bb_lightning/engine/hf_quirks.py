@@ -20,7 +20,8 @@ nowhere else:
   (the one reader of a sharded checkpoint's ``*.index.json``) and
   :data:`SAFETENSORS_DTYPES` (the dtype names of the safetensors header);
 * **what is refused** — :func:`check_supported` (quantized, remote-code and
-  encoder-decoder models), :func:`check_generation` (a recurrent state), and
+  encoder-decoder models), :func:`check_generation` (a cache whose layers layer-major
+  generation cannot carry: :func:`unserved_cache_layers`), and
   :func:`static_cache_limit` (the longest sequences a family generates right on a static
   KV cache);
 * **tracing** — :func:`no_pad_token` (GPT-2 reads its pad token from the input ids) and
@@ -54,7 +55,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, StaticCache
+from transformers.cache_utils import (
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    StaticLayer,
+)
 
 try:  # transformers 5: forward hooks append to the collector this context variable holds
     from transformers.utils.output_capturing import _active_collector
@@ -88,6 +94,7 @@ __all__ = [
     "resolve_model",
     "static_cache_limit",
     "unread_outputs_off",
+    "unserved_cache_layers",
 ]
 
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -334,6 +341,11 @@ def static_cache_gap(model: nn.Module) -> str | None:
             "it keeps a cache of its own, not a transformers Cache "
             "(transformers' _supports_default_dynamic_cache() is False)"
         )
+    try:
+        config: Any = getattr(model, "config", None)
+        StaticCache(config=config, max_cache_len=1)  # allocates nothing
+    except Exception as err:  # any failure means the same to the user
+        return f"transformers builds no StaticCache from its config ({type(err).__name__}: {err})"
     return None
 
 
@@ -358,19 +370,47 @@ def static_cache_limit(config: Any) -> tuple[int, str] | None:
     )
 
 
+def unserved_cache_layers(config: Any) -> list[str]:
+    """Names of the layer classes of ``config``'s transformers ``StaticCache`` that hold a
+    recurrent state layer-major generation (:class:`~bb_lightning.engine.kv.KVCache`)
+    cannot carry (empty: it carries them all).
+
+    It carries key/value layers (``StaticLayer`` and its sliding-window and indexed kinds)
+    and per-row state layers (``LinearAttentionLayer``: convolution and recurrent states,
+    as Mamba, gated-delta-net and short-convolution layers keep them). A layer holding a
+    state and keys at once (``LinearAttentionAndStaticFullAttentionLayer``) is carried for a
+    model that does not declare a recurrent state between tokens, and not for one that
+    does (Zamba's and Falcon-H1's hybrid layers fail inside their forward on it); a stand-in
+    for a layer without a cache is not.
+    """
+    layers = StaticCache(config=config, max_cache_len=1).layers  # nothing allocated yet
+    return sorted({type(layer).__name__ for layer in layers if not _served(layer)})
+
+
+def _served(layer: Any) -> bool:
+    if isinstance(layer, LinearAttentionCacheLayerMixin):  # a state layer: states only
+        return type(layer) is LinearAttentionLayer
+    return isinstance(layer, StaticLayer)
+
+
 def check_generation(model: PreTrainedModel) -> None:
-    """Refuse (one ``ValueError`` line) a model whose generation needs more than a KV cache,
-    or cannot take a static one (:func:`static_cache_gap`)."""
-    if getattr(type(model), "_is_stateful", False):
-        raise ValueError(
-            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
-            "recurrent state between tokens, not only a KV cache: balance_beam's layer-major "
-            "generation serves attention models; fit and validate it, or generate with transformers"
-        )
+    """Refuse (one ``ValueError`` line) a model that cannot generate on a static cache
+    (:func:`static_cache_gap`), or that declares a recurrent state between tokens
+    (transformers' ``_is_stateful``) kept in cache layers layer-major generation cannot
+    carry (:func:`unserved_cache_layers`)."""
     if (gap := static_cache_gap(model)) is not None:
         raise ValueError(
             f"model_type={model.config.model_type!r} ({type(model).__name__}) cannot generate "
             f"on balance_beam's static KV cache: {gap}; fit and validate it, or generate with "
+            "transformers (model.generate) under plain Lightning"
+        )
+    stateful = getattr(type(model), "_is_stateful", False)
+    if stateful and (unserved := unserved_cache_layers(model.config)):
+        raise ValueError(
+            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
+            f"recurrent state between tokens in cache layers ({', '.join(unserved)}) that "
+            "balance_beam's layer-major generation cannot carry (a state and keys in one "
+            "layer, or a layer without a cache); fit and validate it, or generate with "
             "transformers (model.generate) under plain Lightning"
         )
 

@@ -74,6 +74,13 @@ class KVCache:
         """Each layer's buffers of all rows, by (attribute, state index), while compacted."""
 
     @property
+    def attends(self) -> bool:
+        """Whether some layer keeps keys and values (a model of state layers only takes no
+        attention mask in a decode step: a generated token is never padding, and Mamba
+        multiplies its input by the mask as it is given)."""
+        return any(_has_keys(layer) for layer in self.cache.layers)
+
+    @property
     def has_states(self) -> bool:
         """Whether some layer keeps a per-row state (convolution / linear attention) whose
         prefill must see only the prompt's mask (transformers masks such a layer's padding
@@ -94,7 +101,7 @@ class KVCache:
             for layer, full in zip(layers, self._full, strict=True):
                 for slot, buf in full.items():
                     _set(layer, slot, buf)
-                if not _is_state_layer(layer):
+                if _has_keys(layer):
                     layer.batch_size = self.rows
             self._full = []
         for layer in layers:
@@ -131,26 +138,34 @@ class KVCache:
                 idx = on.setdefault(buf.device, keep.to(buf.device))
                 buf[:n] = buf.index_select(0, idx)
                 _set(layer, slot, buf[:n])
-            if not _is_state_layer(layer):
+            if _has_keys(layer):
                 layer.batch_size = n
 
 
 def _is_state_layer(layer: Any) -> bool:
-    """A transformers cache layer of per-row states (``conv_states`` / ``recurrent_states``,
-    as its linear-attention layers keep) rather than keys and values."""
+    """A transformers cache layer with per-row states (``conv_states`` /
+    ``recurrent_states``, as its linear-attention layers keep), keys beside them or not."""
     return hasattr(layer, "conv_states") and hasattr(layer, "recurrent_states")
 
 
+def _has_keys(layer: Any) -> bool:
+    """A transformers cache layer holding keys and values (a state beside them or not)."""
+    return isinstance(layer, StaticLayer)
+
+
 def _slots(layer: Any) -> list[tuple[str, int | None]]:
-    """Where ``layer`` keeps per-row buffers: keys and values, or its initialized states."""
-    if not _is_state_layer(layer):
-        return [("keys", None), ("values", None)]
-    return [
-        (attr, i)
-        for attr in ("conv_states", "recurrent_states")
-        for i, buf in getattr(layer, attr).items()
-        if isinstance(buf, Tensor)
-    ]
+    """Where ``layer`` keeps per-row buffers: its keys and values, its initialized states."""
+    slots: list[tuple[str, int | None]] = []
+    if _has_keys(layer):
+        slots += [("keys", None), ("values", None)]
+    if _is_state_layer(layer):
+        slots += [
+            (attr, i)
+            for attr in ("conv_states", "recurrent_states")
+            for i, buf in getattr(layer, attr).items()
+            if isinstance(buf, Tensor)
+        ]
+    return slots
 
 
 def _get(layer: Any, slot: tuple[str, int | None]) -> Tensor:

@@ -63,6 +63,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "conv_L_cache": 3,
         "initializer_range": 0.2,  # weights large enough that a wrong state shows in tokens
     },
+    "mamba_state": {  # no attention at all: a convolution and an SSM state per row
+        "model_type": "mamba",
+        "hidden_size": 32,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "vocab_size": VOCAB,
+        "initializer_range": 0.2,
+    },
+    "qwen3_next_linear": {  # a gated-delta-net layer (conv and recurrent states), then attention
+        "model_type": "qwen3_next",
+        **_BASE,
+        **_EXPERTS,
+        "head_dim": 8,
+        "moe_intermediate_size": 32,
+        "layer_types": ["linear_attention", "full_attention"],
+        "initializer_range": 0.2,
+    },
     "gpt2_tied": {
         "model_type": "gpt2",
         "n_embd": 32,

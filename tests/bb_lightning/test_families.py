@@ -5,7 +5,8 @@ NVMe, gradient accumulation and norm clipping) against plain Lightning on the sa
 directory (``from_pretrained``), losses and final weights; ``trainer.predict``
 (weights on NVMe, ragged left-padded prompts) against Hugging Face greedy ``generate``.
 Tied heads, sliding windows, MoE blocks (per-expert tensors on disk, fused in the
-module), an MoE whose routers' load-balancing loss joins the loss, blocks that take a
+module), an MoE whose routers' load-balancing loss joins the loss, recurrent layers that
+keep a state in the cache (Mamba's, gated delta nets beside attention), blocks that take a
 trainable per-layer input besides the hidden states, dropout and a router that samples
 experts in training mode (both runs seeded alike) are among them.
 """
@@ -238,25 +239,34 @@ def test_family_generates_like_hf_generate(
             assert record["token_ids"] == out[:cut], (family, record["id"])
 
 
-@pytest.mark.parametrize(
-    ("model_type", "values"),
-    [
-        ("mamba", {"hidden_size": 32, "state_size": 8, "num_hidden_layers": 2,
-                   "vocab_size": VOCAB}),
-        ("jamba", JAMBA),
-    ],
-)  # fmt: skip
-def test_generation_of_a_recurrent_state_family_is_refused_at_setup(
-    model_type: str, values: dict[str, Any], tiny: SimpleNamespace, tmp_path: Path
+FALCON_H1: dict[str, Any] = {  # each layer holds a mamba state and attention keys at once
+    **{k: v for k, v in FAMILIES["llama"].items() if k != "model_type"},
+    "head_dim": 8,
+    "mamba_d_ssm": 32,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 8,
+    "mamba_d_state": 8,
+    "mamba_n_groups": 1,
+    "mamba_chunk_size": 16,
+}
+
+
+def test_generation_of_a_family_whose_cache_layers_mix_a_state_and_keys_is_refused(
+    tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
-    config = AutoConfig.for_model(model_type, **values)
+    """Falcon-H1 declares a recurrent state and keeps it with its attention keys in one
+    cache layer, which its forward cannot run on a static cache: refused at setup, in one
+    line naming the layer class and the way out."""
+    config = AutoConfig.for_model("falcon_h1", **FALCON_H1)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
     module = _module(tmp_path / "ckpt")
     strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
     trainer, _ = tiny.make_trainer(strategy, 1)
-    with pytest.raises(ValueError, match=rf"model_type='{model_type}'.*recurrent state") as err:
+    match = r"model_type='falcon_h1'.*recurrent state.*LinearAttentionAndStaticFullAttentionLayer"
+    with pytest.raises(ValueError, match=match) as err:
         trainer.predict(module, DataLoader([_prompts()], batch_size=None))
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "model.generate" in str(err.value)
+    assert strategy.store is None  # refused before anything was paged
     strategy.close()
 
 
