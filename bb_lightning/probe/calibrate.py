@@ -137,7 +137,18 @@ class TrainCompute:
 
 
 def _with_layers(config: Any, layers: int) -> Any:
+    """``config`` with ``layers`` blocks: its per-layer lists of layer kinds (``layer_types``
+    of a hybrid model, any list of names as long as its blocks) cycled to that length."""
     cfg = copy.deepcopy(config)
+    count = getattr(config, "num_hidden_layers", None)
+    if isinstance(count, int) and count > 0:
+        for key, value in list(vars(cfg).items()):
+            if (
+                isinstance(value, (list, tuple))
+                and len(value) == count
+                and all(isinstance(v, str) for v in value)
+            ):
+                setattr(cfg, key, type(value)(value[i % count] for i in range(layers)))
     cfg.num_hidden_layers = layers  # every HF config maps this name (attribute_map)
     cfg.use_cache = False
     return cfg

@@ -411,3 +411,21 @@ def test_rounds_that_agree_after_a_disturbed_one_are_cached(
     assert profile.nvme_cpu_seconds_per_byte == 9e-11  # a cost: the least of the rounds
     cached = json.loads(cache_path(machine_identity(str(disk))).read_text())["profile"]
     assert cached == profile.to_dict()
+
+
+def test_the_train_probe_builds_a_hybrid_model_of_any_depth(tmp_path: Path) -> None:
+    """A config listing each layer's kind (Qwen3-Next: linear attention, then full) is
+    probed with copies of other depths, the kinds cycled to their length."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        "qwen3_next", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path / "model")
+    timing = Scripted(lambda label, i: {"one": 0.006}.get(label, 0.01))
+    probe = probe_train_compute(str(tmp_path / "model"), cpu(), seq_len=SEQ, repeats=2,
+                                timing=timing)  # fmt: skip
+    assert probe is not None and timing.calls["one"] == 2 and timing.calls["more"] == 2
