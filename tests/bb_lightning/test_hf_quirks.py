@@ -96,8 +96,8 @@ def test_family_configs_read_as_the_built_model_is(family: str) -> None:
     )
     assert model_context(config) == context
     spellings = ("num_attention_heads", "n_head", "n_heads", "num_heads")
-    heads = next(values[k] for k in spellings if k in values)
-    assert config_int(config, "num_heads") == heads
+    heads = next((values[k] for k in spellings if k in values), 0)  # 0: no attention
+    assert config_int(config, "num_heads", default=0) == heads
     assert config_int(config, "num_kv_heads", default=heads) == values.get(
         "num_key_value_heads", heads
     )
@@ -234,8 +234,14 @@ def test_refused_configs_and_models() -> None:
         check_supported(t5)
     check_generation(_meta_model(LLAMA))  # type: ignore[arg-type]
     mamba = {"model_type": "mamba", "hidden_size": 32, "state_size": 8, "num_hidden_layers": 1}
-    with pytest.raises(ValueError, match="recurrent state"):
-        check_generation(_meta_model({**mamba, "vocab_size": VOCAB}))  # type: ignore[arg-type]
+    check_generation(_meta_model({**mamba, "vocab_size": VOCAB}))  # type: ignore[arg-type]
+    falcon_h1 = {  # a mamba state and attention keys in one cache layer
+        **{k: v for k, v in LLAMA.items() if k != "model_type"}, "model_type": "falcon_h1",
+        "head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+        "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"recurrent state.*LinearAttentionAndStatic"):
+        check_generation(_meta_model(falcon_h1))  # type: ignore[arg-type]
 
 
 def test_a_meta_forward_of_gpt2_needs_its_pad_token_hidden() -> None:
