@@ -20,8 +20,7 @@ nowhere else:
   (the one reader of a sharded checkpoint's ``*.index.json``) and
   :data:`SAFETENSORS_DTYPES` (the dtype names of the safetensors header);
 * **what is refused** — :func:`check_supported` (quantized, remote-code and
-  encoder-decoder models), :func:`check_generation` (a cache whose layers layer-major
-  generation cannot carry: :func:`unserved_cache_layers`), and
+  encoder-decoder models), :func:`check_generation` (no static cache), and
   :func:`static_cache_limit` (the longest sequences a family generates right on a static
   KV cache);
 * **tracing** — :func:`no_pad_token` (GPT-2 reads its pad token from the input ids) and
@@ -56,11 +55,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, StaticCache
-from transformers.cache_utils import (
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-    StaticLayer,
-)
 
 try:  # transformers 5: forward hooks append to the collector this context variable holds
     from transformers.utils.output_capturing import _active_collector
@@ -94,7 +88,6 @@ __all__ = [
     "resolve_model",
     "static_cache_limit",
     "unread_outputs_off",
-    "unserved_cache_layers",
 ]
 
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -370,47 +363,19 @@ def static_cache_limit(config: Any) -> tuple[int, str] | None:
     )
 
 
-def unserved_cache_layers(config: Any) -> list[str]:
-    """Names of the layer classes of ``config``'s transformers ``StaticCache`` that hold a
-    recurrent state layer-major generation (:class:`~bb_lightning.engine.kv.KVCache`)
-    cannot carry (empty: it carries them all).
-
-    It carries key/value layers (``StaticLayer`` and its sliding-window and indexed kinds)
-    and per-row state layers (``LinearAttentionLayer``: convolution and recurrent states,
-    as Mamba, gated-delta-net and short-convolution layers keep them). A layer holding a
-    state and keys at once (``LinearAttentionAndStaticFullAttentionLayer``) is carried for a
-    model that does not declare a recurrent state between tokens, and not for one that
-    does (Zamba's and Falcon-H1's hybrid layers fail inside their forward on it); a stand-in
-    for a layer without a cache is not.
-    """
-    layers = StaticCache(config=config, max_cache_len=1).layers  # nothing allocated yet
-    return sorted({type(layer).__name__ for layer in layers if not _served(layer)})
-
-
-def _served(layer: Any) -> bool:
-    if isinstance(layer, LinearAttentionCacheLayerMixin):  # a state layer: states only
-        return type(layer) is LinearAttentionLayer
-    return isinstance(layer, StaticLayer)
-
-
 def check_generation(model: PreTrainedModel) -> None:
     """Refuse (one ``ValueError`` line) a model that cannot generate on a static cache
-    (:func:`static_cache_gap`), or that declares a recurrent state between tokens
-    (transformers' ``_is_stateful``) kept in cache layers layer-major generation cannot
-    carry (:func:`unserved_cache_layers`)."""
+    (:func:`static_cache_gap`).
+
+    Every layer kind of transformers' ``StaticCache`` is carried by layer-major generation
+    (:class:`~bb_lightning.engine.kv.KVCache`): keys and values (full, sliding-window,
+    indexed), per-row states of recurrent and convolution layers (Mamba, gated delta
+    nets), both in one layer (Falcon-H1, Zamba 2), and none (an MLP-only layer).
+    """
     if (gap := static_cache_gap(model)) is not None:
         raise ValueError(
             f"model_type={model.config.model_type!r} ({type(model).__name__}) cannot generate "
             f"on balance_beam's static KV cache: {gap}; fit and validate it, or generate with "
-            "transformers (model.generate) under plain Lightning"
-        )
-    stateful = getattr(type(model), "_is_stateful", False)
-    if stateful and (unserved := unserved_cache_layers(model.config)):
-        raise ValueError(
-            f"model_type={model.config.model_type!r} ({type(model).__name__}) carries a "
-            f"recurrent state between tokens in cache layers ({', '.join(unserved)}) that "
-            "balance_beam's layer-major generation cannot carry (a state and keys in one "
-            "layer, or a layer without a cache); fit and validate it, or generate with "
             "transformers (model.generate) under plain Lightning"
         )
 

@@ -80,6 +80,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "layer_types": ["linear_attention", "full_attention"],
         "initializer_range": 0.2,
     },
+    "falcon_h1_state_and_keys": {  # each layer keeps a mamba state and attention keys
+        "model_type": "falcon_h1",
+        **_BASE,
+        "head_dim": 8,
+        "mamba_d_ssm": 32,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 8,
+        "mamba_d_state": 8,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 16,
+        "initializer_range": 0.2,
+    },
     "gpt2_tied": {
         "model_type": "gpt2",
         "n_embd": 32,

@@ -239,37 +239,6 @@ def test_family_generates_like_hf_generate(
             assert record["token_ids"] == out[:cut], (family, record["id"])
 
 
-FALCON_H1: dict[str, Any] = {  # each layer holds a mamba state and attention keys at once
-    **{k: v for k, v in FAMILIES["llama"].items() if k != "model_type"},
-    "head_dim": 8,
-    "mamba_d_ssm": 32,
-    "mamba_n_heads": 4,
-    "mamba_d_head": 8,
-    "mamba_d_state": 8,
-    "mamba_n_groups": 1,
-    "mamba_chunk_size": 16,
-}
-
-
-def test_generation_of_a_family_whose_cache_layers_mix_a_state_and_keys_is_refused(
-    tiny: SimpleNamespace, tmp_path: Path
-) -> None:
-    """Falcon-H1 declares a recurrent state and keeps it with its attention keys in one
-    cache layer, which its forward cannot run on a static cache: refused at setup, in one
-    line naming the layer class and the way out."""
-    config = AutoConfig.for_model("falcon_h1", **FALCON_H1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
-    module = _module(tmp_path / "ckpt")
-    strategy = BalanceBeamStrategy(placement=Placement.uniform(2, weights=Tier.HOST))
-    trainer, _ = tiny.make_trainer(strategy, 1)
-    match = r"model_type='falcon_h1'.*recurrent state.*LinearAttentionAndStaticFullAttentionLayer"
-    with pytest.raises(ValueError, match=match) as err:
-        trainer.predict(module, DataLoader([_prompts()], batch_size=None))
-    assert "\n" not in str(err.value) and "model.generate" in str(err.value)
-    assert strategy.store is None  # refused before anything was paged
-    strategy.close()
-
-
 NO_STATIC_CACHE: dict[str, tuple[dict[str, Any], str]] = {
     "openai-gpt": (
         {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64},

@@ -235,13 +235,16 @@ def test_refused_configs_and_models() -> None:
     check_generation(_meta_model(LLAMA))  # type: ignore[arg-type]
     mamba = {"model_type": "mamba", "hidden_size": 32, "state_size": 8, "num_hidden_layers": 1}
     check_generation(_meta_model({**mamba, "vocab_size": VOCAB}))  # type: ignore[arg-type]
-    falcon_h1 = {  # a mamba state and attention keys in one cache layer
-        **{k: v for k, v in LLAMA.items() if k != "model_type"}, "model_type": "falcon_h1",
-        "head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
-        "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+    compressed = {  # layer kinds transformers' StaticCache has no layer for
+        **{k: v for k, v in LLAMA.items() if k != "model_type"}, "model_type": "deepseek_v4",
+        "head_dim": 8, "q_lora_rank": 16, "o_lora_rank": 16, "o_groups": 2,
+        "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "qk_rope_head_dim": 4, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8,
+        "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+        "mlp_layer_types": ["moe", "moe"],
     }  # fmt: skip
-    with pytest.raises(ValueError, match=r"recurrent state.*LinearAttentionAndStatic"):
-        check_generation(_meta_model(falcon_h1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"builds no StaticCache from its config \(KeyError"):
+        check_generation(_meta_model(compressed))  # type: ignore[arg-type]
 
 
 def test_a_meta_forward_of_gpt2_needs_its_pad_token_hidden() -> None:
