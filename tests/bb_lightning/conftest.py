@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -133,3 +133,13 @@ def tiny() -> SimpleNamespace:
         make_trainer=make_trainer,
         make_module=make_module,
     )
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test: tiny matrices gain nothing from threads, and on a
+    busy machine they only wait for them (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

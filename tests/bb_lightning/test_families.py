@@ -14,7 +14,6 @@ experts in training mode (both runs seeded alike) are among them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,13 +36,7 @@ STEPS, ACCUM, NEW = 2, 2, 5
 N = Tier.NVME
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _module(path: Path) -> CausalLMModule:

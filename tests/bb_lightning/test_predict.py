@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +40,7 @@ CONFIG: dict[str, Any] = {
 PROMPTS = ["The quick brown", "fox", "y" * 50, "jumps over the", "lazy dog", "a"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cpu(**changes: Any) -> HardwareProfile:

@@ -13,7 +13,6 @@ on the host run with ordinary autograd (a CPU uses their memory in place).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,13 +31,7 @@ from storage.tiers import Tier
 STEPS, ACCUM = 2, 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

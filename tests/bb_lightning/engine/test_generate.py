@@ -63,13 +63,7 @@ STATE_CONFIGS: dict[str, dict[str, Any]] = {  # layers with a per-row state in t
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads; on a busy machine they only wait for them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch: str) -> torch.nn.Module:

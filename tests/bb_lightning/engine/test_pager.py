@@ -152,6 +152,19 @@ def test_add_converted_equals_the_exact_sum_rounded(src_dtype: torch.dtype) -> N
     assert torch.equal(rows, torch.ones(8, 6))
 
 
+def _nvme_store(tmp_path) -> tuple[TieredStore, Placement]:
+    """A CPU store with an NVMe tier, and a placement paging 3 blocks' weights from it
+    (every block recomputed in backward)."""
+    store = TieredStore(
+        StoreConfig(
+            device_budget=8 << 20, host_budget=16 << 20, device="cpu",
+            nvme_path=str(tmp_path / "nvme"), nvme_budget=64 << 20,
+        )
+    )  # fmt: skip
+    placement = Placement(weights=(Tier.NVME,) * 3, master=(Tier.HOST,) * 3, prefetch_depth=1)
+    return store, placement
+
+
 def _scaled_rotary(model: torch.nn.Module) -> None:
     """Every decoder layer gets its rotary cosines times a trainable scalar of the model
     (outside the blocks), passed in the ``position_embeddings`` tuple."""
@@ -173,13 +186,7 @@ def test_a_recomputed_block_passes_gradient_to_its_other_tensor_arguments(tmp_pa
     model = copy.deepcopy(reference)
     _scaled_rotary(reference)
     _scaled_rotary(model)
-    store = TieredStore(
-        StoreConfig(
-            device_budget=8 << 20, host_budget=16 << 20, device="cpu",
-            nvme_path=str(tmp_path / "nvme"), nvme_budget=64 << 20,
-        )
-    )  # fmt: skip
-    placement = Placement(weights=(Tier.NVME,) * 3, master=(Tier.HOST,) * 3, prefetch_depth=1)
+    store, placement = _nvme_store(tmp_path)
     engine = cpu_engine(model, store, placement)
     try:
         assert not engine.paged.autograd_blocks  # every block recomputed in backward
@@ -229,13 +236,7 @@ def test_a_tensor_a_block_hands_through_stays_outside_the_graph(tmp_path) -> Non
     torch.manual_seed(0)
     reference = _BiasStack()
     model = copy.deepcopy(reference)
-    store = TieredStore(
-        StoreConfig(
-            device_budget=8 << 20, host_budget=16 << 20, device="cpu",
-            nvme_path=str(tmp_path / "nvme"), nvme_budget=64 << 20,
-        )
-    )  # fmt: skip
-    placement = Placement(weights=(Tier.NVME,) * 3, master=(Tier.HOST,) * 3, prefetch_depth=1)
+    store, placement = _nvme_store(tmp_path)
     engine = TrainingEngine(
         model,
         model.layers,
