@@ -133,6 +133,7 @@ class LayerMajorGenerator:
         (:func:`~bb_lightning.engine.hf_quirks.static_cache_limit`), or None."""
         self._kv: KVCache | None = None
         self._cache_kw, self._logits_kw = forward_options(model)
+        self._quiet = unread_outputs_off(model)
         self.steps = 0
         """Forward passes (prefill and decode steps) run so far."""
         self.seconds = {"prefill": 0.0, "decode": 0.0}
@@ -168,7 +169,7 @@ class LayerMajorGenerator:
             "cache_position": cache_pos,
             "use_cache": True,
             self._cache_kw: kv.cache,
-            **unread_outputs_off(self.model),
+            **self._quiet,
         }
         if self._logits_kw:
             kwargs["logits_to_keep"] = 1
