@@ -20,25 +20,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from bb_lightning.planner import ModelProfile
+from bb_lightning.planner.cost import model_flops_per_token
+from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.probe import model_profile_from_config
 
-__all__ = ["ThroughputCallback", "model_flops_per_token", "phase_summary"]
-
-
-def model_flops_per_token(profile: ModelProfile, seq_len: int, *, training: bool) -> float:
-    """Model FLOPs per token (FLOPs): forward of every block and the head, x3 when training.
-
-    The forward is ``num_blocks * block_flops_per_token(seq_len / 2) +
-    head_flops_per_token()`` (a causal token attends on average over half the
-    sequence); training adds a backward of twice the forward (Kaplan et al.
-    2020, Table 1). Recomputation is not counted, as in the usual definition
-    of model FLOPs utilisation (Chowdhery et al. 2022, PaLM, Appendix B).
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens)")
-    forward = profile.num_blocks * profile.block_flops_per_token(seq_len // 2)
-    forward += profile.head_flops_per_token()
-    return forward * (3.0 if training else 1.0)
+__all__ = ["ThroughputCallback", "phase_summary"]
 
 
 def _hf_model(module: pl.LightningModule) -> torch.nn.Module | None:
@@ -68,23 +54,21 @@ def _link_bytes(trainer: pl.Trainer) -> dict[str, int]:
 
 
 def _peak_flops(trainer: pl.Trainer) -> float | None:
-    """The device's peak FLOP/s at the compute dtype, where Lightning knows it (CUDA, TPU)."""
+    """The device's datasheet dense bf16 FLOP/s, as the plan's MFU takes it
+    (:func:`~bb_lightning.planner.presets.datasheet_flops`); None off CUDA or for a GPU
+    without a listed figure."""
     device = trainer.strategy.root_device
     if device.type != "cuda":
         return None
-    from lightning.fabric.utilities.throughput import get_available_flops
-
-    resolve = getattr(trainer.strategy, "resolved_dtype", None)
-    dtype = resolve() if callable(resolve) else torch.float32
-    return get_available_flops(device, dtype)
+    return datasheet_flops(torch.cuda.get_device_name(device)) or None
 
 
 class ThroughputCallback(Callback):
     """tokens/s, FLOP/s or MFU and bytes/s per copy link, per training batch.
 
     Logged names: ``tokens/s`` (tokens per second), ``GFLOP/s`` (1e9 model FLOPs
-    per second, :func:`model_flops_per_token`), ``MFU`` (FLOP/s over the device's
-    peak, where known) and ``<link> MB/s`` (1e6 bytes per second on each store
+    per second, :func:`~bb_lightning.planner.cost.model_flops_per_token`, as the plan
+    counts them), ``MFU`` (FLOP/s over the device's datasheet peak, where known) and ``<link> MB/s`` (1e6 bytes per second on each store
     link that moved bytes during the batch, e.g. ``nvme->host MB/s``). Rates are
     measured from the end of one training batch to the end of the next, so they
     include the optimizer step and data loading.
@@ -93,7 +77,8 @@ class ThroughputCallback(Callback):
     def __init__(self, *, prog_bar: bool = True, peak_flops: float | None = None) -> None:
         """Args:
         prog_bar: show the metrics in the progress bar (they are logged either way).
-        peak_flops: the device's peak FLOP/s for MFU; None asks Lightning (CUDA only).
+        peak_flops: the device's peak FLOP/s for MFU; None takes the datasheet figure of
+            a listed GPU (none on a CPU).
         """
         if peak_flops is not None and not peak_flops > 0:
             raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s or None")
@@ -139,7 +124,7 @@ class ThroughputCallback(Callback):
             return
         metrics = {"tokens/s": tokens / seconds}
         if self._profile is not None:
-            flops = tokens * model_flops_per_token(self._profile, seq_len, training=True)
+            flops = tokens * model_flops_per_token(self._profile, "fit", seq_len)
             metrics["GFLOP/s"] = flops / seconds / 1e9
             if self.peak_flops:
                 metrics["MFU"] = flops / seconds / self.peak_flops

@@ -21,8 +21,6 @@ TRAIN_DEVICE_CAP = 24 * GIB
 """Device bytes a fine-tuning run may use."""
 PREDICT_DEVICE_CAP = 16 * GIB
 """Device bytes a generation run may use."""
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-"""Dense bf16 tensor-core FLOP/s by GPU name (vendor data sheets), for MFU."""
 
 
 _START = time.perf_counter()
@@ -103,7 +101,7 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     seconds = (timed[-1] - timer.ends[0]) / len(timed)
     tokens = spec["micro"] * spec["seq"] * spec["accum"]
     tps = tokens / seconds
-    flops = cost.model_flops_per_token(model_profile_from_config(config), "fit")
+    flops = cost.model_flops_per_token(model_profile_from_config(config), "fit", spec["seq"])
     peak = _peak_flops(ctx)
     out = {"tokens_per_s": tps, "step_s": seconds, "tokens_per_step": tokens,
            "mfu": tps * flops / peak if peak else None, "peak_flops": peak,
@@ -188,8 +186,9 @@ def _step_clock(accum: int, ctx: Ctx) -> Any:
 def _peak_flops(ctx: Ctx) -> float | None:
     if not ctx.cuda:
         return None
-    name = torch.cuda.get_device_properties(ctx.device).name
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    from bb_lightning.planner.presets import datasheet_flops
+
+    return datasheet_flops(torch.cuda.get_device_properties(ctx.device).name) or None
 
 
 def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:

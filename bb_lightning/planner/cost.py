@@ -26,6 +26,7 @@ __all__ = [
     "budgets",
     "compute_seconds",
     "device_budget",
+    "flops_utilisation",
     "forward_flops_per_token",
     "grad_bytes_in_flight",
     "hide_tokens_per_pass",
@@ -34,7 +35,6 @@ __all__ = [
     "kv_cache_bytes",
     "link_seconds",
     "logits_bytes",
-    "matmul_params",
     "model_flops_per_token",
     "nvme_budget",
     "optimizer_exposed_seconds",
@@ -168,16 +168,26 @@ def backward_fraction(checkpointing: bool, recomputed_share: float | Arr = 1.0) 
     return (2.0 + f) / (3.0 + f)
 
 
-def matmul_params(model: ModelProfile) -> int:
-    """``N`` for MFU: matrix-product parameters of the blocks a token uses (active experts
-    only) and the head (tied or not)."""
-    blocks = model.num_blocks * model.block_active_matmul_params
-    return int(blocks) + model.hidden_size * model.vocab_size
+def model_flops_per_token(model: ModelProfile, task: str, seq_len: int) -> float:
+    """Model FLOPs per token, the numerator of MFU: ``6 N + 12 L H Q T`` training,
+    ``2 N + 4 L H Q T`` generation (Chowdhery et al. 2022, PaLM, Appendix B), with ``N``
+    the matrix-product parameters a token uses (the top-k experts of an MoE block, and
+    the head), ``L H Q`` blocks x query heads x head size and ``T`` the sequence length in
+    tokens (a training sequence; prompt plus new tokens when generating). Recomputation
+    is not counted. One forward is :func:`forward_flops_per_token`.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens)")
+    return (3.0 if task == "fit" else 1.0) * forward_flops_per_token(model, seq_len)
 
 
-def model_flops_per_token(model: ModelProfile, task: str) -> float:
-    """Model FLOPs per token for MFU: ``6 N`` training, ``2 N`` generation (PaLM, App. B)."""
-    return (6.0 if task == "fit" else 2.0) * matmul_params(model)
+def flops_utilisation(model_flops: float, hw: HardwareProfile) -> tuple[float, float]:
+    """``(MFU, share of the priced rate)`` of ``model_flops`` model FLOP/s on one device:
+    over the datasheet peak (``hw.peak_flops``; 0.0 where none is known) and over the
+    rate plans are priced at (``hw.device_flops``: measured, or the preset's derated
+    datasheet figure)."""
+    mfu = model_flops / hw.peak_flops if hw.peak_flops > 0 else 0.0
+    return mfu, model_flops / max(hw.device_flops, MIN_BANDWIDTH)
 
 
 # ---------------------------------------------------------------- seconds

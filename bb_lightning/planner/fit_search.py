@@ -711,6 +711,7 @@ def build_plan(
             )
         )
     copied = paged - (w_h if hw.device_type == "cpu" else 0)
+    flops = cost.model_flops_per_token(model, "fit", job.seq_len) * tok_s
     return Plan(
         task="fit",
         job=job,
@@ -738,7 +739,8 @@ def build_plan(
         memory=tier_memory(hw, budgets, v),
         predicted=pred,
         tokens_per_s=tok_s,
-        mfu=cost.model_flops_per_token(model, "fit") * tok_s / hw.device_flops,
+        mfu=cost.flops_utilisation(flops, hw)[0],
+        model_flops=flops,
         limited_by=limited,
         roofline=roof,
         reasons=tuple(reasons),

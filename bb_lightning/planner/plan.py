@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bb_lightning.placement import Placement
+from bb_lightning.planner.cost import flops_utilisation
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import PRICED_LINKS, Link, Tier, format_bytes, format_count
@@ -234,13 +235,17 @@ class Plan:
     """Predicted throughput of the job: trained tokens/s (fit) or generated tokens/s
     (predict); with data parallelism ``world_size`` times one rank's."""
     mfu: float
-    """Model FLOPs utilisation: 6N (fit) / 2N (predict) FLOPs per processed token over device_flops."""
+    """Model FLOPs utilisation of one device: its model FLOP/s
+    (:func:`~bb_lightning.planner.cost.model_flops_per_token` per processed token) over the
+    datasheet peak, ``hardware.peak_flops`` (0.0 where no datasheet figure is known)."""
     limited_by: str
     """Why tokens per pass stopped rising: ``hidden``, ``memory`` or ``batch``."""
     roofline: Roofline
     """Per-pass data for the roofline plot."""
     reasons: tuple[str, ...] = ()
     """Why each choice was made, for people."""
+    model_flops: float = 0.0
+    """Model FLOP/s of one device (the numerator of :attr:`mfu`)."""
 
     # ------------------------------------------------------------ the placement's choices
     @property
@@ -311,6 +316,7 @@ class Plan:
                     "tokens_per_pass",
                     "tokens_per_s",
                     "mfu",
+                    "model_flops",
                     "limited_by",
                 )
             },
@@ -435,19 +441,23 @@ class Plan:
         per_rank = (
             f" ({ranks} ranks x {self.tokens_per_s / ranks:.4g} per rank)" if ranks > 1 else ""
         )
-        # MFU is against the bf16 matrix-product rate: on a CPU without bf16 matrix
-        # instructions an fp32 job runs far above it (an MFU of 249 %), so a CPU gets the
-        # model's FLOP/s, as the progress bar shows it
-        rate = (
-            f"{self.mfu * self.hardware.device_flops / 1e9:.4g} model GFLOP/s"
-            if self.hardware.device_type == "cpu"
-            else f"MFU {self.mfu:.1%}"
+        lines.append(
+            f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s{per_rank}, {self._rate()}"
         )
-        lines.append(f"throughput: {self.tokens_per_s:.4g} {unit} tokens/s{per_rank}, {rate}")
         if self.reasons:
             lines.append("why:")
             lines.extend(f"  - {r}" for r in self.reasons)
         return "\n".join(lines)
+
+    def _rate(self) -> str:
+        """The model FLOP/s in words: MFU against the datasheet peak where one is known,
+        and the share of the matrix-product rate the plan is priced at beside it."""
+        hw = self.hardware
+        mfu, share = flops_utilisation(self.model_flops, hw)
+        priced = f"{share:.1%} of the {_flops(hw.device_flops)} priced matrix-product rate"
+        if hw.peak_flops > 0:
+            return f"MFU {mfu:.1%} of the {_flops(hw.peak_flops)} datasheet peak ({priced})"
+        return f"{_flops(self.model_flops)} model FLOP/s ({priced})"
 
     def _data_parallel_lines(self) -> list[str]:
         """explain()'s lines on the ranks: the layout, memory per node, the network."""
@@ -488,3 +498,11 @@ def _predicted_dict(predicted: PredictedTime) -> dict[str, Any]:
 def placement_tiers(count: int, device: int, host: int) -> tuple[Tier, ...]:
     """``device`` blocks on DEVICE, then ``host`` on HOST, the rest of ``count`` on NVME."""
     return (Tier.DEVICE,) * device + (Tier.HOST,) * host + (Tier.NVME,) * (count - device - host)
+
+
+def _flops(rate: float) -> str:
+    """FLOP/s in words: ``312 TFLOP/s``, ``27.5 GFLOP/s``."""
+    for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+        if rate >= scale:
+            return f"{rate / scale:.3g} {unit}"
+    return f"{rate / 1e6:.3g} MFLOP/s"

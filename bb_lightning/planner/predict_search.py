@@ -343,6 +343,7 @@ def build_plan(
             f"({format_bytes(v['device'])} device + {format_bytes(v['host'])} host used)"
         )
     memory = tier_memory(hw, budgets, v)
+    flops = cost.model_flops_per_token(model, "predict", job.total_len) * processed
     return Plan(
         task="predict",
         job=job,
@@ -364,7 +365,8 @@ def build_plan(
         memory=memory,
         predicted=pred,
         tokens_per_s=tok_s,
-        mfu=cost.model_flops_per_token(model, "predict") * processed / hw.device_flops,
+        mfu=cost.flops_utilisation(flops, hw)[0],
+        model_flops=flops,
         limited_by=limited,
         roofline=roof,
         reasons=tuple(reasons),

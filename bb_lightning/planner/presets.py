@@ -30,6 +30,7 @@ Shared assumptions:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 GIB = 1024**3
@@ -155,6 +156,7 @@ def preset_fields(key: str) -> dict[str, Any]:
         "device_type": "cuda",
         "device_memory": int(row["memory"] * _MEM_USABLE),
         "device_flops": float(row["flops"] * row.get("flops_eff", _FLOPS_EFF)),
+        "peak_flops": float(row["flops"]),
         "h2d_bandwidth": float(row["pcie"] * _PCIE_EFF),
         "d2h_bandwidth": float(row["pcie"] * _PCIE_EFF),
         "host_memory": int(row["host"] * _HOST_USABLE),
@@ -165,3 +167,27 @@ def preset_fields(key: str) -> dict[str, Any]:
         "cores": int(row["cores"]),
         "device_memory_bandwidth": float(row["bandwidth"] * _HBM_EFF),
     }
+
+
+DATASHEET_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165.2e12),
+    ("T4", 65e12),  # fp16: Turing has no bf16
+)
+"""Dense (no 2:4 sparsity) bf16 tensor-core FLOP/s of the vendor data sheets, by the
+product name in the CUDA device name (``torch.cuda.get_device_name``)."""
+
+
+def datasheet_flops(device_name: str) -> float:
+    """The datasheet dense bf16 FLOP/s of the GPU called ``device_name`` (e.g. ``"NVIDIA
+    H100 80GB HBM3"``), 0.0 when it is not in :data:`DATASHEET_FLOPS`. A product name
+    matches as a whole word (``A10`` is not ``A100``, ``L4`` not ``L40S``)."""
+    for product, flops in DATASHEET_FLOPS:
+        if re.search(rf"(?<![0-9A-Za-z]){re.escape(product)}(?![0-9A-Za-z])", device_name):
+            return flops
+    return 0.0

@@ -69,7 +69,8 @@ class HardwareProfile:
     device_memory: int
     """Bytes usable for the device tier."""
     device_flops: float
-    """Realistic dense bf16 matrix-product throughput, FLOP/s."""
+    """Realistic dense bf16 matrix-product throughput, FLOP/s: the rate plans are priced at
+    (measured, or a preset's datasheet figure times its efficiency)."""
     h2d_bandwidth: float
     """Pinned host -> device copy bandwidth, bytes/s."""
     d2h_bandwidth: float
@@ -124,6 +125,9 @@ class HardwareProfile:
     one rank; 0.0: not given, needed when the ranks span several nodes)."""
     collective_latency: float = 0.0
     """Seconds each of a ring collective's ``world_size - 1`` steps waits besides its bytes."""
+    peak_flops: float = 0.0
+    """The device's datasheet dense bf16 matrix-product FLOP/s, the denominator of model
+    FLOPs utilisation (0.0: no datasheet figure is known, e.g. a CPU)."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -148,6 +152,7 @@ class HardwareProfile:
                 "intra_node_bandwidth",
                 "inter_node_bandwidth",
                 "collective_latency",
+                "peak_flops",
             ),
         )
         self._check_layout()

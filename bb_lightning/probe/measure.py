@@ -69,6 +69,7 @@ from typing import Any
 import psutil
 import torch
 
+from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.planner.profile import LAYOUT_FIELDS, HardwareProfile
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
@@ -605,6 +606,7 @@ def _measure_now(
         host_adam_params_per_s=adam,
         cores=_cores(),
         device_memory_bandwidth=memory_bw,
+        peak_flops=datasheet_flops(torch.cuda.get_device_name(device)) if cuda else 0.0,
     )
 
 

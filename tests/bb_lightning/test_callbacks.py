@@ -13,10 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.callbacks import ThroughputCallback, model_flops_per_token, phase_summary
+from bb_lightning.callbacks import ThroughputCallback, phase_summary
 from bb_lightning.data import TextDataModule
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import PlanOverrides
+from bb_lightning.planner.cost import model_flops_per_token
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
 
@@ -37,7 +38,8 @@ def test_model_flops_match_torch_flop_counter(training: bool) -> None:
         loss = model(input_ids=ids, labels=ids).loss
         if training:
             loss.backward()
-    expected = model_flops_per_token(model_profile_from_config(config), seq, training=training)
+    task = "fit" if training else "predict"
+    expected = model_flops_per_token(model_profile_from_config(config), task, seq)
     assert counter.get_total_flops() / seq == pytest.approx(expected, rel=0.02)
 
 
@@ -68,7 +70,7 @@ def test_callback_logs_throughput_and_link_rates(tmp_path: Path) -> None:
     logged = [r for r in rows if r.get("tokens/s")]
     assert len(logged) == 3
     profile = model_profile_from_config(CausalLMModule(TINY).model_config())
-    per_token = model_flops_per_token(profile, 32, training=True)
+    per_token = model_flops_per_token(profile, "fit", 32)
     for r in logged:  # FLOP/s and tokens/s come from the same tokens and seconds
         assert float(r["GFLOP/s"]) * 1e9 / float(r["tokens/s"]) == pytest.approx(per_token)
     # Weights live on NVMe: every step pages them in through an NVMe link.

@@ -187,6 +187,28 @@ def test_explain_gives_a_cpu_the_model_flop_rate_not_mfu() -> None:
     )  # fmt: skip
     plan = make_plan(model, cpu, FitJob(seq_len=64, global_batch_seqs=4))
     line = next(ln for ln in plan.explain().splitlines() if ln.startswith("throughput:"))
-    gflops = plan.tokens_per_s * model_flops_per_token(model, "fit") / 1e9
-    assert line.endswith(f", {gflops:.4g} model GFLOP/s"), line
+    flops = plan.tokens_per_s * model_flops_per_token(model, "fit", 64)
+    assert plan.mfu == 0.0 and plan.model_flops == pytest.approx(flops)
+    assert f", {flops / 1e9:.3g} GFLOP/s model FLOP/s (" in line, line
+    assert f"{flops / 5e10:.1%} of the 50 GFLOP/s priced matrix-product rate" in line, line
     assert "MFU" not in plan.explain()
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_mfu_is_against_the_datasheet_peak_of_one_device(
+    llama30b: ModelProfile, devices: int
+) -> None:
+    # PaLM's MFU: model FLOP/s (6N + 12 L H Q T per token) of one device over its datasheet
+    # peak, 312 TFLOP/s for an A100, not the 0.6 x derated rate plans are priced at
+    hw = preset("a100-80gb")
+    if devices > 1:
+        hw = hw.replace(world_size=devices, ranks_per_node=devices, intra_node_bandwidth=1e11)
+    plan = make_plan(llama30b, hw, JOB_30B)
+    m = llama30b
+    n = m.num_blocks * m.block_active_matmul_params + m.hidden_size * m.vocab_size
+    per_token = 6 * n + 12 * m.num_blocks * m.num_heads * m.head_dim * JOB_30B.seq_len
+    flops = plan.tokens_per_s / devices * per_token
+    assert plan.mfu == pytest.approx(flops / 312e12)
+    line = next(ln for ln in plan.explain().splitlines() if ln.startswith("throughput:"))
+    assert f"MFU {flops / 312e12:.1%} of the 312 TFLOP/s datasheet peak" in line, line
+    assert f"({flops / (312e12 * 0.6):.1%} of the 187 TFLOP/s priced" in line, line

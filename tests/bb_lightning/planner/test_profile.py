@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile, preset, preset_names
 
 GB = 1e9
@@ -43,6 +44,26 @@ def test_presets_are_below_their_datasheets(name: str) -> None:
     assert p.nvme_capacity > 10 * p.host_memory > 10 * p.device_memory / 2
     assert 1e9 < p.host_adam_params_per_s < 1e10
     assert p.cores > 0
+    assert p.peak_flops == datasheet[1]
+
+
+@pytest.mark.parametrize(
+    ("device_name", "flops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 0.0),
+        ("NVIDIA GeForce RTX 4090", 165.2e12),
+        ("Tesla T4", 65e12),
+        ("NVIDIA B200", 0.0),
+    ],
+)
+def test_a_gpu_name_gives_its_datasheet_peak(device_name: str, flops: float) -> None:
+    # CUDA device names as torch.cuda.get_device_name prints them; unlisted GPUs get 0.0
+    assert datasheet_flops(device_name) == flops
 
 
 def test_intensity_ridge_matches_the_design_ballpark() -> None:
