@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Collection, Iterator
@@ -94,9 +95,77 @@ def _json_row(path: Path, lineno: int, line: str) -> dict[str, Any]:
         raise ValueError(
             f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line"
         ) from e
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, deep nesting
+        why = str(e).partition("\n")[0] or type(e).__name__
+        raise ValueError(
+            f"{path}:{lineno}: JSON this program cannot read ({why}); fix or remove the line"
+        ) from None
     if not isinstance(row, dict):
         raise ValueError(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
     return row
+
+
+def _prompt_rows(path: Path) -> dict[int, tuple[str | None, str]]:
+    """``{line number: (given id or None, prompt)}`` of a prompts file, in file order."""
+    rows: dict[int, tuple[str | None, str]] = {}
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line); "
+                    "save the file as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            row = _json_row(path, lineno, line)
+            prompt = row.get("prompt")
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    f"{path}:{lineno}: row has no string field 'prompt'; "
+                    'each row must look like {"id": "...", "prompt": "..."}'
+                )
+            rid = row.get("id")
+            if rid is not None and (isinstance(rid, bool) or not isinstance(rid, str | int)):
+                raise ValueError(
+                    f"{path}:{lineno}: id {json.dumps(rid)[:60]} is a JSON "
+                    f"{_json_type(rid)}; an id must be a string or an integer (or left out)"
+                )
+            rows[lineno] = (None if rid is None else str(rid), prompt)
+    return rows
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "boolean", float: "number", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _row_ids(path: Path, rows: dict[int, tuple[str | None, str]]) -> list[str]:
+    """The id of each row: its own, else one made from its line number that no row gives.
+
+    A row without an id gets ``"<line>"`` (its 1-based line number), or ``"line-<line>"``
+    where another row gives that id (``"line-<line>-2"``, ``-3``, ... where that is
+    given too). Raises ValueError naming both lines of an id given twice.
+    """
+    given: dict[str, int] = {}
+    for lineno, (rid, _) in rows.items():
+        if rid is None:
+            continue
+        first = given.setdefault(rid, lineno)
+        if first != lineno:
+            raise ValueError(
+                f"{path}:{lineno}: id {rid!r} is also the id of line {first}; ids must be "
+                "unique (the predictions are keyed by id): give one of the rows another id"
+            )
+    ids: list[str] = []
+    for lineno, (rid, _) in rows.items():
+        if rid is None:
+            made = (f"line-{lineno}-{k}" for k in itertools.count(2))
+            rid = next(c for c in itertools.chain([str(lineno), f"line-{lineno}"], made)
+                       if c not in given)  # fmt: skip
+        ids.append(rid)
+    return ids
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
@@ -302,7 +371,11 @@ class TextDataModule(pl.LightningDataModule):
 class PromptsDataModule(pl.LightningDataModule):
     """Prompts for bulk generation from a ``.jsonl`` of ``{"id": ..., "prompt": ...}`` rows.
 
-    ``id`` is optional (the 1-based line number when absent). Batches are
+    Each row is one prompt and keeps it: the predictions are keyed by id, so ids are
+    unique. ``id`` is a string or an integer (read as its decimal string); an id given
+    on two lines is refused before anything runs, naming both lines. A row without an
+    id (or with ``null``) gets its 1-based line number, ``"7"``, or ``"line-7"`` where
+    another row gives ``"7"`` (``"line-7-2"``, ... where that is given too). Batches are
     ``{"id": list[str], "input_ids": LongTensor[b, s], "attention_mask":
     LongTensor[b, s], "error": list[str | None]}``, left-padded. A prompt
     longer than ``max_prompt_len`` tokens, or one that encodes to no token,
@@ -354,34 +427,29 @@ class PromptsDataModule(pl.LightningDataModule):
         self.world_size = 1
 
     def setup(self, stage: str | None = None) -> None:
-        """Read and tokenise the prompts once."""
+        """Read and tokenise the prompts once.
+
+        Raises ValueError naming ``file:line`` for a row that is not a JSON object with a
+        string ``"prompt"``, an ``"id"`` that is not a string or an integer, or an id
+        given on two lines (both named).
+        """
         if self.records is not None:
             return
         if not self.path.is_file():
             raise ValueError(f"prompts file {self.path} does not exist")
         special = not isinstance(self.tokenizer, ByteTokenizer)
-        records: list[dict[str, Any]] = []
-        with self.path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                row = _json_row(self.path, lineno, line)
-                prompt = row.get("prompt")
-                if not isinstance(prompt, str):
-                    raise ValueError(
-                        f"{self.path}:{lineno}: row has no string field 'prompt'; "
-                        'each row must look like {"id": "...", "prompt": "..."}'
-                    )
-                ids = encode_text(self.tokenizer, prompt, add_special_tokens=special)
-                error = None
-                if not ids:
-                    error = "prompt encodes to 0 tokens"
-                elif len(ids) > self.max_prompt_len:
-                    error = f"prompt has {len(ids)} tokens > max_prompt_len={self.max_prompt_len}"
-                rid = row.get("id", lineno)
-                records.append({"id": str(rid), "input_ids": ids, "error": error})
-        if not records:
+        rows = _prompt_rows(self.path)
+        if not rows:
             raise ValueError(f"prompts file {self.path} holds no prompt: add jsonl rows")
+        records: list[dict[str, Any]] = []
+        for rid, (_, prompt) in zip(_row_ids(self.path, rows), rows.values(), strict=True):
+            ids = encode_text(self.tokenizer, prompt, add_special_tokens=special)
+            error = None
+            if not ids:
+                error = "prompt encodes to 0 tokens"
+            elif len(ids) > self.max_prompt_len:
+                error = f"prompt has {len(ids)} tokens > max_prompt_len={self.max_prompt_len}"
+            records.append({"id": rid, "input_ids": ids, "error": error})
         self.records = records
 
     def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:

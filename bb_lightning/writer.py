@@ -84,6 +84,11 @@ def _rows(path: Path, data: bytes) -> list[dict[str, Any]]:
                 f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line, or write "
                 "predictions to a new file"
             ) from e
+        except (ValueError, RecursionError) as e:  # not UTF-8, a huge integer, deep nesting
+            why = str(e).partition("\n")[0] or type(e).__name__
+            raise ValueError(
+                f"{path}:{lineno}: not a predictions line ({why}); write predictions to a new file"
+            ) from None
         if not isinstance(row, dict) or "id" not in row:
             raise ValueError(
                 f"{path}:{lineno}: a predictions line must be a JSON object with an 'id'; "

@@ -46,6 +46,12 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "not-json.jsonl").write_text('{"id": "a", "prompt": "def "}\nnot json\n')
     (root / "no-prompt.jsonl").write_text('{"id": "a", "text": "def "}\n')
     (root / "long.jsonl").write_text(json.dumps({"id": "a", "prompt": "x" * 100}) + "\n")
+    dup = [
+        {"id": "a", "prompt": "def "},
+        {"id": "a", "prompt": "class "},
+        {"id": "b", "prompt": "x"},
+    ]
+    (root / "dup-ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dup))
     for name, text in {
         "typo-init.yaml": "model:\n  init_args:\n    learning_rat: 0.1\n",
         "typo-trainer.yaml": "trainer:\n  max_step: 3\n",
@@ -169,6 +175,10 @@ CASES: dict[str, tuple[Argv, list[str]]] = {
         lambda r, o: ["predict", *_predict(r, r / "model", "no-prompt.jsonl", o)],
         ["no-prompt.jsonl:1", "no string field 'prompt'"],
     ),
+    "prompts with an id given twice": (
+        lambda r, o: ["predict", *_predict(r, r / "model", "dup-ids.jsonl", o)],
+        ["dup-ids.jsonl:2", "id 'a' is also the id of line 1", "give one of the rows another id"],
+    ),
     "prompt longer than the context": (
         lambda r, o: ["predict", *_predict(r, r / "model", "long.jsonl", o)],
         ["exceeds", "context of 64 tokens", "shorten the prompt"],
@@ -206,3 +216,17 @@ def test_bad_input_gives_one_line_and_exit_2(
         assert word in lines[0], (word, lines[0])
     assert (_files(inputs), _files(out)) == before, "the failed command wrote files"
     assert os.listdir(out) == [], os.listdir(out)
+
+
+def test_rows_without_ids_beside_line_number_ids_give_one_record_each(
+    inputs: Path, out: Path
+) -> None:
+    rows = [{"prompt": "def "}, {"id": "1", "prompt": "class "}, {"id": 4, "prompt": "x"},
+            {"prompt": "import "}]  # fmt: skip
+    prompts = out / "mixed.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = _predict(inputs, inputs / "model", str(prompts), out)
+    assert main(["predict", *argv, "--model.init_args.max_new_tokens=2"]) == 0
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["line-1", "1", "4", "line-4"]
+    assert all(len(r["token_ids"]) == 2 for r in records), records

@@ -182,6 +182,55 @@ def test_prompts_errors(tmp_path: Path) -> None:
         PromptsDataModule(str(path)).setup()
 
 
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        # the same id on two lines, also as an integer and a string
+        ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}],
+         r"prompts\.jsonl:3: id 'a' is also the id of line 1; ids must be unique"),
+        ([{"id": 7, "prompt": "x"}, {"id": "7", "prompt": "y"}],
+         r"prompts\.jsonl:2: id '7' is also the id of line 1"),
+        # ids that are not a string or an integer
+        ([{"id": 1.5, "prompt": "x"}], r"prompts\.jsonl:1: id 1\.5 is a JSON number; an id must"),
+        ([{"id": True, "prompt": "x"}], r"prompts\.jsonl:1: id true is a JSON boolean"),
+        ([{"prompt": "x"}, {"id": [1], "prompt": "x"}], r"prompts\.jsonl:2: id \[1\] is a JSON array"),
+    ],
+)  # fmt: skip
+def test_prompt_ids_refused(tmp_path: Path, rows: list[dict[str, object]], match: str) -> None:
+    path = _prompts(tmp_path, [json.dumps(r) for r in rows])
+    with pytest.raises(ValueError, match=match):
+        PromptsDataModule(str(path)).setup()
+
+
+def test_prompt_ids_made_for_rows_without_one_are_unique(tmp_path: Path) -> None:
+    rows = [
+        json.dumps({"prompt": "p1"}),  # "1" and "line-1" are given below
+        json.dumps({"id": 1, "prompt": "p2"}),
+        "",  # a blank line counts as a line
+        json.dumps({"id": None, "prompt": "p4"}),  # null: no id
+        json.dumps({"id": "line-1", "prompt": "p5"}),
+        json.dumps({"id": "", "prompt": "p6"}),  # an empty string is an id
+    ]
+    dm = PromptsDataModule(str(_prompts(tmp_path, rows)), batch_size=8)
+    dm.setup()
+    assert dm.records is not None
+    assert [r["id"] for r in dm.records] == ["line-1-2", "1", "4", "line-1", ""]
+    assert [bytes(r["input_ids"]).decode() for r in dm.records] == ["p1", "p2", "p4", "p5", "p6"]
+
+
+def test_prompts_file_not_utf8_or_unreadable_json(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:2: not UTF-8 text"):
+        PromptsDataModule(str(path)).setup()
+    path.write_text('{"id": ' + "9" * 5000 + ', "prompt": "x"}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:1: JSON this program cannot read"):
+        PromptsDataModule(str(path)).setup()
+    path.write_text("[" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:1: JSON this program cannot read"):
+        PromptsDataModule(str(path)).setup()
+
+
 def test_hf_tokenizer_from_local_dir(tmp_path: Path) -> None:
     """A word-level tokenizer built offline, saved and loaded back by load_tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from bb_lightning.data import PromptsDataModule
-from bb_lightning.writer import JsonlPredictionWriter, recover_jsonl
+from bb_lightning.writer import JsonlPredictionWriter, find_shards, recover_jsonl, shard_path
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -96,3 +98,102 @@ def test_resume_writes_only_the_rest(tmp_path: Path) -> None:
     again = _EchoModule()
     _run(prompts, out, again)  # nothing left to do
     assert again.seen == [] and _lines(out) == expected
+
+
+MIXED = [
+    {"prompt": "aa"},  # line 1: no id
+    {"id": "1", "prompt": "bbb"},  # the id a row without one would get from line 1
+    {"id": 4, "prompt": "c"},  # an integer id equal to the next row's line number
+    {"prompt": "dddd"},
+    {"prompt": "ee"},
+    {"id": "line-1", "prompt": "f"},
+    {"prompt": "gg"},
+]
+"""Rows without ids beside given ids equal to their line numbers: every row must run once."""
+
+
+def _mixed(tmp_path: Path) -> Path:
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    return prompts
+
+
+def _one_record_per_row(out: Path) -> None:
+    lines = _lines(out)
+    # Each prompt comes back once, reversed (the echo): no row lost to an id clash.
+    assert [r["token_ids"] for r in lines] == [list(r["prompt"].encode())[::-1] for r in MIXED]
+    assert len({r["id"] for r in lines}) == len(MIXED)
+    assert [r["id"] for r in lines] == ["line-1-2", "1", "4", "line-4", "5", "line-1", "7"]
+
+
+def test_rows_without_ids_never_clash_and_resume(tmp_path: Path) -> None:
+    prompts = _mixed(tmp_path)
+    whole = tmp_path / "whole.jsonl"
+    _run(prompts, whole, _EchoModule())
+    _one_record_per_row(whole)
+
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(_Killed):
+        _run(prompts, out, _EchoModule(stop_after=1))
+    assert len(_lines(out)) == 3
+    assert recover_jsonl(out) == {"line-1-2", "1", "4"}
+    resumed = _EchoModule()
+    _run(prompts, out, resumed)
+    assert resumed.seen == ["line-4", "5", "line-1", "7"]
+    assert _lines(out) == _lines(whole)
+
+
+def _no_wait() -> None:
+    """The barrier of a rank that merges nothing."""
+
+
+def _copy_once(src: Path, dst: Path) -> Callable[[], None]:
+    """A barrier that, at its first call, brings the other rank's finished shard over."""
+    done: list[bool] = []
+
+    def barrier() -> None:
+        if not done:
+            shutil.copy(src, dst)
+            done.append(True)
+
+    return barrier
+
+
+def test_rows_without_ids_split_over_two_ranks_and_merge(tmp_path: Path) -> None:
+    prompts = _mixed(tmp_path)
+    seen = []
+    # Ranks simulated one after the other, each in its own directory (both set up before
+    # either writes); rank 0's first merge barrier brings rank 1's shard over.
+    for rank in (1, 0):
+        out = tmp_path / f"rank{rank}" / "out.jsonl"
+        other = shard_path(tmp_path / "rank1" / "out.jsonl", 1, 2)
+        barrier = _copy_once(other, out.parent / other.name) if rank == 0 else _no_wait
+        module = _EchoModule()
+        writer = JsonlPredictionWriter(out, rank=rank, world_size=2, barrier=barrier)
+        trainer = pl.Trainer(
+            accelerator="cpu", logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[writer],
+        )  # fmt: skip
+        dm = PromptsDataModule(str(prompts), batch_size=2, max_prompt_len=12)
+        trainer.predict(module, datamodule=dm, return_predictions=False)
+        seen.append(module.seen)
+    assert seen == [["1", "line-4", "line-1"], ["line-1-2", "4", "5", "7"]]
+    assert find_shards(out) == []
+    _one_record_per_row(out)
+
+
+def test_an_id_given_twice_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    prompts = tmp_path / "dup.jsonl"
+    rows = [{"id": "a", "prompt": "def "}, {"id": "b", "prompt": "x"}, {"id": "a", "prompt": "y"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ValueError, match=r"dup\.jsonl:3: id 'a' is also the id of line 1"):
+        _run(prompts, out, _EchoModule())
+    assert not out.exists()
+
+
+def test_recover_names_a_line_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": "a"}\n{"id": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"out\.jsonl:2: not a predictions line"):
+        recover_jsonl(path)
