@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.converted import ConvertedStore, StoreCheckpoint
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.inference import InferenceEngine, weights_budgets
 from bb_lightning.engine.pager import Placement
@@ -91,6 +92,8 @@ def build_engine(
     needs no collectives and ignores it). Raises ``ValueError`` when the budgets cannot
     hold the placement; a failure leaves nothing open.
     """
+    if not training and loader is not None:
+        check_store_dtype(module, placement)
     shards = 1 if comm is None or not training else comm.world_size
     if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
@@ -126,6 +129,25 @@ def build_engine(
     if isinstance(engine, InferenceEngine):
         _configure_inference(module, placement)
     return Assembly(engine, opened, tmpdir)
+
+
+def check_store_dtype(module: nn.Module, placement: Placement) -> None:
+    """``ValueError`` (one line) when the module's weights come from a converted store whose
+    floating-point dtype is not the one ``placement`` computes in: the weights of ``predict``
+    and ``validate`` are served as stored, never cast into a second copy."""
+    store: ConvertedStore | None = getattr(module, "converted", None)
+    if store is None or store.dtype == placement.compute_dtype:
+        return
+    want = placement.compute_dtype
+    raise ValueError(
+        f"store {store.path} holds {store.describe()}, but the run computes in {want}: run "
+        f"with the store's dtype (precision, compute_dtype), or convert the model again with "
+        f"--dtype {_SHORT.get(want, want)} into another directory"
+    )
+
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+"""The ``convert --dtype`` name of each compute dtype."""
 
 
 def store_config(
@@ -295,7 +317,8 @@ def engine_calls(engine: AnyEngine) -> Engine:
 
 
 def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> ParamLoader | None:
-    """Reads meta-device parameters from the module's local checkpoint (safetensors or .bin).
+    """Reads meta-device parameters from the module's local checkpoint (safetensors or .bin)
+    or converted store (``module.converted``, read-only).
 
     None when no parameter is on the meta device (the engine reads the parameters).
     Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve
@@ -317,7 +340,12 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
             f"{type(module).__name__} has parameters on the meta device but no Hugging Face "
             "model with a local checkpoint_dir to read them from: build the model with weights"
         )
-    reader = HFCheckpoint(source, net)  # transformers' key mapping and conversions, peft names
+    store: ConvertedStore | None = getattr(module, "converted", None)
+    reader: HFCheckpoint | StoreCheckpoint
+    if store is not None:  # a converted store: read-only, tensor by tensor
+        reader = StoreCheckpoint(store, net)
+    else:  # transformers' key mapping and conversions, peft names
+        reader = HFCheckpoint(source, net)
     keys = {id(p): key for key, p in net.named_parameters()}
     # A parameter built with a value (a LoRA adapter beside a meta base) keeps it.
     return lambda p: reader.get(keys[id(p)]) if p.is_meta else p.detach()

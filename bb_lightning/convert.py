@@ -9,7 +9,11 @@ by its module name (a tied parameter once, under its first name). Each tensor's 
 interrupted run leaves only complete tensors; a rerun skips those (same shape
 and dtype, chunk of the right size) and writes the rest. ``config.json`` and
 ``generation_config.json`` go into the group's attributes (``hf_config``,
-``hf_generation_config``), so the store describes its model.
+``hf_generation_config``) and, with the tokenizer files, beside the arrays; the
+attribute ``balance_beam_converted`` records the format version, the dtype of the
+floating-point tensors and the source directory. The store is then a model source:
+``CausalLMModule(STORE)`` builds the model from it and reads its weights from it
+(:mod:`bb_lightning.converted`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from bb_lightning.converted import CONFIG_ATTR, FORMAT_ATTR, FORMAT_VERSION
 from bb_lightning.engine.hf_quirks import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, read_weight_index
 from bb_lightning.hf_load import HFCheckpoint, empty_model
 from storage.io import IOConfig, aligned_empty, open_backend, padded
@@ -32,8 +37,21 @@ from storage.tiers import format_bytes
 
 __all__ = ["ConvertReport", "checkpoint_files", "convert_checkpoint"]
 
-_CONFIG_FILES = {"config.json": "hf_config", "generation_config.json": "hf_generation_config"}
+_CONFIG_FILES = {"config.json": CONFIG_ATTR, "generation_config.json": "hf_generation_config"}
 """Source files copied into the group's attributes (file -> attribute name)."""
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+)
+"""Tokenizer files copied beside the arrays (with the config files), so that the store is
+also a tokenizer directory."""
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -175,7 +193,8 @@ def convert_checkpoint(
             bar.close()
     finally:
         backend.close()
-    _describe(Path(source), Path(target))
+    floats = {str(dt).removeprefix("torch.") for _, _, dt in specs if dt.is_floating_point}
+    _describe(Path(source), Path(target), floats.pop() if len(floats) == 1 else None)
     return ConvertReport(
         target=Path(target),
         written=written,
@@ -193,18 +212,32 @@ def _stored_bytes(target: Path) -> int:
     return sum(parse_array(m.parent.name, m)[0].nbytes for m in metas)
 
 
-def _describe(source: Path, target: Path) -> None:
-    """Copy the model's config files into the group attributes of ``target`` (atomic)."""
+def _describe(source: Path, target: Path, dtype: str | None) -> None:
+    """Describe the model in ``target``: config files in the group attributes and beside
+    the arrays with the tokenizer files, and the store's format, dtype (of its floating-point
+    tensors; None: mixed) and source (each file replaced atomically)."""
     group = target / "zarr.json"
     doc = json.loads(group.read_text(encoding="utf-8"))
+    attrs = doc.setdefault("attributes", {})
     for name, attr in _CONFIG_FILES.items():
         if (source / name).is_file():
-            doc.setdefault("attributes", {})[attr] = json.loads(
-                (source / name).read_text(encoding="utf-8")
-            )
-    tmp = group.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    os.replace(tmp, group)
+            attrs[attr] = json.loads((source / name).read_text(encoding="utf-8"))
+    attrs[FORMAT_ATTR] = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "source": str(source.absolute()),
+    }
+    for name in (*_CONFIG_FILES, *_TOKENIZER_FILES):
+        if (source / name).is_file():
+            _replace(target / name, (source / name).read_bytes())
+    _replace(group, json.dumps(doc, indent=1).encode())
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed onto it)."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -60,7 +60,9 @@ __all__ = [
     "HFCheckpoint",
     "check_generation",
     "check_supported",
+    "checkpoint_names",
     "empty_model",
+    "tie_aliases",
     "weight_files",
 ]
 
@@ -189,7 +191,7 @@ class HFCheckpoint:
         self.directory = Path(directory)
         self.files = weight_files(self.directory)
         self._root = model
-        net, self._names = _checkpoint_names(model)
+        net, self._names = checkpoint_names(model)
         check_supported(net.config)
         self._model = net
         mapping = get_model_conversion_mapping(net)
@@ -213,7 +215,7 @@ class HFCheckpoint:
                 for out in _outputs(name, conv):
                     self._groups.setdefault(out, group)
             group.sources.append((pattern or key, key))
-        self._aliases = _tie_aliases(net, self._groups)
+        self._aliases = tie_aliases(net, self._groups)
         self._mapped: dict[Path, dict[str, Tensor]] = {}
         """Memory-mapped ``pytorch_model*.bin`` files opened so far (nothing read until used)."""
         self._pending: dict[str, Tensor] = {}
@@ -332,7 +334,7 @@ def _outputs(name: str, converter: WeightConverter | None) -> list[str]:
     return [name.replace(first, t) for t in converter.target_patterns]
 
 
-def _tie_aliases(model: PreTrainedModel, present: Iterable[str]) -> dict[str, str]:
+def tie_aliases(model: PreTrainedModel, present: Iterable[str]) -> dict[str, str]:
     """Tied parameter name -> the partner the checkpoint holds, both ways (as ``tie_weights``)."""
     have = set(present)
     aliases: dict[str, str] = {}
@@ -344,7 +346,7 @@ def _tie_aliases(model: PreTrainedModel, present: Iterable[str]) -> dict[str, st
     return aliases
 
 
-def _checkpoint_names(model: nn.Module) -> tuple[PreTrainedModel, dict[str, str | None]]:
+def checkpoint_names(model: nn.Module) -> tuple[PreTrainedModel, dict[str, str | None]]:
     """The Hugging Face model inside ``model``, and each state-dict name of ``model`` -> that
     tensor's name in the Hugging Face model without ``peft`` layers (None: an adapter).
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from bb_lightning.converted import ConvertedStore, converted_store, load_converted, store_config
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.hf_quirks import resolve_model
 from bb_lightning.engine.optim import AdamWConfig
@@ -50,10 +51,15 @@ def resolve_model_config(
     """The configuration of ``model`` and where its weights are (None: initialise randomly).
 
     ``model`` is a built-in name, a local checkpoint directory (``config.json``
-    plus weights, or only ``config.json``), a ``config.json`` path, a dict with
-    ``model_type``, a ``PretrainedConfig``, or a hub id (needs the network); see
-    :func:`bb_lightning.engine.hf_quirks.resolve_model`.
+    plus weights, or only ``config.json``), a store written by ``bb-lightning convert``
+    (its weights are the store's, :mod:`bb_lightning.converted`), a ``config.json`` path,
+    a dict with ``model_type``, a ``PretrainedConfig``, or a hub id (needs the network);
+    see :func:`bb_lightning.engine.hf_quirks.resolve_model`.
     """
+    if isinstance(model, (str, os.PathLike)):
+        store = converted_store(model)
+        if store is not None:
+            return store_config(store), store.path
     resolved = resolve_model(DEFAULT_MODEL if model is None else model, builtins=BUILTIN_MODELS)
     return resolved.config, resolved.weights
 
@@ -171,6 +177,10 @@ class CausalLMModule(pl.LightningModule):
             self.hparams["model"] = os.fspath(model)
         self._lora = None if lora is None else LoraOptions.from_value(lora)
         self._config, self.checkpoint_dir = resolve_model_config(model)
+        self.converted: ConvertedStore | None = (
+            converted_store(self.checkpoint_dir) if isinstance(self.checkpoint_dir, Path) else None
+        )
+        """The converted store the weights are read from (read-only), or None."""
         self.model: PreTrainedModel | None = None
         self._tokenizer: Tokenizer | None = None
         self._generator: LayerMajorGenerator | None = None
@@ -190,9 +200,10 @@ class CausalLMModule(pl.LightningModule):
 
         Random initial weights come from a generator seeded with ``seed``,
         without touching the global random state; a checkpoint directory is
-        loaded with ``from_pretrained``, except under a strategy that streams
-        weights (``streams_weights``) from a local checkpoint (safetensors, or a
-        ``pytorch_model.bin`` it memory-maps): then the
+        loaded with ``from_pretrained``, a converted store read tensor by tensor
+        (in its dtype, as ``from_pretrained`` keeps a checkpoint's), except under a
+        strategy that streams weights (``streams_weights``) from a local checkpoint
+        (safetensors, a ``pytorch_model.bin`` it memory-maps, or a converted store): then the
         parameters stay on the meta device and the strategy reads them
         (:class:`~bb_lightning.hf_load.HFCheckpoint`). With ``lora`` the base model is
         built, loaded or left on the meta device the same way, then wrapped by ``peft``:
@@ -207,7 +218,7 @@ class CausalLMModule(pl.LightningModule):
             if self.checkpoint_dir is not None and self._streams_weights():
                 base = empty_model(self._config)  # adapters real, base weights on meta
             elif self.checkpoint_dir is not None:
-                base = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
+                base = self._loaded()
             else:
                 with _seeded(int(self.hparams["seed"])):
                     base = AutoModelForCausalLM.from_config(self._config)
@@ -220,7 +231,7 @@ class CausalLMModule(pl.LightningModule):
             # each parameter from the checkpoint straight into its tier, never the whole model.
             self.model = empty_model(self._config)
         elif self.checkpoint_dir is not None:
-            self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
+            self.model = self._loaded()
         else:
             with _seeded(int(self.hparams["seed"])):
                 self.model = AutoModelForCausalLM.from_config(self._config)
@@ -228,12 +239,21 @@ class CausalLMModule(pl.LightningModule):
         # modes it finds: without this a loaded checkpoint would train without its dropout
         self.model.train(self.training)
 
+    def _loaded(self) -> PreTrainedModel:
+        """The network with the weights of ``checkpoint_dir`` (a checkpoint or converted store)."""
+        if self.converted is not None:
+            return load_converted(self.converted, self._config)
+        assert self.checkpoint_dir is not None
+        return AutoModelForCausalLM.from_pretrained(self.checkpoint_dir)
+
     def _streams_weights(self) -> bool:
         """Whether the attached strategy reads the local checkpoint itself."""
         trainer = self._trainer
         strategy = trainer.strategy if trainer is not None else None
         if not getattr(strategy, "streams_weights", False) or self.checkpoint_dir is None:
             return False
+        if self.converted is not None:
+            return True
         return SafetensorsCheckpoint.holds_weights(self.checkpoint_dir)
 
     def _net(self) -> PreTrainedModel:
