@@ -82,7 +82,7 @@ def _predict(module: CausalLMModule, strategy: Any, tmp_path: Path) -> list[dict
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def _generate(model: PreTrainedModel) -> list[list[int]]:
+def _generate(model: Any) -> list[list[int]]:
     """Hugging Face greedy tokens of each prompt alone, cut before eos."""
     tok, out = ByteTokenizer(), []
     for text in PROMPTS:
