@@ -82,10 +82,13 @@ def converted_store(path: str | os.PathLike[str]) -> ConvertedStore | None:
         return None
     try:
         doc = json.loads(group.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"store {root}: {group} is not readable JSON ({type(err).__name__}): copy the store "
+            "again or run 'bb-lightning convert' into a new directory"
+        ) from None
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
-    if doc.get("node_type") != "group" or not isinstance(attrs, dict):
+    if not isinstance(doc, dict) or doc.get("node_type") != "group" or not isinstance(attrs, dict):
         return None
     info = attrs.get(FORMAT_ATTR)
     config = attrs.get(CONFIG_ATTR)

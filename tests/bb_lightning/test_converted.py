@@ -214,3 +214,12 @@ def test_a_store_of_another_format_version_is_refused(tmp_path: Path, version: i
     message = _one_line(err)
     assert f"format version {version!r}" in message and str(store) in message, message
     assert "bb-lightning convert" in message, message
+
+
+def test_a_store_with_an_unreadable_group_is_refused_not_built_at_random(tmp_path: Path) -> None:
+    _, _, store = _converted(tmp_path)
+    (store / "zarr.json").write_text('{"zarr_format": 3, "node_ty')  # torn; config.json beside
+    with pytest.raises(ValueError) as err:
+        CausalLMModule(str(store))
+    message = _one_line(err)
+    assert str(store) in message and "not readable JSON" in message, message
