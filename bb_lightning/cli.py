@@ -50,16 +50,26 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``"24GiB"``, ``"1.5 TB"``, ``"4096"`` (binary KiB..TiB, decimal KB..TB)."""
+def parse_size(text: str, flag: str | None = None) -> int:
+    """Bytes from ``"24GiB"``, ``"1.5 TB"``, ``"4096"`` (binary KiB..TiB, decimal KB..TB).
+
+    With ``flag`` (``"--host-memory"``) the size must be at least one byte, and a bad
+    one is refused naming the flag.
+    """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).upper() if m else ""
+    where = f" for {flag}" if flag else ""
     if m is None or unit not in _UNITS:
         raise UsageError(
-            f"bad size {text!r}: write a number with an optional unit, e.g. 24GiB, 512MB, 2TiB "
-            "(binary KiB MiB GiB TiB or decimal KB MB GB TB)"
+            f"bad size {text!r}{where}: write a number with an optional unit, e.g. 24GiB, "
+            "512MB, 2TiB (binary KiB MiB GiB TiB or decimal KB MB GB TB)"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if flag is not None and size < 1:
+        raise UsageError(
+            f"{flag} {text!r} is {size} bytes: give a size of at least 1 byte, e.g. 24GiB"
+        )
+    return size
 
 
 def parse_global_batch(text: str) -> tuple[int | None, int | None]:
@@ -107,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=("fit", "predict"), default="fit", help="default: fit")
     p.add_argument(
         "--seq-len",
-        type=int,
+        type=_positive_int,
         default=None,
         help="fit: tokens per sequence (default: min(2048, model context))",
     )
@@ -117,11 +127,15 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fit: tokens per optimizer step, or sequences with an s suffix "
         "(e.g. 512s); default 1048576 tokens",
     )
-    p.add_argument("--prompt-len", type=int, default=512, help="predict: tokens per prompt")
     p.add_argument(
-        "--new-tokens", type=int, default=32, help="predict: tokens generated per prompt"
+        "--prompt-len", type=_positive_int, default=512, help="predict: tokens per prompt"
     )
-    p.add_argument("--num-prompts", type=int, default=4096, help="predict: prompts in the job")
+    p.add_argument(
+        "--new-tokens", type=_positive_int, default=32, help="predict: tokens generated per prompt"
+    )
+    p.add_argument(
+        "--num-prompts", type=_positive_int, default=4096, help="predict: prompts in the job"
+    )
     p.add_argument("--device-memory", help="device tier size, e.g. 24GiB (overrides the profile)")
     p.add_argument("--host-memory", help="host tier size, e.g. 128GiB (overrides the profile)")
     nv = p.add_mutually_exclusive_group()
@@ -272,7 +286,7 @@ def _positive_int(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1, e.g. 512")
     return value
 
 
@@ -283,32 +297,37 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.plot:
         _check_plot_path(args.plot)
+    sizes = {  # every value checked before the model is read or the machine measured
+        name: parse_size(text, f"--{name.replace('_', '-')}")
+        for name, text in (
+            ("device_memory", args.device_memory),
+            ("host_memory", args.host_memory),
+            ("nvme_capacity", args.nvme_capacity),
+        )
+        if text
+    }
+    tokens, seqs = parse_global_batch(args.global_batch) if args.task == "fit" else (None, None)
     model = _load_model(args.model)
     if args.hardware == "measure":
         hw = measure(nvme_path=args.nvme_path)
     else:
         hw = preset(args.hardware)
-    changes: dict[str, object] = {}
-    if args.device_memory:
-        changes["device_memory"] = parse_size(args.device_memory)
-    if args.host_memory:
-        changes["host_memory"] = parse_size(args.host_memory)
+    changes: dict[str, object] = {k: v for k, v in sizes.items() if k != "nvme_capacity"}
     if args.no_nvme:
         changes.update(nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0)
-    elif args.nvme_capacity:
+    elif "nvme_capacity" in sizes:
         if hw.nvme_read_bandwidth <= 0:
             raise UsageError(
                 "--nvme-capacity given but the profile has no NVMe bandwidth: use a preset with "
                 "NVMe or --hardware measure --nvme-path DIR"
             )
-        changes["nvme_capacity"] = parse_size(args.nvme_capacity)
+        changes["nvme_capacity"] = sizes["nvme_capacity"]
     hw = world.with_world(hw.replace(**changes), args.devices * args.num_nodes, args.devices)
     job: FitJob | PredictJob
     if args.task == "fit":
         seq = args.seq_len
         if seq is None:
             seq = min(2048, model.max_positions or 2048)
-        tokens, seqs = parse_global_batch(args.global_batch)
         job = FitJob(seq_len=seq, global_batch_tokens=tokens, global_batch_seqs=seqs)
     else:
         job = PredictJob(
@@ -332,7 +351,7 @@ def _convert(args: argparse.Namespace) -> int:
         args.source,
         args.target,
         dtype=dtypes[args.dtype],
-        capacity=parse_size(args.capacity) if args.capacity else None,
+        capacity=parse_size(args.capacity, "--capacity") if args.capacity else None,
         io=IOConfig(backend=args.io_backend),
         progress=not args.no_progress,
     )
@@ -360,7 +379,7 @@ def _export(args: argparse.Namespace) -> int:
         args.checkpoint,
         args.target,
         dtype=dtypes[args.dtype],
-        max_shard_bytes=parse_size(args.max_shard_size),
+        max_shard_bytes=parse_size(args.max_shard_size, "--max-shard-size"),
     )
     print(f"exported {args.checkpoint} -> {out if out is not None else args.target}")
     return 0

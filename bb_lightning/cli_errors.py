@@ -22,6 +22,7 @@ __all__ = [
     "OneLineArgumentParser",
     "UsageError",
     "closest",
+    "explain_instantiation",
     "explain_jsonargparse",
     "first_line",
     "parser_keys",
@@ -112,31 +113,137 @@ def explain_jsonargparse(message: str, keys: Iterable[str], command: str) -> str
         if near is None:
             return f"unknown key {key!r}: no valid key is close; bb-lightning {command} --help lists them"
         return f"unknown key {key!r}: did you mean {near!r}? {help_hint}"
-    m = _PARSER_KEY.search(message)
-    given = _GIVEN.search(message)
-    if m and given:
-        key, value = m.group(1), given.group(1).strip()
-        choices = [
-            c.strip().strip("'\"") for group in _LITERAL.findall(message) for c in group.split(",")
-        ]
-        if choices:
-            near = closest(value, choices)
-            near_text = f" (closest: {near!r})" if near else ""
-            return (
-                f"{key}={value!r} is not valid: use one of {', '.join(dict.fromkeys(choices))}"
-                f"{near_text} {help_hint}"
-            )
-        types = re.findall(r"Expected an? (?:<class '([\w.]+)'>|([\w.\[\], ]+))", message)
-        wanted = [a or b.strip() for a, b in types]
-        wanted = [{"NoneType": "null"}.get(w, w) for w in dict.fromkeys(wanted)]
-        if wanted:
-            reason = f"expected {' or '.join(wanted)}"
-        else:
-            details = [line.strip(" -") for line in message.splitlines()[1:] if line.strip()]
-            reason = next((d for d in details if not d.startswith(("Given", "Subtypes"))), "")
-        return f"{key}={value!r} is not valid: {reason} {help_hint}".replace("  ", " ")
+    if _PARSER_KEY.search(message) and _GIVEN.search(message):
+        return _explain_value(message, command)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     return f"{' '.join(lines[:2]) if lines else message} {help_hint}"
+
+
+_NESTED = re.compile(r"^NestedArg\(key='([^']*)', val=(.*)\)$")
+_GOT = re.compile(r"Got value: (.*)$")
+_ENUM = re.compile(r"Expected a member of <enum '\w+'>: \{([^}]*)\}")
+_TYPE = re.compile(r"Expected an? (?:<class '([\w.]+)'>|([\w.\[\], ]+))")
+_NOT_LEAF = ("Given value", "Subtypes:", "Errors:", "Parser key", "Problem with given class_path",
+             "Does not validate")  # fmt: skip
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "true or false", "NoneType": "null"}  # fmt: skip
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" -"))
+
+
+def _leaves(message: str) -> list[str]:
+    """The deepest lines of a nested jsonargparse message that are not its scaffolding:
+    what the innermost check said (expected types, a constructor's own message)."""
+    lines = [ln for ln in message.splitlines() if ln.strip()]
+    leaves = [ln for ln in lines if not ln.strip(" -").startswith(_NOT_LEAF)]
+    if not leaves:
+        return []
+    deepest = max(_indent(ln) for ln in leaves)
+    return [ln.strip(" -").strip() for ln in leaves if _indent(ln) == deepest]
+
+
+def _show(value: str) -> str:
+    """A value as the user wrote it: numbers bare, anything else quoted."""
+    try:
+        float(value)
+    except ValueError:
+        return repr(value)
+    return value
+
+
+def _key_and_value(message: str) -> tuple[str, str | None]:
+    """The dotted key (``model.init_args.max_new_tokens``) and the value given there."""
+    lines = message.splitlines()
+    chain = [m.group(1) for ln in lines for m in [_PARSER_KEY.search(ln)] if m]
+    given = [(_indent(ln), m.group(1).strip()) for ln in lines for m in [_GIVEN.match(ln)] if m]
+    outer = min(given)[1] if given else ""
+    nested = _NESTED.match(outer)
+    if nested and chain:  # --model.init_args.max_new_tokens=-3 on the command line
+        return f"{chain[0]}.init_args.{nested.group(1)}", nested.group(2).strip("'\"")
+    key = chain[0] + (".init_args." + ".".join(chain[1:]) if len(chain) > 1 else "")
+    got = [m.group(1).strip() for ln in lines for m in [_GOT.search(ln)] if m]
+    inner = max(given)[1] if given else None
+    return key, (got[-1] if got else inner)
+
+
+def _explain_value(message: str, command: str) -> str:
+    """One line for a bad value at a (nested) key: the key, the value, what is accepted."""
+    help_hint = f"(see bb-lightning {command} --help)"
+    key, value = _key_and_value(message)
+    whole = value is None or value.startswith(("Namespace(", "NestedArg(", "{"))
+    shown = "" if whole else f"={_show(value)}"  # type: ignore[arg-type]
+    leaves = _leaves(message)
+    own = [ln for ln in leaves if not ln.startswith("Expected a")]
+    if own:  # a check of the class's own (a constructor, a dataclass' __post_init__)
+        return f"{key}{shown}: {_without_name(own[0])} {help_hint}"
+    choices = [c.strip().strip("'\"") for ln in leaves for g in _LITERAL.findall(ln)
+               for c in g.split(",")]  # fmt: skip
+    choices += [c.strip() for ln in leaves for m in [_ENUM.search(ln)] if m
+                for c in m.group(1).split(",")]  # fmt: skip
+    if choices:
+        near = closest(value or "", choices) or closest((value or "").upper(), choices)
+        near_text = f" (closest: {near!r})" if near else ""
+        null = " or null" if any("NoneType" in ln for ln in leaves) else ""
+        return (
+            f"{key}{shown} is not valid: use one of {', '.join(dict.fromkeys(choices))}{null}"
+            f"{near_text} {help_hint}"
+        )
+    wanted = [a or b.strip() for ln in leaves for a, b in _TYPE.findall(ln)]
+    words = [_TYPE_WORDS.get(w, w) for w in dict.fromkeys(wanted)]
+    reason = f"expected {' or '.join(words)}" if words else "; ".join(leaves)
+    return f"{key}{shown} is not valid: {reason} {help_hint}".replace("  ", " ")
+
+
+_OWN_NAME = re.compile(r"^(?:[A-Z]\w*\.)?([a-z_]\w*(?:\[\d+\])?)\s?=\s?(\S+?)[:;,]?(?=\s|$)")
+
+
+def _without_name(text: str) -> str:
+    """A check's message without its leading ``name=value`` (the caller names the key)."""
+    m = _OWN_NAME.match(text)
+    return text[m.end() :].strip() if m else text
+
+
+def explain_instantiation(message: str, config: Any, command: str) -> str | None:
+    """One line for a class's own ``ValueError`` that jsonargparse wrapped while building
+    the classes of a recipe ("Does not validate against any of the Union subtypes"), with
+    the recipe key in front; None when ``message`` is not such a wrapper."""
+    if not message.startswith("Does not validate against any of the Union subtypes"):
+        return None
+    own = [ln for ln in _leaves(message) if not ln.startswith("Expected a")]
+    if not own:
+        return None
+    text = own[0]
+    m = _OWN_NAME.match(text)
+    leaves = _flatten(config)
+    heads = [k[: -len(".class_path")] for k, v in leaves.items()
+             if k.endswith(".class_path") and f"class_path='{v}'" in message]  # fmt: skip
+    if m is None or not heads:
+        return f"{heads[0]}: {text}" if heads else text
+    name, value = m.group(1).split("[")[0], m.group(2)
+    keys = [k for k in leaves if any(k.startswith(h + ".init_args.") for h in heads)
+            and k.rsplit(".", 1)[-1] == name]  # fmt: skip
+    keys = [k for k in keys if str(leaves[k]) == value] or keys
+    if not keys:
+        return f"{heads[0]}: {text}"
+    index = m.group(1)[len(name) :]
+    return f"{keys[0]}{index}={value}: {_without_name(text)} (see bb-lightning {command} --help)"
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys of a parsed recipe (namespaces and dicts) and their values."""
+    items: Any = None
+    if isinstance(value, dict):
+        items = value.items()
+    elif hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
+        items = vars(value).items()
+    if items is None:
+        return {prefix: value} if prefix else {}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

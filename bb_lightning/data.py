@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from bb_lightning.bounds import check_int, check_number
 from bb_lightning.tokenizer import ByteTokenizer, Tokenizer, encode_text, eos_id, load_tokenizer
 from bb_lightning.tokenizer import pad_id as tokenizer_pad_id
 
@@ -289,12 +290,18 @@ class TextDataModule(pl.LightningDataModule):
             cache_dir: directory for the packed-rows cache; ``None`` caches nothing.
         """
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); 0 disables it")
-        if seq_len < 1:
-            raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens per row)")
+        check_int("seq_len", seq_len, low=1, what="tokens per row", example=512)
+        check_int("batch_size", batch_size, low=1, what="rows per batch", example=8)
+        check_number("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True,
+                     what="share of rows held out; 0: none", example=0.05)  # fmt: skip
+        check_int("max_files", max_files, low=1, what="files read", example=100,
+                  none="every file")  # fmt: skip
+        check_int("max_tokens", max_tokens, low=seq_len, what="tokens used, at least seq_len",
+                  example=max(seq_len, 1_000_000), none="every token")  # fmt: skip
+        check_int("seed", seed, low=0, high=2**63 - 1, what="seed of the split and the order",
+                  example=0)  # fmt: skip
+        check_int("num_workers", num_workers, low=0, what="DataLoader worker processes",
+                  example=2)  # fmt: skip
         self.save_hyperparameters()
         self.paths = paths
         self.tokenizer_name = tokenizer
@@ -406,10 +413,12 @@ class PromptsDataModule(pl.LightningDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1, or None for the plan's")
-        if max_prompt_len < 1:
-            raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 (tokens)")
+        check_int("batch_size", batch_size, low=1, what="prompts per batch", example=16,
+                  none="the plan's")  # fmt: skip
+        check_int("max_prompt_len", max_prompt_len, low=1, what="tokens of the longest prompt",
+                  example=2048)  # fmt: skip
+        check_int("num_workers", num_workers, low=0, what="DataLoader worker processes",
+                  example=2)  # fmt: skip
         self.save_hyperparameters()
         self.path = Path(path)
         self.batch_size = batch_size

@@ -19,7 +19,13 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from bb_lightning.cli_errors import UsageError, explain_jsonargparse, first_line, parser_keys
+from bb_lightning.cli_errors import (
+    UsageError,
+    explain_instantiation,
+    explain_jsonargparse,
+    first_line,
+    parser_keys,
+)
 
 __all__ = ["BalanceBeamCLI", "parse_recipe", "run_lightning_cli"]
 
@@ -224,6 +230,24 @@ class BalanceBeamCLI(LightningCLI):
             command = next((a for a in words if a in self.subcommands()), "fit")
             sub = getattr(self, "_subcommand_parsers", {}).get(command, parser)
             raise UsageError(explain_jsonargparse(str(err), parser_keys(sub), command)) from None
+
+    def instantiate_classes(self) -> None:
+        """Build the classes as LightningCLI does; a class's own check of a value (wrapped by
+        jsonargparse in a message of every type it tried) becomes one :class:`UsageError`
+        line naming the recipe key, the value and what is accepted."""
+        sample_tokens = self._config().get("sample_tokens", 64)
+        if not isinstance(sample_tokens, int) or sample_tokens < 1:
+            raise UsageError(
+                f"sample_tokens={sample_tokens}: must be an integer >= 1 (tokens generated per "
+                f"sample prompt), e.g. 64 (see bb-lightning {self.subcommand or 'fit'} --help)"
+            )
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            line = explain_instantiation(str(err), self._config(), self.subcommand or "fit")
+            if line is None:
+                raise
+            raise UsageError(line) from None
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Run it with ``sys.argv`` saying the command: Lightning's launcher of several

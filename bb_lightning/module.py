@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from bb_lightning.bounds import check_int, check_number
 from bb_lightning.converted import ConvertedStore, converted_store, load_converted, store_config
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.hf_quirks import resolve_model
@@ -82,6 +83,55 @@ def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=cuda), torch.device("cpu"):
         torch.manual_seed(seed)
         yield
+
+
+def _check_settings(
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    warmup_steps: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    stop_strings: list[str] | None,
+) -> None:
+    """Refuse :class:`CausalLMModule` settings out of range, one line naming the value."""
+    check_number("learning_rate", learning_rate, low=0.0, what="peak AdamW step size",
+                 example=1e-4)  # fmt: skip
+    check_number("weight_decay", weight_decay, low=0.0, what="decoupled AdamW decay per step",
+                 example=0.01)  # fmt: skip
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(
+            f"betas={betas!r}: must be two numbers in [0, 1) (AdamW moment decay rates), "
+            "e.g. [0.9, 0.95]"
+        )
+    for i, beta in enumerate(betas):
+        check_number(f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True,
+                     what="AdamW moment decay rate", example=0.9 + 0.05 * i)  # fmt: skip
+    check_number("eps", eps, low=0.0, low_open=True, what="AdamW denominator term",
+                 example=1e-8)  # fmt: skip
+    check_int("warmup_steps", warmup_steps, low=0, what="optimizer steps of linear warm-up",
+              example=10)  # fmt: skip
+    check_int("max_new_tokens", max_new_tokens, low=1, what="tokens generated per prompt",
+              example=64)  # fmt: skip
+    check_number("temperature", temperature, low=0.0, what="sampling temperature; 0: greedy",
+                 example=0.8)  # fmt: skip
+    check_int("top_k", top_k, low=0, what="most likely tokens sampled from; 0: all",
+              example=50)  # fmt: skip
+    check_number("top_p", top_p, low=0.0, high=1.0, low_open=True,
+                 what="nucleus probability mass; 1: all", example=0.9)  # fmt: skip
+    check_int("seed", seed, low=0, high=2**63 - 1, what="seed of initial weights and sampling",
+              example=0)  # fmt: skip
+    for text in stop_strings or []:
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                f"stop_strings={stop_strings!r}: each must be a non-empty string (a text "
+                "that ends a generated sequence), e.g. ['\\n\\n']"
+            )
 
 
 @dataclass(frozen=True)
@@ -150,16 +200,11 @@ class CausalLMModule(pl.LightningModule):
                 needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
         """
         super().__init__()
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 (tokens)")
-        if temperature < 0.0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p={top_p} must be in (0, 1]")
-        if top_k < 0:
-            raise ValueError(f"top_k={top_k} must be >= 0 (0: no limit)")
+        _check_settings(
+            learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
+            warmup_steps=warmup_steps, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop_strings=stop_strings,
+        )  # fmt: skip
         if stop_strings and tokenizer is None:
             raise ValueError(
                 f"stop_strings={stop_strings!r} need a tokenizer to decode: pass tokenizer="

@@ -28,6 +28,7 @@ through its first batch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from transformers import PreTrainedModel
 from typing_extensions import Protocol, runtime_checkable
 
 from bb_lightning import world
+from bb_lightning.bounds import check_int
 from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.trainer_engine import ClipConfig
 from bb_lightning.planner import (
@@ -53,6 +55,7 @@ from bb_lightning.planner import (
     make_plan,
     preset,
 )
+from bb_lightning.planner.profile import preset_names
 from bb_lightning.probe import measure, model_profile_from_module
 from bb_lightning.probe.calibrate import (
     PredictCompute,
@@ -554,14 +557,35 @@ def compute_dtype(given: str | None, precision: str) -> torch.dtype:
 
 
 def check_settings(
-    dtype: str | None, gather_limit: int | None, store: StoreConfig | None, nvme_path: str | None
+    dtype: str | None,
+    gather_limit: int | None,
+    store: StoreConfig | None,
+    nvme_path: str | None,
+    *,
+    hardware: object = None,
 ) -> None:
     """Refuse constructor arguments that cannot work, before anything is built."""
     compute_dtype_check(dtype)
-    if gather_limit is not None and gather_limit < 0:
-        raise ValueError(f"gather_limit={gather_limit} must be >= 0 bytes or None")
+    check_int("gather_limit", gather_limit, low=0, what="bytes of fp32 weights given back",
+              example=16 << 30, none="80% of the available host memory")  # fmt: skip
+    check_hardware(hardware)
     if store is not None and nvme_path is not None and store.nvme_path != nvme_path:
         raise ValueError(
             f"nvme_path={nvme_path!r} and store.nvme_path={store.nvme_path!r} disagree: "
             "give the NVMe directory once, in StoreConfig(nvme_path=...) when passing store"
         )
+
+
+def check_hardware(hardware: object) -> None:
+    """Refuse a ``hardware`` that is neither None, ``"measure"``, a preset name nor a profile."""
+    if hardware is None or isinstance(hardware, HardwareProfile):
+        return
+    names = preset_names()
+    if isinstance(hardware, str) and hardware.strip().lower() in [*names, "measure"]:
+        return
+    near = difflib.get_close_matches(str(hardware).strip().lower(), [*names, "measure"], n=1)
+    hint = f" (closest: {near[0]!r})" if near else ""
+    raise ValueError(
+        f"hardware={hardware!r}: must be 'measure' (this machine, measured and cached) or a "
+        f"preset: {', '.join(names)}{hint}"
+    )

@@ -155,7 +155,7 @@ class BalanceBeamStrategy(ParallelStrategy):
         self.start_method = start_method
         self._comm: ShardComm | None = None
         """The engine's collectives (world size > 1), made once after the world group."""
-        session.check_settings(compute_dtype, gather_limit, store, nvme_path)
+        session.check_settings(compute_dtype, gather_limit, store, nvme_path, hardware=hardware)
         self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
         self.overlap_optimizer = overlap_optimizer
         self.gather_on_teardown = gather_on_teardown

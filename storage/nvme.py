@@ -222,9 +222,35 @@ def row_chunks(name: str, meta_path: Path) -> tuple[ArraySpec, int, list[Path]]:
     rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     sep = ((meta.get("chunk_key_encoding") or {}).get("configuration") or {}).get("separator", "/")
     count = -(-spec.shape[0] // rows)
+    if count > MAX_ROW_CHUNKS:
+        raise CorruptTensorError(
+            f"tensor {name!r} (file {meta_path}): {count} chunks of {rows} rows, more than "
+            f"the {MAX_ROW_CHUNKS} a store or checkpoint writes: the metadata is damaged; "
+            "write the array again"
+        )
     keys = [row_chunk_key(k, len(spec.shape)).replace("/", sep) for k in range(count)]
     paths = [meta_path.parent.joinpath(*key.split("/")) for key in keys]
     return spec, rows, paths
+
+
+MAX_ELEMENTS = 1 << 50
+"""Most elements one array's metadata may declare (2**50: far past any disk; a larger
+shape is damage, refused before its byte count is used)."""
+
+
+MAX_ROW_CHUNKS = 1 << 16
+"""Most chunks along dim 0 an array may have (one per rank that wrote it)."""
+
+
+def _dims(values: Any) -> tuple[int, ...]:
+    """A shape from JSON: a list of integers, each in 0..2**50 (``ValueError`` otherwise)."""
+    if not isinstance(values, list) or not all(
+        type(d) is int and 0 <= d <= MAX_ELEMENTS for d in values
+    ):
+        raise ValueError(f"{values!r} is not a list of integers in 0..{MAX_ELEMENTS}")
+    if math.prod(values) > MAX_ELEMENTS:
+        raise ValueError(f"{values!r} holds more than {MAX_ELEMENTS} elements")
+    return tuple(values)
 
 
 def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tuple[ArraySpec, Path]:
@@ -236,14 +262,18 @@ def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tupl
     where = f"tensor {name!r} (file {meta_path})"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        shape = tuple(int(d) for d in meta["shape"])
-        chunks = tuple(int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        shape = _dims(meta["shape"])
+        chunks = _dims(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        if 0 in chunks:
+            raise ValueError(f"chunk shape {list(chunks)} has a dimension of 0 (zarr needs >= 1)")
         grid = meta["chunk_grid"]["name"]
         zdtype = meta["data_type"]
         codecs = meta.get("codecs", [])
         keys = meta.get("chunk_key_encoding", {"name": "default"})
         attrs = meta.get("attributes", {}) or {}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not isinstance(keys, dict) or not isinstance(attrs, dict):
+            raise TypeError("chunk_key_encoding and attributes must be objects")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptTensorError(f"{where}: unreadable array metadata: {exc!r}") from exc
     fix = (
         "rewrite it as one uncompressed chunk (codecs: bytes, little endian, optionally then "
@@ -273,7 +303,8 @@ def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tupl
         )
     if meta.get("storage_transformers"):
         raise UnsupportedArrayError(f"{where}: storage transformers are not supported: {fix}")
-    sep = (keys.get("configuration") or {}).get("separator", "/")
+    config = keys.get("configuration") or {}
+    sep = config.get("separator", "/") if isinstance(config, dict) else None
     if keys.get("name") != "default" or sep not in ("/", "."):
         raise UnsupportedArrayError(f"{where}: chunk key encoding {keys} is not zarr's default")
     if DTYPE_ATTR in attrs:
@@ -306,7 +337,7 @@ def _scan(root: Path) -> dict[str, tuple[ArraySpec, Path]]:
             continue
         try:
             node_type = json.loads(meta.read_text(encoding="utf-8")).get("node_type")
-        except (OSError, ValueError, AttributeError) as exc:
+        except (OSError, ValueError, AttributeError, RecursionError) as exc:
             raise CorruptTensorError(
                 f"tensor {entry.name!r}: unreadable metadata file {meta}: {exc!r}"
             ) from exc
@@ -421,7 +452,18 @@ class NvmeTier:
     def _open_group(self) -> None:
         group = self.path / "zarr.json"
         if group.is_file():
-            doc = json.loads(group.read_text(encoding="utf-8"))
+            try:
+                doc = json.loads(group.read_text(encoding="utf-8"))
+            except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+                raise ValueError(
+                    f"NVMe store {self.path}: {group} is not readable JSON ({exc}): the store "
+                    "is damaged; write it again into a new directory"
+                ) from None
+            if not isinstance(doc, dict):
+                raise ValueError(
+                    f"NVMe store {self.path}: {group} holds a JSON {type(doc).__name__}, not a "
+                    "zarr group's object: the store is damaged; write it again into a new directory"
+                )
             node_type = doc.get("node_type")
             if doc.get("zarr_format") != 3:
                 raise ValueError(

@@ -20,7 +20,7 @@ from storage.checksum import CHECKSUM_BYTES, decode, file_crc32c
 from storage.chunk_io import ArraySpec
 from storage.nvme import NvmeError, row_chunks
 
-__all__ = ["VerifyReport", "verify_group"]
+__all__ = ["VerifyReport", "chunk_problem", "verify_group"]
 
 
 @dataclass
@@ -63,33 +63,41 @@ def _check_array(name: str, meta: Path, report: VerifyReport) -> None:
 
 
 def _check_chunk(name: str, spec: ArraySpec, chunk: Path, report: VerifyReport) -> None:
+    problem = chunk_problem(name, spec, chunk)
+    if problem is not None:
+        report.problems.append(problem)
+    elif spec.checksum:
+        report.bytes += spec.nbytes
+
+
+def chunk_problem(name: str, spec: ArraySpec, chunk: Path) -> str | None:
+    """What is wrong with ``chunk``, the chunk file of array ``name`` of ``spec``, in one
+    line (missing, a length other than its metadata's, a failed CRC-32C); None if sound.
+    Reads the whole chunk when ``spec`` has a checksum."""
     try:
         size = os.stat(chunk).st_size
     except FileNotFoundError:
-        report.problems.append(f"tensor {name!r}: chunk file {chunk} is missing")
-        return
+        return f"tensor {name!r}: chunk file {chunk} is missing"
     if size != spec.file_bytes:
-        report.problems.append(
+        return (
             f"tensor {name!r}: chunk file {chunk} holds {size} bytes, its metadata needs "
             f"{spec.file_bytes} bytes"
         )
-        return
     if not spec.checksum:
-        return
+        return None
     try:
         computed, _ = file_crc32c(chunk, spec.nbytes)
         with open(chunk, "rb") as f:
             f.seek(spec.nbytes)
             stored = decode(f.read(CHECKSUM_BYTES))
     except OSError as exc:
-        report.problems.append(f"tensor {name!r}: chunk file {chunk} cannot be read: {exc}")
-        return
-    report.bytes += spec.nbytes
+        return f"tensor {name!r}: chunk file {chunk} cannot be read: {exc}"
     if computed != stored:
-        report.problems.append(
+        return (
             f"tensor {name!r}: chunk file {chunk} fails its CRC-32C check (stored "
             f"{stored:#010x}, computed {computed:#010x})"
         )
+    return None
 
 
 def verify_group(root: str | os.PathLike[str], prefix: str = "") -> VerifyReport:
@@ -102,7 +110,7 @@ def verify_group(root: str | os.PathLike[str], prefix: str = "") -> VerifyReport
     try:
         doc = json.loads((root / "zarr.json").read_text(encoding="utf-8"))
         node_type = doc.get("node_type")
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         report.problems.append(f"{root / 'zarr.json'}: not a readable zarr v3 node: {exc!r}")
         return report
     if node_type != "group":
@@ -115,7 +123,7 @@ def verify_group(root: str | os.PathLike[str], prefix: str = "") -> VerifyReport
         name = prefix + entry.name
         try:
             child = json.loads(meta.read_text(encoding="utf-8")).get("node_type")
-        except (OSError, ValueError, AttributeError) as exc:
+        except (OSError, ValueError, AttributeError, RecursionError) as exc:
             report.problems.append(f"tensor {name!r}: unreadable metadata file {meta}: {exc!r}")
             continue
         if child == "group":

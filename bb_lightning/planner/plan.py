@@ -66,6 +66,25 @@ class PlanOverrides:
     AVX2-only EPYC in fp32 a step took 0.995-1.027 x the fp32 accumulator's
     (``bench/grad_hold.py``)."""
 
+    def __post_init__(self) -> None:
+        """Refuse values out of range, one line naming the field, the value and the range."""
+        for name, low, what in (
+            ("micro_batch", 1, "sequences per pass"),
+            ("grad_accum", 1, "micro-batches per optimizer step"),
+            ("concurrent_seqs", 1, "sequences generated together"),
+            ("prefetch_depth", 1, "blocks paged in ahead"),
+            ("resident_blocks", 0, "blocks kept on the device"),
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            if value is not None and not ok:
+                raise ValueError(
+                    f"PlanOverrides.{name}={value!r}: must be an integer >= {low} ({what}), "
+                    "or null to let the planner choose"
+                )
+        for name in ("weights_tier", "master_tier"):
+            object.__setattr__(self, name, _tier(name, getattr(self, name)))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (tiers as their names)."""
         d = dataclasses.asdict(self)
@@ -82,6 +101,20 @@ class PlanOverrides:
             if d.get(key) is not None:
                 d[key] = Tier(d[key])
         return cls(**d)
+
+
+def _tier(name: str, value: object) -> Tier | None:
+    """``value`` as a :class:`Tier` (its value or name in any case), or None."""
+    if value is None or isinstance(value, Tier):
+        return value
+    for tier in Tier:
+        if isinstance(value, str) and value.strip().lower() == tier.value:
+            return tier
+    names = ", ".join(t.name for t in Tier)
+    raise ValueError(
+        f"PlanOverrides.{name}={value!r}: must be a tier, one of {names}, or null to let "
+        "the planner choose"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
