@@ -57,6 +57,7 @@ from storage.checksum import CHECKSUM_BYTES, crc32c, decode, encode
 from storage.io import aligned_empty, open_backend, padded
 from storage.nvme import (
     NvmeTier,
+    check_name,
     fsync_dir,
     row_chunk_key,
     row_chunked_metadata,
@@ -140,7 +141,7 @@ def _siblings(path: Path, marker: str) -> list[tuple[Path, int]]:
 def _complete(path: Path) -> bool:
     try:
         return bool(json.loads((path / META).read_text(encoding="utf-8"))["format"] == FORMAT)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
 
 
@@ -432,7 +433,55 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"of balance_beam reads versions {READABLE_VERSIONS}: convert it or use a matching "
             f"release"
         )
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {str(root)!r}: {META} is damaged: {problem}; resume from another "
+            "checkpoint or save it again"
+        )
     return meta
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return type(value) is int and value >= low
+
+
+def _meta_problem(meta: Mapping[str, Any]) -> str | None:
+    """What in a ``meta.json`` (format and version already checked) is not as the writer
+    writes it, in a few words; None when every field read later has its type."""
+    if not _is_int(meta.get("step"), 0):
+        return f"step {meta.get('step')!r} is not an integer >= 0"
+    if type(meta.get("weights_only")) is not bool:
+        return f"weights_only {meta.get('weights_only')!r} is not true or false"
+    if not _is_int(meta.get("world_size", 1), 1):
+        return f"world_size {meta.get('world_size')!r} is not an integer >= 1"
+    model = meta.get("model")
+    if not isinstance(model, dict) or (
+        model
+        and not (
+            isinstance(model.get("prefix"), str)
+            and isinstance(model.get("config"), dict)
+            and isinstance(model.get("architectures"), list)
+        )
+    ):
+        return "model is not an object with a prefix, architectures and a config"
+    params = meta.get("parameters")
+    if not isinstance(params, list):
+        return "parameters is not a list"
+    for i, p in enumerate(params):
+        if not (
+            isinstance(p, dict)
+            and isinstance(p.get("shape"), list)
+            and all(_is_int(d, 0) for d in p["shape"])
+            and isinstance(p.get("aliases"), list)
+            and all(isinstance(a, str) for a in p["aliases"])
+        ):
+            return f"parameter {i} is not an object with a shape of integers >= 0 and aliases"
+        try:
+            check_name(p.get("name"))  # type: ignore[arg-type]
+        except ValueError:
+            return f"parameter {i} has the name {p.get('name')!r}, not an array name"
+    return None
 
 
 def read_array(path: str | os.PathLike[str], kind: str, name: str) -> Tensor:

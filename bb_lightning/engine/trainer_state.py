@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.data import AttributeDict
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from storage.nvme import write_synced
@@ -170,16 +171,37 @@ def read(directory: Path, version: int) -> dict[str, Any]:
         return state
     try:
         doc = json.loads((directory / JSON_NAME).read_text(encoding="utf-8"))["state"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise UnsafeStateError(
             f"{directory / JSON_NAME}: unreadable trainer state: {exc!r}"
         ) from exc
-    tensors = (
-        load_file(str(directory / TENSORS_NAME)) if (directory / TENSORS_NAME).exists() else {}
-    )
+    tensors: dict[str, torch.Tensor] = {}
+    if (directory / TENSORS_NAME).exists():
+        try:
+            tensors = load_file(str(directory / TENSORS_NAME))
+        except SafetensorError as exc:
+            raise UnsafeStateError(
+                f"{directory / TENSORS_NAME}: unreadable trainer state tensors ({exc}): "
+                "the file is truncated or corrupt; resume from another checkpoint"
+            ) from None
     others: dict[str, Any] = {}
     if (directory / PICKLE_NAME).exists():
         others = _safe_load(directory / PICKLE_NAME, str(directory / PICKLE_NAME))
-    state = _decode(doc, tensors, others)
-    assert isinstance(state, dict)
+        if not isinstance(others, dict):
+            raise UnsafeStateError(
+                f"{directory / PICKLE_NAME} holds a {type(others).__name__}, not a dict: the "
+                "file is damaged; resume from another checkpoint"
+            )
+    try:
+        state = _decode(doc, tensors, others)
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise UnsafeStateError(
+            f"{directory / JSON_NAME}: damaged trainer state ({type(exc).__name__}: {exc}): "
+            "resume from another checkpoint"
+        ) from None
+    if not isinstance(state, dict):
+        raise UnsafeStateError(
+            f"{directory / JSON_NAME}: the state is a {type(state).__name__}, not an object: "
+            "the file is damaged; resume from another checkpoint"
+        )
     return state
