@@ -26,14 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from bb_lightning.converted import CONFIG_ATTR, FORMAT_ATTR, FORMAT_VERSION
-from bb_lightning.engine.hf_quirks import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, read_weight_index
+from bb_lightning.engine.hf_quirks import (
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_INDEX,
+    read_config,
+    read_weight_index,
+)
 from bb_lightning.hf_load import HFCheckpoint, empty_model
 from storage.io import IOConfig, aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, parse_array
 from storage.tiers import format_bytes
+from storage.verify import chunk_problem
 
 __all__ = ["ConvertReport", "checkpoint_files", "convert_checkpoint"]
 
@@ -118,14 +123,14 @@ def _specs(
 
 
 def _complete(tier: NvmeTier, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether ``name`` is in ``tier`` with this shape and dtype and its whole chunk written."""
+    """Whether ``name`` is in ``tier`` with this shape and dtype and its whole chunk written
+    and sound (its CRC-32C checked: a resumed convert reads what it keeps)."""
     if not tier.contains(name):
         return False
     spec = tier.spec(name)
     if spec.shape != shape or spec.dtype != dtype:
         return False
-    chunk = tier.chunk_path(name)
-    return spec.nbytes == 0 or (chunk.is_file() and chunk.stat().st_size == spec.file_bytes)
+    return spec.nbytes == 0 or chunk_problem(name, spec, tier.chunk_path(name)) is None
 
 
 def convert_checkpoint(
@@ -156,7 +161,7 @@ def convert_checkpoint(
         checkpoint_files(source)  # raises, naming what is missing
     if not (Path(source) / "config.json").is_file():
         raise ValueError(f"checkpoint {source} has no config.json: save it with save_pretrained")
-    model = empty_model(AutoConfig.from_pretrained(source))
+    model = empty_model(read_config(source))
     reader = HFCheckpoint(source, model)
     specs = _specs(reader, model, _DTYPES[dtype] if dtype else None)
     sizes = [_nbytes(shape, dt) for _, shape, dt in specs]
@@ -218,7 +223,9 @@ def _describe(source: Path, target: Path, dtype: str | None) -> None:
     tensors; None: mixed) and source (each file replaced atomically)."""
     group = target / "zarr.json"
     doc = json.loads(group.read_text(encoding="utf-8"))
-    attrs = doc.setdefault("attributes", {})
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict):  # damaged: what convert describes is written whole below
+        attrs = doc["attributes"] = {}
     for name, attr in _CONFIG_FILES.items():
         if (source / name).is_file():
             attrs[attr] = json.loads((source / name).read_text(encoding="utf-8"))

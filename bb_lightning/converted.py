@@ -215,7 +215,16 @@ def store_config(store: ConvertedStore) -> PretrainedConfig:
             f"store {store.path} holds a model of type {model_type!r}, which this transformers "
             "does not know: upgrade transformers or convert another model"
         )
-    return CONFIG_MAPPING[model_type].from_dict(dict(store.config))
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(dict(store.config))
+    except Exception as err:
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise ValueError(
+            f"store {store.path}: its model config is not usable ({reason}): convert the "
+            "model again"
+        ) from None
+    config.name_or_path = str(store.path)  # named by a refusal to build the model
+    return config
 
 
 def load_converted(store: ConvertedStore, config: PretrainedConfig) -> PreTrainedModel:

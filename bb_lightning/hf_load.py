@@ -147,6 +147,18 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def unbuildable(config: PretrainedConfig, err: BaseException) -> ValueError:
+    """The one-line ``ValueError`` for a config transformers read but cannot build a model
+    from (a value of the wrong type or range that its config class let through), naming
+    where the config came from (its ``name_or_path``) when it says."""
+    where = config.name_or_path or f"model_type={config.model_type!r}"
+    reason = " ".join(str(err).split())[:200] or type(err).__name__
+    return ValueError(
+        f"{where}: transformers cannot build the model from its config ({type(err).__name__}: "
+        f"{reason}): correct the field, or write the config again with save_pretrained"
+    )
+
+
 def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """``AutoModelForCausalLM`` of ``config`` with parameters on the meta device, tied ones tied.
 
@@ -162,6 +174,8 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
         raise ValueError(
             f"model_type={config.model_type!r} has no causal LM in transformers: {first}"
         ) from None
+    except Exception as err:
+        raise unbuildable(config, err) from None
     model.tie_weights()  # _parameters_on_meta creates fresh meta parameters after the tie
     return model
 

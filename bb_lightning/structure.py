@@ -536,8 +536,13 @@ def profile_fields_from_config(config: Any) -> dict[str, Any]:
     """Keyword arguments of ``ModelProfile`` for the model ``config`` describes (meta build)."""
     from transformers import AutoModelForCausalLM
 
+    from bb_lightning.hf_load import unbuildable
+
     cfg = load_config(config)
     _check_causal_lm(cfg)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as err:
+        raise unbuildable(cfg, err) from None
     return profile_fields_from_module(model)

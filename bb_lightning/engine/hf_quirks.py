@@ -83,6 +83,7 @@ __all__ = [
     "forward_options",
     "model_context",
     "no_pad_token",
+    "read_config",
     "read_weight_index",
     "recording",
     "resolve_model",
@@ -216,6 +217,36 @@ def _config_from_dict(values: Mapping[str, Any]) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **values)
 
 
+def read_config(location: str | os.PathLike[str]) -> PretrainedConfig:
+    """The config in ``location``: a model directory (its ``config.json``) or a JSON file.
+
+    ``ValueError`` naming the file, the reason and the fix when the file is not UTF-8 JSON,
+    not an object with a string ``model_type``, or holds values transformers refuses (its
+    config classes refuse with ``TypeError``, ``ValueError`` or their own validation
+    errors, which are reported the same way).
+    """
+    path = Path(location)
+    directory = path.is_dir()
+    path = path / "config.json" if directory else path
+    fix = "write it again with save_pretrained, or correct the field"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise ValueError(f"{path} is not UTF-8 JSON ({exc}): {fix}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise ValueError(
+            f"{path} holds no object with a string 'model_type' (e.g. \"model_type\": "
+            f'"llama"): {fix}'
+        )
+    try:
+        return AutoConfig.from_pretrained(location) if directory else _config_from_dict(doc)
+    except OSError:
+        raise
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ValueError(f"{path} is not a usable model config ({reason}): {fix}") from None
+
+
 def resolve_model(
     spec: str | os.PathLike[str] | Mapping[str, Any] | PretrainedConfig,
     *,
@@ -244,10 +275,9 @@ def resolve_model(
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json: pass a checkpoint dir")
         has_weights = any((path / f).is_file() for f in WEIGHT_FILES)
-        return ResolvedModel(AutoConfig.from_pretrained(path), path if has_weights else None)
+        return ResolvedModel(read_config(path), path if has_weights else None)
     if path.is_file():
-        with path.open() as f:
-            return ResolvedModel(_config_from_dict(json.load(f)), None)
+        return ResolvedModel(read_config(path), None)
     text = os.fspath(spec)
     builtin = (builtins or {}).get(text.strip().lower())
     if builtin is not None:
