@@ -22,7 +22,9 @@ Crash safety: a write goes to ``<chunk>.partial-<pid>-<n>`` in the chunk's
 directory, is fsynced, renamed onto the chunk and the directory fsynced. A
 crash leaves the previous version (or no chunk) and a stale partial file,
 which the next opener removes. One process at a time holds a store, through
-``fcntl.flock`` on ``<path>/.bb-lock``.
+``fcntl.flock`` on ``<path>/.bb-lock``. A run's own scratch directory carries a marker,
+is created when missing and rebuilt at each open; a directory holding anything else is
+refused and never touched (:mod:`storage.scratch`).
 
 Scratch arrays (``create(..., durable=False)``, :meth:`NvmeTier.set_durable`): a tensor
 that only this process reads back, rewritten often (optimizer state, gradient sums,
@@ -50,12 +52,13 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from storage import scratch as scratch_dir
 from storage.checksum import CHECKSUM_BYTES, CODEC, crc32c, decode, file_crc32c
 from storage.chunk_io import (
     ArraySpec,
@@ -71,6 +74,7 @@ from storage.chunk_io import (
     read_verified,
 )
 from storage.io import ALIGNMENT, IOBackend, IOFuture, padded
+from storage.scratch import LOCK_NAME, PARTIAL, SCRATCH_ATTR
 from storage.tiers import Budget, Tier, format_bytes
 
 __all__ = [
@@ -86,8 +90,6 @@ __all__ = [
     "UnsupportedArrayError",
 ]
 
-LOCK_NAME = ".bb-lock"
-PARTIAL = ".partial-"
 DTYPE_ATTR = "torch_dtype"
 
 DTYPES: dict[torch.dtype, str] = {
@@ -154,7 +156,7 @@ def check_name(name: str) -> None:
         or set(name) == {"."}
         or name.startswith("__")
         or PARTIAL in name
-        or name in (LOCK_NAME, "zarr.json")
+        or name in (LOCK_NAME, scratch_dir.MARKER_NAME, "zarr.json")
     )
     if bad:
         raise ValueError(
@@ -356,6 +358,13 @@ class NvmeTier:
     (:class:`StoreLockedError`), creates or opens the group, indexes the arrays
     already there and removes stale partial-write files. Use it as a context
     manager or call :meth:`close`.
+
+    ``scratch`` (a JSON-serialisable description of the run, recorded in the marker):
+    the directory is the opening run's scratch (:mod:`storage.scratch`). A missing one is
+    created when its parent exists; a file, or a directory holding anything but a run's
+    scratch, is refused (``ValueError``) and left untouched; the arrays of the last run's
+    scratch are removed once the lock is held, and each array created carries
+    :data:`~storage.scratch.SCRATCH_ATTR`.
     """
 
     def __init__(
@@ -365,6 +374,7 @@ class NvmeTier:
         capacity: int,
         backend: IOBackend,
         create: bool = True,
+        scratch: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(path).absolute()
         self.backend = backend
@@ -374,8 +384,31 @@ class NvmeTier:
         self._reading: dict[str, tuple[int, int]] = {}  # piece reads: next offset, crc so far
         self._scratch: set[str] = set()  # arrays written in place (durable=False)
         self._torn: set[str] = set()  # scratch arrays whose last write failed part-way
+        self._marked = scratch is not None  # arrays created carry SCRATCH_ATTR
         if capacity < 0:
             raise ValueError(f"NVMe capacity {capacity} bytes is negative: pass a size >= 0")
+        if scratch is not None:
+            self._claim(scratch)
+        try:
+            self._open(capacity, create)
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim(self, built_for: Mapping[str, Any]) -> None:
+        """Take the directory as this run's scratch (:mod:`storage.scratch`): refuse a
+        user's, create a missing one, lock it, remove the last run's arrays, mark it."""
+        scratch_dir.prepare_dir(self.path, key="nvme_path")
+        self._lock()
+        try:
+            scratch_dir.clear(self.path)
+            scratch_dir.write_marker(self.path, built_for)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, capacity: int, create: bool) -> None:
+        """Check the directory and the disk's room, lock the directory, open the group."""
         probe = self._check_path(create)
         existing = _scan(self.path)
         stored = sum(spec.nbytes for spec, _ in existing.values())
@@ -396,12 +429,9 @@ class NvmeTier:
         self._budget = Budget(Tier.NVME, capacity)
         self._arrays: dict[str, tuple[ArraySpec, Path]] = {}
         self.path.mkdir(exist_ok=True)
-        self._lock()
-        try:
-            self._open_group()
-        except BaseException:
-            self.close()
-            raise
+        if self._lock_fd is None:
+            self._lock()
+        self._open_group()
 
     def _check_path(self, create: bool) -> Path:
         """Validate the directory (or its parent); return an existing directory on its disk."""
@@ -554,6 +584,8 @@ class NvmeTier:
                 array_dir = self.path / name
                 array_dir.mkdir(exist_ok=True)
                 meta = array_metadata(dims, dtype, checksum=checksum)
+                if self._marked:
+                    meta["attributes"][SCRATCH_ATTR] = True
                 _write_json_atomic(array_dir / "zarr.json", meta)
                 fsync_dir(self.path)
                 entry = parse_array(name, array_dir / "zarr.json")

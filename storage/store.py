@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -113,6 +114,13 @@ class StoreConfig:
     rewritten often, never reopened by another process) CRC-32C trailers too. Off: their
     chunks are written and read without one (format 1 layout), which spares a checksum
     pass over every byte each way (about 1 CPU second per 6 GB on one core)."""
+    nvme_scratch: Mapping[str, Any] | None = None
+    """The NVMe directory is the opening run's scratch (:mod:`storage.scratch`): a
+    JSON-serialisable description of what the run built it for, recorded in the
+    directory's marker. A missing directory is created when its parent exists; a file, or
+    a directory holding anything but a run's scratch (a converted store, a checkpoint, a
+    user's files), is refused and left untouched; the last run's scratch arrays are
+    removed. None: a plain store directory, reopened with its arrays."""
     cuda_double: bool | None = None
     """On a CPU device, run copies between the device arena and host memory under the CPU
     double of CUDA's semantics (:mod:`storage.deferred`: destinations poisoned until the
@@ -201,7 +209,10 @@ class TieredStore:
             backend = open_backend(config.io)
             try:
                 self._nvme = NvmeTier(
-                    config.nvme_path, capacity=config.nvme_budget, backend=backend
+                    config.nvme_path,
+                    capacity=config.nvme_budget,
+                    backend=backend,
+                    scratch=config.nvme_scratch,
                 )
             except BaseException:
                 backend.close()
