@@ -5,8 +5,12 @@ launcher starting the other ranks), on gloo, each rank on one thread.
 A training run is cached for the whole pytest run by its arguments, so that the tests
 comparing it with another (equivalence, resume) share it; under pytest-xdist the workers
 share one cache directory, and a run another worker started is waited for (a file lock)
-and read, not run again. Every launched run gets its own free
-``MASTER_PORT`` and a timeout; the launched process and the ranks it starts are one
+and read, not run again; an attempt that failed before its record was written is moved
+aside, so a run never starts in a directory another left half-written. Every launched
+run gets a rendezvous store of its own, hosted by this process on a port the kernel
+picked and kept bound (``TORCHELASTIC_USE_AGENT_STORE``: every rank connects to it, none
+binds ``MASTER_PORT`` itself, so no other process can take the port between its choice
+and its use), and a timeout; the launched process and the ranks it starts are one
 process group, killed when the run ends, so a rank that hangs cannot outlive its test.
 """
 
@@ -18,17 +22,19 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 SCRIPT = Path(__file__).resolve().parent / "dp_run.py"
@@ -59,11 +65,24 @@ PROMPT_LLAMA: dict[str, Any] = {
 """The generating model: byte tokens plus pad 256, bos 257, eos 258."""
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@contextmanager
+def rendezvous(timeout: float) -> Iterator[dict[str, str]]:
+    """The environment that points a run's ranks at a rendezvous store hosted here, for
+    ``timeout`` seconds at most: a ``TCPStore`` server on a port the kernel picks and that
+    stays bound while the run lasts. With ``TORCHELASTIC_USE_AGENT_STORE`` every rank,
+    rank 0 included, connects to it as a client (``torch.distributed.rendezvous``), so no
+    rank binds ``MASTER_PORT``, which another process could have taken meanwhile."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
+    try:
+        yield {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    finally:
+        del store
 
 
 @dataclass
@@ -108,8 +127,13 @@ class Run:
 
 
 def launch(out: Path, *args: str, timeout: float = TIMEOUT) -> Run:
-    """Run ``dp_run.py --out out ARGS`` in a new process group with a free master port."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    """Run ``dp_run.py --out out ARGS`` in a new process group, its ranks meeting at a
+    rendezvous store of their own (:func:`rendezvous`)."""
+    with rendezvous(timeout) as meeting:
+        return _launch(out, dict(os.environ, **meeting), list(args), timeout)
+
+
+def _launch(out: Path, env: dict[str, str], args: list[str], timeout: float) -> Run:
     env["OMP_NUM_THREADS"] = "1"
     for key in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
@@ -164,6 +188,8 @@ def _once(out: Path, run: Callable[[], Run]) -> Run:
     record = out / "run.json"
     with _locked(out.parent / f"{out.name}.lock"):
         if not record.exists():
+            if out.exists():  # an attempt that failed: kept for its files, out of the way
+                out.rename(out.with_name(f"{out.name}.failed-{os.getpid()}-{time.time_ns()}"))
             done = run()
             out.mkdir(parents=True, exist_ok=True)
             record.write_text(json.dumps({**asdict(done), "out": str(done.out)}))
@@ -172,11 +198,12 @@ def _once(out: Path, run: Callable[[], Run]) -> Run:
 
 
 class Runs:
-    """Cached runs of ``dp_run.py``: named ones under ``root`` (this process's), training
-    runs under ``shared`` (every xdist worker's), keyed by their arguments."""
+    """Runs of ``dp_run.py``: training runs cached under ``shared`` (every xdist
+    worker's), keyed by their arguments; the others into directories their callers make
+    afresh (``tmp_path``), so that a fixture built again never meets its last build's
+    files."""
 
-    def __init__(self, root: Path, shared: Path, model: Path, prompt_model: Path) -> None:
-        self.root = root
+    def __init__(self, shared: Path, model: Path, prompt_model: Path) -> None:
         self.shared = shared
         self.model = model
         self.prompt_model = prompt_model
@@ -202,18 +229,19 @@ class Runs:
 
         return _once(out, run)
 
-    def predict(self, name: str, devices: int, prompts: Path, predictions: Path) -> Run:
+    def predict(self, out: Path, devices: int, prompts: Path, predictions: Path) -> Run:
         """A predict run of the generating model at ``devices`` ranks (one: in this
-        process); checked."""
+        process), writing its files under ``out``; checked."""
         argv = ["--devices", str(devices), "--model", str(self.prompt_model)]
         argv += ["--predict", str(prompts), "--predictions", str(predictions)]
         if devices == 1:
-            return in_process(self.root / name, *argv)
-        return launch(self.root / name, *argv).check()
+            return in_process(out, *argv)
+        return launch(out, *argv).check()
 
-    def unchecked(self, name: str, *args: str) -> Run:
-        """A training run of the tiny Llama that may fail (its exit status is the result)."""
-        return launch(self.root / name, "--model", str(self.model), *args, timeout=120)
+    def unchecked(self, out: Path, *args: str) -> Run:
+        """A training run of the tiny Llama writing under ``out`` that may fail (its exit
+        status is the result)."""
+        return launch(out, "--model", str(self.model), *args, timeout=120)
 
 
 def _save(config: dict[str, Any], path: Path, seed: int) -> Path:
@@ -236,4 +264,4 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         for name, config, seed in (("llama", LLAMA, 0), ("prompt-llama", PROMPT_LLAMA, 3)):
             if not (models / name / "config.json").exists():
                 _save(config, models / name, seed)
-    return Runs(tmp_path_factory.mktemp("runs"), shared, models / "llama", models / "prompt-llama")
+    return Runs(shared, models / "llama", models / "prompt-llama")

@@ -19,9 +19,9 @@ def test_spawn_is_refused() -> None:
 
 
 @pytest.mark.slow
-def test_unequal_initial_weights_are_refused(runs: Any) -> None:
+def test_unequal_initial_weights_are_refused(runs: Any, tmp_path: Path) -> None:
     # random weights from the same seed on both ranks, then rank 1 changes one in block 1
-    run = runs.unchecked("unequal", "--devices", "2", "--accum", "2", "--from-config", "--perturb")
+    run = runs.unchecked(tmp_path, "--devices", "2", "--accum", "2", "--from-config", "--perturb")
     assert run.returncode != 0
     assert "ValueError" in run.stderr and "initial weights differ" in run.stderr
     message = run.stderr[run.stderr.index("initial weights differ") :].splitlines()[0]
@@ -29,15 +29,15 @@ def test_unequal_initial_weights_are_refused(runs: Any) -> None:
 
 
 @pytest.mark.slow
-def test_checkpoint_directory_every_rank_cannot_see_is_refused(runs: Any) -> None:
+def test_checkpoint_directory_every_rank_cannot_see_is_refused(runs: Any, tmp_path: Path) -> None:
     # ``here`` is a link to the cwd of whichever process follows it, and each rank moves
     # to a directory of its own before saving: one path string, two directories
-    out = runs.root / "not-shared"
+    out = tmp_path / "not-shared"
     for rank in (0, 1):
         (out / "cwd" / f"rank{rank}").mkdir(parents=True)
     os.symlink("/proc/self/cwd", out / "here")
     run = runs.unchecked(
-        "not-shared", "--devices", "2", "--accum", "2", "--steps", "1",
+        tmp_path, "--devices", "2", "--accum", "2", "--steps", "1",
         "--chdir", str(out / "cwd"), "--ckpt", str(out / "here" / "ckpt"),
     )  # fmt: skip
     assert run.returncode != 0
@@ -47,11 +47,11 @@ def test_checkpoint_directory_every_rank_cannot_see_is_refused(runs: Any) -> Non
 
 @pytest.mark.slow
 def test_an_error_on_one_rank_ends_every_rank_without_waiting_for_the_timeout(
-    runs: Any,
+    runs: Any, tmp_path: Path
 ) -> None:
     # the collectives' timeout is 60 s: a rank left waiting in one would print "Timed out"
     run = runs.unchecked(
-        "raises", "--devices", "2", "--accum", "2", "--raise-at", "1", "--pg-timeout", "60"
+        tmp_path, "--devices", "2", "--accum", "2", "--raise-at", "1", "--pg-timeout", "60"
     )
     assert run.returncode != 0
     assert "the user's training_step fails at step 1" in run.stderr
@@ -60,13 +60,13 @@ def test_an_error_on_one_rank_ends_every_rank_without_waiting_for_the_timeout(
 
 @pytest.mark.slow
 def test_a_checkpoint_directory_rank_0_cannot_create_is_refused_on_every_rank(
-    runs: Any,
+    runs: Any, tmp_path: Path
 ) -> None:
-    out = runs.root / "unwritable"
+    out = tmp_path / "unwritable"
     out.mkdir(parents=True)
     (out / "a-file").write_text("not a directory\n")
     run = runs.unchecked(
-        "unwritable", "--devices", "2", "--accum", "2", "--steps", "1", "--pg-timeout", "60",
+        tmp_path, "--devices", "2", "--accum", "2", "--steps", "1", "--pg-timeout", "60",
         "--ckpt", str(out / "a-file" / "ckpt"),
     )  # fmt: skip
     assert run.returncode != 0

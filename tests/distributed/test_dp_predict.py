@@ -39,10 +39,14 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def whole(runs: Any) -> tuple[Any, Path]:
-    """A 2-rank run over the 7 prompts from nothing: (its run, the merged file)."""
-    out = runs.root / "predict-whole" / "out.jsonl"
-    return runs.predict("predict-whole", 2, _prompts(out.parent), out), out
+def whole(runs: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A 2-rank run over the 7 prompts from nothing: (its run, the merged file).
+
+    In a directory of its own at every build: a worker that tore the fixture down and
+    builds it again for a test it takes later must not resume its last build's output."""
+    root = tmp_path_factory.mktemp("predict-whole")
+    out = root / "out.jsonl"
+    return runs.predict(root, 2, _prompts(root), out), out
 
 
 def test_two_ranks_write_every_id_once_with_greedy_tokens(runs: Any, whole: Any) -> None:
@@ -68,29 +72,29 @@ def test_two_ranks_write_every_id_once_with_greedy_tokens(runs: Any, whole: Any)
         assert record["token_ids"] == (want[: want.index(EOS)] if EOS in want else want)
 
 
-def test_seeded_shard_with_a_torn_line_resumes(runs: Any, whole: Any) -> None:
+def test_seeded_shard_with_a_torn_line_resumes(runs: Any, whole: Any, tmp_path: Path) -> None:
     _, done = whole
     lines = done.read_text().splitlines(keepends=True)
-    out = runs.root / "predict-seeded" / "out.jsonl"
-    prompts = _prompts(out.parent)
+    out = tmp_path / "out.jsonl"
+    prompts = _prompts(tmp_path)
     # rank 0 of an earlier 2-rank run wrote three records and was killed inside the fourth
     shard_path(out, 0, 2).write_text(lines[0] + lines[2] + lines[4] + lines[6][:11])
-    run = runs.predict("predict-seeded", 2, prompts, out)
+    run = runs.predict(tmp_path, 2, prompts, out)
     seen = run.seen()
     assert sorted(seen[0] + seen[1]) == ["p1", "p3", "p5", "p6"]  # the torn one again
     assert out.read_text() == done.read_text()
     assert find_shards(out) == []
 
 
-def test_one_process_resumes_what_two_ranks_left(runs: Any, whole: Any) -> None:
+def test_one_process_resumes_what_two_ranks_left(runs: Any, whole: Any, tmp_path: Path) -> None:
     _, done = whole
     lines = done.read_text().splitlines(keepends=True)
-    out = runs.root / "predict-shrunk" / "out.jsonl"
-    prompts = _prompts(out.parent)
+    out = tmp_path / "out.jsonl"
+    prompts = _prompts(tmp_path)
     # a 2-rank run killed early: rank 0 wrote p0, p2 and half of p4, rank 1 wrote p1
     shard_path(out, 0, 2).write_text(lines[0] + lines[2] + lines[4][:7])
     shard_path(out, 1, 2).write_text(lines[1])
-    run = runs.predict("predict-shrunk", 1, prompts, out)
+    run = runs.predict(tmp_path, 1, prompts, out)
     assert run.seen() == {0: ["p3", "p4", "p5", "p6"]}
     assert out.read_text() == done.read_text()
     assert find_shards(out) == []
