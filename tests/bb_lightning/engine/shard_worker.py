@@ -1,11 +1,12 @@
 """One rank of the sharded-engine test (``test_shard.py``): ``python shard_worker.py RANK
-PORT DIR`` trains every case of :data:`CASES` on its half of each global batch over a
+DIR`` trains every case of :data:`CASES` on its half of each global batch over a
 2-process gloo world, saves and resumes checkpoints, and saves the gathered state to
-``DIR/rank<RANK>.pt``. The test imports its helpers for the 1-process runs."""
+``DIR/rank<RANK>.pt``. The ranks meet through a file in ``DIR`` (``file://``
+rendezvous), not a port chosen beforehand that another process could take. The test
+imports its helpers for the 1-process runs."""
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -252,10 +253,10 @@ def _refusal(rank: int, comm: ShardComm, tmp: Path, *, frozen: bool) -> dict[str
     return {"message": ""}
 
 
-def _rank(rank: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, tmp: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    meeting = (Path(tmp) / "rendezvous").resolve().as_uri()
+    dist.init_process_group("gloo", init_method=meeting, rank=rank, world_size=WORLD)
     try:
         comm = ShardComm.from_world()
         results = {case: _train(rank, comm, Path(tmp), case) for case in CASES}
@@ -271,4 +272,4 @@ def _rank(rank: int, port: int, tmp: str) -> None:
 
 
 if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _rank(int(sys.argv[1]), sys.argv[2])

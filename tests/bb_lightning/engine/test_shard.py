@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -47,12 +46,6 @@ from .shard_worker import (
 from .tiny import tiny_llama
 
 WORKER = Path(__file__).with_name("shard_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _reference(case: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
@@ -97,9 +90,8 @@ def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         run_steps(engine, RESUMED, 0, 1, range(STEPS - 1))
         save(engine, tmp / "one.ckpt")
         engine.close()
-    port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), port, str(tmp)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(tmp)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]  # fmt: skip
     logs = []
