@@ -106,6 +106,50 @@ class _SaveConfigWhenRunning(SaveConfigCallback):
         self._save(trainer, pl_module)
 
 
+def _check_recipe_files(words: list[str], command: str) -> None:
+    """Raise :class:`UsageError` naming a ``--config`` recipe file that is not UTF-8 YAML
+    holding a mapping (jsonargparse names only ``"<unicode string>"``, or fails outside its
+    own errors); a file that does not exist is left to jsonargparse."""
+    import yaml
+
+    recipes = [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("-c", "--config")]
+    recipes += [w.split("=", 1)[1] for w in words if w.startswith("--config=")]
+    fix = f"fix the file (bb-lightning {command} --help lists the keys)"
+    for recipe in recipes:
+        try:
+            text = Path(recipe).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            continue
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(
+                f"recipe {recipe} cannot be read as UTF-8 text ({err}): {fix}"
+            ) from None
+        try:
+            doc = yaml.safe_load(text)
+        except (yaml.YAMLError, RecursionError) as err:
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            raise UsageError(f"recipe {recipe} is not readable YAML ({reason}): {fix}") from None
+        if not isinstance(doc, dict):
+            raise UsageError(
+                f"recipe {recipe} holds a YAML {type(doc).__name__}, not a mapping of keys "
+                f"(model:, data:, trainer:, ...): {fix}"
+            )
+
+
+def _check_sections(cfg: Any, command: str) -> None:
+    """Raise :class:`UsageError` for a ``model``, ``data`` or ``trainer`` that is not a mapping
+    (jsonargparse lets ``trainer: [1]`` through to the build)."""
+    from jsonargparse import Namespace
+
+    for key in ("model", "data", "trainer"):
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, (Namespace, dict)):
+            raise UsageError(
+                f"recipe key {key!r} is {value!r}, not a mapping of its arguments: write it as "
+                f"'{key}:' followed by indented keys (see bb-lightning {command} --help)"
+            )
+
+
 def _build_lightning_cli(args: list[str], *, cls: type | None = None) -> Any:
     """Run a :class:`BalanceBeamCLI` (or ``cls``) on ``args`` (the subcommand first)."""
     from lightning.pytorch import LightningDataModule
@@ -223,6 +267,9 @@ class BalanceBeamCLI(LightningCLI):
         from jsonargparse import ArgumentError
 
         self._args = [a for a in (args or []) if isinstance(a, str)]
+        _check_recipe_files(
+            self._args, next((a for a in self._args if a in self.subcommands()), "fit")
+        )
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -257,6 +304,7 @@ class BalanceBeamCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self._config()
+        _check_sections(cfg, self.subcommand or "fit")
         _resolve_placeholders(cfg)
         model = cfg.get("model")
         init = getattr(model, "init_args", None)
