@@ -307,7 +307,12 @@ def _drop_cache(path: str) -> None:
 
 
 def _probe_nvme(
-    nvme_path: str, seconds: float, timing: Timing = contention.SYSTEM, *, beside: bool = False
+    nvme_path: str,
+    seconds: float,
+    timing: Timing = contention.SYSTEM,
+    *,
+    beside: bool = False,
+    cpu_clock: Callable[[], float] = time.process_time,
 ) -> tuple[float, float, int, float]:
     """(read bytes/s, write bytes/s, free bytes, compute seconds per byte moved) of the
     filesystem holding ``nvme_path``.
@@ -318,7 +323,8 @@ def _probe_nvme(
     of the compute's cores (2 cores with AMX, a virtual disk: 0.04-0.08 CPU-seconds per
     GB). With ``beside`` (a CPU device), also what a loop of matrix products loses beside
     reads and beside writes (:func:`_compute_lost_per_byte`), which includes the cores'
-    time a hypervisor takes to emulate the disk: the larger of the two."""
+    time a hypervisor takes to emulate the disk: the larger of the two. ``cpu_clock``: the
+    process's CPU seconds (user and system, every thread)."""
     from storage.io import IOFuture, aligned_empty, open_backend
 
     total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
@@ -343,14 +349,14 @@ def _probe_nvme(
 
             for p, b in zip(paths, buffers, strict=True):  # the files exist, as chunks do
                 backend.write_async(p, b, per_file).wait()
-            cpu = time.process_time()
+            cpu = cpu_clock()
             write_s = all_files(_rewrite(backend), "nvme write")
-            cpu = time.process_time() - cpu
+            cpu = cpu_clock() - cpu
             for p in paths:
                 _drop_cache(p)
-            cpu -= time.process_time()
+            cpu -= cpu_clock()
             read_s = all_files(backend.read_async, "nvme read")
-            cpu += time.process_time()
+            cpu += cpu_clock()
             if int(buffers[-1][0]) != files:
                 raise AssertionError("NVMe probe read back other bytes than it wrote")
             lost = (
@@ -386,12 +392,15 @@ def _loop_beside(
     per_file: int,
     write: bool,
     loop: Callable[[], float],
+    *,
+    stop: threading.Event | None = None,
 ) -> tuple[float, int, int]:
     """(seconds, loops, bytes): ``loop()`` run beside reads (or writes) of ``paths``, again
     until at least one transfer has finished (a slow disk's first file may outlast a
     loop), at most :data:`BESIDE_MAX_LOOPS` times; the bytes whose transfer finished
-    meanwhile."""
-    stop = threading.Event()
+    meanwhile. ``stop``: the event set once the loops are done, which ends the
+    transfers (a new one if None)."""
+    stop = threading.Event() if stop is None else stop
     moved = [0]
 
     def transfers() -> None:
@@ -418,7 +427,12 @@ def _loop_beside(
 
 
 def _compute_lost_per_byte(
-    backend: Any, paths: list[str], buffers: list[torch.Tensor], per_file: int, seconds: float
+    backend: Any,
+    paths: list[str],
+    buffers: list[torch.Tensor],
+    per_file: int,
+    seconds: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Seconds a loop of fp32 matrix products on the calling thread's team loses per byte
     the I/O backend moves beside it: the mean of the loss beside reads of ``paths`` and
@@ -431,15 +445,16 @@ def _compute_lost_per_byte(
     takes to emulate the disk (steal time, on no process's account). Measured on a 2-core
     AMD EPYC VM: 0.20 s per GB beside reads, 0.47 beside writes, where the process's own
     CPU time was 0.10-0.12 CPU-seconds per GB (``bench/io_beside_compute.py``).
+    ``clock``: the seconds the loops are timed by.
     """
     a = torch.randn(512, 512)
     out = torch.empty_like(a)
 
     def products(n: int) -> float:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(n):
             torch.mm(a, a, out=out)
-        return time.perf_counter() - start
+        return clock() - start
 
     n = max(4, int(seconds / max(products(8) / 8, 1e-9)))
     alone = products(n)
