@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -396,18 +395,23 @@ def test_write_backs_in_flight_land_in_issue_order(
     nvme = store._nvme
     assert nvme is not None
     real = nvme.backend.write_async
-    second_started = threading.Event()
+    second_started, second_landed = threading.Event(), threading.Event()
     started: list[int] = []
 
     def slow_first(path: object, src: torch.Tensor, *args: object, **kwargs: object) -> object:
         pattern = int(src[:4].view(torch.int32)[0])  # 1: the first write, 0: the second
         started.append(pattern)
-        if pattern == 1:  # the first write waits (briefly) for the second to start,
-            if second_started.wait(timeout=0.3):  # which happens only when they are not ordered
-                time.sleep(0.2)  # and lets it finish first
-        else:
-            second_started.set()
-        return real(path, src, *args, **kwargs)  # type: ignore[arg-type]
+        if pattern == 1:  # the first write gives the second a window to start, which it
+            # takes only when they are not ordered (a correct store lets the window pass:
+            # it bounds what the test detects, and cannot fail a correct store)
+            if second_started.wait(timeout=0.3):
+                assert second_landed.wait(timeout=120)  # and lands after it
+            return real(path, src, *args, **kwargs)  # type: ignore[arg-type]
+        second_started.set()
+        done = real(path, src, *args, **kwargs)  # type: ignore[arg-type]
+        done.wait()
+        second_landed.set()
+        return done
 
     monkeypatch.setattr(nvme.backend, "write_async", slow_first)
     first, second = torch.full((1000,), 1, dtype=torch.int32), torch.arange(1000, dtype=torch.int32)
@@ -638,7 +642,7 @@ def test_memory_copies_do_not_queue_behind_disk_traffic(
 
         def held(rec: Any, *args: Any) -> Any:
             if rec.home is Tier.NVME:
-                assert gate.wait(timeout=30)
+                assert gate.wait(timeout=120)  # a hang guard only
             return original(rec, *args)
 
         monkeypatch.setattr(s._io, "store", held)

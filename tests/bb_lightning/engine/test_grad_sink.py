@@ -5,7 +5,6 @@ when the host synchronises on them)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -54,10 +53,33 @@ def test_gradients_arrive_exact_through_the_store_copies() -> None:
         sink.close()
 
 
+class _Slots:
+    """The sink's slots, telling when a caller has to wait for one (an event, no clock)."""
+
+    def __init__(self, inner: threading.BoundedSemaphore) -> None:
+        self._inner = inner
+        self.blocked = threading.Event()
+
+    def acquire(self) -> bool:
+        if not self._inner.acquire(blocking=False):
+            self.blocked.set()
+            return self._inner.acquire()
+        return True
+
+    def release(self) -> None:
+        self._inner.release()
+
+
+HANG = 120.0
+"""Seconds after which a thread that never arrives fails the test (a hang guard only)."""
+
+
 def test_at_most_two_batches_are_pending() -> None:
     """While the worker is held, a third batch blocks the caller; nothing is lost."""
     with _double_store() as store:
         sink = GradSink(store=store)
+        slots = _Slots(sink._slots)
+        sink._slots = slots  # type: ignore[assignment]
         gate = threading.Event()
         order: list[int] = []
 
@@ -72,15 +94,15 @@ def test_at_most_two_batches_are_pending() -> None:
                 sink.process_async(_grads(k), lambda _h, k=k: work(k))
                 issued.append(k)
 
-        producer = threading.Thread(target=backward)
+        producer = threading.Thread(target=backward, daemon=True)
         producer.start()
-        deadline = time.monotonic() + 5
-        while len(issued) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
-        assert issued == [0, 1]  # the third waits for a free slot
-        gate.set()
-        producer.join(timeout=10)
+        try:
+            assert slots.blocked.wait(HANG), "no batch ever waited for a slot"
+            assert issued == [0, 1]  # the third waits for a free slot, the worker being held
+        finally:
+            gate.set()  # a failed check leaves no thread waiting
+        producer.join(HANG)
+        assert not producer.is_alive()
         sink.wait()
         assert order == [0, 1, 2, 3, 4] and sink.peak_pending == 2
         sink.close()
