@@ -214,21 +214,22 @@ def explain_instantiation(message: str, config: Any, command: str) -> str | None
     own = [ln for ln in _leaves(message) if not ln.startswith("Expected a")]
     if not own:
         return None
-    text = own[0]
+    text, hint = own[0], f"(see bb-lightning {command} --help)"
     m = _OWN_NAME.match(text)
     leaves = _flatten(config)
     heads = [k[: -len(".class_path")] for k, v in leaves.items()
              if k.endswith(".class_path") and f"class_path='{v}'" in message]  # fmt: skip
+    where = f"{heads[0]}: " if heads else ""
     if m is None or not heads:
-        return f"{heads[0]}: {text}" if heads else text
+        return f"{where}{text} {hint}"
     name, value = m.group(1).split("[")[0], m.group(2)
     keys = [k for k in leaves if any(k.startswith(h + ".init_args.") for h in heads)
             and k.rsplit(".", 1)[-1] == name]  # fmt: skip
     keys = [k for k in keys if str(leaves[k]) == value] or keys
     if not keys:
-        return f"{heads[0]}: {text}"
+        return f"{where}{text} {hint}"
     index = m.group(1)[len(name) :]
-    return f"{keys[0]}{index}={value}: {_without_name(text)} (see bb-lightning {command} --help)"
+    return f"{keys[0]}{index}={value}: {_without_name(text)} {hint}"
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -277,24 +277,41 @@ class BalanceBeamCLI(LightningCLI):
             command = next((a for a in words if a in self.subcommands()), "fit")
             sub = getattr(self, "_subcommand_parsers", {}).get(command, parser)
             raise UsageError(explain_jsonargparse(str(err), parser_keys(sub), command)) from None
+        self._check_values(next((a for a in self._args if a in self.subcommands()), "fit"))
 
     def instantiate_classes(self) -> None:
         """Build the classes as LightningCLI does; a class's own check of a value (wrapped by
         jsonargparse in a message of every type it tried) becomes one :class:`UsageError`
         line naming the recipe key, the value and what is accepted."""
-        sample_tokens = self._config().get("sample_tokens", 64)
-        if not isinstance(sample_tokens, int) or sample_tokens < 1:
-            raise UsageError(
-                f"sample_tokens={sample_tokens}: must be an integer >= 1 (tokens generated per "
-                f"sample prompt), e.g. 64 (see bb-lightning {self.subcommand or 'fit'} --help)"
-            )
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        command = self.subcommand or "fit"
         try:
             super().instantiate_classes()
         except ValueError as err:
-            line = explain_instantiation(str(err), self._config(), self.subcommand or "fit")
+            line = explain_instantiation(str(err), self._config(), command)
             if line is None:
                 raise
             raise UsageError(line) from None
+        except MisconfigurationException as err:  # the Trainer's own checks
+            raise UsageError(f"{first_line(err)} (see bb-lightning {command} --help)") from None
+
+    def _check_values(self, command: str) -> None:
+        """Refuse the top-level values out of range, before the seed is set."""
+        cfg = self.config.get(command, self.config)
+        hint = f"(see bb-lightning {command} --help)"
+        sample_tokens = cfg.get("sample_tokens", 64)
+        if not isinstance(sample_tokens, int) or sample_tokens < 1:
+            raise UsageError(
+                f"sample_tokens={sample_tokens}: must be an integer >= 1 (tokens generated per "
+                f"sample prompt), e.g. 64 {hint}"
+            )
+        seed = cfg.get("seed_everything")
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
+            raise UsageError(
+                f"seed_everything={seed}: must be an integer in 0..{2**32 - 1}, true (a random "
+                f"seed) or false (none), e.g. 0 {hint}"
+            )
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Run it with ``sys.argv`` saying the command: Lightning's launcher of several

@@ -14,6 +14,7 @@ tensors (:func:`unwrap_saved_copies` gives the checkpoint's name of each).
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 """Llama-style attention and MLP projections."""
 
 
+def _number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool, not NaN)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoraOptions:
     """Low-rank adapters on a model's linear layers (Hu et al. 2021, "LoRA")."""
@@ -61,14 +67,20 @@ class LoraOptions:
     ``peft`` trains a copy of each, saved with the adapters, and keeps the original frozen."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"LoRA rank={self.rank!r} must be a positive integer (e.g. 16)")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha={self.alpha!r} must be > 0 (e.g. 2 x rank)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
+        if not _number(self.alpha) or not self.alpha > 0:
+            raise ValueError(f"LoRA alpha={self.alpha!r} must be a number > 0 (e.g. 2 x rank)")
+        if not _number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout={self.dropout!r} must be a number in [0, 1)")
         if not self.target_modules:
             raise ValueError("LoRA target_modules is empty: name the layers, e.g. ['q_proj']")
+        for key in ("target_modules", "modules_to_save"):
+            names = getattr(self, key)
+            if not all(isinstance(n, str) and n for n in names):
+                raise ValueError(
+                    f"LoRA {key}={list(names)!r} must be a list of layer names, e.g. ['q_proj']"
+                )
 
     @classmethod
     def from_value(cls, value: LoraOptions | dict[str, Any]) -> LoraOptions:
@@ -82,7 +94,12 @@ class LoraOptions:
         fields = dict(value)
         for key in ("target_modules", "modules_to_save"):
             if key in fields:
-                fields[key] = tuple(fields[key])
+                names = fields[key]
+                if isinstance(names, str) or not isinstance(names, list | tuple):
+                    raise ValueError(
+                        f"LoRA {key}={names!r} must be a list of layer names, e.g. ['q_proj']"
+                    )
+                fields[key] = tuple(names)
         return cls(**fields)
 
     def peft_config(self) -> Any:
