@@ -12,6 +12,7 @@ gradient accumulators). The strategy's hooks ask the engine through one protocol
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "Assembly",
     "Engine",
     "EngineSlot",
+    "as_scratch",
     "build_engine",
     "checkpoint_loader",
     "engine_calls",
@@ -107,6 +109,7 @@ def build_engine(
                                placement)  # fmt: skip
         sized = need
     config, tmpdir = (store, None) if store is not None else store_config(sized, nvme_path, device)
+    config = as_scratch(config, blocks, placement, training=training)
     opened: TieredStore | None = None
     try:
         check_budgets(need, _arena_bytes(config))
@@ -167,6 +170,26 @@ def store_config(
         device=str(device),
     )
     return config, tmpdir
+
+
+def as_scratch(
+    config: StoreConfig, blocks: Sequence[nn.Module], placement: Placement, *, training: bool
+) -> StoreConfig:
+    """``config`` with its NVMe directory taken as the run's scratch (:mod:`storage.scratch`):
+    the engines write every tensor they store before reading it, so the last run's arrays
+    there are removed whatever they were built for, and a directory holding anything else
+    (a converted store, a checkpoint, a user's files) is refused untouched. The marker
+    records what this run built it for: the engine, the compute dtype, each block's
+    parameter count and the placement."""
+    if config.nvme_path is None:
+        return config
+    built_for = {
+        "engine": "training" if training else "weights only",
+        "compute_dtype": placement.compute_dtype,
+        "block_params": [sum(p.numel() for p in b.parameters()) for b in blocks],
+        "placement": placement.to_dict(),
+    }
+    return dataclasses.replace(config, nvme_scratch=built_for)
 
 
 def _replan_room(

@@ -26,6 +26,7 @@ from bb_lightning.cli_errors import (
     first_line,
     parser_keys,
 )
+from bb_lightning.world import prepare_nvme_dir
 
 __all__ = ["BalanceBeamCLI", "parse_recipe", "run_lightning_cli"]
 
@@ -332,8 +333,16 @@ class BalanceBeamCLI(LightningCLI):
                 init["model"] = _write_model_config(inline, Path(root))
         strategy = cfg.get("trainer", {}).get("strategy")
         nvme = getattr(getattr(strategy, "init_args", None), "nvme_path", None)
-        if isinstance(nvme, str):
-            Path(nvme).mkdir(parents=True, exist_ok=True)
+        if isinstance(nvme, str):  # a recipe's path under runs/: its parents are made
+            parent = Path(nvme).absolute().parent
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise UsageError(
+                    f"nvme_path {nvme!r}: its parent directory {str(parent)!r} cannot be "
+                    f"created ({err.strerror}): pass a directory under one you can write"
+                ) from None
+            prepare_nvme_dir(nvme)  # a file or a user's directory: one line, exit 2
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         from lightning.pytorch.callbacks import ProgressBar, RichProgressBar

@@ -395,7 +395,9 @@ class PlanningSession:
 
 def measure_machine(nvme_path: str | None) -> HardwareProfile:
     """This machine's measured profile (cached per machine; the NVMe probe writes a
-    temporary file in ``nvme_path``)."""
+    temporary file in ``nvme_path``, checked first: created when missing, refused in one
+    line when it is a file or holds a user's data, :func:`world.prepare_nvme_dir`)."""
+    world.prepare_nvme_dir(nvme_path)
     return measure(nvme_path=nvme_path)
 
 

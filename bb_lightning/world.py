@@ -4,7 +4,8 @@ Pure helpers of :class:`~bb_lightning.strategy.BalanceBeamStrategy` for ``world_
 N > 1 (``Trainer(devices=G, num_nodes=M)``, N = G x M); with N = 1 each returns its input.
 
 - Each rank's NVMe tier in ``<nvme_path>/rank<global_rank>`` (:func:`rank_nvme_path`): the
-  tier locks its directory, so two ranks cannot share one.
+  tier locks its directory, so two ranks cannot share one; ``nvme_path`` itself is marked
+  as scratch and holds only those (:func:`make_shared_nvme_dir`).
 - The planner's hardware profile carries the layout (:func:`with_world`); measured on
   each node by its local rank 0, the slowest node's figures plan every rank
   (:func:`slowest_node`).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import socket
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from bb_lightning.planner import HardwareProfile, MeasuredTimes
+from storage import scratch
 from storage.store import StoreConfig
 
 __all__ = [
@@ -33,8 +36,10 @@ __all__ = [
     "DEFAULT_INTRA_NODE_BANDWIDTH",
     "check_shared_directory",
     "make_shared_nvme_dir",
+    "prepare_nvme_dir",
     "rank_nvme_path",
     "rank_store_config",
+    "run_leftover",
     "slowest_node",
     "slowest_times",
     "with_world",
@@ -46,6 +51,11 @@ collectives run on gloo over host memory (loopback TCP), a few GB/s."""
 DEFAULT_INTER_NODE_BANDWIDTH = 1.25e9
 """Bytes/s one rank sends a rank of another node when the profile gives none (10 Gbit/s
 Ethernet); give ``HardwareProfile.inter_node_bandwidth`` for a faster network."""
+
+PROBE_PREFIX = "bb-measure-"
+"""Name prefix of the temporary directory the machine probe writes in ``nvme_path``
+(:func:`bb_lightning.probe.measure.measure`)."""
+_RANK_DIR = re.compile(r"rank[0-9]+")
 
 MARKER_PREFIX = ".bb-shared-"
 """Name prefix of the marker file :func:`check_shared_directory` writes."""
@@ -62,15 +72,31 @@ def rank_nvme_path(nvme_path: str | None, global_rank: int, world_size: int) -> 
     return os.path.join(nvme_path, f"rank{global_rank}")
 
 
+def run_leftover(name: str) -> bool:
+    """Whether top-level entry ``name`` of an ``nvme_path`` is a run's own: a rank's NVMe
+    directory (``rank<r>``, itself a scratch directory its tier checks) or the machine
+    probe's temporary directory (:data:`PROBE_PREFIX`)."""
+    return _RANK_DIR.fullmatch(name) is not None or name.startswith(PROBE_PREFIX)
+
+
+def prepare_nvme_dir(nvme_path: str | None) -> None:
+    """Check ``nvme_path`` before anything is written in it (the machine probe's file, a
+    rank's directory): created when missing and its parent exists; ``ValueError`` (one
+    line) for a file, a missing parent, or a directory holding a user's data
+    (:func:`storage.scratch.prepare_dir`). None: nothing to check."""
+    if nvme_path is not None:
+        scratch.prepare_dir(nvme_path, key="nvme_path", owned=run_leftover)
+
+
 def make_shared_nvme_dir(nvme_path: str | None, world_size: int) -> None:
-    """Create ``nvme_path`` (the directory the ranks' own directories go in) when several
-    ranks run and its parent exists: one process's tier creates its directory itself,
-    and so each rank's directory needs this one. A missing parent is left for the tier
-    to name."""
+    """Prepare ``nvme_path`` (:func:`prepare_nvme_dir`), the directory the ranks' own
+    directories go in, and mark it as scratch, when several ranks run (every rank calls
+    it; each rank's tier then claims ``<nvme_path>/rank<r>``). One process's tier claims
+    ``nvme_path`` itself."""
     if nvme_path is None or world_size == 1:
         return
-    if os.path.isdir(os.path.dirname(os.path.abspath(nvme_path))):
-        os.makedirs(nvme_path, exist_ok=True)
+    prepare_nvme_dir(nvme_path)
+    scratch.write_marker(nvme_path, {"world_size": world_size, "ranks": "rank<global rank>"})
 
 
 def rank_store_config(

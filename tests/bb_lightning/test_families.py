@@ -208,7 +208,9 @@ def test_family_generates_like_hf_generate(
     path = saved(family, tmp_path / "ckpt")
     module = _module(path)
     strategy = BalanceBeamStrategy(
-        placement=Placement.uniform(2, weights=N), compute_dtype="fp32", nvme_path=str(tmp_path)
+        placement=Placement.uniform(2, weights=N),
+        compute_dtype="fp32",
+        nvme_path=str(tmp_path / "nvme"),
     )
     trainer, _ = tiny.make_trainer(strategy, 1)
     # the second batch reuses the first one's cache; its sequences pass a window of 8
@@ -314,7 +316,7 @@ def test_a_local_attention_family_refuses_prompts_longer_than_its_window(
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
     module = _module(tmp_path / "ckpt")
     strategy = BalanceBeamStrategy(
-        placement=Placement.uniform(2, weights=N), nvme_path=str(tmp_path)
+        placement=Placement.uniform(2, weights=N), nvme_path=str(tmp_path / "nvme")
     )
     trainer, _ = tiny.make_trainer(strategy, 1)
     batch = _prompts()  # 7, 3 and 5 tokens; + NEW (5) new ones: 12, 8 and 10 > 8 positions

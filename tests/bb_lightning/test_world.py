@@ -236,7 +236,8 @@ def test_the_directory_of_the_ranks_directories_is_made_when_its_parent_exists(
     world.make_shared_nvme_dir(str(tmp_path / "nvme"), 2)
     assert (tmp_path / "nvme").is_dir()
     world.make_shared_nvme_dir(str(tmp_path / "one"), 1)  # one process: the tier makes it
-    world.make_shared_nvme_dir(str(tmp_path / "no" / "nvme"), 2)  # the tier names the parent
+    with pytest.raises(ValueError, match=r"parent directory '.*/no' does not exist either"):
+        world.make_shared_nvme_dir(str(tmp_path / "no" / "nvme"), 2)
     assert not (tmp_path / "one").exists() and not (tmp_path / "no").exists()
 
 
