@@ -133,8 +133,24 @@ def _prompt_rows(path: Path) -> dict[int, tuple[str | None, str]]:
                     f"{path}:{lineno}: id {json.dumps(rid)[:60]} is a JSON "
                     f"{_json_type(rid)}; an id must be a string or an integer (or left out)"
                 )
+            for field, text in (("id", rid), ("prompt", prompt)):
+                if isinstance(text, str) and not _encodable(text):
+                    raise ValueError(
+                        f"{path}:{lineno}: the {field} holds a lone UTF-16 surrogate (an "
+                        "escape such as \\ud800 without its pair), which is not text: fix the "
+                        "escape or remove the line"
+                    )
             rows[lineno] = (None if rid is None else str(rid), prompt)
     return rows
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode text (JSON escapes can make lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_type(value: Any) -> str:
@@ -195,6 +211,11 @@ def pack_documents(
     total = 0
     for path in files:
         for text in read_documents(path):
+            if not _encodable(text):
+                raise ValueError(
+                    f"{path}: a document holds a lone UTF-16 surrogate (an escape such as "
+                    "\\ud800 without its pair), which is not text: fix the escape"
+                )
             chunks += [_encode(tokenizer, text), eos]
             total += len(chunks[-2]) + 1
             if max_tokens is not None and total >= max_tokens:

@@ -229,6 +229,14 @@ def test_prompts_file_not_utf8_or_unreadable_json(tmp_path: Path) -> None:
     path.write_text("[" * 100_000 + "\n")
     with pytest.raises(ValueError, match=r"prompts\.jsonl:1: JSON this program cannot read"):
         PromptsDataModule(str(path)).setup()
+    for row in ('{"prompt": "a\\ud800b"}', '{"id": "\\udc00", "prompt": "x"}'):
+        path.write_text('{"prompt": "ok \\ud83d\\ude00"}\n' + row + "\n")  # a pair is fine
+        with pytest.raises(ValueError, match=r"prompts\.jsonl:2: the (prompt|id) holds a lone"):
+            PromptsDataModule(str(path)).setup()
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "fine"}\n{"text": "\\ud800"}\n')
+    with pytest.raises(ValueError, match=r"text\.jsonl: a document holds a lone UTF-16"):
+        TextDataModule(str(text), seq_len=2).setup()
 
 
 def test_hf_tokenizer_from_local_dir(tmp_path: Path) -> None:
