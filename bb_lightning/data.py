@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 
+MAX_WORKERS = max(8, 4 * (os.cpu_count() or 1))
+"""Most DataLoader worker processes a data module starts (four per core, at least 8)."""
+
+
 def resolve_files(paths: str | list[str], max_files: int | None = None) -> list[Path]:
     """Files matched by the glob patterns (``**`` recurses), sorted per pattern, deduplicated.
 
@@ -321,8 +325,8 @@ class TextDataModule(pl.LightningDataModule):
                   example=max(seq_len, 1_000_000), none="every token")  # fmt: skip
         check_int("seed", seed, low=0, high=2**63 - 1, what="seed of the split and the order",
                   example=0)  # fmt: skip
-        check_int("num_workers", num_workers, low=0, what="DataLoader worker processes",
-                  example=2)  # fmt: skip
+        check_int("num_workers", num_workers, low=0, high=MAX_WORKERS,
+                  what="DataLoader worker processes", example=2)  # fmt: skip
         self.save_hyperparameters()
         self.paths = paths
         self.tokenizer_name = tokenizer
@@ -438,8 +442,8 @@ class PromptsDataModule(pl.LightningDataModule):
                   none="the plan's")  # fmt: skip
         check_int("max_prompt_len", max_prompt_len, low=1, what="tokens of the longest prompt",
                   example=2048)  # fmt: skip
-        check_int("num_workers", num_workers, low=0, what="DataLoader worker processes",
-                  example=2)  # fmt: skip
+        check_int("num_workers", num_workers, low=0, high=MAX_WORKERS,
+                  what="DataLoader worker processes", example=2)  # fmt: skip
         self.save_hyperparameters()
         self.path = Path(path)
         self.batch_size = batch_size
