@@ -1,12 +1,16 @@
 """Options shared by the whole suite: ``--cuda-double`` runs every store under the CPU
-double of CUDA's copy semantics (:mod:`storage.deferred`)."""
+double of CUDA's copy semantics (:mod:`storage.deferred`). Every test, and every process
+a test starts, keeps the probes' caches (``$BB_CACHE_DIR``) in a directory of this pytest
+run, never the user's ``~/.cache/balance_beam``."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
+from bb_lightning.probe.measure import CACHE_ENV
 from storage.deferred import DOUBLE_ENV
 
 
@@ -22,3 +26,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--cuda-double"):
         os.environ[DOUBLE_ENV] = "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def probe_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``$BB_CACHE_DIR`` for the whole run: one directory every xdist worker of this pytest
+    run shares (a hardware profile measured once serves them all), set in ``os.environ`` so
+    that subprocesses inherit it; the value before is restored at the end."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bb-cache"
+    root.mkdir(parents=True, exist_ok=True)
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(root)
+    try:
+        yield str(root)
+    finally:
+        if before is None:
+            os.environ.pop(CACHE_ENV, None)
+        else:
+            os.environ[CACHE_ENV] = before
