@@ -15,8 +15,12 @@ that a temperature 25 % off, or a top-k or top-p keeping one token more or less,
 
 from __future__ import annotations
 
+import json
+import zlib
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -27,7 +31,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from bb_lightning.data import PromptsDataModule
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+from bb_lightning.engine.pager import Placement
+from bb_lightning.module import CausalLMModule
+from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.tokenizer import ByteTokenizer
+from bb_lightning.writer import JsonlPredictionWriter
+from storage.tiers import Tier
 
 VOCAB = 256
 PROMPT = 8
@@ -73,18 +84,25 @@ def _probs(model: torch.nn.Module, ids: torch.Tensor, warpers: LogitsProcessorLi
 
 
 def _reference_tokens(
-    model: torch.nn.Module, prompt: torch.Tensor, seed: int, warpers: LogitsProcessorList
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    seed: int,
+    warpers: LogitsProcessorList,
+    new: int = NEW,
+    eos: int | None = None,
 ) -> list[int]:
-    """NEW tokens by the contract: one seeded uniform per step, inverse CDF over the
-    warped probabilities in order of falling probability."""
+    """``new`` tokens by the contract (fewer, cut before ``eos``): one seeded uniform per
+    step, inverse CDF over the warped probabilities in order of falling probability."""
     g = torch.Generator().manual_seed(seed)
     ids, out = prompt.clone(), []
-    for _ in range(NEW):
+    for _ in range(new):
         probs = _probs(model, ids, warpers)
         order = torch.argsort(probs, descending=True, stable=True)
         cdf = probs[order].cumsum(0)
         u = float(torch.rand(1, generator=g)) * float(cdf[-1])
-        token = int(order[min(int((cdf < u).sum()), VOCAB - 1)])
+        token = int(order[min(int((cdf < u).sum()), len(probs) - 1)])
+        if token == eos:
+            break
         out.append(token)
         ids = torch.cat([ids, torch.tensor([token])])
     return out
@@ -148,3 +166,48 @@ def test_first_token_distribution_equals_hf_warped_probabilities(
     counts = torch.bincount(firsts, minlength=VOCAB).float()
     assert counts[want == 0].sum() == 0  # nothing outside the kept tokens
     assert _tv(counts, want) < TV_BOUND
+
+
+def test_predict_samples_each_prompt_with_the_seed_of_its_id(tmp_path: Path) -> None:
+    """The user's path: prompts from a JSONL file, ``trainer.predict`` under balance_beam
+    with paged blocks; each prompt draws from ``crc32(f"{seed}\\0{id}")`` (the module's
+    documented seed of a prompt), whatever its batch and neighbours."""
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 260, "max_position_embeddings": 64, "initializer_range": 0.3,
+        "bos_token_id": 257, "eos_token_id": 258, "pad_token_id": 256,
+    }  # fmt: skip
+    texts = {"q": "def ", "r2": "The quick brown", "s": "import os", "t-4": "a", "u": "xyzzy"}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in texts.items()))
+    kw: dict[str, Any] = {"temperature": 1.2, "top_k": 20, "top_p": 0.9}
+    module = CausalLMModule(config, seed=4, max_new_tokens=5, tokenizer="byte", **kw)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(2, weights=Tier.HOST, master=Tier.HOST),
+        compute_dtype="fp32",
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[JsonlPredictionWriter(tmp_path / "out.jsonl")],
+    )  # fmt: skip
+    dm = PromptsDataModule(str(path), batch_size=2, max_prompt_len=32)
+    trainer.predict(module, datamodule=dm, return_predictions=False)
+    strategy.close()
+    got = {
+        r["id"]: r["token_ids"]
+        for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
+    }
+    reference = CausalLMModule(config, seed=4)
+    reference.configure_model()
+    assert reference.model is not None
+    model, warpers, tok = reference.model.eval(), _warpers(**kw), ByteTokenizer()
+    want = {
+        key: _reference_tokens(
+            model, torch.tensor(tok.encode(text)), zlib.crc32(f"4\0{key}".encode()), warpers,
+            new=5, eos=258,
+        )
+        for key, text in texts.items()
+    }  # fmt: skip
+    assert got == want
