@@ -113,7 +113,7 @@ def explain_jsonargparse(message: str, keys: Iterable[str], command: str) -> str
         if near is None:
             return f"unknown key {key!r}: no valid key is close; bb-lightning {command} --help lists them"
         return f"unknown key {key!r}: did you mean {near!r}? {help_hint}"
-    if _PARSER_KEY.search(message) and _GIVEN.search(message):
+    if _PARSER_KEY.search(message) and (_GIVEN.search(message) or _GOT.search(message)):
         return _explain_value(message, command)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     return f"{' '.join(lines[:2]) if lines else message} {help_hint}"

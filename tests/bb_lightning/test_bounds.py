@@ -65,6 +65,7 @@ LIGHTNING_CASES: list[tuple[str, str, list[str]]] = [
     ("text", f"{STRATEGY}store.device_budget=12GiB", [f"{STRATEGY}store.device_budget='12GiB'", "expected an integer"]),
     ("text", "sample_tokens=0", ["sample_tokens=0:", "integer >= 1"]),
     ("text", "seed_everything=-5", ["seed_everything=-5:", "integer in 0..4294967295"]),
+    ("text", "trainer.max_steps=abc", ["trainer.max_steps='abc' is not valid: expected an integer"]),
     ("text", "trainer.max_steps=-5", ["`max_steps` must be a non-negative integer or -1", "-5"]),
     ("text", f'{MODEL}lora={{"rank": 0}}', ["model: LoRA rank=0 must be a positive integer"]),
     ("text", f'{MODEL}lora={{"alpha": "x"}}', ["LoRA alpha='x' must be a number > 0"]),
