@@ -12,6 +12,7 @@ value was changed.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -277,11 +278,15 @@ def recipe_entries(case: Path, scratch: Path) -> None:
 
             from bb_lightning.cli_errors import UsageError, first_line
 
+            cwd = os.getcwd()  # a recipe without default_root_dir writes its model config here
+            os.chdir(scratch)
             try:
                 with _argv(["bb-lightning"]):
                     _build_lightning_cli([task, "--config", str(recipe)], cls=_BuildOnly)
             except ArgumentError as err:
-                raise UsageError(f"{first_line(err)} ({targets.MARK})") from None
+                raise UsageError(first_line(err)) from None  # as run_lightning_cli does
+            finally:
+                os.chdir(cwd)
 
         targets._expect(build, case, words=words)
 
