@@ -72,6 +72,7 @@ def prepare_dir(
     """
     where = Path(path).absolute()
     if where.is_dir():
+        _check_writable(where, where, key)
         _check_owned(where, key, owned)
         return where
     if where.exists() or where.is_symlink():
@@ -79,11 +80,18 @@ def prepare_dir(
             f"{key} {str(where)!r} is a file, not a directory: pass a directory for the NVMe "
             "tier (a new one under an existing directory is created)"
         )
-    if not where.parent.is_dir():
+    parent = where.parent
+    if not parent.exists():
         raise ValueError(
-            f"{key} {str(where)!r}: its parent directory {str(where.parent)!r} does not exist "
+            f"{key} {str(where)!r}: its parent directory {str(parent)!r} does not exist "
             "either: create the parent, or pass a new directory under an existing one"
         )
+    if not parent.is_dir():
+        raise ValueError(
+            f"{key} {str(where)!r}: {str(parent)!r} is a file, not a directory: pick a "
+            "directory path under an existing directory"
+        )
+    _check_writable(where, parent, key)
     try:
         where.mkdir(exist_ok=True)
     except OSError as exc:
@@ -92,6 +100,14 @@ def prepare_dir(
             "can write"
         ) from None
     return where
+
+
+def _check_writable(where: Path, directory: Path, key: str) -> None:
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{key} {str(where)!r}: {str(directory)!r} is not writable: fix its permissions "
+            "or pick a writable directory"
+        )
 
 
 def _check_owned(where: Path, key: str, owned: Owned | None) -> None:

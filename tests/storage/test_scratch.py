@@ -85,6 +85,8 @@ def test_a_file_or_a_missing_parent_is_refused_in_one_line(
     assert (tmp_path / "afile").read_text() == "x"
     with pytest.raises(ValueError, match=r"parent directory '.*/no' does not exist either"):
         prepare_dir(tmp_path / "no" / "such")
+    with pytest.raises(ValueError, match=r"afile/s': '.*/afile' is a file, not a directory"):
+        prepare_dir(tmp_path / "afile" / "s")
     assert sorted(os.listdir(tmp_path)) == ["afile"]
 
 
