@@ -26,6 +26,7 @@ __all__ = [
     "explain_jsonargparse",
     "first_line",
     "parser_keys",
+    "with_key",
 ]
 
 
@@ -197,6 +198,15 @@ def _explain_value(message: str, command: str) -> str:
 
 
 _OWN_NAME = re.compile(r"^(?:[A-Z]\w*\.)?([a-z_]\w*(?:\[\d+\])?)\s?=\s?(\S+?)[:;,]?(?=\s|$)")
+
+
+def with_key(prefix: str, text: str) -> str:
+    """A check's message ``name=value ...`` as ``<prefix>name=value: ...`` (the recipe key);
+    a message without a leading ``name=value`` as ``<prefix without its dot>: text``."""
+    m = _OWN_NAME.match(text)
+    if m is None:
+        return f"{prefix.rstrip('.')}: {text}"
+    return f"{prefix}{m.group(1)}={m.group(2)}: {_without_name(text)}"
 
 
 def _without_name(text: str) -> str:

@@ -238,6 +238,43 @@ def pack_documents(
     return torch.from_numpy(stream[: rows * seq_len].reshape(rows, seq_len).copy())
 
 
+def check_text_settings(
+    *,
+    seq_len: int,
+    batch_size: int,
+    val_fraction: float,
+    max_files: int | None,
+    max_tokens: int | None,
+    seed: int,
+    num_workers: int,
+) -> None:
+    """Refuse :class:`TextDataModule` settings out of range, one line naming the value."""
+    check_int("seq_len", seq_len, low=1, what="tokens per row", example=512)
+    check_int("batch_size", batch_size, low=1, what="rows per batch", example=8)
+    check_number("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True,
+                 what="share of rows held out; 0: none", example=0.05)  # fmt: skip
+    check_int("max_files", max_files, low=1, what="files read", example=100,
+              none="every file")  # fmt: skip
+    check_int("max_tokens", max_tokens, low=seq_len, what="tokens used, at least seq_len",
+              example=max(seq_len, 1_000_000), none="every token")  # fmt: skip
+    check_int("seed", seed, low=0, high=2**63 - 1, what="seed of the split and the order",
+              example=0)  # fmt: skip
+    check_int("num_workers", num_workers, low=0, high=MAX_WORKERS,
+              what="DataLoader worker processes", example=2)  # fmt: skip
+
+
+def check_prompts_settings(
+    *, batch_size: int | None, max_prompt_len: int, num_workers: int
+) -> None:
+    """Refuse :class:`PromptsDataModule` settings out of range, one line naming the value."""
+    check_int("batch_size", batch_size, low=1, what="prompts per batch", example=16,
+              none="the plan's")  # fmt: skip
+    check_int("max_prompt_len", max_prompt_len, low=1, what="tokens of the longest prompt",
+              example=2048)  # fmt: skip
+    check_int("num_workers", num_workers, low=0, high=MAX_WORKERS,
+              what="DataLoader worker processes", example=2)  # fmt: skip
+
+
 class SeededSampler(Sampler[int]):
     """Indices in an order fixed by ``(seed, epoch)``, so a resumed run replays it.
 
@@ -315,18 +352,10 @@ class TextDataModule(pl.LightningDataModule):
             cache_dir: directory for the packed-rows cache; ``None`` caches nothing.
         """
         super().__init__()
-        check_int("seq_len", seq_len, low=1, what="tokens per row", example=512)
-        check_int("batch_size", batch_size, low=1, what="rows per batch", example=8)
-        check_number("val_fraction", val_fraction, low=0.0, high=1.0, high_open=True,
-                     what="share of rows held out; 0: none", example=0.05)  # fmt: skip
-        check_int("max_files", max_files, low=1, what="files read", example=100,
-                  none="every file")  # fmt: skip
-        check_int("max_tokens", max_tokens, low=seq_len, what="tokens used, at least seq_len",
-                  example=max(seq_len, 1_000_000), none="every token")  # fmt: skip
-        check_int("seed", seed, low=0, high=2**63 - 1, what="seed of the split and the order",
-                  example=0)  # fmt: skip
-        check_int("num_workers", num_workers, low=0, high=MAX_WORKERS,
-                  what="DataLoader worker processes", example=2)  # fmt: skip
+        check_text_settings(
+            seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction,
+            max_files=max_files, max_tokens=max_tokens, seed=seed, num_workers=num_workers,
+        )  # fmt: skip
         self.save_hyperparameters()
         self.paths = paths
         self.tokenizer_name = tokenizer
@@ -438,12 +467,9 @@ class PromptsDataModule(pl.LightningDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        check_int("batch_size", batch_size, low=1, what="prompts per batch", example=16,
-                  none="the plan's")  # fmt: skip
-        check_int("max_prompt_len", max_prompt_len, low=1, what="tokens of the longest prompt",
-                  example=2048)  # fmt: skip
-        check_int("num_workers", num_workers, low=0, high=MAX_WORKERS,
-                  what="DataLoader worker processes", example=2)  # fmt: skip
+        check_prompts_settings(
+            batch_size=batch_size, max_prompt_len=max_prompt_len, num_workers=num_workers
+        )
         self.save_hyperparameters()
         self.path = Path(path)
         self.batch_size = batch_size

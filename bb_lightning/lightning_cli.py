@@ -12,8 +12,10 @@ imports this module (and Lightning) only for these subcommands.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from bb_lightning.cli_errors import (
     explain_jsonargparse,
     first_line,
     parser_keys,
+    with_key,
 )
 from bb_lightning.world import prepare_nvme_dir
 
@@ -194,7 +197,8 @@ def parse_recipe(args: Sequence[str]) -> Any:
             _resolve_placeholders(self._config())
 
         def instantiate_classes(self) -> None:
-            """Nothing: only the parse and validation are wanted."""
+            """Only the classes' own range checks, without building them."""
+            _check_parsed_values(self._config(), self.subcommand or "fit")
 
         def after_instantiate_classes(self) -> None:
             """Nothing."""
@@ -208,6 +212,49 @@ def parse_recipe(args: Sequence[str]) -> Any:
     except ArgumentError as err:
         raise UsageError(first_line(err)) from None
     return cli._config()
+
+
+def _check_parsed_values(cfg: Any, command: str) -> None:
+    """Run the range checks of the module, data module, strategy and plan overrides that a
+    parsed recipe names (where they are ours) on its values without building anything: no
+    model config, tokenizer or machine is read. Raises :class:`UsageError` naming the key."""
+    from bb_lightning import data, module, session
+    from bb_lightning.adapt import AdaptController
+    from bb_lightning.planner import PlanOverrides
+
+    def strategy_checks(**kw: Any) -> None:
+        session.check_settings(kw["compute_dtype"], kw["gather_limit"], None, None,
+                               hardware=kw["hardware"])  # fmt: skip
+        AdaptController(warmup_steps=kw["warmup_steps"], tolerance=kw["adapt_tolerance"])
+        overrides = kw["overrides"]
+        if overrides is not None and not isinstance(overrides, PlanOverrides):
+            fields = {f.name for f in dataclasses.fields(PlanOverrides)}
+            PlanOverrides(**{k: v for k, v in vars(overrides).items() if k in fields})
+
+    checks: dict[str, tuple[str, Callable[..., None]]] = {
+        "CausalLMModule": ("model", module.check_module_settings),
+        "TextDataModule": ("data", data.check_text_settings),
+        "PromptsDataModule": ("data", data.check_prompts_settings),
+        "BalanceBeamStrategy": ("trainer.strategy", strategy_checks),
+    }
+    for key in ("model", "data", "trainer.strategy"):
+        node = cfg.get(key)
+        path = str(getattr(node, "class_path", ""))
+        group, check = checks.get(path.rpartition(".")[2], ("", None))
+        init = getattr(node, "init_args", None)
+        if check is None or group != key or not path.startswith("bb_lightning") or init is None:
+            continue
+        values = dict(vars(init))
+        names = inspect.signature(check).parameters
+        if names and any(n not in values for n in names if n != "kw"):
+            continue  # not the signature these checks know
+        try:
+            check(**{k: v for k, v in values.items() if k in names or "kw" in names})
+        except ValueError as err:
+            text = first_line(err).removeprefix("PlanOverrides.")
+            where = "overrides." if str(err).startswith("PlanOverrides.") else ""
+            line = with_key(f"{key}.init_args.{where}", text)
+            raise UsageError(f"{line} (see bb-lightning {command} --help)") from None
 
 
 def run_lightning_cli(args: Sequence[str]) -> int:

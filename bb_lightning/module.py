@@ -85,7 +85,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _check_settings(
+def check_module_settings(
     *,
     learning_rate: float,
     weight_decay: float,
@@ -200,7 +200,7 @@ class CausalLMModule(pl.LightningModule):
                 needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
         """
         super().__init__()
-        _check_settings(
+        check_module_settings(
             learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
             warmup_steps=warmup_steps, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, stop_strings=stop_strings,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bb_lightning.bounds import check_int, check_number
-from bb_lightning.cli import main
+from bb_lightning.cli import UsageError, main, parse_recipe
 from bb_lightning.data import PromptsDataModule, TextDataModule
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import PlanOverrides
@@ -141,6 +141,27 @@ def test_recipe_value_out_of_range(
     line = _one_line(argv, capsys)
     for word in [*words, _HELP.format(command)]:
         assert word in line, (word, line)
+    assert os.listdir(empty) == [], os.listdir(empty)
+
+
+PARSE_ONLY = [
+    c for c in LIGHTNING_CASES if not any(w in c[1] for w in ("lora", "store.", "max_steps=-"))
+]
+"""The cases :func:`parse_recipe` refuses too (it builds nothing: these checks need no
+model config, tokenizer or machine)."""
+
+
+@pytest.mark.parametrize(("data", "setting", "words"), PARSE_ONLY, ids=[c[1] for c in PARSE_ONLY])
+def test_parse_recipe_refuses_the_same_values(
+    data: str, setting: str, words: list[str], empty: Path
+) -> None:
+    command = "predict" if data == "prompts" else "fit"
+    argv = [command, "--model.class_path=bb_lightning.module.CausalLMModule", *_data(data, empty),
+            *[f"--{s}" for s in setting.split(" --")]]  # fmt: skip
+    with pytest.raises(UsageError) as err:
+        parse_recipe(argv)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
     assert os.listdir(empty) == [], os.listdir(empty)
 
 
