@@ -371,6 +371,7 @@ class BalanceBeamCLI(LightningCLI):
         cfg = self._config()
         _check_sections(cfg, self.subcommand or "fit")
         _resolve_placeholders(cfg)
+        _check_parsed_values(cfg, self.subcommand or "fit")  # before anything is written
         model = cfg.get("model")
         init = getattr(model, "init_args", None)
         if init is not None and isinstance(init.get("model"), str):

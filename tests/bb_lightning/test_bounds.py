@@ -165,6 +165,16 @@ def test_parse_recipe_refuses_the_same_values(
     assert os.listdir(empty) == [], os.listdir(empty)
 
 
+def test_a_bad_value_stops_the_run_before_its_nvme_directory_is_made(
+    empty: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["predict", "--model.class_path=bb_lightning.module.CausalLMModule",
+            *_data("prompts", empty), f"--{STRATEGY}nvme_path={empty / 'runs' / 'nvme'}",
+            f"--{MODEL}max_new_tokens=0"]  # fmt: skip
+    assert f"{MODEL}max_new_tokens=0:" in _one_line(argv, capsys)
+    assert os.listdir(empty) == [], os.listdir(empty)
+
+
 @pytest.mark.parametrize(("argv", "words"), PLAN_CASES, ids=[" ".join(c[0]) for c in PLAN_CASES])
 def test_subcommand_flag_out_of_range(
     argv: list[str], words: list[str], empty: Path, capsys: pytest.CaptureFixture[str]
