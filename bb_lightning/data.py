@@ -495,6 +495,11 @@ class PromptsDataModule(pl.LightningDataModule):
         """
         if self.records is not None:
             return
+        if self.path.is_dir():
+            raise ValueError(
+                f"prompts file {self.path} is a directory: give the .jsonl file in it, e.g. "
+                f"{self.path / 'prompts.jsonl'}"
+            )
         if not self.path.is_file():
             raise ValueError(f"prompts file {self.path} does not exist")
         special = not isinstance(self.tokenizer, ByteTokenizer)

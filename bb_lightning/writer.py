@@ -238,6 +238,11 @@ class JsonlPredictionWriter(BasePredictionWriter):
         file)."""
         if stage != "predict":
             return
+        if self.output.is_dir():
+            raise ValueError(
+                f"predictions file {self.output} is a directory: give a file name, e.g. "
+                f"{self.output / 'predictions.jsonl'}"
+            )
         rank = trainer.global_rank if self.rank is None else self.rank
         world = trainer.world_size if self.world_size is None else self.world_size
         shard = shard_path(self.output, rank, world)  # checks the rank

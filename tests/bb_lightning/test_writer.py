@@ -197,3 +197,12 @@ def test_recover_names_a_line_that_is_not_utf8(tmp_path: Path) -> None:
     path.write_bytes(b'{"id": "a"}\n{"id": "\xff"}\n')
     with pytest.raises(ValueError, match=r"out\.jsonl:2: not a predictions line"):
         recover_jsonl(path)
+
+
+def test_a_directory_for_prompts_or_predictions_is_refused(tmp_path: Path) -> None:
+    prompts = _mixed(tmp_path)
+    with pytest.raises(ValueError, match=r"predictions file .* is a directory: give a file name"):
+        _run(prompts, tmp_path, _EchoModule())
+    with pytest.raises(ValueError, match=r"prompts file .* is a directory: give the \.jsonl"):
+        _run(tmp_path, tmp_path / "out.jsonl", _EchoModule())
+    assert not (tmp_path / "out.jsonl").exists()
