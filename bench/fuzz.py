@@ -44,32 +44,39 @@ class Tally:
 def campaign(
     surface: targets.Surface, work: Path, examples: int, seconds: float, seed: int
 ) -> Tally:
-    """Run up to ``examples`` inputs (or until ``seconds`` pass) on ``surface``."""
+    """Run up to ``examples`` inputs (or until ``seconds`` pass) on ``surface``, in rounds of
+    :data:`ROUND` inputs, each its own hypothesis run with its own seed (a run cut short by
+    the clock would draw differently from hypothesis' record of it)."""
     tally = Tally()
     stop = time.monotonic() + seconds
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=False,
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.generate],
-    )
-    @hypothesis_seed(seed)
-    @given(st.data())
     def one(data: st.DataObject) -> None:
-        if time.monotonic() > stop:
-            return
         tally.tried += 1
         try:
             targets.run_case(surface, data, work)
         except targets.Crash as crash:
             key = f"{crash.key[0]} at {crash.key[1]}"
             tally.crashes.setdefault(key, str(crash)[:400])
+        except Exception as exc:  # the harness's own fault: counted and shown
+            key = f"harness {type(exc).__name__} at {targets._where(exc)}"
+            tally.crashes.setdefault(key, repr(exc)[:400])
 
-    one()
+    rounds = 0
+    while tally.tried < examples and time.monotonic() < stop:
+        run = settings(
+            max_examples=min(ROUND, examples - tally.tried),
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.generate],
+        )(hypothesis_seed(seed * 100_003 + rounds)(given(st.data())(one)))
+        run()
+        rounds += 1
     return tally
+
+
+ROUND = 20
+"""Inputs per hypothesis run of a campaign."""
 
 
 def main() -> int:

@@ -91,7 +91,7 @@ def mutate_json_file(data: st.DataObject, path: Path) -> None:
     as Python's json writes them)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:  # damaged by an earlier change: change its bytes instead
+    except (ValueError, RecursionError):  # damaged by an earlier change: change its bytes
         mutate_bytes_file(data, path)
         return
     path.write_text(json.dumps(mutate_json_doc(data, doc)), encoding="utf-8")
@@ -127,7 +127,7 @@ def mutate_safetensors_file(data: st.DataObject, path: Path) -> None:
         (length,) = struct.unpack("<Q", raw[:8])
         header, body = raw[8 : 8 + length], raw[8 + length :]
         doc = json.loads(header)
-    except (struct.error, ValueError):  # damaged by an earlier change: change its bytes
+    except (struct.error, ValueError, RecursionError):  # damaged by an earlier change
         mutate_bytes_file(data, path)
         return
     kind = data.draw(st.sampled_from(["length", "header", "header", "bytes"]), label="st kind")
