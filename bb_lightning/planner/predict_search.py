@@ -22,9 +22,11 @@ reads it in place.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +34,8 @@ import numpy.typing as npt
 from bb_lightning.placement import Placement
 from bb_lightning.planner import cost
 from bb_lightning.planner.cost import FP32_BYTES
-from bb_lightning.planner.fit_search import ladder, tier_memory
+from bb_lightning.planner.fit_plan import tier_memory
+from bb_lightning.planner.fit_search import ladder
 from bb_lightning.planner.job import PredictJob
 from bb_lightning.planner.plan import (
     LINK_FIELDS,
@@ -46,6 +49,8 @@ from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import Link, Tier, format_bytes
 
 Arr = npt.NDArray[np.float64]
+Mask = npt.NDArray[np.bool_]
+V = TypeVar("V", Arr, float)
 PREFILL_TOKENS = 8192
 """Tokens per prefill micro-batch (enough rows for efficient matrix products)."""
 CPU_PREFILL_TOKENS = 2048
@@ -64,17 +69,85 @@ NVMe as fast as the passes compute (2 cores with AMX, 128 sequences), waited 3.8
 for page-ins at depth 1 and 2 and 0.0 s at 4 (decode 16.2-16.9 s against 10.5 s)."""
 
 
-@dataclass
-class Priced:
-    """One priced candidate (scalars)."""
+@dataclass(frozen=True, kw_only=True)
+class PredictPrice(Generic[V]):
+    """Bytes and seconds of generation candidates: numpy arrays over the resident-block
+    counts of one (depth, concurrency, KV tier) (``PredictPrice[Arr]``, from
+    :func:`price`), or one candidate's scalars (``PredictPrice[float]``, from :meth:`at`)."""
 
-    depth: int
-    concurrent: int
-    kv: Tier
-    values: dict[str, float]
+    feasible: V
+    """1.0 where the candidate fits every tier's budget and the forced homes, else 0.0."""
+    batch_seconds: V
+    """Predicted seconds to generate for one batch of concurrent sequences (prefill and
+    every decode pass)."""
+    seconds_per_token: V
+    """``batch_seconds`` over the tokens the batch generates."""
+    compute_seconds: V
+    """Device compute of the batch, seconds (with a CPU device's NVMe CPU time)."""
+    exposed_pass_seconds: V
+    """Seconds of one decode pass (the prefill when one token is generated) not hidden
+    behind its compute."""
+    nvme_read_seconds: V
+    """NVMe-to-host link busy seconds per batch."""
+    nvme_write_seconds: V
+    """Host-to-NVMe link busy seconds per batch (generation writes nothing)."""
+    h2d_seconds: V
+    """Host-to-device link busy seconds per batch."""
+    d2h_seconds: V
+    """Device-to-host link busy seconds per batch."""
+    device_bytes: V
+    """Bytes the device tier holds."""
+    host_bytes: V
+    """Bytes the host tier holds."""
+    nvme_bytes: V
+    """Bytes the NVMe tier holds."""
+    mandatory_host_bytes: V
+    """Host bytes every placement needs (paging slots, a host KV cache)."""
+    resident_weight_blocks: V
+    """Blocks whose weights stay on the device."""
+    host_weight_blocks: V
+    """Paged blocks whose weights home on the host (the rest on NVMe)."""
+    prefill_micro_batch: V
+    """Sequences per prefill micro-batch."""
+
+    def at(self: PredictPrice[Arr], i: int) -> PredictPrice[float]:
+        """The scalars of candidate ``i``."""
+        values = {f.name: float(getattr(self, f.name)[i]) for f in dataclasses.fields(self)}
+        return PredictPrice(**values)
 
 
-def price(
+@dataclass(frozen=True, kw_only=True)
+class PredictMemory:
+    """Where the bytes of every resident-block count live: arrays over the counts."""
+
+    resident_weight_blocks: Arr
+    """Blocks whose weights stay on the device."""
+    paged_blocks: Arr
+    """Blocks whose weights are paged in."""
+    host_weight_blocks: Arr
+    """Paged blocks whose weights home on the host."""
+    device_bytes: Arr
+    """Bytes on the device."""
+    mandatory_host_bytes: Arr
+    """Host bytes every placement needs (paging slots, a host KV cache)."""
+    host_bytes: Arr
+    """Bytes on the host."""
+    nvme_bytes: Arr
+    """Bytes on NVMe."""
+    fits: Mask
+    """Whether the bytes fit every tier's budget and the forced homes are honoured."""
+    prefill_micro_batch: int
+    """Sequences per prefill micro-batch."""
+    kv_streamed: bool
+    """Whether the KV cache streams from the host to the device block by block."""
+
+    @property
+    def nvme_weight_blocks(self) -> Arr:
+        """Paged blocks whose weights home on NVMe."""
+        return self.paged_blocks - self.host_weight_blocks
+
+
+def predict_memory(
     model: ModelProfile,
     hw: HardwareProfile,
     job: PredictJob,
@@ -84,13 +157,12 @@ def price(
     c: int,
     kv: Tier,
     kw: Arr,
-) -> dict[str, Arr]:
-    """Bytes per tier and seconds per batch of ``c`` prompts for every resident count."""
+) -> PredictMemory:
+    """Bytes per tier of ``c`` concurrent sequences for every resident count ``kw``."""
     wb = job.compute_bytes  # bytes per compute-dtype element
     n, bb = model.num_blocks, float(model.block_params * wb)
     nb = float(model.embed_params + model.head_params + model.final_params)
-    plen, new = job.prompt_len, job.new_tokens
-    ctx = job.mean_context
+    plen = job.prompt_len
     # a host cache streams to the device one block at a time (double-buffered); a CPU
     # device reads it where it lies
     streamed = kv is Tier.HOST and hw.device_type != "cpu"
@@ -98,8 +170,8 @@ def price(
     # cache cannot be shared by rows, so its prefill runs the whole batch at once
     chunk = CPU_PREFILL_TOKENS if hw.device_type == "cpu" else PREFILL_TOKENS
     mb = c if streamed else ov.micro_batch or min(c, max(1, math.ceil(chunk / plen)))
-    np_ = n - kw
-    paging = np.where(np_ > 0, (depth + 1) * bb, 0.0)
+    paged = n - kw
+    paging = np.where(paged > 0, (depth + 1) * bb, 0.0)
     kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
     kv_dev = 2.0 * kv_all / n if streamed else kv_all if kv is Tier.DEVICE else 0.0
     dev = (
@@ -117,80 +189,149 @@ def price(
     if ov.weights_tier is Tier.NVME:
         w_h = np.zeros_like(kw)
     else:
-        w_h = np.minimum(np_, np.floor(np.maximum(free, 0.0) / bb))
-    host = mandatory + w_h * bb
-    nvme = (np_ - w_h) * bb
+        w_h = np.minimum(paged, np.floor(np.maximum(free, 0.0) / bb))
+    nvme = (paged - w_h) * bb
     in_memory = (
         (dev <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])
         if pool is None
         else dev + mandatory <= pool
     )
-    feasible = in_memory & (nvme <= budgets[Tier.NVME])
+    fits = in_memory & (nvme <= budgets[Tier.NVME])
     if ov.weights_tier is Tier.HOST:
-        feasible &= w_h >= np_
+        fits &= w_h >= paged
+    return PredictMemory(
+        resident_weight_blocks=kw,
+        paged_blocks=paged,
+        host_weight_blocks=w_h,
+        device_bytes=dev,
+        mandatory_host_bytes=mandatory,
+        host_bytes=mandatory + w_h * bb,
+        nvme_bytes=nvme,
+        fits=fits,
+        prefill_micro_batch=mb,
+        kv_streamed=streamed,
+    )
 
+
+def _pass_compute_seconds(
+    model: ModelProfile, hw: HardwareProfile, job: PredictJob, c: int
+) -> tuple[float, float]:
+    """(prefill, one decode pass) compute seconds of ``c`` concurrent sequences: a decode
+    pass at ``decode_efficiency`` of the rate, and no faster than the device streams the
+    blocks' weights, the head and the KV cache from its memory."""
+    wb, n = job.compute_bytes, model.num_blocks
+    bb = float(model.block_params * wb)
+    plen, ctx = job.prompt_len, job.mean_context
     head = model.head_flops_per_token()
     blocks_prefill = cost.forward_flops_per_token(model, plen) - head
     c_pre = cost.compute_seconds(c * plen * blocks_prefill + c * head, hw)
     c_dec = cost.compute_seconds(c * cost.forward_flops_per_token(model, ctx), hw)
     c_dec /= hw.decode_efficiency
-    steps = new - 1
     kv_tok = float(model.kv_bytes_per_token * n)
     if hw.device_memory_bandwidth > 0:  # a decode pass streams the weights and the cache
         head_bytes = (model.head_params or model.embed_params) * wb
         read = ctx if hw.device_type == "cpu" else float(job.cache_len)
         dec_bytes = n * bb + head_bytes + c * (read + 1.0) * kv_tok
         c_dec = max(c_dec, dec_bytes / hw.device_memory_bandwidth)
-    w_h2d = np_ * bb
-    nvme_s = cost.link_seconds((np_ - w_h) * bb, hw.nvme_read_bandwidth, hw.nvme_efficiency)
-    h2d = hw.h2d_bandwidth, hw.h2d_efficiency
-    d2h = hw.d2h_bandwidth, hw.d2h_efficiency
-    kv_pre = cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=True) if streamed else (0, 0)
-    kv_dec = cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=False) if streamed else (0, 0)
-    pre_links = {
-        Link.HOST_TO_DEVICE: cost.link_seconds(w_h2d + kv_pre[0], *h2d),
-        Link.NVME_TO_HOST: nvme_s,
-        Link.DEVICE_TO_HOST: cost.link_seconds(np.full_like(kw, kv_pre[1]), *d2h),
+    return c_pre, c_dec
+
+
+def _pass_link_seconds(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    c: int,
+    mem: PredictMemory,
+    prefill: bool,
+) -> dict[Link, Arr]:
+    """Busy seconds per link of the prefill pass or of one decode pass: every paged
+    block's weights (from NVMe where they home there) and a streamed KV cache's copies
+    (:func:`cost.offloaded_kv_bytes`)."""
+    bb = float(model.block_params * job.compute_bytes)
+    kv_up, kv_down = (
+        cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=prefill)
+        if mem.kv_streamed
+        else (0, 0)
+    )
+    nvme_bytes = mem.nvme_weight_blocks * bb
+    return {
+        Link.HOST_TO_DEVICE: cost.link_seconds(
+            mem.paged_blocks * bb + kv_up, hw.h2d_bandwidth, hw.h2d_efficiency
+        ),
+        Link.NVME_TO_HOST: cost.link_seconds(
+            nvme_bytes, hw.nvme_read_bandwidth, hw.nvme_efficiency
+        ),
+        Link.DEVICE_TO_HOST: cost.link_seconds(
+            np.full_like(mem.resident_weight_blocks, kv_down), hw.d2h_bandwidth, hw.d2h_efficiency
+        ),
     }
-    dec_links = {
-        Link.HOST_TO_DEVICE: cost.link_seconds(w_h2d + kv_dec[0], *h2d),
-        Link.NVME_TO_HOST: nvme_s,
-        Link.DEVICE_TO_HOST: cost.link_seconds(np.full_like(kw, kv_dec[1]), *d2h),
-    }
+
+
+def _exposed_seconds(compute: Arr, links: dict[Link, Arr]) -> Arr:
+    """Seconds of a pass not hidden behind its compute: the links beside it, then the KV
+    cache's copies to the host, which run on the compute stream."""
+    overlapped: dict[Link, Arr] = {k: v for k, v in links.items() if k is not Link.DEVICE_TO_HOST}
+    return cost.pass_exposed_seconds(compute, overlapped) + links[Link.DEVICE_TO_HOST]
+
+
+def price(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    ov: PlanOverrides,
+    budgets: Mapping[Tier, int],
+    depth: int,
+    c: int,
+    kv: Tier,
+    kw: Arr,
+) -> PredictPrice[Arr]:
+    """Bytes per tier and seconds per batch of ``c`` prompts for every resident count."""
+    mem = predict_memory(model, hw, job, ov, budgets, depth, c, kv, kw)
+    c_pre, c_dec = _pass_compute_seconds(model, hw, job, c)
+    steps = job.new_tokens - 1
+    pre_links = _pass_link_seconds(model, hw, job, c, mem, prefill=True)
+    dec_links = _pass_link_seconds(model, hw, job, c, mem, prefill=False)
     # on a CPU device the CPU time of a pass's reads from NVMe comes out of its cores
     per_byte = hw.nvme_cpu_seconds_per_byte if hw.device_type == "cpu" else 0.0
-    io_cpu = (np_ - w_h) * bb * per_byte
+    io_cpu = mem.nvme_weight_blocks * float(model.block_params * job.compute_bytes) * per_byte
     c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu
-    # the cache's copies to the host run on the compute stream: exposed, not overlapped
-    exp_pre = cost.pass_exposed_seconds(c_pre_a, _overlapped(pre_links))
-    exp_pre = exp_pre + pre_links[Link.DEVICE_TO_HOST]
-    exp_dec = cost.pass_exposed_seconds(c_dec_a, _overlapped(dec_links))
-    exp_dec = exp_dec + dec_links[Link.DEVICE_TO_HOST]
+    exp_pre = _exposed_seconds(c_pre_a, pre_links)
+    exp_dec = _exposed_seconds(c_dec_a, dec_links)
     compute = c_pre_a + steps * c_dec_a
     total = compute + exp_pre + steps * exp_dec
-    out = {
-        "feasible": feasible.astype(np.float64),
-        "total": total,
-        "per_token": total / (c * new),
-        "compute": compute,
-        "exposed_pass": exp_dec if steps > 0 else exp_pre,
-        "device": dev,
-        "host": host,
-        "nvme": nvme,
-        "mandatory": mandatory,
-        "w_h": w_h,
-        "kw": kw,
-        "micro_batch": np.full_like(kw, mb),
-        "nvme_write": np.zeros_like(kw),
-    }
-    for link in pre_links:  # columns named as the PredictedTime fields
-        out[LINK_FIELDS[link]] = pre_links[link] + steps * dec_links[link]
-    return out
+    busy = {link: pre_links[link] + steps * dec_links[link] for link in pre_links}
+    return PredictPrice(
+        feasible=mem.fits.astype(np.float64),
+        batch_seconds=total,
+        seconds_per_token=total / (c * job.new_tokens),
+        compute_seconds=compute,
+        exposed_pass_seconds=exp_dec if steps > 0 else exp_pre,
+        nvme_read_seconds=busy[Link.NVME_TO_HOST],
+        nvme_write_seconds=np.zeros_like(kw),
+        h2d_seconds=busy[Link.HOST_TO_DEVICE],
+        d2h_seconds=busy[Link.DEVICE_TO_HOST],
+        device_bytes=mem.device_bytes,
+        host_bytes=mem.host_bytes,
+        nvme_bytes=mem.nvme_bytes,
+        mandatory_host_bytes=mem.mandatory_host_bytes,
+        resident_weight_blocks=kw,
+        host_weight_blocks=mem.host_weight_blocks,
+        prefill_micro_batch=np.full_like(kw, mem.prefill_micro_batch),
+    )
 
 
-def _overlapped(links: dict[Link, Arr]) -> dict[Link, Arr]:
-    """The links that run beside compute (the KV cache's device-to-host copies do not)."""
-    return {k: v for k, v in links.items() if k is not Link.DEVICE_TO_HOST}
+@dataclass(frozen=True, kw_only=True)
+class PricedPredictCandidate:
+    """The generation candidate a search picked: its shape and its price."""
+
+    depth: int
+    """Prefetch depth (blocks paged in ahead)."""
+    concurrent: int
+    """Sequences generated together (tokens per decode pass)."""
+    kv: Tier
+    """Tier of the KV cache."""
+    price: PredictPrice[float]
+    """Its bytes per tier and seconds per batch."""
 
 
 def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
@@ -213,27 +354,27 @@ def search(
     job: PredictJob,
     ov: PlanOverrides,
     budgets: Mapping[Tier, int],
-) -> Priced | None:
+) -> PricedPredictCandidate | None:
     """The fastest feasible candidate per generated token, or ``None``."""
     depths, cs, kw = _options(model.num_blocks, job, ov)
-    best: tuple[tuple[float, ...], Priced] | None = None
+    best: tuple[tuple[float, ...], PricedPredictCandidate] | None = None
     for depth in depths:
         for c in cs:
             for kv in (Tier.DEVICE, Tier.HOST):
                 a = price(model, hw, job, ov, budgets, depth, c, kv, kw)
-                ok = np.flatnonzero(a["feasible"] > 0)
+                ok = np.flatnonzero(a.feasible > 0)
                 if ok.size == 0:
                     continue
-                i = int(ok[np.lexsort((a["device"][ok], a["per_token"][ok]))[0]])
+                i = int(ok[np.lexsort((a.device_bytes[ok], a.seconds_per_token[ok]))[0]])
                 # Ties go to more concurrency (a profile without device memory bandwidth
                 # does not see that decoding few sequences is bound by it), then to a KV
                 # cache on the device (no transfers to overlap), then to a deeper prefetch
                 # (see PREFETCH_DEPTHS), then to less device memory.
-                tie = (-float(c), float(kv is Tier.HOST), -float(depth), float(a["device"][i]))
-                key = (float(a["per_token"][i]), *tie)
+                tie = (-float(c), float(kv is Tier.HOST), -float(depth), float(a.device_bytes[i]))
+                key = (float(a.seconds_per_token[i]), *tie)
                 if best is None or key < best[0]:
-                    vals = {k: float(v[i]) for k, v in a.items()}
-                    best = (key, Priced(depth=depth, concurrent=c, kv=kv, values=vals))
+                    picked = PricedPredictCandidate(depth=depth, concurrent=c, kv=kv, price=a.at(i))
+                    best = (key, picked)
     return None if best is None else best[1]
 
 
@@ -246,8 +387,8 @@ def diagnose(
 ) -> str:
     """Why nothing fits: the shortfall per tier and the smallest change that fits."""
     depths, cs, kw = _options(model.num_blocks, job, ov)
-    a = price(model, hw, job, ov, budgets, depths[0], cs[0], Tier.HOST, kw[:1])
-    dev, host, nvme = (float(a[k][0]) for k in ("device", "host", "nvme"))
+    a = price(model, hw, job, ov, budgets, depths[0], cs[0], Tier.HOST, kw[:1]).at(0)
+    dev, host, nvme = a.device_bytes, a.host_bytes, a.nvme_bytes
     fmt = format_bytes
     dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
     pool = cost.pooled_budget(hw, budgets)
@@ -278,33 +419,67 @@ def build_plan(
     hw: HardwareProfile,
     job: PredictJob,
     overrides: PlanOverrides | None,
-    best: Priced,
+    best: PricedPredictCandidate,
     budgets: Mapping[Tier, int],
 ) -> Plan:
     """Turn the chosen candidate into a :class:`Plan` with reasons."""
-    v, n, c = best.values, model.num_blocks, best.concurrent
-    kw, w_h = int(v["kw"]), int(v["w_h"])
+    v, n, c = best.price, model.num_blocks, best.concurrent
+    kw, w_h = int(v.resident_weight_blocks), int(v.host_weight_blocks)
     pred = PredictedTime(
-        compute=v["compute"],
-        nvme_read=v["nvme_read"],
+        compute=v.compute_seconds,
+        nvme_read=v.nvme_read_seconds,
         nvme_write=0.0,
-        h2d=v["h2d"],
-        d2h=v["d2h"],
+        h2d=v.h2d_seconds,
+        d2h=v.d2h_seconds,
         optimizer=0.0,
-        exposed=max(0.0, v["total"] - v["compute"]),
-        total=v["total"],
+        exposed=max(0.0, v.batch_seconds - v.compute_seconds),
+        total=v.batch_seconds,
     )
-    limited = cost.limited_by(v["exposed_pass"], v["compute"], c >= job.num_prompts)
-    tok_s = c * job.new_tokens / v["total"]
-    processed = c * (job.prompt_len + job.new_tokens - 1) / v["total"]
-    ctx = job.mean_context
-    eff_flops = hw.device_flops * hw.compute_efficiency
+    limited = cost.limited_by(v.exposed_pass_seconds, v.compute_seconds, c >= job.num_prompts)
+    processed = c * (job.prompt_len + job.new_tokens - 1) / v.batch_seconds
+    flops = cost.model_flops_per_token(model, "predict", job.total_len) * processed
+    micro_batch = int(v.prefill_micro_batch)
+    return Plan(
+        task="predict",
+        job=job,
+        model=model,
+        hardware=hw,
+        overrides=overrides,
+        micro_batch=micro_batch,
+        grad_accum=1,
+        concurrent_seqs=c,
+        tokens_per_pass=c,
+        placement=Placement(
+            weights=placement_tiers(n, kw, w_h),
+            master=(),
+            prefetch_depth=best.depth,
+            compute_dtype=job.compute_dtype,
+            kv_cache=best.kv,
+            prefill_tokens=micro_batch * job.prompt_len,
+        ),
+        memory=tier_memory(hw, budgets, v.device_bytes, v.host_bytes, v.nvme_bytes),
+        predicted=pred,
+        tokens_per_s=c * job.new_tokens / v.batch_seconds,
+        mfu=cost.flops_utilisation(flops, hw)[0],
+        model_flops=flops,
+        limited_by=limited,
+        roofline=predict_roofline(model, hw, job, best),
+        reasons=predict_reasons(model, hw, job, best, budgets, limited),
+    )
+
+
+def predict_roofline(
+    model: ModelProfile, hw: HardwareProfile, job: PredictJob, best: PricedPredictCandidate
+) -> Roofline:
+    """The roofline of a decode pass: its tokens are the concurrent sequences."""
+    v, n = best.price, model.num_blocks
+    kw, w_h = int(v.resident_weight_blocks), int(v.host_weight_blocks)
     bw = cost.effective_bandwidths(hw)
     streamed = best.kv is Tier.HOST and hw.device_type != "cpu"
     kv_tok = float(model.kv_bytes_per_token * n) if streamed else 0.0
-    roof = Roofline(  # of a decode pass: its tokens are the concurrent sequences
-        flops_per_token=cost.forward_flops_per_token(model, ctx),
-        device_flops=eff_flops * hw.decode_efficiency,
+    return Roofline(
+        flops_per_token=cost.forward_flops_per_token(model, job.mean_context),
+        device_flops=hw.device_flops * hw.compute_efficiency * hw.decode_efficiency,
         bytes_per_pass={
             Link.HOST_TO_DEVICE: float((n - kw) * model.block_params * job.compute_bytes),
             Link.NVME_TO_HOST: float((n - kw - w_h) * model.block_params * job.compute_bytes),
@@ -316,14 +491,31 @@ def build_plan(
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
+
+
+def predict_reasons(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    best: PricedPredictCandidate,
+    budgets: Mapping[Tier, int],
+    limited: str,
+) -> tuple[str, ...]:
+    """Why the plan is what it is, one sentence per decision."""
+    v, n, c = best.price, model.num_blocks, best.concurrent
+    kw, w_h = int(v.resident_weight_blocks), int(v.host_weight_blocks)
+    eff_flops = hw.device_flops * hw.compute_efficiency
     # the paged weights come over the slowest link they cross: NVMe when some home there
     link = Link.NVME_TO_HOST if n - kw - w_h > 0 else Link.HOST_TO_DEVICE
     hide = cost.hide_tokens_per_pass(  # FLOPs of the active weights against all bytes (MoE)
-        2.0 * model.active_fraction, 2.0, eff_flops * hw.decode_efficiency, bw[link]
+        2.0 * model.active_fraction,
+        2.0,
+        eff_flops * hw.decode_efficiency,
+        cost.effective_bandwidths(hw)[link],
     )
     kv_bytes = cost.kv_cache_bytes(model, c, job.total_len)
     where = ""
-    if streamed:
+    if best.kv is Tier.HOST and hw.device_type != "cpu":
         where = " (offloaded: the whole cache to the device and back each decode pass)"
     elif best.kv is Tier.HOST:
         where = " (RAM: the CPU reads it in place)"
@@ -340,34 +532,6 @@ def build_plan(
         reasons.append(
             f"CPU device: device and host tiers share RAM, planned as one pool of "
             f"{format_bytes(cost.pooled_budget(hw, budgets) or 0)} "
-            f"({format_bytes(v['device'])} device + {format_bytes(v['host'])} host used)"
+            f"({format_bytes(v.device_bytes)} device + {format_bytes(v.host_bytes)} host used)"
         )
-    memory = tier_memory(hw, budgets, v)
-    flops = cost.model_flops_per_token(model, "predict", job.total_len) * processed
-    return Plan(
-        task="predict",
-        job=job,
-        model=model,
-        hardware=hw,
-        overrides=overrides,
-        micro_batch=int(v["micro_batch"]),
-        grad_accum=1,
-        concurrent_seqs=c,
-        tokens_per_pass=c,
-        placement=Placement(
-            weights=placement_tiers(n, kw, w_h),
-            master=(),
-            prefetch_depth=best.depth,
-            compute_dtype=job.compute_dtype,
-            kv_cache=best.kv,
-            prefill_tokens=int(v["micro_batch"]) * job.prompt_len,
-        ),
-        memory=memory,
-        predicted=pred,
-        tokens_per_s=tok_s,
-        mfu=cost.flops_utilisation(flops, hw)[0],
-        model_flops=flops,
-        limited_by=limited,
-        roofline=roof,
-        reasons=tuple(reasons),
-    )
+    return tuple(reasons)

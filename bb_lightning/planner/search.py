@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bb_lightning.planner import cost, data_parallel, fit_search, predict_search
+from bb_lightning.planner import cost, data_parallel, fit_plan, fit_search, predict_search
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.plan import LINK_FIELDS, Plan, PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -153,7 +153,7 @@ def make_plan(
         best = fit_search.search(model, rank_hw, rank_job, ov, budgets)
         if best is None:
             raise PlanError(fit_search.diagnose(model, rank_hw, rank_job, ov, budgets))
-        plan = fit_search.build_plan(model, rank_hw, rank_job, overrides, best, budgets)
+        plan = fit_plan.build_plan(model, rank_hw, rank_job, overrides, best, budgets)
     else:
         best_p = predict_search.search(model, rank_hw, rank_job, ov, budgets)
         if best_p is None:

@@ -8,7 +8,7 @@ import pytest
 from bb_lightning.planner import cost
 from bb_lightning.planner.job import PredictJob
 from bb_lightning.planner.plan import PlanOverrides
-from bb_lightning.planner.predict_search import price
+from bb_lightning.planner.predict_search import PredictPrice, price
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.planner.search import make_plan
 from storage.tiers import Tier
@@ -34,14 +34,14 @@ def test_decode_efficiency_scales_only_the_decode_passes(
     assert slow.roofline.device_flops == pytest.approx(0.25 * full.roofline.device_flops)
 
 
-def _kv_on_host(model: ModelProfile, hw: HardwareProfile) -> dict[str, float]:
+def _kv_on_host(model: ModelProfile, hw: HardwareProfile) -> PredictPrice[float]:
     budgets = {
         Tier.DEVICE: hw.device_memory,
         Tier.HOST: hw.host_memory,
         Tier.NVME: hw.nvme_capacity,
     }
     a = price(model, hw, JOB, PlanOverrides(), budgets, 1, 32, Tier.HOST, np.array([0.0]))
-    return {k: float(v[0]) for k, v in a.items()}
+    return a.at(0)
 
 
 def test_a_host_kv_cache_streams_to_a_cuda_device_but_not_to_a_cpu(
@@ -55,13 +55,13 @@ def test_a_host_kv_cache_streams_to_a_cuda_device_but_not_to_a_cpu(
     # decode pass; prefill sends it to the host and brings layer 0 back
     whole = 32 * JOB.cache_len * kv_tok
     streamed = (steps * whole + whole / small_model.num_blocks) / small_gpu.h2d_bandwidth
-    assert gpu["h2d"] - host["h2d"] == pytest.approx(streamed)
-    assert host["d2h"] == 0.0
-    assert gpu["d2h"] == pytest.approx((steps + 1) * whole / small_gpu.d2h_bandwidth)
+    assert gpu.h2d_seconds - host.h2d_seconds == pytest.approx(streamed)
+    assert host.d2h_seconds == 0.0
+    assert gpu.d2h_seconds == pytest.approx((steps + 1) * whole / small_gpu.d2h_bandwidth)
     kv = cost.kv_cache_bytes(small_model, 32, JOB.total_len)
     # on the device: two blocks' share while streamed (CUDA), none on a CPU (read in place)
-    assert gpu["device"] - host["device"] == pytest.approx(2 * kv / small_model.num_blocks)
-    assert gpu["host"] == host["host"]
+    assert gpu.device_bytes - host.device_bytes == pytest.approx(2 * kv / small_model.num_blocks)
+    assert gpu.host_bytes == host.host_bytes
 
 
 def test_a_streamed_cache_prefills_the_whole_batch_at_once(
@@ -77,11 +77,11 @@ def test_a_streamed_cache_prefills_the_whole_batch_at_once(
     kw = np.array([0.0])
     host = price(small_model, small_gpu, long, PlanOverrides(), budgets, 1, 32, Tier.HOST, kw)
     dev = price(small_model, small_gpu, long, PlanOverrides(), budgets, 1, 32, Tier.DEVICE, kw)
-    assert float(host["micro_batch"][0]) == 32 and float(dev["micro_batch"][0]) == 4
+    assert float(host.prefill_micro_batch[0]) == 32 and float(dev.prefill_micro_batch[0]) == 4
     acts = (32 - 4) * 2048 * small_model.act_bytes_per_token_full
     kv = cost.kv_cache_bytes(small_model, 32, long.total_len)
     streamed_share = 2 * kv / small_model.num_blocks
-    assert host["device"][0] - dev["device"][0] == pytest.approx(acts + streamed_share - kv)
+    assert host.device_bytes[0] - dev.device_bytes[0] == pytest.approx(acts + streamed_share - kv)
 
 
 def test_the_hide_threshold_names_the_link_the_paged_weights_cross(
@@ -148,14 +148,14 @@ def test_an_offloaded_cache_is_priced_as_transformers_moves_it(
     exposed_pre = max(pre, h2d_pre) - pre + d2h_s
     exposed_dec = max(dec, h2d_dec) - dec + d2h_s
     assert h2d_dec > dec  # the prefetch is not hidden either at these rates
-    assert float(a["total"][0]) == pytest.approx(
+    assert float(a.batch_seconds[0]) == pytest.approx(
         pre + steps * dec + exposed_pre + steps * exposed_dec
     )
-    assert float(a["d2h"][0]) == pytest.approx((1 + steps) * d2h_s)
-    assert float(a["h2d"][0]) == pytest.approx(h2d_pre + steps * h2d_dec)
+    assert float(a.d2h_seconds[0]) == pytest.approx((1 + steps) * d2h_s)
+    assert float(a.h2d_seconds[0]) == pytest.approx(h2d_pre + steps * h2d_dec)
     # a cache on the device moves nothing
     d = price(m, hw, JOB, PlanOverrides(), budgets, 1, c, Tier.DEVICE, kw)
-    assert float(d["total"][0]) == pytest.approx(pre + steps * dec)
+    assert float(d.batch_seconds[0]) == pytest.approx(pre + steps * dec)
 
 
 def test_a_cpu_device_adds_the_cpu_time_of_each_pass_s_reads_from_nvme(

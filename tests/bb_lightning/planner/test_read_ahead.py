@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from bb_lightning.planner import cost, fit_search
+from bb_lightning.planner import cost, fit_price
 from bb_lightning.planner.cost import ADAM_STATE_BYTES
-from bb_lightning.planner.fit_search import MIN_READ_AHEAD, MIXED_IO_EFFICIENCY, _state_reads
+from bb_lightning.planner.fit_price import MIN_READ_AHEAD, MIXED_IO_EFFICIENCY, _state_reads
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -122,7 +122,7 @@ def test_plans_carry_the_depth_into_memory_and_reasons() -> None:
     m, hw = model(), cpu(1.3e9, 1.5e9)
     ov = PlanOverrides(master_tier=Tier.NVME, checkpointing=True, micro_batch=1)
     plan = make_plan(m, hw, FitJob(seq_len=512, global_batch_seqs=4), overrides=ov)
-    assert plan.read_ahead > fit_search.MIN_READ_AHEAD
+    assert plan.read_ahead > fit_price.MIN_READ_AHEAD
     assert any(f"through {plan.read_ahead} host buffer sets" in r for r in plan.reasons)
     placement = plan.placement
     assert (placement.weights, placement.master, placement.grad_tiers) == (
@@ -197,9 +197,11 @@ def test_held_gradients_trade_memory_for_the_accumulator_s_traffic() -> None:
     kf, kw = np.array([0.0]), np.array([0.0])
     budgets = cost.budgets(hw)
     args = (m, hw, job, ov, budgets, True, 1, 1, kf, kw)
-    summed, held = fit_search.price(*args, hold=False), fit_search.price(*args, hold=True)
+    summed, held = fit_price.price(*args, hold=False), fit_price.price(*args, hold=True)
     trained = m.num_blocks * m.block_train + m.rest_train
-    assert float(held["device"][0] - summed["device"][0]) == pytest.approx(3 * 2 * trained)
+    assert float(held.device_bytes[0] - summed.device_bytes[0]) == pytest.approx(3 * 2 * trained)
     saved = trained * ((6 + 3 * 10) - (4 * 2 + 4)) / hw.h2d_bandwidth
-    assert float(summed["shared"][0] - held["shared"][0]) == pytest.approx(saved)
-    assert float(summed["total"][0] - held["total"][0]) == pytest.approx(saved)
+    assert float(summed.shared_core_seconds[0] - held.shared_core_seconds[0]) == pytest.approx(
+        saved
+    )
+    assert float(summed.step_seconds[0] - held.step_seconds[0]) == pytest.approx(saved)

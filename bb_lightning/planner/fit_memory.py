@@ -1,0 +1,268 @@
+"""Bytes per tier of fine-tuning candidates (the memory step of
+:func:`~bb_lightning.planner.fit_price.price`).
+
+One batch shape's scalars (:class:`FitSizes`) and, for many (kF, kW) placements at
+once, where their bytes live (:class:`FitMemory`): the device's fixed share, then the
+host's free memory filled by benefit per byte of NVMe traffic saved per step (paged
+weights ``4 GA + 2`` bytes per 2, gradient accumulators ``8 GA`` per 4, optimizer state
+24 per 12), the rest on NVMe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bb_lightning.planner import cost
+from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
+from bb_lightning.planner.data_parallel import REDUCE_BYTES
+from bb_lightning.planner.job import FitJob
+from bb_lightning.planner.plan import PlanOverrides
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Tier
+
+Arr = npt.NDArray[np.float64]
+Mask = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitSizes:
+    """The scalars of one batch shape that every (kF, kW) candidate shares."""
+
+    blocks: int
+    """Transformer blocks."""
+    element_bytes: int
+    """Bytes per element of the compute dtype (weights, their gradients)."""
+    block_weight_bytes: float
+    """Bytes of one block's weights (every parameter is paged)."""
+    block_train_params: float
+    """Trained parameters of one block."""
+    rest_train_params: float
+    """Trained parameters outside the blocks."""
+    rest_params: float
+    """Parameters outside the blocks (their weights live on the device)."""
+    block_shard_params: float
+    """One rank's dim-0 shard of a block's trained parameters (all of them for one rank)."""
+    rest_shard_params: float
+    """One rank's shard of the trained parameters outside the blocks."""
+    data_parallel: bool
+    """Whether several ranks share the job."""
+    seqs_per_step: int
+    """Sequences per optimizer step (one rank's share)."""
+    seq_len: int
+    """Tokens per sequence."""
+    micro_batch: int
+    """Sequences per forward/backward pass."""
+    grad_accum: int
+    """Micro-batches per optimizer step."""
+
+
+def fit_sizes(model: ModelProfile, hw: HardwareProfile, job: FitJob, mb: int) -> FitSizes:
+    """The scalars of micro-batch ``mb`` of ``job`` (one rank's share) on ``hw``."""
+    wb = job.compute_bytes
+    return FitSizes(
+        blocks=model.num_blocks,
+        element_bytes=wb,
+        block_weight_bytes=float(model.block_params) * wb,
+        block_train_params=float(model.block_train),
+        rest_train_params=float(model.rest_train),
+        rest_params=float(model.rest_params),
+        block_shard_params=float(cost.shard_numel(model.block_train, hw.world_size)),
+        rest_shard_params=float(cost.shard_numel(model.rest_train, hw.world_size)),
+        data_parallel=hw.world_size > 1,
+        seqs_per_step=job.seqs_per_step,
+        seq_len=job.seq_len,
+        micro_batch=mb,
+        grad_accum=math.ceil(job.seqs_per_step / mb),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitMemory:
+    """Where every candidate's bytes live: arrays over the candidates."""
+
+    full_blocks: Arr
+    """Blocks fully on the device (``kF``)."""
+    resident_weight_blocks: Arr
+    """Blocks with only their weights resident on the device (``kW``)."""
+    paged_blocks: Arr
+    """Blocks whose weights are paged in (``n - kF - kW``)."""
+    off_device_blocks: Arr
+    """Blocks whose gradients and optimizer state home off the device (``n - kF``)."""
+    host_weight_blocks: Arr
+    """Paged blocks whose weights home on the host."""
+    host_grad_blocks: Arr
+    """Off-device blocks whose gradient accumulators are on the host."""
+    host_state_blocks: Arr
+    """Off-device blocks whose master weights and moments are on the host."""
+    in_place_blocks: Arr
+    """Host-home blocks a CPU device uses in place."""
+    device_bytes: Arr
+    """Bytes on the device."""
+    mandatory_host_bytes: Arr
+    """Host bytes of pinned staging and the state outside the blocks."""
+    host_bytes: Arr
+    """Bytes on the host before the read-ahead sets beyond :data:`MIN_READ_AHEAD`."""
+    free_host_bytes: Arr
+    """Host bytes left after the homes (room for read-ahead sets)."""
+    nvme_bytes: Arr
+    """Bytes on NVMe."""
+    fits: Mask
+    """Whether the bytes fit every tier's budget and the forced homes are honoured."""
+
+    @property
+    def nvme_weight_blocks(self) -> Arr:
+        """Paged blocks whose weights home on NVMe."""
+        return self.paged_blocks - self.host_weight_blocks
+
+    @property
+    def nvme_grad_blocks(self) -> Arr:
+        """Off-device blocks whose gradient accumulators are on NVMe."""
+        return self.off_device_blocks - self.host_grad_blocks
+
+    @property
+    def nvme_state_blocks(self) -> Arr:
+        """Off-device blocks whose optimizer state is on NVMe."""
+        return self.off_device_blocks - self.host_state_blocks
+
+
+def _device_and_staging_bytes(
+    model: ModelProfile,
+    sz: FitSizes,
+    ckpt: bool,
+    depth: int,
+    kf: Arr,
+    kw: Arr,
+    hold: bool,
+) -> tuple[Arr, Arr]:
+    """(bytes on the device, host bytes every placement needs) of each candidate."""
+    n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_weight_bytes
+    ps, mb, ga = sz.block_shard_params, sz.micro_batch, sz.grad_accum
+    paged = n - kf - kw
+    paging = np.where(paged > 0, (depth + 1) * bb, 0.0)
+    # checkpointing forced on a placement that pages nothing: every block is recomputed
+    act_kept = np.where(paged > 0, kf + kw, 0.0) if ckpt else kf + kw
+    # every block's gradients leave through the gradient sink (two batches in flight)
+    in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model, wb)))
+    # the collectives' device buffers: a block's packed and reduced gradients, its gathered weights
+    collective = (2 * REDUCE_BYTES + wb) * p if sz.data_parallel else 0.0
+    held = (
+        cost.held_grad_bytes(ga, wb, n * p + sz.rest_train_params) if hold else 0.0
+    )  # the earlier micro-batches' gradients (Placement.hold_grads)
+    device = (
+        held
+        + sz.rest_params * wb
+        + kw * bb
+        + kf * (bb + ps * (FP32_BYTES + ADAM_STATE_BYTES))
+        + paging
+        + in_flight
+        + collective
+        + cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept)
+        + cost.logits_bytes(model, mb * sz.seq_len)
+    )
+    mandatory = paging + in_flight + sz.rest_shard_params * (FP32_BYTES + ADAM_STATE_BYTES)
+    return device, mandatory
+
+
+def _fill(free: Arr, count: Arr, each: float, forced: Tier | None) -> tuple[Arr, Mask]:
+    """Blocks of ``each`` bytes placed on the host from ``free``; returns (placed, ok)."""
+    if forced is Tier.NVME:
+        return np.zeros_like(count), np.ones_like(count, dtype=bool)
+    placed = np.minimum(count, np.floor(np.maximum(free, 0.0) / max(each, 1.0)))
+    ok = placed >= count if forced is Tier.HOST else np.ones_like(count, dtype=bool)
+    return placed, ok
+
+
+def _fill_host(
+    sz: FitSizes,
+    ov: PlanOverrides,
+    free: Arr,
+    paged: Arr,
+    off: Arr,
+    in_place_act: float,
+    state_first: bool,
+) -> tuple[Arr, Arr, Arr, Mask, Arr]:
+    """(host weight blocks, host gradient blocks, host state blocks, forced homes kept,
+    host bytes left) from ``free`` host bytes, in :func:`price`'s fill order."""
+    bb, ps = sz.block_weight_bytes, sz.block_shard_params
+    w_forced, m_forced = ov.weights_tier, ov.master_tier
+    if w_forced is Tier.HOST or not state_first:  # forced weights are reserved first
+        w_h, ok_w = _fill(free, paged, bb + in_place_act, w_forced)
+        free = free - w_h * (bb + in_place_act)
+    if m_forced is Tier.HOST:  # forced state is reserved before the gradients
+        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
+        free = free - m_h * ADAM_STATE_BYTES * ps
+        g_h, _ = _fill(free, off, FP32_BYTES * ps, None)
+        free = free - g_h * FP32_BYTES * ps
+    else:
+        g_h, _ = _fill(free, off, FP32_BYTES * ps, None)
+        free = free - g_h * FP32_BYTES * ps
+        m_h, ok_m = _fill(free, off, ADAM_STATE_BYTES * ps, m_forced)
+        free = free - m_h * ADAM_STATE_BYTES * ps
+    if state_first and w_forced is not Tier.HOST:
+        w_h, ok_w = _fill(free, paged, bb + in_place_act, w_forced)
+        free = free - w_h * (bb + in_place_act)
+    return w_h, g_h, m_h, ok_w & ok_m, free
+
+
+def fit_memory(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    ov: PlanOverrides,
+    budgets: Mapping[Tier, int],
+    sz: FitSizes,
+    ckpt: bool,
+    depth: int,
+    kf: Arr,
+    kw: Arr,
+    hold: bool,
+    state_first: bool,
+) -> FitMemory:
+    """Bytes per tier of every (kF, kW) and the host's homes (see :func:`price`)."""
+    n, bb, ps = sz.blocks, sz.block_weight_bytes, sz.block_shard_params
+    paged, off = n - kf - kw, n - kf
+    device, mandatory = _device_and_staging_bytes(model, sz, ckpt, depth, kf, kw, hold)
+    # On a CPU device both tiers are the same RAM: one pool, whatever the device holds
+    # is not there for the host (:func:`cost.pooled_budget`).
+    pool = cost.pooled_budget(hw, budgets)
+    host_base = budgets[Tier.HOST] if pool is None else pool - device
+    # On a CPU device a host-home block is used in place: it keeps its activations (in
+    # the same RAM) instead of being recomputed, so it costs them on the host too.
+    in_place_act = (
+        float(
+            (model.act_bytes_per_token_full - model.act_bytes_per_token_checkpointed)
+            * sz.micro_batch
+            * sz.seq_len
+        )
+        if ckpt and hw.device_type == "cpu"
+        else 0.0
+    )
+    w_h, g_h, m_h, forced_ok, free = _fill_host(
+        sz, ov, host_base - mandatory, paged, off, in_place_act, state_first
+    )
+    nvme = (paged - w_h) * bb + (off - g_h) * FP32_BYTES * ps + (off - m_h) * ADAM_STATE_BYTES * ps
+    in_memory = (
+        (device <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])
+        if pool is None
+        else device + mandatory <= pool
+    )
+    return FitMemory(
+        full_blocks=kf,
+        resident_weight_blocks=kw,
+        paged_blocks=paged,
+        off_device_blocks=off,
+        host_weight_blocks=w_h,
+        host_grad_blocks=g_h,
+        host_state_blocks=m_h,
+        in_place_blocks=w_h if in_place_act > 0 else 0.0 * w_h,
+        device_bytes=device,
+        mandatory_host_bytes=mandatory,
+        host_bytes=host_base - free,
+        free_host_bytes=free,
+        nvme_bytes=nvme,
+        fits=in_memory & (nvme <= budgets[Tier.NVME]) & forced_ok,
+    )

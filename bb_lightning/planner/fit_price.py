@@ -1,0 +1,480 @@
+"""Pricing of fine-tuning candidates: bytes per tier and seconds per step (used by
+:mod:`~bb_lightning.planner.fit_search`).
+
+One batch shape (checkpointing, prefetch depth, micro-batch, held gradients) is priced
+for many (kF, kW) placements at once with numpy arrays: ``kF`` blocks fully on the
+device (weights, fp32 gradients, master and moments), ``kW`` with resident weights whose
+gradients and optimizer state live off the device, the rest paged. Off-device state is
+placed on the host by benefit per byte of NVMe traffic saved per step (paged weights
+``4 GA + 2`` bytes per 2, gradient accumulators ``8 GA`` per 4, optimizer state 24 per
+12), the rest on NVMe.
+
+Weights are priced for every parameter (``block_params``: each pass pages them all,
+frozen ones included); gradients, master weights, moments, the host AdamW and the weight
+write-back only for the trained ones (``ModelProfile.block_train`` and ``rest_train``:
+LoRA adapters over frozen base weights train a small share); frozen matrices skip their
+weight gradients (:func:`cost.train_flops_per_token`).
+
+The steps, each a pure function: :func:`~bb_lightning.planner.fit_memory.fit_sizes`
+(the shape's scalars), :func:`~bb_lightning.planner.fit_memory.fit_memory` (bytes per
+tier, the host's fill order), :func:`_recompute` (the blocks recomputed),
+:func:`_pass_link_seconds`
+and :func:`_optimizer_link_seconds` (busy seconds per link), :func:`_optimizer_times`
+(the optimizer pipeline and what of it is exposed), :func:`_shared_core_seconds` (a CPU
+device's host work) and :func:`price`, which adds them up into a :class:`FitPrice`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from bb_lightning.placement import READ_AHEAD
+from bb_lightning.planner import cost
+from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
+from bb_lightning.planner.data_parallel import REDUCE_BYTES
+from bb_lightning.planner.fit_memory import FitMemory, FitSizes, fit_memory, fit_sizes
+from bb_lightning.planner.job import FitJob
+from bb_lightning.planner.plan import PlanOverrides
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from storage.tiers import Link, Tier
+
+Arr = npt.NDArray[np.float64]
+V = TypeVar("V", Arr, float)
+
+MIN_READ_AHEAD = READ_AHEAD
+"""Read-ahead sets every placement with optimizer state off the host has (counted in
+the host budget by the manifest with the scratch sets); the planner adds more."""
+MIXED_IO_EFFICIENCY = 0.7
+"""Share of the serial read + write rate one disk keeps when optimizer-state reads and
+write-backs interleave on it (both in flight at once, as in the overlapped step)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitPrice(Generic[V]):
+    """Bytes and seconds of fine-tuning candidates: numpy arrays over the candidates of
+    one batch shape (``FitPrice[Arr]``, from :func:`price`), or one candidate's scalars
+    (``FitPrice[float]``, from :meth:`at`)."""
+
+    feasible: V
+    """1.0 where the candidate fits every tier's budget and the engine runs it, else 0.0."""
+    step_seconds: V
+    """Predicted seconds per optimizer step."""
+    seconds_per_token: V
+    """``step_seconds`` over the tokens of a step."""
+    exposed_pass_seconds: V
+    """Seconds of one micro-batch pass's transfers not hidden behind its compute."""
+    compute_seconds: V
+    """Device compute, seconds per step (forward, backward and recompute)."""
+    optimizer_seconds: V
+    """Host AdamW arithmetic, seconds per step."""
+    shared_core_seconds: V
+    """Seconds per step the host work adds to the compute on a CPU device (0 elsewhere)."""
+    nvme_read_seconds: V
+    """NVMe-to-host link busy seconds per step."""
+    nvme_write_seconds: V
+    """Host-to-NVMe link busy seconds per step."""
+    h2d_seconds: V
+    """Host-to-device link busy seconds per step."""
+    d2h_seconds: V
+    """Device-to-host link busy seconds per step."""
+    network_seconds: V
+    """One rank's network busy seconds per step (data parallel; 0 for one rank)."""
+    device_bytes: V
+    """Bytes the device tier holds."""
+    host_bytes: V
+    """Bytes the host tier holds (staging, host homes, read-ahead sets)."""
+    nvme_bytes: V
+    """Bytes the NVMe tier holds."""
+    mandatory_host_bytes: V
+    """Host bytes every placement of the shape needs (pinned staging, the state outside
+    the blocks)."""
+    full_blocks: V
+    """Blocks fully on the device (``kF``): weights, gradients, master and moments."""
+    resident_weight_blocks: V
+    """Blocks with only their weights resident on the device (``kW``)."""
+    host_weight_blocks: V
+    """Paged blocks whose weights home on the host (the rest on NVMe)."""
+    host_grad_blocks: V
+    """Off-device blocks whose gradient accumulators are on the host (the rest on NVMe)."""
+    host_state_blocks: V
+    """Off-device blocks whose master weights and moments are on the host (the rest on
+    NVMe)."""
+    in_place_blocks: V
+    """Host-home blocks a CPU device uses in place (keeping their activations)."""
+    recomputed_blocks: V
+    """Blocks recomputed in backward."""
+    read_ahead_sets: V
+    """Host buffer sets the optimizer state on NVMe is read ahead into."""
+
+    def at(self: FitPrice[Arr], i: int) -> FitPrice[float]:
+        """The scalars of candidate ``i``."""
+        values = {f.name: float(getattr(self, f.name)[i]) for f in dataclasses.fields(self)}
+        return FitPrice(**values)
+
+    @property
+    def traffic_seconds(self) -> V:
+        """Busy seconds per step of the four copy links together."""
+        return (
+            self.h2d_seconds + self.nvme_read_seconds + self.nvme_write_seconds + self.d2h_seconds
+        )
+
+
+def _nvme_grad_bytes(sz: FitSizes, mem: FitMemory) -> Arr:
+    """Bytes of the gradient sums on NVMe (read-modified-written per micro-batch)."""
+    return mem.nvme_grad_blocks * FP32_BYTES * sz.block_shard_params
+
+
+def _device_grad_bytes(sz: FitSizes, mem: FitMemory) -> Arr:
+    """Bytes of the kF blocks' gradient sums (homed on the device) read and written per
+    micro-batch when several are summed."""
+    kf = mem.full_blocks
+    return kf * FP32_BYTES * sz.block_shard_params if sz.grad_accum > 1 else 0.0 * kf
+
+
+def _pass_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -> dict[Link, Arr]:
+    """Busy seconds per link of one micro-batch pass (forward and backward)."""
+    n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_weight_bytes
+    ps, nbs = sz.block_shard_params, sz.rest_shard_params
+    grads_dev, grads_nvme = _device_grad_bytes(sz, mem), _nvme_grad_bytes(sz, mem)
+    # what leaves the device per micro-batch: the gradients (one rank: all of them in the
+    # compute dtype; data parallel: the rank's reduced fp32 shard)
+    if sz.data_parallel:
+        grads_d2h = (n * ps + nbs) * REDUCE_BYTES
+    else:
+        grads_d2h = (n * p + sz.rest_train_params) * wb
+    nvme_r, paged = hw.nvme_read_bandwidth, mem.paged_blocks
+    return {
+        Link.HOST_TO_DEVICE: cost.link_seconds(
+            2.0 * paged * bb + grads_dev, hw.h2d_bandwidth, hw.h2d_efficiency
+        ),
+        Link.NVME_TO_HOST: cost.link_seconds(
+            2.0 * mem.nvme_weight_blocks * bb + grads_nvme, nvme_r, hw.nvme_efficiency
+        ),
+        Link.HOST_TO_NVME: cost.link_seconds(
+            grads_nvme, hw.nvme_write_bandwidth, hw.nvme_efficiency
+        ),
+        Link.DEVICE_TO_HOST: cost.link_seconds(
+            grads_d2h + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
+        ),
+    }
+
+
+def _optimizer_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -> dict[Link, Arr]:
+    """Busy seconds per link of the optimizer step.
+
+    The engine steps every block with host AdamW, the kF blocks too: their fp32 state
+    comes off the device and goes back each step (12 + 12 bytes per parameter). After
+    the step, weights go up: one rank the resident ones; data parallel every updated
+    shard (for the all-gather), and the gathered paged weights come back home.
+    """
+    n, p, wb = sz.blocks, sz.block_train_params, sz.element_bytes
+    ps, nbs, kf = sz.block_shard_params, sz.rest_shard_params, mem.full_blocks
+    nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
+    state_nvme = mem.nvme_state_blocks * ADAM_STATE_BYTES * ps
+    weights_up: float | Arr
+    if sz.data_parallel:
+        weights_up = (n * ps + nbs) * wb
+        weights_home = mem.paged_blocks * p * wb
+    else:
+        weights_up = ((mem.resident_weight_blocks + kf) * p + sz.rest_train_params) * wb
+        weights_home = 0.0 * kf
+    return {
+        Link.NVME_TO_HOST: cost.link_seconds(
+            state_nvme + _nvme_grad_bytes(sz, mem), nvme_r, hw.nvme_efficiency
+        ),
+        Link.HOST_TO_NVME: cost.link_seconds(
+            state_nvme + mem.nvme_weight_blocks * p * wb, nvme_w, hw.nvme_efficiency
+        ),
+        Link.HOST_TO_DEVICE: cost.link_seconds(
+            weights_up + kf * ADAM_STATE_BYTES * ps, hw.h2d_bandwidth, hw.h2d_efficiency
+        ),
+        Link.DEVICE_TO_HOST: cost.link_seconds(
+            kf * ADAM_STATE_BYTES * ps + weights_home, hw.d2h_bandwidth, hw.d2h_efficiency
+        ),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitOptimizerTimes:
+    """The optimizer step of every candidate: arrays over the candidates."""
+
+    adam_seconds: Arr
+    """Host AdamW arithmetic, seconds per step."""
+    exposed_seconds: Arr
+    """Seconds of the optimizer pipeline not hidden behind the last backward."""
+    read_ahead_sets: Arr
+    """Host buffer sets the optimizer state on NVMe is read ahead into."""
+    read_ahead_bytes: Arr
+    """Host bytes of the read-ahead sets beyond :data:`MIN_READ_AHEAD`."""
+
+
+def _optimizer_times(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    sz: FitSizes,
+    mem: FitMemory,
+    opt_links: Mapping[Link, Arr],
+    compute: Arr,
+    backward: Arr,
+    network: float,
+) -> FitOptimizerTimes:
+    """The optimizer pipeline (host AdamW, the state's disk traffic, the copies and, data
+    parallel, the all-gathers: each block's step runs beside the others') against the
+    last backward (``backward`` seconds of the ``compute`` seconds per step).
+
+    ``network``: the seconds of one micro-batch's reduce-scatters and the step's
+    all-gathers, which share the link in the last backward's window.
+    """
+    n, ps, kf = sz.blocks, sz.block_shard_params, mem.full_blocks
+    nvme_state = mem.nvme_state_blocks
+    adam = cost.host_adam_seconds(n * ps + sz.rest_shard_params + 0.0 * kf, hw)
+    k, disk = _state_reads(
+        model, hw, job, nvme_state, mem.free_host_bytes, compute - backward, backward, shard=ps
+    )
+    extra = np.where(nvme_state > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * ps, 0.0)
+    eff = hw.nvme_efficiency
+    disk = disk + cost.link_seconds(_nvme_grad_bytes(sz, mem), hw.nvme_read_bandwidth, eff)
+    written = mem.nvme_weight_blocks * sz.block_train_params * sz.element_bytes
+    disk = disk + cost.link_seconds(written, hw.nvme_write_bandwidth, eff)
+    opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
+    pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
+    if sz.data_parallel:  # the all-gathers run beside the AdamW, block by block, on the
+        # link that carries the last micro-batch's reduce-scatters in the same window
+        pipeline = np.maximum(pipeline, network)
+    exposed = cost.optimizer_exposed_seconds(
+        pipeline,
+        np.full_like(kf, backward),
+        np.full_like(kf, n + (1.0 if sz.rest_train_params > 0 else 0.0)),
+        job.grad_clipping,
+    )
+    return FitOptimizerTimes(
+        adam_seconds=adam, exposed_seconds=exposed, read_ahead_sets=k, read_ahead_bytes=extra
+    )
+
+
+def _shared_core_seconds(
+    hw: HardwareProfile, sz: FitSizes, mem: FitMemory, adam: Arr, hold: bool
+) -> Arr:
+    """Seconds per step a CPU device's compute loses to host work on its cores.
+
+    The AdamW updates, the fp32 gradient accumulation and the weights' cast after the
+    step (the bytes of :func:`cost.host_grad_bytes_per_param`, at memory-copy speed), and
+    the CPU time of every byte the step moves to and from NVMe
+    (``hw.nvme_cpu_seconds_per_byte``).
+    """
+    n, ga, wb = sz.blocks, sz.grad_accum, sz.element_bytes
+    ps, nbs = sz.block_shard_params, sz.rest_shard_params
+    accumulate = cost.link_seconds(
+        (n * ps + nbs) * cost.host_grad_bytes_per_param(ga, wb, hold),
+        hw.h2d_bandwidth,
+        hw.h2d_efficiency,
+    )
+    grads_nvme = _nvme_grad_bytes(sz, mem)
+    nvme_weights = mem.nvme_weight_blocks
+    nvme_bytes = (
+        ga * (2.0 * nvme_weights * sz.block_weight_bytes + 2.0 * grads_nvme)  # page-ins, sums
+        + 2.0 * mem.nvme_state_blocks * ADAM_STATE_BYTES * ps  # state read and written
+        + grads_nvme  # the last sum read for the step
+        + nvme_weights * sz.block_train_params * wb  # updated weights written home
+    )
+    return adam + accumulate + nvme_bytes * hw.nvme_cpu_seconds_per_byte
+
+
+def price(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    budgets: Mapping[Tier, int],
+    ckpt: bool,
+    depth: int,
+    mb: int,
+    kf: Arr,
+    kw: Arr,
+    hold: bool = False,
+    state_first: bool = False,
+) -> FitPrice[Arr]:
+    """Bytes per tier and seconds per step of every (kF, kW) for one batch shape.
+
+    ``hold`` prices ``Placement.hold_grads``: the earlier micro-batches' gradients take
+    device memory (:func:`cost.held_grad_bytes`) and are summed once.
+
+    The host's free memory goes to the paged blocks' weights first, then to gradient
+    accumulators, then to optimizer state; ``state_first`` fills it the other way round
+    (gradients, state, then weights). On a CPU device a host-home block also keeps its
+    activations there, so one more such block may displace more state than it saves:
+    the search prices both orders there, which keeps a bigger memory from ever
+    predicting a slower step.
+
+    With data parallelism (``hw.world_size`` N > 1) this prices one rank: ``hw`` is its
+    :func:`~bb_lightning.planner.data_parallel.rank_share` and ``job`` its share of the
+    batch. Master weights, moments, gradient accumulators and the host AdamW then count
+    the rank's dim-0 shard (``ceil(params / N)`` per block and outside); the reduced fp32
+    gradient shard leaves the device, the updated weight shard goes up for the
+    all-gather and the gathered paged weights go back home. ``network_seconds`` is the
+    rank's network busy time per step (:func:`_net_seconds`): the per-micro-batch
+    reduce-scatters run beside the pass's compute as one more link
+    (:func:`cost.pass_exposed_seconds`), the all-gathers beside the host AdamW in the
+    optimizer pipeline (:func:`cost.optimizer_exposed_seconds`), where they share the
+    link with the last micro-batch's reduce-scatters.
+    """
+    sz = fit_sizes(model, hw, job, mb)
+    n, ga, tokens = sz.blocks, sz.grad_accum, sz.seqs_per_step * sz.seq_len
+    mem = fit_memory(model, hw, ov, budgets, sz, ckpt, depth, kf, kw, hold, state_first)
+    recomputed, runnable = _recompute(
+        model, hw, job, ov, ckpt, mem.paged_blocks, mem.host_weight_blocks
+    )
+    # resident blocks (and blocks used in place) keep their activations: never recomputed
+    flops = float(tokens) * cost.train_flops_per_token(model, sz.seq_len, ckpt, n - recomputed)
+    compute = cost.compute_seconds(flops, hw)
+    c_pass = compute / ga
+    links = _pass_link_seconds(hw, sz, mem)
+    net_pass, net_opt = _net_seconds(model, hw, sz.element_bytes)
+    exposed_pass = cost.pass_exposed_seconds(
+        np.full_like(kf, c_pass), links, net=net_pass if sz.data_parallel else None
+    )
+    opt_links = _optimizer_link_seconds(hw, sz, mem)
+    bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
+    opt = _optimizer_times(model, hw, job, sz, mem, opt_links, compute, bwd, net_pass + net_opt)
+    total = compute + ga * exposed_pass + opt.exposed_seconds
+    shared = np.zeros_like(kf)
+    if hw.device_type == "cpu":  # the host work shares the compute's cores
+        shared = _shared_core_seconds(hw, sz, mem, opt.adam_seconds, hold)
+        total = total + shared
+    busy = {link: ga * links[link] + opt_links.get(link, 0.0) for link in links}
+    return FitPrice(
+        feasible=(mem.fits & runnable).astype(np.float64),
+        step_seconds=total,
+        seconds_per_token=total / tokens,
+        exposed_pass_seconds=exposed_pass,
+        compute_seconds=np.full_like(kf, compute),
+        optimizer_seconds=opt.adam_seconds,
+        shared_core_seconds=shared,
+        nvme_read_seconds=busy[Link.NVME_TO_HOST],
+        nvme_write_seconds=busy[Link.HOST_TO_NVME],
+        h2d_seconds=busy[Link.HOST_TO_DEVICE],
+        d2h_seconds=busy[Link.DEVICE_TO_HOST],
+        network_seconds=np.full_like(kf, ga * net_pass + net_opt),
+        device_bytes=mem.device_bytes,
+        host_bytes=mem.host_bytes + opt.read_ahead_bytes,
+        nvme_bytes=mem.nvme_bytes,
+        mandatory_host_bytes=mem.mandatory_host_bytes,
+        full_blocks=kf,
+        resident_weight_blocks=kw,
+        host_weight_blocks=mem.host_weight_blocks,
+        host_grad_blocks=mem.host_grad_blocks,
+        host_state_blocks=mem.host_state_blocks,
+        in_place_blocks=mem.in_place_blocks,
+        recomputed_blocks=recomputed,
+        read_ahead_sets=opt.read_ahead_sets,
+    )
+
+
+def _net_seconds(model: ModelProfile, hw: HardwareProfile, wb: int) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds per step) of one rank's ring collectives.
+
+    Per micro-batch each block's trained gradients, packed into one padded buffer of
+    ``N * ceil(block_train / N)`` elements of :data:`REDUCE_BYTES`, are reduce-scattered,
+    and so are the trained parameters outside the blocks (one more buffer); per step the
+    updated shards in the compute dtype (``wb`` bytes) are all-gathered, one buffer each.
+    Each collective is :func:`cost.ring_seconds` over ``hw.network_bandwidth`` and
+    ``hw.collective_latency``; (0, 0) for one rank.
+    """
+    n_ranks = hw.world_size
+    if n_ranks == 1:
+        return 0.0, 0.0
+    bw, lat = hw.network_bandwidth, hw.collective_latency
+    units = [(model.num_blocks, model.block_train), (1, model.rest_train)]
+    reduce = gather = 0.0
+    for count, numel in units:
+        if numel == 0:
+            continue
+        padded = float(n_ranks * cost.shard_numel(numel, n_ranks))
+        reduce += count * cost.ring_seconds(padded * REDUCE_BYTES, n_ranks, bw, lat)
+        gather += count * cost.ring_seconds(padded * wb, n_ranks, bw, lat)
+    return reduce, gather
+
+
+def _recompute(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    ckpt: bool,
+    paged: Arr,
+    paged_host: Arr,
+) -> tuple[Arr, npt.NDArray[np.bool_]]:
+    """(blocks recomputed in backward, whether the engine runs the candidate).
+
+    The engine recomputes every block whose weights it pages in by copy (all paged
+    blocks; on a CPU device not the HOST-home ones, used in place), and no other unless
+    every block is used in place and checkpointing is forced on
+    (``Placement.recompute_resident``: then all are). So checkpointing off runs only
+    where nothing is copied, and on (unless forced) only where something is.
+    """
+    copied = paged - (paged_host if hw.device_type == "cpu" else 0.0)
+    if not ckpt:
+        return np.zeros_like(paged), copied == 0
+    forced = (ov.checkpointing if ov.checkpointing is not None else job.checkpointing) is True
+    recomputed = np.where(copied > 0, copied, float(model.num_blocks))
+    return recomputed, (copied > 0) | forced
+
+
+def _state_reads(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    blocks: Arr,
+    free: Arr,
+    ahead_s: Arr,
+    backward_s: Arr,
+    shard: float | None = None,
+) -> tuple[Arr, Arr]:
+    """Read-ahead sets for ``blocks`` blocks whose optimizer state is on NVMe, and the
+    seconds from the start of the last backward until the disk has served the state
+    traffic the optimizer step waits for.
+
+    One disk serves the state's reads and write-backs (interleaved, at
+    :data:`MIXED_IO_EFFICIENCY` of their serial rate). A block's state
+    (:data:`ADAM_STATE_BYTES` per parameter) is read into a free read-ahead set before
+    its step and written back from it after, freeing the set. In an overlapped step the
+    reads start with the accumulation window: ``k`` sets are read in the ``ahead_s``
+    seconds before its last backward (what does not fit spills over). The last backward
+    (``backward_s``) hands the blocks' gradients over one by one; from the first, each
+    other block needs one set's write plus its own read. ``k`` is the fewest sets for
+    which all that fits the backward (more sets never cost time, only host memory), at
+    least :data:`MIN_READ_AHEAD`, at most ``blocks`` or what the host memory ``free``
+    has left. With clipping the step starts after backward: every read and the writes
+    that free sets are waited on. ``shard``: the block's parameters whose state one rank
+    holds (data parallel; None: all of them).
+    """
+    state = ADAM_STATE_BYTES * float(model.block_train if shard is None else shard)
+    eff = hw.nvme_efficiency * MIXED_IO_EFFICIENCY
+    read = cost.link_seconds(state, hw.nvme_read_bandwidth, eff)
+    write = cost.link_seconds(state, hw.nvme_write_bandwidth, eff)
+    room = np.floor(np.maximum(free, 0.0) / max(state, 1.0))
+    cap = np.maximum(MIN_READ_AHEAD, np.minimum(room, blocks))
+    lead = backward_s / np.maximum(blocks, 1.0)  # until the first gradient is in
+
+    def seconds(k: Arr) -> Arr:
+        rest = np.maximum(blocks - k, 0.0)
+        if job.grad_clipping:
+            return blocks * read + rest * write
+        spill = np.maximum(np.minimum(k, blocks) * read - ahead_s, 0.0)
+        return spill + np.where(rest > 0, lead, 0.0) + rest * (read + write)
+
+    k = cap.copy()
+    chosen = np.zeros_like(k, dtype=bool)
+    for sets in range(MIN_READ_AHEAD, int(np.max(cap, initial=0.0)) + 1):
+        trial = np.full_like(k, float(sets))
+        fits = ~chosen & (trial <= cap) & (seconds(trial) <= backward_s)
+        k = np.where(fits, trial, k)
+        chosen |= fits
+    return k, np.where(blocks > 0, seconds(k), 0.0)
