@@ -208,10 +208,9 @@ def _cpu_reason(
 ) -> str:
     """A CPU device: the shared RAM pool, blocks used in place, the host work on its cores."""
     v, n = best.price, model.num_blocks
-    block_bytes = model.block_params * job.compute_bytes  # one block's weights
     in_place = int(v.in_place_blocks)
     ga = math.ceil(job.seqs_per_step / best.micro_batch)
-    held = cost.held_grad_bytes(ga, block_bytes, n * model.block_train + model.rest_train)
+    held = cost.held_grad_bytes(ga, job.compute_bytes, n * model.block_train + model.rest_train)
     return (
         f"CPU device: device and host tiers share RAM, planned as one pool of "
         f"{format_bytes(cost.pooled_budget(hw, budgets) or 0)} "

@@ -15,7 +15,7 @@ from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.planner.search import make_plan
 from bb_lightning.probe import model_profile_from_config
-from storage.tiers import Tier
+from storage.tiers import Tier, format_bytes
 
 LLAMA_370M = {
     "model_type": "llama",
@@ -168,6 +168,8 @@ def test_cpu_device_adds_its_host_work_to_the_step() -> None:
     assert on_cpu.predicted.compute == pytest.approx(on_gpu.predicted.compute)
     assert on_cpu.predicted.total - on_gpu.predicted.total == pytest.approx(adam + accumulate)
     assert any("take the same cores" in r for r in on_cpu.reasons)
+    held = format_bytes(3 * 2 * (m.num_blocks * m.block_params + m.rest_params))
+    assert any(f"micro-batches are held ({held})" in r for r in on_cpu.reasons), on_cpu.reasons
 
 
 def test_cpu_device_adds_the_cpu_time_of_its_nvme_traffic() -> None:
