@@ -32,7 +32,7 @@ import difflib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -273,7 +273,7 @@ class PlanningSession:
             best = make_plan(model, hardware, job, overrides=self.overrides)
         plan = best
         if batch is not None and batch != best.concurrent_seqs:
-            ov = _replace(self.overrides or PlanOverrides(),
+            ov = dataclasses.replace(self.overrides or PlanOverrides(),
                           concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
             try:
                 plan = make_plan(model, hardware, job, overrides=ov)
@@ -306,7 +306,7 @@ class PlanningSession:
         plan = best
         if micro and (best.micro_batch, best.grad_accum) != (micro, accum):
             ov = self.overrides or PlanOverrides()
-            forced = _replace(ov, micro_batch=micro, grad_accum=accum)
+            forced = dataclasses.replace(ov, micro_batch=micro, grad_accum=accum)
             try:
                 plan = make_plan(model, hardware, job, overrides=forced)
             except PlanError as err:  # the plan printed must be the batch that runs
@@ -409,10 +409,6 @@ def follow_plan(job: TrainerJob, plan: Plan | None) -> None:
         return
     if job.batch_size is None and job.data is not None:
         job.data.use_planned_batch_size(plan.concurrent_seqs)
-
-
-def _replace(overrides: PlanOverrides, **changes: Any) -> PlanOverrides:
-    return PlanOverrides(**{**overrides.__dict__, **changes})
 
 
 def first_batch_shape(trainer: pl.Trainer) -> tuple[int, int]:
