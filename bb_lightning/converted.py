@@ -82,7 +82,7 @@ def converted_store(path: str | os.PathLike[str]) -> ConvertedStore | None:
         return None
     try:
         doc = json.loads(group.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested too deep
         raise ValueError(
             f"store {root}: {group} is not readable JSON ({type(err).__name__}): copy the store "
             "again or run 'bb-lightning convert' into a new directory"

@@ -296,7 +296,7 @@ def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tupl
         endian = (codecs[0].get("configuration") or {}).get("endian", "little")
         names = [c.get("name") for c in codecs]
         checksum = names == ["bytes", CODEC["name"]]
-    except (IndexError, AttributeError, TypeError):
+    except (IndexError, KeyError, AttributeError, TypeError):  # codecs not a list of objects
         endian, names, checksum = None, [], False
     if not (names == ["bytes"] or checksum) or endian != "little":
         raise UnsupportedArrayError(

@@ -132,7 +132,7 @@ def test_an_array_whose_key_encoding_is_not_an_object_is_a_problem_line(
 def test_array_metadata_with_a_bad_shape_is_refused_naming_the_file(
     fuzz: ModuleType, work: Path, tmp_path: Path
 ) -> None:
-    from storage.nvme import CorruptTensorError, parse_array, row_chunks
+    from storage.nvme import CorruptTensorError, UnsupportedArrayError, parse_array, row_chunks
 
     store = _copy(fuzz.seed_store(work / "seeds"), tmp_path / "s")
     meta = store / "model.norm.weight" / "zarr.json"
@@ -153,6 +153,11 @@ def test_array_metadata_with_a_bad_shape_is_refused_naming_the_file(
             row_chunks("model.norm.weight", meta)
     meta.write_bytes(b"[" * 100_000 + b"]" * 100_000)
     with pytest.raises(CorruptTensorError, match="unreadable array metadata"):
+        parse_array("model.norm.weight", meta)
+    doc = json.loads(json.dumps(good))
+    doc["codecs"] = {"bytes": {}}  # an object, not a list
+    meta.write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(UnsupportedArrayError, match=r"codecs \{'bytes': \{\}\} are not 'bytes'"):
         parse_array("model.norm.weight", meta)
 
 
@@ -259,3 +264,14 @@ def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_it(
     code, err = _cli("predict", "--config", str(recipe))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert says in err and (str(recipe) in err or "'trainer'" in err), err
+
+
+def test_a_converted_store_whose_group_json_nests_past_the_parser_is_named(
+    fuzz: ModuleType, work: Path, tmp_path: Path
+) -> None:
+    from bb_lightning.converted import converted_store
+
+    store = _copy(fuzz.seed_store(work / "seeds"), tmp_path / "s")
+    (store / "zarr.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(ValueError, match=f"store {store}: .*zarr.json is not readable JSON"):
+        converted_store(store)
