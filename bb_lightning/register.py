@@ -2,7 +2,7 @@
 
 Importing :mod:`bb_lightning` calls :func:`register`, which must not import Lightning
 itself: ``bb-lightning plan``, ``convert`` or ``--help`` and the probes would otherwise
-wait for ``import lightning.pytorch`` (7-10 s on 2 cores) and use none of it. So the
+wait for ``import lightning.pytorch`` (seconds on a small machine) and use none of it. So the
 name is added to each registry (``lightning.pytorch`` and, where installed,
 ``pytorch_lightning``) as soon as that registry exists: at once where its module is
 imported already, else by a finder on ``sys.meta_path`` the moment its module has been

@@ -56,10 +56,8 @@ POSIX_TASK_SIZE = 64 << 20
 """Default bytes per ``preadv`` / ``pwritev`` of the POSIX backend. The kernel splits a
 request into the device's largest transfers itself, so large tasks cost the disk nothing;
 what they save is kernel time, which on a CPU device comes out of the compute's cores:
-on a 2-core Xeon VM with AMX (ext4 on a virtio disk, ``O_DIRECT``), 0.024-0.026
-CPU-seconds per GB read or written with 64 MiB tasks against 0.039-0.078 with 4 MiB ones,
-at the same bandwidth; a training step of the 374M Llama with its optimizer state on NVMe
-(7.4 GB a step) took 6.79-6.88 s instead of 7.14-7.37."""
+64 MiB tasks cost fewer CPU-seconds per byte than 4 MiB ones at the same bandwidth, and
+a training step with its optimizer state on NVMe was shorter with them."""
 KVIKIO_TASK_SIZE = 4 << 20
 """Default bytes per task of kvikio's thread pool (kvikio's own default): GPUDirect
 Storage reads a transfer's tasks in parallel."""

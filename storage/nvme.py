@@ -30,10 +30,9 @@ Scratch arrays (``create(..., durable=False)``, :meth:`NvmeTier.set_durable`): a
 that only this process reads back, rewritten often (optimizer state, gradient sums,
 paged weights of a run), needs none of that. Once its chunk exists and has no checksum
 trailer, a write goes over the chunk's own blocks: no partial file, no fsync, no rename,
-nothing allocated (on a 2-core VM's virtual disk, write-backs of 16 scratch tensors of
-48 MiB through a :class:`storage.store.TieredStore` ran at 1.35-1.42 GB/s in place
-against 0.29-0.31 GB/s written atomically, and a loop of matrix products beside them
-lost 0.44-0.49 s of compute per GB written against 1.47-1.51 s).
+nothing allocated (write-backs in place through a :class:`storage.store.TieredStore`
+ran several times faster than atomic ones, and a loop of matrix products beside them
+lost far less compute per byte written).
 Readers in flight see a mix of the two versions; :class:`storage.store.TieredStore`
 runs the operations on one tensor in order, so none is. A write that fails part-way
 removes the chunk (reads then raise :class:`CorruptTensorError`, as for a write that

@@ -3,10 +3,9 @@
 torch runs an operation's elementwise and matrix work on an OpenMP team formed by
 the thread that calls it. On a CPU device the training or generating thread's team
 already takes every core; a copy or gradient thread that forms a team of its own
-beside it leaves both teams waiting at their barriers. Measured on a 2-core machine
-(a 12-block Llama, fit with the blocks' weight write-backs on the store's copy
-threads): the cores were busy 80-86 % of each step with two-thread copy teams and
-99 % with single-threaded copy threads, and the step took 4.4-4.8 s against 3.75 s.
+beside it leaves both teams waiting at their barriers: with copy threads that formed
+teams of their own the cores sat idle for part of each training step, which took longer
+than with single-threaded copy threads.
 
 :func:`single_threaded` is a ``ThreadPoolExecutor`` initializer that gives the
 new thread one intra-op thread and leaves every other thread's count as it was.

@@ -4,9 +4,8 @@ During a decode step every sequence brings one query token and attends to its
 whole KV cache. PyTorch's fused CPU attention kernel
 (``scaled_dot_product_attention``) is tiled for long query blocks; with a
 single query row and a padding mask it spends most of a decode step's
-attention time on per-tile overhead (about 23 ms per layer for 128 sequences ×
-16 heads × 192 cached tokens on two AVX-512 cores, against 6 ms for two batched
-matrix products and a softmax). :func:`decode_attention` computes the same
+attention time on per-tile overhead (several times the time of two batched matrix
+products and a softmax). :func:`decode_attention` computes the same
 attention as two batched products (the scores as ``K·qᵀ``, which reads the cache in
 its own row-major layout, then ``softmax·V``) with the softmax in fp32, grouping query
 heads over their key/value head (GQA) without copying the cache; every other call (prefill, training, softcapping,
@@ -80,7 +79,7 @@ def decode_attention(
     # [batch, kv_heads, kv_len, dim] @ [batch, kv_heads, dim, group]: the heads sharing a
     # key/value head are columns of one product, so the cache is read once and never
     # copied, and in its own row-major layout (q·Kᵀ, the same product with the cache as
-    # its transposed right operand, took 3 x as long on the CPU)
+    # its transposed right operand, took several times as long on the CPU)
     q = query.reshape(batch, kv_heads, group, dim)
     scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
     scores = scores.to(torch.float32, memory_format=torch.contiguous_format).mul_(scale)
@@ -101,9 +100,8 @@ def attended_prefix(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, T
     A static KV cache is as long as the longest sequence a batch may reach, and its
     positions not written yet are masked: attention over them reads the cache and adds
     exact zeros. The cut drops them (views of the cache, no copy), so a step reads the
-    tokens cached so far instead of the whole cache (a decode step of 128 sequences x 16
-    heads near position 130 of a 640-position fp32 cache: 60.7 ms a layer against 34.6 ms
-    with a 160-position cache, on two AVX2 cores). Positions masked inside the prefix
+    tokens cached so far instead of the whole cache (a decode step's attention time grows
+    with the positions it reads, masked or not). Positions masked inside the prefix
     (left padding) stay masked. ``mask`` is boolean (True: attend) or additive (masked at
     or below its dtype's lowest finite value), broadcastable to ``[batch, heads, q_len,
     kv_len]``; where no position is attended to, or every one up to the end, the inputs

@@ -172,10 +172,9 @@ class _RowWindow:
 
         At the first allocation every layer not yet allocated gets buffers shaped like
         this one's, back to back, before the prefill's activations come between them:
-        allocated one per layer as the prefill reaches it, the cache (1.9 GiB for 128
-        sequences of 160 tokens of a 24-layer, 1024-wide model) and the activations
-        interleave on the host heap, and each block's output then takes fresh pages (a
-        prefill of that batch took 12.1 s against 11.5 s). A layer whose keys or values
+        allocated one per layer as the prefill reaches it, the cache and the activations
+        interleave on the host heap, and each block's output then takes fresh pages,
+        which slowed a prefill measurably. A layer whose keys or values
         turn out shaped otherwise is allocated again at its own first update.
         """
         layers: list[Any] = list(self.cache.layers)

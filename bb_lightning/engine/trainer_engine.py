@@ -33,11 +33,9 @@ blocks' backward, and only the optimizer state's reads and write-backs run besid
 On a CPU device the engine calls
 :func:`~bb_lightning.engine.inference.keep_host_allocations` (process-wide), as the
 inference engine does: each micro-batch's activations and gradients then reuse the heap
-memory the previous one freed instead of faulting in fresh pages. The 374M Llama of
-``bench/train_offload.py`` in bf16, micro-batch 1 x 4, optimizer state in host memory, on
-a 2-core Xeon with AMX: kernel time 1.8 -> 0.4 CPU-seconds a step, the step 7.8-8.0 ->
-7.0-7.3 s (plain Lightning in the same process: 7.9-8.3 -> 7.3-7.5 s). On a 2-core
-AVX2-only EPYC in fp32 the gain was within that machine's noise (19.72 -> 19.12 s).
+memory the previous one freed instead of faulting in fresh pages: the kernel's time a
+step (zeroing fresh pages) falls, and the step's with it, less so where slow compute
+dwarfs that time (``bench/train_offload.py``).
 
 Host memory: state homed on HOST is stepped in place in the host arena. State
 homed elsewhere passes through :data:`SCRATCH_SETS` sets of scratch buffers sized

@@ -62,9 +62,8 @@ class PlanOverrides:
     hold_grads: bool = False
     """Let the search hold the earlier micro-batches' gradients and sum them once
     (``Placement.hold_grads``; a CPU device of one rank, several micro-batches per step)
-    where memory allows and its price is lower (fit). Off unless asked: on a 2-core
-    AVX2-only EPYC in fp32 a step took 0.995-1.027 x the fp32 accumulator's
-    (``bench/grad_hold.py``)."""
+    where memory allows and its price is lower (fit). Off unless asked: measured, a step
+    took no less time than with the fp32 accumulator (``bench/grad_hold.py``)."""
 
     def __post_init__(self) -> None:
         """Refuse values out of range, one line naming the field, the value and the range."""

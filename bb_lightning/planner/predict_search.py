@@ -56,17 +56,16 @@ PREFILL_TOKENS = 8192
 CPU_PREFILL_TOKENS = 2048
 """Tokens per prefill micro-batch on a CPU device. The micro-batches of one block run
 while its weights stay paged in, so their size moves no bytes; on a CPU a smaller one
-keeps a block's activations in cache (a 374M Llama's block, 2 cores with AMX: 2.7-3.0 ms
-per 128-token prompt at 16 prompts, 5.0-5.1 ms at 64; the whole model's prefill of 128
-prompts from NVMe 8.3-8.4 s against 9.3-9.4 s). The predict probe times a prefill of
+keeps a block's activations in cache (a block's prefill took less time per prompt at 16
+prompts of 128 tokens than at 64, and the whole model's prefill from NVMe was shorter
+than with :data:`PREFILL_TOKENS`). The predict probe times a prefill of
 the same size (``probe.calibrate.PREFILL_PROBE_TOKENS``)."""
 
 PREFETCH_DEPTHS = (1, 2, 4)
 """Prefetch depths (blocks paged in ahead) the search tries. The cost model prices a pass
 at its mean rates, where every depth ties; the deepest one that fits wins the tie, as more
-reads in flight ride out a slow one: a 374M Llama's 31 decode passes, weights read from
-NVMe as fast as the passes compute (2 cores with AMX, 128 sequences), waited 3.8-4.6 s
-for page-ins at depth 1 and 2 and 0.0 s at 4 (decode 16.2-16.9 s against 10.5 s)."""
+reads in flight ride out a slow one: with weights read from NVMe as fast as the decode
+passes compute, the passes waited for page-ins at depth 1 and 2 and not at 4."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,8 @@ pass). While a check fails they take another round of passes
 the rates an undisturbed probe of the same model and shape recorded on this machine
 (:mod:`bb_lightning.probe.rate_cache`); on a CPU whose other processes left one of its
 cores alone, the passes timed again with one thread pinned to that core, counted at the
-thread count's worth (a neighbour spinning on one of two cores slowed the passes 2.35-3 x,
-and on a first run the hardware profile was measured beside it too, so the products
+thread count's worth (a neighbour spinning on one of two cores slowed the passes several
+fold, and on a first run the hardware profile was measured beside it too, so the products
 beside the passes showed no drift); the model's rate relative to the matrix products
 timed beside it, which a busy neighbour slows alike; else the fastest passes. Measured
 steps re-plan after warm-up.
@@ -72,9 +72,8 @@ TRAIN_SPANS = (6, 2)
 """Blocks between the training probe's two timed copies, the first whose copies fit
 :data:`MEMORY_SHARE` (at most the model's blocks less one, at least :data:`SPAN`): a wider
 span weighs the timing noise less and keeps more of a block's activations out of the
-cache, as in the whole model. On a 2-core Xeon with AMX (a 480 MiB
-L3) the 374M Llama's block timed 49.6-58.6 ms over five probes with a span of 2 and
-54.2-57.8 ms with 6; one block of the whole model's step took about 63 ms."""
+cache, as in the whole model: with a span of 6 a block's time varied less from probe to
+probe and came closer to a block of the whole model's step than with 2."""
 MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan).
 A model computing in another dtype than bf16 may go as far above as that dtype's matrix
@@ -82,10 +81,11 @@ products run faster than bf16's (:func:`dtype_ceiling`)."""
 REFERENCE_SIZE = {"cpu": 2048, "cuda": 4096}
 """Largest side of the square bf16 matrix product timed between the model's passes, per
 device type: large enough to run at the hardware probe's best rate when nothing else runs
-(on a CPU with AMX a 1024-square product reaches only about 0.6 x the rate of a
-2048-square one, which the drift check would take for a busy neighbour), small enough to
-repeat cheaply (17 GFLOP: 0.04 s at 0.43 TFLOP/s). A device whose profile rate would take
-longer than :data:`REFERENCE_SECONDS` gets a smaller one (:func:`reference_size`)."""
+(on a CPU with AMX a 1024-square product falls well short of the rate of a 2048-square
+one, which the drift check would take for a busy neighbour), small enough to repeat
+cheaply (17 GFLOP, a few hundredths of a second on such a CPU). A device whose profile
+rate would take longer than :data:`REFERENCE_SECONDS` gets a smaller one
+(:func:`reference_size`)."""
 REFERENCE_SECONDS = 0.05
 """Longest a reference product may take at the hardware profile's rate, seconds."""
 MIN_REFERENCE_SIZE = 256
@@ -96,7 +96,8 @@ def reference_size(device_type: str, device_flops: float) -> int:
     """Side of the reference product: :data:`REFERENCE_SIZE`, or the largest multiple of
     256 whose ``2 n^3`` FLOPs take at most :data:`REFERENCE_SECONDS` at ``device_flops``
     (FLOP/s), at least :data:`MIN_REFERENCE_SIZE`. A CPU without bf16 matrix instructions
-    (AVX2 only: 0.015 TFLOP/s) would spend over a second on each 2048-square product."""
+    (AVX2 only) multiplies bf16 so slowly that it would spend about a second on each
+    2048-square product."""
     largest = REFERENCE_SIZE.get(device_type, REFERENCE_SIZE["cpu"])
     fits = (max(device_flops, 1.0) * REFERENCE_SECONDS / 2.0) ** (1.0 / 3.0)
     return int(min(largest, max(MIN_REFERENCE_SIZE, fits // 256 * 256)))
@@ -175,7 +176,7 @@ def _fits(
 
 def product_rate(dtype: torch.dtype, device: torch.device, n: int = 1024) -> float:
     """FLOP/s of the fastest of three ``n``-square matrix products ``a @ b^T`` in ``dtype``
-    (after one warm-up): 18 ms each for n = 1024 in fp32 at 0.12 TFLOP/s."""
+    (after one warm-up), ``2 n^3`` FLOPs each."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=dtype)
@@ -193,7 +194,7 @@ def dtype_ceiling(dtype: torch.dtype, device: torch.device) -> float:
     :data:`MAX_EFFICIENCY` times how much faster a ``dtype`` matrix product runs than a
     bf16 one (:func:`product_rate`, timed back to back, so that a busy neighbour slows
     both), when it does. ``device_flops`` is a bf16 rate; a CPU without bf16 matrix
-    instructions (AVX2 only) multiplies fp32 about 8 x faster than bf16, so an fp32 model
+    instructions (AVX2 only) multiplies fp32 several times faster than bf16, so an fp32 model
     there runs far above it. bf16 needs no product."""
     if dtype == torch.bfloat16:
         return MAX_EFFICIENCY
@@ -287,8 +288,8 @@ def _timed_rounds(
                 times[label].append(timing.seconds(label, run))
             times[ref].append(timing.seconds(ref, product))
         # the typical product, not the fastest: beside a neighbour spinning on one of two
-        # cores most products ran at 0.5-0.56 x and a lucky one near 1 x, which passed
-        # the drift check while the model's passes ran 2.35 x slower
+        # cores most products ran at about half the rate and a lucky one near the full
+        # rate, which passed the drift check while the model's passes ran much slower
         rate = 2.0 * n**3 / max(contention.median(times[ref]), 1e-12)
         drift = rate / max(hw.device_flops, 1.0)
         unsteady = contention.unsteady(times)
@@ -348,11 +349,11 @@ def _alone(
     """The fastest seconds of each pass run with one thread pinned to ``core``, over
     ``threads``: what ``threads`` threads would take on cores of their own, were the passes
     to divide perfectly among them (matrix products do, within a few per cent; the norms,
-    activations and attention less, so this errs fast: a 374M Llama's training block took
-    259 ms this way against 308 ms undisturbed on two Zen 3 cores). Labels as in
+    activations and attention less, so this errs fast: a training block timed this way
+    came out shorter than undisturbed on all the cores). Labels as in
     ``passes``; the timed series are labelled ``"<label> alone"``. With them,
     :func:`dtype_ceiling` for ``dtype`` timed on that core too (beside the neighbour its
-    fp32 / bf16 ratio read 5.4 against 8.9 alone, which capped the credited rate). The
+    fp32 / bf16 ratio read lower than alone, which capped the credited rate). The
     thread's affinity and torch's thread count are restored afterwards."""
     pin = hasattr(os, "sched_setaffinity")
     keep = os.sched_getaffinity(0) if pin else set()
@@ -430,8 +431,8 @@ def probe_train_compute(
     :func:`bb_lightning.structure.load_config` reads). Returns None when the
     copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
     ``2 * (repeats + 1)`` passes, alternating a one-block model and one of up to seven blocks
-    (three where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (about 10 s on a
-    2-core CPU for a 370M-parameter model at 512 tokens), and up to
+    (three where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (seconds on a
+    small CPU for a model of a few hundred million parameters), and up to
     ``contention.MAX_ROUNDS`` x as many while they are unsteady (see the module doc).
     ``timing`` times the passes (default: the real clock).
     """

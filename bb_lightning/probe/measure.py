@@ -224,7 +224,7 @@ def _sync(device: torch.device) -> None:
 def _probe_flops(device: torch.device, seconds: float, timing: Timing = contention.SYSTEM) -> float:
     """Dense bf16 matrix-product FLOP/s: ``2 n³`` per product ``a @ b^T`` (the operand
     order of a linear layer: on a CPU without bf16 matrix instructions ``a @ b`` runs
-    10 x slower), best of repeats (timed under the label ``"matmul <n>"``)."""
+    many times slower), best of repeats (timed under the label ``"matmul <n>"``)."""
     sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 4096)
     best = 0.0
     deadline = time.perf_counter() + seconds
@@ -320,11 +320,10 @@ def _probe_nvme(
     The compute seconds per byte are at least the process's CPU time (user and system,
     every thread) over the writes and the reads, per byte written or read: the kernel's
     share of ``O_DIRECT`` transfers and the I/O threads', which on a CPU device come out
-    of the compute's cores (2 cores with AMX, a virtual disk: 0.04-0.08 CPU-seconds per
-    GB). With ``beside`` (a CPU device), also what a loop of matrix products loses beside
-    reads and beside writes (:func:`_compute_lost_per_byte`), which includes the cores'
-    time a hypervisor takes to emulate the disk: the larger of the two. ``cpu_clock``: the
-    process's CPU seconds (user and system, every thread)."""
+    of the compute's cores. With ``beside`` (a CPU device), also what a loop of matrix
+    products loses beside reads and beside writes (:func:`_compute_lost_per_byte`), which
+    includes the cores' time a hypervisor takes to emulate the disk: the larger of the two.
+    ``cpu_clock``: the process's CPU seconds (user and system, every thread)."""
     from storage.io import IOFuture, aligned_empty, open_backend
 
     total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
@@ -442,9 +441,9 @@ def _compute_lost_per_byte(
 
     On a CPU device the loss is the NVMe traffic's real cost to the compute: the kernel's
     share of the transfers and, on a virtual machine, the cores' time the hypervisor
-    takes to emulate the disk (steal time, on no process's account). Measured on a 2-core
-    AMD EPYC VM: 0.20 s per GB beside reads, 0.47 beside writes, where the process's own
-    CPU time was 0.10-0.12 CPU-seconds per GB (``bench/io_beside_compute.py``).
+    takes to emulate the disk (steal time, on no process's account): on a virtual machine
+    the loops lost more time per byte than the process's own CPU time per byte, beside
+    writes most (``bench/io_beside_compute.py``).
     ``clock``: the seconds the loops are timed by.
     """
     a = torch.randn(512, 512)
@@ -475,8 +474,8 @@ def _probe_adam(
     ``threads``: the intra-op threads the updates run on (a thread of their own is started
     for them); None: the calling thread's. The training engine steps a CPU device's blocks
     on the compute's own thread and team (:class:`~bb_lightning.engine.pager.GradSink`,
-    ``inline``), so the probe takes the calling thread's: on 2 cores with AMX the fused
-    kernel updated 766-802 M parameters/s on one thread against 1415-1543 M on two.
+    ``inline``), so the probe takes the calling thread's: the fused kernel's rate grows
+    with its threads, so one thread's rate would price the step too slow.
     """
     if threads is not None:
         with ThreadPoolExecutor(1, initializer=limit_torch_threads, initargs=(threads,)) as pool:

@@ -3,9 +3,9 @@
 A model-shaped probe (:mod:`bb_lightning.probe.calibrate`) that runs beside a busy
 neighbour is slowed more than the matrix products timed beside it: its many short
 parallel regions wait for a thread the neighbour displaced, so rating it against those
-products still prices the plan too slow (about 0.7 x on two cores with one of them
-taken). Each undisturbed probe therefore records its rates here, and a disturbed probe of
-the same model and shape on the same machine takes the recorded ones instead.
+products still prices the plan too slow. Each undisturbed probe therefore records its
+rates here, and a disturbed probe of the same model and shape on the same machine takes
+the recorded ones instead.
 
 The records are one JSON file, ``model-rates.json`` in ``$BB_CACHE_DIR`` (default
 ``~/.cache/balance_beam``, beside the hardware profiles), keyed by the machine
