@@ -85,14 +85,16 @@ def build_engine(
     nvme_path: str | None = None,
     plan: Plan | None = None,
     comm: ShardComm | None = None,
+    open_store: Callable[[StoreConfig], TieredStore] = TieredStore,
 ) -> Assembly:
     """Open the store for ``placement`` and build the engine of ``module``'s ``blocks``.
 
     ``store`` None sizes the budgets (:func:`store_config`; with ``plan``, a training
     store keeps room for its re-plans). ``comm``: data parallelism, the training
     engine stores this rank's shard of the optimizer state (the weights-only engine
-    needs no collectives and ignores it). Raises ``ValueError`` when the budgets cannot
-    hold the placement; a failure leaves nothing open.
+    needs no collectives and ignores it). ``open_store`` opens the store of the sized
+    config (a dry run's :class:`storage.dry.DryStore`). Raises ``ValueError`` when the
+    budgets cannot hold the placement; a failure leaves nothing open.
     """
     if not training and loader is not None:
         check_store_dtype(module, placement)
@@ -113,7 +115,7 @@ def build_engine(
     opened: TieredStore | None = None
     try:
         check_budgets(need, _arena_bytes(config))
-        opened = TieredStore(config)
+        opened = open_store(config)
         engine: AnyEngine
         if training:
             engine = TrainingEngine(
@@ -167,7 +169,7 @@ def store_config(
         host_budget=need[Tier.HOST] + _SLACK,
         nvme_path=path if need[Tier.NVME] else None,
         nvme_budget=need[Tier.NVME] + _SLACK if need[Tier.NVME] else 0,
-        device=str(device),
+        device=None if device.type == "meta" else str(device),  # meta: a dry run's store
     )
     return config, tmpdir
 

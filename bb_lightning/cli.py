@@ -153,6 +153,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--num-nodes", type=_positive_int, default=1, help="nodes (the Trainer's num_nodes)"
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="fit: run one optimizer step of the plan on meta tensors (the real model size, "
+        "no data, no I/O) and print each tier's peak against its budget and the bytes per "
+        "link against the plan's; exit 1 when a peak exceeds its budget",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="write a roofline plot of the plan")
     _add_convert_parser(sub)
     _add_export_parser(sub)
@@ -297,6 +304,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.plot:
         _check_plot_path(args.plot)
+    if args.dry_run and args.task != "fit":
+        raise UsageError(
+            f"--dry-run with --task {args.task}: the dry run steps fit plans only; use --task fit"
+        )
     sizes = {  # every value checked before the model is read or the machine measured
         name: parse_size(text, f"--{name.replace('_', '-')}")
         for name, text in (
@@ -339,7 +350,25 @@ def _plan(args: argparse.Namespace) -> int:
         from bb_lightning.planner.roofline import plot_roofline
 
         plot_roofline(plan, args.plot)
+    if args.dry_run:
+        return _dry_run(plan, args.model)
     return 0
+
+
+def _dry_run(plan: Any, spec: str) -> int:
+    """Run ``plan`` on meta tensors and print what it found; 1 when a tier's peak exceeds
+    its budget."""
+    from bb_lightning.dryrun import dry_fit
+    from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+
+    config: Any = builtin_config(spec) if spec.lower() in BUILTIN_MODELS else spec
+    report = dry_fit(plan, config)
+    print(report.render())
+    for tier in report.over:
+        peak = report.peaks.get(tier)
+        where = "" if peak is None else f" during {peak.phase}"
+        print(f"error: the {tier.value} tier exceeds the plan's budget{where}", file=sys.stderr)
+    return 1 if report.over else 0
 
 
 def _convert(args: argparse.Namespace) -> int:

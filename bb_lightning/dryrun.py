@@ -1,0 +1,282 @@
+"""A dry run of a plan at full size: the engine's real schedule on ``meta`` tensors.
+
+:func:`dry_fit` builds the plan's model on the ``meta`` device, builds its training
+engine exactly as :func:`bb_lightning.assembly.build_engine` does for the plan, over a
+:class:`storage.dry.DryStore` (every tier ``meta``, copies counted per link, nothing
+moved), and runs one optimizer step as the strategy drives it: ``grad_accum``
+micro-batches of ``micro_batch`` x ``seq_len`` tokens (the optimizer state read ahead
+from the window's start and each block stepped as its gradient arrives when the job
+does not clip), then the optimizer step. A
+:class:`~bb_lightning.dryrun_memory.MemoryAccountant` counts the device and host bytes
+live at each op (the arenas, the weights outside the blocks, activations, logits and
+the loss's upcast, gradients, the optimizer's temporaries), with CUDA's caching
+allocator's rounding. Attention runs as a fused (flash-style) kernel would: it keeps
+the query, key, value, output and an fp32 log-sum-exp per head and token, never the
+``T x T`` scores.
+
+A window of more than three micro-batches runs its first, second and last: the second
+stands for every middle one (their schedule is the same), and its link bytes count
+``grad_accum - 2`` times. The :class:`DryReport` says, per tier, the peak against the
+plan's budget and where it happened, and per link the bytes moved against the plan's
+(its predicted busy seconds times the link's bandwidth).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bb_lightning.assembly import build_engine
+from bb_lightning.dryrun_memory import MemoryAccountant, Peak
+from bb_lightning.engine.optim import AdamWConfig
+from bb_lightning.engine.trainer_engine import ClipConfig, TrainingEngine
+from bb_lightning.planner import Plan
+from bb_lightning.planner.job import FitJob
+from bb_lightning.structure import find_block_list, load_config
+from storage.dry import DryStore
+from storage.host import mapped_bytes
+from storage.store import StoreConfig, TieredStore
+from storage.tiers import PRICED_LINKS, Link, Tier
+
+__all__ = ["DryReport", "dry_fit", "planned_link_bytes", "priced_bytes", "run_fit_step"]
+
+META = torch.device("meta")
+_ATTENTION = "bb_dry_fused"
+
+
+@dataclass(frozen=True)
+class DryReport:
+    """What a dry run found: peaks per tier, bytes per link, and the plan's figures."""
+
+    task: str
+    """``fit`` or ``predict``."""
+    peaks: Mapping[Tier, Peak]
+    """The most bytes each memory tier held, and where."""
+    budgets: Mapping[Tier, int]
+    """The plan's budget of each tier, bytes."""
+    planned: Mapping[Tier, int]
+    """The bytes the plan says it uses on each tier."""
+    nvme_used: int
+    """Bytes the NVMe tier holds (the store's catalogue)."""
+    links: Mapping[Link, int]
+    """Bytes moved per priced link in one step (file links counted as the disk's)."""
+    planned_links: Mapping[Link, float]
+    """The plan's bytes per priced link in one step."""
+    micro_batches: int
+    """Micro-batches of the step (those run, and those the middle one stands for)."""
+    seconds: float
+    """Wall-clock seconds the dry run took."""
+
+    @property
+    def over(self) -> list[Tier]:
+        """Tiers whose peak exceeds the plan's budget."""
+        out = [t for t, p in self.peaks.items() if p.bytes > self.budgets.get(t, 0)]
+        if self.nvme_used > self.budgets.get(Tier.NVME, 0):
+            out.append(Tier.NVME)
+        return out
+
+    def render(self) -> str:
+        """The report as a person reads it."""
+        gib = 2.0**30
+        lines = [f"dry run ({self.task}, {self.micro_batches} micro-batches): peak per tier"]
+        lines.append("  tier        peak    planned     budget   where")
+        for tier, peak in self.peaks.items():
+            where = peak.phase + ("" if peak.block is None else f", block {peak.block}")
+            flag = "  OVER BUDGET" if tier in self.over else ""
+            lines.append(
+                f"  {tier.value:<7} {peak.bytes / gib:7.2f} GiB {self.planned.get(tier, 0) / gib:7.2f}"
+                f" GiB {self.budgets.get(tier, 0) / gib:7.2f} GiB   {where}{flag}"
+            )
+        flag = "  OVER BUDGET" if Tier.NVME in self.over else ""
+        lines.append(
+            f"  nvme    {self.nvme_used / gib:7.2f} GiB {self.planned.get(Tier.NVME, 0) / gib:7.2f}"
+            f" GiB {self.budgets.get(Tier.NVME, 0) / gib:7.2f} GiB   store{flag}"
+        )
+        lines.append("bytes per link in one step (dry run / plan)")
+        for link in PRICED_LINKS:
+            got, want = self.links.get(link, 0), self.planned_links.get(link, 0.0)
+            ratio = f"{got / want:6.3f}" if want > 0 else "     -"
+            lines.append(f"  {link.value:<14} {got / gib:9.2f} GiB {want / gib:9.2f} GiB  x{ratio}")
+        lines.append(f"took {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def planned_link_bytes(plan: Plan) -> dict[Link, float]:
+    """The plan's bytes per priced link in one step: its predicted busy seconds on the
+    link times the link's bandwidth (with the profile's efficiency factors), bytes."""
+    hw = plan.hardware
+    rate = {
+        Link.HOST_TO_DEVICE: hw.h2d_bandwidth * hw.h2d_efficiency,
+        Link.DEVICE_TO_HOST: hw.d2h_bandwidth * hw.d2h_efficiency,
+        Link.NVME_TO_HOST: hw.nvme_read_bandwidth * hw.nvme_efficiency,
+        Link.HOST_TO_NVME: hw.nvme_write_bandwidth * hw.nvme_efficiency,
+    }
+    return {link: plan.predicted.on(link) * rate[link] for link in PRICED_LINKS}
+
+
+class _DryAttention(torch.autograd.Function):
+    """Shapes and allocations of a fused attention kernel (flash-style) on ``meta``:
+    forward keeps q, k, v, the output and an fp32 log-sum-exp per head and token;
+    backward makes dq, dk, dv and an fp32 dq accumulator, never the ``T x T`` scores."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, h, t, _ = q.shape
+        out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        q, k, v, _out, _lse = ctx.saved_tensors
+        accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # dq in fp32
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del accum
+        return dq, dk, dv
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    out = _DryAttention.apply(query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``config`` on the ``meta`` device, attention as a fused kernel."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(_ATTENTION, _attention)
+    cfg = load_config(config)
+    with torch.device(META):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.config._attn_implementation = _ATTENTION
+    model.train()
+    return model
+
+
+def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryReport:
+    """Run one optimizer step of ``plan`` (a fit plan) on the model of ``config`` (a
+    config dict, ``PretrainedConfig``, config.json or model directory) on ``meta``
+    tensors; ``direct_device``: NVMe reads land in device memory (kvikio)."""
+    if not isinstance(plan.job, FitJob):
+        raise ValueError(f"dry_fit needs a fit plan, got a {plan.task} plan: use dry_predict")
+    started = time.perf_counter()
+    dtype = getattr(torch, plan.placement.compute_dtype)
+    model = _meta_model(config, dtype)
+    _, blocks = find_block_list(model)
+    acct = MemoryAccountant()
+    acct.ignore([*model.parameters(), *model.buffers()])  # a checkpoint's, read from disk
+    stores: list[DryStore] = []
+
+    def open_store(cfg: StoreConfig) -> DryStore:
+        store = DryStore(cfg, direct_device=direct_device)
+        stores.append(store)
+        acct.is_host = store.is_host_memory
+        acct.ignore([store._device_arena.buffer, store._host_arena.buffer])
+        acct.base[Tier.DEVICE] = store._device_arena.capacity
+        acct.base[Tier.HOST] = store._host_arena.capacity
+        acct.restart_peaks()  # the arenas were counted as made, then as the base
+        return store
+
+    mapped = mapped_bytes()
+    acct.extra[Tier.HOST] = lambda: mapped_bytes() - mapped  # the gradient sink's buffers
+    with acct:
+        built = build_engine(model, list(blocks), plan.placement, training=True, device=META,
+                             loader=lambda p: p.detach(), nvme_path="dry-run", plan=plan,
+                             open_store=open_store)  # fmt: skip
+        engine = built.engine
+        assert isinstance(engine, TrainingEngine)
+        store = stores[0]
+        engine.pager.add_observer(acct)
+        # the gradient work on this thread, in the order it is queued: the accountant
+        # sees the host optimizer's temporaries and the run does not depend on timing
+        engine.grads.inline = True
+        links = run_fit_step(engine, plan, device=META, where=acct.where)
+    nvme_used = store.usage()[Tier.NVME][0]
+    engine.close()
+    store.close()
+    return DryReport(
+        task="fit",
+        peaks=dict(acct.peaks),
+        budgets={m.tier: m.budget for m in plan.memory},
+        planned={m.tier: m.used for m in plan.memory},
+        nvme_used=nvme_used,
+        links=links,
+        planned_links=planned_link_bytes(plan),
+        micro_batches=plan.grad_accum,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def priced_bytes(store: TieredStore) -> dict[Link, int]:
+    """Bytes per priced link ``store`` has moved so far (a file link counted as the disk's)."""
+    out = dict.fromkeys(PRICED_LINKS, 0)
+    for link, stats in store.stats().items():
+        out[link.priced_as] += stats.bytes
+    return out
+
+
+def run_fit_step(
+    engine: TrainingEngine,
+    plan: Plan,
+    *,
+    device: torch.device,
+    where: Callable[[str, int | None], None] = lambda phase, block: None,
+    every: bool = False,
+) -> dict[Link, int]:
+    """One optimizer step of ``plan`` as the strategy drives the engine (the state read
+    ahead from the window's start and the last backward stepping each block, unless the
+    job clips); the step's bytes per priced link. ``where`` hears each phase's name.
+
+    Over three micro-batches, only the first, the second and the last run (all with
+    ``every``); the second's bytes count for every middle one (``grad_accum - 2`` times).
+    The bytes are read as the step returns: a real store's write-backs may still run.
+    """
+    assert isinstance(plan.job, FitJob)
+    job, store, accum = plan.job, engine.store, plan.grad_accum
+    runs = list(range(accum)) if accum <= 3 or every else [0, 1, accum - 1]
+    adamw = AdamWConfig(lr=1e-4)
+    clip = ClipConfig(value=1.0 if job.grad_clipping else None)
+    overlap = clip.value is None
+    total = dict.fromkeys(PRICED_LINKS, 0)
+    gen = torch.Generator().manual_seed(0)
+    for k in runs:
+        before = priced_bytes(store)
+        last = k == accum - 1
+        if k == 0 and overlap:
+            engine.read_state_ahead()
+        if last and overlap:
+            engine.begin_overlapped_step(adamw)
+        where(f"forward (micro-batch {k + 1})", None)
+        shape = (plan.micro_batch, job.seq_len)
+        if device.type == "meta":
+            ids = torch.zeros(shape, dtype=torch.long, device=device)
+        else:
+            ids = torch.randint(0, plan.model.vocab_size, shape, generator=gen).to(device)
+        loss = engine.model(input_ids=ids, labels=ids).loss / accum
+        del ids
+        where(f"backward (micro-batch {k + 1})", None)
+        loss.backward()
+        del loss
+        where(f"gradients off the device (micro-batch {k + 1})", None)
+        engine.after_backward()
+        if last:
+            where("optimizer step", None)
+            engine.optimizer_step(adamw, clip)
+        after = priced_bytes(store)
+        times = accum - 2 if len(runs) < accum and k == 1 else 1
+        for link in PRICED_LINKS:
+            total[link] += (after[link] - before[link]) * times
+    return total

@@ -1,0 +1,153 @@
+"""The dry run on meta tensors against real runs of the same plan.
+
+A tiny Llama's real fit step on the CPU, under the CPU double of CUDA's copy semantics
+(HOST-home tensors paged in by copies, gradients copied off the device, as on CUDA),
+moves exactly the bytes per link that the dry run counts on ``meta`` tensors; and a
+plan whose device budget is below the true peak fails the dry run, naming the tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bb_lightning.assembly import build_engine
+from bb_lightning.cli import main
+from bb_lightning.dryrun import dry_fit, priced_bytes, run_fit_step
+from bb_lightning.dryrun_memory import MemoryAccountant
+from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.planner import FitJob, Plan, make_plan, preset
+from bb_lightning.probe import model_profile_from_config
+from bb_lightning.structure import find_block_list, load_config
+from storage.store import StoreConfig
+from storage.tiers import PRICED_LINKS, Tier
+
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+"""A 4-block Llama small enough to train for real in a second."""
+
+
+def _plan(placement: Placement, *, seqs: int, clip: bool) -> Plan:
+    model = model_profile_from_config(CONFIG)
+    job = FitJob(seq_len=16, global_batch_seqs=seqs, grad_clipping=clip, compute_dtype="float32")
+    plan = make_plan(model, preset("a100-80gb"), job)
+    return dataclasses.replace(plan, placement=placement, micro_batch=2, grad_accum=seqs // 2)
+
+
+PLACEMENT = Placement(
+    weights=(Tier.NVME, Tier.HOST, Tier.DEVICE, Tier.HOST),
+    master=(Tier.NVME, Tier.HOST, Tier.HOST, Tier.NVME),
+    grads=(Tier.HOST, Tier.NVME, Tier.HOST, Tier.HOST),
+    prefetch_depth=1,
+    read_ahead=1,
+    compute_dtype="float32",
+)
+
+
+def _real_bytes(plan: Plan, tmp_path: Path) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_config(CONFIG))
+    model.config._attn_implementation = "sdpa"
+    _, blocks = find_block_list(model)
+    store = StoreConfig(
+        device_budget=64 << 20,
+        host_budget=64 << 20,
+        nvme_path=str(tmp_path / "nvme"),
+        nvme_budget=64 << 20,
+        device="cpu",
+        cuda_double=True,
+    )
+    built = build_engine(model, list(blocks), plan.placement, training=True,
+                         device=torch.device("cpu"), loader=None, store=store)  # fmt: skip
+    engine = built.engine
+    assert isinstance(engine, TrainingEngine)
+    # On a CPU device host and device tensors are both CPU tensors; on CUDA a source
+    # outside the device arena (the optimizer's host buffers) is host memory.
+    arena = built.store._device_arena
+    built.store._tier_of = lambda t: Tier.DEVICE if arena.holds(t) else Tier.HOST  # type: ignore[method-assign]
+    before = priced_bytes(built.store)
+    try:
+        run_fit_step(engine, plan, device=torch.device("cpu"), every=True)
+    finally:
+        engine.close()
+        built.store.close()  # its write-backs done
+    after = priced_bytes(built.store)
+    return {link.value: after[link] - before[link] for link in PRICED_LINKS}
+
+
+@pytest.mark.parametrize(
+    ("seqs", "clip"),
+    [(4, False), (4, True), (10, False)],  # 2 and 5 micro-batches (first, middle x3, last)
+)
+def test_dry_fit_moves_the_bytes_of_a_real_step(tmp_path: Path, seqs: int, clip: bool) -> None:
+    plan = _plan(PLACEMENT, seqs=seqs, clip=clip)
+    real = _real_bytes(plan, tmp_path)
+    dry = dry_fit(plan, CONFIG, direct_device=True)  # a CPU store reads NVMe into its slots
+    assert {link.value: dry.links[link] for link in PRICED_LINKS} == real
+    assert real["host->device"] > 0 and real["nvme->host"] > 0 and real["host->nvme"] > 0
+
+
+def test_accountant_counts_device_blocks_as_cuda_rounds_them() -> None:
+    acct = MemoryAccountant()
+    with acct:
+        acct.where("small", None)
+        small = torch.empty(1000, dtype=torch.uint8, device="meta")  # one 512 B multiple
+        acct.where("large", 3)
+        large = torch.empty((3 << 20) + 1, dtype=torch.uint8, device="meta")  # 2 MiB segments
+        host = torch.empty(1000, dtype=torch.float32)  # no device named: host memory
+        assert host.is_meta and acct.tier_of(host) is Tier.HOST
+        assert acct.current(Tier.DEVICE) == 1024 + (4 << 20)
+        assert acct.current(Tier.HOST) == 4000
+        total = (small.float() + 1).sum()  # device inputs: device outputs
+        assert total.item() == 1.0  # no value to read on meta: one
+        del large
+        assert acct.current(Tier.DEVICE) == 1024 + 512  # small and the sum (temporaries freed)
+    peak = acct.peaks[Tier.DEVICE]
+    # small, large, then small.float() and its + 1 (4000 B each, in 512 B blocks) at once
+    assert (peak.bytes, peak.phase, peak.block) == (1024 + (4 << 20) + 2 * 4096, "large", 3)
+    assert acct.peaks[Tier.HOST].bytes == 4000
+
+
+def _shrunk(plan: Plan, tier: Tier, budget: int) -> Plan:
+    memory = tuple(
+        dataclasses.replace(m, budget=budget) if m.tier is tier else m for m in plan.memory
+    )
+    return dataclasses.replace(plan, memory=memory)
+
+
+def test_a_device_budget_below_the_peak_fails_naming_the_tier_and_the_phase(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = _plan(PLACEMENT, seqs=4, clip=False)
+    fits = dry_fit(plan, CONFIG)
+    assert fits.over == []
+    peak = fits.peaks[Tier.DEVICE]
+    assert peak.phase.startswith(("forward", "backward"))
+    under = _shrunk(plan, Tier.DEVICE, peak.bytes - 1)
+    report = dry_fit(under, CONFIG)
+    assert report.over == [Tier.DEVICE]
+    assert report.peaks[Tier.DEVICE] == peak  # the same run, the same peak
+    line = next(s for s in report.render().splitlines() if s.strip().startswith("device"))
+    assert "OVER BUDGET" in line and peak.phase in line
+
+    import bb_lightning.planner as planner
+
+    monkeypatch.setattr(planner, "make_plan", lambda *a, **k: under)
+    monkeypatch.setattr("bb_lightning.planner.models.builtin_config", lambda name: dict(CONFIG))
+    rc = main(["plan", "--model", "tiny-llama", "--hardware", "a100-80gb", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"the device tier exceeds the plan's budget during {peak.phase}" in err
