@@ -423,13 +423,15 @@ class EngineSlot:
         *,
         share: int = 1,
         stopped: str | None = None,
+        room: int | None = None,
     ) -> None:
         """The module's weights back in its parameters (``dtype``), or a loud hollow module.
 
         ``gather`` True always gives them back and closes the store; None gives them back
         when the fp32 weights fit ``limit`` bytes of host memory (None: the default share,
         :func:`~bb_lightning.handback.fits_host`, divided among the ``share`` ranks of
-        this node that each hand a copy back); False leaves them in the store. With
+        this node that each hand a copy back, and at most ``room``: the bytes a host
+        budget the user gave the store leaves unused); False leaves them in the store. With
         several ranks (the engine's reads are collectives) ``agree`` makes the decision
         every rank's: True only when the weights fit on every rank. ``stopped`` (several
         ranks whose call ended in an error: the other ranks may be gone) leaves the module
@@ -446,17 +448,19 @@ class EngineSlot:
             self.close()
             return
         nbytes = param_bytes(engine)
-        fits_here, most = fits_host(nbytes, limit, share)
+        fits_here, most = fits_host(nbytes, limit, share, room)
         fits = fits_here if agree is None or gather is not None else agree(fits_here)
         if gather is None and fits:
             hand_back(engine, dtype)
             self.handed_back = engine
             return
+        by_budget = limit is None and room is not None and most == room
+        cap = "what StoreConfig.host_budget leaves beside the store; " if by_budget else ""
         why = (
             "gather_on_teardown=False"
             if gather is False
             else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {most / 2**30:.3g} GiB"
-            " (gather_limit)"
+            f" ({cap}gather_limit)"
             if not fits_here
             else f"{nbytes / 2**30:.3g} GiB of fp32 weights > another rank's host limit"
             " (gather_limit)"

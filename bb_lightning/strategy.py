@@ -47,7 +47,7 @@ from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_groups_from_optimizer
-from bb_lightning.handback import handback_dtype
+from bb_lightning.handback import budget_room, handback_dtype
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
 from bb_lightning.register import STRATEGY_NAME, add_to
 from bb_lightning.session import ComputeDtype, clip_config
@@ -98,7 +98,8 @@ class BalanceBeamStrategy(ParallelStrategy):
             them in the store.
         gather_limit: most bytes of fp32 weights given back to the module's
             parameters; None: 80% of the host memory available at that time (with
-            several ranks, the rank with the least).
+            several ranks, the rank with the least) and, with ``store`` given, at most
+            what its ``host_budget`` leaves beside the store's host arena.
         parallel_devices: the devices of this node's ranks; None: the Trainer's.
         cluster_environment: where ranks come from; None: Lightning's detection
             (torchrun, SLURM, ..., else its own launcher).
@@ -649,10 +650,12 @@ class BalanceBeamStrategy(ParallelStrategy):
                 with contextlib.suppress(Exception):
                     calls.settle()
             agree = None if self.world_size == 1 else self.reduce_boolean_decision
+            store = self._slot.store  # a StoreConfig given: its host budget caps the copy too
+            room = None if self.store_config is None or store is None else budget_room(store)
             self._slot.hand_back(
                 self, dtype, self.gather_on_teardown, self.gather_limit, agree,
                 share=max(1, self.num_processes) if self.world_size > 1 else 1,
-                stopped=stopped,
+                stopped=stopped, room=room,
             )  # fmt: skip
         activation_checkpointing_on(self._checkpointing)
         self._checkpointing = []

@@ -4,7 +4,7 @@ the too-large-for-host case, and Lightning's gradient-clipping settings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,13 +12,16 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.handback import WeightsInStoreError
+from bb_lightning.engine.trainer_engine import TrainingEngine, param_counts, required_budgets
+from bb_lightning.handback import WeightsInStoreError, param_bytes
 from bb_lightning.module import CausalLMModule
+from bb_lightning.structure import find_block_list
+from storage.store import StoreConfig
 from storage.tiers import Tier
 
 H, N, D = Tier.HOST, Tier.NVME, Tier.DEVICE
@@ -171,6 +174,81 @@ def test_gather_on_teardown_false_keeps_the_weights_in_the_store(
     assert strategy.store is None
     for key, value in module.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
+
+
+def _peak_allocated(fn: Callable[[], object]) -> int:
+    """Most bytes torch's CPU allocator held at once for ``fn`` beyond what it held before,
+    from the profiler's allocation and free records in time order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in prof.events()
+        if e.self_cpu_memory_usage
+    )
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def test_hand_back_reads_one_block_at_a_time(
+    checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Handing back bf16 weights takes the model in bf16 (2 bytes a parameter), not a
+    whole fp32 copy first (4 more): the values are the fp32 masters rounded once."""
+    module = _make("causal_lm", checkpoint)
+    strategy = _ours(nvme_path=str(tmp_path / "nvme"), gather_on_teardown=False)
+    _fit(strategy, module, tiny)
+    masters = dict(strategy.lightning_module_state_dict())
+    engine = strategy._slot.engine
+    assert isinstance(engine, TrainingEngine)
+    numel = param_bytes(engine) // 4
+    largest = max(s.numel for s in engine.states[:-1])  # a block's flat fp32 state
+    peak = _peak_allocated(lambda: strategy._slot.gather(torch.bfloat16))
+    # the model in bf16, and at most one block's fp32 values beside it; a whole fp32
+    # copy first would take 6 bytes a parameter
+    assert 2 * numel <= peak <= 2 * numel + 4 * largest + (64 << 10), (peak, numel)
+    got = module.state_dict()
+    for key, value in masters.items():
+        assert got[key].dtype == torch.bfloat16, key
+        torch.testing.assert_close(got[key], value.to(torch.bfloat16), rtol=0, atol=0, msg=key)
+    strategy.close()
+
+
+def test_a_given_host_budget_caps_the_weights_handed_back(
+    checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """With a StoreConfig given, the weights are handed back only into the room its host
+    budget leaves beside the store's host arena (the store's own accounting); else the
+    module stays hollow, naming that budget."""
+    placement = Placement(weights=(N, H, D), master=(H, N, H), compute_dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    numels, rest, _ = param_counts(model, find_block_list(model)[1])
+    need = required_budgets(numels, rest, placement)
+    fp32 = 4 * (sum(numels) + rest)
+    for extra, hollow in ((fp32 // 2, True), (fp32 + (1 << 20), False)):
+        module = _make("causal_lm", checkpoint)
+        store = StoreConfig(
+            device_budget=need[D] + (1 << 20),
+            host_budget=need[H] + extra,
+            nvme_path=str(tmp_path / "nvme"),
+            nvme_budget=need[N] + (1 << 20),
+            device="cpu",
+        )
+        strategy = BalanceBeamStrategy(store=store, placement=placement, compute_dtype="fp32")
+        _fit(strategy, module, tiny)
+        assert strategy.store is not None
+        used, capacity = strategy.store.usage()[H]  # the arena holds what the manifest priced
+        assert (used, capacity) == (need[H], (need[H] + extra) // 4096 * 4096)
+        if hollow:
+            with pytest.raises(WeightsInStoreError, match=r"StoreConfig\.host_budget"):
+                module.state_dict()
+        else:
+            got = {key: value.shape for key, value in module.state_dict().items()}
+            assert got == {f"model.{key}": value.shape for key, value in model.state_dict().items()}
+        strategy.close()
 
 
 def test_clip_zero_is_no_clipping(tiny: SimpleNamespace, reference_run: Any) -> None:
