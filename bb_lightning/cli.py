@@ -105,7 +105,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="tiny-llama",
-        help="built-in name (tiny-llama, llama-370m, llama-1.5b, llama-30b, opt-30b), "
+        help="built-in name (tiny-llama, llama-370m, llama-1.5b, llama-30b, llama-70b, opt-30b), "
         "a local model directory, a config.json or a hub id (default: tiny-llama)",
     )
     p.add_argument(

@@ -92,6 +92,8 @@ class DryReport:
                 f"  {tier.value:<7} {peak.bytes / gib:7.2f} GiB {self.planned.get(tier, 0) / gib:7.2f}"
                 f" GiB {self.budgets.get(tier, 0) / gib:7.2f} GiB   {where}{flag}"
             )
+            held = ", ".join(f"{op} {n / gib:.2f}" for op, n in peak.top if n >= gib / 100)
+            lines.append(f"          held (GiB): {held}")
         flag = "  OVER BUDGET" if Tier.NVME in self.over else ""
         lines.append(
             f"  nvme    {self.nvme_used / gib:7.2f} GiB {self.planned.get(Tier.NVME, 0) / gib:7.2f}"

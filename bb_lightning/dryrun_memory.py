@@ -83,6 +83,9 @@ class Peak:
     """What the step was doing (``forward``, ``backward``, ``optimizer``, ...)."""
     block: int | None
     """The block last paged in (None: outside the blocks)."""
+    top: tuple[tuple[str, int], ...] = ()
+    """The ops whose outputs held the most of the tier at the peak, with their bytes
+    (``base`` first: what was held throughout)."""
 
 
 class MemoryAccountant(TorchDispatchMode):
@@ -105,6 +108,8 @@ class MemoryAccountant(TorchDispatchMode):
         self._known: set[int] = set()
         self._sizes: dict[int, int] = {}
         self._known_refs: dict[int, weakref.ref[Any]] = {}
+        self._ops: dict[int, str] = {}
+        self._by_op: dict[tuple[Tier, str], int] = {}
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._lock = threading.Lock()
         self.phase = "setup"
@@ -143,7 +148,9 @@ class MemoryAccountant(TorchDispatchMode):
             with self._lock:
                 tier = self._tiers.pop(key, None)
                 if tier is not None:
-                    self.live[tier] -= self._sizes.pop(key)
+                    size = self._sizes.pop(key)
+                    self.live[tier] -= size
+                    self._by_op[tier, self._ops.pop(key, "")] -= size
 
     def _unknow(self, key: int) -> None:
         self._known.discard(key)
@@ -171,9 +178,16 @@ class MemoryAccountant(TorchDispatchMode):
         for tier in (Tier.DEVICE, Tier.HOST):
             now = self.current(tier)
             if now > self.peaks[tier].bytes:
-                self.peaks[tier] = Peak(tier, now, self.phase, self.block)
+                self.peaks[tier] = Peak(tier, now, self.phase, self.block, self._top(tier))
 
-    def _track(self, t: torch.Tensor, tier: Tier) -> None:
+    def _top(self, tier: Tier, count: int = 4) -> tuple[tuple[str, int], ...]:
+        held = sorted(
+            ((op, n) for (t, op), n in self._by_op.items() if t is tier and n > 0),
+            key=lambda item: -item[1],
+        )
+        return (("base", self.base[tier]), *held[:count])
+
+    def _track(self, t: torch.Tensor, tier: Tier, op: str = "") -> None:
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._known or key in self._tiers:
@@ -183,7 +197,9 @@ class MemoryAccountant(TorchDispatchMode):
         with self._lock:
             self._tiers[key] = tier
             self._sizes[key] = size
+            self._ops[key] = op
             self.live[tier] += size
+            self._by_op[tier, op] = self._by_op.get((tier, op), 0) + size
         self._refs[key] = weakref.ref(
             storage, lambda _r, k=key, s=size, w=tier: self._free(k, s, w)
         )
@@ -191,7 +207,10 @@ class MemoryAccountant(TorchDispatchMode):
     def _free(self, key: int, size: int, tier: Tier) -> None:
         with self._lock:
             if self._tiers.pop(key, None) is not None:
-                self.live[tier] -= self._sizes.pop(key, size)
+                size = self._sizes.pop(key, size)
+                self.live[tier] -= size
+                op = self._ops.pop(key, "")
+                self._by_op[tier, op] -= size
             self._refs.pop(key, None)
 
     # -- the dispatch ---------------------------------------------------------------------
@@ -217,8 +236,10 @@ class MemoryAccountant(TorchDispatchMode):
             if host is not None:
                 kwargs["device"] = _META
             kwargs.pop("pin_memory", None)
-        if any(not t.is_meta for t in inputs):
-            args, kwargs = tree_map(_to_meta, (args, kwargs))
+        if any(not t.is_meta for t in inputs):  # real host memory, counted where it is made
+            made: list[torch.Tensor] = []
+            args, kwargs = tree_map(lambda x: _to_meta(x, made), (args, kwargs))
+            self.ignore(made)
         out = func(*args, **kwargs)
         if host is None:
             host = Tier.DEVICE not in tiers
@@ -228,15 +249,24 @@ class MemoryAccountant(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_meta:
                 key = t.untyped_storage()._cdata
                 if key not in self._tiers and key not in self._known:
-                    self._track(t, tier)
+                    self._track(t, tier, _op_name(func))
         self.check()
         return out
 
 
-def _to_meta(x: Any) -> Any:
-    """A real tensor as a ``meta`` tensor of its shape, dtype and strides."""
+def _op_name(func: Any) -> str:
+    """``aten._log_softmax.default`` -> ``_log_softmax``."""
+    name = str(func)
+    name = name.removeprefix("aten.")
+    return name.removesuffix(".default")
+
+
+def _to_meta(x: Any, made: list[torch.Tensor]) -> Any:
+    """A real tensor as a ``meta`` tensor of its shape, dtype and strides (kept in
+    ``made``)."""
     if isinstance(x, torch.Tensor) and not x.is_meta:
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META)
+        made.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META))
+        return made[-1]
     return x
 
 

@@ -34,6 +34,14 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "llama-1.5b": _llama(2048, 24, 16, 5504, 2048),
     # LLaMA-30B (Touvron et al. 2023): hidden 6656, 60 layers, 52 heads, ffn 17920.
     "llama-30b": _llama(6656, 60, 52, 17920, 2048),
+    # Llama 3 70B (Meta 2024): hidden 8192, 80 layers, 64 heads (8 KV), ffn 28672, a
+    # 128,256-token vocabulary.
+    "llama-70b": {
+        **_llama(8192, 80, 64, 28672, 8192),
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+    },
     # OPT-30B (Zhang et al. 2022): hidden 7168, 48 layers, 56 heads, ffn 28672.
     "opt-30b": {
         "model_type": "opt",
