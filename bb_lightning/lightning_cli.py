@@ -138,6 +138,29 @@ def _check_recipe_files(words: list[str], command: str) -> None:
                 f"recipe {recipe} holds a YAML {type(doc).__name__}, not a mapping of keys "
                 f"(model:, data:, trainer:, ...): {fix}"
             )
+        empty = _empty_key(doc, "")
+        if empty is not None:
+            place = f"under {empty!r}" if empty else "at the top"
+            raise UsageError(
+                f"recipe {recipe} has an empty key {place}: give it a name or remove it; {fix}"
+            )
+
+
+def _empty_key(doc: Any, where: str) -> str | None:
+    """The dotted key under which ``doc`` (a parsed recipe) holds an empty or null key
+    ("" for the top level); None when it holds none."""
+    if isinstance(doc, list):
+        found = (_empty_key(item, where) for item in doc)
+        return next((f for f in found if f is not None), None)
+    if not isinstance(doc, dict):
+        return None
+    for key, value in doc.items():
+        if key is None or str(key).strip() == "":
+            return where
+        inner = _empty_key(value, f"{where}.{key}" if where else str(key))
+        if inner is not None:
+            return inner
+    return None
 
 
 def _check_sections(cfg: Any, command: str) -> None:

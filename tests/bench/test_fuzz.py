@@ -251,6 +251,7 @@ def test_a_damaged_meta_json_is_refused_before_any_path_is_built_from_it(
         (b"[1", "is not readable YAML"),
         (b"[" * 5000 + b"]" * 5000, "is not readable YAML (maximum recursion depth"),
         (b"[1, 2]", "holds a YAML list, not a mapping"),
+        (b'model:\n  init_args:\n    "": 3\n', "has an empty key under 'model.init_args'"),
         (b"model: {class_path: bb_lightning.module.CausalLMModule}\n"
          b"data: {class_path: bb_lightning.data.PromptsDataModule, init_args: {path: p.jsonl}}\n"
          b"trainer: [1]\n", "recipe key 'trainer' is [1], not a mapping"),
