@@ -64,7 +64,11 @@ class DryReport:
     nvme_used: int
     """Bytes the NVMe tier holds (the store's catalogue)."""
     links: Mapping[Link, int]
-    """Bytes moved per priced link in one step (file links counted as the disk's)."""
+    """Bytes moved per priced link in one step (file links counted as the disk's), through
+    the store and outside it."""
+    outside: Mapping[Link, int]
+    """Of :attr:`links`, the bytes copied outside the store (the engine's own copies of
+    the weights outside the blocks)."""
     planned_links: Mapping[Link, float]
     """The plan's bytes per priced link in one step."""
     micro_batches: int
@@ -103,7 +107,11 @@ class DryReport:
         for link in PRICED_LINKS:
             got, want = self.links.get(link, 0), self.planned_links.get(link, 0.0)
             ratio = f"{got / want:6.3f}" if want > 0 else "     -"
-            lines.append(f"  {link.value:<14} {got / gib:9.2f} GiB {want / gib:9.2f} GiB  x{ratio}")
+            more = self.outside.get(link, 0)
+            note = f"  ({more / gib:.2f} GiB outside the store)" if more else ""
+            lines.append(
+                f"  {link.value:<14} {got / gib:9.2f} GiB {want / gib:9.2f} GiB  x{ratio}{note}"
+            )
         lines.append(f"took {self.seconds:.1f} s")
         return "\n".join(lines)
 
@@ -179,7 +187,7 @@ def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryRepor
     model = _meta_model(config, dtype)
     _, blocks = find_block_list(model)
     acct = MemoryAccountant()
-    acct.ignore([*model.parameters(), *model.buffers()])  # a checkpoint's, read from disk
+    acct.ignore([*model.parameters(), *model.buffers()], Tier.HOST)  # a checkpoint read
     stores: list[DryStore] = []
 
     def open_store(cfg: StoreConfig) -> DryStore:
@@ -205,7 +213,9 @@ def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryRepor
         # the gradient work on this thread, in the order it is queued: the accountant
         # sees the host optimizer's temporaries and the run does not depend on timing
         engine.grads.inline = True
-        links = run_fit_step(engine, plan, device=META, where=acct.where)
+        links, beside = run_fit_step(
+            engine, plan, device=META, where=acct.where, outside=lambda: acct.moved
+        )
     nvme_used = store.usage()[Tier.NVME][0]
     engine.close()
     store.close()
@@ -215,7 +225,8 @@ def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryRepor
         budgets={m.tier: m.budget for m in plan.memory},
         planned={m.tier: m.used for m in plan.memory},
         nvme_used=nvme_used,
-        links=links,
+        links={link: links[link] + beside[link] for link in PRICED_LINKS},
+        outside=beside,
         planned_links=planned_link_bytes(plan),
         micro_batches=plan.grad_accum,
         seconds=time.perf_counter() - started,
@@ -237,10 +248,12 @@ def run_fit_step(
     device: torch.device,
     where: Callable[[str, int | None], None] = lambda phase, block: None,
     every: bool = False,
-) -> dict[Link, int]:
+    outside: Callable[[], Mapping[Link, int]] = dict,
+) -> tuple[dict[Link, int], dict[Link, int]]:
     """One optimizer step of ``plan`` as the strategy drives the engine (the state read
     ahead from the window's start and the last backward stepping each block, unless the
-    job clips); the step's bytes per priced link. ``where`` hears each phase's name.
+    job clips); the step's bytes per priced link through the store, and those ``outside``
+    it (a running count per link). ``where`` hears each phase's name.
 
     Over three micro-batches, only the first, the second and the last run (all with
     ``every``); the second's bytes count for every middle one (``grad_accum - 2`` times).
@@ -253,9 +266,10 @@ def run_fit_step(
     clip = ClipConfig(value=1.0 if job.grad_clipping else None)
     overlap = clip.value is None
     total = dict.fromkeys(PRICED_LINKS, 0)
+    beside = dict.fromkeys(PRICED_LINKS, 0)
     gen = torch.Generator().manual_seed(0)
     for k in runs:
-        before = priced_bytes(store)
+        before, out_before = priced_bytes(store), dict(outside())
         last = k == accum - 1
         if k == 0 and overlap:
             engine.read_state_ahead()
@@ -277,8 +291,9 @@ def run_fit_step(
         if last:
             where("optimizer step", None)
             engine.optimizer_step(adamw, clip)
-        after = priced_bytes(store)
+        after, out_after = priced_bytes(store), outside()
         times = accum - 2 if len(runs) < accum and k == 1 else 1
         for link in PRICED_LINKS:
             total[link] += (after[link] - before[link]) * times
-    return total
+            beside[link] += (out_after.get(link, 0) - out_before.get(link, 0)) * times
+    return total, beside

@@ -13,7 +13,12 @@ device memory and which for host memory, and counts the bytes each tier holds:
 - ``.item()`` has no value to read: it answers 1 (1.0, True), which keeps a step on its
   ordinary path (no overflow, no padding);
 - a storage is counted from the op that made it until its last tensor dies (a weakref
-  finalizer on its untyped storage, as ``torch.distributed._tools.mem_tracker`` does).
+  finalizer on its untyped storage, as ``torch.distributed._tools.mem_tracker`` does);
+- a copy between device and host memory made outside the store (``copy_`` or ``.to``
+  across tiers) is counted on its link in :attr:`MemoryAccountant.moved`: the bytes of
+  the device side's dtype when it blocks, of the host side's when ``non_blocking`` (a
+  blocking copy converts dtypes on the CPU, a non-blocking one on the GPU:
+  ``aten/src/ATen/native/cuda/Copy.cu``).
 
 Device bytes are rounded as CUDA's caching allocator rounds blocks
 (``c10/cuda/CUDACachingAllocator.cpp``): every request up to a multiple of
@@ -40,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from storage.tiers import Tier
+from storage.tiers import Link, Tier
 
 __all__ = [
     "K_MIN_BLOCK_SIZE",
@@ -102,6 +107,8 @@ class MemoryAccountant(TorchDispatchMode):
         self.is_host = is_host
         self.base: dict[Tier, int] = {Tier.DEVICE: 0, Tier.HOST: 0}
         self.live: dict[Tier, int] = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self.moved: dict[Link, int] = {}
+        """Bytes copied between device and host memory outside the store, per link."""
         self.extra: dict[Tier, Callable[[], int]] = {}
         """More live bytes per tier read at each peak check (say, mapped host buffers)."""
         self._tiers: dict[int, Tier] = {}
@@ -109,6 +116,7 @@ class MemoryAccountant(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
         self._known_refs: dict[int, weakref.ref[Any]] = {}
         self._ops: dict[int, str] = {}
+        self._known_tier: dict[int, Tier] = {}
         self._by_op: dict[tuple[Tier, str], int] = {}
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._lock = threading.Lock()
@@ -137,23 +145,27 @@ class MemoryAccountant(TorchDispatchMode):
 
     # -- storages ---------------------------------------------------------------------------
 
-    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Never count the storages of ``tensors`` (already paid for in :attr:`base`)."""
+    def ignore(self, tensors: Iterable[torch.Tensor], tier: Tier | None = None) -> None:
+        """Never count the storages of ``tensors`` (already paid for in :attr:`base`, or
+        counted where they were made); ``tier``: the memory they stand for."""
         for t in tensors:
             storage = t.untyped_storage()
             key = storage._cdata
             if key not in self._known:  # a dead storage's address may be reused
                 self._known.add(key)
+                if tier is not None:
+                    self._known_tier[key] = tier
                 self._known_refs[key] = weakref.ref(storage, lambda _r, k=key: self._unknow(k))
             with self._lock:
-                tier = self._tiers.pop(key, None)
-                if tier is not None:
+                counted = self._tiers.pop(key, None)
+                if counted is not None:
                     size = self._sizes.pop(key)
-                    self.live[tier] -= size
-                    self._by_op[tier, self._ops.pop(key, "")] -= size
+                    self.live[counted] -= size
+                    self._by_op[counted, self._ops.pop(key, "")] -= size
 
     def _unknow(self, key: int) -> None:
         self._known.discard(key)
+        self._known_tier.pop(key, None)
         self._known_refs.pop(key, None)
 
     def restart_peaks(self) -> None:
@@ -163,7 +175,8 @@ class MemoryAccountant(TorchDispatchMode):
 
     def tier_of(self, t: torch.Tensor) -> Tier:
         """The tier ``t``'s storage stands for (device unless known to be host)."""
-        tier = self._tiers.get(t.untyped_storage()._cdata)
+        key = t.untyped_storage()._cdata
+        tier = self._tiers.get(key) or self._known_tier.get(key)
         if tier is not None:
             return tier
         return Tier.HOST if not t.is_meta or self.is_host(t) else Tier.DEVICE
@@ -186,6 +199,15 @@ class MemoryAccountant(TorchDispatchMode):
             key=lambda item: -item[1],
         )
         return (("base", self.base[tier]), *held[:count])
+
+    def _moved(self, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+        """Count a copy from ``src`` to ``dst`` when it crosses between device and host."""
+        a, b = self.tier_of(src), self.tier_of(dst)
+        link = Link.between(a, b)
+        if link is not None:
+            nbytes = _moved_bytes(src, dst, b is Tier.DEVICE, not non_blocking)
+            with self._lock:
+                self.moved[link] = self.moved.get(link, 0) + nbytes
 
     def _track(self, t: torch.Tensor, tier: Tier, op: str = "") -> None:
         storage = t.untyped_storage()
@@ -239,11 +261,15 @@ class MemoryAccountant(TorchDispatchMode):
         if any(not t.is_meta for t in inputs):  # real host memory, counted where it is made
             made: list[torch.Tensor] = []
             args, kwargs = tree_map(lambda x: _to_meta(x, made), (args, kwargs))
-            self.ignore(made)
+            self.ignore(made, Tier.HOST)
         out = func(*args, **kwargs)
         if host is None:
             host = Tier.DEVICE not in tiers
         tier = Tier.HOST if host else Tier.DEVICE
+        if func is _aten.copy_.default:
+            self._moved(args[1], args[0], bool(args[2]) if len(args) > 2 else False)
+        elif func is _aten._to_copy.default and tier is not self.tier_of(args[0]):
+            self._moved(args[0], out, bool(kwargs.get("non_blocking", False)))
         made, _ = tree_flatten(out)
         for t in made:
             if isinstance(t, torch.Tensor) and t.is_meta:
@@ -252,6 +278,14 @@ class MemoryAccountant(TorchDispatchMode):
                     self._track(t, tier, _op_name(func))
         self.check()
         return out
+
+
+def _moved_bytes(src: torch.Tensor, dst: torch.Tensor, on_device: bool, blocking: bool) -> int:
+    """Bytes a copy from ``src`` to ``dst`` moves over the link (see the module doc);
+    ``on_device``: ``dst`` is the device side."""
+    device_side, host_side = (dst, src) if on_device else (src, dst)
+    side = device_side if blocking else host_side
+    return dst.numel() * side.element_size()
 
 
 def _op_name(func: Any) -> str:
