@@ -278,29 +278,82 @@ def summarize(records: list[StepRecord], tokens_per_step: int) -> tuple[float, f
     return tokens_per_step * len(records) / total, mean, ", ".join(parts)
 
 
+RSS_KINDS = ("RssAnon", "RssShmem", "RssFile")
+"""The kinds of resident memory ``/proc/PID/status`` splits RSS into: anonymous (heap,
+private mappings), shared memory (shared anonymous mappings such as the store's host
+arena, tmpfs) and file-backed pages (code, mapped files)."""
+
+
+def rss_by_kind() -> dict[str, int]:
+    """Resident memory of this process by kind (:data:`RSS_KINDS`) and ``"total"``, bytes.
+
+    From ``/proc/self/status`` (Linux); elsewhere every kind is 0 and the total is psutil's RSS.
+    """
+    out = dict.fromkeys(RSS_KINDS, 0)
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in out:
+                    out[key] = int(value.split()[0]) * 1024  # kB
+    except OSError:
+        return {**out, "total": rss()}
+    return {**out, "total": sum(out.values())}
+
+
+def _peaks(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: max(a.get(k, 0), v) for k, v in b.items()}
+
+
 class RssSampler:
-    """Peak resident set size of this process, sampled on a thread every ``interval`` s."""
+    """Peak resident memory of this process by kind, sampled on a thread every ``interval`` s.
+
+    Each kind's peak (:func:`rss_by_kind`: RssAnon, RssShmem, RssFile and their sum,
+    ``"total"``) is kept on its own, so a kind's peak may come from another sample than the
+    total's; :attr:`at_peak` is the sample at the total's peak.
+    """
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
-        self.peak = 0
-        """Highest sampled RSS since the start or the last :meth:`mark`, bytes."""
-        self.marks: dict[str, int] = {}
-        """Peak RSS of each marked phase, bytes."""
-        self._process = psutil.Process()
+        self.peaks: dict[str, int] = {}
+        """Highest sampled bytes of each kind since the start, whole run."""
+        self.at_peak: dict[str, int] = {}
+        """The sample (bytes by kind) at the highest total, whole run."""
+        self.phases: dict[str, dict[str, int]] = {}
+        """Highest sampled bytes of each kind within each marked phase (over every time the
+        phase ran)."""
+        self._current: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
+    @property
+    def peak(self) -> int:
+        """Highest sampled total RSS of the whole run, bytes."""
+        return self.peaks.get("total", 0)
+
+    def sample(self) -> dict[str, int]:
+        """Take one sample now, fold it into the peaks, and return it (bytes by kind)."""
+        now = rss_by_kind()
+        with self._lock:
+            if now["total"] >= self.at_peak.get("total", 0):
+                self.at_peak = now
+            self.peaks = _peaks(self.peaks, now)
+            self._current = _peaks(self._current, now)
+        return now
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._process.memory_info().rss)
+            self.sample()
             self._stop.wait(self.interval)
 
     def mark(self, label: str) -> None:
-        """Record the peak so far under ``label`` and restart the peak from the current RSS."""
-        rss = self._process.memory_info().rss
-        self.marks[label] = max(self.peak, rss)
-        self.peak = rss
+        """End a phase: its peaks so far (and now) go under ``label`` (kept as the highest
+        over every time the phase ran); the next phase's peaks start from now."""
+        now = self.sample()
+        with self._lock:
+            self.phases[label] = _peaks(self.phases.get(label, {}), self._current)
+            self._current = dict(now)
 
     def __enter__(self) -> RssSampler:
         self._thread.start()
@@ -309,17 +362,35 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._process.memory_info().rss)
+        self.sample()
+
+
+def rss_line(sample: dict[str, int]) -> str:
+    """``total X GiB (RssAnon a, RssShmem s, RssFile f)`` of a :class:`RssSampler` sample."""
+    kinds = ", ".join(f"{k} {sample.get(k, 0) / GIB:.2f}" for k in RSS_KINDS)
+    return f"{sample.get('total', 0) / GIB:.2f} GiB ({kinds})"
 
 
 class PhaseMarker(pl.Callback):
-    """Marks the end of setup (training start) on an :class:`RssSampler`."""
+    """Marks the phases of a fit on an :class:`RssSampler`: ``setup`` (to the training
+    start: the model built, its tensors streamed into the store), then per micro-batch
+    ``forward`` (to ``on_before_backward``), ``backward`` (to ``on_after_backward``) and
+    ``optimizer`` (to the batch end: the strategy's gradient hand-off and the step)."""
 
     def __init__(self, sampler: RssSampler) -> None:
         self.sampler = sampler
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.sampler.mark("setup")
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.sampler.mark("forward")
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.sampler.mark("backward")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.sampler.mark("optimizer")
 
 
 def drop_cache(path: Path) -> None:

@@ -6,9 +6,11 @@ take about 16 bytes/param = 28 GB, more than 24 GiB of RAM) trains with
 ``Trainer(strategy="balance_beam", precision="bf16-true")``: every block's bf16
 weights and its fp32 master weights and AdamW moments on NVMe (``--nvme-dir``),
 the store's host arena capped at ``--host-budget-gib``. Printed: the peak resident
-memory of the process (psutil RSS sampled every 50 ms, and ``ru_maxrss``) during
-setup and during training, against host budget + 2 GiB (pass / fail), where that
-memory is expected to go, trained tokens/s and the time per step by phase.
+memory of the process by kind (RssAnon, RssShmem, RssFile of ``/proc/self/status``,
+sampled every 50 ms) in each phase (setup, forward, backward, optimizer, teardown),
+the sampled peak and ``ru_maxrss`` against host budget + 2 GiB (pass / fail), where
+that memory is expected to go, whether the module holds its trained weights after fit,
+trained tokens/s and the time per step by phase.
 
 Building the model (``--init``): ``checkpoint`` first writes random
 weights (normal, std 0.02; norms 1) as a sharded safetensors checkpoint, one
@@ -41,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
 from bb_lightning.structure import find_block_list
 from storage.io import padded
@@ -102,6 +105,17 @@ def write_random_checkpoint(config: dict[str, Any], directory: Path, seed: int =
     return total
 
 
+def held_weights(module: CausalLMModule) -> str:
+    """Whether the module holds its trained weights after fit, or stays hollow and why."""
+    try:
+        state = module.state_dict()
+    except WeightsInStoreError as exc:
+        reason = str(exc).partition("lazily (")[2].removesuffix(")")  # the guard's reason
+        return f"the module stays hollow, its weights in the store ({reason})"
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    return f"the module holds its trained weights ({_common.gib(held)})"
+
+
 def train(
     args: argparse.Namespace,
     config: dict[str, Any],
@@ -147,14 +161,14 @@ def train(
         start = time.perf_counter()
         with sampler:
             trainer.fit(module, data)
+            sampler.mark("teardown")  # the strategy gives the module its weights back
         wall = time.perf_counter() - start
         stats = strategy.store.stats() if strategy.store is not None else {}
+        print(f"after fit: {held_weights(module)}")
         strategy.close()
     tokens = args.micro_batch * args.seq * args.accumulate
     tps, step_s, phases = _common.summarize(timer.timed(args.warmup), tokens)
-    setup_peak = sampler.marks.get("setup", 0)
-    train_peak = sampler.peak
-    peak = max(setup_peak, train_peak, _common.max_rss())
+    peak = max(sampler.peak, _common.max_rss())
     print(
         f"trained {steps} optimizer steps ({args.warmup} untimed) of micro-batch "
         f"{args.micro_batch} x accumulation {args.accumulate} x seq {args.seq} in {wall:.1f} s "
@@ -167,9 +181,15 @@ def train(
                 f"  store {link}: {s.bytes / 1e9:.2f} GB in {s.seconds:.1f} s busy "
                 f"({s.bandwidth / 1e9:.2f} GB/s) over all {steps} steps and setup"
             )
+    print("RSS by kind, each kind's peak within the phase (over every step):")
+    for phase in ("setup", "forward", "backward", "optimizer", "teardown"):
+        if phase in sampler.phases:
+            print(f"  {phase}: {_common.rss_line(sampler.phases[phase])}")
+    print(f"  whole run: {_common.rss_line(sampler.peaks)}")
+    print(f"  at the highest total: {_common.rss_line(sampler.at_peak)}")
     print(
-        f"peak RSS: setup {_common.gib(setup_peak)}, training {_common.gib(train_peak)}, "
-        f"ru_maxrss {_common.gib(_common.max_rss())}; limit host budget + 2 GiB = "
+        f"peak RSS: sampled {_common.gib(sampler.peak)}, ru_maxrss "
+        f"{_common.gib(_common.max_rss())}; limit host budget + 2 GiB = "
         f"{_common.gib(limit)} -> {'PASS' if peak <= limit else 'FAIL'} "
         f"(peak / limit = {peak / limit:.2f})"
     )
@@ -228,10 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     limit = host_budget + 2 * _common.GIB
     grads = sum(4 * padded(n) for n in numels)  # fp32 block accumulators, in the store
     print(
-        f"expected host memory: store host arena {_common.gib(need[Tier.HOST])} "
-        f"(budget {args.host_budget_gib:.1f} GiB: resident fp32 state and gradients, "
-        f"optimizer scratch), device tier (RAM on this CPU) "
-        f"{_common.gib(need[Tier.DEVICE])} + resident bf16 params {_common.gib(2 * rest)}; "
+        f"expected host memory: RssShmem: store host arena {_common.gib(need[Tier.HOST])} "
+        f"(a shared mapping of the budget, {args.host_budget_gib:.1f} GiB, its slots touched: "
+        f"resident fp32 state and gradients, optimizer scratch); RssAnon: device tier (RAM "
+        f"on this CPU) {_common.gib(need[Tier.DEVICE])} + resident bf16 params "
+        f"{_common.gib(2 * rest)} + the runtime, activations and up to 1 GiB of freed heap "
+        f"kept for reuse; after fit the weights in bf16 {_common.gib(2 * params)} only where "
+        f"the fp32 ones ({_common.gib(4 * params)}) fit beside the arena within the budget; "
         f"block fp32 gradient accumulators {_common.gib(grads)} on NVMe (never written with "
         f"one micro-batch per step); bf16 model while built "
         f"{_common.gib(2 * params) + ' (--init module)'}; RSS limit {_common.gib(limit)}",

@@ -225,7 +225,7 @@ def test_a_given_host_budget_caps_the_weights_handed_back(
     module stays hollow, naming that budget."""
     placement = Placement(weights=(N, H, D), master=(H, N, H), compute_dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    numels, rest, _ = param_counts(model, find_block_list(model)[1])
+    numels, rest, _ = param_counts(model, list(find_block_list(model)[1]))
     need = required_budgets(numels, rest, placement)
     fp32 = 4 * (sum(numels) + rest)
     for extra, hollow in ((fp32 // 2, True), (fp32 + (1 << 20), False)):

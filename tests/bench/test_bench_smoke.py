@@ -73,6 +73,13 @@ def test_train_large_reports_peak_memory(tmp_path: Path) -> None:
     verdict = "PASS" if peak <= limit else "FAIL"
     assert re.search(rf"-> {verdict} \(peak / limit = [\d.]+\)", out), out
     _number(r"throughput: ([\d.]+) trained tokens/s", out)
+    kinds = r"([\d.]+) GiB \(RssAnon ([\d.]+), RssShmem ([\d.]+), RssFile ([\d.]+)\)"
+    for phase in ("setup", "forward", "backward", "optimizer", "teardown", "whole run"):
+        match = re.search(rf"^  {phase}: {kinds}$", out, re.MULTILINE)  # RSS by kind
+        assert match is not None, f"no RSS line of {phase} in:\n{out}"
+        total, *parts = (float(x) for x in match.groups())
+        assert parts[0] > 0 and total == pytest.approx(sum(parts), abs=0.02), match.group(0)
+    assert "after fit: the module holds its trained weights" in out  # tiny: they fit
     assert "FITS in RAM" in out  # the tiny model says it is not a large-model test
     assert "wrote a random bf16 checkpoint" in out
 
