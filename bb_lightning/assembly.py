@@ -428,7 +428,7 @@ class EngineSlot:
         """The module's weights back in its parameters (``dtype``), or a loud hollow module.
 
         ``gather`` True always gives them back and closes the store; None gives them back
-        when the fp32 weights fit ``limit`` bytes of host memory (None: the default share,
+        when the weights in ``dtype`` fit ``limit`` bytes of host memory (None: the default share,
         :func:`~bb_lightning.handback.fits_host`, divided among the ``share`` ranks of
         this node that each hand a copy back, and at most ``room``: the bytes a host
         budget the user gave the store leaves unused); False leaves them in the store. With
@@ -447,7 +447,8 @@ class EngineSlot:
             self.gather(dtype)
             self.close()
             return
-        nbytes = param_bytes(engine)
+        nbytes = param_bytes(engine, dtype)
+        held = f"{nbytes / 2**30:.3g} GiB of {str(dtype).removeprefix('torch.')} weights"
         fits_here, most = fits_host(nbytes, limit, share, room)
         fits = fits_here if agree is None or gather is not None else agree(fits_here)
         if gather is None and fits:
@@ -459,11 +460,9 @@ class EngineSlot:
         why = (
             "gather_on_teardown=False"
             if gather is False
-            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > host limit {most / 2**30:.3g} GiB"
-            f" ({cap}gather_limit)"
+            else f"{held} > host limit {most / 2**30:.3g} GiB ({cap}gather_limit)"
             if not fits_here
-            else f"{nbytes / 2**30:.3g} GiB of fp32 weights > another rank's host limit"
-            " (gather_limit)"
+            else f"{held} > another rank's host limit (gather_limit)"
         )
         self.guard = HollowGuard(engine, owner, why, dtype)
 

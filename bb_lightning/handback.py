@@ -16,7 +16,7 @@ parameter still equal to its handed-back value keeps its fp32 master, so bf16 ro
 never accumulates across calls; AdamW moments and step count kept).
 
 The weights are read and cast one block at a time, so handing back takes the model in
-that dtype, never a whole fp32 copy besides. Where the fp32 weights exceed what host
+that dtype, never a whole fp32 copy besides. Where the weights in that dtype exceed what host
 memory can hold, or what the host budget of a ``StoreConfig`` the user gave leaves beside
 the store's arena (:func:`fits_host`, :func:`budget_room`), the module stays hollow and
 :class:`HollowGuard` makes that loud instead of silent: ``state_dict()`` of the module,
@@ -66,7 +66,7 @@ __all__ = [
 Engine = TrainingEngine | InferenceEngine
 
 HOST_SHARE = 0.8
-"""Share of the host memory available (``psutil``) that the handed-back fp32 copy may take
+"""Share of the host memory available (``psutil``) that the handed-back weights may take
 when no explicit limit is given."""
 
 
@@ -74,10 +74,11 @@ class WeightsInStoreError(RuntimeError):
     """The module's trained weights live in the balance_beam store, not in its parameters."""
 
 
-def param_bytes(engine: Engine) -> int:
-    """Bytes of the model's parameters in fp32 (each shared parameter once)."""
+def param_bytes(engine: Engine, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the model's parameters in ``dtype`` (each shared parameter once)."""
     paged = sum(math.prod(s) for shapes in engine.pager.shapes for s in shapes)
-    return 4 * (paged + sum(p.numel() for p in engine.resident_params))
+    numel = paged + sum(p.numel() for p in engine.resident_params)
+    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def fits_host(

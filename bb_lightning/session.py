@@ -564,7 +564,7 @@ def check_settings(
 ) -> None:
     """Refuse constructor arguments that cannot work, before anything is built."""
     compute_dtype_check(dtype)
-    check_int("gather_limit", gather_limit, low=0, what="bytes of fp32 weights given back",
+    check_int("gather_limit", gather_limit, low=0, what="bytes of weights given back",
               example=16 << 30, none="80% of the available host memory")  # fmt: skip
     check_hardware(hardware)
     if store is not None and nvme_path is not None and store.nvme_path != nvme_path:

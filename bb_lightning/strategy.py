@@ -96,8 +96,8 @@ class BalanceBeamStrategy(ParallelStrategy):
             ``save_pretrained`` streams from the store); True always gives them back
             and closes the store (:meth:`gather_full_model`); False always leaves
             them in the store.
-        gather_limit: most bytes of fp32 weights given back to the module's
-            parameters; None: 80% of the host memory available at that time (with
+        gather_limit: most bytes of weights given back to the module's parameters (in
+            the dtype they are given back in: bf16 under ``"bf16-true"``); None: 80% of the host memory available at that time (with
             several ranks, the rank with the least) and, with ``store`` given, at most
             what its ``host_budget`` leaves beside the store's host arena.
         parallel_devices: the devices of this node's ranks; None: the Trainer's.

@@ -288,3 +288,25 @@ def test_negative_clip_value_fails_before_training(tiny: SimpleNamespace) -> Non
     with pytest.raises(ValueError, match=r"gradient_clip_val=-1\.0 must be >= 0"):
         trainer.fit(tiny.make_module(tiny.tiny_llama(2)), tiny.loader(1))
     assert recorder.losses == [] and strategy.engine is None
+
+
+def test_the_host_limit_counts_the_dtype_the_weights_come_back_in(
+    checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Under bf16-true the module takes its weights back in bf16 (2 bytes a parameter):
+    a gather_limit between their bf16 and their fp32 size gives them back; one below the
+    bf16 size leaves the module hollow, naming the bf16 bytes."""
+    numel = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(checkpoint).parameters())
+    for limit, back in ((3 * numel, True), (2 * numel - 1, False)):
+        module = _make("causal_lm", checkpoint)
+        placement = Placement(weights=(N, H, D), master=(H, N, H))
+        strategy = BalanceBeamStrategy(
+            placement=placement, nvme_path=str(tmp_path / f"nvme{limit}"), gather_limit=limit
+        )
+        _fit(strategy, module, tiny, precision="bf16-true")
+        if back:
+            assert all(v.dtype == torch.bfloat16 for v in module.state_dict().values())
+        else:
+            with pytest.raises(WeightsInStoreError, match=r"GiB of bfloat16 weights > host limit"):
+                module.state_dict()
+        strategy.close()
