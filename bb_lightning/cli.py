@@ -156,9 +156,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="fit: run one optimizer step of the plan on meta tensors (the real model size, "
-        "no data, no I/O) and print each tier's peak against its budget and the bytes per "
-        "link against the plan's; exit 1 when a peak exceeds its budget",
+        help="run one optimizer step (fit) or one batch (predict) of the plan on meta tensors "
+        "(the real model size, no data, no I/O) and print each tier's peak against its budget "
+        "and the bytes per link against the plan's; exit 1 when a peak exceeds its budget",
     )
     p.add_argument("--plot", metavar="FILE.png", help="write a roofline plot of the plan")
     _add_convert_parser(sub)
@@ -304,10 +304,6 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.plot:
         _check_plot_path(args.plot)
-    if args.dry_run and args.task != "fit":
-        raise UsageError(
-            f"--dry-run with --task {args.task}: the dry run steps fit plans only; use --task fit"
-        )
     sizes = {  # every value checked before the model is read or the machine measured
         name: parse_size(text, f"--{name.replace('_', '-')}")
         for name, text in (
@@ -358,11 +354,11 @@ def _plan(args: argparse.Namespace) -> int:
 def _dry_run(plan: Any, spec: str) -> int:
     """Run ``plan`` on meta tensors and print what it found; 1 when a tier's peak exceeds
     its budget."""
-    from bb_lightning.dryrun import dry_fit
+    from bb_lightning.dryrun import dry_fit, dry_predict
     from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 
     config: Any = builtin_config(spec) if spec.lower() in BUILTIN_MODELS else spec
-    report = dry_fit(plan, config)
+    report = (dry_fit if plan.task == "fit" else dry_predict)(plan, config)
     print(report.render())
     for tier in report.over:
         peak = report.peaks.get(tier)

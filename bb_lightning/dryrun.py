@@ -33,17 +33,25 @@ from torch import nn
 
 from bb_lightning.assembly import build_engine
 from bb_lightning.dryrun_memory import MemoryAccountant, Peak
+from bb_lightning.engine.generate import LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.trainer_engine import ClipConfig, TrainingEngine
 from bb_lightning.planner import Plan
-from bb_lightning.planner.job import FitJob
+from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.structure import find_block_list, load_config
 from storage.dry import DryStore
 from storage.host import mapped_bytes
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import PRICED_LINKS, Link, Tier
 
-__all__ = ["DryReport", "dry_fit", "planned_link_bytes", "priced_bytes", "run_fit_step"]
+__all__ = [
+    "DryReport",
+    "dry_fit",
+    "dry_predict",
+    "planned_link_bytes",
+    "priced_bytes",
+    "run_fit_step",
+]
 
 META = torch.device("meta")
 _ATTENTION = "bb_dry_fused"
@@ -72,7 +80,8 @@ class DryReport:
     planned_links: Mapping[Link, float]
     """The plan's bytes per priced link in one step."""
     micro_batches: int
-    """Micro-batches of the step (those run, and those the middle one stands for)."""
+    """Micro-batches of the step (those run, and those the middle one stands for); 1 for
+    predict."""
     seconds: float
     """Wall-clock seconds the dry run took."""
 
@@ -87,7 +96,8 @@ class DryReport:
     def render(self) -> str:
         """The report as a person reads it."""
         gib = 2.0**30
-        lines = [f"dry run ({self.task}, {self.micro_batches} micro-batches): peak per tier"]
+        what = f"{self.micro_batches} micro-batches" if self.task == "fit" else "one batch"
+        lines = [f"dry run ({self.task}, {what}): peak per tier"]
         lines.append("  tier        peak    planned     budget   where")
         for tier, peak in self.peaks.items():
             where = peak.phase + ("" if peak.block is None else f", block {peak.block}")
@@ -103,7 +113,8 @@ class DryReport:
             f"  nvme    {self.nvme_used / gib:7.2f} GiB {self.planned.get(Tier.NVME, 0) / gib:7.2f}"
             f" GiB {self.budgets.get(Tier.NVME, 0) / gib:7.2f} GiB   store{flag}"
         )
-        lines.append("bytes per link in one step (dry run / plan)")
+        step = "one step" if self.task == "fit" else "one batch"
+        lines.append(f"bytes per link in {step} (dry run / plan)")
         for link in PRICED_LINKS:
             got, want = self.links.get(link, 0), self.planned_links.get(link, 0.0)
             ratio = f"{got / want:6.3f}" if want > 0 else "     -"
@@ -163,7 +174,7 @@ def _attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+def _meta_model(config: Any, dtype: torch.dtype, *, training: bool = True) -> nn.Module:
     """The causal LM of ``config`` on the ``meta`` device, attention as a fused kernel."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
@@ -172,7 +183,7 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
     with torch.device(META):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.config._attn_implementation = _ATTENTION
-    model.train()
+    model.train(training)
     return model
 
 
@@ -182,9 +193,22 @@ def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryRepor
     tensors; ``direct_device``: NVMe reads land in device memory (kvikio)."""
     if not isinstance(plan.job, FitJob):
         raise ValueError(f"dry_fit needs a fit plan, got a {plan.task} plan: use dry_predict")
+    return _dry(plan, config, direct_device, training=True)
+
+
+def dry_predict(plan: Plan, config: Any, *, direct_device: bool = False) -> DryReport:
+    """Run one batch of ``plan`` (a predict plan) on ``meta`` tensors: the prefill of
+    ``concurrent_seqs`` prompts of ``prompt_len`` tokens, then ``new_tokens - 1`` decode
+    steps, every row to the end (no token is read, so none stops early)."""
+    if not isinstance(plan.job, PredictJob):
+        raise ValueError(f"dry_predict needs a predict plan, got a {plan.task} plan: use dry_fit")
+    return _dry(plan, config, direct_device, training=False)
+
+
+def _dry(plan: Plan, config: Any, direct_device: bool, *, training: bool) -> DryReport:
     started = time.perf_counter()
     dtype = getattr(torch, plan.placement.compute_dtype)
-    model = _meta_model(config, dtype)
+    model = _meta_model(config, dtype, training=training)
     _, blocks = find_block_list(model)
     acct = MemoryAccountant()
     acct.ignore([*model.parameters(), *model.buffers()], Tier.HOST)  # a checkpoint read
@@ -203,24 +227,26 @@ def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryRepor
     mapped = mapped_bytes()
     acct.extra[Tier.HOST] = lambda: mapped_bytes() - mapped  # the gradient sink's buffers
     with acct:
-        built = build_engine(model, list(blocks), plan.placement, training=True, device=META,
-                             loader=lambda p: p.detach(), nvme_path="dry-run", plan=plan,
-                             open_store=open_store)  # fmt: skip
+        built = build_engine(model, list(blocks), plan.placement, training=training,
+                             device=META, loader=lambda p: p.detach(), nvme_path="dry-run",
+                             plan=plan, open_store=open_store)  # fmt: skip
         engine = built.engine
-        assert isinstance(engine, TrainingEngine)
         store = stores[0]
         engine.pager.add_observer(acct)
-        # the gradient work on this thread, in the order it is queued: the accountant
-        # sees the host optimizer's temporaries and the run does not depend on timing
-        engine.grads.inline = True
-        links, beside = run_fit_step(
-            engine, plan, device=META, where=acct.where, outside=lambda: acct.moved
-        )
+        if isinstance(engine, TrainingEngine):
+            # the gradient work on this thread, in the order it is queued: the accountant
+            # sees the host optimizer's temporaries and the run does not depend on timing
+            engine.grads.inline = True
+            links, beside = run_fit_step(
+                engine, plan, device=META, where=acct.where, outside=lambda: acct.moved
+            )
+        else:
+            links, beside = _run_batch(model, plan, store, acct)
     nvme_used = store.usage()[Tier.NVME][0]
     engine.close()
     store.close()
     return DryReport(
-        task="fit",
+        task=plan.task,
         peaks=dict(acct.peaks),
         budgets={m.tier: m.budget for m in plan.memory},
         planned={m.tier: m.used for m in plan.memory},
@@ -231,6 +257,38 @@ def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryRepor
         micro_batches=plan.grad_accum,
         seconds=time.perf_counter() - started,
     )
+
+
+def _run_batch(
+    model: nn.Module, plan: Plan, store: DryStore, acct: MemoryAccountant
+) -> tuple[dict[Link, int], dict[Link, int]]:
+    """One batch of generation as :class:`~bb_lightning.engine.generate.LayerMajorGenerator`
+    runs it (its KV cache in the plan's tier), every row to ``new_tokens``."""
+    assert isinstance(plan.job, PredictJob)
+    job = plan.job
+    rows, plen, total = plan.concurrent_seqs, job.prompt_len, job.prompt_len + job.new_tokens
+    before, out_before = priced_bytes(store), dict(acct.moved)
+    with torch.no_grad():
+        gen = LayerMajorGenerator(model, kv_tier=plan.placement.kv_cache)
+        kv = gen._cache(rows, total)
+        mask = torch.ones(rows, kv.max_len, dtype=torch.long, device=META)
+        cache_pos = torch.arange(total, device=META)
+        pos = torch.arange(plen, device=META).expand(rows, plen)
+        acct.where("prefill", None)
+        ids = torch.zeros(rows, plen, dtype=torch.long, device=META)
+        logits = gen._forward(ids, mask[:, :plen] if kv.has_states else mask, pos,
+                              cache_pos[:plen], kv)  # fmt: skip
+        step = pos[:, -1:] + 1
+        for cur in range(plen, total - 1):
+            acct.where(f"decode (token {cur - plen + 2})", None)
+            tokens = logits.argmax(-1)
+            logits = gen._forward(tokens[:, None], mask if kv.attends else None, step,
+                                  cache_pos[cur : cur + 1], kv)  # fmt: skip
+            step = step + 1
+    after, out_after = priced_bytes(store), acct.moved
+    links = {link: after[link] - before[link] for link in PRICED_LINKS}
+    beside = {link: out_after.get(link, 0) - out_before.get(link, 0) for link in PRICED_LINKS}
+    return links, beside
 
 
 def priced_bytes(store: TieredStore) -> dict[Link, int]:

@@ -17,16 +17,16 @@ from transformers import AutoModelForCausalLM
 
 from bb_lightning.assembly import build_engine
 from bb_lightning.cli import main
-from bb_lightning.dryrun import dry_fit, priced_bytes, run_fit_step
+from bb_lightning.dryrun import dry_fit, dry_predict, priced_bytes, run_fit_step
 from bb_lightning.dryrun_memory import MemoryAccountant
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.planner import FitJob, Plan, make_plan, preset
+from bb_lightning.planner import FitJob, Plan, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
 from bb_lightning.structure import find_block_list, load_config
 from storage.store import StoreConfig
-from storage.tiers import PRICED_LINKS, Tier
+from storage.tiers import PRICED_LINKS, Link, Tier
 
 CONFIG = {
     "model_type": "llama",
@@ -168,3 +168,22 @@ def test_dry_fit_moves_the_plans_bytes_per_link_within_5_percent() -> None:
         want = report.planned_links[link]
         assert want > 0, link
         assert report.links[link] == pytest.approx(want, rel=0.05), link
+
+
+def test_dry_predict_moves_the_plans_bytes_per_link_within_5_percent() -> None:
+    # a 370M Llama on a device of 1.6 GiB: 19 of 24 blocks paged from the host per pass
+    config = builtin_config("llama-370m")
+    hw = preset("a100-80gb").replace(device_memory=int(1.6 * 2**30), host_memory=2 << 30)
+    plan = make_plan(
+        model_profile_from_config(config),
+        hw,
+        PredictJob(prompt_len=128, new_tokens=8, num_prompts=8),
+    )
+    assert plan.placement.kv_cache is Tier.DEVICE and Tier.HOST in plan.placement.weights
+    report = dry_predict(plan, config)
+    want = report.planned_links[Link.HOST_TO_DEVICE]
+    assert want > 0
+    assert report.links[Link.HOST_TO_DEVICE] == pytest.approx(want, rel=0.05)
+    for link in (Link.NVME_TO_HOST, Link.HOST_TO_NVME, Link.DEVICE_TO_HOST):
+        assert report.links[link] == report.planned_links[link] == 0, link
+    assert report.over == []
