@@ -24,6 +24,7 @@ import torch
 
 from storage.deferred import CopyEvent
 from storage.device import Slot
+from storage.external import ExternalSource
 from storage.nvme import ArraySpec
 from storage.tiers import Residency, Tier
 
@@ -94,6 +95,8 @@ class Record:
     """``NVME`` home: whether its chunk file exists (never-written tensors read as zeros)."""
     scratch: bool = False
     """Registered as scratch: rewritten often, read back by this process only."""
+    external: ExternalSource | None = None
+    """``NVME`` home: the read-only files holding its bytes (:mod:`storage.external`)."""
     last: Future[CopyEvent | None] | None = None
     """The last operation issued on it; the next one waits for it."""
 

@@ -59,6 +59,7 @@ import torch
 
 from storage.deferred import CopyDouble, CopyEvent, double_requested
 from storage.device import DeviceArena, Slot, resolve_device
+from storage.external import ExternalSource, FilePiece, ReadOnlyTensorError
 from storage.host import HostArena, StagingPool
 from storage.io import ALIGNMENT, IOBackend, IOConfig, open_backend, padded
 from storage.nvme import ArraySpec, NvmeTier
@@ -245,6 +246,7 @@ class TieredStore:
         dtype: torch.dtype | None = None,
         home: Tier,
         scratch: bool = False,
+        source: Sequence[FilePiece] | None = None,
     ) -> None:
         """Add tensor ``name`` homed on ``home``, from ``tensor`` (copied) or ``shape``/``dtype``.
 
@@ -256,6 +258,9 @@ class TieredStore:
         has no CRC-32C trailer unless ``StoreConfig.scratch_checksums`` is set,
         and is rewritten in place, without the fsyncs and rename of an atomic
         write (:meth:`storage.nvme.NvmeTier.set_durable`).
+        ``source`` (with ``home=Tier.NVME``, ``shape`` and ``dtype``): the tensor's bytes
+        are these file pieces, concatenated (:mod:`storage.external`); it is read from
+        them in place, read-only, and takes no NVMe budget nor an NVMe tier.
         Raises ``ValueError`` when the tier cannot hold it, naming the bytes
         needed and free; nothing changes then.
         """
@@ -268,6 +273,9 @@ class TieredStore:
                 f"tensor {name!r} is already registered (home {self._records[name].home.value}): "
                 f"use write() to change its contents or move() to change its tier"
             )
+        if source is not None:
+            self._register_external(name, tensor, shape, dtype, home, source)
+            return
         nvme = self._nvme_for(name) if home is Tier.NVME else None
         existing = nvme.spec(name) if nvme is not None and nvme.contains(name) else None
         if tensor is not None:
@@ -328,6 +336,31 @@ class TieredStore:
             self._drop_home(rec, delete_nvme=existing is None)
             raise
         self._records[name] = rec
+
+    def _register_external(
+        self,
+        name: str,
+        tensor: torch.Tensor | None,
+        shape: Sequence[int] | None,
+        dtype: torch.dtype | None,
+        home: Tier,
+        source: Sequence[FilePiece],
+    ) -> None:
+        if home is not Tier.NVME or tensor is not None or shape is None or dtype is None:
+            raise ValueError(
+                f"tensor {name!r}: a tensor read from file pieces is registered with "
+                f"home=Tier.NVME, shape= and dtype= and no tensor (got home {home.value}): "
+                "pass those"
+            )
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"tensor {name!r}: shape {dims} has a negative dimension")
+        nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
+        spec = ArraySpec(name=name, shape=dims, dtype=dtype, nbytes=nbytes, checksum=False)
+        external = ExternalSource(name, source, nbytes)
+        self._records[name] = Record(
+            spec=spec, home=home, residency=ResidencyMachine(name), external=external
+        )
 
     def names(self) -> list[str]:
         """Registered tensor names, sorted."""
@@ -438,6 +471,7 @@ class TieredStore:
         device copy is left as it is).
         """
         rec = self._record(name)
+        _check_writable(rec, "write back")
         src_raw: torch.Tensor | None = None
         if src is None:
             if rec.residency.state is not Residency.RESIDENT:
@@ -583,6 +617,7 @@ class TieredStore:
         when both hold the new contents.
         """
         rec = self._record(name)
+        _check_writable(rec, "write")
         self._check_like(rec, tensor)
         self._io.settle(rec, sync=True)
         data = flat_bytes(tensor)
@@ -630,6 +665,7 @@ class TieredStore:
         tier = Tier(tier)
         if tier is rec.home:
             return
+        _check_writable(rec, f"move to {tier.value}")
         if rec.home is not Tier.DEVICE and rec.residency.state is not Residency.RELEASED:
             raise StateError(
                 f"tensor {name!r} is {rec.residency.state.value.upper()}: move() to "
@@ -832,3 +868,13 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_writable(rec: Record, what: str) -> None:
+    """:class:`ReadOnlyTensorError` for a tensor read from files the store does not own."""
+    if rec.external is not None:
+        files = ", ".join(str(p.path) for p in rec.external.pieces[:2])
+        raise ReadOnlyTensorError(
+            f"tensor {rec.spec.name!r} is read-only (its bytes are files the store does not "
+            f"own: {files}, ...), so it cannot {what}: register another tensor to write"
+        )

@@ -309,6 +309,8 @@ class Transfers:
             return self.copy(dst[:nbytes], tier, rec.home_slot.raw()[:nbytes], rec.home, after)
         if not rec.written or nbytes == 0:
             return self.fill_zero(dst[:nbytes], after)
+        if rec.external is not None:
+            return self._external_read(rec, dst[:nbytes], tier, after)
         if self._direct(dst):
             settled_all(after)
             self._nvme_read(rec, dst, tier, 0, nbytes)
@@ -353,6 +355,9 @@ class Transfers:
             self._nvme_read(rec, buf, Tier.HOST, 0, spec.nbytes)
             return buf[: spec.nbytes].view(spec.dtype).view(spec.shape)
         dst = flat_bytes(out)
+        if rec.external is not None:  # buffered reads: any address, any length
+            self._nvme_read(rec, dst, Tier.HOST, 0, spec.nbytes)
+            return out
         # Straight into ``out`` when no padding would be written past it: aligned address
         # and a whole number of blocks.
         if not (dst.data_ptr() % ALIGNMENT or spec.nbytes % ALIGNMENT) and self._direct(dst):
@@ -396,9 +401,29 @@ class Transfers:
                         handle.commit()
 
     def _nvme_read(self, rec: Record, buf: torch.Tensor, tier: Tier, offset: int, n: int) -> None:
+        if rec.external is not None:  # files the store does not own, read in place
+            with self.meters[_link(Tier.NVME, tier)].timing(n):
+                rec.external.read_into(buf, offset, n)
+            return
         assert self.nvme is not None
         with self.meters[_link(Tier.NVME, tier)].timing(n):
             self.nvme.read_async(rec.spec.name, buf, offset=offset, nbytes=n).wait()
+
+    def _external_read(
+        self, rec: Record, dst: torch.Tensor, tier: Tier, after: Events
+    ) -> CopyEvent | None:
+        """Read the file pieces of ``rec`` into flat bytes ``dst`` on ``tier``: straight into
+        host memory, through a host buffer (pinned on CUDA) into CUDA memory."""
+        n = rec.spec.nbytes
+        if not dst.is_cuda:
+            settled_all(after)
+            self._nvme_read(rec, dst, tier, 0, n)
+            return None
+        buf = aligned_empty(n, pin=True)
+        self._nvme_read(rec, buf, Tier.HOST, 0, n)
+        event = self.copy(dst, tier, buf[:n], Tier.HOST, after)
+        settled(event)  # the buffer is freed on return
+        return event
 
     # -- copies ----------------------------------------------------------------------------
 
