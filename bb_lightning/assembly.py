@@ -24,8 +24,13 @@ from torch import Tensor, nn
 
 from bb_lightning.converted import ConvertedStore, StoreCheckpoint
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-from bb_lightning.engine.pager import Placement
+from bb_lightning.engine.inference import (
+    InferenceEngine,
+    PieceSource,
+    external_blocks,
+    weights_budgets,
+)
+from bb_lightning.engine.pager import Placement, torch_dtype
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import (
     ParamLoader,
@@ -41,6 +46,7 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import Plan
 from bb_lightning.session import hf_model
 from bb_lightning.structure import check_block_calls
+from storage.external import FilePiece
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
@@ -96,8 +102,10 @@ def build_engine(
     config (a dry run's :class:`storage.dry.DryStore`). Raises ``ValueError`` when the
     budgets cannot hold the placement; a failure leaves nothing open.
     """
+    external: dict[int, list[FilePiece]] = {}
     if not training and loader is not None:
         check_store_dtype(module, placement)
+        external = external_blocks(blocks, placement, store_pieces(module, placement))
     shards = 1 if comm is None or not training else comm.world_size
     if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
@@ -108,7 +116,7 @@ def build_engine(
                              (shards, parts))  # fmt: skip
     else:
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
-                               placement)  # fmt: skip
+                               placement, external)  # fmt: skip
         sized = need
     config, tmpdir = (store, None) if store is not None else store_config(sized, nvme_path, device)
     config = as_scratch(config, blocks, placement, training=training)
@@ -123,8 +131,9 @@ def build_engine(
             )
         else:
             engine = InferenceEngine(
-                module, list(blocks), opened, placement, device=device, loader=loader
-            )
+                module, list(blocks), opened, placement, device=device, loader=loader,
+                external=external,
+            )  # fmt: skip
     except BaseException:
         if opened is not None:
             opened.close()
@@ -134,6 +143,21 @@ def build_engine(
     if isinstance(engine, InferenceEngine):
         _configure_inference(module, placement)
     return Assembly(engine, opened, tmpdir)
+
+
+def store_pieces(module: nn.Module, placement: Placement) -> PieceSource | None:
+    """Where the module's converted store (``module.converted``) holds each meta parameter's
+    bytes in the compute dtype: the weights-only engine pages NVMe-homed blocks straight
+    from those chunk files (no copy in the run's NVMe tier, the store never written).
+    None for a module not read from a converted store."""
+    store: ConvertedStore | None = getattr(module, "converted", None)
+    net = hf_model(module)
+    if store is None or net is None:
+        return None
+    reader = StoreCheckpoint(store, net)
+    keys = {id(p): key for key, p in net.named_parameters()}
+    dtype = torch_dtype(placement)
+    return lambda p: reader.piece(keys[id(p)], dtype) if p.is_meta and id(p) in keys else None
 
 
 def check_store_dtype(module: nn.Module, placement: Placement) -> None:

@@ -30,6 +30,7 @@ from transformers import CONFIG_MAPPING, PretrainedConfig, PreTrainedModel
 from bb_lightning.hf_load import checkpoint_names, empty_model, tie_aliases
 from storage.checksum import crc32c
 from storage.chunk_io import ArraySpec, NvmeError, check_crc
+from storage.external import FilePiece
 from storage.nvme import parse_array
 
 __all__ = [
@@ -156,6 +157,18 @@ class StoreCheckpoint:
         if base is None or base in self._arrays:
             return base
         return self._aliases.get(base)
+
+    def piece(self, name: str, dtype: torch.dtype) -> FilePiece | None:
+        """The chunk file holding parameter ``name``'s bytes when it stores them in
+        ``dtype`` (read in place, read-only; its CRC-32C trailer checked on read); None
+        for an adapter, a parameter the store lacks or holds in another dtype."""
+        key = self.resolve(name)
+        if key is None:
+            return None
+        spec, chunk = self._arrays[key]
+        if spec.dtype != dtype:
+            return None
+        return FilePiece(path=chunk, nbytes=spec.nbytes, checksum=spec.checksum)
 
     def source_dtype(self, name: str) -> torch.dtype:
         """dtype of parameter ``name`` in the store."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -45,13 +45,19 @@ from bb_lightning.engine.pager import (
 )
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import ModelSizes, weights_manifest
+from storage.device import slot_bytes
+from storage.external import FilePiece
 from storage.store import TieredStore
 from storage.tiers import Tier
 
-__all__ = ["InferenceEngine", "keep_host_allocations", "weights_budgets"]
+__all__ = ["InferenceEngine", "external_blocks", "keep_host_allocations", "weights_budgets"]
 
 ParamLoader = Callable[[Tensor], Tensor]
 """A (meta) parameter -> its value as a CPU tensor, read from a checkpoint."""
+
+PieceSource = Callable[[Tensor], FilePiece | None]
+"""A (meta) parameter -> the file piece holding its bytes in the compute dtype, read-only
+(a converted store's chunk); None when no file holds them so."""
 
 
 _M_TRIM_THRESHOLD = -1
@@ -85,13 +91,37 @@ def keep_host_allocations(max_bytes: int = 1 << 30) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, max_bytes)) & bool(mallopt(_M_TRIM_THRESHOLD, max_bytes))
 
 
-def weights_budgets(block_numels: Sequence[int], placement: Placement) -> dict[Tier, int]:
+def weights_budgets(
+    block_numels: Sequence[int], placement: Placement, external: Collection[int] = ()
+) -> dict[Tier, int]:
     """Bytes each tier needs to page these blocks' weights (no optimizer state):
     :func:`~bb_lightning.engine.pager.store_budgets` of the
     :func:`~bb_lightning.placement.weights_manifest` (each block's compute-dtype weights,
-    padded like the arenas, on their home; plus the device's paging slots)."""
+    padded like the arenas, on their home; plus the device's paging slots). The blocks
+    ``external`` (NVMe-homed, read in place from files the run does not own) need no
+    bytes on NVMe."""
     manifest = weights_manifest(ModelSizes(blocks=tuple(block_numels)), placement)
-    return store_budgets(manifest, placement)
+    need = store_budgets(manifest, placement)
+    need[Tier.NVME] -= sum(slot_bytes(t.nbytes) for t in manifest if t.block in external)
+    return need
+
+
+def external_blocks(
+    blocks: Sequence[nn.Module], placement: Placement, pieces: PieceSource | None
+) -> dict[int, list[FilePiece]]:
+    """The NVMe-homed blocks whose every weight a file holds in the compute dtype
+    (``pieces``), each with its file pieces in the order of its flat weights: those
+    blocks page straight from the files, with no copy in the run's NVMe tier."""
+    if pieces is None:
+        return {}
+    out: dict[int, list[FilePiece]] = {}
+    for i, (block, home) in enumerate(zip(blocks, placement.weights, strict=True)):
+        if home is not Tier.NVME:
+            continue
+        found = [pieces(p) for _, p in block_params(block)]
+        if found and all(f is not None for f in found):
+            out[i] = [f for f in found if f is not None]
+    return out
 
 
 class InferenceEngine:
@@ -106,12 +136,15 @@ class InferenceEngine:
         *,
         device: torch.device,
         loader: ParamLoader | None = None,
+        external: Mapping[int, Sequence[FilePiece]] | None = None,
     ) -> None:
         """Put ``blocks``' weights in ``store`` and the other parameters on ``device``.
 
         ``loader`` gives parameter values when the model was built on the meta device
         (each block read into the store one tensor at a time); None reads the
-        parameters themselves.
+        parameters themselves. ``external`` (:func:`external_blocks`): blocks paged
+        read-only from files the run does not own (a converted store's chunks), never
+        copied into the store.
         """
         self.model = model
         self.store = store
@@ -119,6 +152,8 @@ class InferenceEngine:
         self.compute_dtype = compute_dtype = torch_dtype(placement)
         """The dtype the device computes in (``placement.compute_dtype``)."""
         self.streamed = loader is not None
+        self.external = dict(external or {})
+        """Blocks read in place from files the run does not own (never written)."""
         """Whether the weights were read from a checkpoint (the module's are on meta)."""
         if device.type == "cpu":
             keep_host_allocations()
@@ -142,6 +177,7 @@ class InferenceEngine:
             loader=None if loader is None else (lambda i: flat_from(block_lists[i], loader)),
             timer=self.timer,
             weights_only=True,
+            external=self.external,
         )
         buffers_to(model, device, compute_dtype)
         self._grads = GradSink()  # never fed: forwards with grad are not served
@@ -158,8 +194,16 @@ class InferenceEngine:
     def load_weights(self, get: Callable[[str], Tensor]) -> None:
         """Set every parameter from ``get(name)`` (any dtype; cast to the compute dtype).
 
-        Raises ``ValueError`` naming a parameter whose value has another shape.
+        Raises ``ValueError`` naming a parameter whose value has another shape, or when
+        blocks are served read-only from a converted store's files.
         """
+        if self.external:
+            path = self.external[min(self.external)][0].path
+            raise ValueError(
+                f"blocks {sorted(self.external)} are served read-only from a converted store "
+                f"(e.g. {path}): load other weights into a module built from a Hugging Face "
+                "directory, or convert them into a store of their own"
+            )
         self.pager.release_all_except(())
         largest = max(sum(math.prod(s) for s in shapes) for shapes in self.pager.shapes)
         scratch = torch.empty(largest, dtype=self.compute_dtype)

@@ -42,6 +42,7 @@ from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import Placement, StoredTensor
 from storage.deferred import CopyEvent
 from storage.device import slot_bytes
+from storage.external import FilePiece
 from storage.host import HostBuffer
 from storage.observers import added, removed
 from storage.store import Ticket, TieredStore
@@ -722,6 +723,7 @@ class BlockPager:
         timer: PhaseTimer | None = None,
         weights_only: bool = False,
         comm: ShardComm | None = None,
+        external: Mapping[int, Sequence[FilePiece]] | None = None,
     ) -> None:
         """Register every block's tensors in ``store`` as ``manifest`` (by name) says and
         unbind its parameters.
@@ -737,6 +739,9 @@ class BlockPager:
                 :class:`FlatState` (master weights, moments, gradient accumulators);
                 :attr:`states` is then empty and ``placement.master`` is not read.
             comm: data parallelism: each :class:`FlatState` holds this rank's shard.
+            external: with ``weights_only``, block index -> the file pieces holding that
+                block's flat compute-dtype weights, in order: the block is registered
+                read-only over those files (:mod:`storage.external`), never written.
         """
         if len(placement.weights) != len(blocks):
             raise ValueError(
@@ -775,7 +780,15 @@ class BlockPager:
         self.handed_back = False
         """Whether the parameters hold their own values (the module was given its weights
         back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
+        external = {} if external is None else dict(external)
+        if external and not weights_only:
+            raise ValueError("external block weights are served to a weights-only pager only")
         for i, params in enumerate(self.params):
+            if i in external:  # read in place from files the run does not own
+                entry = manifest[self.names[i]]
+                store.register(entry.name, shape=(entry.numel,), dtype=compute_dtype,
+                               home=entry.home, source=external[i])  # fmt: skip
+                continue
             master = loader(i) if loader is not None else flatten_fp32(every[i])
             frozen_name = self.frozen_names[i]
             if frozen_name is not None:

@@ -119,6 +119,33 @@ def test_predict_from_a_converted_store_equals_generate_and_leaves_it_unchanged(
     assert _digests(store) == before  # no byte changed, no file added or removed
 
 
+def test_predict_pages_nvme_blocks_straight_from_the_converted_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks homed on NVMe are read from the store's chunk files in place: the run's
+    scratch directory holds no byte of their weights, and the store is never written."""
+    model, _, store = _converted(tmp_path)
+    before = _digests(store)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the weights were read from safetensors, not from the store")
+
+    monkeypatch.setattr(HFCheckpoint, "get", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    scratch = tmp_path / "scratch"
+    placement = Placement(weights=(Tier.NVME, Tier.HOST, Tier.NVME), master=(Tier.HOST,) * 3)
+    strategy = BalanceBeamStrategy(placement=placement, compute_dtype="fp32", gather_limit=0,
+                                   nvme_path=str(scratch))  # fmt: skip
+    records = _predict(CausalLMModule(str(store), max_new_tokens=NEW), strategy, tmp_path)
+    strategy.close()
+    assert [r["token_ids"] for r in records] == _generate(model)
+    assert _digests(store) == before  # no byte changed, no file added or removed
+    weights = (
+        sum(p.stat().st_size for p in scratch.rglob("*") if p.is_file()) if scratch.exists() else 0
+    )
+    assert weights < 4096  # a block's fp32 weights are 213 KiB: none was copied there
+
+
 def test_fit_from_a_converted_store_equals_fit_from_the_checkpoint(
     tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
