@@ -263,11 +263,24 @@ def _run_batch(
     model: nn.Module, plan: Plan, store: DryStore, acct: MemoryAccountant
 ) -> tuple[dict[Link, int], dict[Link, int]]:
     """One batch of generation as :class:`~bb_lightning.engine.generate.LayerMajorGenerator`
-    runs it (its KV cache in the plan's tier), every row to ``new_tokens``."""
+    runs it (its KV cache in the plan's tier), every row to ``new_tokens``.
+
+    Of more than three decode steps only the first, the second and the last run: the
+    static cache holds the same memory at every step, and the second step's bytes count
+    for every middle one."""
     assert isinstance(plan.job, PredictJob)
     job = plan.job
     rows, plen, total = plan.concurrent_seqs, job.prompt_len, job.prompt_len + job.new_tokens
-    before, out_before = priced_bytes(store), dict(acct.moved)
+    steps = list(range(plen, total - 1))  # decode steps: the prefill gave the first token
+    runs = steps if len(steps) <= 3 else [steps[0], steps[1], steps[-1]]
+    links, beside = dict.fromkeys(PRICED_LINKS, 0), dict.fromkeys(PRICED_LINKS, 0)
+
+    def count(times: int, since: tuple[dict[Link, int], dict[Link, int]]) -> None:
+        now, moved = priced_bytes(store), acct.moved
+        for link in PRICED_LINKS:
+            links[link] += (now[link] - since[0][link]) * times
+            beside[link] += (moved.get(link, 0) - since[1].get(link, 0)) * times
+
     with torch.no_grad():
         gen = LayerMajorGenerator(model, kv_tier=plan.placement.kv_cache)
         kv = gen._cache(rows, total)
@@ -275,19 +288,19 @@ def _run_batch(
         cache_pos = torch.arange(total, device=META)
         pos = torch.arange(plen, device=META).expand(rows, plen)
         acct.where("prefill", None)
+        since = priced_bytes(store), dict(acct.moved)
         ids = torch.zeros(rows, plen, dtype=torch.long, device=META)
         logits = gen._forward(ids, mask[:, :plen] if kv.has_states else mask, pos,
                               cache_pos[:plen], kv)  # fmt: skip
-        step = pos[:, -1:] + 1
-        for cur in range(plen, total - 1):
+        count(1, since)
+        for k, cur in enumerate(runs):
             acct.where(f"decode (token {cur - plen + 2})", None)
+            since = priced_bytes(store), dict(acct.moved)
             tokens = logits.argmax(-1)
-            logits = gen._forward(tokens[:, None], mask if kv.attends else None, step,
-                                  cache_pos[cur : cur + 1], kv)  # fmt: skip
-            step = step + 1
-    after, out_after = priced_bytes(store), acct.moved
-    links = {link: after[link] - before[link] for link in PRICED_LINKS}
-    beside = {link: out_after.get(link, 0) - out_before.get(link, 0) for link in PRICED_LINKS}
+            logits = gen._forward(tokens[:, None], mask if kv.attends else None,
+                                  pos[:, -1:] + 1 + (cur - plen), cache_pos[cur : cur + 1],
+                                  kv)  # fmt: skip
+            count(len(steps) - 2 if len(runs) < len(steps) and k == 1 else 1, since)
     return links, beside
 
 

@@ -9,6 +9,7 @@ plan whose device budget is below the true peak fails the dry run, naming the ti
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -16,17 +17,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bb_lightning.assembly import build_engine
-from bb_lightning.cli import main
+from bb_lightning.cli import main, parse_recipe
 from bb_lightning.dryrun import dry_fit, dry_predict, priced_bytes, run_fit_step
 from bb_lightning.dryrun_memory import MemoryAccountant
 from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.planner import FitJob, Plan, PredictJob, make_plan, preset
-from bb_lightning.planner.models import builtin_config
+from bb_lightning.planner import FitJob, Plan, PlanOverrides, PredictJob, make_plan, preset
+from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.probe import model_profile_from_config
 from bb_lightning.structure import find_block_list, load_config
 from storage.store import StoreConfig
 from storage.tiers import PRICED_LINKS, Link, Tier
+
+from .test_recipes import RECIPES, _header
 
 CONFIG = {
     "model_type": "llama",
@@ -187,3 +190,31 @@ def test_dry_predict_moves_the_plans_bytes_per_link_within_5_percent() -> None:
     for link in (Link.NVME_TO_HOST, Link.HOST_TO_NVME, Link.DEVICE_TO_HOST):
         assert report.links[link] == report.planned_links[link] == 0, link
     assert report.over == []
+
+
+@pytest.mark.slow  # a 30B, a 7B and two OPT-30B dry runs: about 40 s on 2 cores
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_dry_runs_on_its_preset(recipe: Path) -> None:
+    task = "predict" if recipe.stem.endswith("-predict") else "fit"
+    cfg = parse_recipe([task, "--config", str(recipe)])
+    hardware = _header(recipe, "preset")
+    if hardware == "measure" or getattr(cfg.model.init_args, "lora", None) is not None:
+        pytest.skip("planned on this machine / LoRA adapters are not built in a dry run yet")
+    assert hardware is not None
+    spec = _header(recipe, "plan-as") or cfg.model.init_args.model
+    config = builtin_config(spec) if spec in BUILTIN_MODELS else json.loads(spec)
+    profile = model_profile_from_config(config)
+    data = cfg.data.init_args
+    if task == "fit":
+        accum = cfg.trainer.accumulate_grad_batches
+        job = FitJob(seq_len=data.seq_len, global_batch_seqs=data.batch_size * accum)
+        forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
+        plan = make_plan(profile, preset(hardware), job, overrides=forced)
+        report = dry_fit(plan, config)
+    else:
+        fields = dict(kv.split("=") for kv in (_header(recipe, "predict") or "").split())
+        job = PredictJob(**{k: int(v) for k, v in fields.items()})
+        report = dry_predict(make_plan(profile, preset(hardware), job), config)
+    assert report.peaks[Tier.DEVICE].bytes > 0
+    for link in PRICED_LINKS:
+        assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05), link
