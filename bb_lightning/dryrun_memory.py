@@ -35,6 +35,7 @@ Each peak is kept with where it happened: the phase and the block the driver nam
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -155,7 +156,7 @@ class MemoryAccountant(TorchDispatchMode):
                 self._known.add(key)
                 if tier is not None:
                     self._known_tier[key] = tier
-                self._known_refs[key] = weakref.ref(storage, lambda _r, k=key: self._unknow(k))
+                self._known_refs[key] = weakref.ref(storage, functools.partial(self._unknow, key))
             with self._lock:
                 counted = self._tiers.pop(key, None)
                 if counted is not None:
@@ -163,7 +164,7 @@ class MemoryAccountant(TorchDispatchMode):
                     self.live[counted] -= size
                     self._by_op[counted, self._ops.pop(key, "")] -= size
 
-    def _unknow(self, key: int) -> None:
+    def _unknow(self, key: int, _ref: object = None) -> None:
         self._known.discard(key)
         self._known_tier.pop(key, None)
         self._known_refs.pop(key, None)
@@ -222,11 +223,9 @@ class MemoryAccountant(TorchDispatchMode):
             self._ops[key] = op
             self.live[tier] += size
             self._by_op[tier, op] = self._by_op.get((tier, op), 0) + size
-        self._refs[key] = weakref.ref(
-            storage, lambda _r, k=key, s=size, w=tier: self._free(k, s, w)
-        )
+        self._refs[key] = weakref.ref(storage, functools.partial(self._free, key, size, tier))
 
-    def _free(self, key: int, size: int, tier: Tier) -> None:
+    def _free(self, key: int, size: int, tier: Tier, _ref: object = None) -> None:
         with self._lock:
             if self._tiers.pop(key, None) is not None:
                 size = self._sizes.pop(key, size)

@@ -81,7 +81,7 @@ def _real_bytes(plan: Plan, tmp_path: Path) -> dict[str, int]:
     # On a CPU device host and device tensors are both CPU tensors; on CUDA a source
     # outside the device arena (the optimizer's host buffers) is host memory.
     arena = built.store._device_arena
-    built.store._tier_of = lambda t: Tier.DEVICE if arena.holds(t) else Tier.HOST  # type: ignore[method-assign]
+    built.store._tier_of = lambda tensor: Tier.DEVICE if arena.holds(tensor) else Tier.HOST  # type: ignore[method-assign]
     before = priced_bytes(built.store)
     try:
         run_fit_step(engine, plan, device=torch.device("cpu"), every=True)
@@ -213,8 +213,8 @@ def test_every_recipe_dry_runs_on_its_preset(recipe: Path) -> None:
         report = dry_fit(plan, config)
     else:
         fields = dict(kv.split("=") for kv in (_header(recipe, "predict") or "").split())
-        job = PredictJob(**{k: int(v) for k, v in fields.items()})
-        report = dry_predict(make_plan(profile, preset(hardware), job), config)
+        ask = PredictJob(**{k: int(v) for k, v in fields.items()})  # type: ignore[arg-type]
+        report = dry_predict(make_plan(profile, preset(hardware), ask), config)
     assert report.peaks[Tier.DEVICE].bytes > 0
     for link in PRICED_LINKS:
         assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05), link
