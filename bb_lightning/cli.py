@@ -12,6 +12,7 @@ dispatched from :data:`COMMANDS`.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import os
 import re
@@ -347,17 +348,18 @@ def _plan(args: argparse.Namespace) -> int:
 
         plot_roofline(plan, args.plot)
     if args.dry_run:
-        return _dry_run(plan, args.model)
+        from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+
+        spec = args.model
+        return _dry_run(plan, builtin_config(spec) if spec.lower() in BUILTIN_MODELS else spec)
     return 0
 
 
-def _dry_run(plan: Any, spec: str) -> int:
-    """Run ``plan`` on meta tensors and print what it found; 1 when a tier's peak exceeds
-    its budget."""
+def _dry_run(plan: Any, config: Any) -> int:
+    """Run ``plan`` on meta tensors of the model of ``config`` (a config dict, path or hub
+    id) and print what it found; 1 when a tier's peak exceeds its budget."""
     from bb_lightning.dryrun import dry_fit, dry_predict
-    from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 
-    config: Any = builtin_config(spec) if spec.lower() in BUILTIN_MODELS else spec
     report = (dry_fit if plan.task == "fit" else dry_predict)(plan, config)
     print(report.render())
     for tier in report.over:
@@ -440,9 +442,59 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _lightning(args: argparse.Namespace) -> int:
+    if "--dry-run" in args.lightning_args:
+        rest = [a for a in args.lightning_args if a != "--dry-run"]
+        return _recipe_dry_run(args.command, rest)
     from bb_lightning.lightning_cli import run_lightning_cli
 
     return run_lightning_cli([args.command, *args.lightning_args])
+
+
+def _recipe_dry_run(command: str, argv: list[str]) -> int:
+    """``bb-lightning fit --config RECIPE --dry-run``: plan the recipe's job on the machine
+    its strategy names (a preset) and dry-run one optimizer step of the plan
+    (:func:`_dry_run`), without Lightning's Trainer or the data."""
+    from bb_lightning.lightning_cli import parse_recipe
+    from bb_lightning.module import resolve_model_config
+    from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
+    from bb_lightning.probe import model_profile_from_config
+    from bb_lightning.session import compute_dtype
+
+    if command != "fit":
+        raise UsageError(
+            f"bb-lightning {command} --dry-run: only fit recipes dry-run; for generation use "
+            "bb-lightning plan --task predict --model MODEL --hardware PRESET --dry-run"
+        )
+    cfg = parse_recipe([command, *argv])
+    strategy = getattr(cfg.trainer.strategy, "init_args", None)
+    hardware = getattr(strategy, "hardware", None)
+    if not isinstance(hardware, str) or hardware == "measure":
+        raise UsageError(
+            f"--dry-run plans for a named machine, but the recipe's hardware is {hardware!r}: "
+            "add --trainer.strategy.init_args.hardware=PRESET (a100-80gb, h100, ...)"
+        )
+    if getattr(cfg.model.init_args, "lora", None) is not None:
+        raise UsageError("--dry-run of a LoRA recipe is not supported: drop model.init_args.lora")
+    spec = cfg.model.init_args.model  # a path, a hub id, a built-in name, a config mapping
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):  # the mapping, as parsed
+        try:
+            spec = ast.literal_eval(spec)
+        except (ValueError, SyntaxError) as err:
+            raise UsageError(f"model.init_args.model={spec!r} is not a mapping: {err}") from err
+    config, _ = resolve_model_config(spec)
+    data = cfg.data.init_args
+    accum = int(cfg.trainer.accumulate_grad_batches or 1)
+    dtype = compute_dtype(getattr(strategy, "compute_dtype", None), str(cfg.trainer.precision))
+    job = FitJob(
+        seq_len=data.seq_len,
+        global_batch_seqs=data.batch_size * accum,
+        grad_clipping=cfg.trainer.gradient_clip_val is not None,
+        compute_dtype=str(dtype).removeprefix("torch."),
+    )
+    forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
+    plan = make_plan(model_profile_from_config(config), preset(hardware), job, overrides=forced)
+    print(plan.explain())
+    return _dry_run(plan, config)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -218,3 +218,17 @@ def test_every_recipe_dry_runs_on_its_preset(recipe: Path) -> None:
     assert report.peaks[Tier.DEVICE].bytes > 0
     for link in PRICED_LINKS:
         assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05), link
+
+
+def test_a_fit_recipe_dry_runs_on_the_machine_its_strategy_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    recipe = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
+    rc = main(["fit", "--config", recipe, "--dry-run"])  # hardware: measure
+    err = capsys.readouterr().err
+    assert rc == 2 and "--trainer.strategy.init_args.hardware=PRESET" in err
+    hardware = "--trainer.strategy.init_args.hardware=a100-80gb"
+    assert main(["fit", "--config", recipe, hardware, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 8 x grad-accum 1" in out  # the recipe's batch, planned as given
+    assert "dry run (fit, 1 micro-batches)" in out and "OVER BUDGET" not in out
