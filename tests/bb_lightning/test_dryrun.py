@@ -232,3 +232,21 @@ def test_a_fit_recipe_dry_runs_on_the_machine_its_strategy_names(
     out = capsys.readouterr().out
     assert "micro-batch 8 x grad-accum 1" in out  # the recipe's batch, planned as given
     assert "dry run (fit, 1 micro-batches)" in out and "OVER BUDGET" not in out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the planner prices the loss at 4 bytes per token per vocabulary entry; "
+    "transformers' loss holds three fp32 buffers of the logits' size at once (12)",
+)
+def test_a_128k_vocabulary_plan_fits_its_device_budget() -> None:
+    config = {**CONFIG, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "intermediate_size": 1024, "vocab_size": 128256, "max_position_embeddings": 4096}  # fmt: skip
+    hw = preset("h100").replace(device_memory=6 << 30)
+    plan = make_plan(
+        model_profile_from_config(config), hw, FitJob(seq_len=2048, global_batch_seqs=64)
+    )
+    report = dry_fit(plan, config)
+    peak = report.peaks[Tier.DEVICE]
+    assert report.over == [], (peak, report.budgets[Tier.DEVICE])
