@@ -38,7 +38,7 @@ from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.trainer_engine import ClipConfig, TrainingEngine
 from bb_lightning.planner import Plan
 from bb_lightning.planner.job import FitJob, PredictJob
-from bb_lightning.structure import find_block_list, load_config
+from bb_lightning.structure import find_block_list, fused_attention, load_config
 from storage.dry import DryStore
 from storage.host import mapped_bytes
 from storage.store import StoreConfig, TieredStore
@@ -140,45 +140,11 @@ def planned_link_bytes(plan: Plan) -> dict[Link, float]:
     return {link: plan.predicted.on(link) * rate[link] for link in PRICED_LINKS}
 
 
-class _DryAttention(torch.autograd.Function):
-    """Shapes and allocations of a fused attention kernel (flash-style) on ``meta``:
-    forward keeps q, k, v, the output and an fp32 log-sum-exp per head and token;
-    backward makes dq, dk, dv and an fp32 dq accumulator, never the ``T x T`` scores."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, h, t, _ = q.shape
-        out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        q, k, v, _out, _lse = ctx.saved_tensors
-        accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # dq in fp32
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        del accum
-        return dq, dk, dv
-
-
-def _attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    out = _DryAttention.apply(query, key, value)
-    return out.transpose(1, 2).contiguous(), None
-
-
 def _meta_model(config: Any, dtype: torch.dtype, *, training: bool = True) -> nn.Module:
     """The causal LM of ``config`` on the ``meta`` device, attention as a fused kernel."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    AttentionInterface.register(_ATTENTION, _attention)
+    AttentionInterface.register(_ATTENTION, fused_attention)
     cfg = load_config(config)
     with torch.device(META):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -39,10 +39,12 @@ from bb_lightning.engine.hf_quirks import (
 
 __all__ = [
     "TRACE_CONTEXT",
+    "FusedAttentionStandIn",
     "ModelParts",
     "check_block_calls",
     "find_block_list",
     "find_parts",
+    "fused_attention",
     "load_config",
     "profile_fields_from_config",
     "profile_fields_from_module",
@@ -199,8 +201,9 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _FusedAttentionStandIn(torch.autograd.Function):
-    """Shape-only attention that saves what fused (flash-style) kernels keep for backward.
+class FusedAttentionStandIn(torch.autograd.Function):
+    """Shape-only attention that saves what fused (flash-style) kernels keep for backward,
+    and allocates in backward what they allocate (the meta trace and the dry run use it).
 
     Saved: query, key, value (key/value at their own head count), the output and
     a float32 log-sum-exp per head and query token, as PyTorch's fused SDPA kernels
@@ -219,11 +222,16 @@ class _FusedAttentionStandIn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        raise AssertionError("the meta trace never runs backward")
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        # what a fused backward allocates: dq, dk, dv and an fp32 dq accumulator
+        q, k, v, _out, _lse = ctx.saved_tensors
+        accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del accum
+        return dq, dk, dv
 
 
-def _fused_attention(
+def fused_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -231,16 +239,18 @@ def _fused_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    out = _FusedAttentionStandIn.apply(query, key, value)
+    """An attention function for transformers' ``AttentionInterface``: the output of
+    :class:`FusedAttentionStandIn` in the ``(batch, tokens, heads, dim)`` layout, no weights."""
+    out = FusedAttentionStandIn.apply(query, key, value)
     return out.transpose(1, 2).contiguous(), None
 
 
 @contextmanager
 def _trace_attention(model: nn.Module) -> Iterator[None]:
-    """Route attention through :func:`_fused_attention` for the duration of the trace."""
+    """Route attention through :func:`fused_attention` for the duration of the trace."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(_FUSED_ATTENTION, _fused_attention)
+    AttentionInterface.register(_FUSED_ATTENTION, fused_attention)
     config = getattr(model, "config", None)
     previous = getattr(config, "_attn_implementation", None)
     if config is not None:
