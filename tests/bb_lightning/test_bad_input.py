@@ -2,8 +2,8 @@
 
 Every case runs ``bb_lightning.cli.main`` in-process as a user's command line would,
 and must exit with code 2, print exactly one line on stderr (no traceback) that holds
-the named words, and write no file. The README's Troubleshooting table lists the same
-cases.
+the named words, and write no file. The Troubleshooting table of docs/guide.md lists the
+same cases (the README's Troubleshooting table, the most common of them).
 """
 
 from __future__ import annotations
