@@ -36,6 +36,7 @@ __all__ = [
     "SeededSampler",
     "TextDataModule",
     "pack_documents",
+    "prompt_digest",
     "read_documents",
     "resolve_files",
 ]
@@ -160,6 +161,12 @@ def _encodable(text: str) -> bool:
 def _json_type(value: Any) -> str:
     names = {bool: "boolean", float: "number", list: "array", dict: "object"}
     return names.get(type(value), type(value).__name__)
+
+
+def prompt_digest(prompt: str) -> str:
+    """The first 16 hex digits of the SHA-256 of ``prompt``'s UTF-8 bytes: what a
+    predictions file records of the prompt each line was generated for."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
 
 
 def _row_ids(path: Path, rows: dict[int, tuple[str | None, str]]) -> list[str]:
@@ -479,7 +486,9 @@ class PromptsDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.records: list[dict[str, Any]] | None = None
-        """One ``{"id", "input_ids", "error"}`` per prompt, in file order, after :meth:`setup`."""
+        """One ``{"id", "input_ids", "error", "line", "digest"}`` per prompt (``line``: its
+        1-based line number; ``digest``: :func:`prompt_digest` of its text), in file order,
+        after :meth:`setup`."""
         self.skipped: frozenset[str] = frozenset()
         """Ids left out of :meth:`predict_dataloader` (already predicted, see :meth:`skip_ids`)."""
         self.rank = 0
@@ -507,14 +516,17 @@ class PromptsDataModule(pl.LightningDataModule):
         if not rows:
             raise ValueError(f"prompts file {self.path} holds no prompt: add jsonl rows")
         records: list[dict[str, Any]] = []
-        for rid, (_, prompt) in zip(_row_ids(self.path, rows), rows.values(), strict=True):
+        for (lineno, (_, prompt)), rid in zip(rows.items(), _row_ids(self.path, rows), strict=True):
             ids = encode_text(self.tokenizer, prompt, add_special_tokens=special)
             error = None
             if not ids:
                 error = "prompt encodes to 0 tokens"
             elif len(ids) > self.max_prompt_len:
                 error = f"prompt has {len(ids)} tokens > max_prompt_len={self.max_prompt_len}"
-            records.append({"id": rid, "input_ids": ids, "error": error})
+            records.append(
+                {"id": rid, "input_ids": ids, "error": error, "line": lineno,
+                 "digest": prompt_digest(prompt)}
+            )  # fmt: skip
         self.records = records
 
     def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:

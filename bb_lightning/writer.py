@@ -1,7 +1,7 @@
 """Stream predictions to a JSONL file as batches finish, and resume a stopped run.
 
 :class:`JsonlPredictionWriter` appends one line per prompt after every
-predict batch (``{"id", "text"?, "token_ids", "finish_reason"?}``, or
+predict batch (``{"id", "text"?, "token_ids", "finish_reason"?, "prompt_digest"?}``, or
 ``{"id", "error"}`` for a prompt that could not run), then flushes and fsyncs
 the file: a run killed at any point loses at most the batch in flight.
 
@@ -9,7 +9,12 @@ On ``setup`` an existing file is recovered: a half-written last line (no
 newline: the process died mid-write) is cut off, and the ids already written
 are handed to the data module (``skip_ids``, see
 :class:`~bb_lightning.data.PromptsDataModule`) so the restarted run only
-generates the rest. Ids already in the file are never written twice.
+generates the rest. Ids already in the file are never written twice. Where the data
+module's records carry a ``digest`` of their prompt (``PromptsDataModule`` does), each line
+records it as ``prompt_digest``, and a resumed run whose prompts file gives a written id
+another prompt (a line inserted before rows numbered by their line, an edited prompt) is
+refused in one line naming the id, the predictions file and the prompts line, instead of
+keeping the old line for the new prompt.
 
 With a world size above 1 each rank appends to its own shard file
 (:func:`shard_path`, ``<output>.rank<r>-of-<n>.jsonl``) and, after a barrier,
@@ -231,6 +236,8 @@ class JsonlPredictionWriter(BasePredictionWriter):
         self._merge = False
         self._rank = 0
         self._order: list[str] | None = None
+        self._digests: dict[str, str] = {}
+        self._lines: dict[str, int] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Recover the files and tell the data module what to skip and which share to run
@@ -248,22 +255,39 @@ class JsonlPredictionWriter(BasePredictionWriter):
         shard = shard_path(self.output, rank, world)  # checks the rank
         self.path = shard if world > 1 else self.output
         self._rank = rank
-        self.written = recover_jsonl(self.path)
+        datamodule = getattr(trainer, "datamodule", None)
+        records = getattr(datamodule, "records", None)
+        if isinstance(records, list):
+            self._digests = {str(r["id"]): r["digest"] for r in records if "digest" in r}
+            self._lines = {str(r["id"]): r["line"] for r in records if "line" in r}
+        recover_jsonl(self.path)
         shards = find_shards(self.output)
-        for other in [self.output, *shards]:  # other ranks' or runs' files: read, never cut
-            if other != self.path:
-                self.written.update(str(row["id"]) for row in read_jsonl(other))
+        self.written = set()
+        for path in dict.fromkeys([self.path, self.output, *shards]):  # others: read, never cut
+            for row in read_jsonl(path):
+                self._check_prompt(path, row)
+                self.written.add(str(row["id"]))
         self._merge = world > 1 or bool(shards)
         self._ready = True
-        datamodule = getattr(trainer, "datamodule", None)
         skip = getattr(datamodule, "skip_ids", None)
         if callable(skip) and self.written:
             skip(self.written)
         share = getattr(datamodule, "use_share", None)
         if callable(share):
             share(rank, world)
-        records = getattr(datamodule, "records", None)
         self._order = [str(r["id"]) for r in records] if isinstance(records, list) else None
+
+    def _check_prompt(self, path: Path, row: dict[str, Any]) -> None:
+        """Refuse a written line whose recorded prompt digest is not its id's prompt now."""
+        rid = str(row["id"])
+        was, now = row.get("prompt_digest"), self._digests.get(rid)
+        if was is not None and now is not None and was != now:
+            where = f" (line {self._lines[rid]})" if rid in self._lines else ""
+            raise ValueError(
+                f"{path} holds a prediction for id {rid!r} made for another prompt than the "
+                f"prompts file gives that id now{where}: the prompts changed since that run; "
+                "write to a new predictions file, or remove the old one to start over"
+            )
 
     def write_on_batch_end(
         self,
@@ -291,6 +315,9 @@ class JsonlPredictionWriter(BasePredictionWriter):
                 )
             rid = str(record["id"])
             if rid not in self.written:
+                digest = self._digests.get(rid)
+                if digest is not None and "prompt_digest" not in record:
+                    record = {**record, "prompt_digest": digest}
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 self.written.add(rid)
         if not lines:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -206,3 +207,40 @@ def test_a_directory_for_prompts_or_predictions_is_refused(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"prompts file .* is a directory: give the \.jsonl"):
         _run(tmp_path, tmp_path / "out.jsonl", _EchoModule())
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_resume_after_the_prompts_changed_is_refused_not_paired_with_old_lines(
+    tmp_path: Path,
+) -> None:
+    """Rows without ids are numbered by their line: a line inserted before them between two
+    runs gives a written id another prompt. The old line must not stand for the new prompt
+    (that prompt would never be generated): the resume is refused naming the id."""
+    prompts = tmp_path / "prompts.jsonl"
+    first = [{"prompt": "aa"}, {"prompt": "bbb"}, {"prompt": "c"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in first))
+    out = tmp_path / "out.jsonl"
+    _run(prompts, out, _EchoModule())
+    written = _lines(out)
+    digests = [hashlib.sha256(r["prompt"].encode()).hexdigest()[:16] for r in first]
+    assert [r["prompt_digest"] for r in written] == digests
+    before = out.read_bytes()
+
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "new"}, *first]))
+    resumed = _EchoModule()
+    with pytest.raises(
+        ValueError,
+        match=r"out\.jsonl holds a prediction for id '1' made for "
+        r"another prompt than the prompts file gives that id now \(line 1\)",
+    ):
+        _run(prompts, out, resumed)  # fmt: skip
+    assert resumed.seen == [] and out.read_bytes() == before
+
+    # an unchanged prompts file resumes as before; lines without a digest are taken as is
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in first))
+    out.write_text(
+        "".join(json.dumps({"id": r["id"], "token_ids": [0]}) + "\n" for r in written[:2])
+    )
+    again = _EchoModule()
+    _run(prompts, out, again)
+    assert again.seen == ["3"]
+    assert _lines(out)[2] == {"id": "3", "token_ids": [ord("c")], "prompt_digest": digests[2]}
