@@ -14,6 +14,7 @@ from typing import TypeVar, overload
 import numpy as np
 import numpy.typing as npt
 
+from bb_lightning.placement import SCRATCH_FP32, SCRATCH_SETS
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import Link, Tier
 
@@ -40,7 +41,10 @@ __all__ = [
     "optimizer_exposed_seconds",
     "pass_exposed_seconds",
     "ring_seconds",
+    "scratch_set_bytes",
+    "setup_host_bytes",
     "shard_numel",
+    "store_overhead_bytes",
     "train_flops_per_token",
 ]
 
@@ -331,9 +335,61 @@ def activation_bytes(
     return tokens * per_token
 
 
+LOSS_FP32_BUFFERS = 3
+"""fp32 buffers of the logits' size the training loss holds at once (:func:`logits_bytes`)."""
+
+
 def logits_bytes(model: ModelProfile, tokens: int) -> int:
-    """Device bytes of fp32 logits for the loss: ``tokens * vocab * 4``."""
-    return tokens * model.vocab_size * FP32_BYTES
+    """Device bytes the training loss holds at its peak: ``tokens * vocab * 12``.
+
+    transformers' causal-LM loss (``ForCausalLMLoss``) upcasts the logits to fp32 and
+    takes ``cross_entropy``, which saves its ``_log_softmax`` output (4 bytes per token
+    per vocabulary entry); in backward ``nll_loss_backward`` writes the gradient of that
+    output (4) and ``_log_softmax_backward_data`` the gradient of its input (4) while
+    both are still held: three fp32 buffers of the logits' size, the device peak a dry
+    run of a 128k vocabulary names (:mod:`bb_lightning.dryrun`).
+    """
+    return tokens * model.vocab_size * FP32_BYTES * LOSS_FP32_BUFFERS
+
+
+def setup_host_bytes(rest_train: float, block_params: float, block_state: float) -> float:
+    """Host bytes outside the store while the training engine registers its state:
+    ``4 * (rest_train + max(rest_train, block_params + block_state))``.
+
+    The fp32 initial values of the trained parameters outside the blocks (``rest_train``
+    elements, read whole first) stay held while the zeros their moments are written from
+    are made, and then while each block's fp32 initial values (``block_params``: every
+    parameter of the largest block) and the zeros of its moments (``block_state``: its
+    stored state's elements) are (``TrainingEngine.__init__``, ``FlatState.__init__``).
+    """
+    return FP32_BYTES * (rest_train + np.maximum(rest_train, block_params + block_state))
+
+
+STORE_SLACK_BYTES = 1 << 20
+"""Bytes the store's arenas are opened with beyond what their tensors need (a tier's
+``need + 1 MiB``, :func:`bb_lightning.assembly.store_config`)."""
+SLOT_ALIGNMENT = 4096
+"""Bytes each tensor's slot in an arena is padded to (``storage.device.ALIGNMENT``)."""
+
+
+def store_overhead_bytes(blocks: int) -> int:
+    """Host bytes the training engine's store arena takes beyond its tensors' bytes, at
+    most: :data:`STORE_SLACK_BYTES` plus one :data:`SLOT_ALIGNMENT` per tensor it may
+    register, ``9 * blocks + 32`` (a block's weights, frozen weights, three state
+    tensors, gradient and up to one read-ahead set of three per block; the scratch sets
+    and the state outside the blocks).
+    """
+    return STORE_SLACK_BYTES + SLOT_ALIGNMENT * (9 * blocks + 32)
+
+
+def scratch_set_bytes(block_state: float, block_train: float, elem_bytes: int) -> float:
+    """Host bytes of the optimizer's scratch sets the training engine registers:
+    ``SCRATCH_SETS * (4 * 4 * block_state + elem_bytes * block_train)`` (four fp32 buffers
+    of the largest block's stored state, ``block_state`` elements, and one compute-dtype
+    ``cast`` of its trained weights each; :func:`bb_lightning.placement.training_manifest`).
+    """
+    fp32 = len(SCRATCH_FP32) * FP32_BYTES * block_state
+    return float(SCRATCH_SETS * (fp32 + elem_bytes * block_train))
 
 
 def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:

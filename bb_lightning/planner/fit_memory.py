@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from bb_lightning.placement import READ_AHEAD
 from bb_lightning.planner import cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
 from bb_lightning.planner.data_parallel import REDUCE_BYTES
@@ -104,7 +105,9 @@ class FitMemory:
     device_bytes: Arr
     """Bytes on the device."""
     mandatory_host_bytes: Arr
-    """Host bytes of pinned staging and the state outside the blocks."""
+    """Host bytes every placement needs: outside the store the larger of the engine's
+    setup and the pinned staging; in it the state outside the blocks, the optimizer's
+    scratch sets, the read-ahead sets when state is off the host, the arena's padding."""
     host_bytes: Arr
     """Bytes on the host before the read-ahead sets beyond :data:`MIN_READ_AHEAD`."""
     free_host_bytes: Arr
@@ -164,7 +167,15 @@ def _device_and_staging_bytes(
         + cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept)
         + cost.logits_bytes(model, mb * sz.seq_len)
     )
-    mandatory = paging + in_flight + sz.rest_shard_params * (FP32_BYTES + ADAM_STATE_BYTES)
+    # host bytes outside the store: the engine's setup, then the pages and gradients in flight
+    setup = cost.setup_host_bytes(sz.rest_train_params, bb / wb, ps)
+    outside = np.maximum(paging + in_flight, setup)
+    mandatory = (
+        outside
+        + sz.rest_shard_params * (FP32_BYTES + ADAM_STATE_BYTES)
+        + cost.scratch_set_bytes(ps, p, wb)
+        + cost.store_overhead_bytes(n)
+    )
     return device, mandatory
 
 
@@ -241,9 +252,18 @@ def fit_memory(
         if ckpt and hw.device_type == "cpu"
         else 0.0
     )
-    w_h, g_h, m_h, forced_ok, free = _fill_host(
-        sz, ov, host_base - mandatory, paged, off, in_place_act, state_first
+    # with optimizer state off the host (on NVMe, or a full block's on the device) the
+    # engine registers READ_AHEAD read-ahead sets: filled once with and once without them
+    ahead = float(READ_AHEAD * ADAM_STATE_BYTES * ps)
+    with_sets = _fill_host(
+        sz, ov, host_base - mandatory - ahead, paged, off, in_place_act, state_first
     )
+    without = _fill_host(sz, ov, host_base - mandatory, paged, off, in_place_act, state_first)
+    no_sets = (without[2] >= off) & (kf <= 0)
+    w_h, g_h, m_h, forced_ok, free = (
+        np.where(no_sets, b, a) for a, b in zip(with_sets, without, strict=True)
+    )
+    mandatory = mandatory + np.where(no_sets, 0.0, ahead)
     nvme = (paged - w_h) * bb + (off - g_h) * FP32_BYTES * ps + (off - m_h) * ADAM_STATE_BYTES * ps
     in_memory = (
         (device <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])

@@ -126,8 +126,13 @@ class FitPrice(Generic[V]):
 
 
 def _nvme_grad_bytes(sz: FitSizes, mem: FitMemory) -> Arr:
-    """Bytes of the gradient sums on NVMe (read-modified-written per micro-batch)."""
-    return mem.nvme_grad_blocks * FP32_BYTES * sz.block_shard_params
+    """Bytes of the gradient sums on NVMe read, and as many written, per micro-batch on
+    average: ``(GA - 1) / GA`` of the sums. The first micro-batch writes its sum without
+    reading one, the last reads the sum and keeps the total in a scratch buffer the step
+    takes it from (``FlatState.accumulate(persist=False)``): ``GA - 1`` reads and writes
+    per step, none with one micro-batch."""
+    share = (sz.grad_accum - 1) / max(sz.grad_accum, 1)
+    return mem.nvme_grad_blocks * FP32_BYTES * sz.block_shard_params * share
 
 
 def _device_grad_bytes(sz: FitSizes, mem: FitMemory) -> Arr:
@@ -185,9 +190,7 @@ def _optimizer_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -
         weights_up = ((mem.resident_weight_blocks + kf) * p + sz.rest_train_params) * wb
         weights_home = 0.0 * kf
     return {
-        Link.NVME_TO_HOST: cost.link_seconds(
-            state_nvme + _nvme_grad_bytes(sz, mem), nvme_r, hw.nvme_efficiency
-        ),
+        Link.NVME_TO_HOST: cost.link_seconds(state_nvme, nvme_r, hw.nvme_efficiency),
         Link.HOST_TO_NVME: cost.link_seconds(
             state_nvme + mem.nvme_weight_blocks * p * wb, nvme_w, hw.nvme_efficiency
         ),
@@ -235,12 +238,11 @@ def _optimizer_times(
     n, ps, kf = sz.blocks, sz.block_shard_params, mem.full_blocks
     nvme_state = mem.nvme_state_blocks
     adam = cost.host_adam_seconds(n * ps + sz.rest_shard_params + 0.0 * kf, hw)
-    k, disk = _state_reads(
-        model, hw, job, nvme_state, mem.free_host_bytes, compute - backward, backward, shard=ps
-    )
+    # the free host bytes beside the MIN_READ_AHEAD sets the memory step reserved
+    free = mem.free_host_bytes + MIN_READ_AHEAD * ADAM_STATE_BYTES * ps
+    k, disk = _state_reads(model, hw, job, nvme_state, free, compute - backward, backward, shard=ps)
     extra = np.where(nvme_state > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * ps, 0.0)
     eff = hw.nvme_efficiency
-    disk = disk + cost.link_seconds(_nvme_grad_bytes(sz, mem), hw.nvme_read_bandwidth, eff)
     written = mem.nvme_weight_blocks * sz.block_train_params * sz.element_bytes
     disk = disk + cost.link_seconds(written, hw.nvme_write_bandwidth, eff)
     opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
@@ -281,7 +283,6 @@ def _shared_core_seconds(
     nvme_bytes = (
         ga * (2.0 * nvme_weights * sz.block_weight_bytes + 2.0 * grads_nvme)  # page-ins, sums
         + 2.0 * mem.nvme_state_blocks * ADAM_STATE_BYTES * ps  # state read and written
-        + grads_nvme  # the last sum read for the step
         + nvme_weights * sz.block_train_params * wb  # updated weights written home
     )
     return adam + accumulate + nvme_bytes * hw.nvme_cpu_seconds_per_byte

@@ -171,12 +171,15 @@ def predict_memory(
     mb = c if streamed else ov.micro_batch or min(c, max(1, math.ceil(chunk / plen)))
     paged = n - kw
     paging = np.where(paged > 0, (depth + 1) * bb, 0.0)
+    # the store's device arena holds depth + 1 paging slots of the largest block whether
+    # or not a block is paged (``store_budgets`` of the weights manifest)
+    slots = np.full_like(kw, (depth + 1) * bb)
     kv_all = float(cost.kv_cache_bytes(model, c, job.total_len))
     kv_dev = 2.0 * kv_all / n if streamed else kv_all if kv is Tier.DEVICE else 0.0
     dev = (
         nb * wb
         + kw * bb
-        + paging
+        + slots
         + c * plen * model.hidden_size * wb  # hidden states of all sequences
         + mb * plen * model.act_bytes_per_token_full
         + c * model.vocab_size * FP32_BYTES

@@ -59,7 +59,7 @@ def test_memory_terms(small_model: ModelProfile) -> None:
     m = small_model
     assert cost.activation_bytes(m, 2, 100, True) == 200 * (512 * 4 + 12_000)
     assert cost.activation_bytes(m, 2, 100, False) == 200 * 12_000 * 4
-    assert cost.logits_bytes(m, 10) == 10 * 1000 * 4
+    assert cost.logits_bytes(m, 10) == 10 * 1000 * 12  # three fp32 buffers in the loss
     assert cost.kv_cache_bytes(m, 3, 50) == 3 * 50 * 1024 * 4
 
 

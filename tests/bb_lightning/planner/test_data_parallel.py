@@ -120,6 +120,17 @@ HOST_HOMES = PlanOverrides(
 """Every block paged from the host, its master weights, moments and gradients there too."""
 
 
+def _host_bytes(n: int, p: int, rest: int, shard: int) -> int:
+    """A rank's host bytes besides the homes (bf16 weights, ``n`` blocks of ``p`` trained
+    parameters, ``rest`` outside): outside the store the larger of the engine's setup
+    (fp32 ``rest`` values, then one block's fp32 values and its moments' zeros) and two
+    paging slots with two blocks' gradients in flight; in it two scratch sets (four fp32
+    block shards and one bf16 block each), 1 MiB of slack and a 4 KiB slot per tensor."""
+    setup = 4 * (rest + max(rest, p + shard))
+    scratch = 2 * (4 * 4 * shard + 2 * p)
+    return max(2 * 2 * p + 2 * 2 * p, setup) + scratch + 2**20 + 4096 * (9 * n + 32)
+
+
 @pytest.mark.parametrize(
     ("world", "per_node", "bandwidth_field"),
     [(2, 2, "intra_node_bandwidth"), (4, 2, "inter_node_bandwidth")],
@@ -147,12 +158,13 @@ def test_rank_follows_the_formulas(
     assert plan.grad_accum == math.ceil(rank_seqs / plan.micro_batch)
     assert plan.job == job and plan.hardware == hw
 
-    # the rank's host memory: paging slot pair, gradients in flight, paged bf16 weights
-    # (full copies) and the fp32 master + 2 moments (12 B) + gradient accumulator (4 B) shards
+    # the rank's host memory: outside the store the larger of its setup and the paging
+    # slot pair with the gradients in flight; paged bf16 weights (full copies), the fp32
+    # master + 2 moments (12 B) + gradient accumulator (4 B) shards, two scratch sets
     block_bytes = 2 * p
     state = n * (12 + 4) * shard + (12 + 4) * rest_shard
     host = next(m for m in plan.memory if m.tier is Tier.HOST)
-    assert host.used == 2 * block_bytes + 2 * p * 2 + n * block_bytes + state
+    assert host.used == _host_bytes(n, p, rest, shard) + n * block_bytes + state
     assert host.capacity == 256 * GIB // per_node
     assert host.budget == int(256 * GIB // per_node * 0.95)
     nvme = next(m for m in plan.memory if m.tier is Tier.NVME)
@@ -199,9 +211,10 @@ def test_a_rank_needs_less_state_than_one_process(
         job,
         overrides=HOST_HOMES,
     )
-    saved = model.num_blocks * 16 * (
-        model.block_params - math.ceil(model.block_params / 2)
-    ) + 16 * (model.rest_params - math.ceil(model.rest_params / 2))
+    n, p, rest = model.num_blocks, model.block_params, model.rest_params
+    shard, rest_shard = math.ceil(p / 2), math.ceil(rest / 2)
+    saved = n * 16 * (p - shard) + 16 * (rest - rest_shard)
+    saved += _host_bytes(n, p, rest, p) - _host_bytes(n, p, rest, shard)
     used = [next(m.used for m in plan.memory if m.tier is Tier.HOST) for plan in (one, two)]
     assert used[0] - used[1] == saved
     assert one.predicted.net == 0.0 and two.predicted.net > 0.0
