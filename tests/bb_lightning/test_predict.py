@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from bb_lightning.data import PromptsDataModule
+from bb_lightning.data import PromptsDataModule, prompt_digest
 from bb_lightning.engine.pager import Placement
 from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
@@ -120,6 +120,7 @@ def test_predict_pages_from_nvme_and_equals_generate(tmp_path: Path) -> None:
     assert records[2] == {
         "id": "p2",
         "error": "prompt has 50 tokens >= the model's context of 48: shorten it below 48 tokens",
+        "prompt_digest": prompt_digest(PROMPTS[2]),
     }
     reference = CausalLMModule(CONFIG, seed=4)
     reference.configure_model()
