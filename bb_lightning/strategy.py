@@ -285,7 +285,10 @@ class BalanceBeamStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, self.process_group_backend, **kwargs)
+        if created:
+            world.destroy_group_at_exit()
 
     def set_world_ranks(self) -> None:
         """Global rank = node rank x processes per node + local rank; world = nodes x processes."""

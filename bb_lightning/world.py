@@ -12,10 +12,14 @@ N > 1 (``Trainer(devices=G, num_nodes=M)``, N = G x M); with N = 1 each returns 
 - The measured phase times of the re-plan decision are the slowest rank's
   (:func:`slowest_times`), so every rank re-plans, or not, at the same step.
 - A checkpoint directory must be one every rank sees (:func:`check_shared_directory`).
+- The process group the strategy created is destroyed before the interpreter is torn
+  down (:func:`destroy_group_at_exit`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import os
 import re
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bb_lightning.planner import HardwareProfile, MeasuredTimes
 from storage import scratch
@@ -35,6 +40,7 @@ __all__ = [
     "DEFAULT_INTER_NODE_BANDWIDTH",
     "DEFAULT_INTRA_NODE_BANDWIDTH",
     "check_shared_directory",
+    "destroy_group_at_exit",
     "make_shared_nvme_dir",
     "prepare_nvme_dir",
     "rank_nvme_path",
@@ -213,3 +219,28 @@ def slowest_node(profiles: Sequence[HardwareProfile | None]) -> HardwareProfile:
         values = [getattr(p, f.name) for p in measured]
         changes[f.name] = max(values) if f.name in _HIGHER_IS_WORSE else min(values)
     return first.replace(**changes)
+
+
+_EXIT_HOOK: list[Callable[[], None]] = []
+
+
+def destroy_group_at_exit() -> None:
+    """Destroy the default process group when the script ends, while Python is still whole.
+
+    A script that ends without ``torch.distributed.destroy_process_group()`` (as Lightning
+    scripts do) leaves gloo's worker threads holding finished work, tensors included;
+    freeing them while the interpreter is torn down can abort the process ("terminate
+    called without an active exception"), and Lightning's launcher then stops the other
+    ranks with exit code 1 after a run that succeeded. Registered once per process, by the
+    strategy that created the group; a group already destroyed is left alone.
+    """
+    if _EXIT_HOOK:
+        return
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    _EXIT_HOOK.append(destroy)
+    atexit.register(destroy)

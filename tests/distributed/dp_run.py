@@ -28,6 +28,7 @@ What it writes under ``--out``:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import zarr
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -369,5 +371,17 @@ def validate(args: argparse.Namespace, trainer: pl.Trainer, module: Any, out: Pa
     (out / f"val.rank{trainer.global_rank}.json").write_text(json.dumps(metrics[0]))
 
 
+def record_group_at_exit(out: Path) -> None:
+    """At this process's exit, after every exit handler registered later (the strategy's
+    among them), write ``exit.<pid>.json``: whether the process group is still there."""
+
+    def record() -> None:
+        alive = dist.is_available() and dist.is_initialized()
+        (out / f"exit.{os.getpid()}.json").write_text(json.dumps({"group_alive": alive}))
+
+    atexit.register(record)
+
+
 if __name__ == "__main__":
+    record_group_at_exit(Path(parse(sys.argv[1:]).out))
     main(sys.argv[1:])

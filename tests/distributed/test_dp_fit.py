@@ -77,6 +77,9 @@ def test_two_ranks_equal_one_process(runs: Any, case: str) -> None:
     assert two.loss_files() == ["losses.rank0.json", "losses.rank1.json"]
     assert [len(v) for v in two.losses().values()] == [4, 4, 4]
     assert_same_training(two, one)
+    # both ranks destroyed the process group before the interpreter's teardown
+    exits = [json.loads(p.read_text()) for p in sorted(two.out.glob("exit.*.json"))]
+    assert exits == [{"group_alive": False}] * 2
     # every parameter is trained (named as in the module: its HF model is ``model``)
     initial = {f"model.{k}": v for k, v in load_file(runs.model / "model.safetensors").items()}
     assert set(initial) == set(one.state()["master"])
