@@ -1,14 +1,17 @@
 """The host arena and the staging buffers for NVMe transfers.
 
 :class:`HostArena` holds the tensors whose home tier is ``HOST`` in one
-4 KiB-aligned buffer (page-locked where CUDA exists, so copies to the device
-can be asynchronous), carved by the same allocator as the device arena.
+4 KiB-aligned buffer (page-locked when the store's device is CUDA, so copies to the
+device can be asynchronous), carved by the same allocator as the device arena.
 :class:`StagingPool` is a small set of aligned buffers, allocated once and
 reused, that carry NVMe transfers whose other end cannot take ``O_DIRECT``
 (CUDA memory with the POSIX backend, arbitrary caller tensors).
 
 Both are :class:`HostBuffer` s: an anonymous ``mmap`` of exactly the bytes asked
-for (page-aligned), registered with ``cudaHostRegister`` where CUDA exists. The
+for (page-aligned), registered with ``cudaHostRegister`` when it is to be pinned (``pin``:
+the store pins only for a CUDA device; a CPU device's buffers stay pageable even where
+CUDA is visible). Before registering, its pages are asked for on the GPU's NUMA node
+(``node``, :mod:`storage.numa`), since registering touches them. The
 PyTorch pinned allocator would round each request up to a power of two and keep
 the block cached after it is freed; a registered mapping pins exactly its size
 and is unpinned by :meth:`HostBuffer.release` (the store calls it at close).
@@ -26,6 +29,7 @@ import torch
 
 from storage.device import Arena
 from storage.io import ALIGNMENT, padded
+from storage.numa import prefer_node
 
 __all__ = ["HostArena", "HostBuffer", "StagingPool", "mapped_bytes"]
 
@@ -45,18 +49,23 @@ def _cuda_status(code: object) -> int:
 
 
 class HostBuffer:
-    """``padded(nbytes)`` bytes of page-aligned host memory, page-locked where CUDA exists.
+    """``padded(nbytes)`` bytes of page-aligned host memory, page-locked when ``pin`` and
+    CUDA exists.
 
     An anonymous ``mmap`` (pages are touched on first use on the CPU; registering
     them with CUDA touches and locks them all). :attr:`tensor` is its ``uint8`` view.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool = True) -> None:
-        """``nbytes`` in bytes (rounded up to 4 KiB); ``pin`` registers it where CUDA exists."""
+    def __init__(self, nbytes: int, *, pin: bool = True, node: int | None = None) -> None:
+        """``nbytes`` in bytes (rounded up to 4 KiB); ``pin`` registers it where CUDA exists;
+        ``node``: the NUMA node its pages are placed on when pinned (None: where the
+        registering thread runs)."""
         self.nbytes = padded(nbytes)
         """Bytes mapped (a multiple of 4096)."""
         self.pinned = False
         """Whether the mapping is registered with CUDA (page-locked)."""
+        self.node: int | None = None
+        """The NUMA node its pages were asked for on (None: no placement asked)."""
         self._map: mmap.mmap | None = None
         self.mapping: weakref.ref[mmap.mmap] = weakref.ref(_NEVER)
         """The mapping, weakly (dead once it is unmapped)."""
@@ -70,6 +79,8 @@ class HostBuffer:
         with _mapped_lock:
             _mapped[0] += self.nbytes
         if pin and torch.cuda.is_available():
+            if prefer_node(self.tensor.data_ptr(), self.nbytes, node):  # before the touch
+                self.node = node
             cudart = torch.cuda.cudart()
             status = _cuda_status(cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0))
             if status != 0:
@@ -110,12 +121,13 @@ class HostBuffer:
 
 
 class HostArena(Arena):
-    """The arena of ``HOST``-home tensors: one aligned buffer, pinned where CUDA exists."""
+    """The arena of ``HOST``-home tensors: one aligned buffer, pinned when ``pin`` and CUDA
+    exists, its pages on NUMA node ``node`` when pinned (see :class:`HostBuffer`)."""
 
-    def __init__(self, capacity: int) -> None:
-        """``capacity`` in bytes (rounded down to 4 KiB), mapped and pinned exactly."""
+    def __init__(self, capacity: int, *, pin: bool = True, node: int | None = None) -> None:
+        """``capacity`` in bytes (rounded down to 4 KiB), mapped (and pinned) exactly."""
         capacity -= capacity % ALIGNMENT
-        self.host = HostBuffer(capacity)
+        self.host = HostBuffer(capacity, pin=pin, node=node)
         """The mapping behind the arena (released by :meth:`release`)."""
         super().__init__(self.host.tensor, label="host")
 
@@ -138,8 +150,11 @@ class StagingPool:
     transfer.
     """
 
-    def __init__(self, count: int, nbytes: int) -> None:
-        """``count`` buffers of ``nbytes`` bytes (a multiple of 4 KiB), pinned where CUDA exists."""
+    def __init__(
+        self, count: int, nbytes: int, *, pin: bool = True, node: int | None = None
+    ) -> None:
+        """``count`` buffers of ``nbytes`` bytes (a multiple of 4 KiB), pinned when ``pin``
+        and CUDA exists, on NUMA node ``node`` when pinned."""
         if count < 1:
             raise ValueError(f"staging buffer count {count} must be >= 1: use at least 1")
         if nbytes <= 0 or nbytes % ALIGNMENT:
@@ -149,7 +164,7 @@ class StagingPool:
             )
         self.buffer_bytes = nbytes
         """Bytes of each buffer."""
-        self._buffers = [HostBuffer(nbytes) for _ in range(count)]
+        self._buffers = [HostBuffer(nbytes, pin=pin, node=node) for _ in range(count)]
         self._free = [b.tensor for b in self._buffers]
         self.count = count
         """Number of buffers."""

@@ -62,6 +62,7 @@ from storage.device import DeviceArena, Slot, resolve_device
 from storage.external import ExternalSource, FilePiece, ReadOnlyTensorError
 from storage.host import HostArena, StagingPool
 from storage.io import ALIGNMENT, IOBackend, IOConfig, open_backend, padded
+from storage.numa import device_numa_node
 from storage.nvme import ArraySpec, NvmeTier
 from storage.observers import TransferKind, TransferObserver, added, observed, removed
 from storage.residency import Record, ResidencyMachine, StateError, Ticket
@@ -90,13 +91,14 @@ class StoreConfig:
     device_budget: int
     """Bytes of the device arena (ordinary memory without CUDA); rounded down to 4 KiB."""
     host_budget: int
-    """Bytes of the host arena (pinned where CUDA exists); rounded down to 4 KiB."""
+    """Bytes of the host arena (pinned when the device is CUDA); rounded down to 4 KiB."""
     nvme_path: str | None = None
     """Directory of the NVMe tier's zarr group; ``None`` for no NVMe tier."""
     nvme_budget: int = 0
     """Bytes the NVMe tier may hold."""
     staging_buffers: int = 4
-    """Aligned host buffers (pinned on CUDA) for NVMe transfers that cannot go direct."""
+    """Aligned host buffers (pinned when the device is CUDA) for NVMe transfers that cannot
+    go direct."""
     staging_bytes: int = 64 << 20
     """Bytes of each staging buffer (a multiple of 4096): the piece size of staged NVMe
     transfers, which stream a tensor of any size through one buffer at a time."""
@@ -202,7 +204,12 @@ class TieredStore:
         self._closed = True
         self._lock = threading.RLock()  # residency check + transition + slot, as one step
         self._device_arena = DeviceArena(config.device_budget, self.device)
-        self._host_arena = HostArena(config.host_budget)
+        # host memory is page-locked only for a CUDA device (a CPU device on a machine with
+        # a GPU copies nothing to it), on the GPU's NUMA node where sysfs tells it
+        self.host_node = device_numa_node(self.device) if self._cuda else None
+        """The NUMA node the store's pinned host buffers are placed on (None: unknown, or
+        a CPU device)."""
+        self._host_arena = HostArena(config.host_budget, pin=self._cuda, node=self.host_node)
         self._backend: IOBackend | None = None
         self._nvme: NvmeTier | None = None
         self._staging: StagingPool | None = None
@@ -219,7 +226,9 @@ class TieredStore:
                 backend.close()
                 raise
             self._backend = backend
-            self._staging = StagingPool(config.staging_buffers, config.staging_bytes)
+            self._staging = StagingPool(
+                config.staging_buffers, config.staging_bytes, pin=self._cuda, node=self.host_node
+            )
         double = None
         if not self._cuda and double_requested(config.cuda_double):
             double = CopyDouble()
@@ -512,6 +521,12 @@ class TieredStore:
         slot, write-back a no-op): on a CPU device, except under the double, which pages it
         into a device slot with deferred copies as on CUDA."""
         return not self._cuda and self._io.double is None
+
+    @property
+    def pins_host(self) -> bool:
+        """Whether host buffers that copies to and from the device use should be page-locked
+        (a CUDA device); on a CPU device they stay pageable even where CUDA is visible."""
+        return self._cuda
 
     @property
     def copies_to_host(self) -> bool:
