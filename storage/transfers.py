@@ -14,8 +14,9 @@ Two waits, two names: :func:`order_after` makes later work on the caller's strea
 come after a copy (the device sees its data; the host does not yet), and
 :func:`settled` blocks the host until the copy completed (its host destination
 may be read and its host source reused). A copy's timing events are read back as
-copies go (at most :data:`MAX_PENDING_TIMINGS` wait at once), not only by
-:meth:`Transfers.stats`.
+copies go, never by blocking the thread that issues a copy: those that finished are read
+(polled), and when more than :data:`MAX_PENDING_TIMINGS` are still running the oldest of
+one stream are merged into one span (:meth:`Transfers.stats` reads the rest).
 
 NVMe transfers land straight in (or leave from) a 4 KiB-aligned arena slot
 where the I/O backend can reach it: host memory, or device memory with
@@ -58,8 +59,11 @@ Events = tuple[CopyEvent, ...]
 """Events a copy must wait for (empty on the CPU, except under the double)."""
 
 MAX_PENDING_TIMINGS = 256
-"""Copies whose timing events may wait to be read at once; beyond, the oldest is read
-(synchronising on it: issued that many copies ago, it has finished in practice)."""
+"""Timing records (a copy's start and end events) that may wait to be read at once;
+beyond, the oldest records of each stream are merged pairwise into spans (from the first
+one's start to the second one's end, their bytes and copies summed) until half as many
+remain. Nothing waits for a copy: the thread issuing one (the autograd thread copying a
+gradient) never blocks on the copies queued before it."""
 Work = Callable[[Events], "CopyEvent | None"]
 """A transfer to run after the given events; returns the event of its last copy (CUDA)."""
 
@@ -105,11 +109,11 @@ class _Meter:
                 if self._active == 0:
                     self._busy += time.perf_counter() - self._since
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, count: int = 1) -> None:
         with self._lock:
             self._bytes, self._count, self._busy = (
                 self._bytes + nbytes,
-                self._count + 1,
+                self._count + count,
                 self._busy + seconds,
             )
 
@@ -117,6 +121,52 @@ class _Meter:
         with self._lock:
             busy = self._busy + (time.perf_counter() - self._since if self._active else 0.0)
             return LinkStats(bytes=self._bytes, seconds=busy, count=self._count)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """The start and end events of copies on one lane (a stream) not read back yet."""
+
+    link: Link
+    nbytes: int
+    start: Any
+    end: Any
+    lane: int
+    """The stream the copies ran on (records of one lane run in the order issued)."""
+    count: int = 1
+    """Copies the span covers."""
+
+    def seconds(self) -> float:
+        """Milliseconds from start to end, in seconds (the span has finished)."""
+        return float(self.start.elapsed_time(self.end)) / 1e3
+
+    def then(self, later: _Timing) -> _Timing:
+        """One span from this record's start to ``later``'s end (same link and lane): its
+        seconds include any gap between the two, so the link's rate is never overstated."""
+        return _Timing(
+            self.link,
+            self.nbytes + later.nbytes,
+            self.start,
+            later.end,
+            self.lane,
+            self.count + later.count,
+        )
+
+
+def _merge_oldest(timings: list[_Timing], keep: int) -> list[_Timing]:
+    """Merge the oldest records into the next one of their link and lane until at most
+    ``keep`` remain (a record with no later one of its kind stays as it is)."""
+    out = list(timings)
+    i = 0
+    while len(out) > keep and i < len(out):
+        key = (out[i].link, out[i].lane)
+        later = next((k for k in range(i + 1, len(out)) if (out[k].link, out[k].lane) == key), 0)
+        if later:
+            first = out.pop(i)
+            out[later - 1] = first.then(out[later - 1])
+        else:
+            i += 1
+    return out
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -210,7 +260,7 @@ class Transfers:
         self._direct_device = direct_device
         self._stage_all = stage_nvme
         self.meters = {link: _Meter() for link in LINKS}
-        self._timings: deque[tuple[Link, int, Any, Any]] = deque()
+        self._timings: deque[_Timing] = deque()
         self._timings_lock = threading.Lock()
         self.streams: dict[Link, torch.cuda.Stream] = {}
         """The side stream of copies towards the device (``HOST_TO_DEVICE``) and of those
@@ -454,7 +504,7 @@ class Transfers:
                 start.record(stream)
                 dst.copy_(src, non_blocking=True)
                 end.record(stream)
-            self._time_copy(link, nbytes, start, end)
+            self._time_copy(link, nbytes, start, end, lane=int(to_host))
             return end
         to_device, from_device = self._device_memory(dst), self._device_memory(src)
         from_device = from_device if src_on_device is None else src_on_device
@@ -462,7 +512,7 @@ class Transfers:
             deferred = self.double.copy(
                 dst, src, to_device=to_device, from_host=not from_device, after=after
             )
-            self._time_copy(link, nbytes, *deferred.timing())
+            self._time_copy(link, nbytes, *deferred.timing(), lane=2)
             return deferred
         settled_all(after)
         meter = None if link is None else self.meters[link]
@@ -492,18 +542,33 @@ class Transfers:
         event.record(torch.cuda.current_stream(self.device))
         return (event,)
 
-    def _time_copy(self, link: Link | None, nbytes: int, start: Any, end: Any) -> None:
-        """Queue a copy's timing events; read back those at the front that have finished."""
+    def _time_copy(
+        self, link: Link | None, nbytes: int, start: Any, end: Any, *, lane: int = 0
+    ) -> None:
+        """Queue a copy's timing events (``lane``: its stream) and read back those that
+        finished, never waiting for one (see :data:`MAX_PENDING_TIMINGS`)."""
         if link is None:  # within one tier: not a counted link
             return
         with self._timings_lock:
             timings = self._timings
-            timings.append((link, nbytes, start, end))
-            while timings and (len(timings) > MAX_PENDING_TIMINGS or timings[0][3].query()):
-                old_link, old_bytes, old_start, old_end = timings.popleft()
-                old_end.synchronize()
-                seconds = old_start.elapsed_time(old_end) / 1e3 if old_end.query() else 0.0
-                self.meters[old_link].add(old_bytes, seconds)
+            timings.append(_Timing(link, nbytes, start, end, lane))
+            while timings and timings[0].end.query():
+                self._read_back(timings.popleft())
+            if len(timings) <= MAX_PENDING_TIMINGS:
+                return
+            running = []
+            for t in timings:  # polled: a copy on another stream may hold the front
+                if t.end.query():
+                    self._read_back(t)
+                else:
+                    running.append(t)
+            if len(running) > MAX_PENDING_TIMINGS:
+                running = _merge_oldest(running, MAX_PENDING_TIMINGS // 2)
+            self._timings = deque(running)
+
+    def _read_back(self, timing: _Timing) -> None:
+        """Add a finished record to its link's meter."""
+        self.meters[timing.link].add(timing.nbytes, timing.seconds(), timing.count)
 
     @property
     def pending_timings(self) -> int:
@@ -521,11 +586,11 @@ class Transfers:
     def stats(self) -> dict[Link, LinkStats]:
         """Traffic per link in :data:`LINKS` (bytes, busy seconds, count)."""
         with self._timings_lock:
-            pending: deque[tuple[Link, int, Any, Any]] = deque()
-            for link, nbytes, start, end in self._timings:
-                if end.query():
-                    self.meters[link].add(nbytes, start.elapsed_time(end) / 1e3)
+            pending: deque[_Timing] = deque()
+            for timing in self._timings:
+                if timing.end.query():
+                    self._read_back(timing)
                 else:
-                    pending.append((link, nbytes, start, end))
+                    pending.append(timing)
             self._timings = pending
         return {link: meter.snapshot() for link, meter in self.meters.items()}

@@ -186,3 +186,63 @@ def test_host_only_transfers_do_not_wait_for_device_progress() -> None:
         store.read_async("d", out).wait_host()
         store.write_back_async("d", out).wait_host()
         assert len(asked) == 3
+
+
+class _Mark:
+    """A timing event of a copy the device has not finished: ``query`` polls, and
+    ``synchronize`` (a host wait) is recorded, since the issuing thread must never call it."""
+
+    waits = 0
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        _Mark.waits += 1
+        self.done = True
+
+    def elapsed_time(self, end: _Mark) -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_issuing_copies_never_waits_on_those_still_running() -> None:
+    """Copies issued while earlier ones still run (a gradient copy per tensor from the
+    autograd thread, behind a page-in that waits on compute) never block the issuing
+    thread: past MAX_PENDING_TIMINGS running copies the records of one stream merge into
+    spans, finished ones behind a running one are read back, and every byte and copy is
+    counted once the device catches up, with each span's time from its first start to its
+    last end."""
+    from storage.tiers import Link
+    from storage.transfers import Transfers
+
+    io = Transfers(torch.device("cpu"), nvme=None, staging=None, direct_device=False)
+    _Mark.waits = 0
+    marks: list[_Mark] = []
+    copies = 4 * MAX_PENDING_TIMINGS
+    try:
+        blocker = _Mark(0.0), _Mark(1.0)  # a host->device copy that runs long
+        io._time_copy(Link.HOST_TO_DEVICE, 4096, *blocker)
+        for k in range(copies):  # 1 ms each, back to back on the stream towards the host
+            start, end = _Mark(10.0 + k * 1e-3), _Mark(10.0 + (k + 1) * 1e-3)
+            marks += [start, end]
+            io._time_copy(Link.DEVICE_TO_HOST, 100, start, end)
+            assert io.pending_timings <= MAX_PENDING_TIMINGS + 1
+            if k == copies // 2:  # the first half lands, behind the running blocker
+                for m in marks:
+                    m.done = True
+        assert _Mark.waits == 0  # no host wait on any copy
+        for m in [*marks, *blocker]:
+            m.done = True
+        stats = io.stats()
+        assert io.pending_timings == 0
+        d2h = stats[Link.DEVICE_TO_HOST]
+        assert d2h.count == copies and d2h.bytes == 100 * copies
+        assert d2h.seconds == pytest.approx(copies * 1e-3, rel=1e-6)  # back to back: no gaps
+        assert stats[Link.HOST_TO_DEVICE].count == 1
+        assert stats[Link.HOST_TO_DEVICE].seconds == pytest.approx(1.0)
+    finally:
+        io.shutdown()
