@@ -639,8 +639,16 @@ class KvikioBackend(_PooledBackend):
     Takes host buffers and CUDA tensors; a CUDA source must be ready (its
     producing stream synchronised) before :meth:`write_async`. kvikio's own
     thread pool, sized to ``IOConfig.threads`` (:func:`size_kvikio_threads`), does
-    the I/O in ``task_size`` pieces; a small pool of ours waits on it, fsyncs and
+    host I/O in ``task_size`` pieces; a small pool of ours waits on it, fsyncs and
     closes the file.
+
+    A read into (write from) CUDA memory is issued on the caller's current CUDA stream
+    (``CuFile.raw_read_async`` / ``raw_write_async``: GPUDirect's stream-ordered calls,
+    a read into a bounce buffer after that stream in compat mode): kvikio's ``pread``
+    and ``pwrite`` of device memory first synchronise the device's default stream, so a
+    page-in issued from a copy thread would wait for all the compute queued there. The
+    store issues them on its copy streams (:mod:`storage.transfers`); the transfer is
+    done (the stream synchronised) when :meth:`IOFuture.wait` returns.
     """
 
     name = "kvikio"
@@ -657,13 +665,36 @@ class KvikioBackend(_PooledBackend):
         # CUDA tensors expose __cuda_array_interface__; host ones go through numpy.
         return part if part.device.type == "cuda" else part.detach().numpy()
 
-    def _finish(self, path: str, handle: Any, kfuture: Any, fsync: bool) -> IOFuture:
+    @staticmethod
+    def _device_stream(buf: torch.Tensor) -> int | None:
+        """The raw handle of the current CUDA stream of ``buf``'s device; None for host
+        memory (read and written through kvikio's thread pool)."""
+        if buf.device.type != "cuda":
+            return None
+        return int(torch.cuda.current_stream(buf.device).cuda_stream)
+
+    def _issue(self, handle: Any, buf: torch.Tensor, nbytes: int, offset: int, write: bool) -> Any:
+        """Start one transfer of ``nbytes`` at file ``offset``; a zero-argument callable
+        that waits for it and returns the bytes moved."""
+        target = self._target(buf, nbytes)
+        stream = self._device_stream(buf)
+        raw = getattr(handle, "raw_write_async" if write else "raw_read_async", None)
+        if stream is not None and raw is not None:  # ordered on ``stream`` only
+            done = raw(target, stream, nbytes, offset)
+            return done.check_bytes_done
+        call = handle.pwrite if write else handle.pread
+        kfuture = call(target, nbytes, offset, task_size=self.config.task_size or KVIKIO_TASK_SIZE)
+        return kfuture.get
+
+    def _finish(
+        self, path: str, handle: Any, wait_io: Callable[[], Any] | None, fsync: bool
+    ) -> IOFuture:
         future = IOFuture(path)
         start = time.perf_counter()
 
         def wait() -> None:
             try:
-                nbytes = int(kfuture.get()) if kfuture is not None else 0
+                nbytes = int(wait_io()) if wait_io is not None else 0
                 if fsync:
                     os.fsync(handle.fileno())
                 handle.close()
@@ -687,15 +718,12 @@ class KvikioBackend(_PooledBackend):
         if size < offset + nbytes:
             raise short_file_error(p, size, offset + nbytes)
         handle = self._kvikio.CuFile(p, "r")
-        kfuture = None
-        if nbytes:
-            kfuture = handle.pread(
-                self._target(dst, nbytes),
-                nbytes,
-                offset,
-                task_size=self.config.task_size or KVIKIO_TASK_SIZE,
-            )
-        return self._finish(p, handle, kfuture, fsync=False)
+        try:
+            wait_io = self._issue(handle, dst, nbytes, offset, write=False) if nbytes else None
+        except BaseException:
+            handle.close()
+            raise
+        return self._finish(p, handle, wait_io, fsync=False)
 
     def write_async(
         self,
@@ -712,12 +740,9 @@ class KvikioBackend(_PooledBackend):
         if keep:
             os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o644))
         handle = self._kvikio.CuFile(p, "r+" if keep else "w")
-        kfuture = None
-        if nbytes:
-            kfuture = handle.pwrite(
-                self._target(src, nbytes),
-                nbytes,
-                offset,
-                task_size=self.config.task_size or KVIKIO_TASK_SIZE,
-            )
-        return self._finish(p, handle, kfuture, fsync=fsync)
+        try:
+            wait_io = self._issue(handle, src, nbytes, offset, write=True) if nbytes else None
+        except BaseException:
+            handle.close()
+            raise
+        return self._finish(p, handle, wait_io, fsync=fsync)

@@ -59,11 +59,9 @@ Events = tuple[CopyEvent, ...]
 """Events a copy must wait for (empty on the CPU, except under the double)."""
 
 MAX_PENDING_TIMINGS = 256
-"""Timing records (a copy's start and end events) that may wait to be read at once;
-beyond, the oldest records of each stream are merged pairwise into spans (from the first
-one's start to the second one's end, their bytes and copies summed) until half as many
-remain. Nothing waits for a copy: the thread issuing one (the autograd thread copying a
-gradient) never blocks on the copies queued before it."""
+"""Timing records (a copy's start and end events) that may wait to be read at once; beyond,
+the oldest of each stream merge pairwise into spans (first start to second end, bytes and
+copies summed) until half as many remain. The issuing thread never waits for a copy."""
 Work = Callable[[Events], "CopyEvent | None"]
 """A transfer to run after the given events; returns the event of its last copy (CUDA)."""
 
@@ -344,6 +342,10 @@ class Transfers:
         self._urgent_pool.shutdown(wait=True)
         self._memory_pool.shutdown(wait=True)
 
+    def _side_stream(self, buf: torch.Tensor, link: Link) -> contextlib.AbstractContextManager[Any]:
+        """``link``'s side stream as the current one for a file transfer to CUDA ``buf``."""
+        return torch.cuda.stream(self.streams[link]) if buf.is_cuda else contextlib.nullcontext()
+
     def _direct(self, buf: torch.Tensor) -> bool:
         """Whether an NVMe transfer can use ``buf`` (an aligned slot) without staging."""
         return not self._stage_all and (not buf.is_cuda or self._direct_device)
@@ -363,7 +365,8 @@ class Transfers:
             return self._external_read(rec, dst[:nbytes], tier, after)
         if self._direct(dst):
             settled_all(after)
-            self._nvme_read(rec, dst, tier, 0, nbytes)
+            with self._side_stream(dst, Link.HOST_TO_DEVICE):  # not the compute's stream
+                self._nvme_read(rec, dst, tier, 0, nbytes)
             return None
         return self._staged_read(rec, dst[:nbytes], tier, after)
 
@@ -391,7 +394,8 @@ class Transfers:
             settled_all(after)
             assert self.nvme is not None
             with self.meters[_link(tier, Tier.NVME)].timing(nbytes):
-                self.nvme.write_async(rec.spec.name, raw).wait()
+                with self._side_stream(raw, Link.DEVICE_TO_HOST):
+                    self.nvme.write_async(rec.spec.name, raw).wait()
         else:
             self._staged_write(rec, data, tier, after)
         rec.written = True
