@@ -24,6 +24,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.bounds import check_int, check_number
+from bb_lightning.causal_loss import auto_chunk_tokens, causal_lm_loss
 from bb_lightning.converted import ConvertedStore, converted_store, load_converted, store_config
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.hf_quirks import resolve_model
@@ -98,6 +99,7 @@ def check_module_settings(
     top_p: float,
     seed: int,
     stop_strings: list[str] | None,
+    loss_chunk_tokens: int | None = None,
 ) -> None:
     """Refuse :class:`CausalLMModule` settings out of range, one line naming the value."""
     check_number("learning_rate", learning_rate, low=0.0, what="peak AdamW step size",
@@ -126,6 +128,9 @@ def check_module_settings(
                  what="nucleus probability mass; 1: all", example=0.9)  # fmt: skip
     check_int("seed", seed, low=0, high=2**63 - 1, what="seed of initial weights and sampling",
               example=0)  # fmt: skip
+    check_int("loss_chunk_tokens", loss_chunk_tokens, low=0, example=1024,
+              what="tokens whose logits the loss holds at once; 0: the whole pass",
+              none="a chunk chosen from the vocabulary")  # fmt: skip
     for text in stop_strings or []:
         if not isinstance(text, str) or not text:
             raise ValueError(
@@ -177,6 +182,7 @@ class CausalLMModule(pl.LightningModule):
         tokenizer: str | None = None,
         stop_strings: list[str] | None = None,
         lora: dict[str, Any] | None = None,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         """Configure the module; the network is built in :meth:`configure_model`.
 
@@ -198,12 +204,19 @@ class CausalLMModule(pl.LightningModule):
                 ``dropout``, ``target_modules``, ``modules_to_save``
                 (see :class:`~bb_lightning.lora.LoraOptions`;
                 needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
+            loss_chunk_tokens: tokens whose logits the training loss holds at once: the
+                head and the cross-entropy run over chunks of that many positions, each
+                recomputed in backward (:func:`~bb_lightning.causal_loss.causal_lm_loss`);
+                None: as many as keep one chunk's fp32 logits and their gradients within
+                1 GiB (697 tokens at a 128k vocabulary); 0: the whole pass at once,
+                through the model's own ``labels`` loss.
         """
         super().__init__()
         check_module_settings(
             learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
             warmup_steps=warmup_steps, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, stop_strings=stop_strings,
+            loss_chunk_tokens=loss_chunk_tokens,
         )  # fmt: skip
         if stop_strings and tokenizer is None:
             raise ValueError(
@@ -235,6 +248,15 @@ class CausalLMModule(pl.LightningModule):
     def model_config(self) -> PretrainedConfig:
         """The Hugging Face configuration of the network (available before it is built)."""
         return self._config
+
+    @property
+    def loss_chunk_tokens(self) -> int | None:
+        """Tokens per chunk of the training loss's head and cross-entropy, or None when the
+        loss runs whole (``loss_chunk_tokens=0``): what a planner prices the loss's logits at."""
+        chunk = self.hparams.get("loss_chunk_tokens")
+        if chunk is None:
+            return auto_chunk_tokens(int(self._config.get_text_config().vocab_size))
+        return int(chunk) or None
 
     def adamw_config(self) -> AdamWConfig:
         """The AdamW hyperparameters, for an optimizer that runs outside ``configure_optimizers``."""
@@ -307,13 +329,16 @@ class CausalLMModule(pl.LightningModule):
         return self.model
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        """Mean next-token cross-entropy of the batch (nats per predicted token)."""
+        """Mean next-token cross-entropy of the batch (nats per predicted token), the head and
+        the loss in chunks of :attr:`loss_chunk_tokens` positions (transformers' loss and
+        gradients either way)."""
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
-        out = self._net()(
-            input_ids=input_ids, attention_mask=batch.get("attention_mask"), labels=labels
-        )
-        return out.loss
+        mask = batch.get("attention_mask")
+        chunk = self.loss_chunk_tokens
+        if chunk is None:
+            return self._net()(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        return causal_lm_loss(self._net(), input_ids, mask, labels, chunk)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self(batch)

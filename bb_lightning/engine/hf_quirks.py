@@ -27,6 +27,9 @@ nowhere else:
   :func:`activation_checkpointing` (the attribute moved in transformers 5), turned off
   and on again around a ``trainer.*`` call by :func:`activation_checkpointing_off` /
   :func:`activation_checkpointing_on`;
+* **the head** — :func:`head_logits_of` (what a family does to the head's output before
+  the loss: Gemma's soft cap, Cohere's scale, Granite's divisor) and
+  :func:`unchunked_head` (a head transform the chunked loss does not reproduce);
 * **captured outputs** — :class:`CapturedOutputs` and :func:`recording`: the tensors
   transformers' output capture records from inside a block (``output_router_logits`` for
   an MoE's auxiliary loss, ``output_attentions``), which a block recomputed in backward
@@ -81,6 +84,7 @@ __all__ = [
     "config_int",
     "config_value",
     "forward_options",
+    "head_logits_of",
     "model_context",
     "no_pad_token",
     "read_config",
@@ -88,6 +92,7 @@ __all__ = [
     "recording",
     "resolve_model",
     "static_cache_limit",
+    "unchunked_head",
     "unread_outputs_off",
 ]
 
@@ -512,3 +517,43 @@ def recording(layout: dict[str, Any] | None) -> Iterator[CapturedOutputs]:
         yield CapturedOutputs(fresh)
     finally:
         _active_collector.reset(token)
+
+
+HEAD_TRANSFORMS_UNCHUNKED = ("logits_soft_cap", "output_multiplier", "final_logits_bias")
+"""Config attributes of head transforms :func:`head_logits_of` does not reproduce (Recurrent
+Gemma's cap, a multiplier before the cap, a bias added to the logits): such a model's loss
+runs whole, through its own forward."""
+
+
+def _text_config(config: Any) -> Any:
+    """The text part of ``config`` (its own ``get_text_config()`` where it has one)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def head_logits_of(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    """What the family's causal-LM forward does to the head's output before the loss, as
+    transformers does it: ``logits * logit_scale`` (Cohere), ``logits / logits_scaling``
+    (Granite), then ``tanh(logits / cap) * cap`` for ``final_logit_softcapping`` (Gemma 2,
+    3, 3n); the logits unchanged for every other family."""
+    text = _text_config(config)
+    scale = getattr(text, "logit_scale", None)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        logits = logits * scale
+    divisor = getattr(text, "logits_scaling", None)
+    if isinstance(divisor, (int, float)) and not isinstance(divisor, bool):
+        logits = logits / divisor
+    cap = getattr(text, "final_logit_softcapping", None)
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def unchunked_head(config: Any) -> str | None:
+    """The config attribute of a head transform :func:`head_logits_of` does not reproduce
+    (:data:`HEAD_TRANSFORMS_UNCHUNKED`), or None when the loss may run in chunks."""
+    text = _text_config(config)
+    for name in HEAD_TRANSFORMS_UNCHUNKED:
+        if getattr(text, name, None) is not None or getattr(config, name, None) is not None:
+            return name
+    return None
