@@ -9,15 +9,24 @@ than with single-threaded copy threads.
 
 :func:`single_threaded` is a ``ThreadPoolExecutor`` initializer that gives the
 new thread one intra-op thread and leaves every other thread's count as it was.
+
+On a CUDA device the training thread launches kernels and needs a core of its own; a
+worker with the whole intra-op pool (every core of the machine, in every rank of the
+node) competes with it, and with 8 ranks per node forms 8 teams of all the cores.
+:func:`worker_threads` gives such a worker this rank's share of the cores less one.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
-__all__ = ["limit_torch_threads", "single_threaded"]
+__all__ = ["LOCAL_RANKS_ENV", "limit_torch_threads", "single_threaded", "worker_threads"]
+
+LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"
+"""Environment variable giving the ranks on this node (torchrun sets it)."""
 
 _default_lock = threading.Lock()
 """Held while a thread has the process default changed: a pool starting several threads
@@ -47,3 +56,26 @@ def limit_torch_threads(threads: int) -> None:
 def single_threaded() -> None:
     """``ThreadPoolExecutor`` initializer: the pool's threads run torch ops on one thread."""
     limit_torch_threads(1)
+
+
+def worker_threads(
+    device_type: str, *, cores: int | None = None, ranks_per_node: int | None = None
+) -> int:
+    """Intra-op threads for a worker thread beside the compute of a ``device_type`` device.
+
+    ``"cpu"``: 1 (the compute's team holds every core). ``"cuda"``: this rank's share of
+    ``cores`` (None: the cores this process may run on) over ``ranks_per_node`` (None:
+    :data:`LOCAL_RANKS_ENV`, else 1), less one for the thread launching kernels; at least 1.
+    """
+    if device_type != "cuda":
+        return 1
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if ranks_per_node is None:
+        text = os.environ.get(LOCAL_RANKS_ENV, "").strip()
+        ranks_per_node = int(text) if text.isdigit() and int(text) > 0 else 1
+    if cores < 1 or ranks_per_node < 1:
+        raise ValueError(
+            f"cores={cores} and ranks_per_node={ranks_per_node} must be >= 1: pass counts"
+        )
+    return max(1, cores // ranks_per_node - 1)

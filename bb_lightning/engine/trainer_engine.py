@@ -102,6 +102,7 @@ from bb_lightning.placement import (
     training_manifest,
 )
 from storage.store import Ticket, TieredStore
+from storage.threads import worker_threads
 from storage.tiers import Tier
 
 __all__ = [
@@ -408,11 +409,12 @@ class TrainingEngine:
             for p in self.resident_params:
                 p.data = p.data.to(device, compute_dtype)
         buffers_to(model, device, compute_dtype)
-        # on a CPU device a worker runs beside the compute's thread team: one thread
+        # beside a CPU device's thread team: one thread; beside CUDA compute: this rank's
+        # share of the cores less the kernel-launching thread's (storage/threads.py)
         self.grads = GradSink(
             self.timer,
             store=store,
-            threads=1 if store.device.type == "cpu" else None,
+            threads=worker_threads(store.device.type),
             inline=self._inline_grads(placement),
         )
         self.paged = PagedBlocks(blocks, self.pager, self.grads)
