@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.timing import StepTimes
-from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.planner import MeasuredTimes, Plan, adapt, plan_differs
 from bb_lightning.world import Reducer, slowest_times
 from storage.tiers import Link, Tier

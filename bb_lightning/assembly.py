@@ -24,25 +24,21 @@ from torch import Tensor, nn
 
 from bb_lightning.converted import ConvertedStore, StoreCheckpoint
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.inference import (
-    InferenceEngine,
-    PieceSource,
-    external_blocks,
-    weights_budgets,
-)
-from bb_lightning.engine.pager import Placement, torch_dtype
-from bb_lightning.engine.shard import ShardComm
-from bb_lightning.engine.trainer_engine import (
-    ParamLoader,
-    TrainingEngine,
+from bb_lightning.engine.budgets import (
     check_budgets,
     param_counts,
     required_budgets,
     shard_counts,
+    weights_budgets,
 )
+from bb_lightning.engine.flat import ParamLoader, torch_dtype
+from bb_lightning.engine.inference import InferenceEngine, PieceSource, external_blocks
+from bb_lightning.engine.shard import ShardComm
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from bb_lightning.planner import Plan
 from bb_lightning.session import hf_model
 from bb_lightning.structure import check_block_calls

@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
+from bb_lightning.engine.flat import buffers_to, set_data
 from bb_lightning.engine.inference import InferenceEngine
-from bb_lightning.engine.pager import buffers_to, set_data
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from storage.store import TieredStore
 from storage.tiers import Tier

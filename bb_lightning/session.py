@@ -4,7 +4,7 @@
 Trainer, its datamodule and the module, into a :class:`TrainerJob`; a
 :class:`PlanningSession` (the strategy's planning settings) turns it into the
 :class:`~bb_lightning.planner.Plan` and the
-:class:`~bb_lightning.engine.pager.Placement` the engine executes
+:class:`~bb_lightning.placement.Placement` the engine executes
 (:meth:`PlanningSession.place`).
 
 Fit: the session profiles the model (on the meta device when it was built there), takes
@@ -43,8 +43,9 @@ from typing_extensions import Protocol, runtime_checkable
 
 from bb_lightning import world
 from bb_lightning.bounds import check_int
-from bb_lightning.engine.pager import Placement, dtype_name
+from bb_lightning.engine.flat import dtype_name
 from bb_lightning.engine.trainer_engine import ClipConfig
+from bb_lightning.placement import Placement
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,

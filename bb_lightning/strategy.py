@@ -42,12 +42,13 @@ from typing_extensions import override
 from bb_lightning import assembly, session, world
 from bb_lightning.adapt import AdaptController
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.flat import dtype_name
 from bb_lightning.engine.hf_quirks import activation_checkpointing_off, activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine
-from bb_lightning.engine.pager import Placement, dtype_name
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_groups_from_optimizer
 from bb_lightning.handback import budget_room, handback_dtype
+from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
 from bb_lightning.register import STRATEGY_NAME, add_to
 from bb_lightning.session import ComputeDtype, clip_config

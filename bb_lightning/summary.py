@@ -8,7 +8,7 @@ summary, counting ``p.numel()``, sees only the embedding, final norm and head.
 :func:`use_paged_summary` swaps Lightning's default summary callbacks for ones that use it
 (as Lightning's own summary callback does for DeepSpeed's sharded parameters).
 
-:func:`describe_placement` says a :class:`~bb_lightning.engine.pager.Placement` in one
+:func:`describe_placement` says a :class:`~bb_lightning.placement.Placement` in one
 line of words. :class:`BalanceBeamProgressBar` is Lightning's rich progress bar with the
 number of epochs a ``max_steps`` run spans (Lightning prints ``Epoch 0/-2`` there) and the
 generated tokens/s while predicting.
@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBar
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 __all__ = [

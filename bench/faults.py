@@ -61,8 +61,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 SEQ = 32

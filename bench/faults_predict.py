@@ -29,8 +29,8 @@ import torch
 from _kill import LAYERS, checked, die, failed, in_child
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 PROMPTS = 40

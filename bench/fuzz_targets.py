@@ -133,8 +133,9 @@ def seed_checkpoint(root: Path) -> Path:
     if (out / "meta.json").is_file():
         return out
     from bb_lightning.engine import checkpoint as ckpt
-    from bb_lightning.engine.pager import Placement
-    from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+    from bb_lightning.engine.budgets import required_budgets
+    from bb_lightning.engine.trainer_engine import TrainingEngine
+    from bb_lightning.placement import Placement
     from storage.io import IOConfig
     from storage.store import StoreConfig, TieredStore
     from storage.tiers import Tier

@@ -195,9 +195,10 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     from accelerate import dispatch_model, infer_auto_device_map
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from bb_lightning.engine.budgets import weights_budgets
+    from bb_lightning.engine.flat import dtype_name, set_data
     from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
-    from bb_lightning.engine.inference import InferenceEngine, weights_budgets
-    from bb_lightning.engine.pager import dtype_name, set_data
+    from bb_lightning.engine.inference import InferenceEngine
     from bb_lightning.planner import PredictJob, make_plan
     from bb_lightning.probe import measure, model_profile_from_module
     from bb_lightning.structure import find_block_list

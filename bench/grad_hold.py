@@ -33,8 +33,9 @@ import _common
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.placement import Placement
 from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore

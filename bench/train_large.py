@@ -41,10 +41,10 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from bb_lightning.structure import find_block_list
 from storage.io import padded
 from storage.store import StoreConfig

@@ -65,8 +65,8 @@ import torch
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.inference import keep_host_allocations
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from bb_lightning.planner import (
     FitJob,
     HardwareProfile,

@@ -33,8 +33,8 @@ FIT_ONE_STEP = textwrap.dedent(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import bb_lightning
-    from bb_lightning.engine.pager import Placement
     from bb_lightning.module import CausalLMModule
+    from bb_lightning.placement import Placement
     from storage.tiers import Tier
 
     cfg = AutoConfig.for_model(

@@ -47,8 +47,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.engine.flat_state import FlatState
+from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.hf_quirks import CACHE_KWARGS, CapturedOutputs, recording
-from bb_lightning.engine.pager import BlockPager, FlatState, GradSink
+from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.rows import call_in_row_chunks
 
 __all__ = ["PagedBlocks"]

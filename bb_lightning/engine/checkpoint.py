@@ -52,7 +52,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from bb_lightning.engine import trainer_state as state_files
-from bb_lightning.engine.trainer_engine import STATE_KINDS, StateKind, TrainingEngine
+from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.placement import STATE_KINDS, StateKind
 from storage.checksum import CHECKSUM_BYTES, crc32c, decode, encode
 from storage.io import aligned_empty, open_backend, padded
 from storage.nvme import (

@@ -26,34 +26,29 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.blocks import PagedBlocks
-from bb_lightning.engine.pager import (
-    BlockPager,
-    GradSink,
-    Placement,
+from bb_lightning.engine.flat import (
+    ParamLoader,
     block_params,
     buffers_to,
     flat_from,
     set_data,
-    store_budgets,
     torch_dtype,
 )
+from bb_lightning.engine.grad_sink import GradSink
+from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.timing import PhaseTimer
-from bb_lightning.placement import ModelSizes, weights_manifest
-from storage.device import slot_bytes
+from bb_lightning.placement import ModelSizes, Placement, weights_manifest
 from storage.external import FilePiece
 from storage.store import TieredStore
 from storage.tiers import Tier
 
-__all__ = ["InferenceEngine", "external_blocks", "keep_host_allocations", "weights_budgets"]
-
-ParamLoader = Callable[[Tensor], Tensor]
-"""A (meta) parameter -> its value as a CPU tensor, read from a checkpoint."""
+__all__ = ["InferenceEngine", "external_blocks", "keep_host_allocations"]
 
 PieceSource = Callable[[Tensor], FilePiece | None]
 """A (meta) parameter -> the file piece holding its bytes in the compute dtype, read-only
@@ -89,21 +84,6 @@ def keep_host_allocations(max_bytes: int = 1 << 30) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_MMAP_THRESHOLD, max_bytes)) & bool(mallopt(_M_TRIM_THRESHOLD, max_bytes))
-
-
-def weights_budgets(
-    block_numels: Sequence[int], placement: Placement, external: Collection[int] = ()
-) -> dict[Tier, int]:
-    """Bytes each tier needs to page these blocks' weights (no optimizer state):
-    :func:`~bb_lightning.engine.pager.store_budgets` of the
-    :func:`~bb_lightning.placement.weights_manifest` (each block's compute-dtype weights,
-    padded like the arenas, on their home; plus the device's paging slots). The blocks
-    ``external`` (NVMe-homed, read in place from files the run does not own) need no
-    bytes on NVMe."""
-    manifest = weights_manifest(ModelSizes(blocks=tuple(block_numels)), placement)
-    need = store_budgets(manifest, placement)
-    need[Tier.NVME] -= sum(slot_bytes(t.nbytes) for t in manifest if t.block in external)
-    return need
 
 
 def external_blocks(

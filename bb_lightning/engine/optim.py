@@ -34,7 +34,6 @@ __all__ = [
     "HostAdamW",
     "clip_coefficient",
     "copy_bf16_",
-    "flat_views",
     "global_grad_norm",
 ]
 
@@ -267,37 +266,7 @@ def _check_buffers(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Te
         if t.device != master.device:
             raise ValueError(f"{name} is on {t.device} but master is on {master.device}")
         if not t.is_contiguous():
-            raise ValueError(f"{name} is not contiguous: pass flat buffers (see flat_views)")
-
-
-def flat_views(flat: Tensor, shapes: Sequence[Sequence[int] | torch.Size]) -> list[Tensor]:
-    """Views of consecutive slices of a 1-D buffer with the given shapes (no copy).
-
-    Args:
-        flat: contiguous 1-D tensor holding at least ``sum(prod(shape))`` elements.
-        shapes: shapes of the tensors laid end to end in ``flat``.
-
-    Returns:
-        One view per shape, sharing storage with ``flat``.
-    """
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(
-            f"flat has shape {tuple(flat.shape)} (contiguous={flat.is_contiguous()}): "
-            "pass a contiguous 1-D buffer"
-        )
-    sizes = [math.prod(s) for s in shapes]
-    total = sum(sizes)
-    if total > flat.numel():
-        raise ValueError(
-            f"shapes need {total} elements but flat holds {flat.numel()}: "
-            "allocate the buffer with the sum of the tensors' numel"
-        )
-    views = []
-    offset = 0
-    for shape, size in zip(shapes, sizes, strict=True):
-        views.append(flat[offset : offset + size].view(tuple(shape)))
-        offset += size
-    return views
+            raise ValueError(f"{name} is not contiguous: pass flat buffers (see flat.flat_views)")
 
 
 def copy_bf16_(dst_bf16: Tensor, master_fp32: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 __all__ = ["planned_autograd_blocks"]

@@ -6,7 +6,7 @@ weights and AdamW moments, homes per :class:`~bb_lightning.placement.Placement`)
 and keeps the other parameters (embedding, final norm, head) resident on the
 device with ordinary autograd, their fp32 master state in the store's host
 tier. Every gradient leaves the device into fp32 accumulators in the store, homed
-per ``Placement.grads`` (see :meth:`~bb_lightning.engine.pager.FlatState.accumulate`).
+per ``Placement.grads`` (see :meth:`~bb_lightning.engine.flat_state.FlatState.accumulate`).
 
 Frozen parameters (``requires_grad=False``, as the base weights under LoRA adapters)
 carry no optimizer state: in the blocks they are paged read-only from
@@ -64,6 +64,18 @@ import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine.blocks import PagedBlocks
+from bb_lightning.engine.budgets import model_sizes
+from bb_lightning.engine.flat import (
+    ParamLoader,
+    block_params,
+    buffers_to,
+    flat_from,
+    register_stored,
+    set_data,
+    torch_dtype,
+)
+from bb_lightning.engine.flat_state import FlatState
+from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.engine.optim import (
     AdamWConfig,
@@ -73,21 +85,9 @@ from bb_lightning.engine.optim import (
     clip_coefficient,
     global_grad_norm,
 )
-from bb_lightning.engine.pager import (
-    BlockPager,
-    FlatState,
-    GradSink,
-    Placement,
-    block_params,
-    buffers_to,
-    flat_from,
-    register_stored,
-    set_data,
-    store_budgets,
-    torch_dtype,
-)
+from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.recompute import planned_autograd_blocks
-from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
+from bb_lightning.engine.shard import ShardComm, digest
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
     RESIDENT_PREFIX,
@@ -95,7 +95,7 @@ from bb_lightning.placement import (
     SCRATCH_PREFIX,
     SCRATCH_SETS,
     STATE_KINDS,
-    ModelSizes,
+    Placement,
     StateKind,
     StoredTensor,
     read_ahead_name,
@@ -110,10 +110,6 @@ __all__ = [
     "EngineStateDict",
     "TrainingEngine",
     "adamw_groups_from_optimizer",
-    "check_budgets",
-    "param_counts",
-    "required_budgets",
-    "shard_counts",
 ]
 
 
@@ -174,86 +170,6 @@ def adamw_groups_from_optimizer(optimizer: torch.optim.Optimizer) -> AdamWGroups
         )
     params = tuple(tuple(g["params"]) for g in optimizer.param_groups)
     return AdamWGroups(configs=tuple(configs), params=params)
-
-
-def required_budgets(
-    block_numels: Sequence[int],
-    resident_numel: int,
-    placement: Placement,
-    frozen_numels: Sequence[int] | None = None,
-    *,
-    shards: int = 1,
-    shard_numels: Sequence[int] = (),
-    shard_rest: int = 0,
-) -> dict[Tier, int]:
-    """Bytes each tier needs for this placement: :func:`~bb_lightning.engine.pager.
-    store_budgets` of the :func:`~bb_lightning.placement.training_manifest` (every tensor
-    the engine stores, padded like the arenas, plus the device's paging slots).
-
-    ``block_numels`` and ``resident_numel`` count trainable parameters; ``frozen_numels``
-    (None: none) the frozen parameters of each block, which cost only their
-    compute-dtype weights on the weights' home and in the paging slots. ``shards`` is the
-    data-parallel world size: each rank stores one shard of the fp32 state, of
-    ``shard_numels`` elements per block and ``shard_rest`` outside (:func:`shard_counts`).
-    """
-    sizes = ModelSizes(
-        blocks=tuple(block_numels),
-        frozen=() if frozen_numels is None else tuple(frozen_numels),
-        rest=resident_numel,
-        shard_blocks=tuple(shard_numels) if shards > 1 else (),
-        shard_rest=shard_rest if shards > 1 else 0,
-    )
-    return store_budgets(training_manifest(sizes, placement, shards=shards), placement)
-
-
-def param_counts(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[int], int, list[int]]:
-    """Parameters (elements) as :func:`required_budgets` takes them: trainable ones per
-    block, trainable ones outside the blocks, frozen ones per block."""
-    lists = [[p for _, p in block_params(b)] for b in blocks]
-    in_blocks = {id(p) for ps in lists for p in ps}
-    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks and p.requires_grad)
-    trainable = [sum(p.numel() for p in ps if p.requires_grad) for ps in lists]
-    frozen = [sum(p.numel() for p in ps if not p.requires_grad) for ps in lists]
-    return trainable, rest, frozen
-
-
-def shard_counts(
-    model: nn.Module, blocks: Sequence[nn.Module], world_size: int
-) -> tuple[list[int], int]:
-    """Elements of one rank's shard of each block's trainable state, and of the trainable
-    parameters outside the blocks, over ``world_size`` ranks (padding included)."""
-    lists = [[p for _, p in block_params(b) if p.requires_grad] for b in blocks]
-    in_blocks = {id(p) for b in blocks for _, p in block_params(b)}
-    rest = [p for p in model.parameters() if id(p) not in in_blocks and p.requires_grad]
-    per_block = [ShardLayout([p.shape for p in ps], world_size).shard_numel for ps in lists]
-    return per_block, ShardLayout([p.shape for p in rest], world_size).shard_numel
-
-
-def reads_ahead(placement: Placement) -> bool:
-    """Whether the engine keeps read-ahead buffers: some optimizer state is off the host."""
-    return placement.reads_ahead
-
-
-def check_budgets(need: Mapping[Tier, int], have: Mapping[Tier, int]) -> None:
-    """Raise ``ValueError`` naming every tier whose budget (bytes) is below ``need``.
-
-    Called before the store opens, so a placement that cannot fit fails before any
-    tensor is written.
-    """
-    short = [t for t in Tier if need[t] > have[t]]
-    if short:
-        lines = ", ".join(
-            f"{t.value} budget {have[t]} bytes < {need[t]} bytes needed" for t in short
-        )
-        raise ValueError(
-            f"the store budgets are too small for this model and placement: {lines}: raise "
-            "those budgets in StoreConfig, or pass store=None to size them automatically, "
-            "or home more blocks on a larger tier"
-        )
-
-
-ParamLoader = Callable[[Tensor], Tensor]
-"""A (meta) parameter -> its value as a CPU tensor, read from a checkpoint."""
 
 
 @dataclass
@@ -363,17 +279,7 @@ class TrainingEngine:
         for p in self.frozen_params:
             value = p if loader is None or not p.is_meta else loader(p)
             set_data(p, value.detach().to(device, compute_dtype))
-        trainable, rest, frozen = param_counts(model, blocks)
-        shard_blocks, shard_rest = (
-            ([], 0) if comm is None else shard_counts(model, blocks, comm.world_size)
-        )
-        self.sizes = ModelSizes(
-            blocks=tuple(trainable),
-            frozen=tuple(frozen),
-            rest=rest,
-            shard_blocks=tuple(shard_blocks),
-            shard_rest=shard_rest,
-        )
+        self.sizes = model_sizes(model, blocks, 1 if comm is None else comm.world_size)
         """Elements of the parameters whose tensors the store holds."""
         self.manifest: tuple[StoredTensor, ...] = ()
         """Every tensor the engine stores for the placement in force (registered from it)."""
@@ -516,7 +422,7 @@ class TrainingEngine:
 
     def _ensure_ahead_sets(self, placement: Placement) -> None:
         """Register read-ahead sets up to ``placement.read_ahead`` when state is off the host."""
-        if not reads_ahead(placement):
+        if not placement.reads_ahead:
             return
         while self._ahead_sets < placement.read_ahead:
             self._free_ahead.append(self._ahead_set(self._ahead_sets, self._largest))
@@ -719,7 +625,7 @@ class TrainingEngine:
 
     def _inline_grads(self, placement: Placement) -> bool:
         """Whether the gradient work (sums, the overlapped step's block updates) runs on
-        the training thread (:class:`~bb_lightning.engine.pager.GradSink`, ``inline``): on
+        the training thread (:class:`~bb_lightning.engine.grad_sink.GradSink`, ``inline``): on
         a CPU device, whose cores the compute's team holds, unless a block's gradient sums
         are homed on NVMe (their reads and writes would then stall the compute instead of
         running beside it) or data parallelism reduces them (its collectives run on the

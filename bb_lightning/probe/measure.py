@@ -473,7 +473,7 @@ def _probe_adam(
 
     ``threads``: the intra-op threads the updates run on (a thread of their own is started
     for them); None: the calling thread's. The training engine steps a CPU device's blocks
-    on the compute's own thread and team (:class:`~bb_lightning.engine.pager.GradSink`,
+    on the compute's own thread and team (:class:`~bb_lightning.engine.grad_sink.GradSink`,
     ``inline``), so the probe takes the calling thread's: the fused kernel's rate grows
     with its threads, so one thread's rate would price the step too slow.
     """

@@ -31,8 +31,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 STEPS = 3

@@ -30,8 +30,8 @@ from bb_lightning.engine.checkpoint import (
     recover,
     verify_checkpoint,
 )
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
@@ -211,8 +211,8 @@ sys.path.insert(0, {tests!r})
 from conftest import make_trainer, loader, tiny_llama
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import checkpoint
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 out = Path({out!r})

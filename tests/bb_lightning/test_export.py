@@ -13,8 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.checkpoint import CheckpointError
-from bb_lightning.engine.pager import Placement
 from bb_lightning.export import export_hf
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 

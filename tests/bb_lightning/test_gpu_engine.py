@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from bb_lightning.planner import cost
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
@@ -235,7 +235,8 @@ def test_host_kv_generation_equals_device_kv_with_compaction(tmp_path: Path) -> 
 
 
 def test_page_in_waits_are_timed_on_the_device() -> None:
-    from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+    from bb_lightning.engine.budgets import required_budgets
+    from bb_lightning.engine.trainer_engine import TrainingEngine
     from storage.store import StoreConfig, TieredStore
 
     config = AutoConfig.for_model(**wide_llama(3))

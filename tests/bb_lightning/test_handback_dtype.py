@@ -12,9 +12,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
 from bb_lightning.handback import handback_dtype
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 STEPS, LR = 3, 1e-3

@@ -17,10 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
 from bb_lightning.hf_load import HFCheckpoint, empty_model
 from bb_lightning.lora import LoraOptions, wrap_lora
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME

@@ -165,8 +165,8 @@ def test_a_gpu_plan_run_on_the_cpu_recomputes_what_it_says(
 def test_a_plan_keeping_a_copied_block_bound_is_refused() -> None:
     """A CPU plan (HOST blocks used in place, not recomputed) on a GPU device, where HOST
     blocks are copied in and must be recomputed: refused naming the blocks and the fix."""
-    from bb_lightning.engine.pager import Placement
     from bb_lightning.engine.recompute import planned_autograd_blocks
+    from bb_lightning.placement import Placement
 
     cpu_plan = Placement(weights=(D, H, N), master=(H, H, H), recomputed=(2,))
     assert planned_autograd_blocks(cpu_plan, {D, H}) == {0, 1}

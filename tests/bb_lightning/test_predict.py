@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule, prompt_digest
-from bb_lightning.engine.pager import Placement
 from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from bb_lightning.planner import HardwareProfile, PredictJob
 from bb_lightning.strategy import BalanceBeamStrategy
 from bb_lightning.tokenizer import ByteTokenizer

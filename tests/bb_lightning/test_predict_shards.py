@@ -19,8 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from bb_lightning.strategy import BalanceBeamStrategy
 from bb_lightning.writer import (
     JsonlPredictionWriter,

@@ -35,8 +35,8 @@ from bb_lightning.engine.checkpoint import (
     read_trainer_state,
     verify_checkpoint,
 )
-from bb_lightning.engine.pager import Placement
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.fault_injection import Fault, inject
 from storage.nvme import NvmeIOError
 from storage.tiers import Tier

@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import bb_lightning
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import BlockPager, Placement
+from bb_lightning.engine.pager import BlockPager
+from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, PlanOverrides
 from storage.store import StoreConfig
 from storage.tiers import Tier

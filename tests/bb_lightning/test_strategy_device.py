@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 STEPS = 2

@@ -17,9 +17,10 @@ from lightning.pytorch.loggers import CSVLogger
 from transformers import LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import FlatState, Placement
+from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.trainer_engine import EngineStateDict, TrainingEngine
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from bb_lightning.planner import PlanOverrides
 from storage.store import StoreConfig
 from storage.tiers import Tier

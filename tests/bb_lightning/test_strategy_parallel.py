@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from bb_lightning.strategy import check_start_method
 from storage.tiers import Tier
 

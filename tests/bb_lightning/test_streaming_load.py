@@ -15,9 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
 from bb_lightning.hf_load import HFCheckpoint
 from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 from .families import saved

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from bb_lightning.engine.pager import BlockPager, GradSink, Placement
-from bb_lightning.placement import ModelSizes, weights_manifest
+from bb_lightning.engine.grad_sink import GradSink
+from bb_lightning.engine.pager import BlockPager
+from bb_lightning.placement import ModelSizes, Placement, weights_manifest
 from bb_lightning.trace import COMPUTE, TraceRecorder, install_trace
 from storage import StoreConfig, Tier, TieredStore, TransferKind
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from bb_lightning.planner import HardwareProfile
 from storage.tiers import Tier
 

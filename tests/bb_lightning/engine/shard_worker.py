@@ -20,16 +20,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # run as a script: the tiny mode
 from tiny import LAYERS, tiny_llama
 
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.budgets import required_budgets, shard_counts
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import (
     ClipConfig,
     TrainingEngine,
     adamw_groups_from_optimizer,
-    required_budgets,
-    shard_counts,
 )
+from bb_lightning.placement import Placement
 from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from bb_lightning.engine.pager import Placement, register_stored
-from bb_lightning.engine.trainer_engine import required_budgets
-from bb_lightning.placement import ModelSizes, training_manifest
+from bb_lightning.engine.budgets import required_budgets
+from bb_lightning.engine.flat import register_stored
+from bb_lightning.placement import ModelSizes, Placement, training_manifest
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 

@@ -13,11 +13,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import ClipConfig, required_budgets
+from bb_lightning.engine.trainer_engine import ClipConfig
+from bb_lightning.placement import Placement
 from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from bb_lightning.engine.pager import GradSink
+from bb_lightning.engine.grad_sink import GradSink
 from storage.store import StoreConfig, TieredStore
 
 MiB = 1 << 20

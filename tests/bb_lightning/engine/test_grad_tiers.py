@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.engine.pager import Placement
-from bb_lightning.engine.trainer_engine import ClipConfig, required_budgets
+from bb_lightning.engine.trainer_engine import ClipConfig
+from bb_lightning.placement import Placement
 from storage.io import IOConfig
 from storage.nvme import NvmeTier
 from storage.store import StoreConfig, Ticket, TieredStore

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning.engine.inference import InferenceEngine
-from bb_lightning.engine.pager import Placement
 from bb_lightning.placement import (
     ModelSizes,
+    Placement,
     StoredTensor,
     manifest_bytes,
     training_manifest,

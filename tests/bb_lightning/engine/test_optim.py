@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from bb_lightning.engine.flat import flat_views
 from bb_lightning.engine.optim import (
     AdamWConfig,
     HostAdamW,
     clip_coefficient,
     copy_bf16_,
-    flat_views,
     global_grad_norm,
 )
 

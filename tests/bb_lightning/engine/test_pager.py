@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from bb_lightning.engine.pager import CONVERT_CHUNK, Placement, add_converted
-from bb_lightning.engine.trainer_engine import TrainingEngine, required_budgets
+from bb_lightning.engine.budgets import required_budgets
+from bb_lightning.engine.grad_sink import CONVERT_CHUNK, add_converted
+from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.placement import Placement
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Residency, Tier
 

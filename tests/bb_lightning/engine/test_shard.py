@@ -21,9 +21,9 @@ import pytest
 import torch
 import zarr
 
+from bb_lightning.engine.budgets import required_budgets, shard_counts
 from bb_lightning.engine.checkpoint import verify_checkpoint
 from bb_lightning.engine.shard import ShardComm, ShardLayout
-from bb_lightning.engine.trainer_engine import required_budgets, shard_counts
 from storage.tiers import Tier
 
 from .shard_worker import (

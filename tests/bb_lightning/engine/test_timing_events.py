@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bb_lightning.engine import timing
-from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.timing import PhaseTimer
+from bb_lightning.placement import Placement
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 

@@ -7,8 +7,8 @@ import dataclasses
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.engine.pager import Placement
 from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.placement import Placement
 from storage.store import TieredStore
 
 LAYERS = 3

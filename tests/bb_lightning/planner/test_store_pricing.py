@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from bb_lightning.engine.inference import weights_budgets
-from bb_lightning.engine.trainer_engine import required_budgets
+from bb_lightning.engine.budgets import required_budgets, weights_budgets
 from bb_lightning.planner import FitJob, Plan, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.planner.profile import ModelProfile

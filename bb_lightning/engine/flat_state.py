@@ -1,0 +1,245 @@
+"""fp32 master weights, AdamW moments and gradient sums of one block, in the store.
+
+A :class:`FlatState` holds, each as one flat 1-D tensor laid out like its parameters,
+``<name>.master``, ``.exp_avg``, ``.exp_avg_sq`` (homes: ``Placement.master``) and the
+fp32 gradient accumulator ``<name>.grad`` (home: ``Placement.grads``), summed over the
+micro-batches of an accumulation window. On HOST it is summed in place; elsewhere it is
+read into a scratch buffer, summed and written back, and only when the sum must outlive
+the backward pass (see :meth:`FlatState.accumulate`). Under data parallelism each holds
+this rank's shard (:mod:`bb_lightning.engine.shard`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from bb_lightning.engine.flat import flat_views, flatten_fp32, register_stored
+from bb_lightning.engine.grad_sink import sum_tiles
+from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
+from bb_lightning.placement import StoredTensor
+from storage.store import TieredStore
+from storage.tiers import Tier
+
+__all__ = ["FlatState"]
+
+
+class FlatState:
+    """fp32 master weights, AdamW moments and gradient accumulator, in the store.
+
+    ``params`` are laid end to end in one flat buffer of ``numel`` elements.
+    The master weights are initialised from ``initial`` (flat fp32) when given,
+    else from the parameters' current values (which may then not be on the meta device).
+    Its four tensors (``<name>.master``, ``.exp_avg``, ``.exp_avg_sq``, ``.grad``) are
+    registered as the ``manifest`` entries of those names say (homes, sizes, dtypes).
+
+    With ``comm`` (data parallelism, :mod:`bb_lightning.engine.shard`) the four hold this
+    rank's shard only: :attr:`numel` is the shard's elements, :attr:`full_numel` the
+    parameters'; :meth:`accumulate` reduce-scatters the gradients first, and
+    :meth:`gather` gives the whole flat state from every rank's shard.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        name: str,
+        params: Sequence[Tensor],
+        *,
+        manifest: Mapping[str, StoredTensor],
+        initial: Tensor | None = None,
+        comm: ShardComm | None = None,
+    ) -> None:
+        self.store = store
+        self.name = name
+        self.comm = comm
+        """The collectives of data parallelism (None: one process holds the whole state)."""
+        self.shapes = [tuple(p.shape) for p in params]
+        self.full_numel = sum(math.prod(s) for s in self.shapes)
+        """Elements of the parameters laid end to end."""
+        self.layout = None if comm is None else ShardLayout(self.shapes, comm.world_size)
+        """Where each parameter's rows lie in a shard (None without ``comm``)."""
+        self.numel = self.full_numel if self.layout is None else self.layout.shard_numel
+        """Elements of each stored tensor (this rank's shard under ``comm``)."""
+        master = initial if initial is not None else flatten_fp32(params)
+        if master.shape != (self.full_numel,) or master.dtype != torch.float32:
+            raise ValueError(
+                f"initial values of {name!r} have shape {tuple(master.shape)} and {master.dtype}; "
+                f"expected ({self.full_numel},) and torch.float32: lay the parameters end to end"
+            )
+        self.digest = digest(master) if comm is not None else None
+        """CRC-32C of the initial values under ``comm`` (checked equal on every rank)."""
+        if comm is not None:
+            master = self.local(master, torch.empty(self.numel, dtype=torch.float32))
+        zeros = torch.zeros(self.numel, dtype=torch.float32)
+        register_stored(store, manifest[self.master_name], master)
+        register_stored(store, manifest[f"{name}.exp_avg"], zeros)
+        register_stored(store, manifest[f"{name}.exp_avg_sq"], zeros)
+        register_stored(store, manifest[self.grad_name])
+        self.grad_pending = False
+        """Whether the accumulator holds gradients since the last :meth:`clear_grad`."""
+        self.held: list[Sequence[Tensor | None]] = []
+        """Gradients of earlier micro-batches kept as they came (:meth:`hold`), not yet
+        summed into the accumulator."""
+
+    @property
+    def grad_name(self) -> str:
+        """Store name of the flat fp32 gradient accumulator."""
+        return f"{self.name}.grad"
+
+    def accumulate(
+        self, grads: Sequence[Tensor | None], scratch: Tensor | None, *, persist: bool = True
+    ) -> Tensor:
+        """Add per-parameter gradients (any dtype, host) to the accumulator; the flat sum.
+
+        A HOST-home accumulator is summed in place (``scratch`` unused). Otherwise the
+        sum is formed in ``scratch`` (fp32, at least ``numel`` elements; the stored sum
+        is read first when one is pending) and, with ``persist``, written to its home
+        before returning (the gradient worker calls it; the training thread only where
+        nothing is homed on NVMe, see ``TrainingEngine._inline_grads``).
+        Without ``persist`` the sum lives only in ``scratch`` (the caller steps from it).
+        Gradients :meth:`hold` kept are summed first, in the order they came.
+        """
+        if self.comm is not None:  # this rank's shard of the mean over the ranks
+            assert self.layout is not None
+            reduced = self.comm.reduce_scatter(grads, self.layout)
+            return self._sum([[reduced]], [(self.numel,)], scratch, persist)
+        return self._sum([*self.held, grads], self.shapes, scratch, persist)
+
+    def hold(self, grads: Sequence[Tensor | None]) -> None:
+        """Keep ``grads`` (host tensors the caller no longer touches) to sum later.
+
+        Adding a micro-batch's gradient to an fp32 accumulator reads and writes the
+        accumulator each time (``compute bytes + 8`` per element); held gradients are
+        summed once, tile by tile, when the next :meth:`accumulate` or :meth:`gradient`
+        needs the sum (``compute bytes`` per element each, plus 4 for the sum), in the
+        same order and fp32 arithmetic, so the sum is the same. Each held micro-batch
+        keeps its gradients' memory until then. Not under ``comm``: the ranks reduce
+        every micro-batch's gradient.
+        """
+        if self.comm is not None:
+            raise ValueError(
+                f"{self.name!r} is sharded over {self.comm.world_size} ranks: its gradients "
+                "are reduce-scattered as they come; call accumulate"
+            )
+        self.held.append(grads)
+
+    def _sum(
+        self,
+        batches: Sequence[Sequence[Tensor | None]],
+        shapes: Sequence[tuple[int, ...]],
+        scratch: Tensor | None,
+        persist: bool,
+    ) -> Tensor:
+        """The accumulator plus ``batches`` (each one gradient per view), stored as
+        :meth:`accumulate` says; forgets the held gradients."""
+        first = not self.grad_pending
+        if self.store.home(self.grad_name) is Tier.HOST:
+            flat = self.store.host_view(self.grad_name)
+            persist = False
+        else:
+            if scratch is None or scratch.numel() < self.numel:
+                raise ValueError(
+                    f"{self.grad_name!r} is homed on {self.store.home(self.grad_name).value}: "
+                    f"pass an fp32 scratch buffer of at least {self.numel} elements"
+                )
+            flat = scratch[: self.numel]
+            if not first:
+                self.store.read(self.grad_name, out=flat)
+        # nothing to add to: the first gradients are copied in (absent ones as zeros)
+        sum_tiles(flat_views(flat, shapes), batches, into=not first)
+        self.held = []
+        self.grad_pending = True
+        if persist:
+            self.store.write(self.grad_name, flat)
+        return flat
+
+    def gradient(self, scratch: Tensor | None = None) -> Tensor:
+        """The accumulated gradient (zeros when none is pending), flat fp32 on the host.
+
+        A HOST-home accumulator is returned as a view of its home (no copy), the held
+        gradients summed into it; another is read into ``scratch`` (a new tensor when
+        None) and the held gradients are added there, still held (nothing is written).
+        """
+        if self.store.home(self.grad_name) is Tier.HOST:
+            if self.held:
+                return self._sum(self.held, self.shapes, None, False)
+            flat = self.store.host_view(self.grad_name)
+            return flat if self.grad_pending else flat.zero_()
+        out = torch.empty(self.numel) if scratch is None else scratch[: self.numel]
+        if self.held:
+            if self.grad_pending:
+                self.store.read(self.grad_name, out=out)
+            sum_tiles(flat_views(out, self.shapes), self.held, into=self.grad_pending)
+            return out
+        if self.grad_pending:
+            return self.store.read(self.grad_name, out=out)
+        return out.zero_()
+
+    def clear_grad(self) -> None:
+        """Forget the accumulated and held gradients (after the optimizer step); nothing
+        is written."""
+        self.grad_pending = False
+        self.held = []
+
+    @property
+    def master_name(self) -> str:
+        """Store name of the flat fp32 master weights."""
+        return f"{self.name}.master"
+
+    @property
+    def state_names(self) -> tuple[str, str, str]:
+        """Store names of master weights, first and second moment."""
+        return (self.master_name, f"{self.name}.exp_avg", f"{self.name}.exp_avg_sq")
+
+    def read_master(self, out: Tensor | None = None) -> Tensor:
+        """The fp32 master weights as a flat host tensor (into ``out`` when given)."""
+        return self.store.read(self.master_name, out=out)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """Where each parameter's elements lie in a stored tensor, ``(start, end)``: end to
+        end, or under ``comm`` its rows in this rank's shard (with their padding)."""
+        if self.layout is None:
+            ends = list(itertools.accumulate(math.prod(s) for s in self.shapes))
+            return list(zip([0, *ends], ends, strict=False))
+        return [(q.offset, q.offset + q.chunk * q.row) for q in self.layout.pieces]
+
+    def master_views(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views of a whole flat buffer laid out like this state (under
+        ``comm`` a shard must be gathered first: :meth:`gather`)."""
+        return flat_views(flat, self.shapes)
+
+    def gather(self, shard: Tensor, buf: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """The whole flat state (:attr:`full_numel` elements) from every rank's ``shard``.
+
+        Without ``comm`` that is ``shard`` itself. Under ``comm`` it is a collective:
+        every rank calls it for the same state in the same order; the shards arrive in
+        ``buf`` (at least ``world_size * numel`` elements of ``shard``'s dtype) and are
+        unpacked into ``out`` (at least ``full_numel``); None allocates either.
+        """
+        if self.comm is None:
+            return shard[: self.full_numel]
+        assert self.layout is not None
+        if buf is None:
+            buf = torch.empty(self.numel * self.comm.world_size, dtype=shard.dtype)
+        if out is None:
+            out = torch.empty(self.full_numel, dtype=shard.dtype)
+        gathered = self.comm.all_gather(shard[: self.numel], buf)
+        return self.layout.unpack(gathered, out)
+
+    def local(self, full: Tensor, out: Tensor) -> Tensor:
+        """This rank's shard of the whole flat ``full`` written into ``out`` (``numel``
+        elements, zero-padded); without ``comm`` that is ``full`` copied."""
+        if self.comm is None or self.layout is None:
+            return out[: self.numel].copy_(full[: self.numel])
+        return self.layout.take(full, self.comm.rank, out)
+
+    def move(self, home: Tier, grad_home: Tier | None = None) -> None:
+        """Change the home tier of the master weights and moments (they must be released)
+        and of the gradient accumulator (None: ``home``)."""
+        for name in self.state_names:
+            self.store.move(name, home)
+        self.store.move(self.grad_name, home if grad_home is None else grad_home)
