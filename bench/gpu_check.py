@@ -10,8 +10,9 @@ skipped, or a dry run's figures). ``--collect`` merges them into
 (kvikio, Lightning's FSDP, DeepSpeed) is skipped with the reason recorded.
 
 Usage: ``python bench/gpu_check.py OUTDIR --step NAME [--dry-run]``, ``--list``
-(``name seconds`` per step), ``--collect``. The NVMe directory is ``$BB_NVME_DIR``,
-else ``OUTDIR/nvme`` (put OUTDIR on the local NVMe).
+(``name seconds`` per step), ``--collect [--only a,b]``. The NVMe directory is
+``$BB_NVME_DIR`` (the driver makes a fresh one and removes it), else a folder under the
+system's temporary directory; never OUTDIR, whose files come back from the machine.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ class Ctx:
 
     @property
     def nvme(self) -> Path:
-        path = Path(os.environ.get("BB_NVME_DIR") or self.out / "nvme")
+        path = Path(os.environ.get("BB_NVME_DIR") or Path(tempfile.gettempdir()) / "bb-gpu-check")
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -74,6 +76,15 @@ class Outcome:
 
 
 # -------------------------------------------------------------------- steps
+
+
+def preflight_step(ctx: Ctx) -> Outcome:
+    """Install the carried wheels the machine lacks, then import every module the steps
+    need (``gpu_check_preflight``). Pass: each required module imports; judged in a dry
+    run too, since a missing module is as missing on the CPU."""
+    from gpu_check_preflight import preflight
+
+    return Outcome(preflight(ctx.figures, torch.version.cuda))
 
 
 def versions(ctx: Ctx) -> Outcome:
@@ -104,8 +115,10 @@ def versions(ctx: Ctx) -> Outcome:
 
 def pytest_gpu(ctx: Ctx) -> Outcome:
     """``pytest -m "gpu or kvikio"``. Pass: no failures and no errors."""
-    # a dry run selects from one file without Lightning (its kvikio tests are skipped)
-    targets = ["tests/storage/test_io.py"] if ctx.dry else []
+    # only the files that hold such tests: collecting the others imports what the GPU
+    # machine may lack (hypothesis, peft); a dry run selects from one file without
+    # Lightning (its kvikio tests are skipped)
+    targets = ["tests/storage/test_io.py"] if ctx.dry else gpu_test_files()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or kvikio",
            "--junitxml", str(ctx.out / "pytest-gpu.xml"), *targets]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -115,6 +128,16 @@ def pytest_gpu(ctx: Ctx) -> Outcome:
     ctx.figures.update(returncode=done.returncode, **counts)
     ok = done.returncode == 0 and not counts.get("failed") and not counts.get("errors")
     return Outcome(None if ctx.dry else ok)
+
+
+def gpu_test_files() -> list[str]:
+    """The test files that mark a test ``gpu`` or ``kvikio``, relative to the repository."""
+    marks = ("pytest.mark.gpu", "pytest.mark.kvikio")
+    return sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("test_*.py")
+        if any(mark in path.read_text(errors="replace") for mark in marks)
+    )
 
 
 def page_in(ctx: Ctx) -> Outcome:
@@ -208,7 +231,7 @@ def measure_step(ctx: Ctx) -> Outcome:
 
     os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")
     t0 = time.perf_counter()
-    hw = measure(nvme_path=str(ctx.nvme), cache=False, max_seconds=0.5 if ctx.dry else 20.0)
+    hw = measure(nvme_path=str(ctx.nvme), cache=False, max_seconds=0.5 if ctx.dry else 15.0)
     took = time.perf_counter() - t0
     ctx.figures.update(seconds=took, profile=hw.to_dict())
     if ctx.dry:
@@ -237,6 +260,8 @@ def finetune(ctx: Ctx) -> Outcome:
     Pass: ``balance_beam`` ran."""
     import psutil
 
+    start = time.perf_counter()
+
     if ctx.dry:
         spec: dict[str, Any] = {"name": "tiny", "hidden": 64, "ffn": 128, "layers": 2,
                                 "heads": 4, "seq": 32, "micro": 2, "accum": 2, "steps": 2}  # fmt: skip
@@ -249,12 +274,16 @@ def finetune(ctx: Ctx) -> Outcome:
     spec["params"] = _llama_params(spec["hidden"], spec["ffn"], spec["layers"], spec["heads"])
     ctx.figures["model"] = spec
     runs: dict[str, Any] = {}
-    for framework in ("balance_beam", "fsdp_cpu_offload", "deepspeed_zero3_offload"):
+    frameworks = ["balance_beam", "fsdp_cpu_offload", "deepspeed_zero3_offload"]
+    able = [f for f in frameworks if _cannot_run(f, ctx) is None]
+    for framework in frameworks:
         why = _cannot_run(framework, ctx)
         if why is not None:
             runs[framework] = {"skipped": why}
             continue
-        limit = 120 if ctx.dry else 65
+        # the step's time left, shared by the runs still to come (5 s kept for the JSON)
+        left = STEPS["finetune"][1] - 5 - (time.perf_counter() - start)
+        limit = max(1, int(left / (len(able) - able.index(framework))))
         runs[framework] = _in_subprocess(ctx, "train", framework, spec, limit=limit)
     ctx.figures["runs"] = runs
     ours = runs["balance_beam"]
@@ -287,7 +316,7 @@ def predict(ctx: Ctx) -> Outcome:
         spec = {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
                 "prompts": 16, "prompt_len": 128, "new": 8}  # fmt: skip
     ctx.figures["model"] = spec
-    result = _in_subprocess(ctx, "predict", "both", spec, limit=90 if not ctx.dry else 120)
+    result = _in_subprocess(ctx, "predict", "both", spec, limit=STEPS["predict"][1] - 5)
     ctx.figures.update(result)
     # random weights give near-ties that bf16 rounding may flip: agreement is a figure
     ok = "same_tokens" in result
@@ -295,15 +324,19 @@ def predict(ctx: Ctx) -> Outcome:
 
 
 STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
-    "versions": (versions, 20),
-    "pytest": (pytest_gpu, 100),
-    "page_in": (page_in, 30),
-    "nvme_read": (nvme_read, 40),
-    "measure": (measure_step, 40),
-    "finetune": (finetune, 150),
-    "predict": (predict, 100),
+    "preflight": (preflight_step, 25),
+    "versions": (versions, 15),
+    "pytest": (pytest_gpu, 40),
+    "page_in": (page_in, 15),
+    "nvme_read": (nvme_read, 20),
+    "measure": (measure_step, 25),
+    "finetune": (finetune, 110),
+    "predict": (predict, 80),
 }
-"""Step name -> (function, seconds the driver allows it): 480 s in all."""
+"""Step name -> (function, seconds the driver allows it): 330 s in all, so that one call
+of 6 minutes holds the whole check with the driver's own seconds."""
+TOTAL_LIMIT_S = 330
+"""The most the steps' limits may sum to."""
 
 
 # -------------------------------------------------------------------- child runs
@@ -406,16 +439,21 @@ def run_step(name: str, ctx: Ctx) -> dict[str, Any]:
     return record
 
 
-def collect(out: Path, dry: bool) -> dict[str, Any]:
-    """Merge every step's JSON into ``out/gpu-check.json``; a missing one failed (killed)."""
+def collect(out: Path, dry: bool, only: list[str] | None = None) -> dict[str, Any]:
+    """Merge every step's JSON (of those in ``only``, if given) into
+    ``out/gpu-check.json``; a missing one failed (killed, or not run after a failed
+    preflight)."""
     steps = {}
     for name, (_, limit) in STEPS.items():
+        if only is not None and name not in only:
+            continue
         path = out / "steps" / f"{name}.json"
         if path.is_file():
             steps[name] = json.loads(path.read_text())
         else:
             steps[name] = {"step": name, "pass": False, "skipped": None, "figures": {},
-                           "error": f"no result: killed at its limit of {limit} s or crashed"}  # fmt: skip
+                           "error": f"no result: killed at its limit of {limit} s, crashed, "
+                                    "or not run after a failed preflight"}  # fmt: skip
     verdicts = [s["pass"] for s in steps.values()]
     summary = {"dry_run": dry, "all_passed": all(v is not False for v in verdicts),
                "failed": [k for k, s in steps.items() if s["pass"] is False], "steps": steps}  # fmt: skip
@@ -429,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", choices=sorted(STEPS))
     parser.add_argument("--list", action="store_true", help="print 'name seconds' per step")
     parser.add_argument("--collect", action="store_true")
+    parser.add_argument("--only", help="with --collect: the steps run, comma-separated")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "FRAMEWORK", "SPEC"))
     parser.add_argument("--dump-after", type=float, default=0.0,
@@ -455,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result, default=str))
         return 0
     if args.collect:
-        summary = collect(args.out, args.dry_run)
+        only = [s for s in args.only.split(",") if s] if args.only else None
+        summary = collect(args.out, args.dry_run, only)
         print(json.dumps({k: v for k, v in summary.items() if k != "steps"}))
         return 0 if summary["all_passed"] else 1
     if args.step is None:

@@ -1,4 +1,5 @@
-"""scripts/gpu-check.sh --dry-run: every step's Python runs on the CPU and lands in the JSON."""
+"""scripts/gpu-check.sh: the dry run's steps on the CPU land in the JSON; bad arguments are
+refused with a usage line before anything in OUTDIR is deleted."""
 
 from __future__ import annotations
 
@@ -11,17 +12,43 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu-check.sh"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, BB_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("BB_NVME_DIR", None)
+    env["TMPDIR"] = str(tmp_path / "tmp")  # where the NVMe scratch goes, to see it removed
+    (tmp_path / "tmp").mkdir()
+    return env
+
+
+def _run(
+    args: list[str], env: dict[str, str], cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=600, check=False)  # fmt: skip
+
+
+def _tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root``: its bytes and modification time."""
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def _earlier_results(folder: Path) -> None:
+    """What an earlier check left in ``folder`` (which a rerun replaces)."""
+    (folder / "steps").mkdir(parents=True)
+    (folder / "steps" / "finetune.json").write_text('{"step": "finetune"}')
+    (folder / "gpu-check.json").write_text("{}")
+    (folder / "gpu-check.log").write_text("the first run's log\n")
 
 
 @pytest.mark.slow
 def test_dry_run_records_every_step(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHON=sys.executable, BB_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("BB_NVME_DIR", None)
+    env = _env(tmp_path)
     out = tmp_path / "out"
-    done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu-check.sh"), str(out), "--dry-run"],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
+    done = _run([str(out), "--dry-run"], env)
     log = (out / "gpu-check.log").read_text()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + log[-4000:]
     listed = subprocess.run(
@@ -29,18 +56,22 @@ def test_dry_run_records_every_step(tmp_path: Path) -> None:
         capture_output=True, text=True, check=True, env=env,
     ).stdout.split()  # fmt: skip
     names = listed[::2]
-    assert sum(int(s) for s in listed[1::2]) <= 600  # the whole run fits in 10 minutes
+    assert sum(int(s) for s in listed[1::2]) <= 330  # one call of 6 minutes holds it all
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["dry_run"] is True and report["failed"] == []
     assert list(report["steps"]) == names
+    assert names[0] == "preflight"
     assert {"versions", "pytest", "page_in", "nvme_read", "measure", "finetune", "predict"} <= set(
         names
     )
     for name, step in report["steps"].items():
-        assert step["pass"] is None, name  # a dry run judges nothing
+        # a dry run judges nothing but the imports, which are as real on the CPU
+        assert step["pass"] is (True if name == "preflight" else None), name
         assert "error" not in step["figures"], (name, step["figures"]["error"], log[-4000:])
         assert f"== {name} exit 0" in log
+        assert (out / "steps" / f"{name}.json").is_file()
     steps = {k: v["figures"] for k, v in report["steps"].items()}
+    assert steps["preflight"]["missing"] == {}
     assert steps["pytest"]["returncode"] == 0
     assert steps["page_in"]["bytes_equal"] and steps["nvme_read"]["bytes_equal"]
     assert report["steps"]["nvme_read"]["skipped"].startswith("kvikio not run")
@@ -52,3 +83,76 @@ def test_dry_run_records_every_step(tmp_path: Path) -> None:
     assert runs["fsdp_cpu_offload"] == {"skipped": "needs CUDA (dry run)"}
     # fp32 on the CPU: our layer-major generation gives Accelerate's (Hugging Face's) tokens
     assert steps["predict"]["same_tokens"] == 1.0
+    # the NVMe scratch was a fresh folder outside OUTDIR, removed at the end
+    assert "NVMe scratch " + str(tmp_path / "tmp" / "gpu-check-nvme.") in log
+    assert list((tmp_path / "tmp").glob("gpu-check-nvme.*")) == []
+    assert not (out / "nvme").exists()
+
+
+def test_steps_run_only_those_after_the_preflight(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    out = tmp_path / "out"
+    _earlier_results(out)
+    done = _run([str(out), "--dry-run", "--steps", "page_in"], env)
+    log = (out / "gpu-check.log").read_text()
+    assert done.returncode == 0, done.stderr[-2000:] + log[-4000:]
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert list(report["steps"]) == ["preflight", "page_in"], log[-2000:]
+    assert report["steps"]["page_in"]["figures"]["bytes_equal"] is True
+    assert sorted(p.name for p in (out / "steps").iterdir()) == ["page_in.json", "preflight.json"]
+    assert "the first run's log" not in log  # the earlier results were replaced
+    assert list((tmp_path / "tmp").glob("gpu-check-nvme.*")) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "give the folder for the results first"),
+        (["--dry-run"], "'--dry-run' stands where OUTDIR belongs"),
+        (["--steps", "page_in"], "'--steps' stands where OUTDIR belongs"),
+        (["", "--dry-run"], "OUTDIR is empty"),
+        (["{out}", "--dry-run", "--bogus"], "unknown argument '--bogus'"),
+        (["{out}", "--steps"], "--steps needs step names"),
+        (["{out}/file", "--dry-run"], "exists and is not a folder"),
+        (["{out}/file/sub", "--dry-run"], "cannot be created"),
+        (["{out}", "--dry-run", "--steps", "page_in,pagein"], "no step 'pagein'"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_before_anything_is_deleted(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    env = _env(tmp_path)
+    out = tmp_path / "out"
+    _earlier_results(out)
+    (out / "file").write_text("not a folder")
+    cwd = tmp_path / "cwd"  # a relative OUTDIR would land here
+    _earlier_results(cwd)
+    before = _tree(tmp_path)
+    done = _run([a.format(out=out) for a in args], env, cwd=cwd)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and says in lines[0], done.stderr
+    assert lines[1] == "usage: bash scripts/gpu-check.sh OUTDIR [--dry-run] [--steps a,b]"
+    assert _tree(tmp_path) == before
+    assert not (Path("/") / "gpu-check.log").exists()
+
+
+def test_an_unwritable_outdir_is_refused(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    if os.geteuid() == 0:  # permissions bind no root: a folder of procfs takes no file
+        out = Path("/proc/self/fdinfo")
+    else:
+        out = tmp_path / "out"
+        _earlier_results(out)
+        out.chmod(0o555)
+        before = _tree(out)
+    try:
+        done = _run([str(out), "--dry-run"], env)
+    finally:
+        if os.geteuid() != 0:
+            out.chmod(0o755)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert f"OUTDIR '{out}' is not writable" in lines[0] and lines[1].startswith("usage: ")
+    if os.geteuid() != 0:
+        assert _tree(out) == before
