@@ -31,7 +31,7 @@ def rank_share(hw: HardwareProfile) -> HardwareProfile:
     ``ranks_per_node`` (G) ranks share divided among them.
 
     Host memory and NVMe capacity (bytes) are floor-divided by G, NVMe read and write
-    bandwidth and host AdamW updates/s divided by G, cores floor-divided (at least 1).
+    bandwidth, host AdamW updates/s and host memory bandwidth divided by G, cores floor-divided (at least 1).
     A CPU device is the node's own memory and cores: its device memory, FLOP/s, memory
     bandwidth and copy bandwidths are divided too. The layout fields stay (the pricing
     reads N and the network from them). With G = 1 it returns ``hw`` itself.
@@ -45,6 +45,7 @@ def rank_share(hw: HardwareProfile) -> HardwareProfile:
         "nvme_read_bandwidth": hw.nvme_read_bandwidth / g,
         "nvme_write_bandwidth": hw.nvme_write_bandwidth / g,
         "host_adam_params_per_s": hw.host_adam_params_per_s / g,
+        "host_memory_bandwidth": hw.host_memory_bandwidth / g,
         "cores": max(1, hw.cores // g),
     }
     if hw.device_type == "cpu":

@@ -19,13 +19,17 @@ Shared assumptions:
   streaming read sustains.
 - ``host_memory``: a typical host for one such GPU, × 0.80 usable.
 - NVMe: one drive of the stated class, datasheet sequential figures × 0.85.
+- ``host_memory_bandwidth``: the bytes/s one process reads host memory at with
+  all its cores: a server socket with 8 DDR4-3200 channels (204.8 GB/s
+  theoretical × 0.5 sustained by one process ≈ 102 GB/s), a dual-channel
+  DDR5-5600 desktop (89.6 GB/s × 0.6 ≈ 54 GB/s), a cloud VM with a slice of a
+  socket (≈ 60 GB/s). Decode attention over a KV cache on the host reads the
+  cache at this rate.
 - ``host_adam_params_per_s``: a fused AdamW update reads parameter, gradient
   and two moments and writes parameter and two moments, 7 × 4 = 28 bytes of
   fp32 per parameter, so it is bound by memory bandwidth: sustained host
-  bandwidth / 28 bytes. A server socket with 8 DDR4-3200 channels
-  (204.8 GB/s theoretical × 0.5 sustained by one process ≈ 102 GB/s) gives
-  ≈ 3.6e9 updates/s; a dual-channel DDR5-5600 desktop (89.6 GB/s × 0.6 ≈
-  54 GB/s) ≈ 1.9e9; a cloud VM with a slice of a socket (≈ 60 GB/s) ≈ 2.1e9.
+  bandwidth / 28 bytes: ≈ 3.6e9 updates/s on the server socket, ≈ 1.9e9 on the
+  desktop, ≈ 2.1e9 on the cloud VM.
 """
 
 from __future__ import annotations
@@ -48,9 +52,13 @@ _PCIE_GEN3 = 15.75 * GB  # bytes/s per direction, x16
 _PCIE_GEN4 = 31.5 * GB
 _PCIE_GEN5 = 63.0 * GB
 
-_ADAM_SERVER = 204.8 * GB * 0.5 / 28  # updates/s, 8 x DDR4-3200 socket
-_ADAM_DESKTOP = 89.6 * GB * 0.6 / 28  # updates/s, 2 x DDR5-5600
-_ADAM_CLOUD_VM = 60.0 * GB / 28  # updates/s, part of a socket
+_HOST_BW_SERVER = 204.8 * GB * 0.5  # bytes/s, 8 x DDR4-3200 socket
+_HOST_BW_DESKTOP = 89.6 * GB * 0.6  # bytes/s, 2 x DDR5-5600
+_HOST_BW_CLOUD_VM = 60.0 * GB  # bytes/s, part of a socket
+
+_ADAM_SERVER = _HOST_BW_SERVER / 28  # updates/s
+_ADAM_DESKTOP = _HOST_BW_DESKTOP / 28  # updates/s
+_ADAM_CLOUD_VM = _HOST_BW_CLOUD_VM / 28  # updates/s
 
 # Datacenter PCIe 4 NVMe (e.g. Samsung PM9A3 3.84 TB class): 6.5 GB/s read, 3.5 GB/s write.
 _NVME_DC_GEN4 = {"read": 6.5 * GB, "write": 3.5 * GB, "capacity": 3.84 * TB}
@@ -59,6 +67,9 @@ _NVME_DC_GEN5 = {"read": 14.0 * GB, "write": 7.0 * GB, "capacity": 7.68 * TB}
 # Consumer PCIe 4 NVMe (e.g. Samsung 990 Pro 2 TB): 7.45 GB/s read; writes past the SLC
 # cache sustain about 2 GB/s, the figure that matters for multi-GB write-back.
 _NVME_CONSUMER_GEN4 = {"read": 7.45 * GB, "write": 2.0 * GB, "capacity": 2.0 * TB}
+# The ZeRO-Inference A6000 machine's one PCIe 4 NVMe at 5.6 GB/s read; writes and capacity
+# as the datacenter Gen4 class above.
+_NVME_A6000_HOST = {"read": 5.6 * GB, "write": 3.5 * GB, "capacity": 3.84 * TB}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "a100-40gb": {
@@ -70,6 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 256 * GIB,  # typical: 2 TB DGX A100 / 8 GPUs
         "nvme": _NVME_DC_GEN4,
         "adam": _ADAM_SERVER,
+        "host_bw": _HOST_BW_SERVER,
         "cores": 32,
     },
     "a100-80gb": {
@@ -81,6 +93,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 256 * GIB,  # typical: 2 TB DGX A100 / 8 GPUs
         "nvme": _NVME_DC_GEN4,
         "adam": _ADAM_SERVER,
+        "host_bw": _HOST_BW_SERVER,
         "cores": 32,
     },
     "h100": {
@@ -92,6 +105,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 256 * GIB,  # typical: 2 TB DGX H100 / 8 GPUs
         "nvme": _NVME_DC_GEN5,
         "adam": _ADAM_SERVER,
+        "host_bw": _HOST_BW_SERVER,
         "cores": 56,  # typical: 2 x 56-core Xeon 8480C / 2 sockets
     },
     "h200": {
@@ -103,6 +117,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 256 * GIB,  # typical: 2 TB DGX H200 / 8 GPUs
         "nvme": _NVME_DC_GEN5,
         "adam": _ADAM_SERVER,
+        "host_bw": _HOST_BW_SERVER,
         "cores": 56,
     },
     "rtx4090": {
@@ -114,6 +129,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 64 * GIB,  # typical workstation
         "nvme": _NVME_CONSUMER_GEN4,
         "adam": _ADAM_DESKTOP,
+        "host_bw": _HOST_BW_DESKTOP,
         "cores": 16,
     },
     "l4": {
@@ -128,6 +144,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 128 * GIB,  # typical cloud instance with one L4 (e.g. 32 vCPU)
         "nvme": _NVME_DC_GEN4,
         "adam": _ADAM_CLOUD_VM,
+        "host_bw": _HOST_BW_CLOUD_VM,
         "cores": 16,
     },
     "t4": {
@@ -142,7 +159,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host": 64 * GIB,  # typical cloud instance with one T4 (e.g. 16 vCPU)
         "nvme": _NVME_DC_GEN4,
         "adam": _ADAM_CLOUD_VM,
+        "host_bw": _HOST_BW_CLOUD_VM,
         "cores": 8,
+    },
+    "a6000": {
+        "name": "RTX A6000 48GB (preset)",
+        "bandwidth": 768 * GB,  # NVIDIA RTX A6000 datasheet: 48 GB GDDR6, 768 GB/s
+        "memory": 48 * GIB,  # NVIDIA RTX A6000 datasheet: 48 GB GDDR6 (nvidia-smi: 49140 MiB)
+        # NVIDIA RTX A6000 datasheet: 309.7 TFLOP/s tensor performance with 2:4 sparsity, so
+        # 154.8 dense; the Ampere GA102 whitepaper gives the same for fp16 and bf16 with fp32
+        # accumulate on this (professional) card.
+        "flops": 154.8e12,
+        "pcie": _PCIE_GEN4,
+        "host": 252 * GB,  # the ZeRO-Inference A6000 machine: 252 GB of DRAM
+        "nvme": _NVME_A6000_HOST,
+        "adam": _ADAM_SERVER,
+        "host_bw": _HOST_BW_SERVER,
+        "cores": 32,  # typical workstation or server socket beside one A6000
     },
 }
 
@@ -166,6 +199,7 @@ def preset_fields(key: str) -> dict[str, Any]:
         "host_adam_params_per_s": float(row["adam"]),
         "cores": int(row["cores"]),
         "device_memory_bandwidth": float(row["bandwidth"] * _HBM_EFF),
+        "host_memory_bandwidth": float(row["host_bw"]),
     }
 
 
@@ -173,6 +207,7 @@ DATASHEET_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),
     ("H100", 989e12),
     ("A100", 312e12),
+    ("A6000", 154.8e12),  # NVIDIA RTX A6000 datasheet: 309.7 with 2:4 sparsity
     ("L40S", 362e12),
     ("A10", 125e12),
     ("L4", 121e12),

@@ -91,6 +91,10 @@ class HardwareProfile:
     """Bytes/s the device streams its own memory at, reads and writes together (0.0: not
     modelled). A decode pass reads every block's weights and the KV cache once for a few
     tokens per sequence; it takes at least those bytes over this bandwidth."""
+    host_memory_bandwidth: float = 0.0
+    """Bytes/s the host's cores, all of them, read host memory at (0.0: not modelled).
+    Decode attention computed on the host over a KV cache homed there reads the cache at
+    this rate (measured by :func:`bb_lightning.probe.measure`, a preset's stated figure)."""
     nvme_cpu_seconds_per_byte: float = 0.0
     """Seconds of the compute's time each byte written to or read from the NVMe tier costs
     (0.0: not modelled): the process's CPU time for it (the kernel's share of ``O_DIRECT``
@@ -148,6 +152,7 @@ class HardwareProfile:
                 "host_adam_params_per_s",
                 "cores",
                 "device_memory_bandwidth",
+                "host_memory_bandwidth",
                 "nvme_cpu_seconds_per_byte",
                 "intra_node_bandwidth",
                 "inter_node_bandwidth",

@@ -9,6 +9,8 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
   bandwidth of a large tensor copy stands for both (bytes/s);
 - device memory: a copy within the device (RAM on the CPU), counted as its reads
   and writes together (``device_memory_bandwidth``, bytes/s);
+- host memory: a sum over a host buffer with every core (``host_memory_bandwidth``,
+  bytes/s; :mod:`bb_lightning.probe.host_memory`);
 - NVMe: write then read a few files (up to 384 MiB in all) under ``nvme_path``
   through :func:`storage.io.open_backend`, with ``fsync`` on write and a cold
   page cache on read (``O_DIRECT`` where the filesystem accepts it, else
@@ -73,6 +75,7 @@ from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.planner.profile import LAYOUT_FIELDS, HardwareProfile
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
+from bb_lightning.probe.host_memory import probe_host_read
 from storage.threads import limit_torch_threads
 
 __all__ = [
@@ -521,7 +524,8 @@ def _probe_round(
     copy_bytes = (64 << 20) if small else (256 << 20)
     out = {"flops": _probe_flops(device, share["flops"], timing)}
     out["h2d"], out["d2h"] = _probe_copy(device, share["copy"] * 0.75, copy_bytes, timing)
-    out["memory"] = _probe_memory(device, share["copy"] * 0.25, copy_bytes, timing)
+    out["memory"] = _probe_memory(device, share["copy"] * 0.15, copy_bytes, timing)
+    out["host_read"] = probe_host_read(share["copy"] * 0.10, copy_bytes, timing)
     if nvme_path:
         nvme = _probe_nvme(nvme_path, share["nvme"], timing, beside=device.type == "cpu")
         out["nvme_read"], out["nvme_write"], free, out["nvme_cpu"] = nvme
@@ -620,6 +624,7 @@ def _measure_now(
         host_adam_params_per_s=adam,
         cores=_cores(),
         device_memory_bandwidth=memory_bw,
+        host_memory_bandwidth=best.get("host_read", 0.0),
         peak_flops=datasheet_flops(torch.cuda.get_device_name(device)) if cuda else 0.0,
     )
 

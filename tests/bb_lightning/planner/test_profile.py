@@ -14,14 +14,16 @@ GB = 1e9
 
 def test_preset_names_cover_the_table() -> None:
     names = preset_names()
-    for required in ("a100-40gb", "a100-80gb", "h100", "h200", "rtx4090", "l4", "t4"):
+    for required in ("a100-40gb", "a100-80gb", "h100", "h200", "rtx4090", "l4", "t4", "a6000"):
         assert required in names
     assert preset("A100-80GB") == preset("a100-80gb")
     with pytest.raises(ValueError, match=r"unknown hardware preset 'v100'.*a100-40gb"):
         preset("v100")
 
 
-@pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100", "h200", "rtx4090", "l4", "t4"])
+@pytest.mark.parametrize(
+    "name", ["a100-40gb", "a100-80gb", "h100", "h200", "rtx4090", "l4", "t4", "a6000"]
+)
 def test_presets_are_below_their_datasheets(name: str) -> None:
     # datasheet peaks: device memory (bytes), dense bf16 (fp16 on T4) FLOP/s, PCIe x16 bytes/s,
     # memory bandwidth (bytes/s)
@@ -33,6 +35,7 @@ def test_presets_are_below_their_datasheets(name: str) -> None:
         "rtx4090": (24 * 2**30, 165.2e12, 31.5 * GB, 1008 * GB),
         "l4": (24 * GB, 121e12, 31.5 * GB, 300 * GB),
         "t4": (16 * GB, 65e12, 15.75 * GB, 320 * GB),
+        "a6000": (48 * 2**30, 154.8e12, 31.5 * GB, 768 * GB),  # NVIDIA RTX A6000 datasheet
     }[name]
     p = preset(name)
     assert p.device_type == "cuda"
@@ -43,6 +46,7 @@ def test_presets_are_below_their_datasheets(name: str) -> None:
     assert p.nvme_write_bandwidth < p.nvme_read_bandwidth < p.h2d_bandwidth
     assert p.nvme_capacity > 10 * p.host_memory > 10 * p.device_memory / 2
     assert 1e9 < p.host_adam_params_per_s < 1e10
+    assert 3e10 <= p.host_memory_bandwidth < 3e11  # DDR4/DDR5 hosts of one process
     assert p.cores > 0
     assert p.peak_flops == datasheet[1]
 
@@ -58,6 +62,7 @@ def test_presets_are_below_their_datasheets(name: str) -> None:
         ("NVIDIA L40", 0.0),
         ("NVIDIA GeForce RTX 4090", 165.2e12),
         ("Tesla T4", 65e12),
+        ("NVIDIA RTX A6000", 154.8e12),
         ("NVIDIA B200", 0.0),
     ],
 )
