@@ -87,6 +87,11 @@ class Placement:
     prefill_tokens: int | None = None
     """Most tokens per prefill forward (a batch runs in chunks of whole rows); None: the
     whole batch at once."""
+    decode_attention: Tier | None = None
+    """Where a decode step's attention over the KV cache runs (predict): HOST computes it
+    with the host's cores over a cache homed on the host, the q/k/v rows of the new token
+    sent there and the output sent back; None: on the device the model runs on (on a CPU
+    device that is the host itself). The engine runs HOST on a CPU device only."""
 
     def __post_init__(self) -> None:
         if self.master and len(self.weights) != len(self.master):
@@ -107,6 +112,15 @@ class Placement:
             raise ValueError(
                 f"compute_dtype={self.compute_dtype!r} is not supported: use one of "
                 f"{sorted(DTYPE_BYTES)}"
+            )
+        if self.decode_attention not in (None, Tier.DEVICE, Tier.HOST):
+            raise ValueError(
+                f"decode_attention={self.decode_attention!r}: use Tier.DEVICE, Tier.HOST or None"
+            )
+        if self.decode_attention is Tier.HOST and self.kv_cache is not Tier.HOST:
+            raise ValueError(
+                f"decode_attention=host with kv_cache={self.kv_cache!r}: attention runs on the "
+                "host where the cache lives there; set kv_cache=Tier.HOST or decode_attention=None"
             )
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ValueError(
@@ -188,6 +202,9 @@ class Placement:
             "compute_dtype": self.compute_dtype,
             "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
             "prefill_tokens": self.prefill_tokens,
+            "decode_attention": None
+            if self.decode_attention is None
+            else self.decode_attention.value,
         }
 
     @classmethod
@@ -196,7 +213,9 @@ class Placement:
         d = dict(d)
         grads, kv = d.pop("grads"), d.pop("kv_cache")
         recomputed = d.pop("recomputed", None)
+        attention = d.pop("decode_attention", None)
         return cls(
+            decode_attention=None if attention is None else Tier(attention),
             recomputed=None if recomputed is None else tuple(recomputed),
             weights=tuple(Tier(t) for t in d.pop("weights")),
             master=tuple(Tier(t) for t in d.pop("master")),

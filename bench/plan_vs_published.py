@@ -3,7 +3,12 @@
 Job: 4096 prompts of 512 tokens, 32 new tokens each (the FlexGen setting), on the
 T4-16GB preset with 208 GB of host memory (the FlexGen machine), beside the
 throughputs published in Sheng et al. 2023, "FlexGen", Table 2 (OPT-30B, T4,
-generation throughput in tokens/s). Then the same job planned for this machine's
+generation throughput in tokens/s), planned twice: with decode attention on the device
+(what the engine runs beside a GPU) and with the KV cache on the host and attention on the
+host's cores (``PlanOverrides(decode_attention=Tier.HOST)``, priced only: the engine attends
+on the host beside a CPU device only). Then OPT-30B on the ZeRO-Inference 2023 release's
+RTX A6000 machine (the ``a6000`` preset: 48 GB, PCIe Gen4, 252 GB DRAM) beside its published
+21.84 tokens/s and FlexGen's 13.40 there, and the same job planned for this machine's
 measured profile. This compares a prediction with other systems' measurements on
 other hardware: a sanity check of the cost model, not a claim.
 
@@ -18,15 +23,31 @@ from pathlib import Path
 
 import _common
 
-from bb_lightning.planner import PlanError, PredictJob, make_plan, preset
+from bb_lightning.planner import PlanError, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import measure, model_profile_from_config
+from storage.tiers import Tier
 
 PUBLISHED = {  # tokens/s, FlexGen paper Table 2, OPT-30B on one T4 (16 GB), 208 GB DRAM
     "FlexGen": 7.32,
     "DeepSpeed ZeRO-Inference": 0.60,
     "Hugging Face Accelerate": 0.62,
 }
+PUBLISHED_A6000 = {  # tokens/s, OPT-30B on one RTX A6000 (48 GB), 252 GB DRAM
+    "DeepSpeed ZeRO-Inference (2023 release)": 21.84,
+    "FlexGen (as measured there)": 13.40,
+}
+HOST_ATTENTION = PlanOverrides(decode_attention=Tier.HOST)
+
+
+def _table(planned: dict[str, float], published: dict[str, float]) -> None:
+    """Each planned throughput, then each published one with planned / published."""
+    print(f"\n{'system':<54}{'tokens/s':>10}   planned / system")
+    for name, tps in planned.items():
+        print(f"{name:<54}{tps:>10.2f}")
+    for name, tps in published.items():
+        ratios = " · ".join(f"{p / tps:.2f}" for p in planned.values())
+        print(f"{name + ' (published)':<54}{tps:>10.2f}   {ratios}")
 
 
 def main() -> None:
@@ -43,14 +64,24 @@ def main() -> None:
     job = PredictJob(prompt_len=512, new_tokens=32, num_prompts=args.num_prompts)
     hw = preset("t4").replace(host_memory=208 * 10**9)
     plan = make_plan(model, hw, job)
+    host = make_plan(model, hw, job, overrides=HOST_ATTENTION)
     print(
         f"\nOPT-30B, {job.num_prompts} prompts x 512 tokens, 32 new tokens, {hw.name}, 208 GB host:"
     )
     print(plan.explain())
-    print(f"\n{'system':<38}{'tokens/s':>10}{'planned / system':>18}")
-    print(f"{'this planner (predicted)':<38}{plan.tokens_per_s:>10.2f}{'':>18}")
-    for name, tps in PUBLISHED.items():
-        print(f"{name + ' (published)':<38}{tps:>10.2f}{plan.tokens_per_s / tps:>18.2f}")
+    print("\nthe same with the KV cache on the host and attention on the host's cores:")
+    print(host.explain())
+    _table(
+        {
+            "this planner, attention on device": plan.tokens_per_s,
+            "this planner, attention on host (priced)": host.tokens_per_s,
+        },
+        PUBLISHED,
+    )
+    a6000 = make_plan(model, preset("a6000"), job, overrides=HOST_ATTENTION)
+    print(f"\nOPT-30B, same job, {a6000.hardware.name}, attention on host:")
+    print(a6000.explain())
+    _table({"this planner, attention on host (priced)": a6000.tokens_per_s}, PUBLISHED_A6000)
     if args.no_measure:
         return
     with tempfile.TemporaryDirectory(prefix="bb-nvme-") as nvme_dir:

@@ -64,6 +64,11 @@ class PlanOverrides:
     (``Placement.hold_grads``; a CPU device of one rank, several micro-batches per step)
     where memory allows and its price is lower (fit). Off unless asked: measured, a step
     took no less time than with the fp32 accumulator (``bench/grad_hold.py``)."""
+    decode_attention: Tier | None = None
+    """Where decode attention runs (predict): HOST prices the KV cache on the host with
+    attention on the host's cores (``Placement.decode_attention``; the engine runs it on a
+    CPU device only, so the search tries it only when asked), DEVICE the device's
+    attention only; None: the device's."""
 
     def __post_init__(self) -> None:
         """Refuse values out of range, one line naming the field, the value and the range."""
@@ -81,13 +86,18 @@ class PlanOverrides:
                     f"PlanOverrides.{name}={value!r}: must be an integer >= {low} ({what}), "
                     "or null to let the planner choose"
                 )
-        for name in ("weights_tier", "master_tier"):
+        for name in ("weights_tier", "master_tier", "decode_attention"):
             object.__setattr__(self, name, _tier(name, getattr(self, name)))
+        if self.decode_attention is Tier.NVME:
+            raise ValueError(
+                "PlanOverrides.decode_attention='nvme': attention "
+                "runs on the device or the host: use 'device', 'host' or null"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (tiers as their names)."""
         d = dataclasses.asdict(self)
-        for key in ("weights_tier", "master_tier"):
+        for key in ("weights_tier", "master_tier", "decode_attention"):
             if d[key] is not None:
                 d[key] = Tier(d[key]).value
         return d
@@ -96,7 +106,7 @@ class PlanOverrides:
     def from_dict(cls, d: dict[str, Any]) -> PlanOverrides:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
-        for key in ("weights_tier", "master_tier"):
+        for key in ("weights_tier", "master_tier", "decode_attention"):
             if d.get(key) is not None:
                 d[key] = Tier(d[key])
         return cls(**d)
@@ -310,6 +320,12 @@ class Plan:
         """Tier of the KV cache (predict; None for fit)."""
         return self.placement.kv_cache
 
+    def _attention_where(self) -> str:
+        """Where decode attention runs, for the batch line: ``""`` on the device."""
+        if self.placement.decode_attention is not Tier.HOST:
+            return ""
+        return ", attention on host"
+
     @property
     def checkpointing(self) -> bool:
         """Whether some block is recomputed in backward (fit; False for predict)."""
@@ -432,7 +448,7 @@ class Plan:
                 f"{self.concurrent_seqs} concurrent sequences ({self.tokens_per_pass} "
                 f"tokens per decode pass), prefill micro-batch {self.micro_batch}, prefetch depth "
                 f"{self.prefetch_depth}, KV cache on {self.kv_cache.value if self.kv_cache else '-'}"
-                f" (limited by {self.limited_by})"
+                f"{self._attention_where()} (limited by {self.limited_by})"
             )
         lines.append("placement:")
         per_block: list[tuple[str, ...]] = []

@@ -17,7 +17,11 @@ cache after the last attended position), ``mean_context`` on average. A KV cache
 the host streams to a CUDA device block by block as transformers' offloading cache
 moves it (:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per
 decode pass, the copies to the host on the compute stream, so exposed); a CPU device
-reads it in place.
+reads it in place. A KV cache on the host with decode attention on the host's cores
+(:mod:`~bb_lightning.planner.host_attention`; a candidate only where
+``PlanOverrides.decode_attention`` asks for it, as the engine runs it on a CPU device only)
+sends each block's q/k/v rows to the host and the attention output back, and prices the
+host's read of the cache at its memory bandwidth beside the device's matrix products.
 """
 
 from __future__ import annotations
@@ -31,19 +35,12 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from bb_lightning.placement import Placement
-from bb_lightning.planner import cost
+from bb_lightning.planner import cost, host_attention
 from bb_lightning.planner.cost import FP32_BYTES
-from bb_lightning.planner.fit_plan import tier_memory
 from bb_lightning.planner.fit_search import ladder
 from bb_lightning.planner.job import PredictJob
 from bb_lightning.planner.plan import (
-    LINK_FIELDS,
-    Plan,
     PlanOverrides,
-    PredictedTime,
-    Roofline,
-    placement_tiers,
 )
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import Link, Tier, format_bytes
@@ -108,6 +105,9 @@ class PredictPrice(Generic[V]):
     """Paged blocks whose weights home on the host (the rest on NVMe)."""
     prefill_micro_batch: V
     """Sequences per prefill micro-batch."""
+    host_attention_seconds: V
+    """Seconds the host's cores spend on decode attention per batch (0 where the device
+    attends)."""
 
     def at(self: PredictPrice[Arr], i: int) -> PredictPrice[float]:
         """The scalars of candidate ``i``."""
@@ -139,6 +139,8 @@ class PredictMemory:
     """Sequences per prefill micro-batch."""
     kv_streamed: bool
     """Whether the KV cache streams from the host to the device block by block."""
+    host_attention: bool = False
+    """Whether decode attention runs on the host's cores over a KV cache homed there."""
 
     @property
     def nvme_weight_blocks(self) -> Arr:
@@ -156,15 +158,19 @@ def predict_memory(
     c: int,
     kv: Tier,
     kw: Arr,
+    *,
+    host_attn: bool = False,
 ) -> PredictMemory:
-    """Bytes per tier of ``c`` concurrent sequences for every resident count ``kw``."""
+    """Bytes per tier of ``c`` concurrent sequences for every resident count ``kw``;
+    ``host_attn``: decode attention on the host over a host cache (no cache on the device,
+    staging buffers for the q/k/v rows and outputs on both sides)."""
     wb = job.compute_bytes  # bytes per compute-dtype element
     n, bb = model.num_blocks, float(model.block_params * wb)
     nb = float(model.embed_params + model.head_params + model.final_params)
     plen = job.prompt_len
     # a host cache streams to the device one block at a time (double-buffered); a CPU
     # device reads it where it lies
-    streamed = kv is Tier.HOST and hw.device_type != "cpu"
+    streamed = kv is Tier.HOST and hw.device_type != "cpu" and not host_attn
     # prefill runs in micro-batches of rows sharing the cache; a streamed (offloading)
     # cache cannot be shared by rows, so its prefill runs the whole batch at once
     chunk = CPU_PREFILL_TOKENS if hw.device_type == "cpu" else PREFILL_TOKENS
@@ -185,7 +191,9 @@ def predict_memory(
         + c * model.vocab_size * FP32_BYTES
         + kv_dev
     )
-    mandatory = paging + (kv_all if kv is Tier.HOST else 0.0)
+    stage = host_attention.staging_bytes(model, c, wb) if host_attn else 0.0
+    dev = dev + stage
+    mandatory = paging + (kv_all if kv is Tier.HOST else 0.0) + stage
     pool = cost.pooled_budget(hw, budgets)  # a CPU device: one RAM pool
     free = (budgets[Tier.HOST] if pool is None else pool - dev) - mandatory
     if ov.weights_tier is Tier.NVME:
@@ -212,24 +220,27 @@ def predict_memory(
         fits=fits,
         prefill_micro_batch=mb,
         kv_streamed=streamed,
+        host_attention=host_attn,
     )
 
 
 def _pass_compute_seconds(
-    model: ModelProfile, hw: HardwareProfile, job: PredictJob, c: int
+    model: ModelProfile, hw: HardwareProfile, job: PredictJob, c: int, host_attn: bool = False
 ) -> tuple[float, float]:
     """(prefill, one decode pass) compute seconds of ``c`` concurrent sequences: a decode
     pass at ``decode_efficiency`` of the rate, and no faster than the device streams the
-    blocks' weights, the head and the KV cache from its memory."""
+    blocks' weights, the head and the KV cache from its memory (``host_attn``: the device
+    neither attends over the cache nor reads it)."""
     wb, n = job.compute_bytes, model.num_blocks
     bb = float(model.block_params * wb)
     plen, ctx = job.prompt_len, job.mean_context
     head = model.head_flops_per_token()
     blocks_prefill = cost.forward_flops_per_token(model, plen) - head
     c_pre = cost.compute_seconds(c * plen * blocks_prefill + c * head, hw)
-    c_dec = cost.compute_seconds(c * cost.forward_flops_per_token(model, ctx), hw)
+    attended = 0.0 if host_attn else ctx
+    c_dec = cost.compute_seconds(c * cost.forward_flops_per_token(model, attended), hw)
     c_dec /= hw.decode_efficiency
-    kv_tok = float(model.kv_bytes_per_token * n)
+    kv_tok = 0.0 if host_attn else float(model.kv_bytes_per_token * n)
     if hw.device_memory_bandwidth > 0:  # a decode pass streams the weights and the cache
         head_bytes = (model.head_params or model.embed_params) * wb
         read = ctx if hw.device_type == "cpu" else float(job.cache_len)
@@ -248,13 +259,22 @@ def _pass_link_seconds(
 ) -> dict[Link, Arr]:
     """Busy seconds per link of the prefill pass or of one decode pass: every paged
     block's weights (from NVMe where they home there) and a streamed KV cache's copies
-    (:func:`cost.offloaded_kv_bytes`)."""
+    (:func:`cost.offloaded_kv_bytes`); with attention on the host, the prompt's cache to
+    the host in the prefill, each block's q/k/v rows there and outputs back per decode."""
     bb = float(model.block_params * job.compute_bytes)
     kv_up, kv_down = (
         cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=prefill)
         if mem.kv_streamed
-        else (0, 0)
+        else (0.0, 0.0)
     )
+    if mem.host_attention:
+        to_host, to_dev = host_attention.qkv_row_bytes(model, job.compute_bytes)
+        n = model.num_blocks
+        kv_up, kv_down = (
+            (0.0, float(cost.kv_cache_bytes(model, c, job.prompt_len)))
+            if prefill
+            else (c * n * to_dev, c * n * to_host)
+        )
     nvme_bytes = mem.nvme_weight_blocks * bb
     return {
         Link.HOST_TO_DEVICE: cost.link_seconds(
@@ -269,11 +289,40 @@ def _pass_link_seconds(
     }
 
 
-def _exposed_seconds(compute: Arr, links: dict[Link, Arr]) -> Arr:
-    """Seconds of a pass not hidden behind its compute: the links beside it, then the KV
-    cache's copies to the host, which run on the compute stream."""
+def _exposed_seconds(compute: Arr, links: dict[Link, Arr], mem: PredictMemory) -> Arr:
+    """Seconds of a pass not hidden behind its compute: the links beside it, then a
+    streamed KV cache's copies to the host, which run on the compute stream (the q/k/v
+    rows of host attention and the prompt's cache go on a side stream)."""
+    if mem.host_attention:
+        return cost.pass_exposed_seconds(compute, links)
     overlapped: dict[Link, Arr] = {k: v for k, v in links.items() if k is not Link.DEVICE_TO_HOST}
     return cost.pass_exposed_seconds(compute, overlapped) + links[Link.DEVICE_TO_HOST]
+
+
+def _host_attention_exposed(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    c: int,
+    compute: Arr,
+    links: dict[Link, Arr],
+) -> tuple[Arr, float]:
+    """(exposed seconds of one decode pass, the host's attention seconds of it) with
+    attention on the host: :func:`host_attention.pipelined_pass_seconds` per candidate."""
+    host_s = host_attention.host_attention_seconds(
+        model, hw, c, job.mean_context, job.compute_bytes
+    )
+    n = model.num_blocks
+    exposed = np.array(
+        [
+            host_attention.pipelined_pass_seconds(
+                float(dev), host_s, tuple(float(v[i]) for v in links.values()), n
+            )
+            - float(dev)
+            for i, dev in enumerate(compute)
+        ]
+    )
+    return exposed, host_s
 
 
 def price(
@@ -286,10 +335,13 @@ def price(
     c: int,
     kv: Tier,
     kw: Arr,
+    *,
+    host_attn: bool = False,
 ) -> PredictPrice[Arr]:
-    """Bytes per tier and seconds per batch of ``c`` prompts for every resident count."""
-    mem = predict_memory(model, hw, job, ov, budgets, depth, c, kv, kw)
-    c_pre, c_dec = _pass_compute_seconds(model, hw, job, c)
+    """Bytes per tier and seconds per batch of ``c`` prompts for every resident count
+    (``host_attn``: decode attention on the host over a cache homed there)."""
+    mem = predict_memory(model, hw, job, ov, budgets, depth, c, kv, kw, host_attn=host_attn)
+    c_pre, c_dec = _pass_compute_seconds(model, hw, job, c, host_attn)
     steps = job.new_tokens - 1
     pre_links = _pass_link_seconds(model, hw, job, c, mem, prefill=True)
     dec_links = _pass_link_seconds(model, hw, job, c, mem, prefill=False)
@@ -297,8 +349,11 @@ def price(
     per_byte = hw.nvme_cpu_seconds_per_byte if hw.device_type == "cpu" else 0.0
     io_cpu = mem.nvme_weight_blocks * float(model.block_params * job.compute_bytes) * per_byte
     c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu
-    exp_pre = _exposed_seconds(c_pre_a, pre_links)
-    exp_dec = _exposed_seconds(c_dec_a, dec_links)
+    exp_pre = _exposed_seconds(c_pre_a, pre_links, mem)
+    exp_dec = _exposed_seconds(c_dec_a, dec_links, mem)
+    host_s = 0.0
+    if host_attn:
+        exp_dec, host_s = _host_attention_exposed(model, hw, job, c, c_dec_a, dec_links)
     compute = c_pre_a + steps * c_dec_a
     total = compute + exp_pre + steps * exp_dec
     busy = {link: pre_links[link] + steps * dec_links[link] for link in pre_links}
@@ -319,6 +374,7 @@ def price(
         resident_weight_blocks=kw,
         host_weight_blocks=mem.host_weight_blocks,
         prefill_micro_batch=np.full_like(kw, mem.prefill_micro_batch),
+        host_attention_seconds=np.full_like(kw, steps * host_s),
     )
 
 
@@ -334,6 +390,8 @@ class PricedPredictCandidate:
     """Tier of the KV cache."""
     price: PredictPrice[float]
     """Its bytes per tier and seconds per batch."""
+    host_attention: bool = False
+    """Whether decode attention runs on the host's cores (the cache on the host)."""
 
 
 def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
@@ -350,6 +408,26 @@ def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], lis
     return depths, cs, np.array(ks, dtype=np.float64)
 
 
+def kv_options(hw: HardwareProfile, ov: PlanOverrides) -> list[tuple[Tier, bool]]:
+    """The (KV cache tier, attention on the host) pairs the search tries: the cache on the
+    device or the host, attended where the device is; attention on the host beside a CUDA
+    device only where ``ov.decode_attention`` asks for it (the engine runs it on a CPU
+    device only) and the profile prices the host's memory reads."""
+    if ov.decode_attention is Tier.DEVICE:
+        return [(Tier.DEVICE, False), (Tier.HOST, False)]
+    if ov.decode_attention is not Tier.HOST:
+        return [(Tier.DEVICE, False), (Tier.HOST, False)]
+    if hw.device_type == "cpu":  # the device is the host: it reads the cache in place
+        return [(Tier.HOST, False)]
+    if hw.host_memory_bandwidth <= 0:
+        raise ValueError(
+            f"decode attention on the host asked for, but {hw.name} has host_memory_bandwidth "
+            "= 0 (not measured): measure the machine or give the profile the bytes/s its "
+            "cores read host memory at"
+        )
+    return [(Tier.HOST, True)]
+
+
 def search(
     model: ModelProfile,
     hw: HardwareProfile,
@@ -362,8 +440,8 @@ def search(
     best: tuple[tuple[float, ...], PricedPredictCandidate] | None = None
     for depth in depths:
         for c in cs:
-            for kv in (Tier.DEVICE, Tier.HOST):
-                a = price(model, hw, job, ov, budgets, depth, c, kv, kw)
+            for kv, on_host in kv_options(hw, ov):
+                a = price(model, hw, job, ov, budgets, depth, c, kv, kw, host_attn=on_host)
                 ok = np.flatnonzero(a.feasible > 0)
                 if ok.size == 0:
                     continue
@@ -375,7 +453,9 @@ def search(
                 tie = (-float(c), float(kv is Tier.HOST), -float(depth), float(a.device_bytes[i]))
                 key = (float(a.seconds_per_token[i]), *tie)
                 if best is None or key < best[0]:
-                    picked = PricedPredictCandidate(depth=depth, concurrent=c, kv=kv, price=a.at(i))
+                    picked = PricedPredictCandidate(
+                        depth=depth, concurrent=c, kv=kv, price=a.at(i), host_attention=on_host
+                    )
                     best = (key, picked)
     return None if best is None else best[1]
 
@@ -389,7 +469,10 @@ def diagnose(
 ) -> str:
     """Why nothing fits: the shortfall per tier and the smallest change that fits."""
     depths, cs, kw = _options(model.num_blocks, job, ov)
-    a = price(model, hw, job, ov, budgets, depths[0], cs[0], Tier.HOST, kw[:1]).at(0)
+    on_host = kv_options(hw, ov)[-1][1]
+    a = price(
+        model, hw, job, ov, budgets, depths[0], cs[0], Tier.HOST, kw[:1], host_attn=on_host
+    ).at(0)
     dev, host, nvme = a.device_bytes, a.host_bytes, a.nvme_bytes
     fmt = format_bytes
     dev_b, host_b, nvme_b = budgets[Tier.DEVICE], budgets[Tier.HOST], budgets[Tier.NVME]
@@ -414,126 +497,3 @@ def diagnose(
         f"and {nvme_desc}: add an NVMe path with >= {fmt(nvme / 0.95)} (--nvme-capacity) or "
         "more host memory"
     )
-
-
-def build_plan(
-    model: ModelProfile,
-    hw: HardwareProfile,
-    job: PredictJob,
-    overrides: PlanOverrides | None,
-    best: PricedPredictCandidate,
-    budgets: Mapping[Tier, int],
-) -> Plan:
-    """Turn the chosen candidate into a :class:`Plan` with reasons."""
-    v, n, c = best.price, model.num_blocks, best.concurrent
-    kw, w_h = int(v.resident_weight_blocks), int(v.host_weight_blocks)
-    pred = PredictedTime(
-        compute=v.compute_seconds,
-        nvme_read=v.nvme_read_seconds,
-        nvme_write=0.0,
-        h2d=v.h2d_seconds,
-        d2h=v.d2h_seconds,
-        optimizer=0.0,
-        exposed=max(0.0, v.batch_seconds - v.compute_seconds),
-        total=v.batch_seconds,
-    )
-    limited = cost.limited_by(v.exposed_pass_seconds, v.compute_seconds, c >= job.num_prompts)
-    processed = c * (job.prompt_len + job.new_tokens - 1) / v.batch_seconds
-    flops = cost.model_flops_per_token(model, "predict", job.total_len) * processed
-    micro_batch = int(v.prefill_micro_batch)
-    return Plan(
-        task="predict",
-        job=job,
-        model=model,
-        hardware=hw,
-        overrides=overrides,
-        micro_batch=micro_batch,
-        grad_accum=1,
-        concurrent_seqs=c,
-        tokens_per_pass=c,
-        placement=Placement(
-            weights=placement_tiers(n, kw, w_h),
-            master=(),
-            prefetch_depth=best.depth,
-            compute_dtype=job.compute_dtype,
-            kv_cache=best.kv,
-            prefill_tokens=micro_batch * job.prompt_len,
-        ),
-        memory=tier_memory(hw, budgets, v.device_bytes, v.host_bytes, v.nvme_bytes),
-        predicted=pred,
-        tokens_per_s=c * job.new_tokens / v.batch_seconds,
-        mfu=cost.flops_utilisation(flops, hw)[0],
-        model_flops=flops,
-        limited_by=limited,
-        roofline=predict_roofline(model, hw, job, best),
-        reasons=predict_reasons(model, hw, job, best, budgets, limited),
-    )
-
-
-def predict_roofline(
-    model: ModelProfile, hw: HardwareProfile, job: PredictJob, best: PricedPredictCandidate
-) -> Roofline:
-    """The roofline of a decode pass: its tokens are the concurrent sequences."""
-    v, n = best.price, model.num_blocks
-    kw, w_h = int(v.resident_weight_blocks), int(v.host_weight_blocks)
-    bw = cost.effective_bandwidths(hw)
-    streamed = best.kv is Tier.HOST and hw.device_type != "cpu"
-    kv_tok = float(model.kv_bytes_per_token * n) if streamed else 0.0
-    return Roofline(
-        flops_per_token=cost.forward_flops_per_token(model, job.mean_context),
-        device_flops=hw.device_flops * hw.compute_efficiency * hw.decode_efficiency,
-        bytes_per_pass={
-            Link.HOST_TO_DEVICE: float((n - kw) * model.block_params * job.compute_bytes),
-            Link.NVME_TO_HOST: float((n - kw - w_h) * model.block_params * job.compute_bytes),
-        },
-        # transformers' offloading cache moves the whole cache each way per decode pass
-        bytes_per_token={
-            Link.HOST_TO_DEVICE: job.cache_len * kv_tok,
-            Link.DEVICE_TO_HOST: job.cache_len * kv_tok,
-        },
-        bandwidth={k: b for k, b in bw.items() if b > 0},
-    )
-
-
-def predict_reasons(
-    model: ModelProfile,
-    hw: HardwareProfile,
-    job: PredictJob,
-    best: PricedPredictCandidate,
-    budgets: Mapping[Tier, int],
-    limited: str,
-) -> tuple[str, ...]:
-    """Why the plan is what it is, one sentence per decision."""
-    v, n, c = best.price, model.num_blocks, best.concurrent
-    kw, w_h = int(v.resident_weight_blocks), int(v.host_weight_blocks)
-    eff_flops = hw.device_flops * hw.compute_efficiency
-    # the paged weights come over the slowest link they cross: NVMe when some home there
-    link = Link.NVME_TO_HOST if n - kw - w_h > 0 else Link.HOST_TO_DEVICE
-    hide = cost.hide_tokens_per_pass(  # FLOPs of the active weights against all bytes (MoE)
-        2.0 * model.active_fraction,
-        2.0,
-        eff_flops * hw.decode_efficiency,
-        cost.effective_bandwidths(hw)[link],
-    )
-    kv_bytes = cost.kv_cache_bytes(model, c, job.total_len)
-    where = ""
-    if best.kv is Tier.HOST and hw.device_type != "cpu":
-        where = " (offloaded: the whole cache to the device and back each decode pass)"
-    elif best.kv is Tier.HOST:
-        where = " (RAM: the CPU reads it in place)"
-    reasons = [
-        f"a paged weight pass ({LINK_FIELDS[link].replace('_', ' ')}) hides behind compute from about "
-        f"{hide:,.0f} tokens per decode pass; chosen {c} concurrent sequences (limited by "
-        f"{limited})",
-        f"KV cache of {c} sequences x {job.total_len} tokens = {format_bytes(kv_bytes)} on "
-        f"{best.kv.value}{where}",
-        f"{kw} of {n} blocks resident with the device memory left; {w_h} paged blocks home on "
-        "host, the rest on NVMe",
-    ]
-    if hw.device_type == "cpu":
-        reasons.append(
-            f"CPU device: device and host tiers share RAM, planned as one pool of "
-            f"{format_bytes(cost.pooled_budget(hw, budgets) or 0)} "
-            f"({format_bytes(v.device_bytes)} device + {format_bytes(v.host_bytes)} host used)"
-        )
-    return tuple(reasons)

@@ -22,7 +22,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bb_lightning.planner import cost, data_parallel, fit_plan, fit_search, predict_search
+from bb_lightning.planner import (
+    cost,
+    data_parallel,
+    fit_plan,
+    fit_search,
+    predict_plan,
+    predict_search,
+)
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.plan import LINK_FIELDS, Plan, PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -158,7 +165,7 @@ def make_plan(
         best_p = predict_search.search(model, rank_hw, rank_job, ov, budgets)
         if best_p is None:
             raise PlanError(predict_search.diagnose(model, rank_hw, rank_job, ov, budgets))
-        plan = predict_search.build_plan(model, rank_hw, rank_job, overrides, best_p, budgets)
+        plan = predict_plan.build_plan(model, rank_hw, rank_job, overrides, best_p, budgets)
     if hardware.world_size == 1:
         return plan
     return dataclasses.replace(

@@ -1,0 +1,140 @@
+"""Decode attention on the host over a KV cache: bytes read per second, against a plain
+read of the same bytes and the planner's price for it.
+
+For each size (concurrent sequences x cached positions) it builds one layer's KV cache
+(``[seqs, kv_heads, positions, head_dim]`` keys and values, ``--dtype``) and times the
+engine's CPU decode attention (:func:`bb_lightning.engine.attention.decode_attention`, one
+query token per sequence) and a plain read of the same keys and values (``torch.sum``
+over each), best of repeats within ``--seconds``. It prints the cache's bytes over each
+time (GB/s), their ratio, and the planner's predicted seconds
+(:func:`bb_lightning.planner.host_attention.host_attention_seconds`) on the host memory
+bandwidth the hardware probe measures in the same run
+(:func:`bb_lightning.probe.host_memory.probe_host_read`), with measured / predicted. The
+first size's output is checked against torch's ``scaled_dot_product_attention``.
+
+Sizes whose cache exceeds ``--max-gib`` are skipped (the issue's 1024 sequences x 2048
+positions of an 8 x 128 GQA layer in bf16 is 8 GiB).
+
+Run: ``.venv/bin/python bench/host_attention.py [--seqs 64,256,1024] [--positions 512,2048]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import _common
+import torch
+from torch import nn
+
+from bb_lightning.engine.attention import decode_attention
+from bb_lightning.planner.host_attention import host_attention_seconds
+from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.probe.host_memory import probe_host_read
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _best_seconds(run: Callable[[], object], seconds: float) -> float:
+    """Least seconds of ``run()`` over repeats within ``seconds`` (at least three)."""
+    run()  # warm-up
+    best, runs = float("inf"), 0
+    deadline = time.perf_counter() + seconds
+    while runs < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+        runs += 1
+    return best
+
+
+def _read(*tensors: torch.Tensor) -> None:
+    """A plain read of ``tensors``: a sum over each."""
+    for t in tensors:
+        torch.sum(t)
+
+
+def _profile(heads: int, kv_heads: int, dim: int) -> ModelProfile:
+    """One attention layer's shape as the planner sees it (a single block)."""
+    return ModelProfile(
+        name="attention layer", num_blocks=1, hidden_size=heads * dim, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=dim, vocab_size=1, max_positions=0, block_params=0,
+        block_matmul_params=0, embed_params=0, head_params=0, final_params=0,
+        tied_embeddings=False, act_bytes_per_token_checkpointed=0, act_bytes_per_token_full=0,
+        kv_bytes_per_token=2 * kv_heads * dim * 2,
+    )  # fmt: skip
+
+
+def _host(bandwidth: float) -> HardwareProfile:
+    """This host as a profile priced on the probe's read bandwidth (the rest unused)."""
+    return HardwareProfile(
+        name="this host", device_type="cpu", device_memory=0, device_flops=1.0,
+        h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_memory=0, nvme_read_bandwidth=0.0,
+        nvme_write_bandwidth=0.0, nvme_capacity=0, host_adam_params_per_s=1.0, cores=1,
+        host_memory_bandwidth=bandwidth,
+    )  # fmt: skip
+
+
+def _check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """Largest absolute difference of decode attention's output from torch's sdpa (fp32)."""
+    ours, _ = decode_attention(nn.Module(), q, k, v, None)
+    group = q.shape[1] // k.shape[1]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    )
+    return float((ours.float() - ref.transpose(1, 2)).abs().max())
+
+
+def main() -> None:
+    """Print one line per size: GB/s of attention and of a plain read, predicted seconds."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seqs", default="64,256,1024", help="concurrent sequences, comma-separated")
+    ap.add_argument("--positions", default="512,2048", help="cached positions, comma-separated")
+    ap.add_argument("--heads", type=int, default=32, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    ap.add_argument("--head-dim", type=int, default=128, help="elements per head")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--seconds", type=float, default=2.0, help="timing budget per size, s")
+    ap.add_argument("--max-gib", type=float, default=4.0, help="largest cache to build, GiB")
+    args = ap.parse_args()
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}: fix one")
+    dtype = DTYPES[args.dtype]
+    print(_common.machine(None))
+    probe_bytes = 256 << 20
+    bandwidth = probe_host_read(min(args.seconds, 1.0), probe_bytes)
+    print(f"probe: host memory read {bandwidth / 1e9:.3f} GB/s (sum over {probe_bytes >> 20} MiB)")
+    profile, host = _profile(args.heads, args.kv_heads, args.head_dim), _host(bandwidth)
+    elem = torch.empty((), dtype=dtype).element_size()
+    checked = False
+    for seqs in (int(s) for s in args.seqs.split(",")):
+        for pos in (int(p) for p in args.positions.split(",")):
+            shape = (seqs, args.kv_heads, pos, args.head_dim)
+            nbytes = 2 * seqs * args.kv_heads * pos * args.head_dim * elem
+            if nbytes > args.max_gib * (1 << 30):
+                print(f"{seqs} seqs x {pos} positions: skipped ({nbytes / 2**30:.2f} GiB cache)")
+                continue
+            k, v = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+            q = torch.randn(seqs, args.heads, 1, args.head_dim, dtype=dtype)
+            if not checked:
+                err = _check_against_sdpa(q, k, v)
+                print(f"check: decode attention vs torch sdpa (fp32), max abs diff {err:.3g}")
+                checked = True
+            attend = _best_seconds(
+                partial(decode_attention, nn.Module(), q, k, v, None), args.seconds
+            )
+            read = _best_seconds(partial(_read, k, v), args.seconds)
+            predicted = host_attention_seconds(profile, host, seqs, pos - 1, elem)
+            print(
+                f"{seqs} seqs x {pos} positions ({nbytes / 2**20:.1f} MiB): attention "
+                f"{nbytes / attend / 1e9:.3f} GB/s, plain read {nbytes / read / 1e9:.3f} GB/s, "
+                f"attention / read = {read / attend:.3f}; predicted {predicted * 1e3:.4g} ms, "
+                f"measured {attend * 1e3:.4g} ms, measured / predicted = {attend / predicted:.3f}"
+            )
+            del k, v, q
+
+
+if __name__ == "__main__":
+    main()
