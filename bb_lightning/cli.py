@@ -460,10 +460,10 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     from bb_lightning.probe import model_profile_from_config
     from bb_lightning.session import compute_dtype
 
-    if command != "fit":
+    if command not in ("fit", "predict"):
         raise UsageError(
-            f"bb-lightning {command} --dry-run: only fit recipes dry-run; for generation use "
-            "bb-lightning plan --task predict --model MODEL --hardware PRESET --dry-run"
+            f"bb-lightning {command} --dry-run: only fit and predict recipes dry-run; drop "
+            "--dry-run"
         )
     cfg = parse_recipe([command, *argv])
     strategy = getattr(cfg.trainer.strategy, "init_args", None)
@@ -473,6 +473,13 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
             f"--dry-run plans for a named machine, but the recipe's hardware is {hardware!r}: "
             "add --trainer.strategy.init_args.hardware=PRESET (a100-80gb, h100, ...)"
         )
+    if command == "predict":  # one batch of the recipe's generation job
+        from bb_lightning.recipe_dryrun import predict_recipe_plan
+
+        plan, config, said = predict_recipe_plan(cfg, hardware)
+        print(plan.explain())
+        print(said)
+        return _dry_run(plan, config)
     if getattr(cfg.model.init_args, "lora", None) is not None:
         raise UsageError("--dry-run of a LoRA recipe is not supported: drop model.init_args.lora")
     spec = cfg.model.init_args.model  # a path, a hub id, a built-in name, a config mapping
