@@ -98,6 +98,8 @@ def build_engine(
     config (a dry run's :class:`storage.dry.DryStore`). Raises ``ValueError`` when the
     budgets cannot hold the placement; a failure leaves nothing open.
     """
+    if not training:
+        check_decode_attention(placement, device)
     external: dict[int, list[FilePiece]] = {}
     if not training and loader is not None:
         check_store_dtype(module, placement)
@@ -261,6 +263,18 @@ def _replan_room(
         if nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
             need[Tier.NVME] = 0
     return need
+
+
+def check_decode_attention(placement: Placement, device: torch.device) -> None:
+    """Refuse a placement whose decode attention runs on the host beside another device:
+    the generator attends where the model runs (on a CPU device, the host itself)."""
+    if placement.decode_attention is Tier.HOST and device.type != "cpu":
+        raise ValueError(
+            f"placement.decode_attention = host with the model on {device.type}: decode "
+            "attention runs on the device the model runs on (a host KV cache is copied to it "
+            "each step); plan without --decode-attention host (PlanOverrides.decode_attention"
+            "=None) or run on the CPU"
+        )
 
 
 def _configure_inference(module: nn.Module, placement: Placement) -> None:

@@ -137,6 +137,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-prompts", type=_positive_int, default=4096, help="predict: prompts in the job"
     )
+    p.add_argument(
+        "--decode-attention",
+        choices=("device", "host"),
+        default=None,
+        help="predict: 'host' plans the KV cache on the host with decode attention on the "
+        "host's cores beside a GPU (priced only: the engine attends on the host beside a CPU "
+        "device only); default: attention on the device",
+    )
     p.add_argument("--device-memory", help="device tier size, e.g. 24GiB (overrides the profile)")
     p.add_argument("--host-memory", help="host tier size, e.g. 128GiB (overrides the profile)")
     nv = p.add_mutually_exclusive_group()
@@ -300,7 +308,7 @@ def _positive_int(text: str) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from bb_lightning import world
-    from bb_lightning.planner import FitJob, PredictJob, make_plan, preset
+    from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
     from bb_lightning.probe import measure
 
     if args.plot:
@@ -331,6 +339,11 @@ def _plan(args: argparse.Namespace) -> int:
             )
         changes["nvme_capacity"] = sizes["nvme_capacity"]
     hw = world.with_world(hw.replace(**changes), args.devices * args.num_nodes, args.devices)
+    if args.decode_attention is not None and args.task != "predict":
+        raise UsageError(
+            f"--decode-attention {args.decode_attention} plans generation: use it with "
+            "--task predict"
+        )
     job: FitJob | PredictJob
     if args.task == "fit":
         seq = args.seq_len
@@ -341,7 +354,8 @@ def _plan(args: argparse.Namespace) -> int:
         job = PredictJob(
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.num_prompts
         )
-    plan = make_plan(model, hw, job)
+    overrides = PlanOverrides(decode_attention=args.decode_attention)
+    plan = make_plan(model, hw, job, overrides=overrides)
     print(plan.to_json() if args.json else plan.explain())
     if args.plot:
         from bb_lightning.planner.roofline import plot_roofline
