@@ -25,23 +25,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from bb_lightning.engine.hf_quirks import head_logits_of, unchunked_head
-from bb_lightning.planner.cost import FP32_BYTES, LOSS_FP32_BUFFERS
 
-__all__ = ["IGNORE_INDEX", "LOSS_CHUNK_BYTES", "auto_chunk_tokens", "causal_lm_loss"]
+__all__ = ["IGNORE_INDEX", "causal_lm_loss"]
 
 IGNORE_INDEX = -100
 """Label of a position the loss skips (transformers' and torch's ``ignore_index``)."""
-
-LOSS_CHUNK_BYTES = 1 << 30
-"""Device bytes one chunk of the loss may hold at its peak when the chunk is chosen from
-the vocabulary (:func:`auto_chunk_tokens`): 1 GiB."""
-
-
-def auto_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per loss chunk whose peak (three fp32 buffers of its logits, ``12 * vocab``
-    bytes per token) stays within :data:`LOSS_CHUNK_BYTES`: 697 at a 128,256-token
-    vocabulary, 2,796 at 32,000; at least 1."""
-    return max(1, LOSS_CHUNK_BYTES // (max(1, vocab_size) * FP32_BYTES * LOSS_FP32_BUFFERS))
 
 
 @contextmanager

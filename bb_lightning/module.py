@@ -24,13 +24,14 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.bounds import check_int, check_number
-from bb_lightning.causal_loss import auto_chunk_tokens, causal_lm_loss
+from bb_lightning.causal_loss import causal_lm_loss
 from bb_lightning.converted import ConvertedStore, converted_store, load_converted, store_config
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.hf_quirks import resolve_model
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model
 from bb_lightning.lora import LoraOptions, require_peft, wrap_lora
+from bb_lightning.planner.cost import loss_chunk_tokens
 from bb_lightning.planner.models import BUILTIN_MODELS
 from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
@@ -255,7 +256,7 @@ class CausalLMModule(pl.LightningModule):
         loss runs whole (``loss_chunk_tokens=0``): what a planner prices the loss's logits at."""
         chunk = self.hparams.get("loss_chunk_tokens")
         if chunk is None:
-            return auto_chunk_tokens(int(self._config.get_text_config().vocab_size))
+            return loss_chunk_tokens(int(self._config.get_text_config().vocab_size))
         return int(chunk) or None
 
     def adamw_config(self) -> AdamWConfig:

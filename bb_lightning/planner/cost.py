@@ -9,7 +9,7 @@ at once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ __all__ = [
     "BF16_BYTES",
     "FP32_BYTES",
     "GIB",
+    "LOSS_CHUNK_BYTES",
     "activation_bytes",
     "budgets",
     "compute_seconds",
@@ -36,6 +37,8 @@ __all__ = [
     "kv_cache_bytes",
     "link_seconds",
     "logits_bytes",
+    "loss_chunk_tokens",
+    "loss_tokens",
     "model_flops_per_token",
     "nvme_budget",
     "optimizer_exposed_seconds",
@@ -337,6 +340,24 @@ def activation_bytes(
 
 LOSS_FP32_BUFFERS = 3
 """fp32 buffers of the logits' size the training loss holds at once (:func:`logits_bytes`)."""
+
+
+LOSS_CHUNK_BYTES = 1 << 30
+"""Device bytes one chunk of a chunked loss may hold at its peak when its size is chosen
+from the vocabulary (:func:`loss_chunk_tokens`): 1 GiB."""
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of a chunked loss (``CausalLMModule``'s default) whose peak,
+    :func:`logits_bytes` of the chunk (``12 * vocab`` bytes per token), stays within
+    :data:`LOSS_CHUNK_BYTES`: 697 at a 128,256-token vocabulary, 2,796 at 32,000; >= 1."""
+    return max(1, LOSS_CHUNK_BYTES // (max(1, vocab_size) * FP32_BYTES * LOSS_FP32_BUFFERS))
+
+
+def loss_tokens(tokens: Any, chunk: int | None) -> Any:
+    """Tokens whose logits the loss holds at once: the pass's ``tokens`` (an array or a
+    number), or at most ``chunk`` of them when the loss runs in chunks (None: whole)."""
+    return tokens if chunk is None else np.minimum(tokens, chunk)
 
 
 def logits_bytes(model: ModelProfile, tokens: int) -> int:

@@ -60,6 +60,8 @@ class FitSizes:
     """Sequences per forward/backward pass."""
     grad_accum: int
     """Micro-batches per optimizer step."""
+    loss_chunk_tokens: int | None = None
+    """Tokens whose logits the loss holds at once (None: the whole pass's)."""
 
 
 def fit_sizes(model: ModelProfile, hw: HardwareProfile, job: FitJob, mb: int) -> FitSizes:
@@ -79,6 +81,7 @@ def fit_sizes(model: ModelProfile, hw: HardwareProfile, job: FitJob, mb: int) ->
         seq_len=job.seq_len,
         micro_batch=mb,
         grad_accum=math.ceil(job.seqs_per_step / mb),
+        loss_chunk_tokens=job.loss_chunk_tokens,
     )
 
 
@@ -165,7 +168,7 @@ def _device_and_staging_bytes(
         + in_flight
         + collective
         + cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept)
-        + cost.logits_bytes(model, mb * sz.seq_len)
+        + cost.logits_bytes(model, cost.loss_tokens(mb * sz.seq_len, sz.loss_chunk_tokens))
     )
     # host bytes outside the store: the engine's setup, then the pages and gradients in flight
     setup = cost.setup_host_bytes(sz.rest_train_params, bb / wb, ps)

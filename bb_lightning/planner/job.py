@@ -51,9 +51,15 @@ class FitJob:
     compute_dtype: str = "bfloat16"
     """Dtype the device computes in (weights, their copies and gradients), a key of
     :data:`~bb_lightning.placement.DTYPE_BYTES`."""
+    loss_chunk_tokens: int | None = None
+    """Tokens whose logits the training loss holds at once, when its head and cross-entropy
+    run in chunks (``CausalLMModule``'s ``loss_chunk_tokens``); None: the whole pass's, as
+    transformers' loss holds them for a module that calls the model with ``labels``."""
 
     def __post_init__(self) -> None:
         _positive("FitJob", "seq_len", self.seq_len)
+        if self.loss_chunk_tokens is not None:
+            _positive("FitJob", "loss_chunk_tokens", self.loss_chunk_tokens)
         _dtype("FitJob", self.compute_dtype)
         if (self.global_batch_tokens is None) == (self.global_batch_seqs is None):
             raise ValueError(

@@ -14,9 +14,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.causal_loss import auto_chunk_tokens, causal_lm_loss
+from bb_lightning.causal_loss import causal_lm_loss
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
+from bb_lightning.planner.cost import loss_chunk_tokens
 from storage.tiers import Tier
 
 from .families import FAMILIES
@@ -107,7 +108,7 @@ def test_module_chunks_by_default_and_its_loss_is_transformers() -> None:
     whole = CausalLMModule(config, loss_chunk_tokens=0)
     assert whole.loss_chunk_tokens is None
     assert CausalLMModule(config).loss_chunk_tokens == 1_073_741_824 // (VOCAB * 12)
-    assert auto_chunk_tokens(128_256) == 697  # 12 bytes per token per entry within 1 GiB
+    assert loss_chunk_tokens(128_256) == 697  # 12 bytes per token per entry within 1 GiB
     chunked = CausalLMModule(config, loss_chunk_tokens=4)
     assert chunked.loss_chunk_tokens == 4
     for module in (whole, chunked):
