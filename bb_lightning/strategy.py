@@ -11,12 +11,8 @@ controller (:mod:`bb_lightning.adapt`) re-plans from measured step times. The li
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import pickle
-import tempfile
-import weakref
-from collections.abc import Callable, Generator, Mapping
+import functools
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,16 +20,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -41,66 +32,49 @@ from typing_extensions import override
 
 from bb_lightning import assembly, session, world
 from bb_lightning.adapt import AdaptController
+from bb_lightning.calls import call_placement, checkpointing_off, end_call, host_step
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine.flat import dtype_name
-from bb_lightning.engine.hf_quirks import activation_checkpointing_off, activation_checkpointing_on
+from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine
+from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
 from bb_lightning.engine.shard import ShardComm
-from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_groups_from_optimizer
-from bb_lightning.handback import budget_room, handback_dtype
+from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.handback import handback_dtype
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
 from bb_lightning.register import STRATEGY_NAME, add_to
 from bb_lightning.session import ComputeDtype, clip_config
+from bb_lightning.settings import HandBackConfig, PlanningConfig, grouped
 from bb_lightning.structure import find_block_list
 from bb_lightning.summary import describe_placement, use_paged_summary
 from storage.store import StoreConfig, TieredStore
 
-__all__ = ["BalanceBeamStrategy"]
+__all__ = ["BalanceBeamStrategy", "HandBackConfig", "PlanningConfig"]
 
 
 class BalanceBeamStrategy(ParallelStrategy):
     """Strategy that pages transformer blocks through a three-tier store, one device per
     process; with ``devices=G, num_nodes=M`` (G x M > 1) data parallel over G x M ranks.
 
-    Data parallelism: every rank pages a full copy of the weights and holds its shard of
-    the optimizer state (:mod:`bb_lightning.engine.shard`); rank 0 plans and every rank
-    runs its placement; each rank's NVMe tier is ``<nvme_path>/rank<global rank>``;
-    checkpoints go to a directory every rank sees. Processes are started by Lightning's
-    script launcher (``start_method="popen"``), torchrun or srun.
+    Data parallelism (:mod:`bb_lightning.world`): every rank pages a full copy of the
+    weights and holds its shard of the optimizer state; rank 0 plans; ranks are started by
+    Lightning's script launcher (``start_method="popen"``), torchrun or srun.
+
+    Settings come in groups, or as flat keyword arguments of the same names (as recipes
+    and LightningCLI give them); a setting given both ways is refused.
 
     Args:
         store: budgets (bytes) and NVMe directory of the tensor store; None sizes
             the budgets from the placement (what it needs, plus 1 MiB each).
-        placement: per-block homes and prefetch depth; None asks the planner.
+        planning: how the blocks are placed and the optimizer steps run
+            (:class:`~bb_lightning.settings.PlanningConfig`: ``placement``,
+            ``compute_dtype``, ``overrides``, ``job``, ``hardware``, ``warmup_steps``,
+            ``adapt_tolerance``, ``overlap_optimizer``, each documented there).
+        hand_back: what the module holds at the end of every ``trainer.*`` call
+            (:class:`~bb_lightning.settings.HandBackConfig`: ``gather_on_teardown``,
+            ``gather_limit``).
         nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
             directory, removed at close, only when overrides force NVMe tiers).
-        compute_dtype: ``"bf16"`` or ``"fp32"``; None follows the Trainer's precision
-            (``"bf16-true"``/``"bf16-mixed"`` -> bf16, ``"32-true"`` -> fp32).
-        overrides: choices forced on the planner (tiers, prefetch depth). Where no
-            plan can be made (no Hugging Face model, or not fitting) only
-            ``weights_tier``, ``master_tier`` and ``prefetch_depth`` are read.
-        job: the fit job (sequence length, global batch); None derives it from the
-            Trainer and the first batch. The DataLoader's batch size and the
-            accumulation stay the caller's. A :class:`PredictJob` plans ``predict``
-            (None derives it: see :func:`predict_job`).
-        hardware: a preset name, a :class:`HardwareProfile`, or ``"measure"`` / None
-            (measure this machine, cached).
-        warmup_steps: optimizer steps measured before comparing with the plan (>= 1).
-        adapt_tolerance: relative difference of measured and predicted phase times
-            that triggers a re-plan; None only logs the comparison.
-        overlap_optimizer: step each block during backward when no clipping is set.
-        gather_on_teardown: at the end of every ``trainer.*`` call, None gives the
-            module its trained weights back (host fp32 parameters; the store stays
-            open for the next call) when they fit ``gather_limit``, else leaves them
-            in the store (``state_dict()`` raises naming ``bb-lightning export``,
-            ``save_pretrained`` streams from the store); True always gives them back
-            and closes the store (:meth:`gather_full_model`); False always leaves
-            them in the store.
-        gather_limit: most bytes of weights given back to the module's parameters (in
-            the dtype they are given back in: bf16 under ``"bf16-true"``); None: 80% of the host memory available at that time (with
-            several ranks, the rank with the least) and, with ``store`` given, at most
-            what its ``host_budget`` leaves beside the store's host arena.
         parallel_devices: the devices of this node's ranks; None: the Trainer's.
         cluster_environment: where ranks come from; None: Lightning's detection
             (torchrun, SLURM, ..., else its own launcher).
@@ -119,8 +93,10 @@ class BalanceBeamStrategy(ParallelStrategy):
         self,
         *,
         store: StoreConfig | None = None,
-        placement: Placement | None = None,
+        planning: PlanningConfig | None = None,
+        hand_back: HandBackConfig | None = None,
         nvme_path: str | None = None,
+        placement: Placement | None = None,
         compute_dtype: ComputeDtype | None = None,
         overrides: PlanOverrides | None = None,
         job: FitJob | PredictJob | None = None,
@@ -139,7 +115,7 @@ class BalanceBeamStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen"] = "popen",
     ) -> None:
-        check_start_method(start_method)
+        world.check_start_method(start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -157,11 +133,20 @@ class BalanceBeamStrategy(ParallelStrategy):
         self.start_method = start_method
         self._comm: ShardComm | None = None
         """The engine's collectives (world size > 1), made once after the world group."""
-        session.check_settings(compute_dtype, gather_limit, store, nvme_path, hardware=hardware)
-        self._adapt = AdaptController(warmup_steps=warmup_steps, tolerance=adapt_tolerance)
-        self.overlap_optimizer = overlap_optimizer
-        self.gather_on_teardown = gather_on_teardown
-        self.gather_limit = gather_limit
+        plan, back = grouped(
+            planning, hand_back, placement=placement, compute_dtype=compute_dtype,
+            overrides=overrides, job=job, hardware=hardware, warmup_steps=warmup_steps,
+            adapt_tolerance=adapt_tolerance, overlap_optimizer=overlap_optimizer,
+            gather_on_teardown=gather_on_teardown, gather_limit=gather_limit,
+        )  # fmt: skip
+        session.check_settings(
+            plan.compute_dtype, back.gather_limit, store, nvme_path, hardware=plan.hardware
+        )
+        self._adapt = AdaptController(
+            warmup_steps=plan.warmup_steps, tolerance=plan.adapt_tolerance
+        )
+        self.overlap_optimizer = plan.overlap_optimizer
+        self.gather_on_teardown, self.gather_limit = back.gather_on_teardown, back.gather_limit
         self._slot = assembly.EngineSlot()
         """The engine, its store, and where the module's weights are between calls."""
         self._checkpointing: list[torch.nn.Module] = []
@@ -173,12 +158,9 @@ class BalanceBeamStrategy(ParallelStrategy):
         self.plan_metrics: dict[str, float] = self._adapt.metrics
         """Predicted and measured seconds per step after warm-up (``self.log``-able)."""
         self.store_config = store
-        self.placement = placement
         self.nvme_path = nvme_path
-        self.compute_dtype = compute_dtype
-        self.overrides = overrides
-        self.job = job
-        self.hardware = hardware
+        self.placement, self.compute_dtype, self.job = plan.placement, plan.compute_dtype, plan.job
+        self.overrides, self.hardware = plan.overrides, plan.hardware
 
     @property
     def warmup_steps(self) -> int:
@@ -207,14 +189,6 @@ class BalanceBeamStrategy(ParallelStrategy):
         """The tensor store of the engine (None before ``setup`` and after :meth:`close`)."""
         return self._slot.store
 
-    @property
-    def _tmpdir(self) -> tempfile.TemporaryDirectory[str] | None:
-        return self._slot.tmpdir
-
-    @property
-    def _finalizer(self) -> weakref.finalize[Any, Any] | None:
-        return self._slot.finalizer
-
     # -- devices and ranks --------------------------------------------------------
 
     @property
@@ -222,15 +196,7 @@ class BalanceBeamStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         """This rank's device: the Trainer's devices at the local rank (``accelerator="cpu"``
         -> cpu, ``devices=[i]`` -> cuda:i); CUDA device 0 when visible outside a Trainer."""
-        devices = self.parallel_devices
-        if not devices:
-            return self._root_device
-        if self.local_rank >= len(devices):
-            raise ValueError(
-                f"local rank {self.local_rank} has no device among {devices}: give the Trainer "
-                "as many devices as processes per node (devices=...)"
-            )
-        return torch.device(devices[self.local_rank])
+        return world.rank_device(self.parallel_devices, self.local_rank, self._root_device)
 
     @property
     def num_nodes(self) -> int:
@@ -260,9 +226,7 @@ class BalanceBeamStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str:
         """Backend of the world process group (the constructor's, else by device)."""
-        if self._process_group_backend is not None:
-            return self._process_group_backend
-        return "gloo" if self.root_device.type == "cpu" else "cpu:gloo,cuda:nccl"
+        return self._process_group_backend or world.default_backend(self.root_device)
 
     @override
     def _configure_launcher(self) -> None:
@@ -283,13 +247,9 @@ class BalanceBeamStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        created = not torch.distributed.is_initialized()
-        _init_dist_connection(self.cluster_environment, self.process_group_backend, **kwargs)
-        if created:
-            world.destroy_group_at_exit()
+        world.join_world(
+            self.cluster_environment, self.process_group_backend, self._timeout, self.root_device
+        )
 
     def set_world_ranks(self) -> None:
         """Global rank = node rank x processes per node + local rank; world = nodes x processes."""
@@ -304,21 +264,12 @@ class BalanceBeamStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (nothing with one process)."""
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        world.wait_for_ranks(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself with one process)."""
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return world.broadcast_object(obj, src)
 
     @override
     def reduce(
@@ -352,13 +303,8 @@ class BalanceBeamStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             session.check_clipping(trainer, module)  # fails before anything is built
         self._slot.take_back(module)
-        self._checkpointing = activation_checkpointing_off(module)
-        if self._checkpointing:
-            rank_zero_info(
-                f"balance_beam: the model's activation checkpointing is off during "
-                f"trainer.{getattr(trainer.state.fn, 'value', 'fit')} (paged blocks are "
-                "recomputed in backward by balance_beam itself) and on again after it"
-            )
+        call = getattr(trainer.state.fn, "value", "fit")
+        self._checkpointing = checkpointing_off(module, call)
         use_paged_summary(trainer)  # the model summary counts the paged blocks' real sizes
         fit_state = self.engine is not None and self.engine.model is module
         if trainer.state.fn == TrainerFn.FITTING:
@@ -380,23 +326,21 @@ class BalanceBeamStrategy(ParallelStrategy):
         """The engine of this call, over a store sized for the placement (closed first)."""
         self.close()
         _, blocks = find_block_list(module)
-        loader = assembly.checkpoint_loader(
-            module, generation=trainer.state.fn == TrainerFn.PREDICTING
-        )
-        if self.placement is None:
-            placement = self._plan(module, len(blocks), trainer)
-        else:  # the placement given, computing in the resolved dtype
-            dtype = dtype_name(self.resolved_dtype())
-            placement = dataclasses.replace(self.placement, compute_dtype=dtype)
-        rank, ranks = self.global_rank, self.world_size
-        world.make_shared_nvme_dir(self.nvme_path, ranks)
-        if self.store_config is not None:
-            world.make_shared_nvme_dir(self.store_config.nvme_path, ranks)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        loader = assembly.checkpoint_loader(module, generation=predicting)
+        placement, plan = call_placement(
+            module, trainer, len(blocks), given=self.placement, overrides=self.overrides,
+            hardware=self.hardware, job=self.job, nvme_path=self.nvme_path,
+            dtype=self.resolved_dtype(), device=self.root_device, ranks=self,
+            ranks_per_node=max(1, self.num_processes),
+        )  # fmt: skip
+        if plan is not None:
+            self._adopt(plan)
+        ranks = self.world_size
+        nvme, store = world.rank_stores(self.nvme_path, self.store_config, self.global_rank, ranks)
         built = assembly.build_engine(
-            module, list(blocks), placement, training=training,
-            device=self.root_device, loader=loader,
-            store=world.rank_store_config(self.store_config, rank, ranks),
-            nvme_path=world.rank_nvme_path(self.nvme_path, rank, ranks), plan=self.plan,
+            module, list(blocks), placement, training=training, device=self.root_device,
+            loader=loader, store=store, nvme_path=nvme, plan=self.plan,
             comm=self.shard_comm() if ranks > 1 else None,  # one process: no collectives
         )  # fmt: skip
         self._slot.hold(built, self)
@@ -407,66 +351,6 @@ class BalanceBeamStrategy(ParallelStrategy):
         if self._comm is None:
             self._comm = ShardComm.from_world(timeout=self._timeout)
         return self._comm
-
-    def _plan(self, module: pl.LightningModule, num_blocks: int, trainer: pl.Trainer) -> Placement:
-        """Plan the job of this call (:mod:`bb_lightning.session`); adopt the plan."""
-        hardware = self.hardware
-        if self.world_size > 1 and (hardware is None or hardware == "measure"):
-            hardware = self._measured_nodes()
-        planning = session.PlanningSession(
-            overrides=self.overrides, hardware=hardware, nvme_path=self.nvme_path,
-            dtype=self.resolved_dtype(), device=self.root_device,
-            world_size=self.world_size, ranks_per_node=max(1, self.num_processes),
-        )  # fmt: skip
-        job = session.read_job(trainer, module, self.job, world_size=self.world_size)
-        if self.world_size == 1:
-            placement, plan = planning.place(session.hf_model(module), job, num_blocks)
-        else:  # rank 0 plans, every rank runs its placement
-            placement, plan = self._planned_on_rank_zero(
-                lambda: planning.place(session.hf_model(module), job, num_blocks)
-            )
-            if not self.is_global_zero:
-                session.follow_plan(job, plan)
-        if plan is not None:
-            self._adopt(plan)
-        return placement
-
-    def _measured_nodes(self) -> HardwareProfile:
-        """The local rank 0 of each node measures it (cached per machine) while its other
-        ranks wait; every rank gets the slowest node's figures (:func:`world.slowest_node`).
-        A rank whose measurement fails makes every rank raise, none waits."""
-        mine: HardwareProfile | str | None = None
-        if self.local_rank == 0:
-            try:
-                mine = session.measure_machine(self.nvme_path)
-            except Exception as err:
-                mine = f"rank {self.global_rank} cannot measure its node: {err}"
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, mine)
-        failed = [g for g in gathered if isinstance(g, str)]
-        if failed:
-            raise RuntimeError("; ".join(failed))
-        return world.slowest_node(gathered)
-
-    def _planned_on_rank_zero(
-        self, place: Callable[[], tuple[Placement, Plan | None]]
-    ) -> tuple[Placement, Plan | None]:
-        """``place()`` run on rank 0, its result (or its error) broadcast to every rank."""
-        outcome: tuple[Placement, Plan | None] | BaseException | None = None
-        failed: Exception | None = None
-        if self.is_global_zero:
-            try:
-                outcome = place()
-            except Exception as err:  # the other ranks raise it too, not wait for a plan
-                failed = err
-                outcome = err if _picklable(err) else RuntimeError(f"rank 0 cannot plan: {err}")
-        outcome = self.broadcast(outcome)
-        if failed is not None:
-            raise failed
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        return outcome
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
@@ -484,28 +368,13 @@ class BalanceBeamStrategy(ParallelStrategy):
             super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             adamw_groups_from_optimizer(optimizer)
-            optimizer.step = self._host_step(optimizer)  # type: ignore[method-assign]
+            optimizer.step = host_step(  # type: ignore[method-assign]
+                optimizer, engine=lambda: self.engine, trainer=self._trainer,
+                overlap=lambda: self.overlap_optimizer, after=self._after_step,
+            )  # fmt: skip
 
-    def _host_step(self, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-        def step(closure: Callable[[], Any] | None = None) -> Any:
-            # Called at the accumulation boundary, before the window's last backward (in
-            # the closure); the lr read now is this step's (schedulers step afterwards).
-            trainer = self.lightning_module.trainer if self.lightning_module else None
-            clip = clip_config(trainer)
-            adamw = adamw_groups_from_optimizer(optimizer)
-            engine = self.engine
-            assert engine is not None
-            if self.overlap_optimizer and clip.value is None and closure is not None:
-                engine.begin_overlapped_step(adamw)
-            loss = closure() if closure is not None else None
-            engine.optimizer_step(adamw, clip)
-            optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers
-            self._after_step()
-            return loss
-
-        # torch's LR schedulers take a step marked so as recording ``_opt_called`` (above).
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        return step
+    def _trainer(self) -> pl.Trainer | None:
+        return self.lightning_module.trainer if self.lightning_module else None
 
     # -- measure, then adapt -------------------------------------------------------
 
@@ -516,26 +385,21 @@ class BalanceBeamStrategy(ParallelStrategy):
         engine = self.engine
         if engine is not None and not engine.timer.in_step:
             self._adapt.begin_step(engine)
-            trainer = self.lightning_module.trainer if self.lightning_module else None
-            if self.overlap_optimizer and clip_config(trainer).value is None:
+            if self.overlap_optimizer and clip_config(self._trainer()).value is None:
                 engine.read_state_ahead()  # this window ends in an overlapped step
 
     def _after_step(self) -> None:
         engine = self.engine
         assert engine is not None
-        reduce_max = None if self.world_size == 1 else self._reduce_max
+        reduce_max = (
+            None if self.world_size == 1 else world.max_over_ranks(self.reduce, self.root_device)
+        )
         replanned = self._adapt.end_step(engine, self.plan, self._log_metrics, reduce_max)
         if replanned is not None:
             self._adopt(replanned)
 
-    def _reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (host) all-reduced with MAX over the ranks (the world group, on this
-        rank's device: an NCCL-only world reduces no host tensors); returned on the host."""
-        result: torch.Tensor = self.reduce(tensor.to(self.root_device), reduce_op="max")
-        return result.cpu()
-
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module else None
+        trainer = self._trainer()
         if trainer is not None and trainer.logger is not None:
             trainer.logger.log_metrics(dict(metrics), step=trainer.global_step)
 
@@ -611,20 +475,14 @@ class BalanceBeamStrategy(ParallelStrategy):
                 "save after trainer.fit has started"
             )
         weights_only = "optimizer_states" not in checkpoint
+        save = functools.partial(
+            ckpt.save_checkpoint, self.engine, trainer_state=checkpoint, weights_only=weights_only
+        )
         if self.world_size == 1:
-            ckpt.save_checkpoint(self.engine, filepath, checkpoint, weights_only=weights_only)
-            return
-        # several ranks: all take part in the state's gathers, rank 0 writes
-        path = self.broadcast(str(filepath))
-        world.check_shared_directory(
-            os.path.dirname(os.path.abspath(path)),
-            global_rank=self.global_rank, barrier=self.barrier, broadcast=self.broadcast,
-            all_true=self.reduce_boolean_decision,
-        )  # fmt: skip
-        if self.is_global_zero:
-            ckpt.save_checkpoint(self.engine, path, checkpoint, weights_only=weights_only)
-        else:
-            ckpt.follow_save(self.engine, weights_only=weights_only)
+            save(filepath)
+        else:  # several ranks: all take part in the state's gathers, rank 0 writes
+            follow = functools.partial(ckpt.follow_save, self.engine, weights_only=weights_only)
+            world.save_on_ranks(self, filepath, save, follow)
 
     @override
     def load_checkpoint(
@@ -644,23 +502,16 @@ class BalanceBeamStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
-        calls = self._slot.calls
-        if calls is not None:
-            dtype = handback_dtype(self.precision_plugin.precision)  # as plain Lightning leaves it
-            stopped = self._stopped_with_error()
-            if stopped is None:
-                calls.settle()
-            else:  # a collective still queued may fail now that another rank is gone
-                with contextlib.suppress(Exception):
-                    calls.settle()
-            agree = None if self.world_size == 1 else self.reduce_boolean_decision
-            store = self._slot.store  # a StoreConfig given: its host budget caps the copy too
-            room = None if self.store_config is None or store is None else budget_room(store)
-            self._slot.hand_back(
-                self, dtype, self.gather_on_teardown, self.gather_limit, agree,
-                share=max(1, self.num_processes) if self.world_size > 1 else 1,
-                stopped=stopped, room=room,
-            )  # fmt: skip
+        module = self.lightning_module
+        end_call(
+            self._slot, self, module.trainer if module is not None and module._trainer else None,
+            ranks=self, ranks_per_node=self.num_processes,
+            dtype=handback_dtype(self.precision_plugin.precision),  # as plain Lightning leaves it
+            hand_back=HandBackConfig(
+                gather_on_teardown=self.gather_on_teardown, gather_limit=self.gather_limit
+            ),
+            budget_given=self.store_config is not None,
+        )  # fmt: skip
         activation_checkpointing_on(self._checkpointing)
         self._checkpointing = []
         if self.cluster_environment is not None and self.world_size > 1:
@@ -669,21 +520,6 @@ class BalanceBeamStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    def _stopped_with_error(self) -> str | None:
-        """Why the weights stay in the store when this ``trainer.*`` call of several ranks
-        ended in an error (None otherwise): the other ranks may have stopped, and giving
-        the weights back takes collectives with every rank."""
-        module = self.lightning_module
-        trainer = module.trainer if module is not None and module._trainer else None
-        if self.world_size == 1 or trainer is None:
-            return None
-        if trainer.state.status != TrainerStatus.INTERRUPTED:
-            return None
-        return (
-            f"the call stopped with an error on rank {self.global_rank} of {self.world_size}, "
-            "so no rank gathers the weights"
-        )
 
     def gather_full_model(self) -> torch.nn.Module:
         """Put the weights into the module's parameters (host); close the store.
@@ -723,22 +559,3 @@ class BalanceBeamStrategy(ParallelStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
-
-
-def _picklable(obj: object) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:
-        return False
-    return True
-
-
-def check_start_method(start_method: str) -> None:
-    """Refuse a start method other than ``"popen"`` (the script launcher, torchrun, srun)."""
-    if start_method != "popen":
-        raise ValueError(
-            f"start_method={start_method!r}: balance_beam cannot run under {start_method}: "
-            "that launcher returns the module's state_dict to the parent process, and paged "
-            "weights are not in the module; use start_method='popen' (the default), torchrun "
-            "or srun"
-        )

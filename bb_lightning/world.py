@@ -1,7 +1,8 @@
 """The strategy's side of data parallelism: what each rank keeps apart and what the ranks agree on.
 
-Pure helpers of :class:`~bb_lightning.strategy.BalanceBeamStrategy` for ``world_size``
+Helpers of :class:`~bb_lightning.strategy.BalanceBeamStrategy` for ``world_size``
 N > 1 (``Trainer(devices=G, num_nodes=M)``, N = G x M); with N = 1 each returns its input.
+Those that take :class:`Ranks` (the strategy) are collectives: every rank calls them.
 
 - Each rank's NVMe tier in ``<nvme_path>/rank<global_rank>`` (:func:`rank_nvme_path`): the
   tier locks its directory, so two ranks cannot share one; ``nvme_path`` itself is marked
@@ -12,8 +13,14 @@ N > 1 (``Trainer(devices=G, num_nodes=M)``, N = G x M); with N = 1 each returns 
 - The measured phase times of the re-plan decision are the slowest rank's
   (:func:`slowest_times`), so every rank re-plans, or not, at the same step.
 - A checkpoint directory must be one every rank sees (:func:`check_shared_directory`).
-- The process group the strategy created is destroyed before the interpreter is torn
-  down (:func:`destroy_group_at_exit`).
+- The world process group: joined in the strategy's ``setup_environment``
+  (:func:`join_world`), destroyed before the interpreter is torn down
+  (:func:`destroy_group_at_exit`); only ``start_method="popen"`` starts ranks
+  (:func:`check_start_method`).
+- Rank 0 plans and every rank takes its result, or its error (:func:`on_rank_zero`); the
+  local rank 0 of each node measures it (:func:`measured_nodes`); rank 0 writes a
+  checkpoint while the others take part in its gathers (:func:`save_on_ranks`); a call
+  that ended in an error on some rank gathers nothing (:func:`stopped_with_error`).
 """
 
 from __future__ import annotations
@@ -22,32 +29,57 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import pickle
 import re
 import secrets
 import socket
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.pytorch.trainer.states import TrainerStatus
 
 from bb_lightning.planner import HardwareProfile, MeasuredTimes
 from storage import scratch
 from storage.store import StoreConfig
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 __all__ = [
     "DEFAULT_INTER_NODE_BANDWIDTH",
     "DEFAULT_INTRA_NODE_BANDWIDTH",
+    "Ranks",
+    "broadcast_object",
     "check_shared_directory",
+    "check_start_method",
+    "default_backend",
     "destroy_group_at_exit",
+    "join_world",
     "make_shared_nvme_dir",
+    "max_over_ranks",
+    "measured_nodes",
+    "on_rank_zero",
     "prepare_nvme_dir",
+    "rank_device",
     "rank_nvme_path",
     "rank_store_config",
+    "rank_stores",
     "run_leftover",
+    "save_on_ranks",
     "slowest_node",
     "slowest_times",
+    "stopped_with_error",
+    "wait_for_ranks",
     "with_world",
 ]
 
@@ -113,6 +145,21 @@ def rank_store_config(
         return store
     path = rank_nvme_path(store.nvme_path, global_rank, world_size)
     return dataclasses.replace(store, nvme_path=path)
+
+
+def rank_stores(
+    nvme_path: str | None, store: StoreConfig | None, global_rank: int, world_size: int
+) -> tuple[str | None, StoreConfig | None]:
+    """This rank's NVMe directory and store config (:func:`rank_nvme_path`,
+    :func:`rank_store_config`), the directories the ranks share prepared and marked first
+    (:func:`make_shared_nvme_dir`)."""
+    make_shared_nvme_dir(nvme_path, world_size)
+    if store is not None:
+        make_shared_nvme_dir(store.nvme_path, world_size)
+    return (
+        rank_nvme_path(nvme_path, global_rank, world_size),
+        rank_store_config(store, global_rank, world_size),
+    )
 
 
 def with_world(hardware: HardwareProfile, world_size: int, ranks_per_node: int) -> HardwareProfile:
@@ -244,3 +291,208 @@ def destroy_group_at_exit() -> None:
 
     _EXIT_HOOK.append(destroy)
     atexit.register(destroy)
+
+
+# -- the world process group ------------------------------------------------------------
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse a start method other than ``"popen"`` (the script launcher, torchrun, srun)."""
+    if start_method != "popen":
+        raise ValueError(
+            f"start_method={start_method!r}: balance_beam cannot run under {start_method}: "
+            "that launcher returns the module's state_dict to the parent process, and paged "
+            "weights are not in the module; use start_method='popen' (the default), torchrun "
+            "or srun"
+        )
+
+
+def default_backend(device: torch.device) -> str:
+    """The world group's backend for ranks computing on ``device``: ``"gloo"`` on the CPU,
+    ``"cpu:gloo,cuda:nccl"`` on CUDA (host tensors on gloo, device tensors on NCCL)."""
+    return "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def join_world(
+    environment: ClusterEnvironment, backend: str, timeout: timedelta | None, device: torch.device
+) -> None:
+    """Join the world process group (``environment`` holds this rank and the world size);
+    a group this call creates is destroyed at exit (:func:`destroy_group_at_exit`)."""
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    created = not dist.is_initialized()
+    _init_dist_connection(environment, backend, **kwargs)
+    if created:
+        destroy_group_at_exit()
+
+
+def rank_device(
+    devices: Sequence[torch.device] | None, local_rank: int, fallback: torch.device
+) -> torch.device:
+    """The device of the rank ``local_rank`` among its node's ``devices`` (the Trainer's);
+    ``fallback`` when there are none (outside a Trainer). ``ValueError`` when the node has
+    fewer devices than ranks."""
+    if not devices:
+        return fallback
+    if local_rank >= len(devices):
+        raise ValueError(
+            f"local rank {local_rank} has no device among {list(devices)}: give the Trainer "
+            "as many devices as processes per node (devices=...)"
+        )
+    return torch.device(devices[local_rank])
+
+
+def max_over_ranks(reduce: Callable[..., Any], device: torch.device) -> Reducer:
+    """A :data:`Reducer` on the world group through the strategy's ``reduce``: the host
+    tensor goes to ``device`` first (an NCCL-only world reduces no host tensors) and the
+    result comes back to the host."""
+
+    def reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = reduce(tensor.to(device), reduce_op="max")
+        return result.cpu()
+
+    return reduce_max
+
+
+def wait_for_ranks(device: torch.device) -> None:
+    """Wait for every rank of the world group (nothing without one); an NCCL group waits
+    on ``device``."""
+    if not _distributed_is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int) -> Any:
+    """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself without a group)."""
+    if not _distributed_is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=_group.WORLD)
+    return box[0]
+
+
+# -- what the ranks do together ----------------------------------------------------------
+
+
+class Ranks(Protocol):
+    """This rank and the collectives of the world (the strategy's)."""
+
+    @property
+    def global_rank(self) -> int:
+        """This rank among all (0 .. world_size - 1)."""
+        ...
+
+    @property
+    def local_rank(self) -> int:
+        """This rank among its node's."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the run."""
+        ...
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is rank 0."""
+        ...
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank."""
+        ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        ...
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Whether ``decision`` holds on every rank (``all``) or on any."""
+        ...
+
+
+Result = TypeVar("Result")
+
+
+def on_rank_zero(ranks: Ranks, work: Callable[[], Result], *, what: str = "plan") -> Result:
+    """``work()`` run on rank 0, its result, or its error, broadcast to every rank: a rank
+    never waits for a result that will not come. An error that does not pickle reaches the
+    other ranks as ``RuntimeError("rank 0 cannot <what>: ...")``."""
+    outcome: Result | BaseException | None = None
+    failed: Exception | None = None
+    if ranks.is_global_zero:
+        try:
+            outcome = work()
+        except Exception as err:  # the other ranks raise it too
+            failed = err
+            outcome = err if _picklable(err) else RuntimeError(f"rank 0 cannot {what}: {err}")
+    outcome = ranks.broadcast(outcome)
+    if failed is not None:
+        raise failed
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return cast(Result, outcome)
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
+def measured_nodes(ranks: Ranks, measure: Callable[[], HardwareProfile]) -> HardwareProfile:
+    """The local rank 0 of each node runs ``measure`` (cached per machine) while its other
+    ranks wait; every rank gets the slowest node's figures (:func:`slowest_node`). A rank
+    whose measurement fails makes every rank raise ``RuntimeError``, none waits."""
+    mine: HardwareProfile | str | None = None
+    if ranks.local_rank == 0:
+        try:
+            mine = measure()
+        except Exception as err:
+            mine = f"rank {ranks.global_rank} cannot measure its node: {err}"
+    gathered: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(gathered, mine)
+    failed = [g for g in gathered if isinstance(g, str)]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return slowest_node(gathered)
+
+
+def save_on_ranks(
+    ranks: Ranks,
+    filepath: str | os.PathLike[str],
+    save: Callable[[str], object],
+    follow: Callable[[], object],
+) -> None:
+    """Rank 0 ``save``s at its ``filepath`` (broadcast: every rank's path is rank 0's) once
+    every rank sees the directory it goes in (:func:`check_shared_directory`); the other
+    ranks ``follow`` (they take part in the state's gathers)."""
+    path = ranks.broadcast(str(filepath))
+    check_shared_directory(
+        os.path.dirname(os.path.abspath(path)),
+        global_rank=ranks.global_rank, barrier=ranks.barrier, broadcast=ranks.broadcast,
+        all_true=ranks.reduce_boolean_decision,
+    )  # fmt: skip
+    if ranks.is_global_zero:
+        save(path)
+    else:
+        follow()
+
+
+def stopped_with_error(ranks: Ranks, trainer: pl.Trainer | None) -> str | None:
+    """Why the weights stay in the store when ``trainer``'s call of several ranks ended in
+    an error (None otherwise): the other ranks may have stopped, and giving the weights
+    back takes collectives with every rank."""
+    if ranks.world_size == 1 or trainer is None:
+        return None
+    if trainer.state.status != TrainerStatus.INTERRUPTED:
+        return None
+    return (
+        f"the call stopped with an error on rank {ranks.global_rank} of {ranks.world_size}, "
+        "so no rank gathers the weights"
+    )

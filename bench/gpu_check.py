@@ -284,14 +284,42 @@ def finetune(ctx: Ctx) -> Outcome:
         # the step's time left, shared by the runs still to come (5 s kept for the JSON)
         left = STEPS["finetune"][1] - 5 - (time.perf_counter() - start)
         limit = max(1, int(left / (len(able) - able.index(framework))))
-        runs[framework] = _in_subprocess(ctx, "train", framework, spec, limit=limit)
+        runs[framework] = run = _in_subprocess(ctx, "train", framework, spec, limit=limit)
+        left = STEPS["finetune"][1] - 5 - (time.perf_counter() - start)
+        after = len(able) - able.index(framework) - 1
+        if run.get("oom") and left > 30 * (after + 1):  # again, recording what held memory
+            retry = {**spec, "record_memory_history": True}
+            run["oom_retry"] = _in_subprocess(ctx, "train", framework, retry,
+                                              limit=int(left / (after + 1)))  # fmt: skip
     ctx.figures["runs"] = runs
+    compare_runs(ctx, runs)
+    ran = "tokens_per_s" in runs["balance_beam"]
+    return Outcome(None if ctx.dry else ran)
+
+
+def compare_runs(ctx: Ctx, runs: dict[str, Any]) -> None:
+    """Each peer's throughput over ``balance_beam``'s, the MFU of each run against the
+    matrix-product rate the measure step measured, and how far each peer's loss per
+    micro-batch is from ``balance_beam``'s on the same data and initial weights."""
+    measured = ctx.out / "steps" / "measure.json"
+    flops_rate = None
+    if measured.is_file():
+        flops_rate = (
+            json.loads(measured.read_text())["figures"].get("profile", {}).get("device_flops")
+        )
+    ctx.figures["measured_device_flops"] = flops_rate
     ours = runs["balance_beam"]
     for k, r in runs.items():
-        if k != "balance_beam" and "tokens_per_s" in r and "tokens_per_s" in ours:
-            ctx.figures[f"ratio_balance_beam_over_{k}"] = ours["tokens_per_s"] / r["tokens_per_s"]
-    ran = "tokens_per_s" in ours
-    return Outcome(None if ctx.dry else ran)
+        if "tokens_per_s" in r and flops_rate:
+            r["mfu_measured"] = r["tokens_per_s"] * r["model_flops_per_token"] / flops_rate
+        if k == "balance_beam" or "tokens_per_s" not in r or "tokens_per_s" not in ours:
+            continue
+        ctx.figures[f"ratio_balance_beam_over_{k}"] = ours["tokens_per_s"] / r["tokens_per_s"]
+        pairs = list(zip(ours.get("losses", []), r.get("losses", []), strict=False))
+        if pairs:
+            ctx.figures[f"loss_max_rel_diff_{k}"] = max(
+                abs(a - b) / max(abs(b), 1e-12) for a, b in pairs
+            )
 
 
 OPTS = [  # (name, hidden, ffn, layers, heads): published OPT shapes

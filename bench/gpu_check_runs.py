@@ -83,8 +83,12 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     data = [{"input_ids": torch.randint(0, 32000, (spec["micro"], spec["seq"]), generator=g)}
             for _ in range(steps * spec["accum"])]  # fmt: skip
     at_oom: list[Any] = []  # the allocator's state when it first ran out (before teardown)
-    if ctx.cuda:  # stacks of live allocations, for the report should the device fill up
+    # the stacks of live allocations only in a run retried after running out of memory:
+    # recording them slows every allocation, so a timed run never records
+    record = ctx.cuda and bool(spec.get("record_memory_history"))
+    if record:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
+    if ctx.cuda:
         torch._C._cuda_attach_out_of_memory_observer(
             lambda *_: at_oom.append(torch.cuda.memory._snapshot()) if not at_oom else None
         )
@@ -93,11 +97,14 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     except Exception as err:
         if not (at_oom or isinstance(err, torch.OutOfMemoryError)):
             raise
-        return _oom_report(strategy, err, at_oom[0] if at_oom else None)
+        return _oom_report(strategy, err, at_oom[0] if at_oom else None, record)
     finally:
-        if ctx.cuda:
+        if record:
             torch.cuda.memory._record_memory_history(enabled=None)
     timed = timer.ends[1:]  # the first step warms up
+    if not timed:
+        return {"error": f"{len(timer.ends)} optimizer steps ran: none timed",
+                "losses": timer.losses}  # fmt: skip
     seconds = (timed[-1] - timer.ends[0]) / len(timed)
     tokens = spec["micro"] * spec["seq"] * spec["accum"]
     tps = tokens / seconds
@@ -105,6 +112,7 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     peak = _peak_flops(ctx)
     out = {"tokens_per_s": tps, "step_s": seconds, "tokens_per_step": tokens,
            "mfu": tps * flops / peak if peak else None, "peak_flops": peak,
+           "model_flops_per_token": flops, "losses": timer.losses,
            "max_memory_allocated": torch.cuda.max_memory_allocated() if ctx.cuda else None}  # fmt: skip
     if isinstance(strategy, BalanceBeamStrategy):
         if strategy.plan is not None:
@@ -136,13 +144,16 @@ def random_weights(model: torch.nn.Module, seed: int) -> None:
                 flat[start : start + n].copy_(src[:n])
 
 
-def _oom_report(strategy: Any, err: BaseException, snapshot: Any) -> dict[str, Any]:
+def _oom_report(strategy: Any, err: BaseException, snapshot: Any, recorded: bool) -> dict[str, Any]:
     """What held the device when fitting ran out of its memory: the bytes allocated, the
     plan's device bytes, and the live blocks of the allocator's ``snapshot`` taken then,
-    summed by the innermost frame of this project or of transformers that allocated them."""
-    report: dict[str, Any] = {"error": f"CUDA out of memory: {str(err)[:300]}",
+    summed by the innermost frame of this project or of transformers that allocated them
+    (frames only when the run ``recorded`` the memory history: the parent then retries
+    a run that ran out, recording, ``"oom": True`` says so)."""
+    report: dict[str, Any] = {"error": f"CUDA out of memory: {str(err)[:300]}", "oom": True,
                               "allocated": torch.cuda.memory_allocated(),
-                              "max_allocated": torch.cuda.max_memory_allocated()}  # fmt: skip
+                              "max_allocated": torch.cuda.max_memory_allocated(),
+                              "memory_history": recorded}  # fmt: skip
     plan = getattr(strategy, "plan", None)
     if plan is not None:
         report["planned_device_bytes"] = plan.memory[0].used
@@ -173,8 +184,18 @@ def _step_clock(accum: int, ctx: Ctx) -> Any:
     class StepClock(pl.Callback):
         def __init__(self) -> None:
             self.ends: list[float] = []
+            self.held: list[torch.Tensor] = []  # read after the run: no sync per batch
+
+        @property
+        def losses(self) -> list[float]:
+            """Each micro-batch's loss as Lightning hands it to callbacks."""
+            return [float(t.float().cpu()) for t in self.held]
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            outputs = args[1]
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor):
+                self.held.append(loss.detach())
             if (args[-1] + 1) % accum == 0:
                 ctx.sync()
                 self.ends.append(time.perf_counter())

@@ -15,9 +15,9 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from bb_lightning import BalanceBeamStrategy
+from bb_lightning import BalanceBeamStrategy, world
 from bb_lightning.placement import Placement
-from bb_lightning.strategy import check_start_method
+from bb_lightning.world import check_start_method
 from storage.tiers import Tier
 
 
@@ -178,8 +178,8 @@ def test_rank_zero_plans_and_the_others_take_its_result() -> None:
         calls.append(rank)
         return placement, None
 
-    assert zero._planned_on_rank_zero(lambda: place(0)) == (placement, None)
-    assert one._planned_on_rank_zero(lambda: place(1)) == (placement, None)
+    assert world.on_rank_zero(zero, lambda: place(0)) == (placement, None)
+    assert world.on_rank_zero(one, lambda: place(1)) == (placement, None)
     assert calls == [0]  # rank 1 never plans
 
 
@@ -191,9 +191,9 @@ def test_a_planning_error_on_rank_zero_is_raised_on_every_rank() -> None:
         raise ValueError("cannot plan the batch in use")
 
     with pytest.raises(ValueError, match="cannot plan the batch in use"):
-        zero._planned_on_rank_zero(fails)
+        world.on_rank_zero(zero, fails)
     with pytest.raises(ValueError, match="cannot plan the batch in use"):
-        one._planned_on_rank_zero(fails)  # raised from rank 0's broadcast, not run here
+        world.on_rank_zero(one, fails)  # raised from rank 0's broadcast, not run here
 
 
 class _Unpicklable(ValueError):
@@ -210,9 +210,9 @@ def test_an_unpicklable_planning_error_still_reaches_the_other_ranks() -> None:
         raise _Unpicklable
 
     with pytest.raises(_Unpicklable):
-        zero._planned_on_rank_zero(fails)  # rank 0 raises its own error
+        world.on_rank_zero(zero, fails)  # rank 0 raises its own error
     with pytest.raises(RuntimeError, match="rank 0 cannot plan: model too large"):
-        one._planned_on_rank_zero(fails)
+        world.on_rank_zero(one, fails)
 
 
 class _SecondRankJoins(pl.Callback):

@@ -157,8 +157,8 @@ def test_gather_full_model_and_close_on_collection(tiny: SimpleNamespace, tmp_pa
     module = tiny.make_module(tiny.tiny_llama())
     trainer, _ = tiny.make_trainer(strategy, 2)
     trainer.fit(module, tiny.loader(2))
-    assert strategy.store is not None and strategy._tmpdir is not None
-    nvme_dir = Path(strategy._tmpdir.name)
+    assert strategy.store is not None and strategy._slot.tmpdir is not None
+    nvme_dir = Path(strategy._slot.tmpdir.name)
     assert nvme_dir.is_dir()
     want = dict(strategy.lightning_module_state_dict())
     gathered = strategy.gather_full_model()
@@ -176,8 +176,8 @@ def test_gather_full_model_and_close_on_collection(tiny: SimpleNamespace, tmp_pa
     other = BalanceBeamStrategy(placement=placement, compute_dtype="fp32")
     trainer, _ = tiny.make_trainer(other, 1)
     trainer.fit(tiny.make_module(tiny.tiny_llama()), tiny.loader(1))
-    assert other._tmpdir is not None and other.store is not None
-    other_dir, store, finalizer = Path(other._tmpdir.name), other.store, other._finalizer
+    assert other._slot.tmpdir is not None and other.store is not None
+    other_dir, store, finalizer = Path(other._slot.tmpdir.name), other.store, other._slot.finalizer
     assert finalizer is not None and finalizer.alive and finalizer.atexit
     assert finalizer.peek() is not None and finalizer.peek()[0] is other  # type: ignore[index]
     finalizer()

@@ -81,6 +81,10 @@ def test_dry_run_records_every_step(tmp_path: Path) -> None:
         "tokens_per_s" in runs["balance_beam"] and "plan: fit llama" in runs["balance_beam"]["plan"]
     )
     assert runs["fsdp_cpu_offload"] == {"skipped": "needs CUDA (dry run)"}
+    ours = runs["balance_beam"]
+    assert len(ours["losses"]) == 4 and all(0 < x < 20 for x in ours["losses"])  # 2 steps x 2
+    flops = steps["measure"]["profile"]["device_flops"]
+    assert ours["mfu_measured"] == ours["tokens_per_s"] * ours["model_flops_per_token"] / flops
     # fp32 on the CPU: our layer-major generation gives Accelerate's (Hugging Face's) tokens
     assert steps["predict"]["same_tokens"] == 1.0
     # the NVMe scratch was a fresh folder outside OUTDIR, removed at the end
@@ -156,3 +160,29 @@ def test_an_unwritable_outdir_is_refused(tmp_path: Path) -> None:
     assert f"OUTDIR '{out}' is not writable" in lines[0] and lines[1].startswith("usage: ")
     if os.geteuid() != 0:
         assert _tree(out) == before
+
+
+def test_runs_are_compared_on_throughput_measured_rate_and_loss(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    (tmp_path / "steps").mkdir()
+    measured = {"figures": {"profile": {"device_flops": 5e14}}}
+    (tmp_path / "steps" / "measure.json").write_text(json.dumps(measured))
+    ctx = gpu_check.Ctx(out=tmp_path, dry=False)
+    runs = {
+        "balance_beam": {"tokens_per_s": 1000.0, "model_flops_per_token": 1e11,
+                         "losses": [10.0, 9.0, 8.0]},
+        "fsdp_cpu_offload": {"tokens_per_s": 500.0, "model_flops_per_token": 1e11,
+                             "losses": [10.0, 9.9, 8.0, 7.0]},
+        "deepspeed_zero3_offload": {"skipped": "deepspeed does not import"},
+    }  # fmt: skip
+    gpu_check.compare_runs(ctx, runs)
+    assert runs["balance_beam"]["mfu_measured"] == pytest.approx(0.2)  # 1e14 of 5e14 FLOP/s
+    assert runs["fsdp_cpu_offload"]["mfu_measured"] == pytest.approx(0.1)
+    assert ctx.figures["ratio_balance_beam_over_fsdp_cpu_offload"] == 2.0
+    # the worst micro-batch of those both ran: 0.9 of the peer's 9.9
+    assert ctx.figures["loss_max_rel_diff_fsdp_cpu_offload"] == pytest.approx(0.9 / 9.9)
+    assert "ratio_balance_beam_over_deepspeed_zero3_offload" not in ctx.figures
