@@ -43,10 +43,8 @@ before writing it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import itertools
-import json
 import math
 import os
 import shutil
@@ -58,7 +56,7 @@ from typing import Any
 import torch
 
 from storage import scratch as scratch_dir
-from storage.checksum import CHECKSUM_BYTES, CODEC, crc32c, decode, file_crc32c
+from storage.checksum import CHECKSUM_BYTES, crc32c, decode, file_crc32c
 from storage.chunk_io import (
     ArraySpec,
     ChecksumError,
@@ -72,9 +70,28 @@ from storage.chunk_io import (
     io_error,
     read_verified,
 )
-from storage.io import ALIGNMENT, IOBackend, IOFuture, padded
+from storage.io import IOBackend, IOFuture, padded
+from storage.nvme_write import NvmeWrite, check_piece
 from storage.scratch import LOCK_NAME, PARTIAL, SCRATCH_ATTR
 from storage.tiers import Budget, Tier, format_bytes
+from storage.zarr_layout import (
+    BY_NAME,
+    DTYPES,
+    StoreLockedError,
+    array_metadata,
+    check_group,
+    check_name,
+    check_store_dir,
+    fsync_dir,
+    lock_store,
+    parse_array,
+    row_chunk_key,
+    row_chunked_metadata,
+    row_chunks,
+    scan_group,
+    write_json_atomic,
+    write_synced,
+)
 
 __all__ = [
     "DTYPES",
@@ -87,264 +104,18 @@ __all__ = [
     "NvmeWrite",
     "StoreLockedError",
     "UnsupportedArrayError",
+    "check_name",
+    "fsync_dir",
+    "parse_array",
+    "row_chunk_key",
+    "row_chunked_metadata",
+    "row_chunks",
+    "write_synced",
 ]
-
-DTYPE_ATTR = "torch_dtype"
-
-DTYPES: dict[torch.dtype, str] = {
-    torch.bfloat16: "uint16",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.uint16: "uint16",
-    torch.uint32: "uint32",
-    torch.uint64: "uint64",
-    torch.bool: "bool",
-}
-"""Supported torch dtypes and the zarr ``data_type`` each is stored as."""
 
 VERIFY_PIECE_BYTES = 16 << 20
 """Piece size of a verified whole-tensor read larger than it, in bytes: its pieces are all in
 flight at once and each is checksummed as it arrives in order (a multiple of 4096)."""
-
-_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in DTYPES}
-_DEFAULT_FOR_ZARR = {z: dt for dt, z in DTYPES.items() if dt is not torch.bfloat16}
-
-
-class StoreLockedError(NvmeError):
-    """Another NvmeTier (this process or another) holds the store directory."""
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush directory ``path`` to stable storage, so the renames and creations in it last."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    """Create or truncate file ``path``, write ``data`` and fsync it (not its directory)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(f"{path.name}{PARTIAL}{os.getpid()}")
-    write_synced(tmp, json.dumps(doc, indent=2).encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def check_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` can be a zarr array at the group root."""
-    bad = (
-        not isinstance(name, str)
-        or not name
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or set(name) == {"."}
-        or name.startswith("__")
-        or PARTIAL in name
-        or name in (LOCK_NAME, scratch_dir.MARKER_NAME, "zarr.json")
-    )
-    if bad:
-        raise ValueError(
-            f"tensor name {name!r} cannot be a zarr array at the group root: names must be "
-            f"non-empty, hold no '/', '\\' or NUL, not be only dots, not start with '__' and not "
-            f"contain {PARTIAL!r}; rename the tensor (e.g. 'model.layers.0.mlp.up_proj.weight')"
-        )
-
-
-def array_metadata(
-    shape: tuple[int, ...], dtype: torch.dtype, *, checksum: bool = True
-) -> dict[str, Any]:
-    """The ``zarr.json`` of a single-chunk uncompressed array holding a ``dtype`` tensor:
-    codecs ``bytes`` then ``crc32c`` (format 2), or ``bytes`` alone without ``checksum``
-    (format 1: no trailer, read unverified)."""
-    zdtype = DTYPES[dtype]
-    bytes_codec: dict[str, Any] = {"name": "bytes"}
-    if torch.empty((), dtype=dtype).element_size() > 1:
-        bytes_codec["configuration"] = {"endian": "little"}
-    fill: Any = False if dtype is torch.bool else (0.0 if dtype.is_floating_point else 0)
-    if dtype is torch.bfloat16:
-        fill = 0
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(shape),
-        "data_type": zdtype,
-        "chunk_grid": {
-            "name": "regular",
-            "configuration": {"chunk_shape": [max(1, d) for d in shape]},
-        },
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": [bytes_codec, dict(CODEC)] if checksum else [bytes_codec],
-        "attributes": {DTYPE_ATTR: str(dtype).removeprefix("torch.")},
-        "storage_transformers": [],
-    }
-
-
-def row_chunked_metadata(
-    shape: tuple[int, ...], dtype: torch.dtype, chunk_rows: int
-) -> dict[str, Any]:
-    """The ``zarr.json`` of an uncompressed array split along dim 0 only, into chunks of
-    ``chunk_rows`` rows (the last chunk stored whole, zero-padded, as zarr stores it)."""
-    meta = array_metadata(shape, dtype)
-    if shape:
-        rest = [max(1, d) for d in shape[1:]]
-        meta["chunk_grid"]["configuration"]["chunk_shape"] = [max(1, chunk_rows), *rest]
-    return meta
-
-
-def row_chunk_key(index: int, ndim: int) -> str:
-    """The chunk key (``/`` separated) of row chunk ``index`` of an ``ndim``-d array."""
-    return "c" if ndim == 0 else "/".join(["c", str(index), *(["0"] * (ndim - 1))])
-
-
-def row_chunks(name: str, meta_path: Path) -> tuple[ArraySpec, int, list[Path]]:
-    """Validate an array split along dim 0 only (or not split): the whole array's spec,
-    the rows per chunk, and every chunk's file, in row order. Each chunk file holds
-    ``rows * row bytes`` of data (padded) and, with a checksum, its CRC-32C trailer."""
-    spec, first = parse_array(name, meta_path, split_rows=True)
-    if not spec.shape or spec.shape[0] == 0:
-        return spec, max(1, spec.shape[0]) if spec.shape else 1, [first] if spec.nbytes else []
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-    sep = ((meta.get("chunk_key_encoding") or {}).get("configuration") or {}).get("separator", "/")
-    count = -(-spec.shape[0] // rows)
-    if count > MAX_ROW_CHUNKS:
-        raise CorruptTensorError(
-            f"tensor {name!r} (file {meta_path}): {count} chunks of {rows} rows, more than "
-            f"the {MAX_ROW_CHUNKS} a store or checkpoint writes: the metadata is damaged; "
-            "write the array again"
-        )
-    keys = [row_chunk_key(k, len(spec.shape)).replace("/", sep) for k in range(count)]
-    paths = [meta_path.parent.joinpath(*key.split("/")) for key in keys]
-    return spec, rows, paths
-
-
-MAX_ELEMENTS = 1 << 50
-"""Most elements one array's metadata may declare (2**50: far past any disk; a larger
-shape is damage, refused before its byte count is used)."""
-
-
-MAX_ROW_CHUNKS = 1 << 16
-"""Most chunks along dim 0 an array may have (one per rank that wrote it)."""
-
-
-def _dims(values: Any) -> tuple[int, ...]:
-    """A shape from JSON: a list of integers, each in 0..2**50 (``ValueError`` otherwise)."""
-    if not isinstance(values, list) or not all(
-        type(d) is int and 0 <= d <= MAX_ELEMENTS for d in values
-    ):
-        raise ValueError(f"{values!r} is not a list of integers in 0..{MAX_ELEMENTS}")
-    if math.prod(values) > MAX_ELEMENTS:
-        raise ValueError(f"{values!r} holds more than {MAX_ELEMENTS} elements")
-    return tuple(values)
-
-
-def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tuple[ArraySpec, Path]:
-    """Validate one array's ``zarr.json``; return its spec and chunk file path.
-
-    ``split_rows`` also accepts an array split along dim 0 only (:func:`row_chunks`);
-    the path is then the first chunk's.
-    """
-    where = f"tensor {name!r} (file {meta_path})"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        shape = _dims(meta["shape"])
-        chunks = _dims(meta["chunk_grid"]["configuration"]["chunk_shape"])
-        if 0 in chunks:
-            raise ValueError(f"chunk shape {list(chunks)} has a dimension of 0 (zarr needs >= 1)")
-        grid = meta["chunk_grid"]["name"]
-        zdtype = meta["data_type"]
-        codecs = meta.get("codecs", [])
-        keys = meta.get("chunk_key_encoding", {"name": "default"})
-        attrs = meta.get("attributes", {}) or {}
-        if not isinstance(keys, dict) or not isinstance(attrs, dict):
-            raise TypeError("chunk_key_encoding and attributes must be objects")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise CorruptTensorError(f"{where}: unreadable array metadata: {exc!r}") from exc
-    fix = (
-        "rewrite it as one uncompressed chunk (codecs: bytes, little endian, optionally then "
-        "crc32c) of its shape"
-    )
-    if grid != "regular" or len(chunks) != len(shape):
-        raise CorruptTensorError(
-            f"{where}: chunk grid {grid!r} {chunks} does not fit shape {shape}"
-        )
-    whole = list(zip(shape, chunks, strict=True))[1 if split_rows else 0 :]
-    if any(s > 0 and c < s for s, c in whole):
-        raise UnsupportedArrayError(
-            f"{where}: shape {shape} is split into several chunks of {chunks}: {fix}"
-        )
-    if any(s > 0 and c != s for s, c in whole):
-        raise CorruptTensorError(f"{where}: shape {shape} disagrees with its chunk shape {chunks}")
-    try:
-        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
-        names = [c.get("name") for c in codecs]
-        checksum = names == ["bytes", CODEC["name"]]
-    except (IndexError, KeyError, AttributeError, TypeError):  # codecs not a list of objects
-        endian, names, checksum = None, [], False
-    if not (names == ["bytes"] or checksum) or endian != "little":
-        raise UnsupportedArrayError(
-            f"{where}: codecs {codecs} are not 'bytes' (little endian) optionally followed by "
-            f"'crc32c': {fix}"
-        )
-    if meta.get("storage_transformers"):
-        raise UnsupportedArrayError(f"{where}: storage transformers are not supported: {fix}")
-    config = keys.get("configuration") or {}
-    sep = config.get("separator", "/") if isinstance(config, dict) else None
-    if keys.get("name") != "default" or sep not in ("/", "."):
-        raise UnsupportedArrayError(f"{where}: chunk key encoding {keys} is not zarr's default")
-    if DTYPE_ATTR in attrs:
-        dtype = _BY_NAME.get(str(attrs[DTYPE_ATTR]))
-        if dtype is None or DTYPES[dtype] != zdtype:
-            raise CorruptTensorError(
-                f"{where}: attribute {DTYPE_ATTR}={attrs[DTYPE_ATTR]!r} does not fit "
-                f"data_type {zdtype!r}"
-            )
-    elif zdtype in _DEFAULT_FOR_ZARR:
-        dtype = _DEFAULT_FOR_ZARR[zdtype]
-    else:
-        raise UnsupportedArrayError(
-            f"{where}: data_type {zdtype!r} is not one of {sorted(_DEFAULT_FOR_ZARR)}"
-        )
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    key = row_chunk_key(0, len(shape)).replace("/", sep)
-    spec = ArraySpec(name, shape, dtype, nbytes, checksum=checksum)
-    return spec, meta_path.parent.joinpath(*key.split("/"))
-
-
-def _scan(root: Path) -> dict[str, tuple[ArraySpec, Path]]:
-    """Index the arrays at the group root (read only)."""
-    found: dict[str, tuple[ArraySpec, Path]] = {}
-    if not root.is_dir():
-        return found
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        meta = Path(entry.path, "zarr.json")
-        if not entry.is_dir() or not meta.is_file():
-            continue
-        try:
-            node_type = json.loads(meta.read_text(encoding="utf-8")).get("node_type")
-        except (OSError, ValueError, AttributeError, RecursionError) as exc:
-            raise CorruptTensorError(
-                f"tensor {entry.name!r}: unreadable metadata file {meta}: {exc!r}"
-            ) from exc
-        if node_type == "array":
-            found[entry.name] = parse_array(entry.name, meta)
-    return found
 
 
 class NvmeTier:
@@ -408,8 +179,8 @@ class NvmeTier:
 
     def _open(self, capacity: int, create: bool) -> None:
         """Check the directory and the disk's room, lock the directory, open the group."""
-        probe = self._check_path(create)
-        existing = _scan(self.path)
+        probe = check_store_dir(self.path, create)
+        existing = scan_group(self.path)
         stored = sum(spec.nbytes for spec, _ in existing.values())
         if stored > capacity:
             raise ValueError(
@@ -432,86 +203,16 @@ class NvmeTier:
             self._lock()
         self._open_group()
 
-    def _check_path(self, create: bool) -> Path:
-        """Validate the directory (or its parent); return an existing directory on its disk."""
-        target = self.path if self.path.exists() or not create else self.path.parent
-        if not target.exists():
-            what = "its parent directory" if create else "the directory"
-            raise ValueError(
-                f"NVMe store {self.path}: {what} {target} does not exist: create it first"
-                + ("" if create else " or pass create=True")
-            )
-        if not target.is_dir():
-            raise ValueError(
-                f"NVMe store {self.path}: {target} is not a directory: pick a directory path"
-            )
-        if not os.access(target, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"NVMe store {self.path}: {target} is not writable: fix its permissions or "
-                f"pick a writable directory"
-            )
-        return target
-
     def _lock(self) -> None:
-        lock_path = self.path / LOCK_NAME
-        while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                raise StoreLockedError(
-                    f"NVMe store {self.path} is locked by process {holder} (lock file "
-                    f"{lock_path}): close its NvmeTier or end that process first"
-                ) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:  # else the holder removed the file while we waited: retry
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = lock_store(self.path)
 
     def _open_group(self) -> None:
-        group = self.path / "zarr.json"
-        if group.is_file():
-            try:
-                doc = json.loads(group.read_text(encoding="utf-8"))
-            except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
-                raise ValueError(
-                    f"NVMe store {self.path}: {group} is not readable JSON ({exc}): the store "
-                    "is damaged; write it again into a new directory"
-                ) from None
-            if not isinstance(doc, dict):
-                raise ValueError(
-                    f"NVMe store {self.path}: {group} holds a JSON {type(doc).__name__}, not a "
-                    "zarr group's object: the store is damaged; write it again into a new directory"
-                )
-            node_type = doc.get("node_type")
-            if doc.get("zarr_format") != 3:
-                raise ValueError(
-                    f"NVMe store {self.path}: {group} has zarr_format {doc.get('zarr_format')!r}, "
-                    "a format this version does not read (zarr v3 only): write the store again "
-                    "into a new directory, or use the release that wrote it"
-                )
-            if node_type != "group":
-                raise ValueError(
-                    f"NVMe store {self.path}: {group} describes a zarr {node_type}, not a group: "
-                    f"pick another directory"
-                )
-        else:
-            _write_json_atomic(group, {"zarr_format": 3, "node_type": "group", "attributes": {}})
+        check_group(self.path)
         for root, _dirs, files in os.walk(self.path):
             for file in files:
                 if PARTIAL in file:
                     os.unlink(os.path.join(root, file))
-        self._arrays = _scan(self.path)
+        self._arrays = scan_group(self.path)
         for spec, _chunk in self._arrays.values():
             self._budget.reserve(spec.name, spec.nbytes)
 
@@ -570,7 +271,7 @@ class NvmeTier:
         if dtype not in DTYPES:
             raise ValueError(
                 f"tensor {name!r}: dtype {dtype} is not supported by the NVMe tier: use one of "
-                f"{sorted(_BY_NAME)}"
+                f"{sorted(BY_NAME)}"
             )
         with self._mutex:
             if name in self._arrays:
@@ -585,7 +286,7 @@ class NvmeTier:
                 meta = array_metadata(dims, dtype, checksum=checksum)
                 if self._marked:
                     meta["attributes"][SCRATCH_ATTR] = True
-                _write_json_atomic(array_dir / "zarr.json", meta)
+                write_json_atomic(array_dir / "zarr.json", meta)
                 fsync_dir(self.path)
                 entry = parse_array(name, array_dir / "zarr.json")
             except BaseException:
@@ -769,7 +470,7 @@ class NvmeTier:
         """
         self._check_open()
         spec, chunk = self._entry(name)
-        count = _check_piece(spec, offset, nbytes)
+        count = check_piece(spec, offset, nbytes)
         if count == 0:
             return IOFuture.completed(0, path=str(chunk))
         if name in self._torn:
@@ -859,143 +560,3 @@ class NvmeTier:
     def __del__(self) -> None:
         if getattr(self, "_lock_fd", None) is not None:
             self.close()
-
-
-def _check_piece(spec: ArraySpec, offset: int, nbytes: int | None) -> int:
-    """The byte count of piece ``[offset, offset + nbytes)`` of ``spec``; ``ValueError`` if bad."""
-    count = spec.nbytes - offset if nbytes is None else nbytes
-    if not isinstance(offset, int) or offset < 0 or offset % ALIGNMENT or offset > spec.nbytes:
-        raise ValueError(
-            f"tensor {spec.name!r}: offset {offset!r} bytes must be a multiple of {ALIGNMENT} "
-            f"bytes in [0, {spec.nbytes}]: split the tensor at multiples of {ALIGNMENT} bytes"
-        )
-    if count < 0 or offset + count > spec.nbytes:
-        raise ValueError(
-            f"tensor {spec.name!r}: {count} bytes from offset {offset} pass its end at "
-            f"{spec.nbytes} bytes: pass nbytes <= {spec.nbytes - offset}"
-        )
-    return count
-
-
-class NvmeWrite:
-    """One atomic write of a tensor in pieces, from :meth:`NvmeTier.begin_write`.
-
-    Pieces go into a temporary file beside the chunk, in increasing offsets
-    (:meth:`write_async`); :meth:`commit` checks that they cover the tensor,
-    fsyncs the file, renames it onto the chunk and fsyncs the directory, once.
-    Until then readers see the previous version; :meth:`abort` (or leaving a
-    ``with`` block without committing) removes the temporary file, and a
-    crash leaves it for the next opener to remove.
-
-    A scratch array's write (``durable=False``) skips the fsyncs; with ``settle``
-    (``tmp`` is the chunk itself) the pieces go over the chunk in place, :meth:`commit`
-    only checks them and calls ``settle(False)``, and an abort after a piece was written
-    calls ``settle(True)``: the chunk is torn (see the module doc).
-    """
-
-    def __init__(
-        self,
-        spec: ArraySpec,
-        chunk: Path,
-        tmp: Path,
-        backend: IOBackend,
-        *,
-        durable: bool = True,
-        settle: Callable[[bool], None] | None = None,
-    ) -> None:
-        self.spec = spec
-        """The tensor being written."""
-        self._chunk, self._tmp, self._backend = chunk, tmp, backend
-        self._durable = durable and settle is None
-        self._settle = settle
-        self._written = 0
-        self._crc = 0
-        self._done = False
-
-    def write_async(
-        self, src: torch.Tensor, *, offset: int = 0, nbytes: int | None = None
-    ) -> IOFuture:
-        """Write bytes ``[offset, offset + nbytes)`` of the tensor from the start of ``src``.
-
-        ``nbytes`` defaults to the rest of the tensor; ``offset`` (bytes) is a
-        multiple of :data:`storage.io.ALIGNMENT` and follows the previous
-        piece's end (pieces are written in order, each one after the previous
-        one's future completed).
-        """
-        name = self.spec.name
-        if self._done:
-            raise NvmeError(f"tensor {name!r}: this write was committed or aborted: begin another")
-        count = _check_piece(self.spec, offset, nbytes)
-        if offset != self._written:
-            raise ValueError(
-                f"tensor {name!r}: piece at offset {offset} bytes does not follow the "
-                f"{self._written} bytes written so far: write pieces in order from offset 0"
-            )
-        try:
-            fut = self._backend.write_async(
-                self._tmp, src, count, fsync=False, offset=offset, in_place=self._settle is not None
-            )
-        except ValueError as exc:
-            raise ValueError(f"tensor {name!r}: {exc}") from exc
-        except OSError as exc:
-            raise io_error(name, "write", self._tmp, exc) from exc
-        self._written = offset + count
-        if self.spec.checksum:  # src holds the piece until the future completes
-            self._crc = crc32c(src[:count], self._crc)
-        return chain(fut, lambda: None, name, "write", self._tmp, count)
-
-    def commit(self) -> None:
-        """Make the written pieces the tensor's contents (blocks: fsync, rename, fsync)."""
-        name = self.spec.name
-        if self._done:
-            raise NvmeError(f"tensor {name!r}: this write was committed or aborted: begin another")
-        self._done = True
-        if self.spec.nbytes == 0:
-            return
-        try:
-            size = os.stat(self._tmp).st_size if self._written else 0
-            if self._written != self.spec.nbytes or size != self.spec.nbytes:
-                raise NvmeError(
-                    f"tensor {name!r}: {self._written} of {self.spec.nbytes} bytes were written "
-                    f"({size} bytes in {self._tmp}): write every piece before commit()"
-                )
-            if self._settle is not None:
-                self._settle(False)
-                return
-            if self.spec.checksum:
-                finish_chunk(self._tmp, self.spec.nbytes, self._crc)
-            elif self._durable:
-                fd = os.open(self._tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(self._tmp, self._chunk)
-            if self._durable:
-                fsync_dir(self._chunk.parent)
-        except OSError as exc:
-            self._drop()
-            raise io_error(name, "write", self._tmp, exc) from exc
-        except BaseException:
-            self._drop()
-            raise
-
-    def abort(self) -> None:
-        """Drop the pieces written so far; the tensor keeps its previous contents (written in
-        place: its chunk is torn once a piece was written, see the class doc). Idempotent."""
-        if not self._done:
-            self._done = True
-            self._drop()
-
-    def _drop(self) -> None:
-        if self._settle is None:
-            with contextlib.suppress(OSError):
-                self._tmp.unlink()
-        elif self._written:
-            self._settle(True)
-
-    def __enter__(self) -> NvmeWrite:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.abort()
