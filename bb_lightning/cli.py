@@ -161,6 +161,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-nodes", type=_positive_int, default=1, help="nodes (the Trainer's num_nodes)"
     )
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=_count,
+        default=None,
+        help="fit: price the loss's logits for this many tokens at once, as CausalLMModule's "
+        "loss_chunk_tokens computes it (e.g. 2796 at a 32k vocabulary, its default); default "
+        "0: the whole pass's, as transformers' loss holds them for a module that calls the "
+        "model with labels",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
         "--dry-run",
@@ -306,6 +315,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0, e.g. 1024")
+    return value
+
+
+def module_loss_chunk(chunk: int | None, vocab_size: int) -> int | None:
+    """The loss chunk a :class:`~bb_lightning.module.CausalLMModule` given ``loss_chunk_tokens
+    = chunk`` computes in, as a :class:`~bb_lightning.planner.FitJob` takes it (None: whole)."""
+    from bb_lightning.planner.cost import loss_chunk_tokens
+
+    return loss_chunk_tokens(vocab_size) if chunk is None else (chunk or None)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from bb_lightning import world
     from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
@@ -349,7 +377,12 @@ def _plan(args: argparse.Namespace) -> int:
         seq = args.seq_len
         if seq is None:
             seq = min(2048, model.max_positions or 2048)
-        job = FitJob(seq_len=seq, global_batch_tokens=tokens, global_batch_seqs=seqs)
+        job = FitJob(
+            seq_len=seq,
+            global_batch_tokens=tokens,
+            global_batch_seqs=seqs,
+            loss_chunk_tokens=args.loss_chunk_tokens or None,
+        )
     else:
         job = PredictJob(
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.num_prompts
@@ -506,14 +539,17 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     data = cfg.data.init_args
     accum = int(cfg.trainer.accumulate_grad_batches or 1)
     dtype = compute_dtype(getattr(strategy, "compute_dtype", None), str(cfg.trainer.precision))
+    profile = model_profile_from_config(config)
+    chunk = getattr(cfg.model.init_args, "loss_chunk_tokens", None)
     job = FitJob(
         seq_len=data.seq_len,
         global_batch_seqs=data.batch_size * accum,
         grad_clipping=cfg.trainer.gradient_clip_val is not None,
         compute_dtype=str(dtype).removeprefix("torch."),
+        loss_chunk_tokens=module_loss_chunk(chunk, profile.vocab_size),
     )
     forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
-    plan = make_plan(model_profile_from_config(config), preset(hardware), job, overrides=forced)
+    plan = make_plan(profile, preset(hardware), job, overrides=forced)
     print(plan.explain())
     return _dry_run(plan, config)
 

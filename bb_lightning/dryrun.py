@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from bb_lightning.assembly import build_engine
+from bb_lightning.causal_loss import causal_lm_loss
 from bb_lightning.dryrun_memory import MemoryAccountant, Peak
 from bb_lightning.engine.generate import LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
@@ -270,6 +271,15 @@ def _run_batch(
     return links, beside
 
 
+def _loss(model: nn.Module, ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """The training loss of ``ids`` as the job's module computes it: the head and the
+    cross-entropy in chunks of ``chunk`` tokens (``CausalLMModule``), or whole through the
+    model's ``labels`` (None: a module of the user's own)."""
+    if chunk is None:
+        return model(input_ids=ids, labels=ids).loss
+    return causal_lm_loss(model, ids, None, ids, chunk)
+
+
 def priced_bytes(store: TieredStore) -> dict[Link, int]:
     """Bytes per priced link ``store`` has moved so far (a file link counted as the disk's)."""
     out = dict.fromkeys(PRICED_LINKS, 0)
@@ -318,7 +328,7 @@ def run_fit_step(
             ids = torch.zeros(shape, dtype=torch.long, device=device)
         else:
             ids = torch.randint(0, plan.model.vocab_size, shape, generator=gen).to(device)
-        loss = engine.model(input_ids=ids, labels=ids).loss / accum
+        loss = _loss(engine.model, ids, job.loss_chunk_tokens) / accum
         del ids
         where(f"backward (micro-batch {k + 1})", None)
         loss.backward()

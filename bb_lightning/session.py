@@ -103,6 +103,17 @@ class SizedBatches(Protocol):
 
 
 @runtime_checkable
+class ChunkedLoss(Protocol):
+    """A module whose training loss holds the logits of a few tokens at a time
+    (:class:`~bb_lightning.module.CausalLMModule`)."""
+
+    @property
+    def loss_chunk_tokens(self) -> int | None:
+        """Tokens whose logits the loss holds at once; None: the whole pass's."""
+        ...
+
+
+@runtime_checkable
 class TrainShape(Protocol):
     """A training datamodule that states its batches' shape
     (:class:`~bb_lightning.data.TextDataModule`)."""
@@ -202,7 +213,13 @@ def read_job(
     seq_len, micro = first_batch_shape(trainer)
     accum = int(trainer.accumulate_grad_batches)
     clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-    fit = FitJob(seq_len=seq_len, global_batch_seqs=micro * accum * world_size, grad_clipping=clip)
+    chunk = module.loss_chunk_tokens if isinstance(module, ChunkedLoss) else None
+    fit = FitJob(
+        seq_len=seq_len,
+        global_batch_seqs=micro * accum * world_size,
+        grad_clipping=clip,
+        loss_chunk_tokens=chunk,
+    )
     return TrainerJob(job=fit, micro_batch=micro, grad_accum=accum)
 
 
