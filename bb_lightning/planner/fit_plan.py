@@ -164,6 +164,15 @@ def fit_reasons(
             f"({format_bytes(k * ADAM_STATE_BYTES * cost.shard_numel(model.block_train, hw.world_size))}), sized so that its "
             "reads and write-backs fit the last backward where the host budget allows"
         )
+    if job.loss_chunk_tokens is not None:
+        tokens = best.micro_batch * job.seq_len
+        chunk = min(job.loss_chunk_tokens, tokens)
+        reasons.append(
+            f"loss: head and cross-entropy over chunks of {chunk:,} tokens, each recomputed in "
+            f"backward: {format_bytes(cost.logits_bytes(model, chunk))} of fp32 logits and "
+            f"their gradients at once, not the pass's "
+            f"{format_bytes(cost.logits_bytes(model, tokens))}"
+        )
     if not model.full_fine_tune:
         reasons.append(
             f"{model.trainable_params:,} of {model.total_params:,} parameters train "

@@ -44,6 +44,8 @@ def test_a_chunked_loss_is_priced_per_chunk_and_its_dry_run_fits_the_plan() -> N
     assert chunked.micro_batch >= 16 and chunked.tokens_per_s > 2 * whole.tokens_per_s
     device = {m.tier: m for m in chunked.memory}[Tier.DEVICE]
     assert logits_bytes(model, chunked.tokens_per_pass) > device.budget  # whole, it won't fit
+    said = "loss: head and cross-entropy over chunks of 697 tokens, each recomputed in backward"
+    assert said in chunked.explain() and "loss: head" not in whole.explain()
     report = dry_fit(chunked, CONFIG)  # the dry run computes the loss in the job's chunks
     assert report.over == [], report.peaks[Tier.DEVICE]
     assert report.peaks[Tier.DEVICE].bytes <= device.used
