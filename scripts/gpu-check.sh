@@ -30,7 +30,9 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=(--dry-run) ;;
         --steps)
-            [ $# -ge 2 ] && [ -n "$2" ] || refuse "--steps needs step names, such as --steps page_in,nvme_read"
+            if [ $# -lt 2 ] || [ -z "$2" ]; then
+                refuse "--steps needs step names, such as --steps page_in,nvme_read"
+            fi
             STEPS="$2"
             shift
             ;;

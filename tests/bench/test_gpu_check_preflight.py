@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -113,3 +114,13 @@ def test_device_wheels_lists_what_the_gpu_image_lacks() -> None:
     assert done.returncode == 2 and "must be 12 or 13" in done.stderr
     assert subprocess.run(["git", "check-ignore", "-q", ".device-wheels/x.whl"], cwd=REPO,
                           check=False).returncode == 0  # fmt: skip
+
+
+def test_the_device_scripts_parse_and_pass_shellcheck_where_it_is_installed() -> None:
+    scripts = [str(WHEELS), str(REPO / "scripts" / "gpu-check.sh")]
+    for script in scripts:
+        subprocess.run(["bash", "-n", script], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    done = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout
