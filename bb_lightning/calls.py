@@ -29,7 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from bb_lightning import assembly, session, world
 from bb_lightning.engine.flat import dtype_name
 from bb_lightning.engine.hf_quirks import activation_checkpointing_off
-from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_groups_from_optimizer
+from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.handback import budget_room
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob

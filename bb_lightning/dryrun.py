@@ -36,7 +36,8 @@ from bb_lightning.causal_loss import causal_lm_loss
 from bb_lightning.dryrun_memory import MemoryAccountant, Peak
 from bb_lightning.engine.generate import LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.engine.trainer_engine import ClipConfig, TrainingEngine
+from bb_lightning.engine.optimizer_step import ClipConfig
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.planner import Plan
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.structure import find_block_list, fused_attention, load_config

@@ -241,11 +241,12 @@ def _check_parsed_values(cfg: Any, command: str) -> None:
     """Run the range checks of the module, data module, strategy and plan overrides that a
     parsed recipe names (where they are ours) on its values without building anything: no
     model config, tokenizer or machine is read. Raises :class:`UsageError` naming the key."""
-    from bb_lightning import data, module, session
+    from bb_lightning import data, module, session, settings
     from bb_lightning.adapt import AdaptController
     from bb_lightning.planner import PlanOverrides
 
     def strategy_checks(**kw: Any) -> None:
+        settings.check_once(kw)  # a setting given flat and in its group (checked when built)
         session.check_settings(kw["compute_dtype"], kw["gather_limit"], None, None,
                                hardware=kw["hardware"])  # fmt: skip
         AdaptController(warmup_steps=kw["warmup_steps"], tolerance=kw["adapt_tolerance"])

@@ -44,7 +44,7 @@ from typing_extensions import Protocol, runtime_checkable
 from bb_lightning import world
 from bb_lightning.bounds import check_int
 from bb_lightning.engine.flat import dtype_name
-from bb_lightning.engine.trainer_engine import ClipConfig
+from bb_lightning.engine.optimizer_step import ClipConfig
 from bb_lightning.placement import Placement
 from bb_lightning.planner import (
     FitJob,

@@ -20,7 +20,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, PlanOverrides, PredictJob
 from bb_lightning.session import ComputeDtype
 
-__all__ = ["HandBackConfig", "PlanningConfig", "grouped", "merged"]
+__all__ = ["HandBackConfig", "PlanningConfig", "check_once", "grouped", "merged"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,12 +85,33 @@ def merged(
             continue
         grouped = getattr(group, key, default)
         if not _same(grouped, default):
-            raise ValueError(
-                f"{key}={value!r} and {name}.{key}={grouped!r} both given: give {key} once, "
-                f"as {key}= or in {kind.__name__}({key}=...)"
-            )
+            raise ValueError(_twice(key, value, name, grouped, kind))
         changes[key] = value
     return dataclasses.replace(group if group is not None else defaults, **changes)
+
+
+def check_once(values: Mapping[str, Any]) -> None:
+    """Refuse, as the strategy does (:func:`merged`), a setting given both flat and in its
+    group in the strategy's keyword arguments as a recipe parses them (``planning`` and
+    ``hand_back`` as mappings or namespaces), before anything is built."""
+    for name, kind in (("planning", PlanningConfig), ("hand_back", HandBackConfig)):
+        group = values.get(name)
+        if group is None:
+            continue
+        defaults = kind()
+        items = group.items() if isinstance(group, Mapping) else vars(group).items()
+        for key, grouped in items:
+            default = getattr(defaults, key, None)
+            value = values.get(key, default)
+            if not _same(grouped, default) and not _same(value, default):
+                raise ValueError(_twice(key, value, name, grouped, kind))
+
+
+def _twice(key: str, value: object, name: str, grouped: object, kind: type) -> str:
+    return (
+        f"{key} given twice, {key}={value!r} and {name}.{key}={grouped!r}: give it once, "
+        f"as {key}= or in {kind.__name__}({key}=...)"
+    )
 
 
 def grouped(

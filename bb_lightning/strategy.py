@@ -36,8 +36,9 @@ from bb_lightning.calls import call_placement, checkpointing_off, end_call, host
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine
+from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
 from bb_lightning.engine.shard import ShardComm
-from bb_lightning.engine.trainer_engine import TrainingEngine, adamw_groups_from_optimizer
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.handback import handback_dtype
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob

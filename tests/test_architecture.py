@@ -236,3 +236,29 @@ def test_the_checker_catches_violations_in_a_synthetic_engine_module() -> None:
     assert "fake.py:6: bb_lightning.engine.fake -> bb_lightning.planner.plan" in report(found)
     storage = imports_in("import transformers\nimport torch\n", "storage.x", path="x.py")
     assert [str(e) for e, _ in violations(storage)] == ["x.py:1: storage.x -> transformers"]
+
+
+PLACEMENT_HOME_DIRS = ("storage", "bb_lightning", "bench", "tests")
+"""Where imports of ``Placement`` are checked (the code, its benchmarks and its tests)."""
+
+
+def placement_imports_elsewhere(root: Path = ROOT) -> list[str]:
+    """Each ``from M import Placement`` whose ``M`` is not the Placement module, as
+    ``path:line: M``: one concept, imported from its own module."""
+    found: list[str] = []
+    for f in sorted(g for d in PLACEMENT_HOME_DIRS for g in (root / d).rglob("*.py")):
+        tree = ast.parse(f.read_text(encoding="utf-8"), filename=str(f))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module is None:
+                continue
+            if node.module != PLACEMENT_MODULE and any(a.name == "Placement" for a in node.names):
+                found.append(f"{f.relative_to(root)}:{node.lineno}: {node.module}")
+    return found
+
+
+def test_placement_is_imported_from_its_own_module() -> None:
+    elsewhere = placement_imports_elsewhere()
+    assert not elsewhere, (
+        f"Placement imported through another module (import it from {PLACEMENT_MODULE}):\n  "
+        + "\n  ".join(elsewhere)
+    )

@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 from transformers import LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.cli import main
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import PlanOverrides
@@ -91,7 +92,8 @@ def test_a_setting_given_flat_and_grouped_is_refused_naming_both(
 ) -> None:
     (key,) = flat
     (group,) = grouped
-    with pytest.raises(ValueError, match=rf"^{key}=.* and {group}\.{key}=.*give {key} once") as err:
+    match = rf"^{key} given twice, {key}=.* and {group}\.{key}=.*give it once, as {key}="
+    with pytest.raises(ValueError, match=match) as err:
         BalanceBeamStrategy(**flat, **grouped)
     assert "\n" not in str(err.value)
 
@@ -167,3 +169,19 @@ def test_lightning_cli_reads_the_planning_group_as_the_flat_keys(
         assert (strategy.compute_dtype, strategy.hardware) == ("fp32", "a100-80gb")
         assert (strategy.warmup_steps, strategy.gather_limit) == (2, 1 << 20)
         assert strategy.overrides == want
+
+
+def test_a_recipe_giving_a_setting_flat_and_grouped_is_one_line_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml"
+    code = main([
+        "fit", "--config", str(recipe), f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.strategy.init_args.nvme_path={tmp_path / 'nvme'}",
+        "--trainer.strategy.init_args.hardware=a100-80gb",
+        "--trainer.strategy.init_args.planning.hardware=h100",
+    ])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "hardware given twice, hardware='a100-80gb' and planning.hardware='h100'" in err
+    assert not (tmp_path / "nvme").exists()

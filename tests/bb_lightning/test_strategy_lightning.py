@@ -18,7 +18,8 @@ from transformers import LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.flat_state import FlatState
-from bb_lightning.engine.trainer_engine import EngineStateDict, TrainingEngine
+from bb_lightning.engine.state_io import EngineStateDict
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import PlanOverrides

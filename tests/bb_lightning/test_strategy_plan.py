@@ -12,7 +12,7 @@ import torch
 
 import bb_lightning.session as session_module
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine.pager import Placement
+from bb_lightning.placement import Placement
 from bb_lightning.planner import HardwareProfile, PlanOverrides
 from bb_lightning.probe import calibrate
 from storage.tiers import Tier

@@ -22,12 +22,9 @@ from tiny import LAYERS, tiny_llama
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.budgets import required_budgets, shard_counts
 from bb_lightning.engine.optim import AdamWConfig
+from bb_lightning.engine.optimizer_step import ClipConfig, adamw_groups_from_optimizer
 from bb_lightning.engine.shard import ShardComm
-from bb_lightning.engine.trainer_engine import (
-    ClipConfig,
-    TrainingEngine,
-    adamw_groups_from_optimizer,
-)
+from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.placement import Placement
 from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore

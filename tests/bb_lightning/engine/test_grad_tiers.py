@@ -14,7 +14,7 @@ import torch
 
 from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.engine.trainer_engine import ClipConfig
+from bb_lightning.engine.optimizer_step import ClipConfig
 from bb_lightning.placement import Placement
 from storage.io import IOConfig
 from storage.nvme import NvmeTier

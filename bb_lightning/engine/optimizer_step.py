@@ -1,0 +1,314 @@
+"""The optimizer step on the host: AdamW over each flat state, weights written back.
+
+:class:`OptimizerStep` steps each block's flat state with
+:class:`~bb_lightning.engine.optim.HostAdamW` (HOST-home state in place, other state
+through the :class:`~bb_lightning.engine.scratch_pool.ScratchPool`'s buffers), writes the
+block's compute-dtype weights back to their home and the resident parameters' values to
+the device. Without clipping a block's step needs only that block's gradient: an
+overlapped step (:meth:`OptimizerStep.begin_overlapped`) steps each block on the gradient
+worker during the window's last backward, as soon as its gradient is in.
+
+:class:`ClipConfig` and :func:`adamw_groups_from_optimizer` translate Lightning's clipping
+arguments and a ``torch.optim.AdamW`` into what the step takes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from bb_lightning.engine.flat_state import FlatState
+from bb_lightning.engine.optim import (
+    AdamWConfig,
+    AdamWGroups,
+    HostAdamW,
+    adam_runs,
+    clip_coefficient,
+)
+from bb_lightning.engine.pager import BlockPager
+from bb_lightning.engine.scratch_pool import Scratch, ScratchPool
+from bb_lightning.engine.shard import ShardComm
+from bb_lightning.placement import STATE_KINDS
+from storage.store import TieredStore
+from storage.tiers import Tier
+
+__all__ = ["ClipConfig", "OptimizerStep", "Overlap", "Steppers", "adamw_groups_from_optimizer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipConfig:
+    """Gradient clipping applied at the optimizer step (Lightning's ``gradient_clip_*``)."""
+
+    value: float | None = None
+    """Maximum gradient norm (``"norm"``) or magnitude (``"value"``); None disables clipping."""
+    algorithm: str = "norm"
+    """``"norm"`` (global 2-norm over all gradients) or ``"value"`` (element-wise clamp)."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"gradient clip algorithm {self.algorithm!r} is not supported: use 'norm' or 'value'"
+            )
+        if self.value is not None and not (math.isfinite(self.value) and self.value > 0):
+            raise ValueError(f"gradient clip value {self.value!r} must be finite and > 0")
+
+
+def adamw_groups_from_optimizer(optimizer: torch.optim.Optimizer) -> AdamWGroups:
+    """Each param group's AdamW hyperparameters (the learning rate of now) and parameters.
+
+    ``torch.optim.AdamW``, or ``torch.optim.Adam`` where no group decays weights (the same
+    update); anything else, AMSGrad or ``maximize`` raises ``ValueError`` saying so.
+    """
+    kind = type(optimizer).__name__
+    plain_adam = type(optimizer) is torch.optim.Adam
+    if not isinstance(optimizer, torch.optim.AdamW) and not plain_adam:
+        raise ValueError(
+            f"the balance_beam strategy steps AdamW on the host, but configure_optimizers "
+            f"returned {kind}: return torch.optim.AdamW"
+        )
+    configs = []
+    for k, g in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(
+                    f"{kind} param group {k} sets {flag}=True, which the balance_beam "
+                    f"strategy's host AdamW does not do: drop {flag}"
+                )
+        if plain_adam and float(g["weight_decay"]) != 0.0:
+            raise ValueError(
+                f"Adam param group {k} has weight_decay={g['weight_decay']} (L2 added to the "
+                "gradient), but the balance_beam strategy steps AdamW (decoupled decay): "
+                "return torch.optim.AdamW, or Adam with weight_decay=0"
+            )
+        lr = g["lr"].item() if isinstance(g["lr"], Tensor) else float(g["lr"])
+        b1, b2 = g["betas"]
+        configs.append(
+            AdamWConfig(
+                lr=lr,
+                betas=(float(b1), float(b2)),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+            )
+        )
+    params = tuple(tuple(g["params"]) for g in optimizer.param_groups)
+    return AdamWGroups(configs=tuple(configs), params=params)
+
+
+@dataclass
+class Overlap:
+    """An optimizer step whose block updates run during the last backward of the window."""
+
+    adam: Steppers
+    step: int
+    done: set[int] = field(default_factory=set)
+
+
+class Steppers:
+    """One optimizer step's AdamW: a stepper per parameter group, and which elements of a
+    flat state each steps."""
+
+    def __init__(self, adamw: AdamWConfig | AdamWGroups) -> None:
+        groups = adamw if isinstance(adamw, AdamWGroups) else AdamWGroups(configs=(adamw,))
+        self.steppers = [HostAdamW(config) for config in groups.configs]
+        self._group_of = groups.group_of()
+
+    def runs(self, state: FlatState, params: Sequence[Tensor]) -> list[tuple[int, int, HostAdamW]]:
+        """``(start, end, stepper)`` of the element ranges of ``state`` (laid out from
+        ``params``) to step; a parameter in no group is left as it is."""
+        runs = adam_runs(params, state.ranges(), self._group_of)
+        return [(a, b, self.steppers[g]) for a, b, g in runs]
+
+
+class OptimizerStep:
+    """One training engine's host AdamW steps: its step count, the overlapped step in
+    progress, and the buffers that gather a stepped shard under data parallelism.
+
+    ``pager`` holds the blocks' flat states, ``resident`` the state of the trainable
+    parameters outside the blocks (``resident_params``, on the device); ``pool`` lends the
+    scratch and read-ahead sets; ``comm`` (data parallelism) gathers every rank's stepped
+    shard before the weights are written.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        pager: BlockPager,
+        resident: FlatState,
+        resident_params: Sequence[Tensor],
+        pool: ScratchPool,
+        *,
+        comm: ShardComm | None,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.store = store
+        self.pager = pager
+        self.resident = resident
+        self.resident_params = resident_params
+        self.pool = pool
+        self.comm = comm
+        self.step_count = 0
+        """Optimizer steps taken (the AdamW bias corrections use it)."""
+        self.busy_s = 0.0
+        """Seconds of host AdamW work since the engine was built (overlapped work included)."""
+        self.overlap_starts: list[tuple[int, float]] = []
+        """(block, ``time.perf_counter()``) of each overlapped block step of the last step."""
+        self.overlap: Overlap | None = None
+        """The overlapped step in progress (:meth:`begin_overlapped`), if any."""
+        largest, width = pool.largest, 1 if comm is None else comm.world_size
+        self._cast_part = torch.empty(
+            0 if comm is None else max(largest, resident.numel), dtype=compute_dtype
+        )
+        """A shard cast to the compute dtype before its all-gather (data parallelism)."""
+        self._resident_gathered = torch.empty(
+            0 if comm is None else resident.numel * width, dtype=compute_dtype
+        )
+        """Every rank's compute-dtype shard of the resident parameters (all-gathered)."""
+        self._resident_full = torch.empty(
+            0 if comm is None else resident.full_numel, dtype=compute_dtype
+        )
+        """The resident parameters' compute-dtype values, unpacked from the shards."""
+        self._gathered = torch.empty(largest * width if comm else 0, dtype=compute_dtype)
+        """Every rank's compute-dtype shard of a block (all-gathered), unpacked into the
+        block's scratch ``cast`` buffer, from which its weights are written home."""
+
+    def begin_overlapped(self, adamw: AdamWConfig | AdamWGroups) -> None:
+        """Count a step whose blocks are stepped during the coming backward
+        (:meth:`step_block` as each gradient comes, :meth:`finish_overlapped` after)."""
+        self.step_count += 1
+        self.overlap_starts = []
+        self.overlap = Overlap(adam=Steppers(adamw), step=self.step_count)
+
+    def step_block(
+        self, i: int, overlap: Overlap, grads: Sequence[Tensor | None] | None = None
+    ) -> None:
+        """Block ``i``'s AdamW step (its last ``grads`` summed in) and weight write-back."""
+        self.overlap_starts.append((i, time.perf_counter()))
+        scratch = self.pool.take()
+        state = self.pager.states[i]
+        if grads is None:
+            grad = state.gradient(scratch.fp32["grad"])
+        else:
+            grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
+        self.step_state(state, overlap.adam, 1.0, overlap.step, scratch, grad, block=i)
+
+    def write_weights(self, i: int, master: Tensor, scratch: Scratch) -> None:
+        """Write block ``i``'s compute-dtype weights from its stepped fp32 ``master`` through
+        ``scratch.cast`` (under data parallelism every rank's shard gathered first); the
+        write's ticket joins the set's."""
+        if self.comm is not None:  # every rank's stepped shard, cast, unpacked in scratch.cast
+            state = self.pager.states[i]
+            part = self._cast_part[: state.numel]
+            part.copy_(master[: state.numel])
+            master = state.gather(part, self._gathered, scratch.cast)  # written from there
+        ticket = self.pager.write_weights(i, master, scratch.cast)
+        if ticket is not None:
+            scratch.tickets.append(ticket)
+
+    def finish_overlapped(self, overlap: Overlap) -> None:
+        """Step the blocks the backward did not (no gradient came), then the resident
+        parameters, in the overlapped step ``overlap``."""
+        for i in range(self.pager.num_blocks):
+            if i not in overlap.done:
+                self.step_block(i, overlap)
+        resident = self.resident
+        master = self.step_state(
+            resident, overlap.adam, 1.0, overlap.step, None, resident.gradient()
+        )
+        self.set_resident(master)
+
+    def step_all(
+        self,
+        adamw: AdamWConfig | AdamWGroups,
+        clip: ClipConfig | None,
+        grad_norm: Callable[[], float],
+    ) -> None:
+        """Step every block, then the resident parameters, from the accumulated gradients
+        (clipped by ``clip``, the norm from ``grad_norm``)."""
+        scale, clamp = 1.0, None
+        if clip is not None and clip.value is not None:
+            if clip.algorithm == "norm":
+                scale = clip_coefficient(grad_norm(), clip.value)
+            else:
+                clamp = clip.value
+        self.step_count += 1
+        adam = Steppers(adamw)
+        self.pool.plan_reads(range(self.pager.num_blocks))
+        for i, state in enumerate(self.pager.states):
+            scratch = self.pool.take()
+            grad = state.gradient(scratch.fp32["grad"])
+            if clamp is not None:
+                grad.clamp_(-clamp, clamp)
+            self.step_state(state, adam, scale, self.step_count, scratch, grad, block=i)
+        grad = self.resident.gradient()
+        if clamp is not None:
+            grad.clamp_(-clamp, clamp)
+        master = self.step_state(self.resident, adam, scale, self.step_count, None, grad)
+        self.set_resident(master)
+
+    def set_resident(self, master: Tensor) -> None:
+        """The resident parameters' device values from their stepped fp32 ``master``
+        (this rank's shard under data parallelism: cast, then all-gathered)."""
+        resident = self.resident
+        if self.comm is not None:
+            part = self._cast_part[: resident.numel]
+            part.copy_(master[: resident.numel])
+            master = resident.gather(part, self._resident_gathered, self._resident_full)
+        for p, v in zip(self.resident_params, resident.master_views(master), strict=True):
+            p.data.copy_(v)
+
+    def step_state(
+        self,
+        state: FlatState,
+        adam: Steppers,
+        scale: float,
+        step: int,
+        scratch: Scratch | None,
+        grad: Tensor,
+        *,
+        block: int | None = None,
+    ) -> Tensor:
+        """AdamW on one flat state: HOST-home tensors in place, others through ``scratch``
+        or block ``block``'s read-ahead set (read, stepped, written back asynchronously);
+        the stepped fp32 master weights.
+
+        For a block, its compute-dtype weights are written from the stepped master here,
+        before its read-ahead set goes back to the free list: from then on a read-ahead of
+        another block may refill that set (the returned master is then no longer its own).
+        """
+        start = time.perf_counter()
+        ahead = self.pool.take_ahead(block)  # the next blocks' reads run while this one steps
+        held = ahead if ahead is not None else scratch
+        if ahead is not None:
+            ahead.wait_reads()
+        bufs: list[Tensor] = []
+        for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
+            if self.store.home(name) is Tier.HOST:
+                bufs.append(self.store.host_view(name))
+            elif ahead is not None:
+                bufs.append(ahead.fp32[kind][: state.numel])
+            else:
+                assert scratch is not None, f"{name} is not on host and no scratch was given"
+                bufs.append(self.store.read(name, out=scratch.fp32[kind][: state.numel]))
+        master, exp_avg, exp_avg_sq = bufs
+        params = self.resident_params if block is None else self.pager.params[block]
+        for a, b, stepper in adam.runs(state, params):
+            stepper.step_block(
+                master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, grad_scale=scale
+            )
+        for name, buf in zip(state.state_names, bufs, strict=True):
+            if self.store.home(name) is not Tier.HOST:
+                assert held is not None
+                held.tickets.append(self.store.write_back_async(name, buf))
+        if block is not None:
+            assert scratch is not None, f"block {block} is stepped without a scratch set"
+            self.write_weights(block, master, scratch)
+        if ahead is not None:  # the weights are cast from its master: reused once written
+            self.pool.give_back(ahead)
+        state.clear_grad()
+        self.busy_s += time.perf_counter() - start
+        return master
