@@ -38,14 +38,14 @@ fold, and on a first run the hardware profile was measured beside it too, so the
 beside the passes showed no drift); the model's rate relative to the matrix products
 timed beside it, which a busy neighbour slows alike; else the fastest passes. Measured
 steps re-plan after warm-up.
+The rounds, their checks and the timing on a quiet core are
+:mod:`bb_lightning.probe.timed_passes`'s.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +59,7 @@ from bb_lightning.probe import contention, rate_cache
 from bb_lightning.probe.contention import Timing
 from bb_lightning.probe.measure import cuda_device_memory
 from bb_lightning.probe.model import model_profile_from_config
+from bb_lightning.probe.timed_passes import Passes, sync, timed_rounds
 
 __all__ = ["PredictCompute", "TrainCompute", "probe_predict_compute", "probe_train_compute"]
 
@@ -78,29 +79,6 @@ MIN_EFFICIENCY, MAX_EFFICIENCY = 0.05, 1.5
 """Range the measured efficiency is clipped to (a disturbed probe must not derail a plan).
 A model computing in another dtype than bf16 may go as far above as that dtype's matrix
 products run faster than bf16's (:func:`dtype_ceiling`)."""
-REFERENCE_SIZE = {"cpu": 2048, "cuda": 4096}
-"""Largest side of the square bf16 matrix product timed between the model's passes, per
-device type: large enough to run at the hardware probe's best rate when nothing else runs
-(on a CPU with AMX a 1024-square product falls well short of the rate of a 2048-square
-one, which the drift check would take for a busy neighbour), small enough to repeat
-cheaply (17 GFLOP, a few hundredths of a second on such a CPU). A device whose profile
-rate would take longer than :data:`REFERENCE_SECONDS` gets a smaller one
-(:func:`reference_size`)."""
-REFERENCE_SECONDS = 0.05
-"""Longest a reference product may take at the hardware profile's rate, seconds."""
-MIN_REFERENCE_SIZE = 256
-"""Smallest side of the reference product."""
-
-
-def reference_size(device_type: str, device_flops: float) -> int:
-    """Side of the reference product: :data:`REFERENCE_SIZE`, or the largest multiple of
-    256 whose ``2 n^3`` FLOPs take at most :data:`REFERENCE_SECONDS` at ``device_flops``
-    (FLOP/s), at least :data:`MIN_REFERENCE_SIZE`. A CPU without bf16 matrix instructions
-    (AVX2 only) multiplies bf16 so slowly that it would spend about a second on each
-    2048-square product."""
-    largest = REFERENCE_SIZE.get(device_type, REFERENCE_SIZE["cpu"])
-    fits = (max(device_flops, 1.0) * REFERENCE_SECONDS / 2.0) ** (1.0 / 3.0)
-    return int(min(largest, max(MIN_REFERENCE_SIZE, fits // 256 * 256)))
 
 
 @dataclass(frozen=True)
@@ -184,7 +162,7 @@ def product_rate(dtype: torch.dtype, device: torch.device, n: int = 1024) -> flo
     for _ in range(4):  # the first one warms up
         start = time.perf_counter()
         torch.matmul(a, b.t(), out=out)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return 2.0 * n**3 / max(best, 1e-9)
 
@@ -224,157 +202,6 @@ def fp32_advice(device: torch.device) -> str | None:
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class _Passes:
-    """The fastest pass of each series over the rounds a probe took."""
-
-    best: dict[str, float]
-    """Fastest seconds per series label."""
-    reference_flops: float
-    """FLOP/s of the median matrix product timed between the model's passes."""
-    note: str | None
-    """Why not to trust them (one line), or None."""
-    drifted: bool = False
-    """Whether the matrix products stayed below ``DRIFT`` x the profile's rate."""
-    ceiling: float | None = None
-    """:func:`dtype_ceiling` as measured on the quiet core the passes were timed alone on
-    (None: not timed alone; measure it as usual)."""
-
-    def ceiling_for(self, dtype: torch.dtype, device: torch.device) -> float:
-        """The efficiency ceiling of a model computing in ``dtype``."""
-        return self.ceiling if self.ceiling is not None else dtype_ceiling(dtype, device)
-
-
-def _timed_rounds(
-    passes: list[tuple[str, Callable[[], None]]],
-    device: torch.device,
-    hw: HardwareProfile,
-    repeats: int,
-    timing: Timing,
-    what: str,
-    recorded: bool = False,
-    dtype: torch.dtype = torch.bfloat16,
-) -> _Passes:
-    """Time ``passes`` (label, run) in turn with a square matrix product after each turn,
-    after one untimed warm-up turn, ``repeats`` turns per round, until the checks of the
-    module doc hold or ``contention.MAX_ROUNDS`` rounds ran. ``recorded``: an undisturbed
-    probe's rates are on record (:mod:`bb_lightning.probe.rate_cache`); a disturbed probe
-    says it takes them. ``dtype``: the passes' compute dtype (for :func:`dtype_ceiling`)."""
-    n = reference_size(device.type, hw.device_flops)
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen).to(device, torch.bfloat16) for _ in range(2))
-    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-
-    def product() -> None:
-        torch.matmul(a, b.t(), out=out)  # x @ W^T, as a linear layer multiplies
-        _sync(device)
-
-    ref = f"matmul {n}"
-    times: dict[str, list[float]] = {label: [] for label, _ in [*passes, (ref, product)]}
-    share = timing.watch()
-    for _, run in passes:
-        run()
-    product()
-    rounds = 0
-    while True:
-        rounds += 1
-        for _ in range(repeats):
-            for label, run in passes:
-                times[label].append(timing.seconds(label, run))
-            times[ref].append(timing.seconds(ref, product))
-        # the typical product, not the fastest: beside a neighbour spinning on one of two
-        # cores most products ran at about half the rate and a lucky one near the full
-        # rate, which passed the drift check while the model's passes ran much slower
-        rate = 2.0 * n**3 / max(contention.median(times[ref]), 1e-12)
-        drift = rate / max(hw.device_flops, 1.0)
-        unsteady = contention.unsteady(times)
-        # every check, the neighbours' share too: one lucky matrix product among slow
-        # ones can pass the drift check while a neighbour slows the model's passes 3 x
-        busy = share()
-        ok = not unsteady and drift >= contention.DRIFT and busy <= contention.BUSY_SHARE
-        if ok or rounds >= contention.MAX_ROUNDS:
-            break
-    best = {label: contention.fastest(t) for label, t in times.items()}
-    if ok:
-        return _Passes(best, rate, None)
-    parts = [f"{label} passes differed {s:.1f} x" for label, s in unsteady.items()]
-    if drift < contention.DRIFT:
-        parts.append(
-            f"matrix products beside them ran at {rate / 1e12:.3g} TFLOP/s (median) = "
-            f"{drift:.2f} x the hardware profile's {hw.device_flops / 1e12:.3g}"
-        )
-    if busy > contention.BUSY_SHARE:
-        parts.append(f"other processes took {busy:.0%} of this process's cores")
-    drifted = drift < contention.DRIFT
-    core, ceiling = None, None
-    if not recorded and device.type == "cpu" and busy > contention.BUSY_SHARE:
-        core = timing.quiet_core()
-    if recorded:
-        taken = "taking the rates an undisturbed probe of this model and shape recorded here"
-    elif core is not None:
-        threads = torch.get_num_threads()
-        alone, ceiling = _alone(passes, core, repeats, timing, threads, dtype, device)
-        best.update(alone)
-        drifted = False  # the passes' own times, on a core nobody else used
-        taken = (
-            f"timing the passes with one thread on core {core}, which the others left alone, "
-            f"and counting {threads} threads' worth of it"
-        )
-    elif drifted:
-        taken = "taking the model's rate relative to the matrix products beside it"
-    else:
-        taken = "planning with the fastest passes"
-    note = (
-        f"balance_beam: the {what} stayed unsteady over {rounds} rounds ({'; '.join(parts)}): "
-        f"another process is using the device; {taken} (measured steps re-plan after warm-up)"
-    )
-    warnings.warn(note, RuntimeWarning, stacklevel=3)
-    return _Passes(best, rate, note, drifted, ceiling)
-
-
-def _alone(
-    passes: list[tuple[str, Callable[[], None]]],
-    core: int,
-    repeats: int,
-    timing: Timing,
-    threads: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[dict[str, float], float]:
-    """The fastest seconds of each pass run with one thread pinned to ``core``, over
-    ``threads``: what ``threads`` threads would take on cores of their own, were the passes
-    to divide perfectly among them (matrix products do, within a few per cent; the norms,
-    activations and attention less, so this errs fast: a training block timed this way
-    came out shorter than undisturbed on all the cores). Labels as in
-    ``passes``; the timed series are labelled ``"<label> alone"``. With them,
-    :func:`dtype_ceiling` for ``dtype`` timed on that core too (beside the neighbour its
-    fp32 / bf16 ratio read lower than alone, which capped the credited rate). The
-    thread's affinity and torch's thread count are restored afterwards."""
-    pin = hasattr(os, "sched_setaffinity")
-    keep = os.sched_getaffinity(0) if pin else set()
-    torch.set_num_threads(1)
-    if pin:
-        os.sched_setaffinity(0, {core})  # this thread only: torch's workers sit idle
-    try:
-        for _, run in passes:
-            run()  # warm-up on one thread
-        times: dict[str, list[float]] = {label: [] for label, _ in passes}
-        for _ in range(repeats):
-            for label, run in passes:
-                times[label].append(timing.seconds(f"{label} alone", run))
-        ceiling = dtype_ceiling(dtype, device)
-    finally:
-        if pin:
-            os.sched_setaffinity(0, keep)
-        torch.set_num_threads(threads)
-    return {label: contention.fastest(t) / threads for label, t in times.items()}, ceiling
-
-
 def _pass_seconds(
     config: Any,
     tokens: torch.Tensor,
@@ -385,7 +212,7 @@ def _pass_seconds(
     timing: Timing,
     recorded: bool = False,
     span: int = SPAN,
-) -> _Passes:
+) -> Passes:
     """Fastest seconds of a forward + backward pass through the one- and the
     ``1 + span``-block model (labels ``"one"``, ``"more"``), timed alternately with a
     matrix product so that a disturbance on the machine falls on all."""
@@ -399,9 +226,9 @@ def _pass_seconds(
 
     def train_pass(net: Any) -> Callable[[], None]:
         def run() -> None:
-            _sync(device)
+            sync(device)
             net(input_ids=tokens, labels=tokens).loss.backward()
-            _sync(device)
+            sync(device)
             net.zero_grad(set_to_none=True)
 
         return run
@@ -409,7 +236,9 @@ def _pass_seconds(
     try:
         passes = [("one", train_pass(nets[0])), ("more", train_pass(nets[1]))]
         what = "model-shaped compute probe"
-        return _timed_rounds(passes, device, hw, repeats, timing, what, recorded, dtype)
+        return timed_rounds(
+            passes, device, hw, repeats, timing, what, recorded, dtype, ceiling_of=dtype_ceiling
+        )
     finally:
         del nets
 
@@ -474,14 +303,16 @@ def probe_train_compute(
     elif known is not None:  # disturbed: the undisturbed probe's rate, its times scaled
         block, rest, total = (t * rate / known for t in (block, rest, total))
         rate, peak = known, hw.device_flops
-    eff = min(max(rate / max(peak, 1.0), MIN_EFFICIENCY), passes.ceiling_for(dtype, dev))
+    eff = min(
+        max(rate / max(peak, 1.0), MIN_EFFICIENCY), passes.ceiling_for(dtype, dev, dtype_ceiling)
+    )
     return TrainCompute(
         block_s=block, rest_s=rest, pass_s=total, tflops=rate / 1e12, efficiency=eff,
         note=passes.note,
     )  # fmt: skip
 
 
-def _peak(hw: HardwareProfile, passes: _Passes) -> float:
+def _peak(hw: HardwareProfile, passes: Passes) -> float:
     """The FLOP/s efficiencies are relative to: the profile's, or, when the matrix products
     timed beside the passes stayed slower than it (a busy device), theirs."""
     return passes.reference_flops if passes.drifted else hw.device_flops
@@ -572,7 +403,7 @@ def _predict_seconds(
     repeats: int,
     timing: Timing,
     recorded: bool = False,
-) -> _Passes:
+) -> Passes:
     """Fastest seconds of a prefill and of a decode pass through the one- and the
     three-block model (labels ``"prefill one"``, ``"prefill more"``, ``"decode one"``,
     ``"decode more"``), timed alternately with a matrix product; the decode token sits at
@@ -604,9 +435,9 @@ def _predict_seconds(
 
             def prefill(net: Any) -> Callable[[], None]:
                 def run() -> None:
-                    _sync(device)
+                    sync(device)
                     net(input_ids=prompts, use_cache=False, **last_only)
-                    _sync(device)
+                    sync(device)
 
                 return run
 
@@ -615,10 +446,10 @@ def _predict_seconds(
                     # the step's cost does not depend on what the cache holds: it attends
                     # over the positions up to ``last``, as the engine's decode step at
                     # that position does on a CPU (the whole cache on an accelerator)
-                    _sync(device)
+                    sync(device)
                     with decode_attention_for(net):
                         net(**step, **{cache_kw: cache}, **last_only)
-                    _sync(device)
+                    sync(device)
 
                 return run
 
@@ -629,7 +460,9 @@ def _predict_seconds(
                     (f"decode {name}", decode(net, cache)),
                 ]
             what = "model-shaped predict probe"
-            return _timed_rounds(passes, device, hw, repeats, timing, what, recorded, dtype)
+            return timed_rounds(
+                passes, device, hw, repeats, timing, what, recorded, dtype, ceiling_of=dtype_ceiling
+            )
     finally:
         del nets
 
@@ -643,6 +476,17 @@ def _split(one: float, more: float, blocks: int) -> tuple[float, float, float]:
 
 def _clip(eff: float) -> float:
     return min(max(eff, MIN_EFFICIENCY), MAX_EFFICIENCY)
+
+
+def _predict_flops(
+    model: ModelProfile, rows: int, prompt_len: int, concurrent: int, context: float
+) -> tuple[float, float]:
+    """FLOPs of the probe's prefill pass (``rows`` prompts of ``prompt_len`` tokens, the head
+    on each prompt's last token only) and of its decode pass (one token of each of
+    ``concurrent`` sequences attending ``context`` tokens)."""
+    head = model.head_flops_per_token()
+    pre_flops = rows * prompt_len * (cost.forward_flops_per_token(model, prompt_len) - head)
+    return pre_flops + rows * head, concurrent * cost.forward_flops_per_token(model, context)
 
 
 def probe_predict_compute(
@@ -711,13 +555,11 @@ def probe_predict_compute(
             config, prompts, concurrent, cache_len, last, dtype, dev, hw, repeats,
             timing or contention.SYSTEM, known is not None,
         )  # fmt: skip
-    n, head, best = model.num_blocks, model.head_flops_per_token(), passes.best
+    n, best = model.num_blocks, passes.best
     pre_block, pre_rest, pre_total = _split(best["prefill one"], best["prefill more"], n)
     dec_block, dec_rest, dec_total = _split(best["decode one"], best["decode more"], n)
-    pre_flops = rows * prompt_len * (cost.forward_flops_per_token(model, prompt_len) - head)
-    pre_flops += rows * head
     ctx = float(cache_len if context is None else context)
-    dec_flops = concurrent * cost.forward_flops_per_token(model, ctx)
+    pre_flops, dec_flops = _predict_flops(model, rows, prompt_len, concurrent, ctx)
     peak = max(_peak(hw, passes), 1.0)
     pre_rate = pre_flops / max(pre_total, 1e-9)
     dec_rate = dec_flops / max(dec_total, 1e-9)
@@ -732,7 +574,7 @@ def probe_predict_compute(
             t * dec_rate / known["decode"] for t in (dec_block, dec_rest, dec_total)
         )
         pre_rate, dec_rate, peak = known["prefill"], known["decode"], max(hw.device_flops, 1.0)
-    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), passes.ceiling_for(dtype, dev))
+    eff = min(max(pre_rate / peak, MIN_EFFICIENCY), passes.ceiling_for(dtype, dev, dtype_ceiling))
     return PredictCompute(
         prefill_block_s=pre_block,
         prefill_rest_s=pre_rest,
