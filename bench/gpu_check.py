@@ -239,39 +239,44 @@ def measure_step(ctx: Ctx) -> Outcome:
     return Outcome(took < 30 and hw.h2d_bandwidth >= 20e9 and hw.device_flops >= 400e12)
 
 
-LLAMAS = [  # (name, hidden, ffn, layers, heads): published shapes
-    ("llama-1.1b", 2048, 5632, 22, 32),
-    ("llama-3b", 3200, 8640, 26, 32),
-    ("llama-7b", 4096, 11008, 32, 32),
-    ("llama-13b", 5120, 13824, 40, 40),
-]
+MUST_PAGE: dict[str, Any] = {
+    "name": "llama-3.2-3b-shape", "hidden": 3072, "ffn": 8192, "layers": 28, "heads": 24,
+    "kv_heads": 8, "vocab": 128256, "seq": 2048, "micro": 1, "accum": 2, "steps": 3,
+    "device_cap_gib": 6.0,
+}  # fmt: skip
+"""The fine-tune's model: Llama 3.2 3B's published shape (3.61 B parameters, 6.7 GiB of
+bf16 weights, a 128k vocabulary, untied head), with device memory capped below its
+weights (6 GiB) so that it must page. Planned on an H200 preset so capped, it pages every
+block and its dry run peaks at 4.5 GiB on the device."""
 LARGEST = 1
-"""How far up the ladders the fine-tune and predict steps may go (1: their first entry):
-building a larger model with random weights on the host, twice, outlasts a step's limit."""
+"""How far up the predict step's ladder it may go (1: its first entry): building a
+larger model with random weights on the host, twice, outlasts the step's limit."""
 HOST_BYTES_PER_PARAM = 24
 """Host bytes per parameter of a full fine-tune with host-side AdamW (fp32 model as
-built, master, two moments, gradient accumulator, bf16 weights), for the size ladder."""
+built, master, two moments, gradient accumulator, bf16 weights)."""
 
 
 def finetune(ctx: Ctx) -> Outcome:
-    """Full fine-tuning of the largest Llama the host memory allows, device memory capped
-    at 24 GiB, random weights: tokens/s and MFU of ``balance_beam``, of Lightning's FSDP
-    with CPU offload and (if it imports) DeepSpeed ZeRO-3 offload, same model and batch.
-    Pass: ``balance_beam`` ran."""
+    """Full fine-tuning of a model that must page (:data:`MUST_PAGE`: weights larger than
+    the device cap, a 128k vocabulary), random weights: tokens/s and MFU of
+    ``balance_beam``, of Lightning's FSDP with CPU offload and (if it imports) DeepSpeed
+    ZeRO-3 offload, same model, data and batch, and their losses. Pass: ``balance_beam``
+    ran."""
     import psutil
 
     start = time.perf_counter()
 
     if ctx.dry:
         spec: dict[str, Any] = {"name": "tiny", "hidden": 64, "ffn": 128, "layers": 2,
-                                "heads": 4, "seq": 32, "micro": 2, "accum": 2, "steps": 2}  # fmt: skip
+                                "heads": 4, "kv_heads": 2, "vocab": 1024, "seq": 32,
+                                "micro": 2, "accum": 2, "steps": 2, "device_cap_gib": 24.0}  # fmt: skip
     else:
-        room = 0.8 * psutil.virtual_memory().available
-        fits = [s for s in LLAMAS if _llama_params(*s[1:]) * HOST_BYTES_PER_PARAM <= room]
-        name, hidden, ffn, layers, heads = (fits or LLAMAS[:1])[min(len(fits), LARGEST) - 1]
-        spec = {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
-                "seq": 2048, "micro": 4, "accum": 2, "steps": 3}  # fmt: skip
-    spec["params"] = _llama_params(spec["hidden"], spec["ffn"], spec["layers"], spec["heads"])
+        spec = dict(MUST_PAGE)
+    spec["params"] = _llama_params(spec)
+    spec["weights_bytes"] = 2 * spec["params"]  # bf16
+    spec["must_page"] = spec["weights_bytes"] > spec["device_cap_gib"] * GIB
+    spec["host_bytes_needed"] = spec["params"] * HOST_BYTES_PER_PARAM
+    spec["host_bytes_available"] = psutil.virtual_memory().available
     ctx.figures["model"] = spec
     runs: dict[str, Any] = {}
     frameworks = ["balance_beam", "fsdp_cpu_offload", "deepspeed_zero3_offload"]
@@ -419,8 +424,11 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _llama_params(hidden: int, ffn: int, layers: int, heads: int, vocab: int = 32000) -> int:
-    return layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + 2 * vocab * hidden
+def _llama_params(spec: dict[str, Any]) -> int:
+    """Parameters of a Llama of ``spec``'s shape with an untied head."""
+    hidden, kv = spec["hidden"], spec["hidden"] * spec["kv_heads"] // spec["heads"]
+    block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * spec["ffn"] + 2 * hidden
+    return spec["layers"] * block + 2 * spec["vocab"] * hidden + hidden
 
 
 # -------------------------------------------------------------------- driver

@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from gpu_check import GIB, Ctx
 
-TRAIN_DEVICE_CAP = 24 * GIB
-"""Device bytes a fine-tuning run may use."""
 PREDICT_DEVICE_CAP = 16 * GIB
 """Device bytes a generation run may use."""
 
@@ -46,12 +44,12 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     from bb_lightning.planner import cost
     from bb_lightning.probe import measure, model_profile_from_config
 
-    _cap_device(ctx, TRAIN_DEVICE_CAP)
+    _cap_device(ctx, int(spec["device_cap_gib"] * GIB))
     os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")  # measured by the measure step
     config = {"model_type": "llama", "hidden_size": spec["hidden"],
               "intermediate_size": spec["ffn"], "num_hidden_layers": spec["layers"],
-              "num_attention_heads": spec["heads"], "num_key_value_heads": spec["heads"],
-              "vocab_size": 32000, "max_position_embeddings": max(2048, spec["seq"]),
+              "num_attention_heads": spec["heads"], "num_key_value_heads": spec["kv_heads"],
+              "vocab_size": spec["vocab"], "max_position_embeddings": max(2048, spec["seq"]),
               "tie_word_embeddings": False}  # fmt: skip
     precision = "bf16-true"
     strategy: Any
@@ -80,7 +78,7 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(0, 32000, (spec["micro"], spec["seq"]), generator=g)}
+    data = [{"input_ids": torch.randint(0, spec["vocab"], (spec["micro"], spec["seq"]), generator=g)}
             for _ in range(steps * spec["accum"])]  # fmt: skip
     at_oom: list[Any] = []  # the allocator's state when it first ran out (before teardown)
     # the stacks of live allocations only in a run retried after running out of memory:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
@@ -77,6 +78,7 @@ def test_dry_run_records_every_step(tmp_path: Path) -> None:
     assert report["steps"]["nvme_read"]["skipped"].startswith("kvikio not run")
     assert steps["measure"]["profile"]["device_type"] == "cpu"
     runs = steps["finetune"]["runs"]
+    assert steps["finetune"]["model"]["must_page"] is False  # a tiny model on the CPU
     assert (
         "tokens_per_s" in runs["balance_beam"] and "plan: fit llama" in runs["balance_beam"]["plan"]
     )
@@ -186,3 +188,23 @@ def test_runs_are_compared_on_throughput_measured_rate_and_loss(tmp_path: Path) 
     # the worst micro-batch of those both ran: 0.9 of the peer's 9.9
     assert ctx.figures["loss_max_rel_diff_fsdp_cpu_offload"] == pytest.approx(0.9 / 9.9)
     assert "ratio_balance_beam_over_deepspeed_zero3_offload" not in ctx.figures
+
+
+def test_the_fine_tune_model_must_page() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = gpu_check.MUST_PAGE
+    config = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["ffn"],
+                         num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                         num_key_value_heads=spec["kv_heads"], vocab_size=spec["vocab"],
+                         tie_word_embeddings=False)  # fmt: skip
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert gpu_check._llama_params(spec) == params  # counted as transformers builds it
+    assert 2 * params > spec["device_cap_gib"] * (1 << 30)  # bf16 weights above the cap
+    assert spec["vocab"] >= 128_000
