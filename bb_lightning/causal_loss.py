@@ -76,7 +76,8 @@ def causal_lm_loss(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be >= 1 (tokens per loss chunk)")
     config = getattr(net, "config", None)
-    head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+    getter = getattr(net, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
     if not isinstance(head, nn.Module) or unchunked_head(config) is not None:
         return net(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
     with _head_skipped(head) as seen:
