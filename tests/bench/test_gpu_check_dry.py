@@ -20,6 +20,9 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ, PYTHON=sys.executable, BB_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("BB_NVME_DIR", None)
     env["TMPDIR"] = str(tmp_path / "tmp")  # where the NVMe scratch goes, to see it removed
+    # no wheels carried: the preflight installs nothing, and never into the repository
+    env["BB_DEVICE_WHEELS"] = str(tmp_path / "no-wheels")
+    env["BB_DEVICE_SITE"] = str(tmp_path / "site")
     (tmp_path / "tmp").mkdir()
     return env
 
