@@ -57,7 +57,7 @@ from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import contention, rate_cache
 from bb_lightning.probe.contention import Timing
-from bb_lightning.probe.measure import cuda_device_memory
+from bb_lightning.probe.machine import cuda_device_memory
 from bb_lightning.probe.model import model_profile_from_config
 from bb_lightning.probe.timed_passes import Passes, sync, timed_rounds
 

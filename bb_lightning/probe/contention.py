@@ -42,7 +42,10 @@ __all__ = [
     "SPREAD",
     "SYSTEM",
     "Timing",
+    "best_rate",
     "fastest",
+    "median_rate",
+    "rates",
     "spread",
     "unsteady",
 ]
@@ -164,3 +167,44 @@ def unsteady(series: dict[str, list[float]], limit: float = SPREAD) -> dict[str,
 def median(times: Sequence[float]) -> float:
     """The median of ``times``."""
     return statistics.median(times)
+
+
+def rates(
+    work: float,
+    run: Callable[[], None],
+    seconds: float,
+    min_runs: int,
+    timing: Timing = SYSTEM,
+    label: str = "",
+) -> list[float]:
+    """``work / seconds`` of repeated ``run()`` calls within ``seconds`` (at least min_runs),
+    each timed by ``timing`` under ``label``."""
+    found: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(found) < min_runs or time.perf_counter() < deadline:
+        found.append(work / max(timing.seconds(label, run), 1e-9))
+    return found
+
+
+def best_rate(
+    work: float,
+    run: Callable[[], None],
+    seconds: float,
+    min_runs: int = 2,
+    timing: Timing = SYSTEM,
+    label: str = "",
+) -> float:
+    """Best ``work / seconds`` over repeated ``run()`` calls (peak of a device or link)."""
+    return max(rates(work, run, seconds, min_runs, timing, label))
+
+
+def median_rate(
+    work: float,
+    run: Callable[[], None],
+    seconds: float,
+    min_runs: int = 3,
+    timing: Timing = SYSTEM,
+    label: str = "",
+) -> float:
+    """Median ``work / seconds`` over repeated ``run()`` calls (typical of a shared resource)."""
+    return statistics.median(rates(work, run, seconds, min_runs, timing, label))

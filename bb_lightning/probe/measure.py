@@ -9,8 +9,11 @@ Probes, each given a share of ``max_seconds`` and sized to fit it:
   bandwidth of a large tensor copy stands for both (bytes/s);
 - device memory: a copy within the device (RAM on the CPU), counted as its reads
   and writes together (``device_memory_bandwidth``, bytes/s);
-- host memory: a sum over a host buffer with every core (``host_memory_bandwidth``,
-  bytes/s; :mod:`bb_lightning.probe.host_memory`);
+- host memory: the rate decode attention on the host reads a KV cache at
+  (``host_memory_bandwidth``, bytes/s; :mod:`bb_lightning.probe.host_memory`): the
+  lesser of a sum over a host buffer with every core and the engine's CPU decode
+  attention over a bf16 cache of the same bytes, whose skinny matrix products keep it
+  below the plain read on a host of few cores;
 - NVMe: write then read a few files (up to 384 MiB in all) under ``nvme_path``
   through :func:`storage.io.open_backend`, with ``fsync`` on write and a cold
   page cache on read (``O_DIRECT`` where the filesystem accepts it, else
@@ -51,31 +54,36 @@ directory on the same filesystem reuses the profile, its free space read afresh)
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
-import platform
 import shutil
-import socket
-import statistics
 import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
 from bb_lightning.planner.presets import datasheet_flops
-from bb_lightning.planner.profile import LAYOUT_FIELDS, HardwareProfile
+from bb_lightning.planner.profile import HardwareProfile
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
-from bb_lightning.probe.host_memory import probe_host_read
+from bb_lightning.probe.host_memory import probe_host_attention, probe_host_read
+from bb_lightning.probe.machine import (
+    CACHE_ENV,
+    PROBES_VERSION,
+    cache_dir,
+    cache_path,
+    cores,
+    cpu_model,
+    cuda_device_memory,
+    machine_identity,
+    read_cache,
+)
 from storage.threads import limit_torch_threads
 
 __all__ = [
@@ -92,8 +100,6 @@ __all__ = [
     "measure",
 ]
 
-CACHE_ENV = "BB_CACHE_DIR"
-"""Environment variable naming the cache directory (default ``~/.cache/balance_beam``)."""
 CPU_DEVICE_SHARE = 0.25
 """Share of available RAM given to the device tier when the CPU is the device."""
 CPU_HOST_SHARE = 0.60
@@ -109,114 +115,6 @@ _NVME_MAX_BYTES = 384 << 20
 _NVME_MIN_BYTES = 16 << 20
 _NVME_ASSUMED_RATE = 100e6
 """Bytes/s assumed when sizing the NVMe probe to its time share (a slow disk)."""
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-PROBES_VERSION = "6"
-"""Changes when a probe measures something else (2: host AdamW on the gradient worker's
-threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
-order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it;
-5: on a CPU device, the compute lost beside NVMe transfers; 6: NVMe writes over existing
-files without fsync, as the store writes its scratch tensors), so that profiles cached by
-the earlier probes are measured again."""
-
-
-def machine_identity(nvme_path: str | None) -> dict[str, str]:
-    """What a cached profile is valid for: the probes' version, hostname, CPU model, GPU
-    name and the filesystem that holds the NVMe path (:func:`filesystem_of`)."""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    return {
-        "probes": PROBES_VERSION,
-        "hostname": socket.gethostname(),
-        "cpu": _cpu_model(),
-        "gpu": gpu,
-        "nvme_filesystem": filesystem_of(nvme_path) if nvme_path else "",
-    }
-
-
-def filesystem_of(path: str) -> str:
-    """The filesystem that holds ``path``: its device number and mount point
-    (``"259:1 /mnt/nvme"``). The NVMe probes measure the disk and filesystem, not the
-    directory, so every directory on one filesystem shares a profile; a path that does
-    not exist yet is judged by its nearest existing parent."""
-    real = Path(os.path.realpath(path))
-    while not real.exists() and real != real.parent:
-        real = real.parent
-    mount = real
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    dev = os.stat(real).st_dev
-    return f"{os.major(dev)}:{os.minor(dev)} {mount}"
-
-
-def cache_dir() -> Path:
-    """The directory of the probes' caches: ``$BB_CACHE_DIR``, else ``~/.cache/balance_beam``."""
-    return Path(os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "balance_beam"))
-
-
-def cache_path(identity: dict[str, str]) -> Path:
-    """Cache file for ``identity``: ``<cache dir>/hardware-<hostname>-<hash>.json``."""
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in identity["hostname"])
-    return cache_dir() / f"hardware-{host}-{digest}.json"
-
-
-def _rates(
-    work: float,
-    run: Callable[[], None],
-    seconds: float,
-    min_runs: int,
-    timing: Timing = contention.SYSTEM,
-    label: str = "",
-) -> list[float]:
-    """``work / seconds`` of repeated ``run()`` calls within ``seconds`` (at least min_runs),
-    each timed by ``timing`` under ``label``."""
-    rates: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while len(rates) < min_runs or time.perf_counter() < deadline:
-        rates.append(work / max(timing.seconds(label, run), 1e-9))
-    return rates
-
-
-def _best_rate(
-    work: float,
-    run: Callable[[], None],
-    seconds: float,
-    min_runs: int = 2,
-    timing: Timing = contention.SYSTEM,
-    label: str = "",
-) -> float:
-    """Best ``work / seconds`` over repeated ``run()`` calls (peak of a device or link)."""
-    return max(_rates(work, run, seconds, min_runs, timing, label))
-
-
-def _median_rate(
-    work: float,
-    run: Callable[[], None],
-    seconds: float,
-    min_runs: int = 3,
-    timing: Timing = contention.SYSTEM,
-    label: str = "",
-) -> float:
-    """Median ``work / seconds`` over repeated ``run()`` calls (typical of a shared resource)."""
-    return statistics.median(_rates(work, run, seconds, min_runs, timing, label))
 
 
 def _sync(device: torch.device) -> None:
@@ -245,7 +143,7 @@ def _probe_flops(device: torch.device, seconds: float, timing: Timing = contenti
         first = timing.seconds(f"matmul {n}", run)
         best = max(best, 2.0 * n**3 / max(first, 1e-9))
         left = deadline - time.perf_counter()
-        best = max(best, _best_rate(2.0 * n**3, run, left / 2, 1, timing, f"matmul {n}"))
+        best = max(best, contention.best_rate(2.0 * n**3, run, left / 2, 1, timing, f"matmul {n}"))
         if time.perf_counter() + 8 * first > deadline:
             break  # the next size costs 8x as much
     return best
@@ -264,7 +162,7 @@ def _probe_memory(
         _sync(device)
 
     copy()  # fault the pages in
-    return _best_rate(2.0 * nbytes, copy, seconds, 2, timing, "memory")
+    return contention.best_rate(2.0 * nbytes, copy, seconds, 2, timing, "memory")
 
 
 def _probe_copy(
@@ -286,8 +184,8 @@ def _probe_copy(
         h2d()
         d2h()
         return (
-            _best_rate(nbytes, h2d, seconds / 2, 2, timing, "h2d"),
-            _best_rate(nbytes, d2h, seconds / 2, 2, timing, "d2h"),
+            contention.best_rate(nbytes, h2d, seconds / 2, 2, timing, "h2d"),
+            contention.best_rate(nbytes, d2h, seconds / 2, 2, timing, "d2h"),
         )
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -296,7 +194,7 @@ def _probe_copy(
         dst.copy_(src)
 
     copy()  # fault the pages in
-    rate = _best_rate(nbytes, copy, seconds, 2, timing, "copy")
+    rate = contention.best_rate(nbytes, copy, seconds, 2, timing, "copy")
     return rate, rate
 
 
@@ -493,21 +391,7 @@ def _probe_adam(
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         opt.step()
     count = sum(p.numel() for p in params)
-    return _median_rate(float(count), opt.step, seconds, 3, timing, "adam")
-
-
-def cuda_device_memory(device: torch.device) -> int:
-    """Bytes this process can still allocate on CUDA ``device``.
-
-    The free memory the driver reports once the caching allocator's unused blocks are
-    given back (``empty_cache``), and no more than the share
-    ``torch.cuda.set_per_process_memory_fraction`` allows: ``fraction x total`` less what
-    the allocator holds already (``memory_reserved``).
-    """
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
-    return max(0, min(int(free), cap - int(torch.cuda.memory_reserved(device))))
+    return contention.median_rate(float(count), opt.step, seconds, 3, timing, "adam")
 
 
 ROUNDS = 2
@@ -525,7 +409,12 @@ def _probe_round(
     out = {"flops": _probe_flops(device, share["flops"], timing)}
     out["h2d"], out["d2h"] = _probe_copy(device, share["copy"] * 0.75, copy_bytes, timing)
     out["memory"] = _probe_memory(device, share["copy"] * 0.15, copy_bytes, timing)
-    out["host_read"] = probe_host_read(share["copy"] * 0.10, copy_bytes, timing)
+    # what host attention is priced on: a plain read of memory, or the engine's decode
+    # attention where its arithmetic is the slower (the lesser of the two)
+    out["host_read"] = min(
+        probe_host_read(share["copy"] * 0.05, copy_bytes, timing),
+        probe_host_attention(share["copy"] * 0.05, copy_bytes, timing),
+    )
     if nvme_path:
         nvme = _probe_nvme(nvme_path, share["nvme"], timing, beside=device.type == "cpu")
         out["nvme_read"], out["nvme_write"], free, out["nvme_cpu"] = nvme
@@ -604,11 +493,11 @@ def _measure_now(
     if cuda:
         device_memory = int(cuda_device_memory(device) * CUDA_DEVICE_SHARE)
         host_memory = int(available * HOST_SHARE)
-        name = f"measured: {torch.cuda.get_device_name(device)} / {_cpu_model()}"
+        name = f"measured: {torch.cuda.get_device_name(device)} / {cpu_model()}"
     else:
         device_memory = int(available * CPU_DEVICE_SHARE)
         host_memory = int(available * CPU_HOST_SHARE)
-        name = f"measured: {_cpu_model()}"
+        name = f"measured: {cpu_model()}"
     return HardwareProfile(
         name=name,
         device_type=device.type,
@@ -622,25 +511,11 @@ def _measure_now(
         nvme_capacity=nvme_free,
         nvme_cpu_seconds_per_byte=nvme_cpu,
         host_adam_params_per_s=adam,
-        cores=_cores(),
+        cores=cores(),
         device_memory_bandwidth=memory_bw,
         host_memory_bandwidth=best.get("host_read", 0.0),
         peak_flops=datasheet_flops(torch.cuda.get_device_name(device)) if cuda else 0.0,
     )
-
-
-def _read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        if data.get("identity") != identity:
-            return None
-        # a measured profile has one rank's layout, which its dict leaves out
-        fields = {f.name for f in dataclasses.fields(HardwareProfile)} - set(LAYOUT_FIELDS)
-        if set(data["profile"]) != fields:  # an older layout lacks what was added since
-            return None
-        return HardwareProfile.from_dict(data["profile"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing, unreadable or from an older layout: measure again
 
 
 def measure(
@@ -669,7 +544,7 @@ def measure(
     identity = machine_identity(nvme_path)
     path = cache_path(identity)
     if cache:
-        cached = _read_cache(path, identity)
+        cached = read_cache(path, identity)
         if cached is not None and nvme_path is not None:  # this directory's free space of now
             cached = cached.replace(nvme_capacity=shutil.disk_usage(nvme_path).free)
         if cached is not None and cached.device_type == "cuda":  # the free memory of now
