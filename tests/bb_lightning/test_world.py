@@ -208,8 +208,9 @@ def test_the_fit_job_of_several_ranks_is_their_global_batch(tiny: SimpleNamespac
     module.configure_model()
     one = read_job(trainer, module)  # type: ignore[arg-type]
     four = read_job(trainer, module, world_size=4)  # type: ignore[arg-type]
-    assert one.job == FitJob(seq_len=32, global_batch_seqs=6)
-    assert four.job == FitJob(seq_len=32, global_batch_seqs=24)  # 4 ranks x 2 x 3
+    chunk = module.loss_chunk_tokens  # CausalLMModule's loss runs in chunks of this many
+    assert one.job == FitJob(seq_len=32, global_batch_seqs=6, loss_chunk_tokens=chunk)
+    assert four.job == FitJob(seq_len=32, global_batch_seqs=24, loss_chunk_tokens=chunk)
     assert (four.micro_batch, four.grad_accum) == (2, 3)  # what each rank's loader runs
 
 
