@@ -262,3 +262,53 @@ def test_placement_is_imported_from_its_own_module() -> None:
         f"Placement imported through another module (import it from {PLACEMENT_MODULE}):\n  "
         + "\n  ".join(elsewhere)
     )
+
+
+MAX_MODULE_LINES = 600
+"""Most lines a module of the packages may have (a file read in one sitting)."""
+MAX_FUNCTION_LINES = 100
+"""Most lines one function or method may span, ``end_lineno - lineno + 1`` (decorators aside)."""
+OVERSIZED: dict[str, int] = {"bb_lightning/session.py": 607}
+"""Modules still over :data:`MAX_MODULE_LINES` while they are split, each with the most
+lines it may have until then: this list only shrinks (remove an entry once its module is
+under the limit; never add one)."""
+
+
+def oversized(root: Path = ROOT) -> list[str]:
+    """Each module over :data:`MAX_MODULE_LINES` lines (beyond its :data:`OVERSIZED` entry)
+    and each function over :data:`MAX_FUNCTION_LINES`, as ``path: what``."""
+    found: list[str] = []
+    for f in sorted(g for pkg in PACKAGES for g in (root / pkg).rglob("*.py")):
+        text = f.read_text(encoding="utf-8")
+        path = str(f.relative_to(root))
+        lines = len(text.splitlines())
+        if lines > OVERSIZED.get(path, MAX_MODULE_LINES):
+            found.append(f"{path}: {lines} lines > {OVERSIZED.get(path, MAX_MODULE_LINES)}")
+        for node in ast.walk(ast.parse(text, filename=path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > MAX_FUNCTION_LINES:
+                    found.append(f"{path}:{node.lineno}: {node.name}() spans {span} lines")
+    return found
+
+
+def test_no_module_or_function_is_over_its_size_limit() -> None:
+    found = oversized()
+    assert not found, (
+        f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function (split it "
+        "by responsibility):\n  " + "\n  ".join(found)
+    )
+
+
+def test_the_size_check_catches_a_long_module_and_a_long_function(tmp_path: Path) -> None:
+    pkg = tmp_path / "storage"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "long_function.py").write_text(f"def f() -> None:\n{body}")
+    (pkg / "long_module.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (pkg / "fine.py").write_text("def g() -> None:\n" + "    pass\n" * (MAX_FUNCTION_LINES - 1))
+    (tmp_path / "bb_lightning").mkdir()
+    assert oversized(tmp_path) == [
+        f"storage/long_function.py:1: f() spans {MAX_FUNCTION_LINES + 1} lines",
+        f"storage/long_module.py: {MAX_MODULE_LINES + 1} lines > {MAX_MODULE_LINES}",
+    ]
