@@ -131,7 +131,10 @@ class GradSink:
             old = self._buffers.pop() if self._buffers else None
         if old is not None:
             old.release()
-        return HostBuffer(need)
+        store = self._store
+        if store is None:
+            return HostBuffer(need)
+        return HostBuffer(need, pin=store.pins_host, node=store.host_node)
 
     def _direct(
         self, grads: Sequence[Tensor | None], work: Callable[[Sequence[Tensor | None]], object]
