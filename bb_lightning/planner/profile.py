@@ -92,9 +92,11 @@ class HardwareProfile:
     modelled). A decode pass reads every block's weights and the KV cache once for a few
     tokens per sequence; it takes at least those bytes over this bandwidth."""
     host_memory_bandwidth: float = 0.0
-    """Bytes/s the host's cores, all of them, read host memory at (0.0: not modelled).
-    Decode attention computed on the host over a KV cache homed there reads the cache at
-    this rate (measured by :func:`bb_lightning.probe.measure`, a preset's stated figure)."""
+    """Bytes/s decode attention on the host's cores, all of them, reads a KV cache homed
+    there at (0.0: not modelled): a preset's stated memory read bandwidth; measured by
+    :func:`bb_lightning.probe.measure` as the lesser of a plain read of host memory and the
+    engine's CPU decode attention over a cache of the same bytes (on a host of few cores its
+    skinny matrix products, not the memory, bound it)."""
     nvme_cpu_seconds_per_byte: float = 0.0
     """Seconds of the compute's time each byte written to or read from the NVMe tier costs
     (0.0: not modelled): the process's CPU time for it (the kernel's share of ``O_DIRECT``

@@ -1,25 +1,56 @@
-"""The host memory read bandwidth probe: what decode attention on the host reads at.
+"""The host memory read probes: what decode attention on the host reads at.
 
 A decode step's attention over a KV cache homed on the host reads every cached key and
 value once per step, two or four bytes per element against a few FLOPs, so its time is
-the cache's bytes over the rate the host's cores read memory at together. The probe
-sums a buffer larger than the CPU's caches with torch's intra-op team (every core the
-process may use), best of repeats: ``bytes / seconds`` of the read.
+at least the cache's bytes over the rate the host's cores read memory at together:
+:func:`probe_host_read` sums a buffer larger than the CPU's caches with torch's intra-op
+team (every core the process may use), best of repeats: ``bytes / seconds`` of the read.
+
+The arithmetic is not free on every host, though: each cached key and value meets every
+query head of its group (``2 x group`` FLOPs per element for the scores and as many for
+the weighted sum), in skinny matrix products (``group`` columns) that few cores run well
+below their peak. On a 2-core AMD EPYC the engine's
+:func:`~bb_lightning.engine.attention.decode_attention` reads a bf16 cache of a 32/8-head
+layer at about a fifth of the rate a sum reads the same bytes at (a third in fp32).
+:func:`probe_host_attention` therefore times that function itself over a cache of the
+same bytes, and the probe prices host attention on the lesser of the two rates.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
 
-__all__ = ["HOST_READ_LABEL", "probe_host_read"]
+__all__ = ["HOST_ATTENTION_LABEL", "HOST_READ_LABEL", "probe_host_attention", "probe_host_read"]
 
 HOST_READ_LABEL = "host read"
-"""The label the probe's passes are timed under."""
+"""The label the plain read's passes are timed under."""
+
+HOST_ATTENTION_LABEL = "host attention"
+"""The label the decode attention's passes are timed under."""
+
+
+def _best_rate(work: float, label: str, run: Callable[[], object], seconds: float,
+               timing: Timing) -> float:  # fmt: skip
+    """``work / seconds`` of the fastest of repeated ``run()`` within ``seconds`` (at least
+    two, after one warm-up that faults pages in and starts the intra-op team)."""
+
+    def once() -> None:
+        run()
+
+    once()
+    best, runs = 0.0, 0
+    deadline = time.perf_counter() + seconds
+    while runs < 2 or time.perf_counter() < deadline:
+        best = max(best, work / max(timing.seconds(label, once), 1e-9))
+        runs += 1
+    return best
 
 
 def probe_host_read(seconds: float, nbytes: int, timing: Timing = contention.SYSTEM) -> float:
@@ -28,15 +59,43 @@ def probe_host_read(seconds: float, nbytes: int, timing: Timing = contention.SYS
     if nbytes < 4:
         raise ValueError(f"nbytes = {nbytes} is below one fp32 element: pass >= 4 bytes")
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    work = float(buf.numel() * 4)
+    return _best_rate(float(buf.numel() * 4), HOST_READ_LABEL, lambda: torch.sum(buf),
+                      seconds, timing)  # fmt: skip
 
-    def read() -> None:
-        torch.sum(buf)
 
-    read()  # warm the intra-op team
-    best, runs = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while runs < 2 or time.perf_counter() < deadline:
-        best = max(best, work / max(timing.seconds(HOST_READ_LABEL, read), 1e-9))
-        runs += 1
-    return best
+def probe_host_attention(
+    seconds: float,
+    nbytes: int,
+    timing: Timing = contention.SYSTEM,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    positions: int = 512,
+) -> float:
+    """Bytes/s of KV cache the engine's CPU decode attention reads, one query token per
+    sequence over a cache of ``[seqs, kv_heads, positions, head_dim]`` keys and values in
+    ``dtype`` (``seqs`` as many as ``nbytes`` holds, at least one), best of repeated steps
+    within ``seconds`` (at least two, after a warm-up). The default shape is a 32-head
+    layer with 8 key/value heads of 128 (Llama-3's grouping of 4 query heads per key/value
+    head; the rate falls as the group grows, each element meeting more query heads)."""
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(
+            f"heads = {heads}, kv_heads = {kv_heads}: pass positive heads, a multiple of kv_heads"
+        )
+    if head_dim <= 0 or positions <= 0:
+        raise ValueError(f"head_dim = {head_dim}, positions = {positions}: pass positive sizes")
+    # imported here: the engine's attention imports transformers, which the read probe spares
+    from bb_lightning.engine.attention import decode_attention
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_seq = 2 * kv_heads * positions * head_dim * elem
+    seqs = max(1, nbytes // per_seq)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(seqs, kv_heads, positions, head_dim, generator=g).to(dtype)
+            for _ in range(2))  # fmt: skip
+    q = torch.randn(seqs, heads, 1, head_dim, generator=g).to(dtype)
+    module = nn.Module()
+    return _best_rate(float(seqs * per_seq), HOST_ATTENTION_LABEL,
+                      lambda: decode_attention(module, q, k, v, None), seconds, timing)  # fmt: skip

@@ -24,7 +24,12 @@ from bb_lightning.planner.predict_search import price
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile, preset
 from bb_lightning.planner.search import make_plan
 from bb_lightning.probe import contention, model_profile_from_config
-from bb_lightning.probe.host_memory import HOST_READ_LABEL, probe_host_read
+from bb_lightning.probe.host_memory import (
+    HOST_ATTENTION_LABEL,
+    HOST_READ_LABEL,
+    probe_host_attention,
+    probe_host_read,
+)
 from storage.tiers import Tier
 
 measure_module = importlib.import_module("bb_lightning.probe.measure")
@@ -193,6 +198,34 @@ def test_the_probe_times_a_read_of_host_memory(
     monkeypatch.setattr(measure_module, "_probe_round", lambda *args: rounds.pop(0))
     profile = measure_module.measure(max_seconds=0.5, timing=timing)
     assert profile.host_memory_bandwidth == 4e10  # the best round, as every rate
+
+
+def test_the_attention_probe_times_the_engines_decode_attention() -> None:
+    timing = _Fixed(0.01)
+    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "positions": 64}
+    # 2 x 2 kv heads x 64 positions x 16 x 4 bytes = 16 KiB of keys and values a sequence
+    rate = probe_host_attention(0.0, 4 << 20, timing, dtype=torch.float32, **shape)
+    assert rate == pytest.approx((4 << 20) / 0.01)
+    assert timing.labels[HOST_ATTENTION_LABEL] >= 2
+    # less than one sequence's cache: still one sequence
+    assert probe_host_attention(0.0, 1, _Fixed(0.01), **shape) == pytest.approx(8192 / 0.01)
+    with pytest.raises(ValueError, match=r"heads = 6, kv_heads = 4: pass positive heads"):
+        probe_host_attention(0.0, 1 << 20, timing, heads=6, kv_heads=4)
+
+
+@pytest.mark.parametrize(("read", "attend"), [(3e10, 1e10), (5e9, 1e10)])
+def test_the_probe_prices_host_attention_on_the_lesser_rate(
+    monkeypatch: pytest.MonkeyPatch, read: float, attend: float
+) -> None:
+    """Where the attention's arithmetic, not the memory, bounds it (a host of few cores),
+    the profile's host_memory_bandwidth is the attention's rate; else the read's."""
+    for name, value in (("_probe_flops", 1e12), ("_probe_memory", 2e10), ("_probe_adam", 1e8)):
+        monkeypatch.setattr(measure_module, name, lambda *a, v=value: v)
+    monkeypatch.setattr(measure_module, "_probe_copy", lambda *a: (1e10, 1e10))
+    monkeypatch.setattr(measure_module, "probe_host_read", lambda *a: read)
+    monkeypatch.setattr(measure_module, "probe_host_attention", lambda *a: attend)
+    out = measure_module._probe_round(torch.device("cpu"), None, 0.5, _Fixed(0.01))
+    assert out["host_read"] == min(read, attend)
 
 
 def test_the_cli_plans_host_attention_for_generation_only(
