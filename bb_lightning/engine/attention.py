@@ -12,6 +12,14 @@ heads over their key/value head (GQA) without copying the cache; every other cal
 attention sinks, position bias, dropout) goes to transformers' ``sdpa``
 function unchanged.
 
+A large batch runs in chunks of sequences (about :data:`CHUNK_BYTES` of cache each) on a
+pool of as many threads as the caller's intra-op team, each chunk on one thread. The
+products are skinny (one column per query head of a group), so one op's team spends much of
+its time waiting at the op's end for its slowest thread, once per op of the step; chunks on
+single-threaded workers run their ops back to back, take the next chunk when done, and
+keep a chunk's scores in the core's cache. Each chunk computes what the whole batch
+would, sequence by sequence.
+
 :func:`decode_attention_for` installs it for the duration of a ``with`` block,
 only when the model runs transformers' ``sdpa`` implementation (an ``eager`` or
 flash model is left as it is) on the CPU (on CUDA, ``sdpa``'s own kernels serve a
@@ -23,7 +31,9 @@ user's own calls see the model as loaded.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,9 +42,19 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["attended_prefix", "decode_attention", "decode_attention_for"]
+from storage.threads import single_threaded
+
+__all__ = ["CHUNK_BYTES", "attended_prefix", "decode_attention", "decode_attention_for"]
 
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
+
+CHUNK_BYTES = 4 << 20
+"""Bytes of keys and values one chunk of a decode step's sequences reads (at least one
+sequence): large enough that a chunk's few ops outweigh their dispatch, small enough that a
+batch makes several chunks per thread to balance."""
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def decode_attention(
@@ -72,10 +92,53 @@ def decode_attention(
         return sdpa_attention_forward(  # type: ignore[no-any-return]
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    threads = torch.get_num_threads()
+    per_seq = (key[:1].numel() * key.element_size()) + value[:1].numel() * value.element_size()
+    chunk = max(1, CHUNK_BYTES // max(per_seq, 1))
+    batch = query.shape[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if threads == 1 or grad or batch < 2 * chunk or key.shape[0] != batch:
+        return _attend(query, key, value, attention_mask, scale), None
+    out = value.new_empty(batch, 1, query.shape[1], value.shape[-1])
+    inference = torch.is_inference_mode_enabled()
+    per_row = attention_mask is not None and attention_mask.ndim >= 2
+    per_row = per_row and attention_mask.shape[0] == batch  # type: ignore[union-attr]
+
+    def run(start: int) -> None:
+        rows = slice(start, start + chunk)
+        mask = attention_mask[rows] if per_row else attention_mask  # type: ignore[index]
+        with torch.inference_mode(inference), torch.no_grad():
+            out[rows] = _attend(query[rows], key[rows], value[rows], mask, scale)
+
+    list(_workers(threads).map(run, range(0, query.shape[0], chunk)))
+    return out, None
+
+
+def _workers(threads: int) -> ThreadPoolExecutor:
+    """The pool of ``threads`` single-threaded workers decode steps run their chunks on
+    (made again when the caller's intra-op team changes size)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != threads:
+            if _pool is not None:
+                _pool[1].shutdown(wait=False)
+            pool = ThreadPoolExecutor(
+                threads, thread_name_prefix="bb-decode-attention", initializer=single_threaded
+            )
+            _pool = (threads, pool)
+        return _pool[1]
+
+
+def _attend(
+    query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scale: float
+) -> Tensor:
+    """One decode step's attention ``[batch, 1, heads, v_dim]`` of ``query`` ``[batch, heads,
+    1, head_dim]`` over ``key``/``value`` ``[batch, kv_heads, kv_len, *]`` (see
+    :func:`decode_attention`; ``scale`` multiplies ``q·Kᵀ``)."""
     batch, heads, _, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     group = heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
     # [batch, kv_heads, kv_len, dim] @ [batch, kv_heads, dim, group]: the heads sharing a
     # key/value head are columns of one product, so the cache is read once and never
     # copied, and in its own row-major layout (q·Kᵀ, the same product with the cache as
@@ -91,7 +154,7 @@ def decode_attention(
             scores.add_(mask)
     probs = scores.softmax(-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [batch, kv_heads, group, v_dim]
-    return out.reshape(batch, 1, heads, value.shape[-1]), None
+    return out.reshape(batch, 1, heads, value.shape[-1])
 
 
 def attended_prefix(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -209,4 +211,81 @@ def test_a_model_branching_on_the_attention_name_decodes_as_with_sdpa() -> None:
         with decode_attention_for(model) as on:
             got = model(input_ids=nxt, attention_mask=full, cache=out.past_key_values).logits
     assert on
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def in_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Decode steps in chunks of one sequence on two workers; yields the names of the
+    threads each chunk ran on."""
+    ran: list[str] = []
+    attend = attention._attend
+
+    def recorded(*args: Any) -> Tensor:
+        ran.append(threading.current_thread().name)
+        return attend(*args)
+
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(attention, "_attend", recorded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield ran
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["per-row", "additive", "one-row", "none"])
+@pytest.mark.parametrize("mode", ["inference", "no_grad"])
+def test_decode_attention_in_chunks_equals_reference(
+    in_chunks: list[str], kind: str, mode: str
+) -> None:
+    """A batch split into chunks of sequences on the worker threads: each sequence's
+    output is the reference's, whatever mask each row carries (ragged left padding and
+    unwritten positions per row, or one row broadcast over the batch)."""
+    g = torch.Generator().manual_seed(7)
+    b, heads, kv_heads, length, d = 5, 8, 2, 13, 16
+    q = torch.randn(b, heads, 1, d, generator=g)
+    k = torch.randn(b, kv_heads, length, d, generator=g)
+    v = torch.randn(b, kv_heads, length, d, generator=g)
+    keep = torch.ones(b, 1, 1, length, dtype=torch.bool)
+    for row in range(b):
+        keep[row, ..., : row + 1] = False  # a different left padding per row
+    keep[2, ..., 10:] = False  # positions not written yet
+    mask: Tensor | None = keep
+    if kind == "additive":
+        mask = torch.zeros(b, 1, 1, length).masked_fill(~keep, torch.finfo(torch.float32).min)
+    elif kind == "one-row":
+        keep = keep[1:2].expand(b, -1, -1, -1)
+        mask = keep[:1]
+    elif kind == "none":
+        keep, mask = torch.ones_like(keep), None
+    context = torch.inference_mode() if mode == "inference" else torch.no_grad()
+    with context:
+        out, _ = decode_attention(nn.Module(), q, k, v, mask, scaling=0.3)
+    assert len(in_chunks) == b, "one chunk per sequence"
+    assert all(name.startswith("bb-decode-attention") for name in in_chunks), in_chunks
+    assert out.shape == (b, 1, heads, d) and out.dtype == v.dtype
+    torch.testing.assert_close(out.double(), _reference(q, k, v, keep, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_model_decode_step_in_chunks_unchanged(in_chunks: list[str]) -> None:
+    """A GQA Llama's cached decode step over ragged prompts, its attention in chunks on the
+    worker threads: the logits of transformers' own sdpa."""
+    torch.manual_seed(0)
+    model = _tiny("sdpa").eval()
+    ids = torch.randint(1, 64, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        full = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        pos = (full.cumsum(-1) - 1)[:, -1:]
+        ref = model(input_ids=nxt, attention_mask=full, position_ids=pos,
+                    cache=out.past_key_values).logits  # fmt: skip
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        with decode_attention_for(model):
+            got = model(input_ids=nxt, attention_mask=full, position_ids=pos,
+                        cache=out.past_key_values).logits  # fmt: skip
+    assert len(in_chunks) == 2 * 3, "each layer's step ran one chunk per sequence"
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
