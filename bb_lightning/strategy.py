@@ -20,14 +20,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from bb_lightning import assembly, session, world
@@ -37,11 +31,11 @@ from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
-from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.handback import handback_dtype
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
+from bb_lightning.ranks import RankedStrategy
 from bb_lightning.register import STRATEGY_NAME, add_to
 from bb_lightning.session import ComputeDtype, clip_config
 from bb_lightning.settings import HandBackConfig, PlanningConfig, grouped
@@ -52,11 +46,12 @@ from storage.store import StoreConfig, TieredStore
 __all__ = ["BalanceBeamStrategy", "HandBackConfig", "PlanningConfig"]
 
 
-class BalanceBeamStrategy(ParallelStrategy):
+class BalanceBeamStrategy(RankedStrategy):
     """Strategy that pages transformer blocks through a three-tier store, one device per
     process; with ``devices=G, num_nodes=M`` (G x M > 1) data parallel over G x M ranks.
 
-    Data parallelism (:mod:`bb_lightning.world`): every rank pages a full copy of the
+    Data parallelism (:mod:`bb_lightning.world`; devices, ranks and collectives in
+    :class:`~bb_lightning.ranks.RankedStrategy`): every rank pages a full copy of the
     weights and holds its shard of the optimizer state; rank 0 plans; ranks are started by
     Lightning's script launcher (``start_method="popen"``), torchrun or srun.
 
@@ -115,24 +110,12 @@ class BalanceBeamStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen"] = "popen",
     ) -> None:
-        world.check_start_method(start_method)
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self._root_device = (
-            torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        """The device outside a Trainer (no ``parallel_devices``): CUDA device 0 when visible."""
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self.start_method = start_method
-        self._comm: ShardComm | None = None
-        """The engine's collectives (world size > 1), made once after the world group."""
+            accelerator=accelerator, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, process_group_backend=process_group_backend,
+            timeout=timeout, start_method=start_method,
+        )  # fmt: skip
         plan, back = grouped(
             planning, hand_back, placement=placement, compute_dtype=compute_dtype,
             overrides=overrides, job=job, hardware=hardware, warmup_steps=warmup_steps,
@@ -188,98 +171,6 @@ class BalanceBeamStrategy(ParallelStrategy):
     def store(self) -> TieredStore | None:
         """The tensor store of the engine (None before ``setup`` and after :meth:`close`)."""
         return self._slot.store
-
-    # -- devices and ranks --------------------------------------------------------
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """This rank's device: the Trainer's devices at the local rank (``accelerator="cpu"``
-        -> cpu, ``devices=[i]`` -> cuda:i); CUDA device 0 when visible outside a Trainer."""
-        return world.rank_device(self.parallel_devices, self.local_rank, self._root_device)
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes of the run (the Trainer's ``num_nodes``)."""
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        """Processes (ranks, one device each) per node: the Trainer's devices."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        """Whether there are several ranks (then Lightning shards the data among them)."""
-        return self.world_size > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Lightning's distributed samplers: every rank of every node, this one's rank."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str:
-        """Backend of the world process group (the constructor's, else by device)."""
-        return self._process_group_backend or world.default_backend(self.root_device)
-
-    @override
-    def _configure_launcher(self) -> None:
-        """Lightning's script launcher for several ranks it starts itself (not torchrun/srun)."""
-        assert self.cluster_environment is not None
-        ranks = self.num_nodes * self.num_processes
-        if ranks > 1 and not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
-    @override
-    def setup_environment(self) -> None:
-        """Set the device up; with several ranks, join the world process group."""
-        super().setup_environment()
-        if self.num_nodes * self.num_processes <= 1:
-            return
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        world.join_world(
-            self.cluster_environment, self.process_group_backend, self._timeout, self.root_device
-        )
-
-    def set_world_ranks(self) -> None:
-        """Global rank = node rank x processes per node + local rank; world = nodes x processes."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # Lightning's rank-zero helpers (logging, warnings) read the rank from these
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank (nothing with one process)."""
-        world.wait_for_ranks(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself with one process)."""
-        return world.broadcast_object(obj, src)
-
-    @override
-    def reduce(
-        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
-    ) -> torch.Tensor | Any:
-        """``tensor`` reduced over the ranks (``"mean"``, ``"sum"``, ``"max"``... or a
-        ``ReduceOp``), in place; anything but a tensor is returned as is."""
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # -- model construction and setup ------------------------------------------
 
@@ -345,13 +236,6 @@ class BalanceBeamStrategy(ParallelStrategy):
         )  # fmt: skip
         self._slot.hold(built, self)
 
-    def shard_comm(self) -> ShardComm:
-        """The engine's collectives on a process group of their own (made once, on every
-        rank, after the world process group: several ranks only)."""
-        if self._comm is None:
-            self._comm = ShardComm.from_world(timeout=self._timeout)
-        return self._comm
-
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
         self.plan_history.append(plan)
@@ -391,10 +275,7 @@ class BalanceBeamStrategy(ParallelStrategy):
     def _after_step(self) -> None:
         engine = self.engine
         assert engine is not None
-        reduce_max = (
-            None if self.world_size == 1 else world.max_over_ranks(self.reduce, self.root_device)
-        )
-        replanned = self._adapt.end_step(engine, self.plan, self._log_metrics, reduce_max)
+        replanned = self._adapt.end_step(engine, self.plan, self._log_metrics, self.max_reducer())
         if replanned is not None:
             self._adopt(replanned)
 
@@ -514,8 +395,7 @@ class BalanceBeamStrategy(ParallelStrategy):
         )  # fmt: skip
         activation_checkpointing_on(self._checkpointing)
         self._checkpointing = []
-        if self.cluster_environment is not None and self.world_size > 1:
-            self.cluster_environment.teardown()
+        self.teardown_ranks()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

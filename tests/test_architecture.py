@@ -26,6 +26,7 @@ LEAVES = ("bb_lightning.shapes",)
 """Conventions the planner prices and the engine executes; they import nothing of ours."""
 UPWARD = (
     "bb_lightning.strategy",
+    "bb_lightning.ranks",
     "bb_lightning.cli",
     "bb_lightning.lightning_cli",
     "bb_lightning.module",
@@ -272,6 +273,9 @@ OVERSIZED: dict[str, int] = {"bb_lightning/session.py": 607}
 """Modules still over :data:`MAX_MODULE_LINES` while they are split, each with the most
 lines it may have until then: this list only shrinks (remove an entry once its module is
 under the limit; never add one)."""
+TIGHTER: dict[str, int] = {"bb_lightning/strategy.py": 480}
+"""Modules held under a lower limit: the strategy keeps Lightning's hooks, each delegating
+(the devices and ranks are in ``ranks.py``, data parallelism in ``world.py``)."""
 
 
 def oversized(root: Path = ROOT) -> list[str]:
@@ -282,8 +286,9 @@ def oversized(root: Path = ROOT) -> list[str]:
         text = f.read_text(encoding="utf-8")
         path = str(f.relative_to(root))
         lines = len(text.splitlines())
-        if lines > OVERSIZED.get(path, MAX_MODULE_LINES):
-            found.append(f"{path}: {lines} lines > {OVERSIZED.get(path, MAX_MODULE_LINES)}")
+        limit = OVERSIZED.get(path, TIGHTER.get(path, MAX_MODULE_LINES))
+        if lines > limit:
+            found.append(f"{path}: {lines} lines > {limit}")
         for node in ast.walk(ast.parse(text, filename=path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 span = (node.end_lineno or node.lineno) - node.lineno + 1
