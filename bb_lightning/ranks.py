@@ -4,21 +4,33 @@
 over G x M processes: this rank's device, the ranks' numbering, Lightning's script
 launcher, the world process group and its collectives (``barrier``, ``broadcast``,
 ``reduce``; Lightning's ``all_gather`` and ``reduce_boolean_decision`` go through them),
-and the engine's own collectives (:class:`~bb_lightning.engine.shard.ShardComm`).
-:class:`~bb_lightning.strategy.BalanceBeamStrategy` subclasses it; the helpers it calls
-are in :mod:`bb_lightning.world`.
+and the engine's own collectives (:class:`~bb_lightning.engine.shard.ShardComm`), with
+the helpers it calls: joining the world group (:func:`join_world`), destroying it before
+the interpreter is torn down (:func:`destroy_group_at_exit`), only ``start_method="popen"``
+(:func:`check_start_method`). :class:`~bb_lightning.strategy.BalanceBeamStrategy`
+subclasses it; what the ranks do together (planning on rank 0, saving a checkpoint) is in
+:mod:`bb_lightning.world`.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -29,7 +41,17 @@ from typing_extensions import override
 from bb_lightning import world
 from bb_lightning.engine.shard import ShardComm
 
-__all__ = ["RankedStrategy"]
+__all__ = [
+    "RankedStrategy",
+    "broadcast_object",
+    "check_start_method",
+    "default_backend",
+    "destroy_group_at_exit",
+    "join_world",
+    "max_over_ranks",
+    "rank_device",
+    "wait_for_ranks",
+]
 
 
 class RankedStrategy(ParallelStrategy):
@@ -40,9 +62,9 @@ class RankedStrategy(ParallelStrategy):
         parallel_devices: the devices of this node's ranks; None: the Trainer's.
         cluster_environment: where ranks come from; None: Lightning's detection.
         process_group_backend: backend of the world process group; None: by device
-            (:func:`bb_lightning.world.default_backend`).
+            (:func:`default_backend`).
         timeout: of the process groups' collectives.
-        start_method: ``"popen"`` only (:func:`bb_lightning.world.check_start_method`).
+        start_method: ``"popen"`` only (:func:`check_start_method`).
     """
 
     def __init__(
@@ -57,7 +79,7 @@ class RankedStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen"] = "popen",
     ) -> None:
-        world.check_start_method(start_method)
+        check_start_method(start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -81,7 +103,7 @@ class RankedStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         """This rank's device: the Trainer's devices at the local rank (``accelerator="cpu"``
         -> cpu, ``devices=[i]`` -> cuda:i); CUDA device 0 when visible outside a Trainer."""
-        return world.rank_device(self.parallel_devices, self.local_rank, self._root_device)
+        return rank_device(self.parallel_devices, self.local_rank, self._root_device)
 
     @property
     def num_nodes(self) -> int:
@@ -111,7 +133,7 @@ class RankedStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str:
         """Backend of the world process group (the constructor's, else by device)."""
-        return self._process_group_backend or world.default_backend(self.root_device)
+        return self._process_group_backend or default_backend(self.root_device)
 
     @override
     def _configure_launcher(self) -> None:
@@ -132,7 +154,7 @@ class RankedStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        world.join_world(
+        join_world(
             self.cluster_environment, self.process_group_backend, self._timeout, self.root_device
         )
 
@@ -149,12 +171,12 @@ class RankedStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (nothing with one process)."""
-        world.wait_for_ranks(self.root_device)
+        wait_for_ranks(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself with one process)."""
-        return world.broadcast_object(obj, src)
+        return broadcast_object(obj, src)
 
     @override
     def reduce(
@@ -167,11 +189,10 @@ class RankedStrategy(ParallelStrategy):
         return tensor
 
     def max_reducer(self) -> world.Reducer | None:
-        """The maximum of a host tensor over the ranks (:func:`bb_lightning.world.
-        max_over_ranks`); None with one rank (nothing to reduce)."""
+        """The maximum of a host tensor over the ranks (:func:`max_over_ranks`); None with one rank (nothing to reduce)."""
         if self.world_size == 1:
             return None
-        return world.max_over_ranks(self.reduce, self.root_device)
+        return max_over_ranks(self.reduce, self.root_device)
 
     def shard_comm(self) -> ShardComm:
         """The engine's collectives on a process group of their own (made once, on every
@@ -184,3 +205,110 @@ class RankedStrategy(ParallelStrategy):
         """End the cluster environment's part of a run of several ranks (nothing with one)."""
         if self.cluster_environment is not None and self.world_size > 1:
             self.cluster_environment.teardown()
+
+
+# -- the world process group ------------------------------------------------------------
+
+
+_EXIT_HOOK: list[Callable[[], None]] = []
+
+
+def destroy_group_at_exit() -> None:
+    """Destroy the default process group when the script ends, while Python is still whole.
+
+    A script that ends without ``torch.distributed.destroy_process_group()`` (as Lightning
+    scripts do) leaves gloo's worker threads holding finished work, tensors included;
+    freeing them while the interpreter is torn down can abort the process ("terminate
+    called without an active exception"), and Lightning's launcher then stops the other
+    ranks with exit code 1 after a run that succeeded. Registered once per process, by the
+    strategy that created the group; a group already destroyed is left alone.
+    """
+    if _EXIT_HOOK:
+        return
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    _EXIT_HOOK.append(destroy)
+    atexit.register(destroy)
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse a start method other than ``"popen"`` (the script launcher, torchrun, srun)."""
+    if start_method != "popen":
+        raise ValueError(
+            f"start_method={start_method!r}: balance_beam cannot run under {start_method}: "
+            "that launcher returns the module's state_dict to the parent process, and paged "
+            "weights are not in the module; use start_method='popen' (the default), torchrun "
+            "or srun"
+        )
+
+
+def default_backend(device: torch.device) -> str:
+    """The world group's backend for ranks computing on ``device``: ``"gloo"`` on the CPU,
+    ``"cpu:gloo,cuda:nccl"`` on CUDA (host tensors on gloo, device tensors on NCCL)."""
+    return "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def join_world(
+    environment: ClusterEnvironment, backend: str, timeout: timedelta | None, device: torch.device
+) -> None:
+    """Join the world process group (``environment`` holds this rank and the world size);
+    a group this call creates is destroyed at exit (:func:`destroy_group_at_exit`)."""
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    created = not dist.is_initialized()
+    _init_dist_connection(environment, backend, **kwargs)
+    if created:
+        destroy_group_at_exit()
+
+
+def rank_device(
+    devices: Sequence[torch.device] | None, local_rank: int, fallback: torch.device
+) -> torch.device:
+    """The device of the rank ``local_rank`` among its node's ``devices`` (the Trainer's);
+    ``fallback`` when there are none (outside a Trainer). ``ValueError`` when the node has
+    fewer devices than ranks."""
+    if not devices:
+        return fallback
+    if local_rank >= len(devices):
+        raise ValueError(
+            f"local rank {local_rank} has no device among {list(devices)}: give the Trainer "
+            "as many devices as processes per node (devices=...)"
+        )
+    return torch.device(devices[local_rank])
+
+
+def max_over_ranks(reduce: Callable[..., Any], device: torch.device) -> world.Reducer:
+    """A :data:`Reducer` on the world group through the strategy's ``reduce``: the host
+    tensor goes to ``device`` first (an NCCL-only world reduces no host tensors) and the
+    result comes back to the host."""
+
+    def reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = reduce(tensor.to(device), reduce_op="max")
+        return result.cpu()
+
+    return reduce_max
+
+
+def wait_for_ranks(device: torch.device) -> None:
+    """Wait for every rank of the world group (nothing without one); an NCCL group waits
+    on ``device``."""
+    if not _distributed_is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int) -> Any:
+    """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself without a group)."""
+    if not _distributed_is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=_group.WORLD)
+    return box[0]

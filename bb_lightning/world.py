@@ -13,20 +13,18 @@ Those that take :class:`Ranks` (the strategy) are collectives: every rank calls 
 - The measured phase times of the re-plan decision are the slowest rank's
   (:func:`slowest_times`), so every rank re-plans, or not, at the same step.
 - A checkpoint directory must be one every rank sees (:func:`check_shared_directory`).
-- The world process group: joined in the strategy's ``setup_environment``
-  (:func:`join_world`), destroyed before the interpreter is torn down
-  (:func:`destroy_group_at_exit`); only ``start_method="popen"`` starts ranks
-  (:func:`check_start_method`).
 - Rank 0 plans and every rank takes its result, or its error (:func:`on_rank_zero`); the
   local rank 0 of each node measures it (:func:`measured_nodes`); rank 0 writes a
   checkpoint while the others take part in its gathers (:func:`save_on_ranks`); a call
   that ended in an error on some rank gathers nothing (:func:`stopped_with_error`).
+
+The world process group, each rank's device and the collectives of the strategy itself
+are in :mod:`bb_lightning.ranks`. Importing this module imports no Lightning
+(``bb-lightning plan --devices N`` lays a profile out with :func:`with_world`).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import os
 import pickle
@@ -34,19 +32,11 @@ import re
 import secrets
 import socket
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.pytorch.trainer.states import TrainerStatus
 
 from bb_lightning.planner import HardwareProfile, MeasuredTimes
 from storage import scratch
@@ -59,18 +49,11 @@ __all__ = [
     "DEFAULT_INTER_NODE_BANDWIDTH",
     "DEFAULT_INTRA_NODE_BANDWIDTH",
     "Ranks",
-    "broadcast_object",
     "check_shared_directory",
-    "check_start_method",
-    "default_backend",
-    "destroy_group_at_exit",
-    "join_world",
     "make_shared_nvme_dir",
-    "max_over_ranks",
     "measured_nodes",
     "on_rank_zero",
     "prepare_nvme_dir",
-    "rank_device",
     "rank_nvme_path",
     "rank_store_config",
     "rank_stores",
@@ -79,7 +62,6 @@ __all__ = [
     "slowest_node",
     "slowest_times",
     "stopped_with_error",
-    "wait_for_ranks",
     "with_world",
 ]
 
@@ -268,113 +250,6 @@ def slowest_node(profiles: Sequence[HardwareProfile | None]) -> HardwareProfile:
     return first.replace(**changes)
 
 
-_EXIT_HOOK: list[Callable[[], None]] = []
-
-
-def destroy_group_at_exit() -> None:
-    """Destroy the default process group when the script ends, while Python is still whole.
-
-    A script that ends without ``torch.distributed.destroy_process_group()`` (as Lightning
-    scripts do) leaves gloo's worker threads holding finished work, tensors included;
-    freeing them while the interpreter is torn down can abort the process ("terminate
-    called without an active exception"), and Lightning's launcher then stops the other
-    ranks with exit code 1 after a run that succeeded. Registered once per process, by the
-    strategy that created the group; a group already destroyed is left alone.
-    """
-    if _EXIT_HOOK:
-        return
-
-    def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-    _EXIT_HOOK.append(destroy)
-    atexit.register(destroy)
-
-
-# -- the world process group ------------------------------------------------------------
-
-
-def check_start_method(start_method: str) -> None:
-    """Refuse a start method other than ``"popen"`` (the script launcher, torchrun, srun)."""
-    if start_method != "popen":
-        raise ValueError(
-            f"start_method={start_method!r}: balance_beam cannot run under {start_method}: "
-            "that launcher returns the module's state_dict to the parent process, and paged "
-            "weights are not in the module; use start_method='popen' (the default), torchrun "
-            "or srun"
-        )
-
-
-def default_backend(device: torch.device) -> str:
-    """The world group's backend for ranks computing on ``device``: ``"gloo"`` on the CPU,
-    ``"cpu:gloo,cuda:nccl"`` on CUDA (host tensors on gloo, device tensors on NCCL)."""
-    return "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
-
-
-def join_world(
-    environment: ClusterEnvironment, backend: str, timeout: timedelta | None, device: torch.device
-) -> None:
-    """Join the world process group (``environment`` holds this rank and the world size);
-    a group this call creates is destroyed at exit (:func:`destroy_group_at_exit`)."""
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if device.type != "cpu":
-        kwargs["device_id"] = device
-    created = not dist.is_initialized()
-    _init_dist_connection(environment, backend, **kwargs)
-    if created:
-        destroy_group_at_exit()
-
-
-def rank_device(
-    devices: Sequence[torch.device] | None, local_rank: int, fallback: torch.device
-) -> torch.device:
-    """The device of the rank ``local_rank`` among its node's ``devices`` (the Trainer's);
-    ``fallback`` when there are none (outside a Trainer). ``ValueError`` when the node has
-    fewer devices than ranks."""
-    if not devices:
-        return fallback
-    if local_rank >= len(devices):
-        raise ValueError(
-            f"local rank {local_rank} has no device among {list(devices)}: give the Trainer "
-            "as many devices as processes per node (devices=...)"
-        )
-    return torch.device(devices[local_rank])
-
-
-def max_over_ranks(reduce: Callable[..., Any], device: torch.device) -> Reducer:
-    """A :data:`Reducer` on the world group through the strategy's ``reduce``: the host
-    tensor goes to ``device`` first (an NCCL-only world reduces no host tensors) and the
-    result comes back to the host."""
-
-    def reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-        result: torch.Tensor = reduce(tensor.to(device), reduce_op="max")
-        return result.cpu()
-
-    return reduce_max
-
-
-def wait_for_ranks(device: torch.device) -> None:
-    """Wait for every rank of the world group (nothing without one); an NCCL group waits
-    on ``device``."""
-    if not _distributed_is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
-
-
-def broadcast_object(obj: Any, src: int) -> Any:
-    """Rank ``src``'s ``obj`` (pickled) on every rank (``obj`` itself without a group)."""
-    if not _distributed_is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src, group=_group.WORLD)
-    return box[0]
-
-
 # -- what the ranks do together ----------------------------------------------------------
 
 
@@ -490,6 +365,8 @@ def stopped_with_error(ranks: Ranks, trainer: pl.Trainer | None) -> str | None:
     back takes collectives with every rank."""
     if ranks.world_size == 1 or trainer is None:
         return None
+    from lightning.pytorch.trainer.states import TrainerStatus  # a Trainer ran: imported
+
     if trainer.state.status != TrainerStatus.INTERRUPTED:
         return None
     return (

@@ -17,7 +17,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from bb_lightning import BalanceBeamStrategy, world
 from bb_lightning.placement import Placement
-from bb_lightning.world import check_start_method
+from bb_lightning.ranks import check_start_method
 from storage.tiers import Tier
 
 
