@@ -31,6 +31,7 @@ user's own calls see the model as loaded.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +55,8 @@ sequence): large enough that a chunk's few ops outweigh their dispatch, small en
 batch makes several chunks per thread to balance."""
 
 _pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None
+"""(process id, workers, pool): a forked child holds its parent's pool without its threads."""
 
 
 def decode_attention(
@@ -117,17 +119,17 @@ def decode_attention(
 
 def _workers(threads: int) -> ThreadPoolExecutor:
     """The pool of ``threads`` single-threaded workers decode steps run their chunks on
-    (made again when the caller's intra-op team changes size)."""
+    (made again when the caller's intra-op team changes size, and in a forked child)."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != threads:
-            if _pool is not None:
-                _pool[1].shutdown(wait=False)
+        if _pool is None or _pool[:2] != (os.getpid(), threads):
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
             pool = ThreadPoolExecutor(
                 threads, thread_name_prefix="bb-decode-attention", initializer=single_threaded
             )
-            _pool = (threads, pool)
-        return _pool[1]
+            _pool = (os.getpid(), threads, pool)
+        return _pool[2]
 
 
 def _attend(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -289,3 +290,21 @@ def test_model_decode_step_in_chunks_unchanged(in_chunks: list[str]) -> None:
                         cache=out.past_key_values).logits  # fmt: skip
     assert len(in_chunks) == 2 * 3, "each layer's step ran one chunk per sequence"
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def _attend_in_child(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    with torch.inference_mode():
+        return decode_attention(nn.Module(), q, k, v, None)[0].clone()
+
+
+def test_a_forked_child_decodes_in_chunks_on_workers_of_its_own(in_chunks: list[str]) -> None:
+    """A child forked after the workers started (a data loader's, a launcher's) holds the
+    parent's pool without its threads: its steps run on a pool of its own."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, 4, n, 8, generator=g) for n in (1, 9, 9))
+    with torch.inference_mode():
+        here, _ = decode_attention(nn.Module(), q, k, v, None)
+    assert len(in_chunks) == 4
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        there = pool.apply_async(_attend_in_child, (q, k, v)).get(timeout=60)
+    torch.testing.assert_close(there, here, atol=0, rtol=0)
