@@ -7,10 +7,13 @@ engine's CPU decode attention (:func:`bb_lightning.engine.attention.decode_atten
 query token per sequence) and a plain read of the same keys and values (``torch.sum``
 over each), best of repeats within ``--seconds``. It prints the cache's bytes over each
 time (GB/s), their ratio, and the planner's predicted seconds
-(:func:`bb_lightning.planner.host_attention.host_attention_seconds`) on the host memory
-bandwidth the hardware probe measures in the same run
-(:func:`bb_lightning.probe.host_memory.probe_host_read`), with measured / predicted. The
-first size's output is checked against torch's ``scaled_dot_product_attention``.
+(:func:`bb_lightning.planner.host_attention.host_attention_seconds`) on the rate the
+hardware probe prices host attention at, measured in the same run: the lesser of its plain
+read of host memory (:func:`bb_lightning.probe.host_memory.probe_host_read`) and its decode
+attention probe (:func:`bb_lightning.probe.host_memory.probe_host_attention`, here over a
+cache of this layer's shape and ``--dtype``, 256 MiB at 512 positions), with measured /
+predicted: whether a rate measured at one size prices the others. The first size's output
+is checked against torch's ``scaled_dot_product_attention``.
 
 Sizes whose cache exceeds ``--max-gib`` are skipped (the issue's 1024 sequences x 2048
 positions of an 8 x 128 GQA layer in bf16 is 8 GiB).
@@ -32,7 +35,7 @@ from torch import nn
 from bb_lightning.engine.attention import decode_attention
 from bb_lightning.planner.host_attention import host_attention_seconds
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
-from bb_lightning.probe.host_memory import probe_host_read
+from bb_lightning.probe.host_memory import probe_host_attention, probe_host_read
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -68,7 +71,8 @@ def _profile(heads: int, kv_heads: int, dim: int) -> ModelProfile:
 
 
 def _host(bandwidth: float) -> HardwareProfile:
-    """This host as a profile priced on the probe's read bandwidth (the rest unused)."""
+    """This host as a profile priced on the probe's rate for host attention (the rest
+    unused)."""
     return HardwareProfile(
         name="this host", device_type="cpu", device_memory=0, device_flops=1.0,
         h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_memory=0, nvme_read_bandwidth=0.0,
@@ -104,8 +108,16 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     print(_common.machine(None))
     probe_bytes = 256 << 20
-    bandwidth = probe_host_read(min(args.seconds, 1.0), probe_bytes)
-    print(f"probe: host memory read {bandwidth / 1e9:.3f} GB/s (sum over {probe_bytes >> 20} MiB)")
+    seconds = min(args.seconds, 1.0)
+    read_rate = probe_host_read(seconds, probe_bytes)
+    print(f"probe: host memory read {read_rate / 1e9:.3f} GB/s (sum over {probe_bytes >> 20} MiB)")
+    shape = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    attention = probe_host_attention(seconds, probe_bytes, dtype=dtype, **shape)
+    bandwidth = min(read_rate, attention)
+    print(
+        f"probe: host decode attention {attention / 1e9:.3f} GB/s ({probe_bytes >> 20} MiB "
+        f"{args.dtype} cache, 512 positions); priced at {bandwidth / 1e9:.3f} GB/s (the lesser)"
+    )
     profile, host = _profile(args.heads, args.kv_heads, args.head_dim), _host(bandwidth)
     elem = torch.empty((), dtype=dtype).element_size()
     checked = False

@@ -7,9 +7,13 @@ cache offload), the device runs every block's projections and MLP for all sequen
 and for each block sends the new token's q/k/v rows to the host and gets the attention
 output back: a few KiB per sequence and block on each link, instead of the whole cache.
 The host's cores read the cache once per pass: a decode step's attention is two FLOPs
-per cached element for ``q·Kᵀ`` and two for ``p·V`` against two bytes per element (one
-FLOP per byte in 16 bits), so it is bound by the rate the host reads memory at
-(``HardwareProfile.host_memory_bandwidth``, measured by the hardware probe).
+per cached element and query head for ``q·Kᵀ`` and two for ``p·V`` against two bytes
+per element (one FLOP per byte and query head in 16 bits), so on a host of many cores it
+is bound by the rate the host reads memory at. The skinny products (one column per query
+head of a group) run far below the cores' peak, so on a host of few cores the arithmetic
+is the bound: ``HardwareProfile.host_memory_bandwidth`` is, as the hardware probe measures
+it, the lesser of a plain read of host memory and the engine's decode attention over a
+cache of the same bytes (a preset states its memory's read bandwidth).
 
 The sequences run in :data:`GROUPS_IN_FLIGHT` groups: while the host attends for one
 group, the device runs the next group's matrix products (FlexGen's zig-zag block

@@ -33,7 +33,11 @@ def test_host_attention_bench_prints_rates_and_the_price(tmp_path: Path) -> None
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "machine: CPU" in out
-    (probe,) = _numbers(r"probe: host memory read ([\d.]+) GB/s", out)
+    (read,) = _numbers(r"probe: host memory read ([\d.]+) GB/s", out)
+    ((attend_rate, priced),) = _numbers(
+        r"probe: host decode attention ([\d.]+) GB/s .*priced at ([\d.]+) GB/s", out
+    )
+    assert priced == pytest.approx(min(read[0], attend_rate), abs=2e-3)  # the lesser
     # the engine's decode attention equals torch's sdpa on the first size (fp32)
     ((diff,),) = _numbers(r"max abs diff ([\d.e+-]+)", out)
     assert diff < 1e-5
@@ -48,7 +52,7 @@ def test_host_attention_bench_prints_rates_and_the_price(tmp_path: Path) -> None
     for seqs, pos, mib, attend, read, ratio, predicted, measured, over in rows:
         cache = 2 * seqs * 2 * pos * 16 * 4  # keys and values, fp32
         assert mib == pytest.approx(cache / 2**20, abs=0.06)
-        # the price: the cache's bytes over the probe's bandwidth (as printed, 3 digits)
-        assert predicted == pytest.approx(cache / (probe[0] * 1e9) * 1e3, rel=2e-3)
+        # the price: the cache's bytes over the probe's priced rate (as printed, 3 digits)
+        assert predicted == pytest.approx(cache / (priced * 1e9) * 1e3, rel=2e-3)
         assert ratio == pytest.approx(attend / read, rel=0.02, abs=0.002)
         assert over == pytest.approx(measured / predicted, rel=0.02, abs=0.002)
