@@ -89,7 +89,8 @@ def test_fit_job_from_a_datamodule_that_states_its_shape(module: CausalLMModule)
     dm = StatedShape()
     assert isinstance(dm, TrainShape)
     job = read_job(_trainer(TrainerFn.FITTING, module, dm, accumulate_grad_batches=2), module)
-    assert job.job == FitJob(seq_len=24, global_batch_seqs=3 * 2)
+    chunk = module.loss_chunk_tokens  # the module's loss runs in chunks of this many
+    assert job.job == FitJob(seq_len=24, global_batch_seqs=3 * 2, loss_chunk_tokens=chunk)
     assert (job.micro_batch, job.grad_accum) == (3, 2)
 
 
@@ -99,7 +100,9 @@ def test_fit_job_from_the_first_batch_of_a_plain_datamodule(module: CausalLMModu
     trainer = _trainer(TrainerFn.FITTING, module, dm, accumulate_grad_batches=3,
                        gradient_clip_val=1.0)  # fmt: skip
     job = read_job(trainer, module)
-    assert job.job == FitJob(seq_len=16, global_batch_seqs=2 * 3, grad_clipping=True)
+    chunk = module.loss_chunk_tokens
+    want = FitJob(seq_len=16, global_batch_seqs=2 * 3, grad_clipping=True, loss_chunk_tokens=chunk)
+    assert job.job == want
     assert (job.micro_batch, job.grad_accum) == (2, 3)
     given = FitJob(seq_len=8, global_batch_seqs=1)
     assert read_job(trainer, module, given).job is given  # a given job reads no batch
