@@ -111,8 +111,8 @@ def main() -> None:
     seconds = min(args.seconds, 1.0)
     read_rate = probe_host_read(seconds, probe_bytes)
     print(f"probe: host memory read {read_rate / 1e9:.3f} GB/s (sum over {probe_bytes >> 20} MiB)")
-    shape = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-    attention = probe_host_attention(seconds, probe_bytes, dtype=dtype, **shape)
+    layer = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    attention = probe_host_attention(seconds, probe_bytes, dtype=dtype, **layer)
     bandwidth = min(read_rate, attention)
     print(
         f"probe: host decode attention {attention / 1e9:.3f} GB/s ({probe_bytes >> 20} MiB "
