@@ -166,9 +166,9 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_count,
         default=None,
         help="fit: price the loss's logits for this many tokens at once, as CausalLMModule's "
-        "loss_chunk_tokens computes it (e.g. 2796 at a 32k vocabulary, its default); default "
-        "0: the whole pass's, as transformers' loss holds them for a module that calls the "
-        "model with labels",
+        "loss_chunk_tokens computes it; default: its default for the model's vocabulary "
+        "(2796 tokens at 32k, 697 at 128k); 0: the whole pass's, as transformers' loss holds "
+        "them for a module that calls the model with labels",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
@@ -381,7 +381,7 @@ def _plan(args: argparse.Namespace) -> int:
             seq_len=seq,
             global_batch_tokens=tokens,
             global_batch_seqs=seqs,
-            loss_chunk_tokens=args.loss_chunk_tokens or None,
+            loss_chunk_tokens=module_loss_chunk(args.loss_chunk_tokens, model.vocab_size),
         )
     else:
         job = PredictJob(

@@ -109,6 +109,10 @@ class _Trace:
     """Tokens in the traced batch."""
     calls: list[int] = field(default_factory=list)
     """Indices of the blocks in the order the forward entered them."""
+    block_args: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+    """Per block: the positional and keyword arguments of its first call (meta tensors)."""
+    fused: bool = True
+    """Whether attention ran through :class:`FusedAttentionStandIn`."""
 
 
 def _module_path(model: nn.Module, target: nn.Module) -> str:
@@ -289,7 +293,7 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
             "hides the activations a block saves for backward: disable it (e.g. "
             "model.gradient_checkpointing_disable()) before profiling or finding its parts"
         )
-    trace = _Trace(tokens=context)
+    trace = _Trace(tokens=context, fused=fused)
     params = dict(model.named_parameters())
     stand_ins: dict[str, torch.Tensor] = {n: _meta_like(p) for n, p in params.items()}
     stand_ins.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
@@ -315,8 +319,9 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
     handles = []
     for i, block in enumerate(blocks):
 
-        def pre(_m: nn.Module, _a: Any, i: int = i) -> None:
+        def pre(_m: nn.Module, a: Any, kw: Any, i: int = i) -> None:
             current[0] = i
+            trace.block_args.setdefault(i, (tuple(a), dict(kw)))
             trace.calls.append(i)
             trace.block_spans[i] = (recorder.ops, recorder.ops)
 
@@ -324,7 +329,7 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
             current[0] = None
             trace.block_spans[i] = (trace.block_spans[i][0], recorder.ops)
 
-        handles.append(block.register_forward_pre_hook(pre))
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post))
 
     ids = torch.zeros((1, context), dtype=torch.long, device="meta")
@@ -472,6 +477,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     kv_heads = config_int(config, "num_kv_heads", default=num_heads)
     head_dim = config_int(config, "head_dim", default=hidden // num_heads if num_heads else 0)
     act_full = -(-max(trace.saved_bytes) // trace.tokens)
+    act_backward = _backward_bytes_per_token(model, trace, widest, block_name, act_full)
     matmul = tuple(n for n in first if n in trace.matmul_params)
     experts, top_k, expert_names = _experts(config, model.get_submodule(block_name))
     return {
@@ -491,6 +497,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
         "tied_embeddings": parts.tied_embeddings,
         "act_bytes_per_token_checkpointed": hidden * 2,
         "act_bytes_per_token_full": act_full,
+        "act_bytes_per_token_backward": act_backward,
         "kv_bytes_per_token": 2 * kv_heads * head_dim * 2,
         "num_experts": experts,
         "experts_per_token": top_k,
@@ -498,6 +505,26 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
             tuple(n for n in matmul if n.removeprefix(block_name + ".") in expert_names)
         ),
     }
+
+
+def _backward_bytes_per_token(
+    model: nn.Module, trace: _Trace, index: int, block_name: str, act_full: int
+) -> int:
+    """Bytes per token block ``index``'s backward holds beyond what its forward saved
+    (:func:`~bb_lightning.backward_trace.backward_workspace_bytes` of the call the trace
+    made); ``act_full`` (a backward as large as the forward's saved set) when the block
+    cannot be run alone."""
+    from bb_lightning.backward_trace import backward_workspace_bytes
+
+    call = trace.block_args.get(index)
+    if call is None:
+        return act_full
+    try:
+        with _trace_attention(model) if trace.fused else contextlib.nullcontext():
+            extra = backward_workspace_bytes(model.get_submodule(block_name), *call)
+    except Exception:  # a block that needs more than its traced call: the upper bound
+        return act_full
+    return -(-extra // trace.tokens)
 
 
 def _experts(config: Any, block: nn.Module) -> tuple[int, int, set[str]]:

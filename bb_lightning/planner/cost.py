@@ -25,12 +25,14 @@ __all__ = [
     "GIB",
     "LOSS_CHUNK_BYTES",
     "activation_bytes",
+    "backward_peak_bytes",
     "budgets",
     "compute_seconds",
     "device_budget",
     "flops_utilisation",
     "forward_flops_per_token",
     "grad_bytes_in_flight",
+    "head_grad_bytes",
     "hide_tokens_per_pass",
     "host_adam_seconds",
     "host_budget",
@@ -371,6 +373,56 @@ def logits_bytes(model: ModelProfile, tokens: int) -> int:
     run of a 128k vocabulary names (:mod:`bb_lightning.dryrun`).
     """
     return tokens * model.vocab_size * FP32_BYTES * LOSS_FP32_BUFFERS
+
+
+HEAD_GRAD_COPIES = 3
+"""Output-head weight gradients a chunked loss's backward holds at once: the sum of the
+chunks' so far, the next chunk's and their sum (autograd sums a parameter's gradients
+out of place while a backward runs)."""
+HIDDEN_GRAD_COPIES = 3
+"""Gradients of the pass's hidden states (``tokens x hidden``) a chunked loss's backward
+holds at once: a chunk's gradient reaches the hidden states through the slice it read,
+as a zero-padded gradient of the whole, summed out of place as the head's are."""
+
+
+def head_grad_bytes(model: ModelProfile, elem_bytes: int) -> int:
+    """Device bytes of the output head's weight gradient, ``vocab * hidden * elem_bytes``
+    (0 when nothing outside the blocks is trained): computed in the loss's backward and
+    held on the device until the backward ends."""
+    return model.vocab_size * model.hidden_size * elem_bytes if model.rest_train > 0 else 0
+
+
+def backward_peak_bytes(
+    model: ModelProfile,
+    tokens: Any,
+    checkpointing: bool,
+    chunk: int | None,
+    elem_bytes: int,
+) -> Any:
+    """Device bytes of a training pass's backward beyond the activations the forward keeps
+    (:func:`activation_bytes` less the recomputed block's): the larger of two phases.
+
+    - The loss's backward. Whole: :func:`logits_bytes` of the pass and the head's weight
+      gradient. In chunks of ``chunk`` tokens: one chunk's logits buffers or the head's
+      gradients being summed (:data:`HEAD_GRAD_COPIES` less the running sum), the running
+      sum, and :data:`HIDDEN_GRAD_COPIES` gradients of the hidden states.
+    - A block's backward: its saved activations when recomputed
+      (``act_bytes_per_token_full`` per token, checkpointing only), what its backward
+      holds beyond them (``act_bytes_per_token_backward``, introspected on ``meta``), and
+      the head's gradient, held throughout.
+
+    ``tokens`` (the pass's) may be an array; ``elem_bytes`` is the compute dtype's size.
+    """
+    head = head_grad_bytes(model, elem_bytes)
+    if chunk is None:
+        loss = logits_bytes(model, tokens) + head
+    else:
+        hidden = HIDDEN_GRAD_COPIES * tokens * model.hidden_size * elem_bytes
+        summing = (HEAD_GRAD_COPIES - 1) * head
+        loss = np.maximum(logits_bytes(model, np.minimum(tokens, chunk)), summing) + head + hidden
+    recompute = model.act_bytes_per_token_full if checkpointing else 0
+    block = tokens * (recompute + model.act_bytes_per_token_backward) + head
+    return np.maximum(loss, block)
 
 
 def setup_host_bytes(rest_train: float, block_params: float, block_state: float) -> float:

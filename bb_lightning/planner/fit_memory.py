@@ -156,6 +156,11 @@ def _device_and_staging_bytes(
     in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model, wb)))
     # the collectives' device buffers: a block's packed and reduced gradients, its gathered weights
     collective = (2 * REDUCE_BYTES + wb) * p if sz.data_parallel else 0.0
+    # the activations kept across the pass, less the recomputed block's (priced with the
+    # backward's peak)
+    tokens = mb * sz.seq_len
+    recomputed = tokens * model.act_bytes_per_token_full if ckpt else 0
+    kept_acts = cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept) - recomputed
     held = (
         cost.held_grad_bytes(ga, wb, n * p + sz.rest_train_params) if hold else 0.0
     )  # the earlier micro-batches' gradients (Placement.hold_grads)
@@ -167,8 +172,8 @@ def _device_and_staging_bytes(
         + paging
         + in_flight
         + collective
-        + cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept)
-        + cost.logits_bytes(model, cost.loss_tokens(mb * sz.seq_len, sz.loss_chunk_tokens))
+        + kept_acts
+        + cost.backward_peak_bytes(model, tokens, ckpt, sz.loss_chunk_tokens, wb)
     )
     # host bytes outside the store: the engine's setup, then the pages and gradients in flight
     setup = cost.setup_host_bytes(sz.rest_train_params, bb / wb, ps)

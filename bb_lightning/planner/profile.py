@@ -288,6 +288,10 @@ class ModelProfile:
     """Bytes per token per block kept across forward with per-block checkpointing (bf16 input)."""
     act_bytes_per_token_full: int
     """Bytes per token per block saved for backward without checkpointing (bf16, introspected)."""
+    act_bytes_per_token_backward: int = 0
+    """Bytes per token per block a block's backward holds at its peak beyond what its
+    forward saved: the gradient flowing in and the gradients of its intermediate
+    activations (bf16, introspected by :mod:`bb_lightning.backward_trace`)."""
     kv_bytes_per_token: int
     """Bytes per token per block of the bf16 K and V cache: ``2 * num_kv_heads * head_dim * 2``."""
     num_experts: int = 0

@@ -4,6 +4,7 @@ model with ``labels``; a dry run of the chunked plan stays within the plan's dev
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,7 +47,16 @@ def test_a_chunked_loss_is_priced_per_chunk_and_its_dry_run_fits_the_plan() -> N
     assert logits_bytes(model, chunked.tokens_per_pass) > device.budget  # whole, it won't fit
     said = "loss: head and cross-entropy over chunks of 697 tokens, each recomputed in backward"
     assert said in chunked.explain() and "loss: head" not in whole.explain()
-    report = dry_fit(chunked, CONFIG)  # the dry run computes the loss in the job's chunks
+    # the dry run computes the loss in the job's chunks; with the device budget cut to the
+    # plan's figure the store's arena takes no headroom (room for re-plans) beside it
+    exact = dataclasses.replace(
+        chunked,
+        memory=tuple(
+            dataclasses.replace(m, budget=device.used) if m.tier is Tier.DEVICE else m
+            for m in chunked.memory
+        ),
+    )
+    report = dry_fit(exact, CONFIG)
     assert report.over == [], report.peaks[Tier.DEVICE]
     assert report.peaks[Tier.DEVICE].bytes <= device.used
 
@@ -82,11 +92,15 @@ def test_plan_prices_the_loss_chunk_it_is_given(
     (tmp_path / "config.json").write_text(json.dumps(config))
     argv = ["plan", "--model", str(tmp_path / "config.json"), "--hardware", "rtx4090",
             "--host-memory", "256GiB", "--seq-len", "1024", "--global-batch", "32s", "--json"]  # fmt: skip
-    assert main(argv) == 0
-    whole = json.loads(capsys.readouterr().out)
-    assert main([*argv, "--loss-chunk-tokens", "697"]) == 0
+    assert main(argv) == 0  # priced as CausalLMModule runs it: its default chunk
     chunked = json.loads(capsys.readouterr().out)
-    assert (whole["job"]["loss_chunk_tokens"], chunked["job"]["loss_chunk_tokens"]) == (None, 697)
+    assert main([*argv, "--loss-chunk-tokens", "0"]) == 0  # a module's own whole loss
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--loss-chunk-tokens", "300"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    chunks = (chunked["job"]["loss_chunk_tokens"], whole["job"]["loss_chunk_tokens"],
+              given["job"]["loss_chunk_tokens"])  # fmt: skip
+    assert chunks == (loss_chunk_tokens(VOCAB), None, 300) == (697, None, 300)
     assert chunked["micro_batch"] > whole["micro_batch"]
 
 
