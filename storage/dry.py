@@ -249,6 +249,7 @@ class DryStore(TieredStore):
         self.config = config
         self.device = META
         self._cuda = False
+        self.host_node: int | None = None  # no host buffer is page-locked, on no node
         self._records: dict[str, Record] = {}
         self._observers = None
         self._lock = threading.RLock()
