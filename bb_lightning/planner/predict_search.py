@@ -148,6 +148,14 @@ class PredictMemory:
         return self.paged_blocks - self.host_weight_blocks
 
 
+def load_staging_bytes(model: ModelProfile, compute_bytes: int) -> float:
+    """Host bytes the engine's setup holds beside the host arena while it fills the store,
+    bytes: each block's values laid end to end in fp32 (``flat_from``, read one tensor at
+    a time from the checkpoint) and their cast to the compute dtype (``compute_bytes`` per
+    element), one block at a time."""
+    return float(model.block_params * (FP32_BYTES + compute_bytes))
+
+
 def predict_memory(
     model: ModelProfile,
     hw: HardwareProfile,
@@ -193,7 +201,9 @@ def predict_memory(
     )
     stage = host_attention.staging_bytes(model, c, wb) if host_attn else 0.0
     dev = dev + stage
-    mandatory = paging + (kv_all if kv is Tier.HOST else 0.0) + stage
+    mandatory = (
+        paging + (kv_all if kv is Tier.HOST else 0.0) + stage + load_staging_bytes(model, wb)
+    )
     pool = cost.pooled_budget(hw, budgets)  # a CPU device: one RAM pool
     free = (budgets[Tier.HOST] if pool is None else pool - dev) - mandatory
     if ov.weights_tier is Tier.NVME:

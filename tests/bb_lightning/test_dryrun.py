@@ -246,3 +246,21 @@ def test_a_128k_vocabulary_plan_fits_its_device_budget() -> None:
     report = dry_fit(plan, config)
     peak = report.peaks[Tier.DEVICE]
     assert report.over == [], (peak, report.budgets[Tier.DEVICE])
+
+
+def test_the_predict_setup_copies_are_priced_in_the_plans_host_memory() -> None:
+    # filling the store, the engine lays each block out in fp32 and casts it to bf16 beside
+    # the host arena: the host's peak, which the plan's host memory must cover
+    config = builtin_config("llama-370m")
+    hw = preset("a100-80gb").replace(device_memory=int(1.6 * 2**30), host_memory=2 << 30)
+    job = PredictJob(prompt_len=128, new_tokens=8, num_prompts=8)
+    plan = make_plan(model_profile_from_config(config), hw, job)
+    assert Tier.HOST in plan.placement.weights
+    report = dry_predict(plan, config)
+    peak = report.peaks[Tier.HOST]
+    assert peak.phase == "setup"
+    with torch.device("meta"):
+        _, blocks = find_block_list(AutoModelForCausalLM.from_config(load_config(config)))
+    block = sum(p.numel() for p in blocks[0].parameters())  # torch's count, not the profile's
+    assert peak.bytes - dict(peak.top)["base"] == pytest.approx(block * (4 + 2), abs=4096)
+    assert peak.bytes <= report.planned[Tier.HOST] <= report.budgets[Tier.HOST]
