@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.converted import ConvertedStore, StoreCheckpoint
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.budgets import (
     check_budgets,
@@ -36,12 +35,13 @@ from bb_lightning.engine.inference import InferenceEngine, PieceSource, external
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
-from bb_lightning.hf_load import HFCheckpoint, check_generation, check_supported
+from bb_lightning.hf.converted import ConvertedStore, StoreCheckpoint
+from bb_lightning.hf.hf_load import HFCheckpoint, check_generation, check_supported
+from bb_lightning.hf.structure import check_block_calls
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import Plan
 from bb_lightning.session import hf_model
-from bb_lightning.structure import check_block_calls
 from storage.external import FilePiece
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
@@ -381,8 +381,8 @@ def checkpoint_loader(module: torch.nn.Module, *, generation: bool = False) -> P
 
     None when no parameter is on the meta device (the engine reads the parameters).
     Raises ``ValueError`` (one line) for a Hugging Face model balance_beam cannot serve
-    (:func:`~bb_lightning.hf_load.check_supported`; with ``generation``, also
-    :func:`~bb_lightning.hf_load.check_generation`).
+    (:func:`~bb_lightning.hf.hf_load.check_supported`; with ``generation``, also
+    :func:`~bb_lightning.hf.hf_load.check_generation`).
     """
     net = hf_model(module)
     streaming = any(p.is_meta for p in module.parameters())

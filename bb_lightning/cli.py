@@ -417,7 +417,7 @@ def _dry_run(plan: Any, config: Any) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from bb_lightning.convert import convert_checkpoint
+    from bb_lightning.hf.convert import convert_checkpoint
     from storage.io import IOConfig
 
     dtypes = {"keep": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -435,10 +435,10 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     try:
-        from bb_lightning.export import export_hf
+        from bb_lightning.hf.export import export_hf
     except ImportError:
         raise UsageError(
-            "export is not available: bb_lightning.export is missing from this installation; "
+            "export is not available: bb_lightning.hf.export is missing from this installation; "
             "reinstall the package (pip install -e .)"
         ) from None
     import torch

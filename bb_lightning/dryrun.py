@@ -38,9 +38,9 @@ from bb_lightning.engine.generate import LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.optimizer_step import ClipConfig
 from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.hf.structure import find_block_list, fused_attention, load_config
 from bb_lightning.planner import Plan
 from bb_lightning.planner.job import FitJob, PredictJob
-from bb_lightning.structure import find_block_list, fused_attention, load_config
 from storage.dry import DryStore
 from storage.host import mapped_bytes
 from storage.store import StoreConfig, TieredStore

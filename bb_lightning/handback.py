@@ -23,7 +23,7 @@ the store's arena (:func:`fits_host`, :func:`budget_room`), the module stays hol
 of its Hugging Face model or of any module holding a paged block raises
 :class:`WeightsInStoreError` (which names ``bb-lightning export``), and the Hugging Face
 model's ``save_pretrained(dir)`` streams the weights from the store one block at a time
-through :func:`bb_lightning.export.export_hf` (each file written under a temporary name
+through :func:`bb_lightning.hf.export.export_hf` (each file written under a temporary name
 and renamed when complete, so a failure leaves no partial checkpoint). Forwards still run
 through the store's paged blocks.
 """
@@ -245,7 +245,7 @@ class HollowGuard:
         world = int(getattr(source, "world_size", 1)) if source is not None else 1
         save = (
             "model.save_pretrained(dir) (streamed from the store block by block), "
-            "bb_lightning.export.export_hf(strategy, dir), or"
+            "bb_lightning.hf.export.export_hf(strategy, dir), or"
             if world == 1
             else "model.save_pretrained(dir, is_main_process=trainer.is_global_zero) called on "
             f"every one of the {world} ranks (streamed from the store block by block), or"
@@ -319,7 +319,7 @@ class HollowGuard:
 
     def _export(self, engine: Engine, save_directory: str | os.PathLike[str], shard: int) -> None:
         """Rank 0's (or the only process's) streamed export into ``save_directory``."""
-        from bb_lightning.export import export_hf
+        from bb_lightning.hf.export import export_hf
 
         dtype = self.dtype
         if dtype is None:

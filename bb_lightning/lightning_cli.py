@@ -241,8 +241,9 @@ def _check_parsed_values(cfg: Any, command: str) -> None:
     """Run the range checks of the module, data module, strategy and plan overrides that a
     parsed recipe names (where they are ours) on its values without building anything: no
     model config, tokenizer or machine is read. Raises :class:`UsageError` naming the key."""
-    from bb_lightning import data, module, session, settings
+    from bb_lightning import module, session, settings
     from bb_lightning.adapt import AdaptController
+    from bb_lightning.data import modules as data
     from bb_lightning.planner import PlanOverrides
 
     def strategy_checks(**kw: Any) -> None:
@@ -471,7 +472,7 @@ def _print_samples(cli: Any, prompts: list[str], new_tokens: int) -> None:
     """Greedy completions of ``prompts`` by the trained model (weights gathered on the host)."""
     import torch
 
-    from bb_lightning.tokenizer import decode_ids, encode_text, load_tokenizer
+    from bb_lightning.data.tokenizer import decode_ids, encode_text, load_tokenizer
 
     gather = getattr(cli.trainer.strategy, "gather_full_model", None)
     module = gather() if callable(gather) else cli.model  # on every rank (collective reads)

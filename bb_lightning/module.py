@@ -25,15 +25,15 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from bb_lightning.bounds import check_int, check_number
 from bb_lightning.causal_loss import causal_lm_loss
-from bb_lightning.converted import ConvertedStore, converted_store, load_converted, store_config
+from bb_lightning.data.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.hf_quirks import resolve_model
 from bb_lightning.engine.optim import AdamWConfig
-from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model
-from bb_lightning.lora import LoraOptions, require_peft, wrap_lora
+from bb_lightning.hf.converted import ConvertedStore, converted_store, load_converted, store_config
+from bb_lightning.hf.hf_load import HFCheckpoint, check_supported, empty_model
+from bb_lightning.hf.lora import LoraOptions, require_peft, wrap_lora
 from bb_lightning.planner.cost import loss_chunk_tokens
 from bb_lightning.planner.models import BUILTIN_MODELS
-from bb_lightning.tokenizer import Tokenizer, decode_ids, load_tokenizer
 from storage.tiers import Tier
 
 __all__ = [
@@ -55,7 +55,7 @@ def resolve_model_config(
 
     ``model`` is a built-in name, a local checkpoint directory (``config.json``
     plus weights, or only ``config.json``), a store written by ``bb-lightning convert``
-    (its weights are the store's, :mod:`bb_lightning.converted`), a ``config.json`` path,
+    (its weights are the store's, :mod:`bb_lightning.hf.converted`), a ``config.json`` path,
     a dict with ``model_type``, a ``PretrainedConfig``, or a hub id (needs the network);
     see :func:`bb_lightning.engine.hf_quirks.resolve_model`.
     """
@@ -68,7 +68,7 @@ def resolve_model_config(
 
 
 SafetensorsCheckpoint = HFCheckpoint
-"""Reads single parameters of a local checkpoint (see :mod:`bb_lightning.hf_load`)."""
+"""Reads single parameters of a local checkpoint (see :mod:`bb_lightning.hf.hf_load`)."""
 
 
 @contextmanager
@@ -203,7 +203,7 @@ class CausalLMModule(pl.LightningModule):
             stop_strings: texts that end a generated sequence (needs ``tokenizer``).
             lora: train LoRA adapters instead of every weight: ``rank``, ``alpha``,
                 ``dropout``, ``target_modules``, ``modules_to_save``
-                (see :class:`~bb_lightning.lora.LoraOptions`;
+                (see :class:`~bb_lightning.hf.lora.LoraOptions`;
                 needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
             loss_chunk_tokens: tokens whose logits the training loss holds at once: the
                 head and the cross-entropy run over chunks of that many positions, each
@@ -273,7 +273,7 @@ class CausalLMModule(pl.LightningModule):
         strategy that streams weights (``streams_weights``) from a local checkpoint
         (safetensors, a ``pytorch_model.bin`` it memory-maps, or a converted store): then the
         parameters stay on the meta device and the strategy reads them
-        (:class:`~bb_lightning.hf_load.HFCheckpoint`). With ``lora`` the base model is
+        (:class:`~bb_lightning.hf.hf_load.HFCheckpoint`). With ``lora`` the base model is
         built, loaded or left on the meta device the same way, then wrapped by ``peft``:
         the adapters get real initial values seeded with ``seed`` (the same with every
         strategy), and a streamed base is read under ``peft``'s names.

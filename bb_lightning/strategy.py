@@ -33,13 +33,13 @@ from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.handback import handback_dtype
+from bb_lightning.hf.structure import find_block_list
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
 from bb_lightning.ranks import RankedStrategy
 from bb_lightning.register import STRATEGY_NAME, add_to
 from bb_lightning.session import ComputeDtype, clip_config
 from bb_lightning.settings import HandBackConfig, PlanningConfig, grouped
-from bb_lightning.structure import find_block_list
 from bb_lightning.summary import describe_placement, use_paged_summary
 from storage.store import StoreConfig, TieredStore
 

@@ -64,7 +64,7 @@ class PredictKill:
 def predict_run(args: argparse.Namespace, run: Path, kill: PredictKill | None) -> None:
     """One predict process writing ``run/out.jsonl`` (resumes it when present)."""
     from bb_lightning.data import PromptsDataModule
-    from bb_lightning.writer import JsonlPredictionWriter
+    from bb_lightning.data.writer import JsonlPredictionWriter
 
     torch.set_num_threads(args.threads)
     _common.quiet()

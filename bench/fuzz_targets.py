@@ -117,7 +117,7 @@ def seed_model_dir(root: Path) -> Path:
 
 def seed_store(root: Path) -> Path:
     """The seed model converted into an NVMe-tier store by ``convert_checkpoint``."""
-    from bb_lightning.convert import convert_checkpoint
+    from bb_lightning.hf.convert import convert_checkpoint
     from storage.io import IOConfig
 
     out = root / "store"
@@ -201,7 +201,7 @@ def _cli(argv: list[str]) -> None:
 def model_dir_entries(case: Path, scratch: Path) -> None:
     """Every reader of a model directory: the plan, the streaming reader, convert."""
     from bb_lightning.engine.hf_quirks import resolve_model
-    from bb_lightning.hf_load import HFCheckpoint, empty_model
+    from bb_lightning.hf.hf_load import HFCheckpoint, empty_model
 
     before = tree_digest(case)
     for entry in (
@@ -225,7 +225,7 @@ def store_entries(case: Path, scratch: Path) -> None:
     """``bb-lightning verify``, the store as a model source (its config and every weight
     read, as ``CausalLMModule(store)`` reads them), and convert resuming into it (then the
     store must verify clean)."""
-    from bb_lightning.converted import converted_store, load_converted, store_config
+    from bb_lightning.hf.converted import converted_store, load_converted, store_config
     from storage.verify import verify_group
 
     before = tree_digest(case)

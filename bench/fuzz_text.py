@@ -91,7 +91,7 @@ def prompts_entries(case: Path, scratch: Path) -> None:
     """Read and batch the prompts; resume the writer and write every pending prompt; then
     every prompt's id must be in the output exactly once."""
     from bb_lightning.data import PromptsDataModule
-    from bb_lightning.writer import JsonlPredictionWriter, read_jsonl
+    from bb_lightning.data.writer import JsonlPredictionWriter, read_jsonl
 
     prompts = case / "prompts.jsonl"
     before = targets.tree_digest(case)

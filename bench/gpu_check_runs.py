@@ -218,9 +218,9 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     from bb_lightning.engine.flat import dtype_name, set_data
     from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
     from bb_lightning.engine.inference import InferenceEngine
+    from bb_lightning.hf.structure import find_block_list
     from bb_lightning.planner import PredictJob, make_plan
     from bb_lightning.probe import measure, model_profile_from_module
-    from bb_lightning.structure import find_block_list
     from storage.store import StoreConfig, TieredStore
     from storage.tiers import Tier
 

@@ -34,6 +34,13 @@ UPWARD = (
 )
 """The Lightning glue and the CLI: no lower layer imports them."""
 
+HF_PACKAGE = "bb_lightning.hf"
+"""Hugging Face models and checkpoints: loading, converting, adapters, export."""
+DATA_PACKAGE = "bb_lightning.data"
+"""Text as users bring it: data modules, documents, tokenizers, the predictions file."""
+STRUCTURE_MODULE = "bb_lightning.hf.structure"
+"""Finding a model's parts by structure and one meta-device trace (the probes' way in)."""
+
 PENDING_EDGES: dict[tuple[str, str], str] = {}
 """Known violations, each to be removed from here in the change that removes the edge."""
 
@@ -65,12 +72,26 @@ RULES = (
             "bb_lightning.probe",
             "bb_lightning.planner",
             "bb_lightning.engine",
-            "bb_lightning.structure",
+            STRUCTURE_MODULE,
             "storage",
             PLACEMENT_MODULE,
             *LEAVES,
         ),
     ),
+    Rule(
+        HF_PACKAGE,
+        (
+            HF_PACKAGE,
+            "bb_lightning.probe",
+            "bb_lightning.planner",
+            "bb_lightning.engine",
+            "storage",
+            PLACEMENT_MODULE,
+            *LEAVES,
+        ),
+        never=("lightning", "pytorch_lightning"),
+    ),
+    Rule(DATA_PACKAGE, (DATA_PACKAGE, "bb_lightning.bounds")),
     *(Rule(leaf, (leaf,)) for leaf in LEAVES),
 )
 
@@ -182,7 +203,13 @@ def report(found: Iterable[tuple[Edge, str]]) -> str:
 def test_layers_import_only_downwards() -> None:
     edges = project_edges()
     scanned = {e.importer for e in edges}
-    assert {"storage.store", "bb_lightning.planner.search", "bb_lightning.engine.pager"} <= scanned
+    assert {
+        "storage.store",
+        "bb_lightning.planner.search",
+        "bb_lightning.engine.pager",
+        "bb_lightning.hf.hf_load",
+        "bb_lightning.data.modules",
+    } <= scanned
     found = list(violations(edges))
     new = [(e, why) for e, why in found if (e.importer, e.imported) not in PENDING_EDGES]
     assert not new, "imports against docs/architecture.md, 'Import directions':\n" + report(new)
@@ -210,13 +237,13 @@ if TYPE_CHECKING:
 def late() -> None:
     import importlib
 
-    from bb_lightning import structure
+    from bb_lightning.hf import structure
     importlib.import_module("bb_lightning.probe.measure")
 """
 
 
 def test_the_checker_catches_violations_in_a_synthetic_engine_module() -> None:
-    known = {"bb_lightning.engine.kv", "bb_lightning.planner.plan", "bb_lightning.structure"}
+    known = {"bb_lightning.engine.kv", "bb_lightning.planner.plan", "bb_lightning.hf.structure"}
     edges = imports_in(SYNTHETIC, "bb_lightning.engine.fake", path="fake.py", known=known)
     imported = {e.imported: e.line for e in edges}
     assert imported["bb_lightning.engine.kv"] == 5 and imported["bb_lightning.planner.plan"] == 6
@@ -225,7 +252,7 @@ def test_the_checker_catches_violations_in_a_synthetic_engine_module() -> None:
     assert list(reasons) == [
         "fake.py:6: bb_lightning.engine.fake -> bb_lightning.planner.plan",
         "fake.py:10: bb_lightning.engine.fake -> bb_lightning.strategy",
-        "fake.py:16: bb_lightning.engine.fake -> bb_lightning.structure",
+        "fake.py:16: bb_lightning.engine.fake -> bb_lightning.hf.structure",
         "fake.py:17: bb_lightning.engine.fake -> bb_lightning.probe.measure",
     ]
     assert reasons["fake.py:10: bb_lightning.engine.fake -> bb_lightning.strategy"].startswith(
@@ -237,6 +264,63 @@ def test_the_checker_catches_violations_in_a_synthetic_engine_module() -> None:
     assert "fake.py:6: bb_lightning.engine.fake -> bb_lightning.planner.plan" in report(found)
     storage = imports_in("import transformers\nimport torch\n", "storage.x", path="x.py")
     assert [str(e) for e, _ in violations(storage)] == ["x.py:1: storage.x -> transformers"]
+
+
+def test_the_checker_keeps_hf_off_the_glue_and_data_off_the_engine() -> None:
+    known = {"bb_lightning.hf.lora", "bb_lightning.engine.pager", "bb_lightning.session"}
+    hf = imports_in(
+        "import lightning.pytorch as pl\n"
+        "from bb_lightning import session\n"
+        "from bb_lightning.engine import pager\n"
+        "from . import lora\n",
+        "bb_lightning.hf.fake",
+        path="hf.py",
+        known=known,
+    )
+    assert sorted((str(e), why) for e, why in violations(hf)) == [
+        ("hf.py:1: bb_lightning.hf.fake -> lightning.pytorch",
+         "bb_lightning.hf must not import lightning, pytorch_lightning"),
+        ("hf.py:2: bb_lightning.hf.fake -> bb_lightning.session",
+         "bb_lightning.hf may import only bb_lightning.hf, bb_lightning.probe, "
+         "bb_lightning.planner, bb_lightning.engine, storage, bb_lightning.placement, "
+         "bb_lightning.shapes"),
+    ]  # fmt: skip
+    data = imports_in(
+        "import lightning.pytorch as pl\n"
+        "from bb_lightning.engine import pager\n"
+        "from bb_lightning.bounds import check_int\n"
+        "from bb_lightning.strategy import BalanceBeamStrategy\n",
+        "bb_lightning.data.fake",
+        path="data.py",
+        known=known,
+    )
+    assert [(str(e), why.split(":")[0]) for e, why in violations(data)] == [
+        ("data.py:2: bb_lightning.data.fake -> bb_lightning.engine.pager",
+         "bb_lightning.data may import only bb_lightning.data, bb_lightning.bounds"),
+        ("data.py:4: bb_lightning.data.fake -> bb_lightning.strategy", "imports upward"),
+    ]  # fmt: skip
+
+
+OLD_PUBLIC_PATHS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "bb_lightning.data": (
+        "bb_lightning.data.modules",
+        ("TextDataModule", "PromptsDataModule", "SeededSampler", "prompt_digest"),
+    ),
+    "bb_lightning.writer": ("bb_lightning.data.writer", ("JsonlPredictionWriter", "read_jsonl")),
+    "bb_lightning.export": ("bb_lightning.hf.export", ("export_hf",)),
+}
+"""Paths users write (recipes' ``class_path``, the README, error messages) of modules that
+moved into a package: old path -> (new home, names it still gives)."""
+
+
+def test_each_old_public_path_still_gives_its_names() -> None:
+    import importlib
+
+    for old, (home, names) in OLD_PUBLIC_PATHS.items():
+        module, moved = importlib.import_module(old), importlib.import_module(home)
+        for name in names:
+            assert getattr(module, name) is getattr(moved, name), f"{old}.{name}"
+            assert name in module.__all__, f"{old}.__all__ lacks {name}"
 
 
 PLACEMENT_HOME_DIRS = ("storage", "bb_lightning", "bench", "tests")

@@ -1,7 +1,7 @@
 """What differs between Hugging Face model families, in one place.
 
 The rest of balance_beam finds a model's parts by structure
-(:mod:`bb_lightning.structure`); what it cannot find that way, the ways
+(:mod:`bb_lightning.hf.structure`); what it cannot find that way, the ways
 families and transformers versions spell the same thing, lives here, and
 nowhere else:
 

@@ -291,7 +291,7 @@ class ModelProfile:
     act_bytes_per_token_backward: int = 0
     """Bytes per token per block a block's backward holds at its peak beyond what its
     forward saved: the gradient flowing in and the gradients of its intermediate
-    activations (bf16, introspected by :mod:`bb_lightning.backward_trace`)."""
+    activations (bf16, introspected by :mod:`bb_lightning.hf.backward_trace`)."""
     kv_bytes_per_token: int
     """Bytes per token per block of the bf16 K and V cache: ``2 * num_kv_heads * head_dim * 2``."""
     num_experts: int = 0

@@ -257,7 +257,7 @@ def probe_train_compute(
     """Time the model's training pass at ``micro_batch`` sequences of ``seq_len`` tokens.
 
     ``config`` is the model's Hugging Face config (or anything
-    :func:`bb_lightning.structure.load_config` reads). Returns None when the
+    :func:`bb_lightning.hf.structure.load_config` reads). Returns None when the
     copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
     ``2 * (repeats + 1)`` passes, alternating a one-block model and one of up to seven blocks
     (three where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (seconds on a
@@ -269,7 +269,7 @@ def probe_train_compute(
         raise ValueError(
             f"seq_len={seq_len}, micro_batch={micro_batch}: both must be >= 1 to probe"
         )
-    from bb_lightning.structure import load_config
+    from bb_lightning.hf.structure import load_config
 
     config = load_config(config)
     dev = torch.device(device if device is not None else hw.device_type)
@@ -506,7 +506,7 @@ def probe_predict_compute(
 
     Args:
         config: the model's Hugging Face config (anything
-            :func:`bb_lightning.structure.load_config` reads).
+            :func:`bb_lightning.hf.structure.load_config` reads).
         hw: the hardware profile whose ``device_flops`` the rates are relative to.
         prompt_len: tokens per prompt.
         concurrent: sequences per decode pass (the plan's ``concurrent_seqs``).
@@ -527,7 +527,7 @@ def probe_predict_compute(
             f"prompt_len={prompt_len}, concurrent={concurrent}, cache_len={cache_len}, "
             f"repeats={repeats}: all must be >= 1 to probe"
         )
-    from bb_lightning.structure import load_config
+    from bb_lightning.hf.structure import load_config
 
     config = load_config(config)
     dev = torch.device(device if device is not None else hw.device_type)

@@ -3,7 +3,7 @@
 The planner reasons on a :class:`~bb_lightning.planner.profile.ModelProfile` (plain data)
 and never looks at a model; these constructors build one from a Hugging Face config
 (on the meta device, no weights) or from an instantiated model, through
-:mod:`bb_lightning.structure` (no per-architecture tables).
+:mod:`bb_lightning.hf.structure` (no per-architecture tables).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def model_profile_from_config(
     ``config`` is a ``PretrainedConfig``, a dict with ``model_type``, a path to a
     ``config.json`` or to a directory holding one, or a hub id (needs network).
     """
-    from bb_lightning.structure import profile_fields_from_config
+    from bb_lightning.hf.structure import profile_fields_from_config
 
     return ModelProfile(**profile_fields_from_config(config))
 
@@ -39,7 +39,7 @@ def model_profile_from_module(model: torch.nn.Module) -> ModelProfile:
     Parameters with ``requires_grad=False`` (frozen base weights under LoRA adapters)
     are counted as weights but not as trained: see ``ModelProfile.block_trainable_params``.
     """
-    from bb_lightning.structure import find_block_list, profile_fields_from_module
+    from bb_lightning.hf.structure import find_block_list, profile_fields_from_module
 
     profile = ModelProfile(**profile_fields_from_module(model))
     if all(p.requires_grad for p in model.parameters()):

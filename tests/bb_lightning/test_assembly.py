@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bb_lightning.assembly import EngineSlot, build_engine, engine_calls, store_config
 from bb_lightning.engine.inference import InferenceEngine
+from bb_lightning.hf.structure import find_block_list
 from bb_lightning.placement import Placement
-from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig
 from storage.tiers import Tier
 

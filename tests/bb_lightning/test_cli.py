@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning.cli import main
-from bb_lightning.convert import checkpoint_files, convert_checkpoint
+from bb_lightning.hf.convert import checkpoint_files, convert_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,11 @@ from bb_lightning.cli import main, parse_recipe
 from bb_lightning.dryrun import dry_fit, dry_predict, priced_bytes, run_fit_step
 from bb_lightning.dryrun_memory import MemoryAccountant
 from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.hf.structure import find_block_list, load_config
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, Plan, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.probe import model_profile_from_config
-from bb_lightning.structure import find_block_list, load_config
 from storage.store import StoreConfig
 from storage.tiers import PRICED_LINKS, Link, Tier
 

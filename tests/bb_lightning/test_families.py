@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.hf.structure import find_block_list
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.probe import model_profile_from_module
-from bb_lightning.structure import find_block_list
 from storage.tiers import Tier
 
 from .families import FAMILIES, VOCAB, saved

@@ -39,7 +39,7 @@ from bb_lightning.engine.hf_quirks import (
     read_weight_index,
     resolve_model,
 )
-from bb_lightning.structure import find_block_list
+from bb_lightning.hf.structure import find_block_list
 
 from .families import FAMILIES, VOCAB
 

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule, TextDataModule
+from bb_lightning.data.tokenizer import ByteTokenizer
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.module import CausalLMModule, resolve_model_config
 from bb_lightning.planner.models import builtin_config
-from bb_lightning.tokenizer import ByteTokenizer
 
 TINY: dict[str, Any] = {
     "model_type": "llama",

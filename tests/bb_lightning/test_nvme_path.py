@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
-from bb_lightning.convert import convert_checkpoint
+from bb_lightning.hf.convert import convert_checkpoint
 from bb_lightning.placement import Placement
 from bb_lightning.world import make_shared_nvme_dir
 from storage.scratch import MARKER_NAME, read_marker

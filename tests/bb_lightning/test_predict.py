@@ -15,13 +15,13 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule, prompt_digest
+from bb_lightning.data.tokenizer import ByteTokenizer
+from bb_lightning.data.writer import JsonlPredictionWriter
 from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import HardwareProfile, PredictJob
 from bb_lightning.strategy import BalanceBeamStrategy
-from bb_lightning.tokenizer import ByteTokenizer
-from bb_lightning.writer import JsonlPredictionWriter
 from storage.tiers import Tier
 
 CONFIG: dict[str, Any] = {

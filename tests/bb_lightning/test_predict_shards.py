@@ -19,16 +19,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule
-from bb_lightning.module import CausalLMModule
-from bb_lightning.placement import Placement
-from bb_lightning.strategy import BalanceBeamStrategy
-from bb_lightning.writer import (
+from bb_lightning.data.writer import (
     JsonlPredictionWriter,
     find_shards,
     merge_shards,
     read_jsonl,
     shard_path,
 )
+from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
+from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
 CONFIG: dict[str, Any] = {

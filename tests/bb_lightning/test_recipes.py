@@ -16,12 +16,12 @@ import yaml
 
 from bb_lightning.cli import UsageError, main, parse_recipe
 from bb_lightning.data import TextDataModule
-from bb_lightning.lora import LoraOptions, lora_profile
+from bb_lightning.data.tokenizer import ByteTokenizer
+from bb_lightning.hf.lora import LoraOptions, lora_profile
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.probe import model_profile_from_config
-from bb_lightning.tokenizer import ByteTokenizer
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 

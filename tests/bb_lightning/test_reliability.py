@@ -25,7 +25,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
-from bb_lightning.convert import convert_checkpoint
 from bb_lightning.engine.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
@@ -35,6 +34,7 @@ from bb_lightning.engine.checkpoint import (
     read_trainer_state,
     verify_checkpoint,
 )
+from bb_lightning.hf.convert import convert_checkpoint
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.fault_injection import Fault, inject

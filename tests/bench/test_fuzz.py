@@ -270,7 +270,7 @@ def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_it(
 def test_a_converted_store_whose_group_json_nests_past_the_parser_is_named(
     fuzz: ModuleType, work: Path, tmp_path: Path
 ) -> None:
-    from bb_lightning.converted import converted_store
+    from bb_lightning.hf.converted import converted_store
 
     store = _copy(fuzz.seed_store(work / "seeds"), tmp_path / "s")
     (store / "zarr.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)

@@ -47,9 +47,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.data import PromptsDataModule
+from bb_lightning.data.writer import JsonlPredictionWriter
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.writer import JsonlPredictionWriter
 from storage.tiers import Tier
 
 ROWS = 48

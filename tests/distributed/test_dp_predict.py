@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bb_lightning.writer import find_shards, shard_path
+from bb_lightning.data.writer import find_shards, shard_path
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.inference import InferenceEngine
+from bb_lightning.hf.structure import find_block_list
 from bb_lightning.placement import Placement
-from bb_lightning.structure import find_block_list
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 

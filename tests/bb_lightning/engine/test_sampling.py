@@ -32,12 +32,12 @@ from transformers.generation.logits_process import (
 )
 
 from bb_lightning.data import PromptsDataModule
+from bb_lightning.data.tokenizer import ByteTokenizer
+from bb_lightning.data.writer import JsonlPredictionWriter
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.strategy import BalanceBeamStrategy
-from bb_lightning.tokenizer import ByteTokenizer
-from bb_lightning.writer import JsonlPredictionWriter
 from storage.tiers import Tier
 
 VOCAB = 256

@@ -19,11 +19,11 @@ import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
 from bb_lightning.data import PromptsDataModule
-from bb_lightning.hf_load import HFCheckpoint
+from bb_lightning.data.tokenizer import ByteTokenizer
+from bb_lightning.data.writer import JsonlPredictionWriter
+from bb_lightning.hf.hf_load import HFCheckpoint
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.tokenizer import ByteTokenizer
-from bb_lightning.writer import JsonlPredictionWriter
 from storage.tiers import Tier
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bb_lightning.convert import convert_checkpoint
-from bb_lightning.hf_load import HFCheckpoint, check_supported, empty_model, weight_files
+from bb_lightning.hf.convert import convert_checkpoint
+from bb_lightning.hf.hf_load import HFCheckpoint, check_supported, empty_model, weight_files
 
-from .families import saved
+from ..families import saved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.checkpoint import read_trainer_state
-from bb_lightning.export import export_hf
-from bb_lightning.lora import LoraOptions, lora_profile
+from bb_lightning.hf.export import export_hf
+from bb_lightning.hf.lora import LoraOptions, lora_profile
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.probe import model_profile_from_module

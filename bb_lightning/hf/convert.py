@@ -1,7 +1,7 @@
 """``bb-lightning convert``: a Hugging Face safetensors checkpoint -> an NVMe-tier zarr store.
 
 Parameters are streamed one at a time the way ``from_pretrained`` maps the
-checkpoint (:class:`bb_lightning.hf_load.HFCheckpoint`: renamed keys, fused
+checkpoint (:class:`bb_lightning.hf.hf_load.HFCheckpoint`: renamed keys, fused
 MoE experts, tied heads) and written in pieces of at most ``piece_bytes``
 through the store's I/O backend into a plain zarr v3 group
 (:class:`storage.nvme.NvmeTier`): one uncompressed chunk per parameter, named
@@ -13,7 +13,7 @@ and dtype, chunk of the right size) and writes the rest. ``config.json`` and
 attribute ``balance_beam_converted`` records the format version, the dtype of the
 floating-point tensors and the source directory. The store is then a model source:
 ``CausalLMModule(STORE)`` builds the model from it and reads its weights from it
-(:mod:`bb_lightning.converted`).
+(:mod:`bb_lightning.hf.converted`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from bb_lightning.converted import CONFIG_ATTR, FORMAT_ATTR, FORMAT_VERSION
 from bb_lightning.engine.hf_quirks import (
     SAFETENSORS_DTYPES,
     SAFETENSORS_INDEX,
     read_config,
     read_weight_index,
 )
-from bb_lightning.hf_load import HFCheckpoint, empty_model
+from bb_lightning.hf.converted import CONFIG_ATTR, FORMAT_ATTR, FORMAT_VERSION
+from bb_lightning.hf.hf_load import HFCheckpoint, empty_model
 from storage.io import IOConfig, aligned_empty, open_backend, padded
 from storage.nvme import NvmeTier, parse_array
 from storage.tiers import format_bytes

@@ -1,6 +1,6 @@
 """A store written by ``bb-lightning convert``, used as a model's source of weights.
 
-``bb-lightning convert HF_DIR STORE`` (:mod:`bb_lightning.convert`) writes a zarr v3
+``bb-lightning convert HF_DIR STORE`` (:mod:`bb_lightning.hf.convert`) writes a zarr v3
 group with one checksummed array per parameter (named by its module name, a tied
 parameter once), the model's ``config.json`` / ``generation_config.json`` in the group's
 attributes and beside the arrays, the tokenizer files beside them, and a description
@@ -10,7 +10,7 @@ floating-point tensors and the checkpoint it was converted from.
 :func:`converted_store` recognises such a directory (None for any other path) and
 refuses, in one line, a store of a format version this release does not read.
 :class:`StoreCheckpoint` serves each parameter of the model by module name, the way
-:class:`~bb_lightning.hf_load.HFCheckpoint` serves a Hugging Face directory: each read
+:class:`~bb_lightning.hf.hf_load.HFCheckpoint` serves a Hugging Face directory: each read
 opens the tensor's chunk file read-only, checks its CRC-32C and returns it. Nothing is
 ever written into the store: no lock file, no partial file, no attribute.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from transformers import CONFIG_MAPPING, PretrainedConfig, PreTrainedModel
 
-from bb_lightning.hf_load import checkpoint_names, empty_model, tie_aliases
+from bb_lightning.hf.hf_load import checkpoint_names, empty_model, tie_aliases
 from storage.checksum import crc32c
 from storage.chunk_io import ArraySpec, NvmeError, check_crc
 from storage.external import FilePiece

@@ -15,12 +15,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.hf_load import HFCheckpoint
+from bb_lightning.hf.hf_load import HFCheckpoint
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
-from .families import saved
+from ..families import saved
 
 PLACEMENT = Placement(
     weights=(Tier.HOST, Tier.DEVICE, Tier.NVME, Tier.HOST), master=(Tier.HOST,) * 4

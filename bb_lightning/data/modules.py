@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from bb_lightning.bounds import check_int, check_number
-from bb_lightning.documents import (
+from bb_lightning.data.documents import (
     pack_documents,
     prompt_digest,
     prompt_rows,
@@ -34,8 +34,8 @@ from bb_lightning.documents import (
     resolve_files,
     row_ids,
 )
-from bb_lightning.tokenizer import ByteTokenizer, Tokenizer, encode_text, load_tokenizer
-from bb_lightning.tokenizer import pad_id as tokenizer_pad_id
+from bb_lightning.data.tokenizer import ByteTokenizer, Tokenizer, encode_text, load_tokenizer
+from bb_lightning.data.tokenizer import pad_id as tokenizer_pad_id
 
 __all__ = [
     "PromptsDataModule",

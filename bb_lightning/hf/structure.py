@@ -511,10 +511,10 @@ def _backward_bytes_per_token(
     model: nn.Module, trace: _Trace, index: int, block_name: str, act_full: int
 ) -> int:
     """Bytes per token block ``index``'s backward holds beyond what its forward saved
-    (:func:`~bb_lightning.backward_trace.backward_workspace_bytes` of the call the trace
+    (:func:`~bb_lightning.hf.backward_trace.backward_workspace_bytes` of the call the trace
     made); ``act_full`` (a backward as large as the forward's saved set) when the block
     cannot be run alone."""
-    from bb_lightning.backward_trace import backward_workspace_bytes
+    from bb_lightning.hf.backward_trace import backward_workspace_bytes
 
     call = trace.block_args.get(index)
     if call is None:
@@ -573,7 +573,7 @@ def profile_fields_from_config(config: Any) -> dict[str, Any]:
     """Keyword arguments of ``ModelProfile`` for the model ``config`` describes (meta build)."""
     from transformers import AutoModelForCausalLM
 
-    from bb_lightning.hf_load import unbuildable
+    from bb_lightning.hf.hf_load import unbuildable
 
     cfg = load_config(config)
     _check_causal_lm(cfg)

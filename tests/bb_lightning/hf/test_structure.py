@@ -24,9 +24,9 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
+from bb_lightning.hf.structure import find_parts
 from bb_lightning.planner.profile import ModelProfile
 from bb_lightning.probe import model_profile_from_config, model_profile_from_module
-from bb_lightning.structure import find_parts
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def require_peft() -> Any:
 def wrap_lora(model: PreTrainedModel, options: LoraOptions) -> Any:
     """``model`` with LoRA adapters (a ``peft.PeftModel``): the base weights frozen.
 
-    Base parameters on the meta device (:func:`bb_lightning.hf_load.empty_model`) stay
+    Base parameters on the meta device (:func:`bb_lightning.hf.hf_load.empty_model`) stay
     there, for a strategy to stream them from the checkpoint; the adapters get real
     initial values all the same, drawn from the random state exactly as for a
     materialised base (``peft`` would otherwise put them on their base layer's device,

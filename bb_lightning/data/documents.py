@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bb_lightning.tokenizer import ByteTokenizer, Tokenizer, encode_text, eos_id
+from bb_lightning.data.tokenizer import ByteTokenizer, Tokenizer, encode_text, eos_id
 
 __all__ = [
     "pack_documents",

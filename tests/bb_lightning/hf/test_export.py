@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.checkpoint import CheckpointError
-from bb_lightning.export import export_hf
+from bb_lightning.hf.export import export_hf
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bb_lightning.data import PromptsDataModule
-from bb_lightning.writer import JsonlPredictionWriter, find_shards, recover_jsonl, shard_path
+from bb_lightning.data.writer import JsonlPredictionWriter, find_shards, recover_jsonl, shard_path
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:

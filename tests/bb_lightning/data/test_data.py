@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bb_lightning.data import PromptsDataModule, TextDataModule
-from bb_lightning.tokenizer import ByteTokenizer, load_tokenizer
+from bb_lightning.data.tokenizer import ByteTokenizer, load_tokenizer
 
 EOS = ByteTokenizer.eos_token_id
 

@@ -17,8 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.hf_load import HFCheckpoint, empty_model
-from bb_lightning.lora import LoraOptions, wrap_lora
+from bb_lightning.hf.hf_load import HFCheckpoint, empty_model
+from bb_lightning.hf.lora import LoraOptions, wrap_lora
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -41,7 +41,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llama() -> dict[str, Any]:
-    from .conftest import tiny_llama
+    from ..conftest import tiny_llama
 
     return tiny_llama(LAYERS)
 
@@ -217,7 +217,7 @@ def test_lora_on_fused_experts_trains_like_plain_lightning(
     the adapters train as under plain Lightning."""
     from torch.utils.data import DataLoader
 
-    from .families import VOCAB, saved
+    from ..families import VOCAB, saved
 
     path = saved("qwen3_moe", tmp_path / "ckpt")
     data = [{"input_ids": b["input_ids"] % VOCAB} for b in tiny.batches(2 * 2)]

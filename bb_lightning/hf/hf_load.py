@@ -53,8 +53,8 @@ from bb_lightning.engine.hf_quirks import (
     check_supported,
     read_weight_index,
 )
-from bb_lightning.lora import saved_copy_prefixes, unwrap_saved_copies
-from bb_lightning.safetensors_file import open_safetensors
+from bb_lightning.hf.lora import saved_copy_prefixes, unwrap_saved_copies
+from bb_lightning.hf.safetensors_file import open_safetensors
 
 __all__ = [
     "HFCheckpoint",
