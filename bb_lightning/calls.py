@@ -144,9 +144,10 @@ def host_step(
     after: Callable[[], None],
 ) -> Callable[..., Any]:
     """``optimizer``'s ``step`` under the engine: the ``engine()``'s host AdamW with the
-    optimizer's groups and the ``trainer()``'s gradient clipping; where ``overlap()`` and no
-    clipping is set, each block steps while the window's last backward (in the closure)
-    still runs. ``after()`` follows each step (the adapt controller's measurement)."""
+    optimizer's groups and the ``trainer()``'s gradient clipping; where ``overlap()``, each
+    block steps while the window's last backward (in the closure) still runs, or, with
+    global-norm clipping, while the next forward runs. ``after()`` follows each step (the
+    adapt controller's measurement)."""
 
     def step(closure: Callable[[], Any] | None = None) -> Any:
         # Called at the accumulation boundary, before the window's last backward (in
@@ -155,8 +156,8 @@ def host_step(
         adamw = adamw_groups_from_optimizer(optimizer)
         running = engine()
         assert running is not None
-        if overlap() and clip.value is None and closure is not None:
-            running.begin_overlapped_step(adamw)
+        if overlap() and closure is not None:  # value clipping: stepped after backward
+            running.begin_overlapped_step(adamw, clip)
         loss = closure() if closure is not None else None
         running.optimizer_step(adamw, clip)
         optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers

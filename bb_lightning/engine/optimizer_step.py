@@ -6,7 +6,12 @@ through the :class:`~bb_lightning.engine.scratch_pool.ScratchPool`'s buffers), w
 block's compute-dtype weights back to their home and the resident parameters' values to
 the device. Without clipping a block's step needs only that block's gradient: an
 overlapped step (:meth:`OptimizerStep.begin_overlapped`) steps each block on the gradient
-worker during the window's last backward, as soon as its gradient is in.
+worker during the window's last backward, as soon as its gradient is in. With global-norm
+clipping each block's gradient norm is taken as its last gradient is summed during that
+backward, so the clip scale is known when backward ends; the blocks then step on the
+gradient worker in the order the next forward uses them (:meth:`OptimizerStep.
+step_deferred`), and the forward's page-in of a block waits for that block's update only
+(:meth:`OptimizerStep.wait_block`).
 
 :class:`ClipConfig` and :func:`adamw_groups_from_optimizer` translate Lightning's clipping
 arguments and a ``torch.optim.AdamW`` into what the step takes.
@@ -14,7 +19,9 @@ arguments and a ``torch.optim.AdamW`` into what the step takes.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +45,9 @@ from storage.store import TieredStore
 from storage.tiers import Tier
 
 __all__ = ["ClipConfig", "OptimizerStep", "Overlap", "Steppers", "adamw_groups_from_optimizer"]
+
+Submit = Callable[[Callable[[], None]], None]
+"""Queues a job on the gradient worker (:meth:`~bb_lightning.engine.grad_sink.GradSink.submit`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +116,12 @@ class Overlap:
     adam: Steppers
     step: int
     done: set[int] = field(default_factory=set)
+    clip: float | None = None
+    """Global-norm clipping's maximum norm: None steps each block during backward; set,
+    each block's gradient norm is recorded during backward (:attr:`norms`) and the blocks
+    step after it (:meth:`OptimizerStep.step_deferred`)."""
+    norms: dict[int, Tensor] = field(default_factory=dict)
+    """Each block's fp32 gradient 2-norm, taken as its last gradient of the window was summed."""
 
 
 class Steppers:
@@ -159,6 +175,9 @@ class OptimizerStep:
         """(block, ``time.perf_counter()``) of each overlapped block step of the last step."""
         self.overlap: Overlap | None = None
         """The overlapped step in progress (:meth:`begin_overlapped`), if any."""
+        self.updated: list[threading.Event] | None = None
+        """Per block, set once its deferred update is done (:meth:`step_deferred`)."""
+        self._failed = False
         largest, width = pool.largest, 1 if comm is None else comm.world_size
         self._cast_part = torch.empty(
             0 if comm is None else max(largest, resident.numel), dtype=compute_dtype
@@ -176,12 +195,66 @@ class OptimizerStep:
         """Every rank's compute-dtype shard of a block (all-gathered), unpacked into the
         block's scratch ``cast`` buffer, from which its weights are written home."""
 
-    def begin_overlapped(self, adamw: AdamWConfig | AdamWGroups) -> None:
+    def begin_overlapped(
+        self, adamw: AdamWConfig | AdamWGroups, clip_norm: float | None = None
+    ) -> None:
         """Count a step whose blocks are stepped during the coming backward
-        (:meth:`step_block` as each gradient comes, :meth:`finish_overlapped` after)."""
+        (:meth:`step_block` as each gradient comes, :meth:`finish_overlapped` after); with
+        ``clip_norm`` (global-norm clipping), stepped after it (:meth:`step_deferred`)."""
         self.step_count += 1
         self.overlap_starts = []
-        self.overlap = Overlap(adam=Steppers(adamw), step=self.step_count)
+        self.overlap = Overlap(adam=Steppers(adamw), step=self.step_count, clip=clip_norm)
+
+    def step_deferred(self, overlap: Overlap, norms: Sequence[Tensor], submit: Submit) -> None:
+        """Clip and step a norm-clipped overlapped step: the resident parameters now, each
+        block by a job ``submit`` queues on the gradient worker, block 0 first.
+
+        ``norms`` are the blocks' fp32 gradient norms; the resident parameters' is added
+        here. Until block ``i``'s job is done, :meth:`wait_block` ``(i)`` waits for it.
+        """
+        assert overlap.clip is not None
+        grad = self.resident.gradient()
+        local = [*norms, torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)]
+        total = float(torch.linalg.vector_norm(torch.stack(local), 2.0))
+        scale = clip_coefficient(total, overlap.clip)
+        master = self.step_state(self.resident, overlap.adam, scale, overlap.step, None, grad)
+        self.set_resident(master)
+        self._failed = False
+        self.overlap_starts = []
+        self.updated = [threading.Event() for _ in range(self.pager.num_blocks)]
+        self.pool.plan_reads(range(self.pager.num_blocks))
+        for i in range(self.pager.num_blocks):
+            submit(functools.partial(self._deferred_block, i, overlap, scale))
+        submit(self.pool.end_reads)
+
+    def _deferred_block(self, i: int, overlap: Overlap, scale: float) -> None:
+        updated = self.updated
+        assert updated is not None
+        try:
+            self.overlap_starts.append((i, time.perf_counter()))
+            scratch = self.pool.take()
+            state = self.pager.states[i]
+            grad = state.gradient(scratch.fp32["grad"])
+            self.step_state(state, overlap.adam, scale, overlap.step, scratch, grad, block=i)
+        except BaseException:
+            self._failed = True
+            raise
+        finally:
+            updated[i].set()
+
+    def wait_block(self, i: int) -> None:
+        """Return once block ``i``'s deferred update is done (at once when none is pending);
+        ``RuntimeError`` when an update failed (the worker's error is raised at the next
+        wait for the gradient worker)."""
+        updated = self.updated
+        if updated is None or updated[i].is_set():
+            return
+        updated[i].wait()
+        if self._failed:
+            raise RuntimeError(
+                f"the optimizer update of block {i} or of one before it failed: its error "
+                "is raised by the next wait for the gradient worker"
+            )
 
     def step_block(
         self, i: int, overlap: Overlap, grads: Sequence[Tensor | None] | None = None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -127,6 +127,9 @@ class BlockPager:
         rank, as the trainable ones are through their :class:`FlatState`)."""
         self._tickets: dict[int, Ticket] = {}
         self._observers: tuple[BlockObserver, ...] | None = None
+        self.gate: Callable[[int], None] | None = None
+        """Called with a block's index before its page-in is issued or it is bound; the
+        training engine waits there for that block's pending optimizer update."""
         self.handed_back = False
         """Whether the parameters hold their own values (the module was given its weights
         back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
@@ -174,10 +177,13 @@ class BlockPager:
         return [self.names[i]] if frozen is None else [self.names[i], frozen]
 
     def prefetch(self, indices: Sequence[int]) -> None:
-        """Start page-ins of the given blocks that are neither resident nor in flight."""
+        """Start page-ins of the given blocks that are neither resident nor in flight
+        (each after :attr:`gate` returned for it)."""
         for i in indices:
             if i in self._tickets or not self._paged(i):
                 continue
+            if self.gate is not None:
+                self.gate(i)
             if self.store.state(self.names[i]) is Residency.RELEASED:
                 self._tickets[i] = self.store.prefetch_async(self.block_names(i))
 
@@ -187,6 +193,8 @@ class BlockPager:
         if self._observers is not None:
             for o in self._observers:
                 o.block_acquiring(i)
+        if self.gate is not None:
+            self.gate(i)
         names = self.block_names(i)
         ticket = self._tickets.pop(i, None)
         if ticket is None and self.store.state(names[0]) is Residency.RELEASED:

@@ -76,7 +76,7 @@ from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.engine.optim import AdamWConfig, AdamWGroups, global_grad_norm
-from bb_lightning.engine.optimizer_step import ClipConfig, OptimizerStep
+from bb_lightning.engine.optimizer_step import ClipConfig, OptimizerStep, Overlap
 from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.recompute import planned_autograd_blocks
 from bb_lightning.engine.scratch_pool import ScratchPool
@@ -169,6 +169,7 @@ class TrainingEngine:
             compute_dtype=self.compute_dtype,
         )
         """The host AdamW steps (step count, overlapped step in progress)."""
+        self.pager.gate = self.steps.wait_block  # a page-in waits for its block's update
 
     def _place_outside(self, blocks: Sequence[nn.Module], loader: ParamLoader | None) -> None:
         """Split the parameters outside the blocks into trainable and frozen ones, the
@@ -359,15 +360,28 @@ class TrainingEngine:
         """
         self.pool.plan_reads(range(self.pager.num_blocks - 1, -1, -1))
 
-    def begin_overlapped_step(self, adamw: AdamWConfig | AdamWGroups) -> None:
-        """Step each block during the coming backward, as soon as its gradient is in.
+    def begin_overlapped_step(
+        self, adamw: AdamWConfig | AdamWGroups, clip: ClipConfig | None = None
+    ) -> bool:
+        """Step each block during the coming backward, as soon as its gradient is in; with
+        global-norm clipping, right after it, overlapping the next forward. Whether the
+        step overlaps (value clipping, and clipping under data parallelism, do not).
 
-        Call before the last backward of an accumulation window, only when no
-        clipping is configured (the clip scale needs every gradient first), with
-        the learning rate of this step; :meth:`optimizer_step` completes the step.
+        Call before the last backward of an accumulation window, with the learning rate
+        and clipping of this step; :meth:`optimizer_step` completes the step. Under
+        ``clip`` each block's gradient norm is taken as its last gradient is summed, so
+        the clip scale is known when backward ends; :meth:`optimizer_step` then steps
+        the resident parameters and queues the blocks' updates on the gradient worker,
+        block 0 first, and returns: the next forward's page-in of a block waits for that
+        block's update only (the pager's ``gate``).
         """
-        self.steps.begin_overlapped(adamw)
-        self.read_state_ahead()
+        clip_norm = None if clip is None else clip.value
+        if clip_norm is not None and (clip is None or clip.algorithm != "norm" or self.comm):
+            return False
+        self.steps.begin_overlapped(adamw, clip_norm)
+        if clip_norm is None:
+            self.read_state_ahead()
+        return True
 
     def _block_grads(self, i: int, grads: Sequence[Tensor | None]) -> None:
         """Block ``i``'s gradients handed on by backward. Under data parallelism their
@@ -392,7 +406,9 @@ class TrainingEngine:
         overlap = self.steps.overlap
         state = self.pager.states[i]
         last = self.paged.runs_left(i) == 0  # else more of this micro-batch's gradient comes
-        if overlap is not None and i not in overlap.done and last:
+        if overlap is not None and overlap.clip is not None and last and not self._hold:
+            self.grads.process_async(grads, lambda g: self._sum_and_norm(i, overlap.norms, g))
+        elif overlap is not None and overlap.clip is None and i not in overlap.done and last:
             overlap.done.add(i)
             self.grads.process_async(grads, lambda g: self.steps.step_block(i, overlap, g))
         elif self._hold:
@@ -401,6 +417,15 @@ class TrainingEngine:
             self.grads.process_async(
                 grads, lambda g: state.accumulate(g, self._grad_scratch(state))
             )
+
+    def _sum_and_norm(
+        self, i: int, norms: dict[int, Tensor], grads: Sequence[Tensor | None]
+    ) -> None:
+        """Sum block ``i``'s gradients into its accumulator and record the sum's fp32
+        2-norm in ``norms`` (a norm-clipped overlapped step's)."""
+        state = self.pager.states[i]
+        flat = state.accumulate(grads, self._grad_scratch(state))
+        norms[i] = torch.linalg.vector_norm(flat, 2.0, dtype=torch.float32)
 
     def _grad_scratch(self, state: FlatState) -> Tensor | None:
         """A scratch buffer to sum ``state``'s gradient in, None when it sums in place."""
@@ -459,6 +484,9 @@ class TrainingEngine:
             self.grads.wait(phase=None)
             self.pager.release_all_except(())
             overlap, self.steps.overlap = self.steps.overlap, None
+            if overlap is not None and overlap.clip is not None:
+                self._step_after_backward(overlap)
+                return
             try:
                 if overlap is not None:
                     self.steps.finish_overlapped(overlap)
@@ -466,6 +494,19 @@ class TrainingEngine:
                     self.steps.step_all(adamw, clip, self.grad_norm)
             finally:
                 self.pool.end_reads()
+
+    def _step_after_backward(self, overlap: Overlap) -> None:
+        """A norm-clipped overlapped step: the norms of blocks whose last gradient was not
+        summed in the last backward are taken now; the resident parameters step here and
+        the blocks on the gradient worker (:meth:`OptimizerStep.step_deferred`)."""
+        norms = []
+        for i, state in enumerate(self.pager.states):
+            norm = overlap.norms.get(i)
+            if norm is None:
+                grad = state.gradient(self.pool.take().fp32["grad"])
+                norm = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
+            norms.append(norm)
+        self.steps.step_deferred(overlap, norms, self.grads.submit)
 
     def named_states(self) -> list[tuple[FlatState, list[str]]]:
         """Each flat state (blocks, then resident) with its parameters' names in the model.

@@ -80,7 +80,18 @@ def test_overlapped_step_equals_serial_step(tiny: SimpleNamespace, accumulate: i
     want[2].close()
 
 
-def test_clipping_keeps_the_step_after_backward(tiny: SimpleNamespace) -> None:
+def test_norm_clipping_steps_the_blocks_after_backward_block_0_first(
+    tiny: SimpleNamespace,
+) -> None:
     _, _, strategy = _run(tiny, True, steps=2, gradient_clip_val=0.5)
+    engine = strategy.engine
+    assert engine is not None and [i for i, _ in engine.overlap_starts] == [0, 1, 2, 3]
+    assert min(t for _, t in engine.overlap_starts) > engine.backward_end
+    strategy.close()
+
+
+def test_value_clipping_keeps_the_step_after_backward(tiny: SimpleNamespace) -> None:
+    kwargs = {"gradient_clip_val": 1e-3, "gradient_clip_algorithm": "value"}
+    _, _, strategy = _run(tiny, True, steps=2, **kwargs)
     assert strategy.engine is not None and strategy.engine.overlap_starts == []
     strategy.close()
