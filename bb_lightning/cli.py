@@ -402,12 +402,16 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(plan: Any, config: Any) -> int:
+def _dry_run(plan: Any, config: Any, *, lora: Any = None) -> int:
     """Run ``plan`` on meta tensors of the model of ``config`` (a config dict, path or hub
-    id) and print what it found; 1 when a tier's peak exceeds its budget."""
+    id; a fit with ``lora``'s adapters over its frozen weights) and print what it found; 1
+    when a tier's peak exceeds its budget."""
     from bb_lightning.dryrun import dry_fit, dry_predict
 
-    report = (dry_fit if plan.task == "fit" else dry_predict)(plan, config)
+    if plan.task == "fit":
+        report = dry_fit(plan, config, lora=lora)
+    else:
+        report = dry_predict(plan, config)
     print(report.render())
     for tier in report.over:
         peak = report.peaks.get(tier)
@@ -504,7 +508,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     from bb_lightning.lightning_cli import parse_recipe
     from bb_lightning.module import resolve_model_config
     from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
-    from bb_lightning.probe import model_profile_from_config
+    from bb_lightning.recipe_dryrun import fit_recipe_profile
     from bb_lightning.session import compute_dtype
 
     if command not in ("fit", "predict"):
@@ -527,8 +531,6 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
         print(plan.explain())
         print(said)
         return _dry_run(plan, config)
-    if getattr(cfg.model.init_args, "lora", None) is not None:
-        raise UsageError("--dry-run of a LoRA recipe is not supported: drop model.init_args.lora")
     spec = cfg.model.init_args.model  # a path, a hub id, a built-in name, a config mapping
     if isinstance(spec, str) and spec.lstrip().startswith("{"):  # the mapping, as parsed
         try:
@@ -539,7 +541,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     data = cfg.data.init_args
     accum = int(cfg.trainer.accumulate_grad_batches or 1)
     dtype = compute_dtype(getattr(strategy, "compute_dtype", None), str(cfg.trainer.precision))
-    profile = model_profile_from_config(config)
+    profile, lora = fit_recipe_profile(cfg, config, dtype)  # LoRA: the adapters train
     chunk = getattr(cfg.model.init_args, "loss_chunk_tokens", None)
     job = FitJob(
         seq_len=data.seq_len,
@@ -551,7 +553,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
     plan = make_plan(profile, preset(hardware), job, overrides=forced)
     print(plan.explain())
-    return _dry_run(plan, config)
+    return _dry_run(plan, config, lora=lora)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

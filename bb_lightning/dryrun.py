@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,10 +46,14 @@ from storage.host import mapped_bytes
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import PRICED_LINKS, Link, Tier
 
+if TYPE_CHECKING:
+    from bb_lightning.hf.lora import LoraOptions
+
 __all__ = [
     "DryReport",
     "dry_fit",
     "dry_predict",
+    "meta_model",
     "planned_link_bytes",
     "priced_bytes",
     "run_fit_step",
@@ -142,26 +146,39 @@ def planned_link_bytes(plan: Plan) -> dict[Link, float]:
     return {link: plan.predicted.on(link) * rate[link] for link in PRICED_LINKS}
 
 
-def _meta_model(config: Any, dtype: torch.dtype, *, training: bool = True) -> nn.Module:
-    """The causal LM of ``config`` on the ``meta`` device, attention as a fused kernel."""
+def meta_model(
+    config: Any, dtype: torch.dtype, *, training: bool = True, lora: LoraOptions | None = None
+) -> nn.Module:
+    """The causal LM of ``config`` on the ``meta`` device, attention as a fused kernel;
+    with ``lora``, wrapped in its adapters as :func:`~bb_lightning.hf.lora.wrap_lora` wraps a
+    run's model (base weights frozen, the adapters in fp32 and trained), all on ``meta``."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(_ATTENTION, fused_attention)
     cfg = load_config(config)
     with torch.device(META):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        if lora is not None:
+            peft_config = lora.peft_config()  # ImportError naming the extra without peft
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
     model.config._attn_implementation = _ATTENTION
     model.train(training)
     return model
 
 
-def dry_fit(plan: Plan, config: Any, *, direct_device: bool = False) -> DryReport:
+def dry_fit(
+    plan: Plan, config: Any, *, direct_device: bool = False, lora: LoraOptions | None = None
+) -> DryReport:
     """Run one optimizer step of ``plan`` (a fit plan) on the model of ``config`` (a
     config dict, ``PretrainedConfig``, config.json or model directory) on ``meta``
-    tensors; ``direct_device``: NVMe reads land in device memory (kvikio)."""
+    tensors; ``direct_device``: NVMe reads land in device memory (kvikio); ``lora``: the
+    model trains these adapters over its frozen weights (plan it on
+    ``model_profile_from_module(meta_model(..., lora=lora))``, as a run does)."""
     if not isinstance(plan.job, FitJob):
         raise ValueError(f"dry_fit needs a fit plan, got a {plan.task} plan: use dry_predict")
-    return _dry(plan, config, direct_device, training=True)
+    return _dry(plan, config, direct_device, training=True, lora=lora)
 
 
 def dry_predict(plan: Plan, config: Any, *, direct_device: bool = False) -> DryReport:
@@ -173,10 +190,17 @@ def dry_predict(plan: Plan, config: Any, *, direct_device: bool = False) -> DryR
     return _dry(plan, config, direct_device, training=False)
 
 
-def _dry(plan: Plan, config: Any, direct_device: bool, *, training: bool) -> DryReport:
+def _dry(
+    plan: Plan,
+    config: Any,
+    direct_device: bool,
+    *,
+    training: bool,
+    lora: LoraOptions | None = None,
+) -> DryReport:
     started = time.perf_counter()
     dtype = getattr(torch, plan.placement.compute_dtype)
-    model = _meta_model(config, dtype, training=training)
+    model = meta_model(config, dtype, training=training, lora=lora)
     _, blocks = find_block_list(model)
     acct = MemoryAccountant()
     acct.ignore([*model.parameters(), *model.buffers()], Tier.HOST)  # a checkpoint read

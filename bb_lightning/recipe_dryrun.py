@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bb_lightning.cli_errors import UsageError
 from bb_lightning.planner import Plan
 
-__all__ = ["predict_recipe_plan", "recipe_model_spec"]
+if TYPE_CHECKING:
+    import torch
+
+    from bb_lightning.hf.lora import LoraOptions
+    from bb_lightning.planner.profile import ModelProfile
+
+__all__ = ["fit_recipe_profile", "predict_recipe_plan", "recipe_model_spec"]
 
 
 def recipe_model_spec(cfg: Any) -> Any:
@@ -84,3 +90,26 @@ def predict_recipe_plan(cfg: Any, hardware: str) -> tuple[Plan, Any, str]:
     said = (f"dry run of the recipe's job: prompts of up to {plen} tokens, {new} new tokens, "
             f"{count} prompts ({counted}), batches of {plan.concurrent_seqs}")  # fmt: skip
     return plan, config, said
+
+
+def fit_recipe_profile(
+    cfg: Any, config: Any, dtype: torch.dtype
+) -> tuple[ModelProfile, LoraOptions | None]:
+    """The profile a fit recipe's (parsed ``cfg``) run plans the model of ``config`` on,
+    and its LoRA options: with ``model.init_args.lora`` the adapters train over the frozen
+    base, profiled on the wrapped model on ``meta`` as a run profiles it; bad options or a
+    missing ``peft`` are a :class:`UsageError`."""
+    from bb_lightning.hf.lora import LoraOptions, require_peft
+    from bb_lightning.probe import model_profile_from_config, model_profile_from_module
+
+    value = getattr(cfg.model.init_args, "lora", None)
+    if value is None:
+        return model_profile_from_config(config), None
+    try:
+        lora = LoraOptions.from_value(dict(value))
+        require_peft()
+    except (ValueError, ImportError) as err:
+        raise UsageError(f"--dry-run of model.init_args.lora: {err}") from err
+    from bb_lightning.dryrun import meta_model
+
+    return model_profile_from_module(meta_model(config, dtype, lora=lora)), lora

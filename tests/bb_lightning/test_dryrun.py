@@ -18,14 +18,15 @@ from transformers import AutoModelForCausalLM
 
 from bb_lightning.assembly import build_engine
 from bb_lightning.cli import main, parse_recipe
-from bb_lightning.dryrun import dry_fit, dry_predict, priced_bytes, run_fit_step
+from bb_lightning.dryrun import dry_fit, dry_predict, meta_model, priced_bytes, run_fit_step
 from bb_lightning.dryrun_memory import MemoryAccountant
 from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.hf.lora import LoraOptions
 from bb_lightning.hf.structure import find_block_list, load_config
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, Plan, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
-from bb_lightning.probe import model_profile_from_config
+from bb_lightning.probe import model_profile_from_config, model_profile_from_module
 from storage.store import StoreConfig
 from storage.tiers import PRICED_LINKS, Link, Tier
 
@@ -192,25 +193,30 @@ def test_dry_predict_moves_the_plans_bytes_per_link_within_5_percent() -> None:
     assert report.over == []
 
 
-@pytest.mark.slow  # a 30B, a 7B and two OPT-30B dry runs: about 40 s on 2 cores
+@pytest.mark.slow  # a 30B, two 7B and two OPT-30B dry runs: about 50 s on 2 cores
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_dry_runs_on_its_preset(recipe: Path) -> None:
     task = "predict" if recipe.stem.endswith("-predict") else "fit"
     cfg = parse_recipe([task, "--config", str(recipe)])
     hardware = _header(recipe, "preset")
-    if hardware == "measure" or getattr(cfg.model.init_args, "lora", None) is not None:
-        pytest.skip("planned on this machine / LoRA adapters are not built in a dry run yet")
+    if hardware == "measure":
+        pytest.skip("planned on this machine")
     assert hardware is not None
     spec = _header(recipe, "plan-as") or cfg.model.init_args.model
     config = builtin_config(spec) if spec in BUILTIN_MODELS else json.loads(spec)
-    profile = model_profile_from_config(config)
+    lora = getattr(cfg.model.init_args, "lora", None)
+    options = None if lora is None else LoraOptions.from_value(dict(lora))
+    if options is None:
+        profile = model_profile_from_config(config)
+    else:  # the adapters train over the frozen base
+        profile = model_profile_from_module(meta_model(config, torch.bfloat16, lora=options))
     data = cfg.data.init_args
     if task == "fit":
         accum = cfg.trainer.accumulate_grad_batches
         job = FitJob(seq_len=data.seq_len, global_batch_seqs=data.batch_size * accum)
         forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
         plan = make_plan(profile, preset(hardware), job, overrides=forced)
-        report = dry_fit(plan, config)
+        report = dry_fit(plan, config, lora=options)
     else:
         fields = dict(kv.split("=") for kv in (_header(recipe, "predict") or "").split())
         ask = PredictJob(**{k: int(v) for k, v in fields.items()})  # type: ignore[arg-type]

@@ -3,17 +3,22 @@ job on meta tensors, planned on the preset its strategy names, as a run plans it
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from bb_lightning.cli import main
-from bb_lightning.dryrun import dry_predict
+from bb_lightning.dryrun import dry_predict, meta_model
+from bb_lightning.hf.lora import LoraOptions
 from bb_lightning.planner import PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Link
+
+from .test_recipes import _header
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 HARDWARE = "--trainer.strategy.init_args.hardware="
@@ -77,3 +82,39 @@ def test_a_batch_the_preset_cannot_run_is_one_line(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "t4 cannot run batches of 100000 prompts" in err[0], err
     assert "lower data.init_args.batch_size" in err[0]
+
+
+def _peak_rows(out: str) -> dict[str, tuple[float, float]]:
+    """Each memory tier's peak and budget, GiB, as the dry run prints them."""
+    rows = re.findall(r"^\s+(device|host)\s+([\d.]+) GiB\s+[\d.]+ GiB\s+([\d.]+) GiB", out, re.M)
+    return {tier: (float(peak), float(budget)) for tier, peak, budget in rows}
+
+
+@pytest.mark.slow  # a 7B LoRA step on meta tensors: about 20 s on 2 cores
+def test_a_lora_recipe_dry_runs_its_adapters_over_the_frozen_base(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("peft")
+    recipe = RECIPES / "llama-7b-lora-24gb.yaml"
+    spec = _header(recipe, "plan-as")
+    assert spec is not None
+    args = ["fit", "--config", str(recipe), HARDWARE + "rtx4090",
+            f"--model.init_args.model={spec}", "--dry-run"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "OVER BUDGET" not in out and "dry run (fit, 16 micro-batches)" in out
+    peaks = _peak_rows(out)
+    assert set(peaks) == {"device", "host"}
+    assert all(0 < peak <= budget for peak, budget in peaks.values()), peaks
+    # every link moves what the plan prices: the frozen base paged in, read-only
+    ratios = _link_ratios(out)
+    assert set(ratios) == {"host->device", "device->host"}, out[-1500:]
+    assert all(r == pytest.approx(1.0, abs=0.05) for r in ratios.values()), ratios
+    # only the adapters' gradients leave the device: peft's trained count, in bf16, per
+    # micro-batch (the 6.7 B frozen weights would be 800 times more)
+    model = meta_model(json.loads(spec), torch.bfloat16, lora=LoraOptions(rank=16))
+    trained, total = model.get_nb_trainable_parameters()
+    assert (trained, total) == (39_976_960, 6_778_392_576)
+    d2h = re.search(r"^\s+device->host\s+([\d.]+) GiB", out, re.M)
+    assert d2h is not None
+    assert float(d2h.group(1)) == pytest.approx(16 * trained * 2 / 2**30, abs=0.01)
