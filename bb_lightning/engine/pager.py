@@ -60,6 +60,10 @@ class BlockPager:
     device memory until it is paged in.
     """
 
+    gate: Callable[[int], None] | None = None
+    """Called with a block's index before its page-in is issued or it is bound; the
+    training engine waits there for that block's pending optimizer update."""
+
     def __init__(
         self,
         store: TieredStore,
@@ -127,9 +131,6 @@ class BlockPager:
         rank, as the trainable ones are through their :class:`FlatState`)."""
         self._tickets: dict[int, Ticket] = {}
         self._observers: tuple[BlockObserver, ...] | None = None
-        self.gate: Callable[[int], None] | None = None
-        """Called with a block's index before its page-in is issued or it is bound; the
-        training engine waits there for that block's pending optimizer update."""
         self.handed_back = False
         """Whether the parameters hold their own values (the module was given its weights
         back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
