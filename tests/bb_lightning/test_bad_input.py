@@ -3,7 +3,7 @@
 Every case runs ``bb_lightning.cli.main`` in-process as a user's command line would,
 and must exit with code 2, print exactly one line on stderr (no traceback) that holds
 the named words, and write no file. The Troubleshooting table of docs/guide.md lists the
-same cases (the README's Troubleshooting table, the most common of them).
+same cases (the README gives one of them and links there).
 """
 
 from __future__ import annotations
