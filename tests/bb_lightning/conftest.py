@@ -13,39 +13,11 @@ from torch.utils.data import DataLoader
 
 from bb_lightning.module import CausalLMModule
 
-VOCAB = 256
+from .tiny import LLAMA_VOCAB, tiny_gpt2_config, tiny_llama_config
+
+VOCAB = LLAMA_VOCAB
 SEQ = 32
 BATCH = 2
-
-
-def tiny_llama(layers: int = 4) -> dict[str, Any]:
-    """A Llama config dict: hidden 64, ``layers`` blocks, vocab 256."""
-    return {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
-
-
-def tiny_gpt2() -> dict[str, Any]:
-    """A GPT-2 config dict (learned positions, tied head, Conv1D), dropout off."""
-    return {
-        "model_type": "gpt2",
-        "n_embd": 64,
-        "n_layer": 3,
-        "n_head": 4,
-        "vocab_size": VOCAB,
-        "n_positions": 64,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    }
 
 
 def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -126,8 +98,8 @@ def reference_run() -> RunFn:
 def tiny() -> SimpleNamespace:
     """The helpers above, for test modules (a conftest is not importable by name)."""
     return SimpleNamespace(
-        tiny_llama=tiny_llama,
-        tiny_gpt2=tiny_gpt2,
+        tiny_llama=tiny_llama_config,
+        tiny_gpt2=tiny_gpt2_config,
         batches=batches,
         loader=loader,
         make_trainer=make_trainer,

@@ -20,7 +20,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner.cost import loss_chunk_tokens
 from storage.tiers import Tier
 
-from .families import FAMILIES
+from .tiny import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

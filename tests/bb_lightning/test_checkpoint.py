@@ -207,8 +207,9 @@ def test_bad_paths_and_mismatched_models_are_named(tiny: SimpleNamespace, tmp_pa
 _CHILD = """
 import sys, time, torch
 from pathlib import Path
-sys.path.insert(0, {tests!r})
-from conftest import make_trainer, loader, tiny_llama
+sys.path.insert(0, {root!r})
+from tests.bb_lightning.conftest import make_trainer, loader
+from tests.bb_lightning.tiny import tiny_llama_config
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import checkpoint
 from bb_lightning.module import CausalLMModule
@@ -220,7 +221,7 @@ strategy = BalanceBeamStrategy(
     placement=Placement.uniform(2, weights=Tier.HOST), compute_dtype="fp32"
 )
 trainer, _ = make_trainer(strategy, 1)
-module = CausalLMModule(tiny_llama(2), learning_rate=1e-3, seed=0)
+module = CausalLMModule(tiny_llama_config(2), learning_rate=1e-3, seed=0)
 trainer.fit(module, loader(2))
 trainer.save_checkpoint(out / "ck")
 torch.save(dict(strategy.lightning_module_state_dict()), out / "a.pt")
@@ -237,8 +238,8 @@ time.sleep(60)
 
 @pytest.mark.slow
 def test_killed_save_leaves_old_or_new_never_a_mix(tiny: SimpleNamespace, tmp_path: Path) -> None:
-    tests = str(Path(__file__).parent)
-    code = textwrap.dedent(_CHILD).format(tests=tests, out=str(tmp_path))
+    root = str(Path(__file__).parents[2])
+    code = textwrap.dedent(_CHILD).format(root=root, out=str(tmp_path))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     try:

@@ -30,7 +30,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.probe import model_profile_from_module
 from storage.tiers import Tier
 
-from .families import FAMILIES, VOCAB, saved
+from .tiny import FAMILIES, VOCAB, saved
 
 STEPS, ACCUM, NEW = 2, 2, 5
 N = Tier.NVME

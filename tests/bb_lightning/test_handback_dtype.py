@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.handback import handback_dtype
@@ -17,19 +17,15 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
+from .tiny import save_tiny, tiny_llama_config
+
 STEPS, LR = 3, 1e-3
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny fp32 Llama written with ``save_pretrained``."""
-    from .conftest import tiny_llama
-
-    cfg = tiny_llama(2)
-    torch.manual_seed(2)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-    path = tmp_path_factory.mktemp("tiny-llama-fp32")
-    model.save_pretrained(path)
+    path = save_tiny(tmp_path_factory.mktemp("tiny-llama-fp32"), tiny_llama_config(2), seed=2)
     return path
 
 

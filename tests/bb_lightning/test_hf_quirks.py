@@ -1,7 +1,7 @@
 """Each entry of :mod:`bb_lightning.engine.hf_quirks` against the installed transformers.
 
 Config spellings are read from transformers' own config classes (the families of
-``families.py`` built by ``AutoConfig``, and ``PretrainedConfig`` holding each spelling
+``tiny.py`` built by ``AutoConfig``, and ``PretrainedConfig`` holding each spelling
 alone, as a config of a family transformers does not know loads); forward options and
 cache keywords from the models' real signatures and forwards; model specs and weight
 indexes from directories written by ``save_pretrained`` and read back by
@@ -41,7 +41,7 @@ from bb_lightning.engine.hf_quirks import (
 )
 from bb_lightning.hf.structure import find_block_list
 
-from .families import FAMILIES, VOCAB
+from .tiny import FAMILIES, VOCAB
 
 LLAMA: dict[str, Any] = FAMILIES["llama"]
 

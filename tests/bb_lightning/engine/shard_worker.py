@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))  # run as a script: the tiny model beside it
+sys.path.insert(0, str(Path(__file__).parents[1]))  # run as a script: the tiny model factory
 
 from tiny import LAYERS, tiny_llama
 

@@ -24,7 +24,7 @@ from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
 from .test_generate import NEW, _model, _prompts, _reference
-from .tiny import LAYERS, cpu_engine, tiny_llama
+from ..tiny import LAYERS, cpu_engine, tiny_llama
 
 
 def _double_store(model: torch.nn.Module, placement: Placement) -> TieredStore:

@@ -21,7 +21,7 @@ from storage.nvme import NvmeTier
 from storage.store import StoreConfig, Ticket, TieredStore
 from storage.tiers import Tier
 
-from .tiny import LAYERS, cpu_engine, tiny_llama
+from ..tiny import LAYERS, cpu_engine, tiny_llama
 
 STATES = ("exp_avg", "exp_avg_sq", "master")
 

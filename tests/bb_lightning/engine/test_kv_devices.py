@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 from bb_lightning.engine.kv import KVCache
 
-from .tiny import tiny_llama
+from ..tiny import tiny_llama
 
 
 class _IndexDevices(TorchFunctionMode):

@@ -25,7 +25,7 @@ from bb_lightning.probe import model_profile_from_module
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
-from .tiny import cpu_engine, tiny_llama
+from ..tiny import cpu_engine, tiny_llama
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 

@@ -43,7 +43,7 @@ from .shard_worker import (
     state_of,
     torch_adamw,
 )
-from .tiny import tiny_llama
+from ..tiny import tiny_llama
 
 WORKER = Path(__file__).with_name("shard_worker.py")
 

@@ -14,7 +14,7 @@ from bb_lightning.placement import Placement
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
-from .tiny import cpu_engine, tiny_llama
+from ..tiny import cpu_engine, tiny_llama
 
 
 class _Clock:

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bb_lightning.hf.convert import convert_checkpoint
 from bb_lightning.hf.hf_load import HFCheckpoint, check_supported, empty_model, weight_files
 
-from ..families import saved
+from ..tiny import saved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -23,6 +23,8 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
+from ..tiny import VOCAB, save_tiny, saved, tiny_llama_config
+
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 LAYERS, STEPS = 3, 3
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
@@ -31,19 +33,16 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a tied head, saved in shards with ``save_pretrained``."""
-    cfg = {**_llama(), "tie_word_embeddings": True}
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-    path = tmp_path_factory.mktemp("tiny-llama-tied")
-    model.save_pretrained(path, max_shard_size="100KB")
+    config = tiny_llama_config(LAYERS, tie_word_embeddings=True)
+    path = save_tiny(
+        tmp_path_factory.mktemp("tiny-llama-tied"), config, seed=5, max_shard_size="100KB"
+    )
     assert len(list(path.glob("*.safetensors"))) >= 2
     return path
 
 
 def _llama() -> dict[str, Any]:
-    from ..conftest import tiny_llama
-
-    return tiny_llama(LAYERS)
+    return tiny_llama_config(LAYERS)
 
 
 def _module(path: Path) -> CausalLMModule:
@@ -216,8 +215,6 @@ def test_lora_on_fused_experts_trains_like_plain_lightning(
     counters, so autograd still takes them (it refused them as modified in place), and
     the adapters train as under plain Lightning."""
     from torch.utils.data import DataLoader
-
-    from ..families import VOCAB, saved
 
     path = saved("qwen3_moe", tmp_path / "ckpt")
     data = [{"input_ids": b["input_ids"] % VOCAB} for b in tiny.batches(2 * 2)]

@@ -20,7 +20,7 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
-from ..families import saved
+from ..tiny import saved
 
 PLACEMENT = Placement(
     weights=(Tier.HOST, Tier.DEVICE, Tier.NVME, Tier.HOST), master=(Tier.HOST,) * 4

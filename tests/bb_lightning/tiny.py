@@ -1,12 +1,96 @@
-"""Tiny configs of model families of the installed transformers, saved as users save them."""
+"""The tests' one factory of tiny models: config dicts of a tiny Llama and GPT-2 (overrides
+as keyword arguments), tiny configs of model families of the installed transformers, seeded
+random models built from them and saved as users save them (``save_pretrained``), and an
+fp32 CPU training engine over the 3-block Llama the engine tests share. Sizes are in
+elements (hidden widths, vocabularies), never bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from bb_lightning.engine.trainer_engine import TrainingEngine
+from bb_lightning.placement import Placement
+from storage.store import TieredStore
+
+LLAMA_VOCAB = 256
+LAYERS = 3  # blocks of :func:`tiny_llama`, the engine tests' model
+
+
+def tiny_llama_config(layers: int = 4, **over: Any) -> dict[str, Any]:
+    """A Llama config dict: hidden 64, ``layers`` blocks, GQA 4:2, vocab 256, 64 positions,
+    untied head; ``over`` replaces or adds keys."""
+    return {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": LLAMA_VOCAB,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        **over,
+    }
+
+
+def tiny_gpt2_config(**over: Any) -> dict[str, Any]:
+    """A GPT-2 config dict (learned positions, tied head, Conv1D), width 64, 3 blocks,
+    dropout off; ``over`` replaces or adds keys."""
+    return {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 3,
+        "n_head": 4,
+        "vocab_size": LLAMA_VOCAB,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        **over,
+    }
+
+
+def hf_config(config: dict[str, Any]) -> PretrainedConfig:
+    """The transformers config object of a config dict (its ``model_type`` picks the class)."""
+    values = dict(config)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def tiny_model(config: dict[str, Any], seed: int = 0, **load: Any) -> torch.nn.Module:
+    """A random causal LM of ``config`` with ``torch.manual_seed(seed)`` weights; ``load``
+    goes to ``from_config`` (``attn_implementation=...``)."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(config), **load)
+
+
+def save_tiny(directory: Path, config: dict[str, Any], seed: int = 0, **save: Any) -> Path:
+    """:func:`tiny_model` written with ``save_pretrained`` into ``directory`` (``save`` goes to
+    it: ``max_shard_size=...``)."""
+    tiny_model(config, seed).save_pretrained(directory, **save)
+    return directory
+
+
+def tiny_llama() -> torch.nn.Module:
+    """The engine tests' model: a :data:`LAYERS`-block, width-64 Llama (GQA 4:2, vocab 128)
+    with seed-0 weights."""
+    return tiny_model(tiny_llama_config(LAYERS, vocab_size=128))
+
+
+def cpu_engine(model: torch.nn.Module, store: TieredStore, placement: Placement) -> TrainingEngine:
+    """An fp32 training engine on the CPU over the model's decoder layers."""
+    return TrainingEngine(
+        model,
+        model.model.layers,
+        store,
+        dataclasses.replace(placement, compute_dtype="float32"),
+        device=torch.device("cpu"),
+    )
+
 
 VOCAB = 128
 _BASE: dict[str, Any] = {
@@ -218,11 +302,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 
 def saved(family: str, directory: Path, **save: Any) -> Path:
-    """A seeded random model of ``family`` written with ``save_pretrained`` into ``directory``."""
-    config = dict(FAMILIES[family])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(config.pop("model_type"), **config)
-    )
-    model.save_pretrained(directory, **save)
-    return directory
+    """A seeded random model of ``family`` (a key of :data:`FAMILIES`) written with
+    ``save_pretrained`` into ``directory``."""
+    return save_tiny(directory, FAMILIES[family], **save)
