@@ -393,17 +393,6 @@ class PhaseMarker(pl.Callback):
         self.sampler.mark("optimizer")
 
 
-def drop_cache(path: Path) -> None:
-    """Evict ``path``'s pages from the page cache (after writing them out): its next read
-    comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def quiet() -> None:
     """Silence Lightning's banner lines and warnings that do not concern the measurement."""
     import logging

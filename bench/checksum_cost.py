@@ -24,7 +24,7 @@ import torch
 import zarr
 
 from storage.checksum import crc32c
-from storage.io import IOConfig, aligned_empty, open_backend
+from storage.io import IOConfig, aligned_empty, drop_cache, open_backend
 from storage.nvme import NvmeTier
 
 
@@ -42,7 +42,7 @@ def crc_rate(nbytes: int, repeats: int = 5) -> float:
 def page_in_seconds(tier: NvmeTier, names: list[str], buf: torch.Tensor) -> float:
     """Seconds to read every tensor (page cache dropped first), one at a time."""
     for name in names:
-        _common.drop_cache(tier.chunk_path(name))
+        drop_cache(tier.chunk_path(name))
     start = time.perf_counter()
     for name in names:
         tier.read_async(name, buf).wait()

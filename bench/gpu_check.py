@@ -181,7 +181,14 @@ def page_in(ctx: Ctx) -> Outcome:
 def nvme_read(ctx: Ctx) -> Outcome:
     """NVMe -> device: kvikio straight into device memory against POSIX reads into pinned
     memory then a copy, with 1 and 8 threads, cold page cache. Pass: bytes equal."""
-    from storage.io import IOConfig, KvikioBackend, PosixBackend, aligned_empty, kvikio_status
+    from storage.io import (
+        IOConfig,
+        KvikioBackend,
+        PosixBackend,
+        aligned_empty,
+        drop_cache,
+        kvikio_status,
+    )
 
     nbytes = (8 << 20) if ctx.dry else GIB
     path = ctx.nvme / "gpu-check.bin"
@@ -413,16 +420,6 @@ def _cannot_run(framework: str, ctx: Ctx) -> str | None:
         except Exception as err:
             return f"deepspeed does not import: {err!r}"
     return None
-
-
-def drop_cache(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache (written back first)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _llama_params(spec: dict[str, Any]) -> int:

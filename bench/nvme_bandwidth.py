@@ -24,7 +24,7 @@ from pathlib import Path
 import _common
 import torch
 
-from storage.io import POSIX_TASK_SIZE, IOConfig, aligned_empty, open_backend
+from storage.io import POSIX_TASK_SIZE, IOConfig, aligned_empty, drop_cache, open_backend
 from storage.nvme import NvmeTier
 
 DD_BLOCK = 4 << 20  # bytes per dd block
@@ -50,7 +50,7 @@ def run_ours(tier: NvmeTier, names: list[str], buffers: list[torch.Tensor]) -> t
         fut.wait()
     write_s = time.perf_counter() - start
     for name in names:
-        _common.drop_cache(tier.chunk_path(name))
+        drop_cache(tier.chunk_path(name))
     start = time.perf_counter()
     pending = [tier.read_async(n, buffers[i]) for i, n in enumerate(names[: len(buffers)])]
     for i, name in enumerate(names[len(buffers) :], start=len(buffers)):
@@ -71,7 +71,7 @@ def run_dd(path: Path, total: int) -> tuple[float, float]:
         capture_output=True,
     )
     write_s = time.perf_counter() - start
-    _common.drop_cache(path)
+    drop_cache(path)
     start = time.perf_counter()
     subprocess.run(
         ["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"],

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from storage.io import IOConfig
+from storage.io import IOConfig, drop_cache
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
@@ -69,14 +69,11 @@ def default_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="bb-overlap-", dir=base))
 
 
-def drop_cache(store_dir: Path) -> None:
+def drop_store_cache(store_dir: Path) -> None:
+    """Evict every chunk file under ``store_dir`` from the page cache."""
     for chunk in store_dir.rglob("c*"):
         if chunk.is_file():
-            fd = os.open(chunk, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_cache(chunk)
 
 
 def io_alone(store: TieredStore, names: list[str]) -> float:
@@ -162,16 +159,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 store.write_back_async(name, sample)
             for name in names:  # waits for each write (operations on a tensor are ordered)
                 store.read(name, out=sample)
-            drop_cache(root / "nvme")
+            drop_store_cache(root / "nvme")
             t_io = io_alone(store, names)
             tokens = calibrate(sample, t_io / args.tensors)
             x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
             t_compute, t_wall = compute_alone(x, sample, args.tensors), float("inf")
             for _ in range(args.repeats):  # each phase's fastest pass: the machine may be shared
-                drop_cache(root / "nvme")
+                drop_store_cache(root / "nvme")
                 t_io = min(t_io, io_alone(store, names))
                 t_compute = min(t_compute, compute_alone(x, sample, args.tensors))
-                drop_cache(root / "nvme")
+                drop_store_cache(root / "nvme")
                 t_wall = min(t_wall, overlapped(store, names, x, args.depth))
             stats = store.stats()["nvme->device"]
     finally:

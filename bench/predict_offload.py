@@ -54,7 +54,6 @@ import torch
 from _common import (
     PredictTimer,
     busy_neighbour,
-    drop_cache,
     gib,
     isolated,
     machine,
@@ -79,6 +78,7 @@ from bb_lightning.planner import (
 from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_predict_compute, product_rate
 from bb_lightning.strategy import BalanceBeamStrategy
+from storage.io import drop_cache
 from storage.tiers import Tier
 
 

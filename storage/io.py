@@ -36,6 +36,7 @@ from storage.io_base import (
     aligned_empty,
     check_buffer,
     check_offset,
+    drop_cache,
     padded,
     short_file_error,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "aligned_empty",
     "check_buffer",
     "check_offset",
+    "drop_cache",
     "kvikio_status",
     "open_backend",
     "padded",

@@ -291,6 +291,18 @@ def short_file_error(path: str, size: int, nbytes: int) -> OSError:
     )
 
 
+def drop_cache(path: str | os.PathLike[str]) -> None:
+    """Evict file ``path``'s pages from the page cache, written back first, so that its
+    next read comes from the disk (a no-op where ``posix_fadvise`` is missing)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 class PooledBackend(IOBackend):
     """What both backends share: config, a worker pool, argument checks and closing."""
 

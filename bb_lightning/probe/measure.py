@@ -84,6 +84,7 @@ from bb_lightning.probe.machine import (
     machine_identity,
     read_cache,
 )
+from storage.io import drop_cache
 from storage.threads import limit_torch_threads
 
 __all__ = [
@@ -198,15 +199,6 @@ def _probe_copy(
     return rate, rate
 
 
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _probe_nvme(
     nvme_path: str,
     seconds: float,
@@ -253,7 +245,7 @@ def _probe_nvme(
             write_s = all_files(_rewrite(backend), "nvme write")
             cpu = cpu_clock() - cpu
             for p in paths:
-                _drop_cache(p)
+                drop_cache(p)
             cpu -= cpu_clock()
             read_s = all_files(backend.read_async, "nvme read")
             cpu += cpu_clock()
