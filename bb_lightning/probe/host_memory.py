@@ -18,7 +18,6 @@ same bytes, and the probe prices host attention on the lesser of the two rates.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -45,12 +44,7 @@ def _best_rate(work: float, label: str, run: Callable[[], object], seconds: floa
         run()
 
     once()
-    best, runs = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while runs < 2 or time.perf_counter() < deadline:
-        best = max(best, work / max(timing.seconds(label, once), 1e-9))
-        runs += 1
-    return best
+    return contention.best_rate(work, once, seconds, 2, timing, label)
 
 
 def probe_host_read(seconds: float, nbytes: int, timing: Timing = contention.SYSTEM) -> float:
