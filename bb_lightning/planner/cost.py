@@ -28,6 +28,7 @@ __all__ = [
     "backward_peak_bytes",
     "budgets",
     "compute_seconds",
+    "deferred_optimizer_exposed_seconds",
     "device_budget",
     "flops_utilisation",
     "forward_flops_per_token",
@@ -286,12 +287,34 @@ def optimizer_exposed_seconds(optimizer_s: Num, backward_s: Num, units: Num, cli
 
     Each block's host AdamW starts as soon as its gradients are final, while backward
     still works on earlier blocks, so only ``max(0, optimizer - backward)`` plus the
-    last unit's share ``optimizer / units`` is exposed. Global-norm clipping needs
-    every gradient first: then the whole step is exposed.
+    last unit's share ``optimizer / units`` is exposed. A step that waits for every
+    gradient and runs after backward (``clipping``: by value, or under data parallelism)
+    is wholly exposed; a norm-clipped step of one rank is priced by
+    :func:`deferred_optimizer_exposed_seconds`.
     """
     if clipping:
         return optimizer_s
     return np.maximum(0.0, optimizer_s - backward_s) + optimizer_s / np.maximum(units, 1.0)
+
+
+def deferred_optimizer_exposed_seconds(
+    resident_s: Num, blocks_s: Num, forward_s: Num, blocks: Num
+) -> Num:
+    """Seconds of a norm-clipped optimizer step not hidden behind the next forward.
+
+    The clip scale is known when backward ends (each block's gradient norm is taken as
+    its gradient is summed). Then the parameters outside the blocks step on the main
+    thread (``resident_s``, exposed) and the ``blocks`` blocks step one after another on
+    the host worker, block 0 first (``blocks_s`` in all, ``u = blocks_s / blocks`` each),
+    while the next forward (``forward_s``, ``f = forward_s / blocks`` per block) uses
+    block ``i`` once its update is done. Block ``i``'s update ends at ``(i + 1) u``, so
+    the forward ends at ``max_i((i + 1) u + (blocks - i) f) = max(u + forward_s,
+    blocks_s + f)``: ``max(u, blocks_s - forward_s + f)`` beyond its own compute, block
+    0's update at least, and all the updates but the forward's last block's share when
+    they outlast it.
+    """
+    n = np.maximum(blocks, 1.0)
+    return resident_s + np.maximum(blocks_s / n, blocks_s - forward_s + forward_s / n)
 
 
 def hide_tokens_per_pass(

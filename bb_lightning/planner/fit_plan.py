@@ -153,8 +153,7 @@ def fit_reasons(
         f"{format_bytes(2 * block_bytes * ga)} of H2D per step",
         f"host holds {w_h} paged blocks' weights, {g_h} gradient accumulators and {m_h} "
         f"optimizer states by benefit per byte; the rest goes to NVMe",
-        f"host AdamW {v.optimizer_seconds:.3g} s per step runs block by block during backward"
-        + (" (exposed: gradient clipping waits for every gradient)" if job.grad_clipping else ""),
+        _optimizer_reason(hw, job, v),
     ]
     if n - kf - m_h > 0:
         k = int(v.read_ahead_sets)
@@ -183,6 +182,26 @@ def fit_reasons(
     if hw.device_type == "cpu":
         reasons.append(_cpu_reason(model, hw, job, best, budgets))
     return tuple(reasons)
+
+
+def _optimizer_reason(hw: HardwareProfile, job: FitJob, v: FitPrice[float]) -> str:
+    """When the host AdamW steps the blocks, and the seconds of it not hidden."""
+    head = f"host AdamW {v.optimizer_seconds:.3g} s per step runs block by block "
+    exposed = f"{v.optimizer_exposed_seconds:.3g} s exposed"
+    if not job.grad_clipping:
+        return head + f"during backward, as each block's gradient is in ({exposed})"
+    if job.grad_clip_algorithm == "value":
+        return head + f"after backward ({exposed}: clipping by value waits for every gradient)"
+    if hw.world_size > 1:
+        return head + (
+            f"after backward ({exposed}: global-norm clipping waits for every rank's "
+            "gradient norms)"
+        )
+    return head + (
+        "after backward beside the next forward, block 0 first (global-norm clipping: each "
+        f"block's norm is taken as its gradient is summed); {exposed}: the parameters "
+        "outside the blocks, block 0's update and what outlasts the forward"
+    )
 
 
 def _batch_reason(

@@ -73,6 +73,9 @@ class FitPrice(Generic[V]):
     """Device compute, seconds per step (forward, backward and recompute)."""
     optimizer_seconds: V
     """Host AdamW arithmetic, seconds per step."""
+    optimizer_exposed_seconds: V
+    """Seconds per step of the optimizer pipeline not hidden behind the last backward (or,
+    norm-clipped on one rank, the next forward)."""
     shared_core_seconds: V
     """Seconds per step the host work adds to the compute on a CPU device (0 elsewhere)."""
     nvme_read_seconds: V
@@ -210,7 +213,8 @@ class FitOptimizerTimes:
     adam_seconds: Arr
     """Host AdamW arithmetic, seconds per step."""
     exposed_seconds: Arr
-    """Seconds of the optimizer pipeline not hidden behind the last backward."""
+    """Seconds of the optimizer pipeline not hidden behind the last backward (or, norm-
+    clipped on one rank, the next forward: :func:`cost.deferred_optimizer_exposed_seconds`)."""
     read_ahead_sets: Arr
     """Host buffer sets the optimizer state on NVMe is read ahead into."""
     read_ahead_bytes: Arr
@@ -225,22 +229,27 @@ def _optimizer_times(
     mem: FitMemory,
     opt_links: Mapping[Link, Arr],
     compute: Arr,
-    backward: Arr,
+    passes: tuple[Arr, Arr],
     network: float,
 ) -> FitOptimizerTimes:
     """The optimizer pipeline (host AdamW, the state's disk traffic, the copies and, data
     parallel, the all-gathers: each block's step runs beside the others') against the
-    last backward (``backward`` seconds of the ``compute`` seconds per step).
+    last backward, or, norm-clipped on one rank, the next forward (``passes``: the
+    (forward, backward) seconds of one micro-batch of the ``compute`` seconds per step).
 
     ``network``: the seconds of one micro-batch's reduce-scatters and the step's
     all-gathers, which share the link in the last backward's window.
     """
     n, ps, kf = sz.blocks, sz.block_shard_params, mem.full_blocks
+    forward, backward = passes
     nvme_state = mem.nvme_state_blocks
     adam = cost.host_adam_seconds(n * ps + sz.rest_shard_params + 0.0 * kf, hw)
+    deferred = _deferred_step(job, sz)
     # the free host bytes beside the MIN_READ_AHEAD sets the memory step reserved
     free = mem.free_host_bytes + MIN_READ_AHEAD * ADAM_STATE_BYTES * ps
-    k, disk = _state_reads(model, hw, job, nvme_state, free, compute - backward, backward, shard=ps)
+    # a deferred step reads the state after backward, in the next forward's window
+    window = forward if deferred else backward
+    k, disk = _state_reads(model, hw, job, nvme_state, free, compute - backward, window, shard=ps)
     extra = np.where(nvme_state > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * ps, 0.0)
     eff = hw.nvme_efficiency
     written = mem.nvme_weight_blocks * sz.block_train_params * sz.element_bytes
@@ -250,15 +259,37 @@ def _optimizer_times(
     if sz.data_parallel:  # the all-gathers run beside the AdamW, block by block, on the
         # link that carries the last micro-batch's reduce-scatters in the same window
         pipeline = np.maximum(pipeline, network)
-    exposed = cost.optimizer_exposed_seconds(
-        pipeline,
-        np.full_like(kf, backward),
-        np.full_like(kf, n + (1.0 if sz.rest_train_params > 0 else 0.0)),
-        job.grad_clipping,
-    )
+    if deferred:  # the outside parameters step and go up first, then the blocks
+        adam_rest = cost.host_adam_seconds(sz.rest_shard_params + 0.0 * kf, hw)
+        rest_up = cost.link_seconds(
+            sz.rest_train_params * sz.element_bytes, hw.h2d_bandwidth, hw.h2d_efficiency
+        )
+        blocks_copies = np.maximum(
+            opt_links[Link.HOST_TO_DEVICE] - rest_up, opt_links[Link.DEVICE_TO_HOST]
+        )
+        exposed = cost.deferred_optimizer_exposed_seconds(
+            adam_rest + rest_up,
+            np.maximum(np.maximum(adam - adam_rest, disk), blocks_copies),
+            np.full_like(kf, forward),
+            np.full_like(kf, float(n)),
+        )
+    else:
+        exposed = cost.optimizer_exposed_seconds(
+            pipeline,
+            np.full_like(kf, backward),
+            np.full_like(kf, n + (1.0 if sz.rest_train_params > 0 else 0.0)),
+            job.grad_clipping,
+        )
     return FitOptimizerTimes(
         adam_seconds=adam, exposed_seconds=exposed, read_ahead_sets=k, read_ahead_bytes=extra
     )
+
+
+def _deferred_step(job: FitJob, sz: FitSizes) -> bool:
+    """Whether the engine steps the blocks after backward beside the next forward: global-
+    norm clipping on one rank (value clipping, and clipping under data parallelism, step
+    after backward, exposed; no clipping steps each block during backward)."""
+    return job.grad_clipping and job.grad_clip_algorithm == "norm" and not sz.data_parallel
 
 
 def _shared_core_seconds(
@@ -343,7 +374,8 @@ def price(
     )
     opt_links = _optimizer_link_seconds(hw, sz, mem)
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
-    opt = _optimizer_times(model, hw, job, sz, mem, opt_links, compute, bwd, net_pass + net_opt)
+    passes = (c_pass - bwd, bwd)
+    opt = _optimizer_times(model, hw, job, sz, mem, opt_links, compute, passes, net_pass + net_opt)
     total = compute + ga * exposed_pass + opt.exposed_seconds
     shared = np.zeros_like(kf)
     if hw.device_type == "cpu":  # the host work shares the compute's cores
@@ -357,6 +389,7 @@ def price(
         exposed_pass_seconds=exposed_pass,
         compute_seconds=np.full_like(kf, compute),
         optimizer_seconds=opt.adam_seconds,
+        optimizer_exposed_seconds=opt.exposed_seconds,
         shared_core_seconds=shared,
         nvme_read_seconds=busy[Link.NVME_TO_HOST],
         nvme_write_seconds=busy[Link.HOST_TO_NVME],
@@ -453,7 +486,8 @@ def _state_reads(
     which all that fits the backward (more sets never cost time, only host memory), at
     least :data:`MIN_READ_AHEAD`, at most ``blocks`` or what the host memory ``free``
     has left. With clipping the step starts after backward: every read and the writes
-    that free sets are waited on. ``shard``: the block's parameters whose state one rank
+    that free sets are waited on (norm-clipped on one rank the step runs beside the next
+    forward, whose seconds are then passed as ``backward_s``). ``shard``: the block's parameters whose state one rank
     holds (data parallel; None: all of them).
     """
     state = ADAM_STATE_BYTES * float(model.block_train if shard is None else shard)

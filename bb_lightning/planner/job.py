@@ -47,7 +47,11 @@ class FitJob:
     checkpointing: bool | None = None
     """Per-block activation checkpointing: ``None`` lets the planner choose."""
     grad_clipping: bool = False
-    """Global-norm gradient clipping: the optimizer step then waits for the whole backward."""
+    """Gradient clipping (Lightning's ``gradient_clip_val`` set): the clip needs every
+    gradient first, so no block steps during backward (see ``grad_clip_algorithm``)."""
+    grad_clip_algorithm: str = "norm"
+    """``"norm"`` (global 2-norm: one rank steps the blocks after backward, beside the next
+    forward) or ``"value"`` (element-wise: every block steps after backward, exposed)."""
     compute_dtype: str = "bfloat16"
     """Dtype the device computes in (weights, their copies and gradients), a key of
     :data:`~bb_lightning.placement.DTYPE_BYTES`."""
@@ -61,6 +65,11 @@ class FitJob:
         if self.loss_chunk_tokens is not None:
             _positive("FitJob", "loss_chunk_tokens", self.loss_chunk_tokens)
         _dtype("FitJob", self.compute_dtype)
+        if self.grad_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"FitJob.grad_clip_algorithm = {self.grad_clip_algorithm!r} is not supported: "
+                "use 'norm' or 'value' (Lightning's gradient_clip_algorithm)"
+            )
         if (self.global_batch_tokens is None) == (self.global_batch_seqs is None):
             raise ValueError(
                 f"FitJob: global_batch_tokens = {self.global_batch_tokens!r} and "
