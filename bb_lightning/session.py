@@ -211,12 +211,13 @@ def read_job(
         return TrainerJob(job=given)
     seq_len, micro = first_batch_shape(trainer)
     accum = int(trainer.accumulate_grad_batches)
-    clip = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
+    clip = clip_config(trainer)
     chunk = module.loss_chunk_tokens if isinstance(module, ChunkedLoss) else None
     fit = FitJob(
         seq_len=seq_len,
         global_batch_seqs=micro * accum * world_size,
-        grad_clipping=clip,
+        grad_clipping=clip.value is not None,
+        grad_clip_algorithm=clip.algorithm,
         loss_chunk_tokens=chunk,
     )
     return TrainerJob(job=fit, micro_batch=micro, grad_accum=accum)

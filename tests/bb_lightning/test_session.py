@@ -106,6 +106,11 @@ def test_fit_job_from_the_first_batch_of_a_plain_datamodule(module: CausalLMModu
     assert (job.micro_batch, job.grad_accum) == (2, 3)
     given = FitJob(seq_len=8, global_batch_seqs=1)
     assert read_job(trainer, module, given).job is given  # a given job reads no batch
+    by_value = _trainer(TrainerFn.FITTING, module, dm, accumulate_grad_batches=3,
+                        gradient_clip_val=0.5, gradient_clip_algorithm="value")  # fmt: skip
+    job = read_job(by_value, module).job
+    assert isinstance(job, FitJob) and job.grad_clipping
+    assert job.grad_clip_algorithm == "value"  # priced as a step after backward
 
 
 def test_predict_takes_the_planned_batch_size_of_a_prompts_datamodule(
