@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lightning
 import lightning.pytorch as pl
@@ -30,6 +30,11 @@ import psutil
 import torch
 import transformers
 from torch.utils.data import DataLoader, Dataset
+
+if TYPE_CHECKING:
+    from bb_lightning.engine.trainer_engine import TrainingEngine
+    from bb_lightning.placement import Placement
+    from storage.store import TieredStore
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -530,3 +535,37 @@ class PredictTimer(pl.Callback):
 
     def on_predict_batch_end(self, *args: Any) -> None:
         self.seconds += time.perf_counter() - self._t
+
+
+def cpu_training_engine(
+    model: torch.nn.Module, placement: Placement, nvme: Path, *, io_threads: int = 2
+) -> tuple[TrainingEngine, TieredStore]:
+    """A training engine on the CPU over ``model``'s ``model.model.layers`` as blocks, with
+    its store sized to what ``placement`` needs (1 MiB of NVMe spare) and its NVMe tier in
+    directory ``nvme`` behind ``io_threads`` POSIX I/O threads. Close the store after use."""
+    from bb_lightning.engine.budgets import required_budgets
+    from bb_lightning.engine.trainer_engine import TrainingEngine
+    from storage.io import IOConfig
+    from storage.store import StoreConfig, TieredStore
+    from storage.tiers import Tier
+
+    blocks = model.model.layers
+    numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    rest = sum(p.numel() for p in model.parameters()) - sum(numels)
+    need = required_budgets(numels, rest, placement)
+    store = TieredStore(
+        StoreConfig(
+            device_budget=need[Tier.DEVICE],
+            host_budget=need[Tier.HOST],
+            nvme_path=str(nvme),
+            nvme_budget=need[Tier.NVME] + (1 << 20),
+            io=IOConfig(backend="posix", threads=io_threads),
+            device="cpu",
+        )
+    )
+    try:
+        engine = TrainingEngine(model, blocks, store, placement, device=torch.device("cpu"))
+    except BaseException:
+        store.close()
+        raise
+    return engine, store

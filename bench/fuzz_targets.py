@@ -132,39 +132,23 @@ def seed_checkpoint(root: Path) -> Path:
     out = root / "ckpt"
     if (out / "meta.json").is_file():
         return out
+    from _common import cpu_training_engine
+
     from bb_lightning.engine import checkpoint as ckpt
-    from bb_lightning.engine.budgets import required_budgets
-    from bb_lightning.engine.trainer_engine import TrainingEngine
     from bb_lightning.placement import Placement
-    from storage.io import IOConfig
-    from storage.store import StoreConfig, TieredStore
     from storage.tiers import Tier
 
     root.mkdir(parents=True, exist_ok=True)
     model = _tiny_model()
-    blocks = model.model.layers
-    layers = len(blocks)
+    layers = len(model.model.layers)
     placement = Placement(
         weights=(Tier.NVME,) * layers,
         master=(Tier.HOST,) * layers,
         prefetch_depth=1,
         compute_dtype="float32",
     )
-    numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement)
-    store = TieredStore(
-        StoreConfig(
-            device_budget=need[Tier.DEVICE],
-            host_budget=need[Tier.HOST],
-            nvme_path=str(root / "ckpt-scratch"),
-            nvme_budget=need[Tier.NVME] + (1 << 20),
-            io=IOConfig(backend="posix", threads=1),
-            device="cpu",
-        )
-    )
+    engine, store = cpu_training_engine(model, placement, root / "ckpt-scratch", io_threads=1)
     try:
-        engine = TrainingEngine(model, blocks, store, placement, device=torch.device("cpu"))
         state = {
             "epoch": 0,
             "global_step": 1,

@@ -27,18 +27,14 @@ import contextlib
 import copy
 import dataclasses
 import time
-from pathlib import Path
 
 import _common
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.placement import Placement
-from storage.io import IOConfig
-from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
 
@@ -46,27 +42,6 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     cfg = LlamaConfig(**{k: v for k, v in _common.llama_config(args).items() if k != "model_type"})
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
-
-
-def engine_for(
-    model: torch.nn.Module, placement: Placement, nvme: Path
-) -> tuple[TrainingEngine, TieredStore]:
-    blocks = model.model.layers
-    numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    rest = sum(p.numel() for p in model.parameters()) - sum(numels)
-    need = required_budgets(numels, rest, placement)
-    store = TieredStore(
-        StoreConfig(
-            device_budget=need[Tier.DEVICE],
-            host_budget=need[Tier.HOST],
-            nvme_path=str(nvme),
-            nvme_budget=need[Tier.NVME] + (1 << 20),
-            io=IOConfig(backend="posix", threads=2),
-            device="cpu",
-        )
-    )
-    engine = TrainingEngine(model, blocks, store, placement, device=torch.device("cpu"))
-    return engine, store
 
 
 def step(engine: TrainingEngine, batches: list[torch.Tensor], adamw: AdamWConfig) -> float:
@@ -116,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         engines = {}
         for hold in (False, True):  # each trains the same steps from the same start
-            engine, store = engine_for(
+            engine, store = _common.cpu_training_engine(
                 copy.deepcopy(model),
                 dataclasses.replace(placement, hold_grads=hold),
                 base / f"grad-hold-{int(hold)}",
