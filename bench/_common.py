@@ -523,6 +523,29 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
+def hf_generate(
+    model: Any, prompts: torch.Tensor, batch: int, new: int, max_batches: int = 0
+) -> tuple[float, list[list[int]]]:
+    """(generated tokens/s, token ids per prompt) of Hugging Face's greedy ``generate`` of
+    ``new`` tokens over ``prompts`` (``[n, length]`` token ids) ``batch`` at a time.
+
+    With ``max_batches`` > 0 only the first ``max_batches`` batches run.
+    """
+    out: list[list[int]] = []
+    starts = list(range(0, len(prompts), batch))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in starts[:max_batches] if max_batches > 0 else starts:
+            ids = prompts[i : i + batch]
+            gen = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+            out += gen[:, ids.shape[1] :].tolist()
+    seconds = time.perf_counter() - start
+    return sum(map(len, out)) / seconds, out
+
+
 class PredictTimer(pl.Callback):
     """Seconds spent in predict batches (setup, weights to their tiers, teardown excluded)."""
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import PredictTimer, machine, nvme_base, quiet
+from _common import PredictTimer, hf_generate, machine, nvme_base, quiet
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, MixtralConfig
 
@@ -70,21 +70,6 @@ def _config(args: argparse.Namespace) -> MixtralConfig:
         max_position_embeddings=max(2048, args.prompt_len + args.new_tokens),
         eos_token_id=None, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
     )  # fmt: skip
-
-
-def _hf_generate(model: Any, prompts: torch.Tensor, batch: int, new: int) -> tuple[float, list]:
-    """(generated tokens/s, token ids per prompt) of in-memory ``generate`` at ``batch``."""
-    out: list[list[int]] = []
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
-            ids = prompts[i : i + batch]
-            gen = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                do_sample=False, pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-            out += gen[:, ids.shape[1] :].tolist()
-    return sum(map(len, out)) / (time.perf_counter() - start), out
 
 
 def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,7 +153,7 @@ def main() -> None:
         same_shape: list[list[int]] = []
         wanted = [int(x) for x in args.hf_batches.split(",") if x.strip()]
         for b in sorted({*wanted, batch}):
-            hf[b], tokens = _hf_generate(model, prompts, b, args.new_tokens)
+            hf[b], tokens = hf_generate(model, prompts, b, args.new_tokens)
             print(f"[hf generate] in memory, batch {b}: {hf[b]:.1f} tokens/s")
             if b == batch:
                 same_shape = tokens

@@ -55,6 +55,7 @@ from _common import (
     PredictTimer,
     busy_neighbour,
     gib,
+    hf_generate,
     isolated,
     machine,
     nvme_base,
@@ -129,37 +130,15 @@ def _prompts(args: argparse.Namespace) -> torch.Tensor:
     return torch.randint(3, args.vocab, (args.prompts, args.prompt_len), generator=g)
 
 
-def _hf_generate(
-    model: Any, prompts: torch.Tensor, batch: int, new: int, max_batches: int = 0
-) -> tuple[float, list[list[int]]]:
-    """(generated tokens/s, token ids per prompt) of ``generate`` at ``batch``.
-
-    With ``max_batches`` > 0 only the first ``max_batches`` batches run.
-    """
-    out: list[list[int]] = []
-    starts = list(range(0, len(prompts), batch))
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in starts[:max_batches] if max_batches > 0 else starts:
-            ids = prompts[i : i + batch]
-            gen = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                do_sample=False, pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-            out += gen[:, ids.shape[1] :].tolist()
-    seconds = time.perf_counter() - start
-    return sum(map(len, out)) / seconds, out
-
-
 def _hf_run(
     ckpt: Path, dtype: str, prompts: torch.Tensor, batch: int, new: int, max_batches: int = 0
 ) -> tuple[float, list[list[int]]]:
-    """:func:`_hf_generate` of the checkpoint's model loaded in ``dtype``; run it through
+    """:func:`~_common.hf_generate` of the checkpoint's model loaded in ``dtype``; run it through
     :func:`~_common.isolated`, a child process of its own."""
     quiet()
     keep_host_allocations()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
-    return _hf_generate(model, prompts, batch, new, max_batches)
+    return hf_generate(model, prompts, batch, new, max_batches)
 
 
 def _ours(
@@ -504,7 +483,7 @@ def _accelerate_run(
     disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
     if cold:
         model.register_forward_pre_hook(_evicting(folder))
-    rate, tokens = _hf_generate(model, prompts, batch, args.new_tokens, args.acc_max_batches)
+    rate, tokens = hf_generate(model, prompts, batch, args.new_tokens, args.acc_max_batches)
     return rate, len(tokens)
 
 
