@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from bb_lightning.assembly import EngineSlot, build_engine, engine_calls, store_config
 from bb_lightning.engine.inference import InferenceEngine
@@ -15,16 +15,15 @@ from bb_lightning.placement import Placement
 from storage.store import StoreConfig
 from storage.tiers import Tier
 
+from .tiny import tiny_llama_config, tiny_model
+
 MIB = 1 << 20
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=260, max_position_embeddings=64,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    model = tiny_model(tiny_llama_config(3, vocab_size=260)).eval()
+    assert isinstance(model, LlamaForCausalLM)
+    return model
 
 
 def test_store_config_adds_a_mib_and_makes_a_temporary_nvme_directory() -> None:

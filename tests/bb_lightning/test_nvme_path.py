@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
@@ -18,6 +17,8 @@ from bb_lightning.placement import Placement
 from bb_lightning.world import make_shared_nvme_dir
 from storage.scratch import MARKER_NAME, read_marker
 from storage.tiers import Tier
+
+from .tiny import save_tiny, tiny_llama_config
 
 N, H = Tier.NVME, Tier.HOST
 PLACEMENT = Placement(weights=(N, N), master=(N, H), prefetch_depth=1)
@@ -70,12 +71,11 @@ def test_bf16_then_fp32_on_one_nvme_path_trains_as_a_fresh_run(
 def user_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A converted store, a Hugging Face directory and a directory with a user's notes."""
     root = tmp_path_factory.mktemp("user")
-    config = LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        vocab_size=100,
+    config = tiny_llama_config(
+        2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=2048,
     )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf")
+    save_tiny(root / "hf", config)
     convert_checkpoint(root / "hf", root / "converted")
     (root / "notes").mkdir()
     (root / "notes" / "todo.txt").write_text("keep me")

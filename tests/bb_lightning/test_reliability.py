@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 import zarr
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
@@ -41,6 +40,8 @@ from storage.fault_injection import Fault, inject
 from storage.nvme import NvmeIOError
 from storage.tiers import Tier
 
+from .tiny import save_tiny, tiny_llama_config
+
 N, H = Tier.NVME, Tier.HOST
 PLACEMENT = Placement(weights=(N, N, N, N), master=(H, N, H, N), prefetch_depth=1)
 
@@ -53,13 +54,12 @@ def _flip(path: Path, at: int = 5) -> None:
 
 @pytest.fixture(scope="module")
 def hf_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        vocab_size=100,
+    cfg = tiny_llama_config(
+        2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=2048,
     )  # fmt: skip
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("store")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "hf")
+    save_tiny(root / "hf", cfg)
     convert_checkpoint(str(root / "hf"), root / "z", progress=False)
     return root / "z"
 

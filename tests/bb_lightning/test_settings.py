@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
-from transformers import LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
@@ -20,6 +19,8 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import PlanOverrides
 from bb_lightning.settings import HandBackConfig, PlanningConfig
 from storage.tiers import Tier
+
+from .tiny import hf_config
 
 H, N = Tier.HOST, Tier.NVME
 STEPS = 3
@@ -135,9 +136,7 @@ def _cli_strategy(tmp_path: Path, strategy_args: str) -> BalanceBeamStrategy:
 def test_lightning_cli_reads_the_planning_group_as_the_flat_keys(
     tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
-    LlamaConfig(
-        **{k: v for k, v in tiny.tiny_llama(2).items() if k != "model_type"}
-    ).save_pretrained(tmp_path / "model")
+    hf_config(tiny.tiny_llama(2)).save_pretrained(tmp_path / "model")
     flat = _cli_strategy(
         tmp_path,
         """

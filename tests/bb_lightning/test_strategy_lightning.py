@@ -14,7 +14,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from transformers import LlamaConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.flat_state import FlatState
@@ -25,6 +24,8 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import PlanOverrides
 from storage.store import StoreConfig
 from storage.tiers import Tier
+
+from .tiny import hf_config
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 
@@ -213,9 +214,7 @@ def test_families_train_like_plain_lightning(
 
 
 def test_lightning_cli_class_path_builds_and_fits(tiny: SimpleNamespace, tmp_path: Path) -> None:
-    LlamaConfig(
-        **{k: v for k, v in tiny.tiny_llama(2).items() if k != "model_type"}
-    ).save_pretrained(tmp_path / "model")
+    hf_config(tiny.tiny_llama(2)).save_pretrained(tmp_path / "model")
     (tmp_path / "nvme").mkdir()
     yaml = textwrap.dedent(
         f"""

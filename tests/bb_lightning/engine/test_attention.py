@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bb_lightning.engine import attention
 from bb_lightning.engine.attention import attended_prefix, decode_attention, decode_attention_for
+
+from ..tiny import hf_config, tiny_llama_config
 
 
 def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
@@ -123,11 +125,8 @@ def test_prefill_and_dropout_go_to_sdpa() -> None:
 
 
 def _tiny(attn: str) -> nn.Module:
-    config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    config = hf_config(tiny_llama_config(2, hidden_size=32, intermediate_size=64, vocab_size=64))
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)  # unseeded
 
 
 def test_installed_only_on_sdpa_models_and_restored() -> None:

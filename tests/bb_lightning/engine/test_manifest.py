@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.placement import (
@@ -25,7 +25,7 @@ from bb_lightning.probe import model_profile_from_module
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
-from ..tiny import cpu_engine, tiny_llama
+from ..tiny import cpu_engine, hf_config, tiny_llama, tiny_llama_config
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 
@@ -85,8 +85,7 @@ def test_the_inference_engine_registers_its_weights_manifest() -> None:
 
 
 def _profile() -> ModelProfile:
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    cfg = hf_config(tiny_llama_config(4, vocab_size=128, max_position_embeddings=2048))
     with torch.device("meta"):
         return model_profile_from_module(AutoModelForCausalLM.from_config(cfg))
 

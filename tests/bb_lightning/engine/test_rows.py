@@ -11,14 +11,18 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from bb_lightning.engine.rows import call_in_row_chunks
 
+from ..tiny import hf_config, tiny_llama_config
+
 ROWS, PROMPT = 5, 6
 
 
 def _layer() -> tuple[LlamaDecoderLayer, LlamaConfig]:
-    cfg = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
+    cfg = hf_config(
+        tiny_llama_config(
+            1, hidden_size=32, intermediate_size=64, vocab_size=32000, max_position_embeddings=32
+        )
+    )
+    assert isinstance(cfg, LlamaConfig)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return LlamaDecoderLayer(cfg, 0).eval(), cfg

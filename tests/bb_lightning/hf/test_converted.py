@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import safetensors
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import bb_lightning.module as module_mod
 from bb_lightning import BalanceBeamStrategy
@@ -26,6 +26,8 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
+from ..tiny import tiny_llama_config, tiny_model
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["The quick brown", "fox", "jumps over the", "a"]
@@ -34,14 +36,11 @@ NEW = 6
 
 def _model(dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A 3-block Llama with strong weights (initializer_range 0.2: greedy has no ties)."""
-    cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=260, max_position_embeddings=64,
-        initializer_range=0.2, bos_token_id=257, eos_token_id=258, pad_token_id=256,
-        tie_word_embeddings=False,
+    cfg = tiny_llama_config(
+        3, vocab_size=260, initializer_range=0.2, bos_token_id=257, eos_token_id=258,
+        pad_token_id=256,
     )  # fmt: skip
-    torch.manual_seed(5)
-    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+    return tiny_model(cfg, seed=5).to(dtype)  # type: ignore[return-value]
 
 
 def _converted(tmp_path: Path, dtype: str = "fp32") -> tuple[PreTrainedModel, Path, Path]:

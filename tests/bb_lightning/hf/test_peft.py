@@ -22,6 +22,8 @@ from bb_lightning.placement import Placement
 from bb_lightning.probe import model_profile_from_module
 from storage.tiers import Tier
 
+from ..tiny import save_tiny, tiny_llama_config
+
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 LAYERS, VOCAB, SEQ, BATCH, STEPS = 3, 128, 16, 2, 3
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -30,20 +32,9 @@ TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama written with ``save_pretrained``, as a user's checkpoint."""
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+    return save_tiny(
+        tmp_path_factory.mktemp("tiny-llama"), tiny_llama_config(LAYERS, vocab_size=VOCAB)
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
 
 
 class LoraLM(pl.LightningModule):
