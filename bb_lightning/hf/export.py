@@ -155,6 +155,13 @@ Spec = tuple[str, tuple[int, ...], "torch.dtype | None"]
 """A tensor of a source: name in the module, shape, own dtype (None: exported in ``dtype``)."""
 
 
+def _buffers(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """``model``'s state-dict entries that are no parameter under any of its names (its
+    buffers), detached, in state-dict order."""
+    names = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    return [(k, b.detach()) for k, b in model.state_dict(keep_vars=True).items() if k not in names]
+
+
 def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str, Tensor]]]:
     """(model info, specs, iterator of (name, tensor)) of a source, parameters then buffers."""
     engine = _engine_of(source)
@@ -173,12 +180,7 @@ def _source(source: Any) -> tuple[dict[str, Any], list[Spec], Iterator[tuple[str
             for state, keys in engine.named_states()
             for key, shape in zip(keys, state.shapes, strict=True)
         ]
-        names = {k for k, _ in engine.model.named_parameters(remove_duplicate=False)}
-        buffers = [
-            (k, b.detach())
-            for k, b in engine.model.state_dict(keep_vars=True).items()
-            if k not in names
-        ]
+        buffers = _buffers(engine.model)
         masters = ((k, s["master"]) for k, s in engine.iter_state(("master",)))
         return ckpt.model_info(engine.model), _specs(params, buffers), _chain(masters, buffers)
     if not isinstance(source, (str, os.PathLike)):
@@ -205,12 +207,7 @@ def _inference_source(
     params = [(k, s) for keys, shapes in zip(blocks, engine.pager.shapes, strict=True)
               for k, s in zip(keys, shapes, strict=True)]  # fmt: skip
     params += [(first[id(p)], tuple(p.shape)) for p in engine.resident_params]
-    names = {k for k, _ in engine.model.named_parameters(remove_duplicate=False)}
-    buffers = [
-        (k, b.detach())
-        for k, b in engine.model.state_dict(keep_vars=True).items()
-        if k not in names
-    ]
+    buffers = _buffers(engine.model)
 
     def weights() -> Iterator[tuple[str, Tensor]]:
         engine.pager.release_all_except(())
