@@ -1,7 +1,7 @@
 """Range checks of user-given settings: one ``ValueError`` line per bad value.
 
 Each message starts ``name=value:`` (the command line puts the recipe key in front of
-``name``, see :func:`bb_lightning.cli_errors.explain_instantiation`), then says what is
+``name``, see :func:`bb_lightning.cli.errors.explain_instantiation`), then says what is
 accepted and gives an example, e.g. ``max_new_tokens=-3: must be an integer >= 1
 (tokens generated per prompt), e.g. 64``.
 """

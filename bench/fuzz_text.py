@@ -257,7 +257,7 @@ def _changed_keys(old: Any, new: Any) -> set[str]:
 
 def recipe_entries(case: Path, scratch: Path) -> None:
     """Parse each recipe and build its module, data module and trainer (no run)."""
-    from bb_lightning.lightning_cli import BalanceBeamCLI, _argv, _build_lightning_cli
+    from bb_lightning.cli.lightning import BalanceBeamCLI, _argv, _build_lightning_cli
 
     class _BuildOnly(BalanceBeamCLI):
         def _run_subcommand(self, subcommand: str) -> None:
@@ -276,7 +276,7 @@ def recipe_entries(case: Path, scratch: Path) -> None:
         def build(recipe: Path = recipe, task: str = task) -> None:
             from jsonargparse import ArgumentError
 
-            from bb_lightning.cli_errors import UsageError, first_line
+            from bb_lightning.cli.errors import UsageError, first_line
 
             cwd = os.getcwd()  # a recipe without default_root_dir writes its model config here
             os.chdir(scratch)

@@ -24,11 +24,12 @@ PLACEMENT_MODULE = "bb_lightning.placement"
 engine imports on the planner's side; it may not exist yet, a rule for it costs nothing)."""
 LEAVES = ("bb_lightning.shapes",)
 """Conventions the planner prices and the engine executes; they import nothing of ours."""
+CLI_PACKAGE = "bb_lightning.cli"
+"""The ``bb-lightning`` command line, the top layer: no module outside it imports it."""
 UPWARD = (
     "bb_lightning.strategy",
     "bb_lightning.ranks",
-    "bb_lightning.cli",
-    "bb_lightning.lightning_cli",
+    CLI_PACKAGE,
     "bb_lightning.module",
     "bb_lightning.callbacks",
 )
@@ -183,10 +184,13 @@ def rule_for(module: str) -> Rule | None:
 def violations(edges: Iterable[Edge]) -> Iterator[tuple[Edge, str]]:
     """Each edge that breaks its importer's rule, with the reason."""
     for edge in edges:
+        name = edge.imported
+        if _within(name, CLI_PACKAGE) and not _within(edge.importer, CLI_PACKAGE):
+            yield edge, f"imports the command line: nothing outside {CLI_PACKAGE} imports it"
+            continue
         rule = rule_for(edge.importer)
         if rule is None:
             continue
-        name = edge.imported
         if any(_within(name, up) for up in UPWARD):
             yield edge, f"imports upward: {rule.layer} is below {', '.join(UPWARD)}"
         elif any(_within(name, pkg) for pkg in PACKAGES):
@@ -209,6 +213,7 @@ def test_layers_import_only_downwards() -> None:
         "bb_lightning.engine.pager",
         "bb_lightning.hf.hf_load",
         "bb_lightning.data.modules",
+        "bb_lightning.cli.commands",
     } <= scanned
     found = list(violations(edges))
     new = [(e, why) for e, why in found if (e.importer, e.imported) not in PENDING_EDGES]
@@ -299,6 +304,38 @@ def test_the_checker_keeps_hf_off_the_glue_and_data_off_the_engine() -> None:
          "bb_lightning.data may import only bb_lightning.data, bb_lightning.bounds"),
         ("data.py:4: bb_lightning.data.fake -> bb_lightning.strategy", "imports upward"),
     ]  # fmt: skip
+
+
+CLI_MODULES = ("commands", "lightning", "errors", "recipe_dryrun")
+"""The command line's modules, each in :data:`CLI_PACKAGE` (none of them at the top level)."""
+
+
+def test_the_command_line_is_one_package_that_nothing_else_imports() -> None:
+    scanned = {e.importer for e in project_edges()}
+    assert {f"{CLI_PACKAGE}.{name}" for name in CLI_MODULES} <= scanned
+    assert not {f"bb_lightning.{name}" for name in ("lightning_cli", "cli_errors")} & scanned
+    known = {"bb_lightning.cli.errors", "bb_lightning.cli.lightning", "bb_lightning.session"}
+    glue = imports_in(
+        "from bb_lightning.cli.errors import UsageError\n"
+        "from bb_lightning.cli import main\n"
+        "from bb_lightning import session\n",
+        "bb_lightning.session",
+        path="session.py",
+        known=known,
+    )
+    assert [(str(e), why) for e, why in violations(glue)] == [
+        ("session.py:1: bb_lightning.session -> bb_lightning.cli.errors",
+         "imports the command line: nothing outside bb_lightning.cli imports it"),
+        ("session.py:2: bb_lightning.session -> bb_lightning.cli",
+         "imports the command line: nothing outside bb_lightning.cli imports it"),
+    ]  # fmt: skip
+    inside = imports_in(
+        "from bb_lightning.cli import errors\nfrom bb_lightning import session\n",
+        "bb_lightning.cli.lightning",
+        path="lightning.py",
+        known=known,
+    )
+    assert not list(violations(inside))
 
 
 OLD_PUBLIC_PATHS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -28,8 +28,8 @@ from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning.cli import main
+from bb_lightning.cli.lightning import BalanceBeamCLI, _build_lightning_cli
 from bb_lightning.data import TextDataModule
-from bb_lightning.lightning_cli import BalanceBeamCLI, _build_lightning_cli
 from bb_lightning.placement import Placement
 from bb_lightning.summary import describe_placement
 from storage.tiers import Tier, format_count

@@ -23,7 +23,7 @@ from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, p
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.probe import model_profile_from_config
 
-RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).parents[3] / "recipes").glob("*.yaml"))
 
 
 def _header(path: Path, key: str) -> str | None:

@@ -5,7 +5,7 @@ LightningDataModule as data; :func:`parse_recipe` validates a recipe without run
 
 Recipe strings may hold ``{stdlib}``, replaced by the directory of the Python
 standard library (``sysconfig.get_paths()["stdlib"]``), so that a recipe can
-train on text that every machine has. :mod:`bb_lightning.cli` dispatches here and
+train on text that every machine has. :mod:`bb_lightning.cli.commands` dispatches here and
 imports this module (and Lightning) only for these subcommands.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from bb_lightning.cli_errors import (
+from bb_lightning.cli.errors import (
     UsageError,
     explain_instantiation,
     explain_jsonargparse,

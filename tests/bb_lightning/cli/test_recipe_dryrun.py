@@ -20,7 +20,7 @@ from storage.tiers import Link
 
 from .test_recipes import _header
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 HARDWARE = "--trainer.strategy.init_args.hardware="
 
 

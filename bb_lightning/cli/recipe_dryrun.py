@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bb_lightning.cli_errors import UsageError
+from bb_lightning.cli.errors import UsageError
 from bb_lightning.planner import Plan
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
-"""The ``bb-lightning`` command.
+"""The ``bb-lightning`` command's subcommands and its entry point, :func:`main`.
 
-``fit``, ``validate`` and ``predict`` run :class:`~bb_lightning.lightning_cli.BalanceBeamCLI`,
+``fit``, ``validate`` and ``predict`` run :class:`~bb_lightning.cli.lightning.BalanceBeamCLI`,
 a LightningCLI with ``balance_beam`` as the default strategy,
 :class:`~bb_lightning.module.CausalLMModule` as the default model and
 :class:`~bb_lightning.data.TextDataModule` / :class:`~bb_lightning.data.PromptsDataModule`
@@ -21,21 +21,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bb_lightning.cli_errors import OneLineArgumentParser, UsageError, first_line
+from bb_lightning.cli.errors import OneLineArgumentParser, UsageError, first_line
 
 if TYPE_CHECKING:
-    from bb_lightning.lightning_cli import BalanceBeamCLI, parse_recipe, run_lightning_cli
     from bb_lightning.planner.profile import ModelProfile
 
-__all__ = [
-    "COMMANDS",
-    "BalanceBeamCLI",
-    "UsageError",
-    "main",
-    "parse_recipe",
-    "parse_size",
-    "run_lightning_cli",
-]
+__all__ = ["COMMANDS", "main", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -496,7 +487,7 @@ def _lightning(args: argparse.Namespace) -> int:
     if "--dry-run" in args.lightning_args:
         rest = [a for a in args.lightning_args if a != "--dry-run"]
         return _recipe_dry_run(args.command, rest)
-    from bb_lightning.lightning_cli import run_lightning_cli
+    from bb_lightning.cli.lightning import run_lightning_cli
 
     return run_lightning_cli([args.command, *args.lightning_args])
 
@@ -505,10 +496,10 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     """``bb-lightning fit --config RECIPE --dry-run``: plan the recipe's job on the machine
     its strategy names (a preset) and dry-run one optimizer step of the plan
     (:func:`_dry_run`), without Lightning's Trainer or the data."""
-    from bb_lightning.lightning_cli import parse_recipe
+    from bb_lightning.cli.lightning import parse_recipe
+    from bb_lightning.cli.recipe_dryrun import fit_recipe_profile
     from bb_lightning.module import resolve_model_config
     from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
-    from bb_lightning.recipe_dryrun import fit_recipe_profile
     from bb_lightning.session import compute_dtype
 
     if command not in ("fit", "predict"):
@@ -525,7 +516,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
             "add --trainer.strategy.init_args.hardware=PRESET (a100-80gb, h100, ...)"
         )
     if command == "predict":  # one batch of the recipe's generation job
-        from bb_lightning.recipe_dryrun import predict_recipe_plan
+        from bb_lightning.cli.recipe_dryrun import predict_recipe_plan
 
         plan, config, said = predict_recipe_plan(cfg, hardware)
         print(plan.explain())
@@ -582,15 +573,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, NvmeError) as err:
         print(f"bb-lightning {args.command}: {first_line(err)}", file=sys.stderr)
         return 2
-
-
-_LIGHTNING_NAMES = ("BalanceBeamCLI", "parse_recipe", "run_lightning_cli")
-"""Names of :mod:`bb_lightning.lightning_cli` also reached here (imported on first use)."""
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LIGHTNING_NAMES:
-        raise AttributeError(f"module 'bb_lightning.cli' has no attribute {name!r}")
-    from bb_lightning import lightning_cli
-
-    return getattr(lightning_cli, name)
