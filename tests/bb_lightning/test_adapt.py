@@ -10,16 +10,9 @@ from bb_lightning.adapt import AdaptController
 from bb_lightning.planner import FitJob, HardwareProfile, MeasuredTimes, Plan, adapt, make_plan
 from bb_lightning.probe import model_profile_from_config
 
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 260,
-    "max_position_embeddings": 128,
-}
+from .tiny import tiny_llama_config
+
+CONFIG = tiny_llama_config(4, vocab_size=260, max_position_embeddings=128)
 CPU = HardwareProfile(
     name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
     h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,

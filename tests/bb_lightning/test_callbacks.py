@@ -21,10 +21,9 @@ from bb_lightning.planner.cost import model_flops_per_token
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
 
-TINY = {
-    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "intermediate_size": 128, "vocab_size": 264, "max_position_embeddings": 64,
-}  # fmt: skip
+from .tiny import tiny_llama_config
+
+TINY = tiny_llama_config(2, num_key_value_heads=4, vocab_size=264)
 
 
 @pytest.mark.parametrize("training", [False, True])

@@ -31,19 +31,12 @@ from bb_lightning.placement import Placement
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
-CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 260,
-    "max_position_embeddings": 48,
-    "bos_token_id": 257,
-    "eos_token_id": 258,
-    "pad_token_id": 256,
-}
+from .tiny import tiny_llama_config
+
+CONFIG = tiny_llama_config(
+    2, vocab_size=260, max_position_embeddings=48, bos_token_id=257, eos_token_id=258,
+    pad_token_id=256,
+)  # fmt: skip
 TEXTS = ["The quick brown", "fox", "jumps over the", "lazy dog", "a", "b" * 60, "hello world"]
 IDS = [f"p{i}" for i in range(len(TEXTS))]
 NEW = 5

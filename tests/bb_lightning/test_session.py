@@ -19,19 +19,9 @@ from bb_lightning.probe import model_profile_from_module
 from bb_lightning.session import PlanningSession, PromptShape, TrainShape, hf_model, read_job
 from storage.tiers import Tier
 
-CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 260,
-    "max_position_embeddings": 64,
-    "bos_token_id": 257,
-    "eos_token_id": 258,
-    "pad_token_id": 256,
-}
+from .tiny import tiny_llama_config
+
+CONFIG = tiny_llama_config(2, vocab_size=260, bos_token_id=257, eos_token_id=258, pad_token_id=256)
 CPU = HardwareProfile(
     name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
     h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,

@@ -40,6 +40,8 @@ from bb_lightning.placement import Placement
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
+from ..tiny import tiny_llama_config
+
 VOCAB = 256
 PROMPT = 8
 NEW = 6
@@ -172,12 +174,10 @@ def test_predict_samples_each_prompt_with_the_seed_of_its_id(tmp_path: Path) -> 
     """The user's path: prompts from a JSONL file, ``trainer.predict`` under balance_beam
     with paged blocks; each prompt draws from ``crc32(f"{seed}\\0{id}")`` (the module's
     documented seed of a prompt), whatever its batch and neighbours."""
-    config = {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 260, "max_position_embeddings": 64, "initializer_range": 0.3,
-        "bos_token_id": 257, "eos_token_id": 258, "pad_token_id": 256,
-    }  # fmt: skip
+    config = tiny_llama_config(
+        2, vocab_size=260, initializer_range=0.3, bos_token_id=257, eos_token_id=258,
+        pad_token_id=256,
+    )  # fmt: skip
     texts = {"q": "def ", "r2": "The quick brown", "s": "import os", "t-4": "a", "u": "xyzzy"}
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in texts.items()))
