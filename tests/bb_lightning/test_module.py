@@ -19,19 +19,12 @@ from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.module import CausalLMModule, resolve_model_config
 from bb_lightning.planner.models import builtin_config
 
-TINY: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "pad_token_id": ByteTokenizer.pad_token_id,
-    "bos_token_id": ByteTokenizer.bos_token_id,
-    "eos_token_id": ByteTokenizer.eos_token_id,
-}
+from .tiny import tiny_llama_config
+
+TINY = tiny_llama_config(
+    2, vocab_size=320, max_position_embeddings=128, pad_token_id=ByteTokenizer.pad_token_id,
+    bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+)  # fmt: skip
 HPARAMS: dict[str, Any] = {"learning_rate": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)}
 
 

@@ -24,19 +24,12 @@ from bb_lightning.planner import HardwareProfile, PredictJob
 from bb_lightning.strategy import BalanceBeamStrategy
 from storage.tiers import Tier
 
-CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 260,
-    "max_position_embeddings": 48,
-    "bos_token_id": 257,
-    "eos_token_id": 258,
-    "pad_token_id": 256,
-}
+from .tiny import tiny_llama_config
+
+CONFIG = tiny_llama_config(
+    3, vocab_size=260, max_position_embeddings=48, bos_token_id=257, eos_token_id=258,
+    pad_token_id=256,
+)  # fmt: skip
 PROMPTS = ["The quick brown", "fox", "y" * 50, "jumps over the", "lazy dog", "a"]
 
 
