@@ -70,6 +70,7 @@ from storage.chunk_io import (
     io_error,
     read_verified,
 )
+from storage.durable import fsync_dir, write_synced
 from storage.io import IOBackend, IOFuture, padded
 from storage.nvme_write import NvmeWrite, check_piece
 from storage.scratch import LOCK_NAME, PARTIAL, SCRATCH_ATTR
@@ -82,7 +83,6 @@ from storage.zarr_layout import (
     check_group,
     check_name,
     check_store_dir,
-    fsync_dir,
     lock_store,
     parse_array,
     row_chunk_key,
@@ -90,7 +90,6 @@ from storage.zarr_layout import (
     row_chunks,
     scan_group,
     write_json_atomic,
-    write_synced,
 )
 
 __all__ = [

@@ -11,8 +11,8 @@ import torch
 
 from storage.checksum import crc32c
 from storage.chunk_io import ArraySpec, NvmeError, chain, finish_chunk, io_error
+from storage.durable import fsync_dir
 from storage.io import ALIGNMENT, IOBackend, IOFuture
-from storage.zarr_layout import fsync_dir
 
 
 def check_piece(spec: ArraySpec, offset: int, nbytes: int | None) -> int:

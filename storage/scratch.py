@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from storage.durable import write_atomic
+
 __all__ = [
     "LOCK_NAME",
     "MARKER_FORMAT",
@@ -165,16 +167,9 @@ def write_marker(path: str | os.PathLike[str], built_for: Mapping[str, Any]) -> 
     where = Path(path)
     doc = {"kind": MARKER_KIND, "format": MARKER_FORMAT, "built_for": dict(built_for)}
     tmp = where / f"{MARKER_NAME}{PARTIAL}{os.getpid()}-{secrets.token_hex(4)}"
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(doc, indent=2, sort_keys=True, default=str).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, where / MARKER_NAME)
-    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(
+        where / MARKER_NAME, json.dumps(doc, indent=2, sort_keys=True, default=str).encode(), tmp
+    )
 
 
 def clear(path: str | os.PathLike[str]) -> list[str]:

@@ -2,8 +2,7 @@
 
 Each array's ``zarr.json`` (:func:`array_metadata`, :func:`row_chunked_metadata`) and its
 validation when read back (:func:`parse_array`, :func:`scan_group`), the dtypes it stores
-(:data:`DTYPES`), tensor names (:func:`check_name`) and the synced writes of small files
-(:func:`write_synced`, :func:`fsync_dir`), and the store directory itself: its checks
+(:data:`DTYPES`), tensor names (:func:`check_name`), and the store directory itself: its checks
 (:func:`check_store_dir`, :func:`check_group`) and its lock (:func:`lock_store`). The
 layout is described in :mod:`storage.nvme`.
 """
@@ -23,6 +22,7 @@ import torch
 from storage import scratch as scratch_dir
 from storage.checksum import CODEC
 from storage.chunk_io import ArraySpec, CorruptTensorError, NvmeError, UnsupportedArrayError
+from storage.durable import write_atomic
 from storage.scratch import LOCK_NAME, PARTIAL
 
 DTYPE_ATTR = "torch_dtype"
@@ -48,28 +48,9 @@ BY_NAME = {str(dt).removeprefix("torch."): dt for dt in DTYPES}
 DEFAULT_FOR_ZARR = {z: dt for dt, z in DTYPES.items() if dt is not torch.bfloat16}
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush directory ``path`` to stable storage, so the renames and creations in it last."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    """Create or truncate file ``path``, write ``data`` and fsync it (not its directory)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}{PARTIAL}{os.getpid()}")
-    write_synced(tmp, json.dumps(doc, indent=2).encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_atomic(path, json.dumps(doc, indent=2).encode(), tmp)
 
 
 def check_name(name: str) -> None:
