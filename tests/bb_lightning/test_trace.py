@@ -15,10 +15,12 @@ from bb_lightning.planner import PlanOverrides
 from bb_lightning.trace import TraceCallback, TraceHandle, TraceRecorder
 from storage.tiers import Tier
 
-TINY = {
-    "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
-    "intermediate_size": 64, "vocab_size": 264, "max_position_embeddings": 64,
-}  # fmt: skip
+from .tiny import tiny_llama_config
+
+TINY = tiny_llama_config(
+    3, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+    vocab_size=264,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

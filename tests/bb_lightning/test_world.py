@@ -19,16 +19,9 @@ from bb_lightning.probe import model_profile_from_config
 from bb_lightning.session import PlanningSession, TrainerJob, follow_plan
 from storage.store import StoreConfig
 
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 260,
-    "max_position_embeddings": 128,
-}
+from .tiny import tiny_llama_config
+
+CONFIG = tiny_llama_config(4, vocab_size=260, max_position_embeddings=128)
 
 
 def test_each_rank_gets_its_own_nvme_directory_and_one_process_keeps_the_path(
