@@ -167,11 +167,7 @@ class TieredStore(StoreCore):
             order_after(event, self.device)
             self._io.remember(rec, event)
             with self._lock:
-                rec.residency.apply("release")
-                assert rec.device_slot is not None
-                if rec.device_slot is not rec.home_slot:
-                    self._device_arena.free(rec.device_slot)
-                rec.device_slot = None
+                self._leave_device(rec, "release")
 
     def write_back_async(self, name: str, src: torch.Tensor | None = None) -> Ticket:
         """Copy the device copy of ``name`` (or ``src``) to its home tier, overlapped.

@@ -350,7 +350,12 @@ class StoreCore:
 
     def _abort(self, rec: Record) -> None:
         """A page-in failed: back to RELEASED, slot freed."""
-        rec.residency.apply("fail")
+        self._leave_device(rec, "fail")
+
+    def _leave_device(self, rec: Record, event: str) -> None:
+        """Take residency transition ``event`` (to RELEASED) and free ``rec``'s device slot
+        unless it is its home slot."""
+        rec.residency.apply(event)
         assert rec.device_slot is not None
         if rec.device_slot is not rec.home_slot:
             self._device_arena.free(rec.device_slot)
