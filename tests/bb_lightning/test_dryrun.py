@@ -31,17 +31,9 @@ from storage.store import StoreConfig
 from storage.tiers import PRICED_LINKS, Link, Tier
 
 from .test_recipes import RECIPES, _header
+from .tiny import tiny_llama_config
 
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-}
+CONFIG = tiny_llama_config(4)
 """A 4-block Llama small enough to train for real in a second."""
 
 
