@@ -11,7 +11,6 @@ the page cache and takes no lock, so it runs beside nothing that writes the grou
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from storage.checksum import CHECKSUM_BYTES, decode, file_crc32c
 from storage.chunk_io import ArraySpec
 from storage.nvme import NvmeError, row_chunks
+from storage.zarr_layout import UNREADABLE_NODE, child_nodes, node_type
 
 __all__ = ["VerifyReport", "chunk_problem", "verify_group"]
 
@@ -108,26 +108,22 @@ def verify_group(root: str | os.PathLike[str], prefix: str = "") -> VerifyReport
     report = VerifyReport()
     root = Path(root)
     try:
-        doc = json.loads((root / "zarr.json").read_text(encoding="utf-8"))
-        node_type = doc.get("node_type")
-    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        kind = node_type(root / "zarr.json")
+    except UNREADABLE_NODE as exc:
         report.problems.append(f"{root / 'zarr.json'}: not a readable zarr v3 node: {exc!r}")
         return report
-    if node_type != "group":
-        report.problems.append(f"{root / 'zarr.json'}: a zarr {node_type}, not a group")
+    if kind != "group":
+        report.problems.append(f"{root / 'zarr.json'}: a zarr {kind}, not a group")
         return report
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        meta = Path(entry.path, "zarr.json")
-        if not entry.is_dir() or not meta.is_file():
-            continue
-        name = prefix + entry.name
+    for child_name, meta in child_nodes(root):
+        name = prefix + child_name
         try:
-            child = json.loads(meta.read_text(encoding="utf-8")).get("node_type")
-        except (OSError, ValueError, AttributeError, RecursionError) as exc:
+            child = node_type(meta)
+        except UNREADABLE_NODE as exc:
             report.problems.append(f"tensor {name!r}: unreadable metadata file {meta}: {exc!r}")
             continue
         if child == "group":
-            report.add(verify_group(entry.path, prefix=f"{name}/"))
+            report.add(verify_group(meta.parent, prefix=f"{name}/"))
         elif child == "array":
             _check_array(name, meta, report)
     return report

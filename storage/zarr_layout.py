@@ -14,6 +14,7 @@ import fcntl
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,23 +237,39 @@ def parse_array(name: str, meta_path: Path, *, split_rows: bool = False) -> tupl
     return spec, meta_path.parent.joinpath(*key.split("/"))
 
 
+UNREADABLE_NODE = (OSError, ValueError, AttributeError, RecursionError)
+"""What reading a ``zarr.json`` that is missing, not JSON, too deep or not an object raises."""
+
+
+def child_nodes(root: str | os.PathLike[str]) -> Iterator[tuple[str, Path]]:
+    """(name, path of its ``zarr.json``) of each node in the group at ``root`` (its
+    subdirectories holding a ``zarr.json``), by name."""
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        meta = Path(entry.path, "zarr.json")
+        if entry.is_dir() and meta.is_file():
+            yield entry.name, meta
+
+
+def node_type(meta: Path) -> Any:
+    """The ``node_type`` of the ``zarr.json`` at ``meta``; raises one of
+    :data:`UNREADABLE_NODE` where it cannot be read."""
+    return json.loads(meta.read_text(encoding="utf-8")).get("node_type")
+
+
 def scan_group(root: Path) -> dict[str, tuple[ArraySpec, Path]]:
     """Index the arrays at the group root (read only)."""
     found: dict[str, tuple[ArraySpec, Path]] = {}
     if not root.is_dir():
         return found
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        meta = Path(entry.path, "zarr.json")
-        if not entry.is_dir() or not meta.is_file():
-            continue
+    for name, meta in child_nodes(root):
         try:
-            node_type = json.loads(meta.read_text(encoding="utf-8")).get("node_type")
-        except (OSError, ValueError, AttributeError, RecursionError) as exc:
+            kind = node_type(meta)
+        except UNREADABLE_NODE as exc:
             raise CorruptTensorError(
-                f"tensor {entry.name!r}: unreadable metadata file {meta}: {exc!r}"
+                f"tensor {name!r}: unreadable metadata file {meta}: {exc!r}"
             ) from exc
-        if node_type == "array":
-            found[entry.name] = parse_array(entry.name, meta)
+        if kind == "array":
+            found[name] = parse_array(name, meta)
     return found
 
 
