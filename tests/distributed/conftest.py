@@ -37,21 +37,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..bb_lightning.tiny import tiny_llama_config
+
 SCRIPT = Path(__file__).resolve().parent / "dp_run.py"
 TIMEOUT = 180.0
 """Seconds a run may take (a few on 2 cores; a hang fails the test instead of the suite)."""
 
-LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+LLAMA = tiny_llama_config(2)
 """The trained model: a tiny Llama, 2 blocks of hidden 64, vocab 256 (dropout is 0)."""
 
 PROMPT_LLAMA: dict[str, Any] = {
