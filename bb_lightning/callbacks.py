@@ -21,8 +21,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from bb_lightning.planner import ModelProfile
 from bb_lightning.planner.cost import model_flops_per_token
-from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.probe import model_profile_from_config
+from bb_lightning.probe.machine import datasheet_peak
 
 __all__ = ["ThroughputCallback", "phase_summary"]
 
@@ -57,10 +57,7 @@ def _peak_flops(trainer: pl.Trainer) -> float | None:
     """The device's datasheet dense bf16 FLOP/s, as the plan's MFU takes it
     (:func:`~bb_lightning.planner.presets.datasheet_flops`); None off CUDA or for a GPU
     without a listed figure."""
-    device = trainer.strategy.root_device
-    if device.type != "cuda":
-        return None
-    return datasheet_flops(torch.cuda.get_device_name(device)) or None
+    return datasheet_peak(trainer.strategy.root_device) or None
 
 
 class ThroughputCallback(Callback):

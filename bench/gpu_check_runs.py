@@ -203,11 +203,9 @@ def _step_clock(accum: int, ctx: Ctx) -> Any:
 
 
 def _peak_flops(ctx: Ctx) -> float | None:
-    if not ctx.cuda:
-        return None
-    from bb_lightning.planner.presets import datasheet_flops
+    from bb_lightning.probe.machine import datasheet_peak
 
-    return datasheet_flops(torch.cuda.get_device_properties(ctx.device).name) or None
+    return datasheet_peak(ctx.device) or None
 
 
 def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.planner.profile import LAYOUT_FIELDS, HardwareProfile
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "cores",
     "cpu_model",
     "cuda_device_memory",
+    "datasheet_peak",
     "filesystem_of",
     "machine_identity",
     "read_cache",
@@ -120,6 +122,15 @@ def read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
         return HardwareProfile.from_dict(data["profile"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing, unreadable or from an older layout: measure again
+
+
+def datasheet_peak(device: torch.device) -> float:
+    """The datasheet dense bf16 FLOP/s of ``device``, the denominator of MFU
+    (:func:`~bb_lightning.planner.presets.datasheet_flops` of its CUDA name); 0.0 off CUDA
+    or for a GPU without a listed figure."""
+    if device.type != "cuda":
+        return 0.0
+    return datasheet_flops(torch.cuda.get_device_name(device))
 
 
 def cuda_device_memory(device: torch.device) -> int:

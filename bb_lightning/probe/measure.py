@@ -68,7 +68,6 @@ from typing import Any
 import psutil
 import torch
 
-from bb_lightning.planner.presets import datasheet_flops
 from bb_lightning.planner.profile import HardwareProfile
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
@@ -81,6 +80,7 @@ from bb_lightning.probe.machine import (
     cores,
     cpu_model,
     cuda_device_memory,
+    datasheet_peak,
     machine_identity,
     read_cache,
 )
@@ -506,7 +506,7 @@ def _measure_now(
         cores=cores(),
         device_memory_bandwidth=memory_bw,
         host_memory_bandwidth=best.get("host_read", 0.0),
-        peak_flops=datasheet_flops(torch.cuda.get_device_name(device)) if cuda else 0.0,
+        peak_flops=datasheet_peak(device),
     )
 
 
