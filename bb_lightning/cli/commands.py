@@ -537,7 +537,10 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     job = FitJob(
         seq_len=data.seq_len,
         global_batch_seqs=data.batch_size * accum,
-        grad_clipping=cfg.trainer.gradient_clip_val is not None,
+        grad_clipping=bool(cfg.trainer.gradient_clip_val),  # None or 0: no clipping
+        grad_clip_algorithm=str(
+            getattr(cfg.trainer, "gradient_clip_algorithm", None) or "norm"
+        ).lower(),
         compute_dtype=str(dtype).removeprefix("torch."),
         loss_chunk_tokens=module_loss_chunk(chunk, profile.vocab_size),
     )

@@ -30,7 +30,7 @@ from bb_lightning.probe import model_profile_from_config, model_profile_from_mod
 from storage.store import StoreConfig
 from storage.tiers import PRICED_LINKS, Link, Tier
 
-from .test_recipes import RECIPES, _header
+from .cli.test_recipes import RECIPES, _header
 from .tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(4)
