@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 if TYPE_CHECKING:
     from bb_lightning.engine.trainer_engine import TrainingEngine
     from bb_lightning.placement import Placement
+    from bb_lightning.strategy import BalanceBeamStrategy
     from storage.store import TieredStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -592,3 +593,19 @@ def cpu_training_engine(
         store.close()
         raise
     return engine, store
+
+
+def nvme_strategy(layers: int, nvme: Path) -> BalanceBeamStrategy:
+    """A strategy computing in fp32 with every block's weights and fp32 state homed on the
+    NVMe tier in directory ``nvme`` (one block read ahead): a run that reads and writes
+    the disk at every step."""
+    from bb_lightning.placement import Placement
+    from bb_lightning.strategy import BalanceBeamStrategy
+    from storage.tiers import Tier
+
+    blocks = (Tier.NVME,) * layers
+    return BalanceBeamStrategy(
+        placement=Placement(weights=blocks, master=blocks, prefetch_depth=1),
+        compute_dtype="fp32",
+        nvme_path=str(nvme),
+    )

@@ -62,8 +62,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.module import CausalLMModule
-from bb_lightning.placement import Placement
-from storage.tiers import Tier
 
 SEQ = 32
 """Tokens per training row."""
@@ -244,12 +242,7 @@ def train_run(args: argparse.Namespace, chain: Path, kill: Kill | None, referenc
     resume, _ = newest_checkpoint(chain / "ckpts")
     events = SaveEvents(kill)
     timer = StepTimer(kill)
-    weights = tuple([Tier.NVME] * LAYERS)
-    strategy = BalanceBeamStrategy(
-        placement=Placement(weights=weights, master=weights, prefetch_depth=1),
-        compute_dtype="fp32",
-        nvme_path=str(chain / "nvme"),
-    )
+    strategy = _common.nvme_strategy(LAYERS, chain / "nvme")
     saver = KillableCheckpoint(
         events,
         Phase(chain / "phase"),

@@ -28,10 +28,7 @@ import lightning.pytorch as pl
 import torch
 from _kill import LAYERS, checked, die, failed, in_child
 
-from bb_lightning import BalanceBeamStrategy
 from bb_lightning.module import CausalLMModule
-from bb_lightning.placement import Placement
-from storage.tiers import Tier
 
 PROMPTS = 40
 PROMPT_BATCH = 4
@@ -93,12 +90,7 @@ def predict_run(args: argparse.Namespace, run: Path, kill: PredictKill | None) -
             if kill is not None and kill.where == "after-delay" and kill.batch == idx:
                 threading.Timer(kill.delay, die).start()
 
-    weights = tuple([Tier.NVME] * LAYERS)
-    strategy = BalanceBeamStrategy(
-        placement=Placement(weights=weights, master=weights, prefetch_depth=1),
-        compute_dtype="fp32",
-        nvme_path=str(run / "nvme"),
-    )
+    strategy = _common.nvme_strategy(LAYERS, run / "nvme")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

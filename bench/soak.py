@@ -38,8 +38,6 @@ import torch
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.module import CausalLMModule
-from bb_lightning.placement import Placement
-from storage.tiers import Tier
 
 MIB = 1 << 20
 CONTAINERS = (list, dict, set, collections.deque)
@@ -164,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     nvme = Path(tempfile.mkdtemp(prefix="bb-soak-", dir=base))
     print(_common.machine(nvme))
-    blocks = tuple([Tier.NVME] * args.layers)
-    strategy = BalanceBeamStrategy(
-        placement=Placement(weights=blocks, master=blocks, prefetch_depth=1),
-        compute_dtype="fp32",
-        nvme_path=str(nvme),
-    )
+    strategy = _common.nvme_strategy(args.layers, nvme)
     sampler = Sampler(strategy, args.every, args.warmup, nvme)
     trainer = pl.Trainer(
         accelerator="cpu",
