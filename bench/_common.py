@@ -573,7 +573,7 @@ def cpu_training_engine(
     from storage.store import StoreConfig, TieredStore
     from storage.tiers import Tier
 
-    blocks = model.model.layers
+    blocks: Any = model.get_submodule("model.layers")
     numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
     rest = sum(p.numel() for p in model.parameters()) - sum(numels)
     need = required_budgets(numels, rest, placement)
