@@ -16,8 +16,8 @@ from bb_lightning.engine.optimizer_step import ClipConfig
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
-from .test_cuda_double import _double_store
 from ..tiny import LAYERS, cpu_engine, tiny_llama
+from .test_cuda_double import _double_store
 
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 CLIP = 0.05

@@ -23,8 +23,8 @@ from bb_lightning.placement import Placement
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
-from .test_generate import NEW, _model, _prompts, _reference
 from ..tiny import LAYERS, cpu_engine, tiny_llama
+from .test_generate import NEW, _model, _prompts, _reference
 
 
 def _double_store(model: torch.nn.Module, placement: Placement) -> TieredStore:

@@ -26,6 +26,7 @@ from bb_lightning.engine.checkpoint import verify_checkpoint
 from bb_lightning.engine.shard import ShardComm, ShardLayout
 from storage.tiers import Tier
 
+from ..tiny import tiny_llama
 from .shard_worker import (
     CASES,
     FROZEN,
@@ -43,7 +44,6 @@ from .shard_worker import (
     state_of,
     torch_adamw,
 )
-from ..tiny import tiny_llama
 
 WORKER = Path(__file__).with_name("shard_worker.py")
 
