@@ -566,8 +566,6 @@ class Transfers:
                     self._read_back(t)
                 else:
                     running.append(t)
-            # down to half, so that the next scan waits for as many new copies (a scan on
-            # every copy while the queue stays full would poll all of it each time)
             if len(running) > MAX_PENDING_TIMINGS // 2:
                 running = _merge_oldest(running, MAX_PENDING_TIMINGS // 2)
             self._timings = deque(running)
