@@ -1,7 +1,7 @@
 """Balance Beam: fine-tune and bulk-run LLMs larger than accelerator memory with Lightning.
 
 Importing the package registers ``Trainer(strategy="balance_beam")`` (see
-:mod:`bb_lightning.register`) without importing Lightning: the classes below are
+:mod:`bb_lightning.strategy.register`) without importing Lightning: the classes below are
 imported when first used, so that ``bb-lightning plan`` and the probes start in the time
 torch takes, not Lightning's.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from bb_lightning.register import register
+from bb_lightning.strategy.register import register
 
 if TYPE_CHECKING:
     from bb_lightning.data import PromptsDataModule, TextDataModule

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 if TYPE_CHECKING:
     from bb_lightning.engine.trainer_engine import TrainingEngine
     from bb_lightning.placement import Placement
-    from bb_lightning.strategy import BalanceBeamStrategy
+    from bb_lightning.strategy.core import BalanceBeamStrategy
     from storage.store import TieredStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -600,7 +600,7 @@ def nvme_strategy(layers: int, nvme: Path) -> BalanceBeamStrategy:
     NVMe tier in directory ``nvme`` (one block read ahead): a run that reads and writes
     the disk at every step."""
     from bb_lightning.placement import Placement
-    from bb_lightning.strategy import BalanceBeamStrategy
+    from bb_lightning.strategy.core import BalanceBeamStrategy
     from storage.tiers import Tier
 
     blocks = (Tier.NVME,) * layers

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIRED = [
     "torch", "lightning", "transformers", "accelerate", "zarr", "numcodecs", "google_crc32c",
     "jsonargparse", "psutil", "safetensors", "pytest", "storage.store", "storage.io",
-    "bb_lightning", "bb_lightning.cli", "bb_lightning.module", "bb_lightning.dryrun",
+    "bb_lightning", "bb_lightning.cli", "bb_lightning.module", "bb_lightning.strategy.dryrun",
     "bb_lightning.engine.inference", "bb_lightning.engine.generate", "gpu_check_runs",
 ]  # fmt: skip
 """Modules every step together needs: the preflight fails unless each imports."""

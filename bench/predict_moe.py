@@ -38,7 +38,7 @@ from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import Plan, PlanOverrides, PredictJob, make_plan
 from bb_lightning.probe import measure, model_profile_from_config
-from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.strategy.core import BalanceBeamStrategy
 from storage.tiers import Tier
 
 

@@ -78,7 +78,7 @@ from bb_lightning.planner import (
 )
 from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_predict_compute, product_rate
-from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.strategy.core import BalanceBeamStrategy
 from storage.io import drop_cache
 from storage.tiers import Tier
 

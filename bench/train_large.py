@@ -42,10 +42,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.budgets import required_budgets
-from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
+from bb_lightning.strategy.handback import WeightsInStoreError
 from storage.io import padded
 from storage.store import StoreConfig
 from storage.tiers import Tier

@@ -19,7 +19,7 @@ from storage.deferred import DOUBLE_ENV
 ROOT = Path(__file__).resolve().parent.parent
 UNDER_THE_DOUBLE = [
     "tests/storage/test_store.py",
-    "tests/bb_lightning/test_strategy.py::test_llama_equals_plain_lightning[device]",
+    "tests/bb_lightning/strategy/test_strategy.py::test_llama_equals_plain_lightning[device]",
     "tests/bb_lightning/engine/test_generate.py::test_paged_greedy_equals_generate_each_block_once_per_step[device]",
 ]
 

@@ -326,9 +326,9 @@ def module_loss_chunk(chunk: int | None, vocab_size: int) -> int | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from bb_lightning import world
     from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
     from bb_lightning.probe import measure
+    from bb_lightning.strategy import world
 
     if args.plot:
         _check_plot_path(args.plot)
@@ -397,7 +397,7 @@ def _dry_run(plan: Any, config: Any, *, lora: Any = None) -> int:
     """Run ``plan`` on meta tensors of the model of ``config`` (a config dict, path or hub
     id; a fit with ``lora``'s adapters over its frozen weights) and print what it found; 1
     when a tier's peak exceeds its budget."""
-    from bb_lightning.dryrun import dry_fit, dry_predict
+    from bb_lightning.strategy.dryrun import dry_fit, dry_predict
 
     if plan.task == "fit":
         report = dry_fit(plan, config, lora=lora)
@@ -500,7 +500,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     from bb_lightning.cli.recipe_dryrun import fit_recipe_profile
     from bb_lightning.module import resolve_model_config
     from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
-    from bb_lightning.session import compute_dtype
+    from bb_lightning.strategy.session import compute_dtype
 
     if command not in ("fit", "predict"):
         raise UsageError(

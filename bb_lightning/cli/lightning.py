@@ -29,7 +29,7 @@ from bb_lightning.cli.errors import (
     parser_keys,
     with_key,
 )
-from bb_lightning.world import prepare_nvme_dir
+from bb_lightning.strategy.world import prepare_nvme_dir
 
 __all__ = ["BalanceBeamCLI", "parse_recipe", "run_lightning_cli"]
 
@@ -241,10 +241,11 @@ def _check_parsed_values(cfg: Any, command: str) -> None:
     """Run the range checks of the module, data module, strategy and plan overrides that a
     parsed recipe names (where they are ours) on its values without building anything: no
     model config, tokenizer or machine is read. Raises :class:`UsageError` naming the key."""
-    from bb_lightning import module, session, settings
-    from bb_lightning.adapt import AdaptController
+    from bb_lightning import module
     from bb_lightning.data import modules as data
     from bb_lightning.planner import PlanOverrides
+    from bb_lightning.strategy import session, settings
+    from bb_lightning.strategy.adapt import AdaptController
 
     def strategy_checks(**kw: Any) -> None:
         settings.check_once(kw)  # a setting given flat and in its group (checked when built)
@@ -420,9 +421,9 @@ class BalanceBeamCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 
-        from bb_lightning.callbacks import ThroughputCallback
-        from bb_lightning.summary import BalanceBeamProgressBar
-        from bb_lightning.trace import TraceCallback
+        from bb_lightning.strategy.callbacks import ThroughputCallback
+        from bb_lightning.strategy.summary import BalanceBeamProgressBar
+        from bb_lightning.strategy.trace import TraceCallback
 
         trainer = super().instantiate_trainer(**kwargs)
         cfg = self._config()
@@ -452,7 +453,7 @@ class BalanceBeamCLI(LightningCLI):
         return False
 
     def after_fit(self) -> None:
-        from bb_lightning.summary import describe_placement
+        from bb_lightning.strategy.summary import describe_placement
 
         strategy = self.trainer.strategy
         plan = getattr(strategy, "plan", None)

@@ -3,7 +3,7 @@ generation job planned on the preset its strategy names, as a run plans it.
 
 A run plans :class:`~bb_lightning.planner.PredictJob` from its prompts (the longest, and
 how many) and runs batches of the datamodule's ``batch_size`` prompts
-(:meth:`bb_lightning.session.PlanningSession.plan_predict`). A dry run reads no prompt:
+(:meth:`bb_lightning.strategy.session.PlanningSession.plan_predict`). A dry run reads no prompt:
 it prices the longest prompt the datamodule accepts (``max_prompt_len``), counts the
 prompts file's lines when the file is there (else one batch), and forces the recipe's
 ``batch_size`` as the run does.
@@ -60,7 +60,7 @@ def predict_recipe_plan(cfg: Any, hardware: str) -> tuple[Plan, Any, str]:
     from bb_lightning.planner import PlanOverrides, PredictJob, make_plan, preset
     from bb_lightning.planner.search import PlanError
     from bb_lightning.probe import model_profile_from_config
-    from bb_lightning.session import compute_dtype
+    from bb_lightning.strategy.session import compute_dtype
 
     strategy = getattr(cfg.trainer.strategy, "init_args", None)
     module, data = cfg.model.init_args, cfg.data.init_args
@@ -110,6 +110,6 @@ def fit_recipe_profile(
         require_peft()
     except (ValueError, ImportError) as err:
         raise UsageError(f"--dry-run of model.init_args.lora: {err}") from err
-    from bb_lightning.dryrun import meta_model
+    from bb_lightning.strategy.dryrun import meta_model
 
     return model_profile_from_module(meta_model(config, dtype, lora=lora)), lora

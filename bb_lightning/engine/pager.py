@@ -133,7 +133,7 @@ class BlockPager:
         self._observers: tuple[BlockObserver, ...] | None = None
         self.handed_back = False
         """Whether the parameters hold their own values (the module was given its weights
-        back, :mod:`bb_lightning.handback`): releases then leave them bound to those."""
+        back, :mod:`bb_lightning.strategy.handback`): releases then leave them bound to those."""
         external = {} if external is None else dict(external)
         if external and not weights_only:
             raise ValueError("external block weights are served to a weights-only pager only")

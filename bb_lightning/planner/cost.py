@@ -393,7 +393,7 @@ def logits_bytes(model: ModelProfile, tokens: int) -> int:
     per vocabulary entry); in backward ``nll_loss_backward`` writes the gradient of that
     output (4) and ``_log_softmax_backward_data`` the gradient of its input (4) while
     both are still held: three fp32 buffers of the logits' size, the device peak a dry
-    run of a 128k vocabulary names (:mod:`bb_lightning.dryrun`).
+    run of a 128k vocabulary names (:mod:`bb_lightning.strategy.dryrun`).
     """
     return tokens * model.vocab_size * FP32_BYTES * LOSS_FP32_BUFFERS
 
@@ -463,7 +463,7 @@ def setup_host_bytes(rest_train: float, block_params: float, block_state: float)
 
 STORE_SLACK_BYTES = 1 << 20
 """Bytes the store's arenas are opened with beyond what their tensors need (a tier's
-``need + 1 MiB``, :func:`bb_lightning.assembly.store_config`)."""
+``need + 1 MiB``, :func:`bb_lightning.strategy.assembly.store_config`)."""
 SLOT_ALIGNMENT = 4096
 """Bytes each tensor's slot in an arena is padded to (``storage.device.ALIGNMENT``)."""
 

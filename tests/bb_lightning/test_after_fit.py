@@ -18,10 +18,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.budgets import param_counts, required_budgets
 from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.handback import WeightsInStoreError, param_bytes
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
+from bb_lightning.strategy.handback import WeightsInStoreError, param_bytes
 from storage.store import StoreConfig
 from storage.tiers import Tier
 

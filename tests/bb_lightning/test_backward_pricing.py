@@ -4,7 +4,7 @@ Two peaks of ``CausalLMModule``'s chunked loss: the loss's backward, where the o
 weight gradient is summed over the chunks (the running sum, a chunk's and their sum, each
 ``vocab x hidden``), and a recomputed block's backward, which holds the gradients of its
 intermediate activations beside what its forward saved. The reference is the dry run's
-accountant (:mod:`bb_lightning.dryrun_memory`): run with the device budget cut to the plan's
+accountant (:mod:`bb_lightning.strategy.dryrun_memory`): run with the device budget cut to the plan's
 device figure, the dry run must fit it, and the figure must not exceed the peak by more
 than a few per cent.
 """
@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from bb_lightning.dryrun import dry_fit
 from bb_lightning.planner import FitJob, make_plan, preset
 from bb_lightning.planner.cost import loss_chunk_tokens
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
+from bb_lightning.strategy.dryrun import dry_fit
 from storage.tiers import Tier
 
 LLAMA_3B = {

@@ -18,7 +18,7 @@ from bb_lightning.cli import UsageError, main, parse_recipe
 from bb_lightning.data import PromptsDataModule, TextDataModule
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import PlanOverrides
-from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.strategy.core import BalanceBeamStrategy
 from storage.tiers import Tier
 
 _HELP = "(see bb-lightning {} --help)"

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.handback import handback_dtype
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
+from bb_lightning.strategy.handback import handback_dtype
 from storage.tiers import Tier
 
 from .tiny import save_tiny, tiny_llama_config

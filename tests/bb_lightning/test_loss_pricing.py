@@ -13,12 +13,12 @@ import pytest
 from lightning.pytorch.trainer.states import TrainerFn
 
 from bb_lightning.cli import main
-from bb_lightning.dryrun import dry_fit
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import FitJob, make_plan, preset
 from bb_lightning.planner.cost import logits_bytes, loss_chunk_tokens
 from bb_lightning.probe import model_profile_from_config
-from bb_lightning.session import read_job
+from bb_lightning.strategy.dryrun import dry_fit
+from bb_lightning.strategy.session import read_job
 from storage.tiers import Tier
 
 VOCAB = 128_256

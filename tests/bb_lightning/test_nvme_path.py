@@ -14,7 +14,7 @@ from bb_lightning import BalanceBeamStrategy
 from bb_lightning.cli import main
 from bb_lightning.hf.convert import convert_checkpoint
 from bb_lightning.placement import Placement
-from bb_lightning.world import make_shared_nvme_dir
+from bb_lightning.strategy.world import make_shared_nvme_dir
 from storage.scratch import MARKER_NAME, read_marker
 from storage.tiers import Tier
 

@@ -18,7 +18,7 @@ def test_top_level_exports_are_the_real_classes() -> None:
     bb = importlib.import_module("bb_lightning")
     module = importlib.import_module("bb_lightning.module")
     data = importlib.import_module("bb_lightning.data")
-    strategy = importlib.import_module("bb_lightning.strategy")
+    strategy = importlib.import_module("bb_lightning.strategy.core")
     assert bb.CausalLMModule is module.CausalLMModule
     assert bb.TextDataModule is data.TextDataModule
     assert bb.PromptsDataModule is data.PromptsDataModule
@@ -37,7 +37,7 @@ main(["plan", "--model", "tiny-llama", "--hardware", "a100-80gb"])
 assert "lightning" not in sys.modules, "bb-lightning plan imported Lightning"
 import lightning.pytorch as pl
 trainer = pl.Trainer(strategy="balance_beam", accelerator="cpu", devices=1, logger=False)
-from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.strategy.core import BalanceBeamStrategy
 assert type(trainer.strategy) is BalanceBeamStrategy, type(trainer.strategy)
 import pytorch_lightning
 assert "balance_beam" in pytorch_lightning.strategies.StrategyRegistry

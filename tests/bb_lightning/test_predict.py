@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM
 from bb_lightning.data import PromptsDataModule, prompt_digest
 from bb_lightning.data.tokenizer import ByteTokenizer
 from bb_lightning.data.writer import JsonlPredictionWriter
-from bb_lightning.handback import WeightsInStoreError
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import HardwareProfile, PredictJob
-from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.strategy.core import BalanceBeamStrategy
+from bb_lightning.strategy.handback import WeightsInStoreError
 from storage.tiers import Tier
 
 from .tiny import tiny_llama_config
@@ -155,7 +155,7 @@ def test_predict_is_planned_and_takes_the_planned_batch(
 def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import bb_lightning.session as session_module
+    import bb_lightning.strategy.session as session_module
     from bb_lightning.planner import PlanOverrides, make_plan
     from bb_lightning.probe.calibrate import PredictCompute
 
@@ -198,7 +198,7 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
 def test_a_failing_probe_leaves_the_matrix_product_rate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bb_lightning.session as session_module
+    import bb_lightning.strategy.session as session_module
 
     def broken(*args: Any, **kw: Any) -> None:
         raise RuntimeError("probe out of order")

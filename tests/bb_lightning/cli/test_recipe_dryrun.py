@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from bb_lightning.cli import main
-from bb_lightning.dryrun import dry_predict, meta_model
 from bb_lightning.hf.lora import LoraOptions
 from bb_lightning.planner import PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
+from bb_lightning.strategy.dryrun import dry_predict, meta_model
 from storage.tiers import Link
 
 from .test_recipes import _header

@@ -37,7 +37,7 @@ from bb_lightning.data.writer import JsonlPredictionWriter
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.strategy import BalanceBeamStrategy
+from bb_lightning.strategy.core import BalanceBeamStrategy
 from storage.tiers import Tier
 
 from ..tiny import tiny_llama_config

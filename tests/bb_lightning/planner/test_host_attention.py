@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bb_lightning.assembly import check_decode_attention
 from bb_lightning.cli import main
 from bb_lightning.placement import Placement
 from bb_lightning.planner import cost, host_attention
@@ -30,6 +29,7 @@ from bb_lightning.probe.host_memory import (
     probe_host_attention,
     probe_host_read,
 )
+from bb_lightning.strategy.assembly import check_decode_attention
 from storage.tiers import Tier
 
 measure_module = importlib.import_module("bb_lightning.probe.measure")

@@ -19,7 +19,7 @@ Those that take :class:`Ranks` (the strategy) are collectives: every rank calls 
   that ended in an error on some rank gathers nothing (:func:`stopped_with_error`).
 
 The world process group, each rank's device and the collectives of the strategy itself
-are in :mod:`bb_lightning.ranks`. Importing this module imports no Lightning
+are in :mod:`bb_lightning.strategy.ranks`. Importing this module imports no Lightning
 (``bb-lightning plan --devices N`` lays a profile out with :func:`with_world`).
 """
 

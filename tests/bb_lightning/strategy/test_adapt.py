@@ -6,11 +6,11 @@ from collections.abc import Mapping
 
 import pytest
 
-from bb_lightning.adapt import AdaptController
 from bb_lightning.planner import FitJob, HardwareProfile, MeasuredTimes, Plan, adapt, make_plan
 from bb_lightning.probe import model_profile_from_config
+from bb_lightning.strategy.adapt import AdaptController
 
-from .tiny import tiny_llama_config
+from ..tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(4, vocab_size=260, max_position_embeddings=128)
 CPU = HardwareProfile(

@@ -17,7 +17,7 @@ from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.engine.timing import StepTimes
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.planner import MeasuredTimes, Plan, adapt, plan_differs
-from bb_lightning.world import Reducer, slowest_times
+from bb_lightning.strategy.world import Reducer, slowest_times
 from storage.tiers import Link, Tier
 
 __all__ = ["AdaptController", "MetricsSink", "apply_plan"]

@@ -31,10 +31,10 @@ from bb_lightning.cli import main
 from bb_lightning.cli.lightning import BalanceBeamCLI, _build_lightning_cli
 from bb_lightning.data import TextDataModule
 from bb_lightning.placement import Placement
-from bb_lightning.summary import describe_placement
+from bb_lightning.strategy.summary import describe_placement
 from storage.tiers import Tier, format_count
 
-RECIPES = Path(__file__).parents[2] / "recipes"
+RECIPES = Path(__file__).parents[3] / "recipes"
 TINY = {
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 264,

@@ -12,10 +12,10 @@ from bb_lightning import BalanceBeamStrategy
 from bb_lightning.data import TextDataModule
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import PlanOverrides
-from bb_lightning.trace import TraceCallback, TraceHandle, TraceRecorder
+from bb_lightning.strategy.trace import TraceCallback, TraceHandle, TraceRecorder
 from storage.tiers import Tier
 
-from .tiny import tiny_llama_config
+from ..tiny import tiny_llama_config
 
 TINY = tiny_llama_config(
     3, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,

@@ -15,9 +15,10 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from bb_lightning import BalanceBeamStrategy, world
+from bb_lightning import BalanceBeamStrategy
 from bb_lightning.placement import Placement
-from bb_lightning.ranks import check_start_method
+from bb_lightning.strategy import world
+from bb_lightning.strategy.ranks import check_start_method
 from storage.tiers import Tier
 
 
@@ -236,7 +237,7 @@ class _SecondRankJoins(pl.Callback):
 def test_hand_back_is_decided_for_every_rank_by_the_rank_with_least_memory(
     tiny: SimpleNamespace,
 ) -> None:
-    from bb_lightning.handback import WeightsInStoreError
+    from bb_lightning.strategy.handback import WeightsInStoreError
 
     strategy = BalanceBeamStrategy(
         compute_dtype="fp32", placement=Placement.uniform(4, weights=Tier.HOST, master=Tier.HOST)

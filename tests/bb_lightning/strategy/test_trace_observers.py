@@ -14,7 +14,7 @@ from torch import nn
 from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.pager import BlockPager
 from bb_lightning.placement import ModelSizes, Placement, weights_manifest
-from bb_lightning.trace import COMPUTE, TraceRecorder, install_trace
+from bb_lightning.strategy.trace import COMPUTE, TraceRecorder, install_trace
 from storage import StoreConfig, Tier, TieredStore, TransferKind
 
 MiB = 1 << 20

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from bb_lightning import world
-from bb_lightning.adapt import AdaptController
 from bb_lightning.planner import FitJob, MeasuredTimes, PredictJob, adapt, make_plan, preset
 from bb_lightning.probe import model_profile_from_config
-from bb_lightning.session import PlanningSession, TrainerJob, follow_plan
+from bb_lightning.strategy import world
+from bb_lightning.strategy.adapt import AdaptController
+from bb_lightning.strategy.session import PlanningSession, TrainerJob, follow_plan
 from storage.store import StoreConfig
 
-from .tiny import tiny_llama_config
+from ..tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(4, vocab_size=260, max_position_embeddings=128)
 
@@ -130,7 +130,9 @@ def test_every_rank_replans_when_one_rank_is_slow(monkeypatch: pytest.MonkeyPatc
     slow = MeasuredTimes(compute_s=p.compute + 0.05, h2d_s=p.h2d, optimizer_s=p.optimizer,
                          step_s=p.total + 0.05)  # fmt: skip  # 50 ms more compute
     applied: list[Any] = []
-    monkeypatch.setattr("bb_lightning.adapt.apply_plan", lambda e, new: applied.append(new))
+    monkeypatch.setattr(
+        "bb_lightning.strategy.adapt.apply_plan", lambda e, new: applied.append(new)
+    )
     engine = SimpleNamespace(timer=SimpleNamespace(end_step=lambda: None, steps=[0, 0, 0]))
 
     def controller() -> AdaptController:
@@ -190,7 +192,7 @@ def test_a_rank_that_cannot_see_the_marker_raises_naming_path_rank_and_host(
 def test_the_fit_job_of_several_ranks_is_their_global_batch(tiny: SimpleNamespace) -> None:
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from bb_lightning.session import read_job
+    from bb_lightning.strategy.session import read_job
 
     data = SimpleNamespace(seq_len=32, batch_size=2)
     trainer = SimpleNamespace(
@@ -236,7 +238,7 @@ def test_the_directory_of_the_ranks_directories_is_made_when_its_parent_exists(
 
 
 def test_the_default_hand_back_limit_is_shared_by_the_ranks_of_a_node() -> None:
-    from bb_lightning.handback import fits_host
+    from bb_lightning.strategy.handback import fits_host
 
     _, one = fits_host(0, None)
     _, each = fits_host(0, None, share=4)

@@ -9,7 +9,7 @@ the helpers it calls: joining the world group (:func:`join_world`), destroying i
 the interpreter is torn down (:func:`destroy_group_at_exit`), only ``start_method="popen"``
 (:func:`check_start_method`). :class:`~bb_lightning.strategy.BalanceBeamStrategy`
 subclasses it; what the ranks do together (planning on rank 0, saving a checkpoint) is in
-:mod:`bb_lightning.world`.
+:mod:`bb_lightning.strategy.world`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from bb_lightning import world
 from bb_lightning.engine.shard import ShardComm
+from bb_lightning.strategy import world
 
 __all__ = [
     "RankedStrategy",

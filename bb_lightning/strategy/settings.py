@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, PlanOverrides, PredictJob
-from bb_lightning.session import ComputeDtype
+from bb_lightning.strategy.session import ComputeDtype
 
 __all__ = ["HandBackConfig", "PlanningConfig", "check_once", "grouped", "merged"]
 

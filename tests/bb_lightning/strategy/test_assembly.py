@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from bb_lightning.assembly import EngineSlot, build_engine, engine_calls, store_config
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.placement import Placement
+from bb_lightning.strategy.assembly import EngineSlot, build_engine, engine_calls, store_config
 from storage.store import StoreConfig
 from storage.tiers import Tier
 
-from .tiny import tiny_llama_config, tiny_model
+from ..tiny import tiny_llama_config, tiny_model
 
 MIB = 1 << 20
 

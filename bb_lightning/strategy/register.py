@@ -31,7 +31,7 @@ DESCRIPTION = "pages blocks through a tiered store"
 def build_strategy(**kwargs: Any) -> Any:
     """A :class:`~bb_lightning.strategy.BalanceBeamStrategy` built with ``kwargs``; what the
     registries call for ``strategy="balance_beam"``."""
-    from bb_lightning.strategy import BalanceBeamStrategy
+    from bb_lightning.strategy.core import BalanceBeamStrategy
 
     return BalanceBeamStrategy(**kwargs)
 

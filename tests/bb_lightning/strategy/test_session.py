@@ -16,10 +16,16 @@ from bb_lightning.data import PromptsDataModule
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import FitJob, HardwareProfile, PlanOverrides, PredictJob, make_plan
 from bb_lightning.probe import model_profile_from_module
-from bb_lightning.session import PlanningSession, PromptShape, TrainShape, hf_model, read_job
+from bb_lightning.strategy.session import (
+    PlanningSession,
+    PromptShape,
+    TrainShape,
+    hf_model,
+    read_job,
+)
 from storage.tiers import Tier
 
-from .tiny import tiny_llama_config
+from ..tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(2, vocab_size=260, bos_token_id=257, eos_token_id=258, pad_token_id=256)
 CPU = HardwareProfile(

@@ -13,15 +13,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.callbacks import ThroughputCallback, phase_summary
 from bb_lightning.data import TextDataModule
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import PlanOverrides
 from bb_lightning.planner.cost import model_flops_per_token
 from bb_lightning.probe import model_profile_from_config
+from bb_lightning.strategy.callbacks import ThroughputCallback, phase_summary
 from storage.tiers import Tier
 
-from .tiny import tiny_llama_config
+from ..tiny import tiny_llama_config
 
 TINY = tiny_llama_config(2, num_key_value_heads=4, vocab_size=264)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-import bb_lightning.session as session_module
+import bb_lightning.strategy.session as session_module
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.placement import Placement
 from bb_lightning.planner import HardwareProfile, PlanOverrides

@@ -1,13 +1,13 @@
 """A dry run of a plan at full size: the engine's real schedule on ``meta`` tensors.
 
 :func:`dry_fit` builds the plan's model on the ``meta`` device, builds its training
-engine exactly as :func:`bb_lightning.assembly.build_engine` does for the plan, over a
+engine exactly as :func:`bb_lightning.strategy.assembly.build_engine` does for the plan, over a
 :class:`storage.dry.DryStore` (every tier ``meta``, copies counted per link, nothing
 moved), and runs one optimizer step as the strategy drives it: ``grad_accum``
 micro-batches of ``micro_batch`` x ``seq_len`` tokens (the optimizer state read ahead
 from the window's start and each block stepped as its gradient arrives when the job
 does not clip), then the optimizer step. A
-:class:`~bb_lightning.dryrun_memory.MemoryAccountant` counts the device and host bytes
+:class:`~bb_lightning.strategy.dryrun_memory.MemoryAccountant` counts the device and host bytes
 live at each op (the arenas, the weights outside the blocks, activations, logits and
 the loss's upcast, gradients, the optimizer's temporaries), with CUDA's caching
 allocator's rounding. Attention runs as a fused (flash-style) kernel would: it keeps
@@ -31,9 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bb_lightning.assembly import build_engine
 from bb_lightning.causal_loss import causal_lm_loss
-from bb_lightning.dryrun_memory import MemoryAccountant, Peak
 from bb_lightning.engine.generate import LayerMajorGenerator
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.optimizer_step import ClipConfig
@@ -41,6 +39,8 @@ from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.hf.structure import find_block_list, fused_attention, load_config
 from bb_lightning.planner import Plan
 from bb_lightning.planner.job import FitJob, PredictJob
+from bb_lightning.strategy.assembly import build_engine
+from bb_lightning.strategy.dryrun_memory import MemoryAccountant, Peak
 from storage.dry import DryStore
 from storage.host import mapped_bytes
 from storage.store import StoreConfig, TieredStore

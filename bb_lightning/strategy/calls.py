@@ -3,15 +3,15 @@
 At the start (``setup``): the model's own activation checkpointing is turned off while
 the engine recomputes paged blocks itself (:func:`checkpointing_off`), and the call gets
 its placement (:func:`call_placement`): the one given, in the compute dtype of the call,
-else the plan of the job read from the Trainer (:mod:`bb_lightning.session`). With
+else the plan of the job read from the Trainer (:mod:`bb_lightning.strategy.session`). With
 several ranks the local rank 0 of each node measures it, rank 0 plans, and every rank runs
-rank 0's placement (:mod:`bb_lightning.world`).
+rank 0's placement (:mod:`bb_lightning.strategy.world`).
 
 In ``fit``, each of Lightning's optimizers steps through the engine (:func:`host_step`).
 
 At the end (``teardown``, :func:`end_call`): the engine's work settles and the module gets
 its weights back, or stays hollow and says why
-(:meth:`~bb_lightning.assembly.EngineSlot.hand_back`); with several ranks every rank
+(:meth:`~bb_lightning.strategy.assembly.EngineSlot.hand_back`); with several ranks every rank
 decides alike, and after an error on one rank none gathers.
 """
 
@@ -26,15 +26,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from bb_lightning import assembly, session, world
 from bb_lightning.engine.flat import dtype_name
 from bb_lightning.engine.hf_quirks import activation_checkpointing_off
 from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
 from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.handback import budget_room
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
-from bb_lightning.settings import HandBackConfig
+from bb_lightning.strategy import assembly, session, world
+from bb_lightning.strategy.handback import budget_room
+from bb_lightning.strategy.settings import HandBackConfig
 
 __all__ = ["call_placement", "checkpointing_off", "end_call", "host_step"]
 
@@ -112,10 +112,10 @@ def end_call(
 ) -> None:
     """The end of ``trainer``'s call: the engine in ``slot`` settles, and ``owner``'s module
     gets its weights back in ``dtype`` or stays hollow (``hand_back``;
-    :meth:`~bb_lightning.assembly.EngineSlot.hand_back`). ``budget_given``: the user's
+    :meth:`~bb_lightning.strategy.assembly.EngineSlot.hand_back`). ``budget_given``: the user's
     ``StoreConfig`` host budget caps the copy too. With several ``ranks``
     (``ranks_per_node`` on this node, each handing a copy back) the decision is every
-    rank's; after an error on any rank (:func:`~bb_lightning.world.stopped_with_error`) the
+    rank's; after an error on any rank (:func:`~bb_lightning.strategy.world.stopped_with_error`) the
     weights stay in the store without a collective."""
     calls = slot.calls
     if calls is None:

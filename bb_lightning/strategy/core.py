@@ -1,9 +1,9 @@
 """``Trainer(strategy="balance_beam")``: Lightning lifecycle glue over the paging engine.
 
-Each hook delegates: the planning session (:mod:`bb_lightning.session`) reads the job
+Each hook delegates: the planning session (:mod:`bb_lightning.strategy.session`) reads the job
 and plans a :class:`~bb_lightning.placement.Placement`, the engine factory
-(:mod:`bb_lightning.assembly`) opens the store and builds the engine, the adapt
-controller (:mod:`bb_lightning.adapt`) re-plans from measured step times. The lifecycle
+(:mod:`bb_lightning.strategy.assembly`) opens the store and builds the engine, the adapt
+controller (:mod:`bb_lightning.strategy.adapt`) re-plans from measured step times. The lifecycle
 (engines kept between calls, weights handed back) is in ``docs/architecture.md``,
 "strategy / glue".
 """
@@ -24,23 +24,23 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from bb_lightning import assembly, session, world
-from bb_lightning.adapt import AdaptController
-from bb_lightning.calls import call_placement, checkpointing_off, end_call, host_step
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine
 from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
 from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.handback import handback_dtype
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, HardwareProfile, Plan, PlanOverrides, PredictJob
-from bb_lightning.ranks import RankedStrategy
-from bb_lightning.register import STRATEGY_NAME, add_to
-from bb_lightning.session import ComputeDtype, clip_config
-from bb_lightning.settings import HandBackConfig, PlanningConfig, grouped
-from bb_lightning.summary import describe_placement, use_paged_summary
+from bb_lightning.strategy import assembly, session, world
+from bb_lightning.strategy.adapt import AdaptController
+from bb_lightning.strategy.calls import call_placement, checkpointing_off, end_call, host_step
+from bb_lightning.strategy.handback import handback_dtype
+from bb_lightning.strategy.ranks import RankedStrategy
+from bb_lightning.strategy.register import STRATEGY_NAME, add_to
+from bb_lightning.strategy.session import ComputeDtype, clip_config
+from bb_lightning.strategy.settings import HandBackConfig, PlanningConfig, grouped
+from bb_lightning.strategy.summary import describe_placement, use_paged_summary
 from storage.store import StoreConfig, TieredStore
 
 __all__ = ["BalanceBeamStrategy", "HandBackConfig", "PlanningConfig"]
@@ -50,8 +50,8 @@ class BalanceBeamStrategy(RankedStrategy):
     """Strategy that pages transformer blocks through a three-tier store, one device per
     process; with ``devices=G, num_nodes=M`` (G x M > 1) data parallel over G x M ranks.
 
-    Data parallelism (:mod:`bb_lightning.world`; devices, ranks and collectives in
-    :class:`~bb_lightning.ranks.RankedStrategy`): every rank pages a full copy of the
+    Data parallelism (:mod:`bb_lightning.strategy.world`; devices, ranks and collectives in
+    :class:`~bb_lightning.strategy.ranks.RankedStrategy`): every rank pages a full copy of the
     weights and holds its shard of the optimizer state; rank 0 plans; ranks are started by
     Lightning's script launcher (``start_method="popen"``), torchrun or srun.
 
@@ -62,11 +62,11 @@ class BalanceBeamStrategy(RankedStrategy):
         store: budgets (bytes) and NVMe directory of the tensor store; None sizes
             the budgets from the placement (what it needs, plus 1 MiB each).
         planning: how the blocks are placed and the optimizer steps run
-            (:class:`~bb_lightning.settings.PlanningConfig`: ``placement``,
+            (:class:`~bb_lightning.strategy.settings.PlanningConfig`: ``placement``,
             ``compute_dtype``, ``overrides``, ``job``, ``hardware``, ``warmup_steps``,
             ``adapt_tolerance``, ``overlap_optimizer``, each documented there).
         hand_back: what the module holds at the end of every ``trainer.*`` call
-            (:class:`~bb_lightning.settings.HandBackConfig`: ``gather_on_teardown``,
+            (:class:`~bb_lightning.strategy.settings.HandBackConfig`: ``gather_on_teardown``,
             ``gather_limit``).
         nvme_path: directory of the NVMe tier; None plans without NVMe (a temporary
             directory, removed at close, only when overrides force NVMe tiers).
@@ -429,7 +429,7 @@ class BalanceBeamStrategy(RankedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"balance_beam"`` unless already there (as :mod:`bb_lightning.register`
+        """Register ``"balance_beam"`` unless already there (as :mod:`bb_lightning.strategy.register`
         does on importing the package)."""
         add_to(strategy_registry)
 

@@ -34,14 +34,14 @@ from bb_lightning.engine.flat import ParamLoader, torch_dtype
 from bb_lightning.engine.inference import InferenceEngine, PieceSource, external_blocks
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.trainer_engine import TrainingEngine
-from bb_lightning.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.hf.converted import ConvertedStore, StoreCheckpoint
 from bb_lightning.hf.hf_load import HFCheckpoint, check_generation, check_supported
 from bb_lightning.hf.structure import check_block_calls
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import Plan
-from bb_lightning.session import hf_model
+from bb_lightning.strategy.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
+from bb_lightning.strategy.session import hf_model
 from storage.external import FilePiece
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
@@ -419,8 +419,8 @@ class EngineSlot:
 
     The engine and its store outlive ``teardown`` so that ``fit``, ``validate`` and ``fit``
     again reuse them (AdamW moments and step count kept). At the end of a call
-    :meth:`hand_back` gives the module its weights back (:mod:`bb_lightning.handback`), or
-    leaves them in the store behind a :class:`~bb_lightning.handback.HollowGuard`; the next
+    :meth:`hand_back` gives the module its weights back (:mod:`bb_lightning.strategy.handback`), or
+    leaves them in the store behind a :class:`~bb_lightning.strategy.handback.HollowGuard`; the next
     call's :meth:`take_back` pages them again from the module's values. :meth:`close`, or
     garbage collection of the owner, closes the store.
     """
@@ -463,7 +463,7 @@ class EngineSlot:
 
         ``gather`` True always gives them back and closes the store; None gives them back
         when the weights in ``dtype`` fit ``limit`` bytes of host memory (None: the default share,
-        :func:`~bb_lightning.handback.fits_host`, divided among the ``share`` ranks of
+        :func:`~bb_lightning.strategy.handback.fits_host`, divided among the ``share`` ranks of
         this node that each hand a copy back, and at most ``room``: the bytes a host
         budget the user gave the store leaves unused); False leaves them in the store. With
         several ranks (the engine's reads are collectives) ``agree`` makes the decision

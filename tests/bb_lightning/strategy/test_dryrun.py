@@ -16,10 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bb_lightning.assembly import build_engine
 from bb_lightning.cli import main, parse_recipe
-from bb_lightning.dryrun import dry_fit, dry_predict, meta_model, priced_bytes, run_fit_step
-from bb_lightning.dryrun_memory import MemoryAccountant
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.hf.lora import LoraOptions
 from bb_lightning.hf.structure import find_block_list, load_config
@@ -27,11 +24,20 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, Plan, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.probe import model_profile_from_config, model_profile_from_module
+from bb_lightning.strategy.assembly import build_engine
+from bb_lightning.strategy.dryrun import (
+    dry_fit,
+    dry_predict,
+    meta_model,
+    priced_bytes,
+    run_fit_step,
+)
+from bb_lightning.strategy.dryrun_memory import MemoryAccountant
 from storage.store import StoreConfig
 from storage.tiers import PRICED_LINKS, Link, Tier
 
-from .cli.test_recipes import RECIPES, _header
-from .tiny import tiny_llama_config
+from ..cli.test_recipes import RECIPES, _header
+from ..tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(4)
 """A 4-block Llama small enough to train for real in a second."""
@@ -221,7 +227,7 @@ def test_every_recipe_dry_runs_on_its_preset(recipe: Path) -> None:
 def test_a_fit_recipe_dry_runs_on_the_machine_its_strategy_names(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    recipe = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
+    recipe = str(Path(__file__).parents[3] / "recipes" / "tiny-cpu.yaml")
     rc = main(["fit", "--config", recipe, "--dry-run"])  # hardware: measure
     err = capsys.readouterr().err
     assert rc == 2 and "--trainer.strategy.init_args.hardware=PRESET" in err

@@ -25,7 +25,7 @@ from bb_lightning.planner import PlanOverrides
 from storage.store import StoreConfig
 from storage.tiers import Tier
 
-from .tiny import hf_config
+from ..tiny import hf_config
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 

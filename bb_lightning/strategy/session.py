@@ -39,15 +39,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import PreTrainedModel
 from typing_extensions import Protocol, runtime_checkable
 
-from bb_lightning import world
-from bb_lightning.checks import (
-    ComputeDtype,
-    check_clipping,
-    check_settings,
-    clip_config,
-    compute_dtype,
-    compute_dtype_check,
-)
 from bb_lightning.engine.flat import dtype_name
 from bb_lightning.placement import Placement
 from bb_lightning.planner import (
@@ -67,6 +58,15 @@ from bb_lightning.probe.calibrate import (
     fp32_advice,
     probe_predict_compute,
     probe_train_compute,
+)
+from bb_lightning.strategy import world
+from bb_lightning.strategy.checks import (
+    ComputeDtype,
+    check_clipping,
+    check_settings,
+    clip_config,
+    compute_dtype,
+    compute_dtype_check,
 )
 from storage.tiers import Tier
 

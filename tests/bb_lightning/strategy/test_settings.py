@@ -17,10 +17,10 @@ from bb_lightning.cli import main
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import PlanOverrides
-from bb_lightning.settings import HandBackConfig, PlanningConfig
+from bb_lightning.strategy.settings import HandBackConfig, PlanningConfig
 from storage.tiers import Tier
 
-from .tiny import hf_config
+from ..tiny import hf_config
 
 H, N = Tier.HOST, Tier.NVME
 STEPS = 3
@@ -173,7 +173,7 @@ def test_lightning_cli_reads_the_planning_group_as_the_flat_keys(
 def test_a_recipe_giving_a_setting_flat_and_grouped_is_one_line_naming_both(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    recipe = Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml"
+    recipe = Path(__file__).parents[3] / "recipes" / "tiny-cpu.yaml"
     code = main([
         "fit", "--config", str(recipe), f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.strategy.init_args.nvme_path={tmp_path / 'nvme'}",
