@@ -92,6 +92,17 @@ class Placement:
     with the host's cores over a cache homed on the host, the q/k/v rows of the new token
     sent there and the output sent back; None: on the device the model runs on (on a CPU
     device that is the host itself). The engine runs HOST on a CPU device only."""
+    chunk_rows: int | None = None
+    """Training: rows (sequences) of the micro-batch each recomputed block runs at once
+    while its weights are paged in once (forward chunk by chunk without grad, backward
+    recomputing chunk by chunk and summing the block's weight gradients on the device
+    before one hand-off); the last chunk may be shorter. None: the micro-batch in one
+    piece. Blocks run with ordinary autograd (not recomputed) run whole."""
+    boundaries: Tier | None = None
+    """Training: where the recomputed blocks' boundary inputs (the hidden states and any
+    other tensor argument needing gradient, kept from forward to backward) live: None or
+    DEVICE on the device, HOST in host memory (pinned beside a GPU), NVME on the NVMe
+    tier; stored, fetched back ahead of their block in backward, and freed after."""
 
     def __post_init__(self) -> None:
         if self.master and len(self.weights) != len(self.master):
@@ -125,6 +136,19 @@ class Placement:
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ValueError(
                 f"prefill_tokens={self.prefill_tokens} must be >= 1 tokens, or None (whole batch)"
+            )
+        if self.chunk_rows is not None and (
+            isinstance(self.chunk_rows, bool)
+            or not isinstance(self.chunk_rows, int)
+            or self.chunk_rows < 1
+        ):
+            raise ValueError(
+                f"chunk_rows={self.chunk_rows!r} must be an int >= 1 rows per chunk, or None "
+                "(the micro-batch in one piece)"
+            )
+        if self.boundaries is not None and not isinstance(self.boundaries, Tier):
+            raise ValueError(
+                f"boundaries={self.boundaries!r}: use Tier.DEVICE, Tier.HOST, Tier.NVME or None"
             )
 
     @property
@@ -205,6 +229,8 @@ class Placement:
             "decode_attention": None
             if self.decode_attention is None
             else self.decode_attention.value,
+            "chunk_rows": self.chunk_rows,
+            "boundaries": None if self.boundaries is None else self.boundaries.value,
         }
 
     @classmethod
@@ -214,7 +240,9 @@ class Placement:
         grads, kv = d.pop("grads"), d.pop("kv_cache")
         recomputed = d.pop("recomputed", None)
         attention = d.pop("decode_attention", None)
+        boundaries = d.pop("boundaries", None)
         return cls(
+            boundaries=None if boundaries is None else Tier(boundaries),
             decode_attention=None if attention is None else Tier(attention),
             recomputed=None if recomputed is None else tuple(recomputed),
             weights=tuple(Tier(t) for t in d.pop("weights")),
