@@ -32,7 +32,7 @@ import torch
 
 from storage.io import IOConfig, drop_cache
 from storage.store import StoreConfig, TieredStore
-from storage.tiers import Tier
+from storage.tiers import Link, Tier
 
 HIDDEN = 4096
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 t_compute = min(t_compute, compute_alone(x, sample, args.tensors))
                 drop_store_cache(root / "nvme")
                 t_wall = min(t_wall, overlapped(store, names, x, args.depth))
-            stats = store.stats()["nvme->device"]
+            stats = store.stats()[Link.NVME_TO_DEVICE]
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"overlapped     {t_wall:7.3f} s")
     print(f"ratio overlapped / max(compute, I/O) = {ratio:.3f}   (target <= 1.1)")
     print(f"ratio overlapped / (compute + I/O)   = {t_wall / (t_compute + t_io):.3f}")
-    print(f"nvme->device link, all passes: {stats.bytes / 2**30:.2f} GiB in {stats.count} reads")
+    print(
+        f"{Link.NVME_TO_DEVICE} link, all passes: {stats.bytes / 2**30:.2f} GiB in {stats.count} reads"
+    )
     return {"io": t_io, "compute": t_compute, "wall": t_wall, "ratio": ratio}
 
 

@@ -8,7 +8,7 @@ counted on its link instead of executed. It behaves as a store on a CUDA device:
 compute device is ``meta`` (standing for ``cuda``), a HOST-home tensor is paged in by a
 copy into a device slot (:attr:`pages_host_in_place` is False), gradients leave the
 device by a counted copy (:attr:`copies_to_host` is True), and an NVMe transfer to or
-from device memory goes through host staging (``host->device`` after ``nvme->host``)
+from device memory goes through host staging (``h2d`` after ``nvme_read``)
 unless ``direct_device`` says the I/O backend reads into device memory (kvikio).
 
 Transfers run at once on the calling thread (the order of operations is the order of
@@ -302,7 +302,7 @@ class DryStore(TieredStore):
     def copy_to_host_async(
         self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
     ) -> list[CopyEvent | None]:
-        """Count each copy on the ``device->host`` link (nothing is copied)."""
+        """Count each copy on the ``d2h`` link (nothing is copied)."""
         if len(dsts) != len(srcs):
             raise ValueError(f"{len(dsts)} destinations for {len(srcs)} sources: pass pairs")
         for src in srcs:

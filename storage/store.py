@@ -221,7 +221,7 @@ class TieredStore(StoreCore):
 
         Returns the copies' events: :func:`storage.transfers.settled` on each before the
         host reads ``dsts``; ``srcs`` may be freed at once (their memory is kept for the
-        copy). Counted on the ``device->host`` link.
+        copy). Counted on the ``d2h`` link.
         """
         if len(dsts) != len(srcs):
             raise ValueError(f"{len(dsts)} destinations for {len(srcs)} sources: pass pairs")

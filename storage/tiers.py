@@ -26,30 +26,31 @@ class Tier(str, enum.Enum):
 
 
 class Link(enum.StrEnum):
-    """A copy link from one tier to another; its value (``"host->device"``) is the name
-    the store's counters, logged metrics and JSON figures use.
+    """A copy link from one tier to another; its value (``"h2d"``) is its one name: the
+    store's counters, logged metrics, the plan's JSON and ``explain()``, the hardware
+    profile's bandwidth fields (``h2d_bandwidth``) and measured times (``h2d_s``).
 
-    ``NVME_TO_DEVICE`` / ``DEVICE_TO_NVME`` are file transfers that land in (or leave
-    from) device memory without staging; the cost model prices them as the disk's read
-    and write (:attr:`priced_as`).
+    ``NVME_TO_DEVICE`` / ``DEVICE_TO_NVME`` (``nvme_read_direct`` / ``nvme_write_direct``)
+    are file transfers that land in (or leave from) device memory without host staging;
+    the cost model prices them as the disk's read and write (:attr:`priced_as`).
     """
 
-    NVME_TO_HOST = "nvme->host"
-    HOST_TO_DEVICE = "host->device"
-    DEVICE_TO_HOST = "device->host"
-    HOST_TO_NVME = "host->nvme"
-    NVME_TO_DEVICE = "nvme->device"
-    DEVICE_TO_NVME = "device->nvme"
+    NVME_TO_HOST = "nvme_read"
+    HOST_TO_DEVICE = "h2d"
+    DEVICE_TO_HOST = "d2h"
+    HOST_TO_NVME = "nvme_write"
+    NVME_TO_DEVICE = "nvme_read_direct"
+    DEVICE_TO_NVME = "nvme_write_direct"
 
     @property
     def source(self) -> Tier:
         """The tier the bytes leave."""
-        return Tier(self.value.split("->")[0])
+        return _ENDS[self][0]
 
     @property
     def destination(self) -> Tier:
         """The tier the bytes reach."""
-        return Tier(self.value.split("->")[1])
+        return _ENDS[self][1]
 
     @property
     def priced_as(self) -> Link:
@@ -66,11 +67,24 @@ class Link(enum.StrEnum):
         """The link from ``source`` to ``destination``; None within one tier."""
         if source is destination:
             return None
-        return cls(f"{Tier(source).value}->{Tier(destination).value}")
+        return _BY_ENDS[(Tier(source), Tier(destination))]
+
+
+_ENDS: dict[Link, tuple[Tier, Tier]] = {
+    Link.NVME_TO_HOST: (Tier.NVME, Tier.HOST),
+    Link.HOST_TO_DEVICE: (Tier.HOST, Tier.DEVICE),
+    Link.DEVICE_TO_HOST: (Tier.DEVICE, Tier.HOST),
+    Link.HOST_TO_NVME: (Tier.HOST, Tier.NVME),
+    Link.NVME_TO_DEVICE: (Tier.NVME, Tier.DEVICE),
+    Link.DEVICE_TO_NVME: (Tier.DEVICE, Tier.NVME),
+}
+"""Each link's source and destination tier."""
+
+_BY_ENDS = {ends: link for link, ends in _ENDS.items()}
 
 
 PRICED_LINKS = (Link.NVME_TO_HOST, Link.HOST_TO_NVME, Link.HOST_TO_DEVICE, Link.DEVICE_TO_HOST)
-"""The links the cost model prices (NVMe read, NVMe write, host->device, device->host);
+"""The links the cost model prices (NVMe read, NVMe write, host to device, device to host);
 every :class:`Link` is priced as one of them (:attr:`Link.priced_as`)."""
 
 

@@ -52,8 +52,8 @@ __all__ = ["LINKS", "Events", "LinkStats", "Transfers", "Work", "done_future", "
 __all__ += ["MAX_PENDING_TIMINGS", "order_after", "settled", "settled_all"]
 
 LINKS = tuple(Link)
-"""Copy links counted by :meth:`TieredStore.stats`; ``nvme->device`` / ``device->nvme`` are file
-transfers that land in (or leave from) a device-arena slot without staging."""
+"""Copy links counted by :meth:`TieredStore.stats`; ``nvme_read_direct`` / ``nvme_write_direct`` are
+file transfers that land in (or leave from) a device-arena slot without staging."""
 
 Events = tuple[CopyEvent, ...]
 """Events a copy must wait for (empty on the CPU, except under the double)."""

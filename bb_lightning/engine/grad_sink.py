@@ -37,7 +37,7 @@ class GradSink:
     so gradients never pile up on the device. Where tensors on the compute device need
     a copy to reach the host (CUDA; the store's CPU double), each batch is copied
     ``non_blocking`` into one of :attr:`max_pending` reused page-locked buffers through
-    the store (``TieredStore.copy_to_host_async``, counted on its ``device->host`` link),
+    the store (``TieredStore.copy_to_host_async``, counted on its ``d2h`` link),
     the worker waits on the host for those copies only (never stalling the compute
     stream), and the work converts them to fp32 as it adds them. Without a store, or on
     a CPU device, the worker takes the gradients themselves. :meth:`wait` is the one

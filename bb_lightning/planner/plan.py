@@ -25,16 +25,12 @@ __all__ = [
 ]
 
 LINKS = PRICED_LINKS
-"""Copy links the cost model prices: NVMe->host, host->NVMe, host->device, device->host."""
+"""Copy links the cost model prices: NVMe read, NVMe write, host to device, device to host."""
 
-LINK_FIELDS: dict[Link, str] = {
-    Link.NVME_TO_HOST: "nvme_read",
-    Link.HOST_TO_NVME: "nvme_write",
-    Link.HOST_TO_DEVICE: "h2d",
-    Link.DEVICE_TO_HOST: "d2h",
-}
-"""The :class:`PredictedTime` field of each priced link's busy seconds, also its key in
-the plan's JSON (``roofline``) and the stem of the ``MeasuredTimes`` field."""
+LINK_FIELDS: dict[Link, str] = {link: link.value for link in PRICED_LINKS}
+"""The :class:`PredictedTime` field of each priced link's busy seconds: the link's own name
+(its value), also its key in the plan's JSON (``roofline``) and the stem of the
+``MeasuredTimes`` field."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,7 +66,7 @@ class ThroughputCallback(Callback):
     Logged names: ``tokens/s`` (tokens per second), ``GFLOP/s`` (1e9 model FLOPs
     per second, :func:`~bb_lightning.planner.cost.model_flops_per_token`, as the plan
     counts them), ``MFU`` (FLOP/s over the device's datasheet peak, where known) and ``<link> MB/s`` (1e6 bytes per second on each store
-    link that moved bytes during the batch, e.g. ``nvme->host MB/s``). Rates are
+    link that moved bytes during the batch, e.g. ``nvme_read MB/s``). Rates are
     measured from the end of one training batch to the end of the next, so they
     include the optimizer step and data loading.
     """

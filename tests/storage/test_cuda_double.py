@@ -155,7 +155,7 @@ def test_pending_timings_stay_bounded_over_10k_copies() -> None:
     with _store() as store:
         store.register("w", x, home=Tier.DEVICE)
         out = torch.empty_like(x)
-        before = store.stats()["device->host"].count
+        before = store.stats()["d2h"].count
         for _ in range(10_000):
             store.read_async("w", out).wait_host()
         assert store._io.pending_timings <= 1
@@ -163,7 +163,7 @@ def test_pending_timings_stay_bounded_over_10k_copies() -> None:
             store.read_async("w", out).wait()
         assert store._io.pending_timings <= MAX_PENDING_TIMINGS
         store._io.synchronize()
-        assert store.stats()["device->host"].count - before == 12_000
+        assert store.stats()["d2h"].count - before == 12_000
         assert store._io.pending_timings == 0
         assert torch.equal(out, x)
 
@@ -224,7 +224,7 @@ def test_issuing_copies_never_waits_on_those_still_running() -> None:
     marks: list[_Mark] = []
     copies = 4 * MAX_PENDING_TIMINGS
     try:
-        blocker = _Mark(0.0), _Mark(1.0)  # a host->device copy that runs long
+        blocker = _Mark(0.0), _Mark(1.0)  # an h2d copy that runs long
         io._time_copy(Link.HOST_TO_DEVICE, 4096, *blocker)
         for k in range(copies):  # 1 ms each, back to back on the stream towards the host
             start, end = _Mark(10.0 + k * 1e-3), _Mark(10.0 + (k + 1) * 1e-3)

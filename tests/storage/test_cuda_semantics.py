@@ -98,4 +98,4 @@ def test_timing_events_stay_bounded_over_10k_copies(store: TieredStore) -> None:
     assert store._io.pending_timings <= MAX_PENDING_TIMINGS
     store._io.synchronize()
     assert torch.equal(out, torch.arange(256.0))
-    assert store.stats()["device->host"].count >= 10_000
+    assert store.stats()["d2h"].count >= 10_000

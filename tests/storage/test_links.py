@@ -47,13 +47,23 @@ def _store(tmp_path: Path) -> TieredStore:
 
 def test_link_names_its_tiers_and_its_priced_link() -> None:
     assert LINKS == tuple(Link) and len(set(LINKS)) == 6
+    # one name per link, the plan's and the hardware profile's (``h2d_bandwidth``)
+    ends = {
+        "nvme_read": ("nvme", "host"),
+        "nvme_write": ("host", "nvme"),
+        "h2d": ("host", "device"),
+        "d2h": ("device", "host"),
+        "nvme_read_direct": ("nvme", "device"),
+        "nvme_write_direct": ("device", "nvme"),
+    }
+    assert {link.value for link in Link} == set(ends)
     for link in Link:
-        src, dst = link.value.split("->")
+        src, dst = ends[link.value]
         assert (link.source, link.destination) == (Tier(src), Tier(dst))
         assert Link.between(Tier(src), Tier(dst)) is link
         assert link == link.value and f"{link}" == link.value  # a plain string where printed
         # a file transfer is priced as the disk's read or write, the others as themselves
-        want = {"nvme": "nvme->host", "host": "host->nvme"}
+        want = {"nvme": "nvme_read", "host": "nvme_write"}
         expected = want["nvme"] if src == "nvme" else want["host"] if dst == "nvme" else link
         assert link.priced_as == expected and link.priced_as in PRICED_LINKS
     assert all(Link.between(t, t) is None for t in Tier)
@@ -69,7 +79,7 @@ def test_stats_are_keyed_by_link_and_round_trip_through_json(tmp_path: Path) -> 
         stats = store.stats()
     assert set(stats) == set(Link) and all(isinstance(k, Link) for k in stats)
     # a CPU device: the page-in reads into the device arena, read() into host memory
-    assert stats[Link.NVME_TO_DEVICE].bytes == data.numel() * 4 == stats["nvme->host"].bytes
+    assert stats[Link.NVME_TO_DEVICE].bytes == data.numel() * 4 == stats["nvme_read"].bytes
     text = json.dumps({link: s.bytes for link, s in stats.items()})
     assert json.loads(text) == {link.value: s.bytes for link, s in stats.items()}
     assert {Link(k): v for k, v in json.loads(text).items()} == {

@@ -206,11 +206,11 @@ def test_staged_transfers_count_pieces(tmp_path: Path) -> None:
         store.write_back_async("w").wait()
         after = store.stats()
     moved = {k: (after[k].bytes - before[k].bytes, after[k].count - before[k].count) for k in after}
-    assert moved["nvme->host"] == (nbytes, 4)  # four pieces through the staging buffer
-    assert moved["host->device"] == (nbytes, 4)
-    assert moved["device->host"] == (nbytes, 4)
-    assert moved["host->nvme"] == (nbytes, 4)
-    assert moved["nvme->device"] == moved["device->nvme"] == (0, 0)
+    assert moved["nvme_read"] == (nbytes, 4)  # four pieces through the staging buffer
+    assert moved["h2d"] == (nbytes, 4)
+    assert moved["d2h"] == (nbytes, 4)
+    assert moved["nvme_write"] == (nbytes, 4)
+    assert moved["nvme_read_direct"] == moved["nvme_write_direct"] == (0, 0)
 
 
 def test_staged_concurrent_page_ins_share_one_buffer(tmp_path: Path) -> None:
@@ -233,11 +233,11 @@ def test_caller_tensor_larger_than_staging_streams_through_it(tmp_path: Path) ->
     x = torch.arange(10 * PIECE // 4, dtype=torch.float32)
     with staged_store(tmp_path, stage_nvme=False) as store:
         store.register("w", x, home=Tier.NVME)
-        assert store.stats()["host->nvme"].count == 10
+        assert store.stats()["nvme_write"].count == 10
         out = torch.empty(x.numel() + 1, dtype=x.dtype)[1:]  # 4 bytes past an allocation
         assert out.data_ptr() % 4096 != 0
         assert torch.equal(store.read("w", out=out), x)
-        assert store.stats()["nvme->host"].count == 10
+        assert store.stats()["nvme_read"].count == 10
         assert (
             os.path.getsize(tmp_path / "nvme" / "w" / "c" / "0") == x.numel() * 4 + 4
         )  # + CRC-32C

@@ -478,14 +478,14 @@ def test_stats_count_bytes_per_link(store: TieredStore) -> None:
              for k in after}  # fmt: skip
     host = (0, 0) if store.pages_host_in_place else (20000, 1)
     assert moved == {
-        "host->device": host,
-        "nvme->device": (3000, 1),
-        "device->host": host,
-        "device->nvme": (3000, 1),
-        "nvme->host": (3000, 1),
-        "host->nvme": (0, 0),
+        "h2d": host,
+        "nvme_read_direct": (3000, 1),
+        "d2h": host,
+        "nvme_write_direct": (3000, 1),
+        "nvme_read": (3000, 1),
+        "nvme_write": (0, 0),
     }
-    assert after["nvme->device"].seconds > before["nvme->device"].seconds
+    assert after["nvme_read_direct"].seconds > before["nvme_read_direct"].seconds
 
 
 def test_reopen_adopts_nvme_tensors(tmp_path: Path) -> None:
@@ -568,7 +568,7 @@ def test_cuda_round_trip_and_write_back(tmp_path: Path, home: Tier) -> None:
         store.release("w")
         assert torch.equal(store.read("w"), x * 3)
         assert torch.equal(store.prefetch_async("w").wait()["w"].cpu(), x * 3)
-        assert store.stats()["device->host"].count + store.stats()["device->nvme"].count >= 0
+        assert store.stats()["d2h"].count + store.stats()["nvme_write_direct"].count >= 0
 
 
 def test_overlap_benchmark_smoke(tmp_path: Path) -> None:
@@ -624,8 +624,8 @@ def test_write_back_from_an_aligned_host_buffer_goes_direct(tmp_path: Path) -> N
             store.write_back_async("n", src).wait()
             after = store.stats()
             moved = {k: after[k].count - before[k].count for k in after}
-            assert moved["device->host"] == int(staged)  # the copy into a staging buffer
-            assert moved["device->nvme" if not staged else "host->nvme"] == 1
+            assert moved["d2h"] == int(staged)  # the copy into a staging buffer
+            assert moved["nvme_write_direct" if not staged else "nvme_write"] == 1
             assert torch.equal(store.read("n"), x)
             x = x + 1
 

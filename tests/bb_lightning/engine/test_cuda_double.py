@@ -145,7 +145,7 @@ def test_host_home_blocks_page_by_copy_and_step_like_torch_adamw_under_the_doubl
             opt.step()
             opt.zero_grad()
         store._io.synchronize()  # every copy's timing is read back
-        assert store.stats()["host->device"].count >= 3 * LAYERS  # each forward's page-ins
+        assert store.stats()["h2d"].count >= 3 * LAYERS  # each forward's page-ins
         state = engine.state_dict()
         engine.close()
     for key, value in reference.state_dict().items():

@@ -47,7 +47,7 @@ def test_gradients_arrive_exact_through_the_store_copies() -> None:
                 assert (a is None) == (b is None)
                 if a is not None and b is not None:
                     assert a.dtype == b.dtype and torch.equal(a, b)
-        assert store.stats()["device->host"].count == 3 * len(sent)  # one copy per gradient
+        assert store.stats()["d2h"].count == 3 * len(sent)  # one copy per gradient
         assert store._io.double is not None and store._io.double.poisoned_bytes > 0
         assert len(sink._buffers) <= sink.max_pending  # buffers are reused, not one per batch
         sink.close()

@@ -203,7 +203,7 @@ def test_frozen_weights_have_no_optimizer_state(base_dir: Path, tmp_path: Path) 
     # Written back to NVMe during training: the trainable weights each step, nothing frozen.
     engine.state_dict()  # waits for the last write-backs
     stats = store.stats()
-    written = sum(stats[k].bytes - rec.stats[k] for k in ("host->nvme", "device->nvme"))
+    written = sum(stats[k].bytes - rec.stats[k] for k in ("nvme_write", "nvme_write_direct"))
     trained_weights = sum(store.spec(n).nbytes for n in blocks if n.endswith(".weight"))
     assert written == STEPS * trained_weights
     with pytest.raises(ValueError, match="save_pretrained"):  # not a full model to export

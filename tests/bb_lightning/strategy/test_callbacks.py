@@ -73,7 +73,7 @@ def test_callback_logs_throughput_and_link_rates(tmp_path: Path) -> None:
     for r in logged:  # FLOP/s and tokens/s come from the same tokens and seconds
         assert float(r["GFLOP/s"]) * 1e9 / float(r["tokens/s"]) == pytest.approx(per_token)
     # Weights live on NVMe: every step pages them in through an NVMe link.
-    nvme = [k for k in rows[0] if k.startswith("nvme->") and k.endswith("MB/s")]
+    nvme = [k for k in rows[0] if k.startswith("nvme_read") and k.endswith("MB/s")]
     assert nvme and all(any(r.get(k) for k in nvme) for r in logged)
     assert callback.totals["tokens"] == 3 * 2 * 32
     assert lines and "measured" in lines[1]

@@ -101,7 +101,7 @@ def test_dry_fit_moves_the_bytes_of_a_real_step(tmp_path: Path, seqs: int, clip:
     dry = dry_fit(plan, CONFIG, direct_device=True)  # a CPU store reads NVMe into its slots
     store = {link.value: dry.links[link] - dry.outside[link] for link in PRICED_LINKS}
     assert store == real
-    assert real["host->device"] > 0 and real["nvme->host"] > 0 and real["host->nvme"] > 0
+    assert real["h2d"] > 0 and real["nvme_read"] > 0 and real["nvme_write"] > 0
 
 
 def test_accountant_counts_device_blocks_as_cuda_rounds_them() -> None:
