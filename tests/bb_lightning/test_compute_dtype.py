@@ -8,22 +8,10 @@ import pytest
 import torch
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.planner import HardwareProfile
 
-CPU = HardwareProfile(
-    name="test cpu",
-    device_type="cpu",
-    device_memory=2 << 30,
-    device_flops=5e10,
-    h2d_bandwidth=5e9,
-    d2h_bandwidth=5e9,
-    host_memory=4 << 30,
-    nvme_read_bandwidth=0.0,
-    nvme_write_bandwidth=0.0,
-    nvme_capacity=0,
-    host_adam_params_per_s=2e8,
-    cores=2,
-)
+from .tiny import cpu_profile
+
+CPU = cpu_profile()
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32),

@@ -26,17 +26,15 @@ from bb_lightning.planner import (
 from bb_lightning.probe import model_profile_from_module
 from storage.tiers import Tier
 
+from .tiny import cpu_profile
+
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 JOB = FitJob(seq_len=32, global_batch_seqs=2)
 
 
 def _cpu() -> HardwareProfile:
-    """A small CPU machine with an NVMe tier (figures of the order measured on 2 cores)."""
-    return HardwareProfile(
-        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
-        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=1e9,
-        nvme_write_bandwidth=1e9, nvme_capacity=8 << 30, host_adam_params_per_s=2e8, cores=2,
-    )  # fmt: skip
+    """The tests' small CPU machine with an 8 GiB NVMe tier."""
+    return cpu_profile(nvme=8 << 30)
 
 
 CASES: dict[str, dict[str, Any]] = {

@@ -24,7 +24,7 @@ from bb_lightning.strategy.core import BalanceBeamStrategy
 from bb_lightning.strategy.handback import WeightsInStoreError
 from storage.tiers import Tier
 
-from .tiny import tiny_llama_config
+from .tiny import cpu_profile, tiny_llama_config
 
 CONFIG = tiny_llama_config(
     3, vocab_size=260, max_position_embeddings=48, bos_token_id=257, eos_token_id=258,
@@ -34,16 +34,6 @@ PROMPTS = ["The quick brown", "fox", "y" * 50, "jumps over the", "lazy dog", "a"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _cpu(**changes: Any) -> HardwareProfile:
-    """A small CPU machine without NVMe (figures of the order measured on 2 cores)."""
-    base = HardwareProfile(
-        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
-        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,
-        nvme_write_bandwidth=0.0, nvme_capacity=0, host_adam_params_per_s=2e8, cores=2,
-    )  # fmt: skip
-    return base.replace(**changes)
 
 
 def _generate(module: CausalLMModule, texts: list[str], new: int) -> dict[int, list[int]]:
@@ -128,7 +118,7 @@ def test_predict_is_planned_and_takes_the_planned_batch(
 ) -> None:
     texts = [t for t in PROMPTS if len(t) < 40]
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=5)
-    strategy = BalanceBeamStrategy(hardware=_cpu(), compute_dtype="fp32")
+    strategy = BalanceBeamStrategy(hardware=cpu_profile(), compute_dtype="fp32")
     dm = PromptsDataModule(str(_prompts(tmp_path, texts)), batch_size=None)
     with caplog.at_level(logging.INFO):
         _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
@@ -169,7 +159,7 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
             efficiency=0.5, decode_efficiency=0.25,
         )  # fmt: skip
 
-    monkeypatch.setattr(session_module, "measure", lambda **_: _cpu())
+    monkeypatch.setattr(session_module, "measure", lambda **_: cpu_profile())
     monkeypatch.setattr(session_module, "probe_predict_compute", fake_probe)
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=5)
     strategy = BalanceBeamStrategy(compute_dtype="fp32")
@@ -190,7 +180,7 @@ def test_predict_on_a_measured_machine_plans_with_the_probed_rates(
     ov = PlanOverrides(concurrent_seqs=2)
     again = make_plan(plan.model, hw, job, overrides=ov)
     assert plan.tokens_per_s == pytest.approx(again.tokens_per_s)
-    assert again.tokens_per_s < make_plan(plan.model, _cpu(), job, overrides=ov).tokens_per_s
+    assert again.tokens_per_s < make_plan(plan.model, cpu_profile(), job, overrides=ov).tokens_per_s
     assert "model-shaped predict probe" in caplog.text
     strategy.close()
 
@@ -203,14 +193,14 @@ def test_a_failing_probe_leaves_the_matrix_product_rate(
     def broken(*args: Any, **kw: Any) -> None:
         raise RuntimeError("probe out of order")
 
-    monkeypatch.setattr(session_module, "measure", lambda **_: _cpu())
+    monkeypatch.setattr(session_module, "measure", lambda **_: cpu_profile())
     monkeypatch.setattr(session_module, "probe_predict_compute", broken)
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=3)
     strategy = BalanceBeamStrategy(compute_dtype="fp32")
     dm = PromptsDataModule(str(_prompts(tmp_path, PROMPTS[:2])), batch_size=2)
     with pytest.warns(UserWarning, match="probe failed .RuntimeError: probe out of order"):
         _trainer(strategy, tmp_path / "out.jsonl").predict(module, datamodule=dm)
-    assert strategy.plan is not None and strategy.plan.hardware == _cpu()
+    assert strategy.plan is not None and strategy.plan.hardware == cpu_profile()
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
     strategy.close()
 
@@ -310,7 +300,7 @@ def test_predict_job_from_a_plain_dataloader(tmp_path: Path) -> None:
     ]
     loader = DataLoader(rows, batch_size=2)  # type: ignore[arg-type]
     module = CausalLMModule(CONFIG, seed=4, max_new_tokens=3)
-    strategy = BalanceBeamStrategy(hardware=_cpu(), compute_dtype="fp32")
+    strategy = BalanceBeamStrategy(hardware=cpu_profile(), compute_dtype="fp32")
     out = _trainer(strategy, tmp_path / "out.jsonl").predict(module, dataloaders=loader)
     strategy.close()
     assert strategy.plan is not None

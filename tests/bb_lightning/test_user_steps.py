@@ -25,8 +25,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.placement import Placement
-from bb_lightning.planner import HardwareProfile
 from storage.tiers import Tier
+
+from .tiny import cpu_profile
 
 STEPS, ACCUM = 2, 2
 
@@ -224,11 +225,7 @@ def test_a_model_with_activation_checkpointing_on_is_planned_and_trains_like_pla
     """balance_beam recomputes the paged blocks itself: the model's own checkpointing is
     off while the strategy plans and trains (its trace refused it), and on again after."""
     want_losses, want = _fit("auto", checkpoint, "", tiny, Checkpointed)
-    cpu = HardwareProfile(
-        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
-        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=1e9,
-        nvme_write_bandwidth=1e9, nvme_capacity=1 << 30, host_adam_params_per_s=2e8, cores=2,
-    )  # fmt: skip
+    cpu = cpu_profile(nvme=1 << 30)
     strategy = BalanceBeamStrategy(hardware=cpu, compute_dtype="fp32", nvme_path=str(tmp_path))
     torch.manual_seed(0)
     module = Checkpointed(checkpoint, "")

@@ -1,7 +1,8 @@
 """The tests' one factory of tiny models: config dicts of a tiny Llama and GPT-2 (overrides
 as keyword arguments), tiny configs of model families of the installed transformers, seeded
-random models built from them and saved as users save them (``save_pretrained``), and an
-fp32 CPU training engine over the 3-block Llama the engine tests share. Sizes are in
+random models built from them and saved as users save them (``save_pretrained``), an
+fp32 CPU training engine over the 3-block Llama the engine tests share, and the small CPU
+machine (a ``HardwareProfile``) the tests plan those models on. Model sizes are in
 elements (hidden widths, vocabularies), never bytes."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.placement import Placement
+from bb_lightning.planner.profile import HardwareProfile
 from storage.store import TieredStore
 
 LLAMA_VOCAB = 256
@@ -73,6 +75,29 @@ def save_tiny(directory: Path, config: dict[str, Any], seed: int = 0, **save: An
     it: ``max_shard_size=...``)."""
     tiny_model(config, seed).save_pretrained(directory, **save)
     return directory
+
+
+def cpu_profile(*, nvme: int = 0, **changes: Any) -> HardwareProfile:
+    """The tests' small CPU machine: a 2 GiB device share at 50 GFLOP/s, 5 GB/s copy links
+    both ways, 4 GiB of host memory, host AdamW at 2e8 parameters/s, 2 cores (figures of
+    the order measured on such a machine); ``nvme`` bytes of NVMe read and written at
+    1 GB/s (0: none); ``changes`` replace fields."""
+    disk = 1e9 if nvme else 0.0
+    base = HardwareProfile(
+        name="test cpu",
+        device_type="cpu",
+        device_memory=2 << 30,
+        device_flops=5e10,
+        h2d_bandwidth=5e9,
+        d2h_bandwidth=5e9,
+        host_memory=4 << 30,
+        nvme_read_bandwidth=disk,
+        nvme_write_bandwidth=disk,
+        nvme_capacity=nvme,
+        host_adam_params_per_s=2e8,
+        cores=2,
+    )
+    return base.replace(**changes)
 
 
 def tiny_llama() -> torch.nn.Module:

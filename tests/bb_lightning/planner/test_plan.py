@@ -8,7 +8,6 @@ import pytest
 
 from bb_lightning.planner import (
     FitJob,
-    HardwareProfile,
     MeasuredTimes,
     ModelProfile,
     Plan,
@@ -24,6 +23,8 @@ from bb_lightning.planner.cost import model_flops_per_token
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
 from storage.tiers import Tier
+
+from ..tiny import cpu_profile
 
 TIB = 2**40
 GIB = 2**30
@@ -180,11 +181,7 @@ def test_explain_gives_a_cpu_the_model_flop_rate_not_mfu() -> None:
     # MFU is against the bf16 product rate; an fp32 job on a CPU without bf16 matrix
     # instructions runs far above it, so a CPU's plan prints the model's FLOP/s
     model = model_profile_from_config(builtin_config("tiny-llama"))
-    cpu = HardwareProfile(
-        name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
-        h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=1e9,
-        nvme_write_bandwidth=1e9, nvme_capacity=8 << 30, host_adam_params_per_s=2e8, cores=2,
-    )  # fmt: skip
+    cpu = cpu_profile(nvme=8 << 30)
     plan = make_plan(model, cpu, FitJob(seq_len=64, global_batch_seqs=4))
     line = next(ln for ln in plan.explain().splitlines() if ln.startswith("throughput:"))
     flops = plan.tokens_per_s * model_flops_per_token(model, "fit", 64)

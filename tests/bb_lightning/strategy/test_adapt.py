@@ -6,18 +6,14 @@ from collections.abc import Mapping
 
 import pytest
 
-from bb_lightning.planner import FitJob, HardwareProfile, MeasuredTimes, Plan, adapt, make_plan
+from bb_lightning.planner import FitJob, MeasuredTimes, Plan, adapt, make_plan
 from bb_lightning.probe import model_profile_from_config
 from bb_lightning.strategy.adapt import AdaptController
 
-from ..tiny import tiny_llama_config
+from ..tiny import cpu_profile, tiny_llama_config
 
 CONFIG = tiny_llama_config(4, vocab_size=260, max_position_embeddings=128)
-CPU = HardwareProfile(
-    name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
-    h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,
-    nvme_write_bandwidth=0.0, nvme_capacity=0, host_adam_params_per_s=2e8, cores=2,
-)  # fmt: skip
+CPU = cpu_profile()
 
 
 @pytest.fixture(scope="module")

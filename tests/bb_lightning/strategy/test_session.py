@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from bb_lightning.data import PromptsDataModule
 from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import FitJob, HardwareProfile, PlanOverrides, PredictJob, make_plan
+from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan
 from bb_lightning.probe import model_profile_from_module
 from bb_lightning.strategy.session import (
     PlanningSession,
@@ -25,14 +25,10 @@ from bb_lightning.strategy.session import (
 )
 from storage.tiers import Tier
 
-from ..tiny import tiny_llama_config
+from ..tiny import cpu_profile, tiny_llama_config
 
 CONFIG = tiny_llama_config(2, vocab_size=260, bos_token_id=257, eos_token_id=258, pad_token_id=256)
-CPU = HardwareProfile(
-    name="test cpu", device_type="cpu", device_memory=2 << 30, device_flops=5e10,
-    h2d_bandwidth=5e9, d2h_bandwidth=5e9, host_memory=4 << 30, nvme_read_bandwidth=0.0,
-    nvme_write_bandwidth=0.0, nvme_capacity=0, host_adam_params_per_s=2e8, cores=2,
-)  # fmt: skip
+CPU = cpu_profile()
 
 
 def _rows(n: int, width: int) -> list[dict[str, torch.Tensor]]:

@@ -17,24 +17,7 @@ from bb_lightning.planner import HardwareProfile, PlanOverrides
 from bb_lightning.probe import calibrate
 from storage.tiers import Tier
 
-
-def cpu_profile(**changes: Any) -> HardwareProfile:
-    """A plausible 2-core CPU machine without NVMe (figures of the order measured here)."""
-    base = HardwareProfile(
-        name="test cpu",
-        device_type="cpu",
-        device_memory=2 << 30,
-        device_flops=5e10,
-        h2d_bandwidth=5e9,
-        d2h_bandwidth=5e9,
-        host_memory=4 << 30,
-        nvme_read_bandwidth=0.0,
-        nvme_write_bandwidth=0.0,
-        nvme_capacity=0,
-        host_adam_params_per_s=2e8,
-        cores=2,
-    )
-    return base.replace(**changes)
+from ..tiny import cpu_profile
 
 
 def _assert_same(got: Any, want: Any) -> None:
