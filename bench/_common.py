@@ -446,9 +446,18 @@ def quiet_trainer(
     accumulate: int,
     callbacks: list[pl.Callback],
     precision: str = "bf16-true",
+    **more: Any,
 ) -> pl.Trainer:
     """A CPU Trainer (``precision``, default bf16-true) running ``steps`` optimizer steps,
-    without logging or saving."""
+    without logging or saving; ``more`` adds or replaces Trainer arguments
+    (``enable_checkpointing=True`` for a run that saves)."""
+    args: dict[str, Any] = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -456,12 +465,8 @@ def quiet_trainer(
         precision=precision,  # type: ignore[arg-type]
         max_steps=steps,
         accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
+        **(args | more),
     )
 
 

@@ -253,17 +253,14 @@ def train_run(args: argparse.Namespace, chain: Path, kill: Kill | None, referenc
     callbacks: list[pl.Callback] = [LossLog(chain / "losses.log"), timer, saver]
     if reference:
         callbacks.append(Snapshots(chain / "ref", strategy))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=args.steps,
-        max_epochs=-1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+    trainer = _common.quiet_trainer(
+        strategy,
+        steps=args.steps,
+        accumulate=1,
         callbacks=callbacks,
+        precision="32-true",
+        max_epochs=-1,
+        enable_checkpointing=True,
     )
     data = ResumableBatches(args.steps)
     data.trainer = trainer

@@ -164,19 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     print(_common.machine(nvme))
     strategy = _common.nvme_strategy(args.layers, nvme)
     sampler = Sampler(strategy, args.every, args.warmup, nvme)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=args.steps,
+    trainer = _common.quiet_trainer(
+        strategy, steps=args.steps, accumulate=1, callbacks=[sampler], precision="32-true",
         max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[sampler],
-    )
+    )  # fmt: skip
     module = CausalLMModule(recipe_model(args.layers), learning_rate=2e-3, warmup_steps=10)
     loader = _common.token_loader(args.batch, 256, args.seq, 264)  # 256 batches, repeated
     t0 = time.perf_counter()
