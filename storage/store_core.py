@@ -23,7 +23,7 @@ from storage.io import ALIGNMENT, IOBackend, open_backend, padded
 from storage.numa import device_numa_node
 from storage.nvme import ArraySpec, NvmeTier
 from storage.observers import TransferKind, TransferObserver, added, observed, removed
-from storage.residency import Record, ResidencyMachine, Ticket
+from storage.residency import Record, ResidencyMachine, StateError, Ticket
 from storage.store_config import StoreConfig
 from storage.tiers import Link, Residency, Tier
 from storage.transfers import (
@@ -220,6 +220,26 @@ class StoreCore:
         self._records[name] = Record(
             spec=spec, home=home, residency=ResidencyMachine(name), external=external
         )
+
+    def unregister(self, name: str) -> None:
+        """Remove tensor ``name`` and free what its home holds (its NVMe array deleted).
+
+        It must be RELEASED (or homed on DEVICE); its pending operations finish first.
+        Raises :class:`StateError` otherwise, and for a read-only tensor, nothing removed.
+        """
+        rec = self._record(name)
+        check_writable(rec, "be unregistered")
+        with self._lock:
+            if rec.home is not Tier.DEVICE and rec.residency.state is not Residency.RELEASED:
+                raise StateError(
+                    f"tensor {name!r} is {rec.residency.state.value.upper()}: unregister() needs "
+                    f"it RELEASED; {rec.residency.hint()}"
+                )
+        self._io.settle(rec, sync=True)
+        with self._lock:
+            self._drop_home(rec, delete_nvme=True)
+            rec.device_slot = None
+            del self._records[name]
 
     def names(self) -> list[str]:
         """Registered tensor names, sorted."""

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.engine.chunked import Chunking, run_chunked
 from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.hf_quirks import CACHE_KWARGS, CapturedOutputs, recording
@@ -91,6 +92,10 @@ class PagedBlocks:
         self.on_block_backward: Callable[[int], None] | None = None
         """Called with ``i`` once block ``i``'s backward has queued its gradients and released
         the block (the engine starts the block's optimizer step from it)."""
+        self.chunking: Chunking | None = None
+        """Training: recomputed blocks run their micro-batch in row chunks and keep their
+        boundary inputs where this says (:mod:`~bb_lightning.engine.chunked`); None: one
+        checkpointed call on the device."""
         self.max_tokens: int | None = None
         """Tokens a forward without grad runs through a block at once: a larger batch runs
         in chunks of rows while the block stays paged in
@@ -142,6 +147,8 @@ class PagedBlocks:
                         self._input_pending[i] = self._input_pending.get(i, 0) + 1
                         return call(_InputDone.apply(self, i, hidden))
                 return original(*args, **kwargs)
+            if self.chunking is not None:
+                return run_chunked(self, i, original, args, kwargs)
             hidden, call = _split(original, args, kwargs)
             self._runs[i] = self._runs.get(i, 0) + 1
             holder: list[Any] = []
@@ -216,6 +223,8 @@ class PagedBlocks:
         pending, self._pending = self._pending, {}
         self._input_pending = {}
         self._runs = {}
+        if self.chunking is not None:
+            self.chunking.boundaries.forget()
         for i, grads in pending.items():
             for j, p in enumerate(self.pager.params[i]):
                 if grads[j] is None and p.grad is not None:
@@ -309,6 +318,14 @@ class _BlockCall:
         return {id(t) for t in tensors if isinstance(t, Tensor) and id(t) not in skip}
 
     def __call__(self, hidden: Tensor, *extras: Tensor) -> Any:
+        self._set(hidden, extras)
+        return self.original(*self.bound.args, **self.bound.kwargs)
+
+    def drop_inputs(self) -> None:
+        """Forget the hidden states and extras of the last call (their memory may go)."""
+        self._set(None, (None,) * len(self._slots))
+
+    def _set(self, hidden: Tensor | None, extras: Sequence[Tensor | None]) -> None:
         self.bound.arguments[self.first] = hidden
         for (where, key, j), value in zip(self._slots, extras, strict=False):
             if j is None:
@@ -318,7 +335,6 @@ class _BlockCall:
                 items = list(old)
                 items[j] = value
                 where[key] = tuple(items) if type(old) is tuple else type(old)(*items)
-        return self.original(*self.bound.args, **self.bound.kwargs)
 
 
 def _split(

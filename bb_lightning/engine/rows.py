@@ -9,7 +9,7 @@ before the next block, and the activations are those of one chunk.
 
 Arguments are cut per chunk: a tensor of two or more dimensions whose first
 dimension is the batch (hidden states, position ids, masks, rotary ``cos`` /
-``sin``) gives its rows of the chunk, tuples and lists of them likewise, and
+``sin``) gives its rows of the chunk, tuples, lists and plain dicts of them likewise, and
 anything else (1-D ``cache_position``, flags) passes whole. The outputs are
 joined along the rows.
 
@@ -34,7 +34,7 @@ from torch import Tensor
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-__all__ = ["call_in_row_chunks"]
+__all__ = ["call_in_row_chunks", "cut_rows"]
 
 
 def call_in_row_chunks(
@@ -81,6 +81,17 @@ def call_in_row_chunks(
     return _join(outs)
 
 
+def cut_rows(
+    args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, a: int, b: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Rows ``[a, b)`` of a call's arguments over ``rows`` rows, cut as the module
+    docstring says (tensors of two or more dimensions whose first is ``rows``, in tuples and
+    lists too; everything else whole)."""
+    return tuple(_cut(x, rows, a, b) for x in args), {
+        k: _cut(v, rows, a, b) for k, v in kwargs.items()
+    }
+
+
 def _holds(layer: Any, keys: Tensor, values: Tensor) -> bool:
     """Whether an allocated layer's buffers take these keys and values (heads, width, type)."""
     held = layer.keys, layer.values
@@ -111,6 +122,8 @@ def _cut(x: Any, rows: int, a: int, b: int) -> Any:
         return tuple(_cut(y, rows, a, b) for y in x)
     if isinstance(x, list):
         return [_cut(y, rows, a, b) for y in x]
+    if type(x) is dict:  # masks by kind (Zaya's causal and convolution masks)
+        return {k: _cut(v, rows, a, b) for k, v in x.items()}
     return x
 
 

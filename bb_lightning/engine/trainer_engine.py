@@ -64,6 +64,7 @@ from torch import Tensor, nn
 from bb_lightning.engine import state_io
 from bb_lightning.engine.blocks import PagedBlocks
 from bb_lightning.engine.budgets import model_sizes
+from bb_lightning.engine.chunked import chunking_for
 from bb_lightning.engine.flat import (
     ParamLoader,
     block_params,
@@ -290,6 +291,7 @@ class TrainingEngine:
                 recomputed = tuple(sorted(copied | set(placement.recomputed)))
                 placement = dataclasses.replace(placement, recomputed=recomputed)
             self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
+        self.paged.chunking = chunking_for(placement, self.store)
 
     def _reduce_order(self) -> list[int]:
         """Blocks whose gradients are reduced, in reverse (the first to reduce last)."""

@@ -658,3 +658,27 @@ def test_memory_copies_do_not_queue_behind_disk_traffic(
         for t in slow:
             t.wait()
         assert torch.equal(s.read("disk"), y)  # the two disk writes landed in order
+
+
+@pytest.mark.parametrize("home", TIERS, ids=lambda t: t.value)
+def test_unregister_frees_the_home_for_a_tensor_of_another_shape(
+    store: TieredStore, tmp_path: Path, home: Tier
+) -> None:
+    """A tensor registered again with another shape (a micro-batch of other rows) takes the
+    bytes the first one freed; one still paged in is refused, nothing removed."""
+    big = 6 * MiB // 4 if home is not Tier.NVME else 48 * MiB // 4  # most of the tier
+    store.register("b", shape=(big,), dtype=torch.float32, home=home)
+    if home is Tier.HOST:
+        store.prefetch_async("b").wait()
+        with pytest.raises(StateError, match=r"'b' is RESIDENT: unregister\(\) needs it RELEASED"):
+            store.unregister("b")
+        store.release("b")
+    before = store.usage()[home][0]
+    store.unregister("b")
+    assert "b" not in store.names() and store.usage()[home][0] < before
+    if home is Tier.NVME:
+        assert not (tmp_path / "nvme" / "b").exists()
+    x = sample(torch.float32, (big // 2 + 1,))
+    store.register("b", x, home=home)  # fits only because the first one's bytes are free
+    store.register("c", shape=(big // 3,), dtype=torch.float32, home=home)
+    assert torch.equal(store.read("b"), x)
