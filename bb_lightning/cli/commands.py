@@ -346,7 +346,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.hardware == "measure":
         hw = measure(nvme_path=args.nvme_path)
     else:
-        hw = preset(args.hardware)
+        hw = preset(args.hardware, gpus=args.devices)
     changes: dict[str, object] = {k: v for k, v in sizes.items() if k != "nvme_capacity"}
     if args.no_nvme:
         changes.update(nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0)

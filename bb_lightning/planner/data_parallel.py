@@ -1,12 +1,21 @@
 """Data-parallel planning: one rank's share of a node and of the job.
 
-With ``world_size`` N > 1 (:class:`~bb_lightning.planner.profile.HardwareProfile`) every
-rank pages a full copy of the weights and holds a dim-0 shard (its rows of every
-parameter, about ``ceil(numel / N)`` elements: :func:`~bb_lightning.planner.cost.shard_numel`)
-of the fp32 master weights, AdamW moments and gradient accumulators
-(:mod:`bb_lightning.engine.shard` executes it); at each block's hand-off its gradients are
-reduce-scattered and after its host AdamW the updated compute-dtype shards are
-all-gathered (both ring collectives, :func:`~bb_lightning.planner.cost.ring_seconds`).
+With ``world_size`` N > 1 (:class:`~bb_lightning.planner.profile.HardwareProfile`) the
+ranks shard the model FSDP's way: every rank homes only a dim-0 shard of each block
+(about ``ceil(numel / N)`` elements: :func:`~bb_lightning.planner.cost.shard_numel`) of
+its compute-dtype weights, fp32 master weights, AdamW moments and gradient
+accumulators, in its own host and NVMe tiers. A node's G ranks thus hold G / N of one
+copy of the weights together (one copy on one node), not G copies. Per block and
+micro-batch, on the devices (:func:`collective_seconds`):
+
+- at each page-in a rank copies only its weight shard to its device and the block is
+  all-gathered there, on a stream of its own beside the previous block's compute;
+- after the block's backward its gradients are reduce-scattered there, beside the next
+  block's backward, and only the rank's reduced fp32 shard goes to the host, where the
+  host AdamW steps it; the updated shard stays home until the next page-in gathers it
+  (blocks resident on the device, and the parameters outside the blocks, all-gather
+  their updated shards once per step).
+
 The planner plans ONE rank: against :func:`rank_share` of the node's profile and
 :func:`rank_job` of the job. The plan keeps the node's profile and the whole job; its
 throughput is the job's, N times one rank's.
@@ -17,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from bb_lightning.planner.cost import ring_seconds
 from bb_lightning.planner.job import FitJob, PredictJob
 from bb_lightning.planner.profile import HardwareProfile
 
-__all__ = ["REDUCE_BYTES", "rank_job", "rank_share"]
+__all__ = ["REDUCE_BYTES", "collective_seconds", "rank_job", "rank_share"]
 
 REDUCE_BYTES = 4
 """Bytes per gradient element in the reduce-scatter (gradients are reduced in fp32)."""
@@ -86,3 +96,22 @@ def rank_job(job: FitJob | PredictJob, world_size: int) -> FitJob | PredictJob:
             f"use at least {n} prompts or fewer ranks"
         )
     return dataclasses.replace(job, num_prompts=math.ceil(job.num_prompts / n))
+
+
+def collective_seconds(nbytes: float, hw: HardwareProfile) -> float:
+    """Seconds of one reduce-scatter, or one all-gather, of a buffer of ``nbytes`` (the
+    whole buffer, every rank's shard) over the ``world_size`` N = G x M ranks of ``hw``
+    (G a node, M nodes), on the devices.
+
+    Two levels (hierarchical): a ring of the node's G ranks over the devices' own links
+    (``intra_node_bandwidth``), then, for the inter-node part, M rings of the ranks of
+    one local rank, each carrying ``nbytes / G`` over its rank's share of the network
+    (``inter_node_bandwidth``); an all-gather runs the two levels the other way round:
+
+    ``ring(nbytes, G, intra) + ring(nbytes / G, M, inter)``, each
+    :func:`~bb_lightning.planner.cost.ring_seconds` with ``collective_latency`` per step.
+    0 for one rank.
+    """
+    g, m, lat = hw.ranks_per_node, hw.num_nodes, hw.collective_latency
+    within = ring_seconds(nbytes, g, hw.intra_node_bandwidth, lat)
+    return within + ring_seconds(nbytes / g, m, hw.inter_node_bandwidth, lat)

@@ -40,6 +40,10 @@ class FitSizes:
     """Bytes per element of the compute dtype (weights, their gradients)."""
     block_weight_bytes: float
     """Bytes of one block's weights (every parameter is paged)."""
+    block_home_bytes: float
+    """Bytes of one paged block's weights one rank homes on the host or NVMe and copies
+    to its device at a page-in: all of them for one rank, its dim-0 shard of every
+    parameter (``ceil(block_params / N)`` elements) with data parallelism."""
     block_train_params: float
     """Trained parameters of one block."""
     rest_train_params: float
@@ -52,6 +56,8 @@ class FitSizes:
     """One rank's shard of the trained parameters outside the blocks."""
     data_parallel: bool
     """Whether several ranks share the job."""
+    world_size: int = 1
+    """Ranks sharing the job (N)."""
     seqs_per_step: int
     """Sequences per optimizer step (one rank's share)."""
     seq_len: int
@@ -71,12 +77,14 @@ def fit_sizes(model: ModelProfile, hw: HardwareProfile, job: FitJob, mb: int) ->
         blocks=model.num_blocks,
         element_bytes=wb,
         block_weight_bytes=float(model.block_params) * wb,
+        block_home_bytes=float(cost.shard_numel(model.block_params, hw.world_size)) * wb,
         block_train_params=float(model.block_train),
         rest_train_params=float(model.rest_train),
         rest_params=float(model.rest_params),
         block_shard_params=float(cost.shard_numel(model.block_train, hw.world_size)),
         rest_shard_params=float(cost.shard_numel(model.rest_train, hw.world_size)),
         data_parallel=hw.world_size > 1,
+        world_size=hw.world_size,
         seqs_per_step=job.seqs_per_step,
         seq_len=job.seq_len,
         micro_batch=mb,
@@ -149,13 +157,17 @@ def _device_and_staging_bytes(
     n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_weight_bytes
     ps, mb, ga = sz.block_shard_params, sz.micro_batch, sz.grad_accum
     paged = n - kf - kw
-    paging = np.where(paged > 0, (depth + 1) * bb, 0.0)
+    # the pages in flight: the blocks' homed bytes on the host (a rank's shards with data
+    # parallelism), and on the device besides them the gathered blocks
+    paging = np.where(paged > 0, (depth + 1) * sz.block_home_bytes, 0.0)
+    gathered = np.where(paged > 0, (depth + 1) * bb, 0.0) if sz.data_parallel else 0.0 * kf
     # checkpointing forced on a placement that pages nothing: every block is recomputed
     act_kept = np.where(paged > 0, kf + kw, 0.0) if ckpt else kf + kw
     # every block's gradients leave through the gradient sink (two batches in flight)
     in_flight = np.full_like(kf, float(cost.grad_bytes_in_flight(model, wb)))
-    # the collectives' device buffers: a block's packed and reduced gradients, its gathered weights
-    collective = (2 * REDUCE_BYTES + wb) * p if sz.data_parallel else 0.0
+    # the reduce-scatter's device buffers: a block's fp32 gradients packed into N padded
+    # shards, and the rank's reduced shard
+    collective = REDUCE_BYTES * (sz.world_size + 1) * ps if sz.data_parallel else 0.0
     # the activations kept across the pass, less the recomputed block's (priced with the
     # backward's peak)
     tokens = mb * sz.seq_len
@@ -170,6 +182,7 @@ def _device_and_staging_bytes(
         + kw * bb
         + kf * (bb + ps * (FP32_BYTES + ADAM_STATE_BYTES))
         + paging
+        + gathered
         + in_flight
         + collective
         + kept_acts
@@ -207,7 +220,7 @@ def _fill_host(
 ) -> tuple[Arr, Arr, Arr, Mask, Arr]:
     """(host weight blocks, host gradient blocks, host state blocks, forced homes kept,
     host bytes left) from ``free`` host bytes, in :func:`price`'s fill order."""
-    bb, ps = sz.block_weight_bytes, sz.block_shard_params
+    bb, ps = sz.block_home_bytes, sz.block_shard_params
     w_forced, m_forced = ov.weights_tier, ov.master_tier
     if w_forced is Tier.HOST or not state_first:  # forced weights are reserved first
         w_h, ok_w = _fill(free, paged, bb + in_place_act, w_forced)
@@ -242,22 +255,23 @@ def fit_memory(
     state_first: bool,
 ) -> FitMemory:
     """Bytes per tier of every (kF, kW) and the host's homes (see :func:`price`)."""
-    n, bb, ps = sz.blocks, sz.block_weight_bytes, sz.block_shard_params
+    n, bb, ps = sz.blocks, sz.block_home_bytes, sz.block_shard_params
     paged, off = n - kf - kw, n - kf
     device, mandatory = _device_and_staging_bytes(model, sz, ckpt, depth, kf, kw, hold)
     # On a CPU device both tiers are the same RAM: one pool, whatever the device holds
     # is not there for the host (:func:`cost.pooled_budget`).
     pool = cost.pooled_budget(hw, budgets)
     host_base = budgets[Tier.HOST] if pool is None else pool - device
-    # On a CPU device a host-home block is used in place: it keeps its activations (in
-    # the same RAM) instead of being recomputed, so it costs them on the host too.
+    # On a CPU device a host-home block is used in place (one rank: with data parallelism
+    # the rank homes a shard, gathered into a page): it keeps its activations (in the same
+    # RAM) instead of being recomputed, so it costs them on the host too.
     in_place_act = (
         float(
             (model.act_bytes_per_token_full - model.act_bytes_per_token_checkpointed)
             * sz.micro_batch
             * sz.seq_len
         )
-        if ckpt and hw.device_type == "cpu"
+        if ckpt and hw.device_type == "cpu" and not sz.data_parallel
         else 0.0
     )
     # with optimizer state off the host (on NVMe, or a full block's on the device) the

@@ -86,7 +86,8 @@ def fit_placement(
     v, n = best.price, model.num_blocks
     kf, kw = int(v.full_blocks), int(v.resident_weight_blocks)
     w_h = int(v.host_weight_blocks)
-    copied = n - kf - kw - (w_h if hw.device_type == "cpu" else 0)
+    in_place = hw.device_type == "cpu" and hw.world_size == 1  # a rank of several gathers
+    copied = n - kf - kw - (w_h if in_place else 0)
     return Placement(
         weights=placement_tiers(n, kf + kw, w_h),
         master=placement_tiers(n, kf, int(v.host_state_blocks)),

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from bb_lightning.placement import READ_AHEAD
 from bb_lightning.planner import cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
-from bb_lightning.planner.data_parallel import REDUCE_BYTES
+from bb_lightning.planner.data_parallel import REDUCE_BYTES, collective_seconds
 from bb_lightning.planner.fit_memory import FitMemory, FitSizes, fit_memory, fit_sizes
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import PlanOverrides
@@ -147,7 +147,7 @@ def _device_grad_bytes(sz: FitSizes, mem: FitMemory) -> Arr:
 
 def _pass_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -> dict[Link, Arr]:
     """Busy seconds per link of one micro-batch pass (forward and backward)."""
-    n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_weight_bytes
+    n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_home_bytes
     ps, nbs = sz.block_shard_params, sz.rest_shard_params
     grads_dev, grads_nvme = _device_grad_bytes(sz, mem), _nvme_grad_bytes(sz, mem)
     # what leaves the device per micro-batch: the gradients (one rank: all of them in the
@@ -178,30 +178,25 @@ def _optimizer_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -
 
     The engine steps every block with host AdamW, the kF blocks too: their fp32 state
     comes off the device and goes back each step (12 + 12 bytes per parameter). After
-    the step, weights go up: one rank the resident ones; data parallel every updated
-    shard (for the all-gather), and the gathered paged weights come back home.
+    the step the resident weights go up (data parallel: the rank's updated shards, for
+    the all-gather on the device; a paged block's shard stays home until its next
+    page-in) and the paged blocks' updated weights homed on NVMe go there.
     """
-    n, p, wb = sz.blocks, sz.block_train_params, sz.element_bytes
+    wb = sz.element_bytes
     ps, nbs, kf = sz.block_shard_params, sz.rest_shard_params, mem.full_blocks
     nvme_r, nvme_w = hw.nvme_read_bandwidth, hw.nvme_write_bandwidth
     state_nvme = mem.nvme_state_blocks * ADAM_STATE_BYTES * ps
-    weights_up: float | Arr
-    if sz.data_parallel:
-        weights_up = (n * ps + nbs) * wb
-        weights_home = mem.paged_blocks * p * wb
-    else:
-        weights_up = ((mem.resident_weight_blocks + kf) * p + sz.rest_train_params) * wb
-        weights_home = 0.0 * kf
+    weights_up = ((mem.resident_weight_blocks + kf) * ps + nbs) * wb
     return {
         Link.NVME_TO_HOST: cost.link_seconds(state_nvme, nvme_r, hw.nvme_efficiency),
         Link.HOST_TO_NVME: cost.link_seconds(
-            state_nvme + mem.nvme_weight_blocks * p * wb, nvme_w, hw.nvme_efficiency
+            state_nvme + mem.nvme_weight_blocks * ps * wb, nvme_w, hw.nvme_efficiency
         ),
         Link.HOST_TO_DEVICE: cost.link_seconds(
             weights_up + kf * ADAM_STATE_BYTES * ps, hw.h2d_bandwidth, hw.h2d_efficiency
         ),
         Link.DEVICE_TO_HOST: cost.link_seconds(
-            kf * ADAM_STATE_BYTES * ps + weights_home, hw.d2h_bandwidth, hw.d2h_efficiency
+            kf * ADAM_STATE_BYTES * ps, hw.d2h_bandwidth, hw.d2h_efficiency
         ),
     }
 
@@ -230,15 +225,15 @@ def _optimizer_times(
     opt_links: Mapping[Link, Arr],
     compute: Arr,
     passes: tuple[Arr, Arr],
-    network: float,
+    network: Arr,
 ) -> FitOptimizerTimes:
     """The optimizer pipeline (host AdamW, the state's disk traffic, the copies and, data
-    parallel, the all-gathers: each block's step runs beside the others') against the
-    last backward, or, norm-clipped on one rank, the next forward (``passes``: the
-    (forward, backward) seconds of one micro-batch of the ``compute`` seconds per step).
+    parallel, the resident weights' all-gathers: each block's step runs beside the
+    others') against the last backward, or, norm-clipped on one rank, the next forward
+    (``passes``: the (forward, backward) seconds of one micro-batch of the ``compute``
+    seconds per step).
 
-    ``network``: the seconds of one micro-batch's reduce-scatters and the step's
-    all-gathers, which share the link in the last backward's window.
+    ``network``: the seconds of the step's all-gathers on the devices.
     """
     n, ps, kf = sz.blocks, sz.block_shard_params, mem.full_blocks
     forward, backward = passes
@@ -252,12 +247,11 @@ def _optimizer_times(
     k, disk = _state_reads(model, hw, job, nvme_state, free, compute - backward, window, shard=ps)
     extra = np.where(nvme_state > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * ps, 0.0)
     eff = hw.nvme_efficiency
-    written = mem.nvme_weight_blocks * sz.block_train_params * sz.element_bytes
+    written = mem.nvme_weight_blocks * ps * sz.element_bytes
     disk = disk + cost.link_seconds(written, hw.nvme_write_bandwidth, eff)
     opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
     pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
-    if sz.data_parallel:  # the all-gathers run beside the AdamW, block by block, on the
-        # link that carries the last micro-batch's reduce-scatters in the same window
+    if sz.data_parallel:  # the all-gathers run beside the AdamW, block by block
         pipeline = np.maximum(pipeline, network)
     if deferred:  # the outside parameters step and go up first, then the blocks
         adam_rest = cost.host_adam_seconds(sz.rest_shard_params + 0.0 * kf, hw)
@@ -312,9 +306,9 @@ def _shared_core_seconds(
     grads_nvme = _nvme_grad_bytes(sz, mem)
     nvme_weights = mem.nvme_weight_blocks
     nvme_bytes = (
-        ga * (2.0 * nvme_weights * sz.block_weight_bytes + 2.0 * grads_nvme)  # page-ins, sums
+        ga * (2.0 * nvme_weights * sz.block_home_bytes + 2.0 * grads_nvme)  # page-ins, sums
         + 2.0 * mem.nvme_state_blocks * ADAM_STATE_BYTES * ps  # state read and written
-        + nvme_weights * sz.block_train_params * wb  # updated weights written home
+        + nvme_weights * ps * wb  # updated weights written home
     )
     return adam + accumulate + nvme_bytes * hw.nvme_cpu_seconds_per_byte
 
@@ -347,15 +341,16 @@ def price(
 
     With data parallelism (``hw.world_size`` N > 1) this prices one rank: ``hw`` is its
     :func:`~bb_lightning.planner.data_parallel.rank_share` and ``job`` its share of the
-    batch. Master weights, moments, gradient accumulators and the host AdamW then count
-    the rank's dim-0 shard (``ceil(params / N)`` per block and outside); the reduced fp32
-    gradient shard leaves the device, the updated weight shard goes up for the
-    all-gather and the gathered paged weights go back home. ``network_seconds`` is the
-    rank's network busy time per step (:func:`_net_seconds`): the per-micro-batch
-    reduce-scatters run beside the pass's compute as one more link
-    (:func:`cost.pass_exposed_seconds`), the all-gathers beside the host AdamW in the
-    optimizer pipeline (:func:`cost.optimizer_exposed_seconds`), where they share the
-    link with the last micro-batch's reduce-scatters.
+    batch. Paged weights, master weights, moments, gradient accumulators and the host
+    AdamW then count the rank's dim-0 shard (``ceil(params / N)`` per block and outside):
+    a page-in copies the weight shard and all-gathers the block on the device, the
+    gradients are reduce-scattered there and only the reduced fp32 shard leaves it
+    (:mod:`~bb_lightning.planner.data_parallel`). ``network_seconds`` is the rank's
+    collective busy time per step (:func:`_net_seconds`): each pass's all-gathers and
+    reduce-scatters run on their own stream beside its compute, one more link
+    (:func:`cost.pass_exposed_seconds`: exposed only where they outlast it); the resident
+    weights' all-gathers after the step beside the host AdamW in the optimizer pipeline
+    (:func:`cost.optimizer_exposed_seconds`).
     """
     sz = fit_sizes(model, hw, job, mb)
     n, ga, tokens = sz.blocks, sz.grad_accum, sz.seqs_per_step * sz.seq_len
@@ -368,14 +363,14 @@ def price(
     compute = cost.compute_seconds(flops, hw)
     c_pass = compute / ga
     links = _pass_link_seconds(hw, sz, mem)
-    net_pass, net_opt = _net_seconds(model, hw, sz.element_bytes)
+    net_pass, net_opt = _net_seconds(model, hw, sz, mem)
     exposed_pass = cost.pass_exposed_seconds(
         np.full_like(kf, c_pass), links, net=net_pass if sz.data_parallel else None
     )
     opt_links = _optimizer_link_seconds(hw, sz, mem)
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
     passes = (c_pass - bwd, bwd)
-    opt = _optimizer_times(model, hw, job, sz, mem, opt_links, compute, passes, net_pass + net_opt)
+    opt = _optimizer_times(model, hw, job, sz, mem, opt_links, compute, passes, net_opt)
     total = compute + ga * exposed_pass + opt.exposed_seconds
     shared = np.zeros_like(kf)
     if hw.device_type == "cpu":  # the host work shares the compute's cores
@@ -395,7 +390,7 @@ def price(
         nvme_write_seconds=busy[Link.HOST_TO_NVME],
         h2d_seconds=busy[Link.HOST_TO_DEVICE],
         d2h_seconds=busy[Link.DEVICE_TO_HOST],
-        network_seconds=np.full_like(kf, ga * net_pass + net_opt),
+        network_seconds=ga * net_pass + net_opt,
         device_bytes=mem.device_bytes,
         host_bytes=mem.host_bytes + opt.read_ahead_bytes,
         nvme_bytes=mem.nvme_bytes,
@@ -411,29 +406,36 @@ def price(
     )
 
 
-def _net_seconds(model: ModelProfile, hw: HardwareProfile, wb: int) -> tuple[float, float]:
-    """(seconds per micro-batch, seconds per step) of one rank's ring collectives.
+def _net_seconds(
+    model: ModelProfile, hw: HardwareProfile, sz: FitSizes, mem: FitMemory
+) -> tuple[Arr, Arr]:
+    """(seconds per micro-batch, seconds per step) of one rank's collectives on the
+    devices, each :func:`~bb_lightning.planner.data_parallel.collective_seconds` of its
+    buffer of N padded shards.
 
-    Per micro-batch each block's trained gradients, packed into one padded buffer of
-    ``N * ceil(block_train / N)`` elements of :data:`REDUCE_BYTES`, are reduce-scattered,
-    and so are the trained parameters outside the blocks (one more buffer); per step the
-    updated shards in the compute dtype (``wb`` bytes) are all-gathered, one buffer each.
-    Each collective is :func:`cost.ring_seconds` over ``hw.network_bandwidth`` and
-    ``hw.collective_latency``; (0, 0) for one rank.
+    Per micro-batch: every page-in all-gathers its block's weights (each paged block twice,
+    forward and the recomputing backward: ``N * ceil(block_params / N)`` elements of the
+    compute dtype), and every block's trained gradients are reduce-scattered in
+    :data:`REDUCE_BYTES` (``N * ceil(block_train / N)`` elements), and so are the trained
+    parameters outside the blocks (one more buffer). Per step: the updated shards of the
+    resident blocks (``kF + kW``) and of the parameters outside are all-gathered into the
+    device's copies, in the compute dtype. (0, 0) for one rank.
     """
-    n_ranks = hw.world_size
-    if n_ranks == 1:
-        return 0.0, 0.0
-    bw, lat = hw.network_bandwidth, hw.collective_latency
-    units = [(model.num_blocks, model.block_train), (1, model.rest_train)]
-    reduce = gather = 0.0
-    for count, numel in units:
-        if numel == 0:
-            continue
-        padded = float(n_ranks * cost.shard_numel(numel, n_ranks))
-        reduce += count * cost.ring_seconds(padded * REDUCE_BYTES, n_ranks, bw, lat)
-        gather += count * cost.ring_seconds(padded * wb, n_ranks, bw, lat)
-    return reduce, gather
+    zero = 0.0 * mem.full_blocks
+    if not sz.data_parallel:
+        return zero, zero
+    n_ranks, wb = sz.world_size, sz.element_bytes
+
+    def coll(numel: int, elem: int) -> float:
+        padded = n_ranks * cost.shard_numel(numel, n_ranks)
+        return collective_seconds(float(padded * elem), hw) if numel else 0.0
+
+    reduce = sz.blocks * coll(model.block_train, REDUCE_BYTES)
+    reduce += coll(model.rest_train, REDUCE_BYTES)
+    per_pass = 2.0 * mem.paged_blocks * coll(model.block_params, wb) + reduce
+    resident = mem.full_blocks + mem.resident_weight_blocks
+    per_step = resident * coll(model.block_train, wb) + coll(model.rest_train, wb)
+    return per_pass, per_step
 
 
 def _recompute(
@@ -453,7 +455,8 @@ def _recompute(
     (``Placement.recompute_resident``: then all are). So checkpointing off runs only
     where nothing is copied, and on (unless forced) only where something is.
     """
-    copied = paged - (paged_host if hw.device_type == "cpu" else 0.0)
+    in_place = hw.device_type == "cpu" and hw.world_size == 1  # a rank of several gathers
+    copied = paged - (paged_host if in_place else 0.0)
     if not ckpt:
         return np.zeros_like(paged), copied == 0
     forced = (ov.checkpointing if ov.checkpointing is not None else job.checkpointing) is True

@@ -504,18 +504,19 @@ class Plan:
         return f"{_flops(self.model_flops)} model FLOP/s ({priced})"
 
     def _data_parallel_lines(self) -> list[str]:
-        """explain()'s lines on the ranks: the layout, memory per node, the network."""
+        """explain()'s lines on the ranks: the layout, memory per node, the collectives."""
         hw, p = self.hardware, self.predicted
-        g = hw.ranks_per_node
+        g, n = hw.ranks_per_node, hw.world_size
         work = (
-            "a share of the global batch, reduce-scattering each block's gradients and "
-            "all-gathering its updated weights"
+            f"trains its share of the global batch on its 1/{n} shard of every block "
+            "(weights homed and paged in as shards, all-gathered on the device; gradients "
+            "reduce-scattered there; master weights and moments), so a node's host and NVMe "
+            f"hold {g}/{n} of one copy of the weights"
             if self.task == "fit"
             else "its own share of the prompts"
         )
         lines = [
-            f"data parallel: {hw.world_size} ranks, {g} per node on {hw.num_nodes} node(s); "
-            f"each rank runs {work}",
+            f"data parallel: {n} ranks, {g} per node on {hw.num_nodes} node(s); each rank {work}",
             f"  per node ({g} rank(s)): "
             + " · ".join(
                 f"{mem.tier.value} {format_bytes(g * mem.used)} of {format_bytes(g * mem.capacity)}"
@@ -523,10 +524,14 @@ class Plan:
             ),
         ]
         if self.task == "fit":
+            levels = f"within a node at {hw.intra_node_bandwidth / 1e9:.3g} GB/s" if g > 1 else ""
+            if hw.num_nodes > 1:
+                between = f"between nodes at {hw.inter_node_bandwidth / 1e9:.3g} GB/s per rank"
+                levels = f"{levels}, then {between}" if levels else between
             lines.append(
-                f"  network: {p.net:.3g} s busy per step over "
-                f"{hw.network_bandwidth / 1e9:.3g} GB/s "
-                f"({'between nodes' if hw.num_nodes > 1 else 'within the node'}, ring)"
+                f"  collectives on the devices: {p.net:.3g} s busy per step (each page-in's "
+                "all-gather beside the previous block's compute, each block's reduce-scatter "
+                f"beside the next block's backward), rings {levels}"
             )
         return lines
 

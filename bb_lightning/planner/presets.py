@@ -30,6 +30,19 @@ Shared assumptions:
   fp32 per parameter, so it is bound by memory bandwidth: sustained host
   bandwidth / 28 bytes: ≈ 3.6e9 updates/s on the server socket, ≈ 1.9e9 on the
   desktop, ≈ 2.1e9 on the cloud VM.
+- ``intra_node_bandwidth``: what one GPU sends another of its node per direction in
+  a ring collective (NCCL): NVLink where the datasheet gives it (its total
+  bidirectional figure / 2), else PCIe x16 per direction (peer-to-peer, or staged
+  through host memory where the driver has no peer access), × 0.80: the bus
+  bandwidth NCCL's all-gather and reduce-scatter sustain at large messages.
+- ``inter_node_bandwidth``: one GPU's share of the node's network, per direction:
+  the typical node's adapters / its GPUs (a DGX has one adapter per GPU), × 0.80.
+
+A row is one GPU with its share of a typical node (the datacenter rows' host memory is
+a DGX's 2 TB / 8 GPUs, and a DGX has a data NVMe drive per GPU): the node of ``gpus``
+such GPUs (:func:`preset_fields`, ``bb-lightning plan --devices G``) has ``gpus`` times
+the host memory and the NVMe capacity and bandwidths. Its cores, host AdamW rate and host
+memory bandwidth (the node's sockets) stay the row's.
 """
 
 from __future__ import annotations
@@ -47,10 +60,18 @@ _PCIE_EFF = 0.80
 _HOST_USABLE = 0.80
 _NVME_EFF = 0.85
 _HBM_EFF = 0.80
+_LINK_EFF = 0.80  # NCCL bus bandwidth / link rate at large messages
 
 _PCIE_GEN3 = 15.75 * GB  # bytes/s per direction, x16
 _PCIE_GEN4 = 31.5 * GB
 _PCIE_GEN5 = 63.0 * GB
+
+_NVLINK3 = 600 * GB / 2  # bytes/s per direction: A100 SXM datasheet "NVLink 600 GB/s"
+_NVLINK4 = 900 * GB / 2  # bytes/s per direction: H100/H200 SXM datasheet "NVLink 900 GB/s"
+_IB_HDR = 200e9 / 8  # bytes/s: one 200 Gb/s HDR InfiniBand adapter (DGX A100: one per GPU)
+_IB_NDR = 400e9 / 8  # bytes/s: one 400 Gb/s NDR adapter (DGX H100/H200: one per GPU)
+_ETH_25G = 25e9 / 8  # bytes/s: a cloud instance with one GPU (AWS g4dn, g6: up to 25 Gb/s)
+_ETH_10G = 10e9 / 8  # bytes/s: a workstation's 10 Gb Ethernet port
 
 _HOST_BW_SERVER = 204.8 * GB * 0.5  # bytes/s, 8 x DDR4-3200 socket
 _HOST_BW_DESKTOP = 89.6 * GB * 0.6  # bytes/s, 2 x DDR5-5600
@@ -83,6 +104,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_SERVER,
         "host_bw": _HOST_BW_SERVER,
         "cores": 32,
+        "peer": _NVLINK3,
+        "network": _IB_HDR,
     },
     "a100-80gb": {
         "name": "A100-80GB SXM (preset)",
@@ -95,6 +118,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_SERVER,
         "host_bw": _HOST_BW_SERVER,
         "cores": 32,
+        "peer": _NVLINK3,
+        "network": _IB_HDR,
     },
     "h100": {
         "name": "H100 SXM 80GB (preset)",
@@ -107,6 +132,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_SERVER,
         "host_bw": _HOST_BW_SERVER,
         "cores": 56,  # typical: 2 x 56-core Xeon 8480C / 2 sockets
+        "peer": _NVLINK4,
+        "network": _IB_NDR,
     },
     "h200": {
         "name": "H200 SXM 141GB (preset)",
@@ -119,6 +146,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_SERVER,
         "host_bw": _HOST_BW_SERVER,
         "cores": 56,
+        "peer": _NVLINK4,
+        "network": _IB_NDR,
     },
     "rtx4090": {
         "name": "GeForce RTX 4090 24GB (preset)",
@@ -131,6 +160,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_DESKTOP,
         "host_bw": _HOST_BW_DESKTOP,
         "cores": 16,
+        "peer": _PCIE_GEN4,  # no NVLink, no peer access: staged through host memory over PCIe
+        "network": _ETH_10G,
     },
     "l4": {
         "name": "L4 24GB (preset)",
@@ -146,6 +177,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_CLOUD_VM,
         "host_bw": _HOST_BW_CLOUD_VM,
         "cores": 16,
+        "peer": _PCIE_GEN4,  # no NVLink: PCIe peer-to-peer
+        "network": _ETH_25G,
     },
     "t4": {
         "name": "T4 16GB (preset)",
@@ -161,6 +194,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_CLOUD_VM,
         "host_bw": _HOST_BW_CLOUD_VM,
         "cores": 8,
+        "peer": _PCIE_GEN3,  # no NVLink: PCIe peer-to-peer
+        "network": _ETH_25G,
     },
     "a6000": {
         "name": "RTX A6000 48GB (preset)",
@@ -176,23 +211,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         "adam": _ADAM_SERVER,
         "host_bw": _HOST_BW_SERVER,
         "cores": 32,  # typical workstation or server socket beside one A6000
+        "peer": _PCIE_GEN4,  # PCIe peer-to-peer (the NVLink bridge joins pairs only)
+        "network": _ETH_10G,
     },
 }
 
 
-def preset_fields(key: str) -> dict[str, Any]:
-    """Turn one table row into ``HardwareProfile`` keyword arguments (units as there)."""
+def preset_fields(key: str, gpus: int = 1) -> dict[str, Any]:
+    """Turn one table row into ``HardwareProfile`` keyword arguments (units as there): a
+    node of ``gpus`` such GPUs, with ``gpus`` times the row's host memory, NVMe capacity
+    and NVMe bandwidths (see the module docstring)."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus = {gpus!r} GPUs per node: give a positive integer (1: one GPU)")
     row = PRESETS[key]
-    nvme = row["nvme"]
+    nvme = {k: v * gpus for k, v in row["nvme"].items()}
+    name = row["name"] if gpus == 1 else f"{row['name']}, node of {gpus}"
     return {
-        "name": row["name"],
+        "name": name,
         "device_type": "cuda",
         "device_memory": int(row["memory"] * _MEM_USABLE),
         "device_flops": float(row["flops"] * row.get("flops_eff", _FLOPS_EFF)),
         "peak_flops": float(row["flops"]),
         "h2d_bandwidth": float(row["pcie"] * _PCIE_EFF),
         "d2h_bandwidth": float(row["pcie"] * _PCIE_EFF),
-        "host_memory": int(row["host"] * _HOST_USABLE),
+        "host_memory": int(row["host"] * gpus * _HOST_USABLE),
         "nvme_read_bandwidth": float(nvme["read"] * _NVME_EFF),
         "nvme_write_bandwidth": float(nvme["write"] * _NVME_EFF),
         "nvme_capacity": int(nvme["capacity"]),
@@ -200,6 +242,8 @@ def preset_fields(key: str) -> dict[str, Any]:
         "cores": int(row["cores"]),
         "device_memory_bandwidth": float(row["bandwidth"] * _HBM_EFF),
         "host_memory_bandwidth": float(row["host_bw"]),
+        "intra_node_bandwidth": float(row["peer"] * _LINK_EFF),
+        "inter_node_bandwidth": float(row["network"] * _LINK_EFF),
     }
 
 

@@ -124,13 +124,16 @@ class HardwareProfile:
     """Ranks (one device each) on one node; they share the node's host memory, NVMe
     capacity and bandwidth and host AdamW cores. ``world_size`` is a multiple of it."""
     intra_node_bandwidth: float = 0.0
-    """Bytes/s one rank sends to another of its node in a ring collective (NVLink, PCIe
-    peer-to-peer; 0.0: not given, needed when a node holds several ranks)."""
+    """Bytes/s per direction one rank's device sends another device of its node in a ring
+    collective on the devices (NVLink, PCIe peer-to-peer or staged through host memory; a
+    preset's datasheet figure, or measured at start-up on the ranks' group; 0.0: not given,
+    needed when a node holds several ranks)."""
     inter_node_bandwidth: float = 0.0
-    """Bytes/s one rank sends to a rank of another node (the network adapter's share of
-    one rank; 0.0: not given, needed when the ranks span several nodes)."""
+    """Bytes/s per direction one rank sends to ranks of other nodes: its share of the
+    node's network adapters (a preset's datasheet figure, or measured at start-up; 0.0:
+    not given, needed when the ranks span several nodes)."""
     collective_latency: float = 0.0
-    """Seconds each of a ring collective's ``world_size - 1`` steps waits besides its bytes."""
+    """Seconds each step of a ring collective waits besides its bytes."""
     peak_flops: float = 0.0
     """The device's datasheet dense bf16 matrix-product FLOP/s, the denominator of model
     FLOPs utilisation (0.0: no datasheet figure is known, e.g. a CPU)."""
@@ -240,15 +243,17 @@ def preset_names() -> list[str]:
     return sorted(PRESETS)
 
 
-def preset(name: str) -> HardwareProfile:
-    """The preset profile called ``name`` (case-insensitive); see ``presets.py`` for sources."""
+def preset(name: str, gpus: int = 1) -> HardwareProfile:
+    """The preset profile called ``name`` (case-insensitive): one GPU's machine, or with
+    ``gpus`` > 1 the node of that many (``gpus`` times the host memory and NVMe a row
+    gives one GPU); see ``presets.py`` for sources."""
     key = name.strip().lower()
     if key not in PRESETS:
         raise ValueError(
             f"unknown hardware preset {name!r}: known presets are {preset_names()}; "
             "pick one of them or measure this machine with measure()"
         )
-    return HardwareProfile(**preset_fields(key))
+    return HardwareProfile(**preset_fields(key, gpus))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -399,7 +399,7 @@ class PlanningSession:
         elif spec is None or spec == "measure":
             hardware = measure_machine(self.nvme_path)
         else:
-            hardware = preset(spec)
+            hardware = preset(spec, gpus=self.ranks_per_node)
         forced = Tier.NVME in (
             getattr(self.overrides, "weights_tier", None),
             getattr(self.overrides, "master_tier", None),

@@ -1,8 +1,9 @@
 """Data-parallel planning: one rank of N, priced against its share of the node.
 
-One rank (the default layout) must plan exactly as without a layout; with N ranks the
-network seconds, the rank's state bytes and its host AdamW time follow the formulas,
-written out here from the profiles' numbers.
+One rank (the default layout) must plan exactly as without a layout; with N ranks (each
+homing and paging in a 1/N shard of every block, all-gathering it and reduce-scattering
+its gradients on the device) the collective seconds, the rank's bytes and its host AdamW
+time follow the formulas, written out here from the profiles' numbers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from bb_lightning.planner import (
     preset_names,
 )
 from bb_lightning.planner.cost import ring_seconds
+from bb_lightning.planner.data_parallel import collective_seconds
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.planner.profile import LAYOUT_FIELDS
 from bb_lightning.probe import model_profile_from_config
@@ -68,7 +70,11 @@ def _one_rank_layout(hw: HardwareProfile) -> HardwareProfile:
 @pytest.mark.parametrize("hw_name", preset_names())
 def test_one_rank_plans_as_without_a_layout(hw_name: str) -> None:
     hw = preset(hw_name)
-    assert not set(LAYOUT_FIELDS) & set(hw.to_dict())  # a preset's dict is what it was
+    # a preset's dict carries its machine's links, not a layout
+    assert set(LAYOUT_FIELDS) & set(hw.to_dict()) == {
+        "intra_node_bandwidth",
+        "inter_node_bandwidth",
+    }
     for model in MODELS.values():
         for job in JOBS:
             try:
@@ -120,34 +126,35 @@ HOST_HOMES = PlanOverrides(
 """Every block paged from the host, its master weights, moments and gradients there too."""
 
 
-def _host_bytes(n: int, p: int, rest: int, shard: int) -> int:
+def _host_bytes(n: int, p: int, rest: int, shard: int, page: int | None = None) -> int:
     """A rank's host bytes besides the homes (bf16 weights, ``n`` blocks of ``p`` trained
     parameters, ``rest`` outside): outside the store the larger of the engine's setup
     (fp32 ``rest`` values, then one block's fp32 values and its moments' zeros) and two
-    paging slots with two blocks' gradients in flight; in it two scratch sets (four fp32
-    block shards and one bf16 block each), 1 MiB of slack and a 4 KiB slot per tensor."""
+    paging slots of ``page`` elements (the rank's weight shard; default ``p``) with two
+    blocks' gradients in flight; in it two scratch sets (four fp32 block shards and one
+    bf16 block each), 1 MiB of slack and a 4 KiB slot per tensor."""
+    page = p if page is None else page
     setup = 4 * (rest + max(rest, p + shard))
     scratch = 2 * (4 * 4 * shard + 2 * p)
-    return max(2 * 2 * p + 2 * 2 * p, setup) + scratch + 2**20 + 4096 * (9 * n + 32)
+    return max(2 * 2 * page + 2 * 2 * p, setup) + scratch + 2**20 + 4096 * (9 * n + 32)
 
 
-@pytest.mark.parametrize(
-    ("world", "per_node", "bandwidth_field"),
-    [(2, 2, "intra_node_bandwidth"), (4, 2, "inter_node_bandwidth")],
-)
+def _ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Seconds of one ring reduce-scatter or all-gather of ``nbytes`` over ``ranks``."""
+    return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(2, 2), (4, 2), (2, 1)])
 def test_rank_follows_the_formulas(
-    model: ModelProfile,
-    node: HardwareProfile,
-    world: int,
-    per_node: int,
-    bandwidth_field: str,
+    model: ModelProfile, node: HardwareProfile, world: int, per_node: int
 ) -> None:
+    intra, inter, lat = 1.5e11, 1.25e10, 2e-5
     hw = node.replace(
         world_size=world,
         ranks_per_node=per_node,
-        intra_node_bandwidth=1.5e11,
-        inter_node_bandwidth=1.25e10,
-        collective_latency=2e-5,
+        intra_node_bandwidth=intra,
+        inter_node_bandwidth=inter,
+        collective_latency=lat,
     )
     job = FitJob(seq_len=512, global_batch_seqs=10)
     plan = make_plan(model, hw, job, overrides=HOST_HOMES)
@@ -155,16 +162,16 @@ def test_rank_follows_the_formulas(
     n, p, rest = model.num_blocks, model.block_params, model.rest_params  # all trained
     shard, rest_shard = math.ceil(p / world), math.ceil(rest / world)  # dim-0, padded
     rank_seqs = math.ceil(10 / world)
-    assert plan.grad_accum == math.ceil(rank_seqs / plan.micro_batch)
+    ga = plan.grad_accum
+    assert ga == math.ceil(rank_seqs / plan.micro_batch)
     assert plan.job == job and plan.hardware == hw
 
     # the rank's host memory: outside the store the larger of its setup and the paging
-    # slot pair with the gradients in flight; paged bf16 weights (full copies), the fp32
-    # master + 2 moments (12 B) + gradient accumulator (4 B) shards, two scratch sets
-    block_bytes = 2 * p
-    state = n * (12 + 4) * shard + (12 + 4) * rest_shard
+    # slot pair (of its weight shards) with the gradients in flight; its shards of the
+    # paged bf16 weights, the fp32 master + 2 moments (12 B) and accumulators (4 B)
+    state = n * (2 + 12 + 4) * shard + (12 + 4) * rest_shard
     host = next(m for m in plan.memory if m.tier is Tier.HOST)
-    assert host.used == _host_bytes(n, p, rest, shard) + n * block_bytes + state
+    assert host.used == _host_bytes(n, p, rest, shard, page=shard) + state
     assert host.capacity == 256 * GIB // per_node
     assert host.budget == int(256 * GIB // per_node * 0.95)
     nvme = next(m for m in plan.memory if m.tier is Tier.NVME)
@@ -173,25 +180,84 @@ def test_rank_follows_the_formulas(
     # host AdamW over the rank's shards, at the node's update rate shared by its ranks
     assert plan.predicted.optimizer == pytest.approx((n * shard + rest_shard) / (2e9 / per_node))
 
-    # ring collectives: (N-1)/N * bytes / bandwidth + (N-1) * latency per buffer of N shards;
-    # fp32 gradients reduce-scattered every micro-batch, bf16 weights all-gathered per step
-    bw = getattr(hw, bandwidth_field)
+    # on the devices, two levels: a ring within the node, then rings across the nodes
+    # of 1/G of the buffer each; buffers of N padded shards
+    nodes = world // per_node
 
-    def ring(nbytes: float) -> float:
-        return (world - 1) / world * nbytes / bw + (world - 1) * 2e-5
+    def coll(nbytes: float) -> float:
+        return _ring(nbytes, per_node, intra, lat) + _ring(nbytes / per_node, nodes, inter, lat)
 
-    reduce = n * ring(world * shard * 4) + ring(world * rest_shard * 4)
-    gather = n * ring(world * shard * 2) + ring(world * rest_shard * 2)
-    assert plan.predicted.net == pytest.approx(plan.grad_accum * reduce + gather)
+    # per micro-batch: each block all-gathered at its two page-ins (bf16), its gradients
+    # and the outside parameters' reduce-scattered (fp32); per step: the outside
+    # parameters' updated shards all-gathered (no block is resident)
+    per_pass = n * (2 * coll(world * shard * 2) + coll(world * shard * 4))
+    per_pass += coll(world * rest_shard * 4)
+    assert plan.predicted.net == pytest.approx(ga * per_pass + coll(world * rest_shard * 2))
+    # the page-ins copy the rank's shard only; its reduced fp32 shard comes back
+    ups = ga * 2 * n * shard * 2 + rest_shard * 2  # and the outside shards after the step
+    assert plan.predicted.h2d == pytest.approx(ups / 2e10)
+    assert plan.predicted.d2h == pytest.approx(ga * (n * shard + rest_shard) * 4 / 2e10)
 
     # the job's throughput: every rank trains its share of the batch in one step
     assert plan.tokens_per_s == pytest.approx(world * rank_seqs * 512 / plan.predicted.total)
     text = plan.explain()
     assert f"data parallel: {world} ranks, {per_node} per node" in text
-    assert f"network: {plan.predicted.net:.3g} s busy per step" in text
+    assert f"collectives on the devices: {plan.predicted.net:.3g} s busy per step" in text
     per_node_host = f"host {_fmt(per_node * host.used)} of {_fmt(per_node * host.capacity)}"
     assert per_node_host in text
+    assert f"hold {per_node}/{world} of one copy of the weights" in text
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_collectives_go_two_levels_within_and_between_nodes(node: HardwareProfile) -> None:
+    """16 ranks, 8 a node: 8 GB over NVLink-class links within the node, then 1/8 of it
+    across the two nodes (not the whole buffer over the slowest hop, as a flat ring)."""
+    hw = node.replace(
+        world_size=16, ranks_per_node=8, intra_node_bandwidth=4e11, inter_node_bandwidth=5e10
+    )
+    assert collective_seconds(8e9, hw) == pytest.approx(7 / 8 * 8e9 / 4e11 + 1 / 2 * 1e9 / 5e10)
+    one_node = hw.replace(world_size=8)
+    assert collective_seconds(8e9, one_node) == pytest.approx(7 / 8 * 8e9 / 4e11)
+    assert collective_seconds(8e9, node) == 0.0
+
+
+def test_a_node_homes_one_copy_of_the_weights(model: ModelProfile, node: HardwareProfile) -> None:
+    """The node's G ranks home one copy of the paged weights between them, not G copies:
+    G x a rank's bytes less the state is one copy (to the padding of the shards)."""
+    job = FitJob(seq_len=512, global_batch_seqs=8)
+    n, p, rest = model.num_blocks, model.block_params, model.rest_params
+    for g in (2, 4):
+        hw = node.replace(world_size=g, ranks_per_node=g, intra_node_bandwidth=1e11)
+        plan = make_plan(model, hw, job, overrides=HOST_HOMES)
+        shard, rest_shard = math.ceil(p / g), math.ceil(rest / g)
+        host = next(m.used for m in plan.memory if m.tier is Tier.HOST)
+        other = _host_bytes(n, p, rest, shard, page=shard) + n * 16 * shard + 16 * rest_shard
+        weights = g * (host - other)
+        assert n * 2 * p <= weights <= n * 2 * (p + g)
+
+
+def test_collectives_hide_behind_compute_until_they_outlast_it(
+    model: ModelProfile, node: HardwareProfile
+) -> None:
+    """On their own stream the collectives cost nothing while the compute outlasts them
+    (two fast links give the same step), and once they outlast it the step is at least
+    their busy time, not compute plus collectives."""
+    job = FitJob(seq_len=512, global_batch_seqs=8)
+
+    fast_adam = node.replace(host_adam_params_per_s=1e14)  # the step hides behind backward
+
+    def plan_at(bandwidth: float) -> Plan:
+        hw = fast_adam.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=bandwidth)
+        return make_plan(model, hw, job, overrides=HOST_HOMES)
+
+    fast, faster, slow = plan_at(1e12), plan_at(1e13), plan_at(5e9)
+    assert fast.predicted.net > faster.predicted.net > 0
+    assert fast.predicted.total == faster.predicted.total
+    p = slow.predicted
+    # the passes' collectives outlast their compute and set the step; the outside
+    # parameters' all-gather after the step runs beside the host AdamW
+    after_step = _ring(2 * math.ceil(model.rest_params / 2) * 2, 2, 5e9, 0.0)
+    assert 2 * p.compute < p.net - after_step <= p.total < p.compute + p.net
 
 
 def _fmt(nbytes: int) -> str:
@@ -213,8 +279,8 @@ def test_a_rank_needs_less_state_than_one_process(
     )
     n, p, rest = model.num_blocks, model.block_params, model.rest_params
     shard, rest_shard = math.ceil(p / 2), math.ceil(rest / 2)
-    saved = n * 16 * (p - shard) + 16 * (rest - rest_shard)
-    saved += _host_bytes(n, p, rest, p) - _host_bytes(n, p, rest, shard)
+    saved = n * (2 + 16) * (p - shard) + 16 * (rest - rest_shard)  # weights and state
+    saved += _host_bytes(n, p, rest, p) - _host_bytes(n, p, rest, shard, page=shard)
     used = [next(m.used for m in plan.memory if m.tier is Tier.HOST) for plan in (one, two)]
     assert used[0] - used[1] == saved
     assert one.predicted.net == 0.0 and two.predicted.net > 0.0

@@ -42,7 +42,8 @@ def test_each_rank_gets_its_own_nvme_directory_and_one_process_keeps_the_path(
 
 
 def test_the_profile_takes_the_layout_and_network_defaults_only_where_missing() -> None:
-    node = preset("h100")
+    assert world.with_world(preset("h100"), 8, 8).intra_node_bandwidth == 0.8 * 450e9  # NVLink
+    node = preset("h100").replace(intra_node_bandwidth=0.0, inter_node_bandwidth=0.0)
     assert world.with_world(node, 1, 1) is node
     one_node = world.with_world(node, 8, 8)
     assert (one_node.world_size, one_node.ranks_per_node, one_node.num_nodes) == (8, 8, 1)
@@ -61,13 +62,13 @@ def test_the_planning_session_plans_one_rank_of_the_world() -> None:
     hardware = session._hardware()
     assert (hardware.world_size, hardware.ranks_per_node) == (2, 2)
     plan = make_plan(model, hardware, job)
-    want = make_plan(model, world.with_world(preset("h100"), 2, 2).replace(
+    want = make_plan(model, world.with_world(preset("h100", gpus=2), 2, 2).replace(
         nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0), job)  # fmt: skip
     assert plan == want
     assert plan.micro_batch * plan.grad_accum == 4  # each rank runs half the global batch
     alone = PlanningSession(hardware="h100")._hardware()
-    assert alone.world_size == 1 and alone == hardware.replace(
-        world_size=1, ranks_per_node=1, intra_node_bandwidth=0.0
+    assert alone.world_size == 1 and alone == preset("h100").replace(
+        nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
     )
 
 
