@@ -4,8 +4,9 @@ At the start (``setup``): the model's own activation checkpointing is turned off
 the engine recomputes paged blocks itself (:func:`checkpointing_off`), and the call gets
 its placement (:func:`call_placement`): the one given, in the compute dtype of the call,
 else the plan of the job read from the Trainer (:mod:`bb_lightning.strategy.session`). With
-several ranks the local rank 0 of each node measures it, rank 0 plans, and every rank runs
-rank 0's placement (:mod:`bb_lightning.strategy.world`).
+several ranks the local rank 0 of each node measures it, every rank times the collectives
+on the ranks' group, rank 0 plans, and every rank runs rank 0's placement
+(:mod:`bb_lightning.strategy.world`).
 
 In ``fit``, each of Lightning's optimizers steps through the engine (:func:`host_step`).
 
@@ -82,6 +83,10 @@ def call_placement(
         return dataclasses.replace(given, compute_dtype=dtype_name(dtype)), None
     if ranks.world_size > 1 and (hardware is None or hardware == "measure"):
         hardware = world.measured_nodes(ranks, lambda: session.measure_machine(nvme_path))
+        hardware = world.measured_collectives(hardware, ranks.world_size, ranks_per_node, device)
+        rank_zero_info(
+            f"balance_beam: collectives on the ranks' group: {_rates(hardware)} (timed now)"
+        )
     planning = session.PlanningSession(
         overrides=overrides, hardware=hardware, nvme_path=nvme_path, dtype=dtype,
         device=device, world_size=ranks.world_size, ranks_per_node=ranks_per_node,
@@ -97,6 +102,13 @@ def call_placement(
     if not ranks.is_global_zero:
         session.follow_plan(read, plan)
     return placement, plan
+
+
+def _rates(hw: HardwareProfile) -> str:
+    """The collective rates of ``hw`` in words."""
+    within = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s within a node"
+    between = f"{hw.inter_node_bandwidth / 1e9:.3g} GB/s between nodes"
+    return f"{within}, {between}, {hw.collective_latency * 1e6:.3g} us a ring step"
 
 
 def end_call(

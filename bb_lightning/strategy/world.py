@@ -9,7 +9,8 @@ Those that take :class:`Ranks` (the strategy) are collectives: every rank calls 
   as scratch and holds only those (:func:`make_shared_nvme_dir`).
 - The planner's hardware profile carries the layout (:func:`with_world`); measured on
   each node by its local rank 0, the slowest node's figures plan every rank
-  (:func:`slowest_node`).
+  (:func:`slowest_node`), with the collective rates timed on the ranks' own group
+  (:func:`measured_collectives`).
 - The measured phase times of the re-plan decision are the slowest rank's
   (:func:`slowest_times`), so every rank re-plans, or not, at the same step.
 - A checkpoint directory must be one every rank sees (:func:`check_shared_directory`).
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from bb_lightning.planner import HardwareProfile, MeasuredTimes
+from bb_lightning.probe.collectives import probe_collectives
 from storage import scratch
 from storage.store import StoreConfig
 
@@ -51,6 +53,7 @@ __all__ = [
     "Ranks",
     "check_shared_directory",
     "make_shared_nvme_dir",
+    "measured_collectives",
     "measured_nodes",
     "on_rank_zero",
     "prepare_nvme_dir",
@@ -336,6 +339,20 @@ def measured_nodes(ranks: Ranks, measure: Callable[[], HardwareProfile]) -> Hard
     if failed:
         raise RuntimeError("; ".join(failed))
     return slowest_node(gathered)
+
+
+def measured_collectives(
+    hardware: HardwareProfile, world_size: int, ranks_per_node: int, device: torch.device
+) -> HardwareProfile:
+    """``hardware`` with the bytes/s within a node and across the nodes, and the latency a
+    ring step, that all-gathers and reduce-scatters of ``device`` tensors sustain now on the
+    world's group of ``world_size`` ranks, ``ranks_per_node`` a node (the slowest rank's:
+    :func:`bb_lightning.probe.collectives.probe_collectives`; every rank calls it). A level
+    the layout lacks keeps the profile's figure; one rank returns ``hardware``."""
+    if world_size == 1:
+        return hardware
+    rates = probe_collectives(world_size=world_size, ranks_per_node=ranks_per_node, device=device)
+    return rates.apply(hardware)
 
 
 def save_on_ranks(
