@@ -28,6 +28,7 @@ from storage.tiers import Tier
 
 __all__ = [
     "check_budgets",
+    "frozen_shard_counts",
     "model_sizes",
     "param_counts",
     "required_budgets",
@@ -66,6 +67,7 @@ def required_budgets(
     shards: int = 1,
     shard_numels: Sequence[int] = (),
     shard_rest: int = 0,
+    shard_frozen: Sequence[int] = (),
 ) -> dict[Tier, int]:
     """Bytes each tier needs for this placement: :func:`store_budgets` of the :func:`~bb_lightning.placement.training_manifest` (every tensor
     the engine stores, padded like the arenas, plus the device's paging slots).
@@ -74,7 +76,9 @@ def required_budgets(
     (None: none) the frozen parameters of each block, which cost only their
     compute-dtype weights on the weights' home and in the paging slots. ``shards`` is the
     data-parallel world size: each rank stores one shard of the fp32 state, of
-    ``shard_numels`` elements per block and ``shard_rest`` outside (:func:`shard_counts`).
+    ``shard_numels`` elements per block and ``shard_rest`` outside (:func:`shard_counts`),
+    and one shard of the weights (``shard_frozen`` of each block's frozen ones,
+    :func:`frozen_shard_counts`).
     """
     sizes = ModelSizes(
         blocks=tuple(block_numels),
@@ -82,6 +86,7 @@ def required_budgets(
         rest=resident_numel,
         shard_blocks=tuple(shard_numels) if shards > 1 else (),
         shard_rest=shard_rest if shards > 1 else 0,
+        shard_frozen=tuple(shard_frozen) if shards > 1 else (),
     )
     return training_budgets(sizes, placement, shards=shards)
 
@@ -132,6 +137,13 @@ def shard_counts(
     return per_block, ShardLayout([p.shape for p in rest], world_size).shard_numel
 
 
+def frozen_shard_counts(blocks: Sequence[nn.Module], world_size: int) -> list[int]:
+    """Elements of one rank's shard of each block's frozen weights over ``world_size``
+    ranks (padding included)."""
+    lists = [[p for _, p in block_params(b) if not p.requires_grad] for b in blocks]
+    return [ShardLayout([p.shape for p in ps], world_size).shard_numel for ps in lists]
+
+
 def model_sizes(model: nn.Module, blocks: Sequence[nn.Module], world_size: int = 1) -> ModelSizes:
     """The elements of ``model``'s parameters as the training manifest takes them: trainable
     and frozen per block, trainable outside the blocks, and with ``world_size > 1`` one
@@ -146,6 +158,7 @@ def model_sizes(model: nn.Module, blocks: Sequence[nn.Module], world_size: int =
         rest=rest,
         shard_blocks=tuple(shard_blocks),
         shard_rest=shard_rest,
+        shard_frozen=() if world_size == 1 else tuple(frozen_shard_counts(blocks, world_size)),
     )
 
 

@@ -39,7 +39,7 @@ class FlatState:
 
     With ``comm`` (data parallelism, :mod:`bb_lightning.engine.shard`) the four hold this
     rank's shard only: :attr:`numel` is the shard's elements, :attr:`full_numel` the
-    parameters'; :meth:`accumulate` reduce-scatters the gradients first, and
+    parameters'; :meth:`accumulate` takes this rank's shard of the reduced gradients, and
     :meth:`gather` gives the whole flat state from every rank's shard.
     """
 
@@ -101,12 +101,18 @@ class FlatState:
         before returning (the gradient worker calls it; the training thread only where
         nothing is homed on NVMe, see ``TrainingEngine._inline_grads``).
         Without ``persist`` the sum lives only in ``scratch`` (the caller steps from it).
-        Gradients :meth:`hold` kept are summed first, in the order they came.
+        Gradients :meth:`hold` kept are summed first, in the order they came. Under
+        ``comm`` ``grads`` is one flat tensor, this rank's shard of the mean over the ranks
+        (reduced on the device: :meth:`ShardComm.reduce_scatter_async`).
         """
-        if self.comm is not None:  # this rank's shard of the mean over the ranks
-            assert self.layout is not None
-            reduced = self.comm.reduce_scatter(grads, self.layout)
-            return self._sum([[reduced]], [(self.numel,)], scratch, persist)
+        if self.comm is not None:  # this rank's shard of the mean, reduced on the device
+            if len(grads) != 1 or grads[0] is None or grads[0].numel() != self.numel:
+                raise ValueError(
+                    f"{self.name!r} is sharded over {self.comm.world_size} ranks: accumulate "
+                    f"takes this rank's reduced shard, one flat tensor of {self.numel} "
+                    "elements (ShardComm.reduce_scatter_async)"
+                )
+            return self._sum([grads], [(self.numel,)], scratch, persist)
         return self._sum([*self.held, grads], self.shapes, scratch, persist)
 
     def hold(self, grads: Sequence[Tensor | None]) -> None:

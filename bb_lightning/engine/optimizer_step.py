@@ -141,13 +141,14 @@ class Steppers:
 
 
 class OptimizerStep:
-    """One training engine's host AdamW steps: its step count, the overlapped step in
-    progress, and the buffers that gather a stepped shard under data parallelism.
+    """One training engine's host AdamW steps: its step count and the overlapped step in
+    progress.
 
     ``pager`` holds the blocks' flat states, ``resident`` the state of the trainable
     parameters outside the blocks (``resident_params``, on the device); ``pool`` lends the
-    scratch and read-ahead sets; ``comm`` (data parallelism) gathers every rank's stepped
-    shard before the weights are written.
+    scratch and read-ahead sets; ``comm`` (data parallelism) assembles the resident
+    parameters from every rank's stepped shard (a block's weights are assembled at its
+    next page-in).
     """
 
     def __init__(
@@ -178,22 +179,9 @@ class OptimizerStep:
         self.updated: list[threading.Event] | None = None
         """Per block, set once its deferred update is done (:meth:`step_deferred`)."""
         self._failed = False
-        largest, width = pool.largest, 1 if comm is None else comm.world_size
-        self._cast_part = torch.empty(
-            0 if comm is None else max(largest, resident.numel), dtype=compute_dtype
-        )
-        """A shard cast to the compute dtype before its all-gather (data parallelism)."""
-        self._resident_gathered = torch.empty(
-            0 if comm is None else resident.numel * width, dtype=compute_dtype
-        )
-        """Every rank's compute-dtype shard of the resident parameters (all-gathered)."""
-        self._resident_full = torch.empty(
-            0 if comm is None else resident.full_numel, dtype=compute_dtype
-        )
-        """The resident parameters' compute-dtype values, unpacked from the shards."""
-        self._gathered = torch.empty(largest * width if comm else 0, dtype=compute_dtype)
-        """Every rank's compute-dtype shard of a block (all-gathered), unpacked into the
-        block's scratch ``cast`` buffer, from which its weights are written home."""
+        self._cast_part = torch.empty(0 if comm is None else resident.numel, dtype=compute_dtype)
+        """The resident parameters' stepped shard cast to the compute dtype (data
+        parallelism), assembled on the device from every rank's."""
 
     def begin_overlapped(
         self, adamw: AdamWConfig | AdamWGroups, clip_norm: float | None = None
@@ -271,13 +259,9 @@ class OptimizerStep:
 
     def write_weights(self, i: int, master: Tensor, scratch: Scratch) -> None:
         """Write block ``i``'s compute-dtype weights from its stepped fp32 ``master`` through
-        ``scratch.cast`` (under data parallelism every rank's shard gathered first); the
-        write's ticket joins the set's."""
-        if self.comm is not None:  # every rank's stepped shard, cast, unpacked in scratch.cast
-            state = self.pager.states[i]
-            part = self._cast_part[: state.numel]
-            part.copy_(master[: state.numel])
-            master = state.gather(part, self._gathered, scratch.cast)  # written from there
+        ``scratch.cast`` (under data parallelism this rank's shard: each rank writes home
+        its own, the next page-in assembles the block on the device); the write's ticket
+        joins the set's."""
         ticket = self.pager.write_weights(i, master, scratch.cast)
         if ticket is not None:
             scratch.tickets.append(ticket)
@@ -325,12 +309,13 @@ class OptimizerStep:
 
     def set_resident(self, master: Tensor) -> None:
         """The resident parameters' device values from their stepped fp32 ``master``
-        (this rank's shard under data parallelism: cast, then all-gathered)."""
+        (this rank's shard under data parallelism: cast, then assembled on the device)."""
         resident = self.resident
-        if self.comm is not None:
+        if self.comm is not None and resident.layout is not None:  # assembled on the device
             part = self._cast_part[: resident.numel]
             part.copy_(master[: resident.numel])
-            master = resident.gather(part, self._resident_gathered, self._resident_full)
+            device = next((p.device for p in self.resident_params), part.device)
+            master = self.comm.assemble(part.to(device), resident.layout)
         for p, v in zip(self.resident_params, resident.master_views(master), strict=True):
             p.data.copy_(v)
 

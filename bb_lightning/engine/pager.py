@@ -42,7 +42,7 @@ from bb_lightning.engine.flat import (
 )
 from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.observers import BlockObserver
-from bb_lightning.engine.shard import ShardComm, digest
+from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import Placement, StoredTensor
 from storage.external import FilePiece
@@ -92,7 +92,8 @@ class BlockPager:
             weights_only: register only the compute-dtype weights (inference): no
                 :class:`FlatState` (master weights, moments, gradient accumulators);
                 :attr:`states` is then empty and ``placement.master`` is not read.
-            comm: data parallelism: each :class:`FlatState` holds this rank's shard.
+            comm: data parallelism: the store holds this rank's shard of each block's
+                weights and each :class:`FlatState` this rank's shard of its state.
             external: with ``weights_only``, block index -> the file pieces holding that
                 block's flat compute-dtype weights, in order: the block is registered
                 read-only over those files (:mod:`storage.external`), never written.
@@ -129,6 +130,13 @@ class BlockPager:
         self.frozen_digests: list[int | None] = [None] * len(blocks)
         """CRC-32C of each block's frozen weights under ``comm`` (checked equal on every
         rank, as the trainable ones are through their :class:`FlatState`)."""
+        self.comm = comm
+        """Data parallelism: the store holds this rank's shard of each block's weights,
+        assembled on the device at each page-in (:mod:`bb_lightning.engine.shard`)."""
+        self.layouts = [self._layout(shapes) for shapes in self.shapes]
+        """Under ``comm``: each block's (trainable) weights' shard layout; else None each."""
+        self.frozen_layouts = [self._layout(shapes) for shapes in self.frozen_shapes]
+        """Under ``comm``: each block's frozen weights' shard layout; else None each."""
         self._tickets: dict[int, Ticket] = {}
         self._observers: tuple[BlockObserver, ...] | None = None
         self.handed_back = False
@@ -144,14 +152,7 @@ class BlockPager:
                                home=entry.home, source=external[i])  # fmt: skip
                 continue
             master = loader(i) if loader is not None else flatten_fp32(every[i])
-            frozen_name = self.frozen_names[i]
-            if frozen_name is not None:
-                master, frozen = split_frozen(master, every[i])
-                if comm is not None:
-                    self.frozen_digests[i] = digest(frozen)
-                register_stored(store, manifest[frozen_name], frozen)
-                del frozen
-            register_stored(store, manifest[self.names[i]], master)
+            master = self._register_weights(i, master, every[i], manifest)
             if weights_only:
                 del master
                 continue
@@ -163,6 +164,40 @@ class BlockPager:
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         for i in range(len(blocks)):
             self._unbind(i)
+
+    def _register_weights(
+        self, i: int, master: Tensor, every: Sequence[Tensor], manifest: Mapping[str, StoredTensor]
+    ) -> Tensor:
+        """Register block ``i``'s compute-dtype weights (this rank's shard under ``comm``)
+        from ``master``, all of its parameters ``every`` laid end to end in fp32; the
+        trainable ones' part of ``master``."""
+        frozen_name = self.frozen_names[i]
+        if frozen_name is not None:
+            master, frozen = split_frozen(master, every)
+            if self.comm is not None:
+                self.frozen_digests[i] = digest(frozen)
+            register_stored(self.store, manifest[frozen_name], self._mine(frozen, i, frozen=True))
+            del frozen
+        register_stored(self.store, manifest[self.names[i]], self._mine(master, i))
+        return master
+
+    def _layout(self, shapes: Sequence[tuple[int, ...]]) -> ShardLayout | None:
+        return None if self.comm is None else ShardLayout(shapes, self.comm.world_size)
+
+    def _mine(self, full: Tensor, i: int, *, frozen: bool = False) -> Tensor:
+        """What this rank stores of block ``i``'s whole flat (frozen) weights ``full``:
+        all of them, or under ``comm`` its shard."""
+        layout = (self.frozen_layouts if frozen else self.layouts)[i]
+        if self.comm is None or layout is None:
+            return full
+        return layout.take(full, self.comm.rank, torch.empty(layout.shard_numel))
+
+    def _whole(self, flat: Tensor, layout: ShardLayout | None) -> Tensor:
+        """Block weights as the parameters view them: ``flat`` itself, or under ``comm``
+        the block assembled on ``flat``'s device from every rank's shard (a collective)."""
+        if self.comm is None or layout is None:
+            return flat
+        return self.comm.assemble(flat, layout)
 
     @property
     def num_blocks(self) -> int:
@@ -206,11 +241,12 @@ class BlockPager:
             flats = [got[n] for n in names]
         else:
             flats = [self.store.get(n) for n in names]
-        views = flat_views(flats[0], self.shapes[i])
+        views = flat_views(self._whole(flats[0], self.layouts[i]), self.shapes[i])
         for p, v in zip(self.params[i], views, strict=True):
             p.data = v
         if len(flats) > 1:
-            frozen = flat_views(flats[1], self.frozen_shapes[i])
+            whole = self._whole(flats[1], self.frozen_layouts[i])
+            frozen = flat_views(whole, self.frozen_shapes[i])
             for p, v in zip(self.frozen[i], frozen, strict=True):
                 p.data = v
         if self._observers is not None:
@@ -279,12 +315,13 @@ class BlockPager:
                 torch.utils.swap_tensors(param, held)
 
     def read_frozen(self, i: int) -> list[Tensor]:
-        """Block ``i``'s frozen parameters as fp32 CPU tensors (read from their home)."""
+        """Block ``i``'s frozen parameters as fp32 CPU tensors (read from their home;
+        under ``comm`` assembled from every rank's shard: a collective)."""
         name = self.frozen_names[i]
         if name is None:
             return []
-        flat = self.store.read(name).to("cpu", torch.float32)
-        return flat_views(flat, self.frozen_shapes[i])
+        flat = self._whole(self.store.read(name), self.frozen_layouts[i])
+        return flat_views(flat.to("cpu", torch.float32), self.frozen_shapes[i])
 
     def write_weights(self, i: int, master: Tensor, scratch: Tensor) -> Ticket | None:
         """Store fp32 ``master`` as block ``i``'s weights in the compute dtype, asynchronously.

@@ -1,33 +1,41 @@
-"""Data parallelism for the training engine: optimizer state sharded across ranks.
+"""Data parallelism for the training engine: weights and optimizer state sharded across ranks.
 
-With ``world_size`` N > 1 every rank pages a full copy of the weights, but holds only
-one shard of each flat state (fp32 master weights, AdamW moments, gradient
-accumulator), in the dim-0 layout of :class:`ShardLayout`: a parameter of ``rows``
-rows (its first dimension; a scalar is one row) is cut into N row ranges of
+With ``world_size`` N > 1 every rank holds one shard of each block's compute-dtype
+weights and of each flat state (fp32 master weights, AdamW moments, gradient
+accumulator), in the dim-0 layout of :class:`ShardLayout`: a parameter of ``rows`` rows
+(its first dimension; a scalar is one row) is cut into N row ranges of
 ``C = ceil(rows / N)`` rows, and rank ``r`` holds rows ``[r * C, (r + 1) * C)`` of every
-parameter of the state, zero-padded to ``C`` rows, laid end to end. A rank's rows of a
-parameter are therefore exactly chunk ``r`` of that parameter's array when it is
-chunked along dim 0 by ``C`` rows, which is how a checkpoint stores it (each rank writes
-its own chunks, :mod:`bb_lightning.engine.checkpoint`).
+parameter, zero-padded to ``C`` rows, laid end to end. A rank's rows of a parameter are
+therefore exactly chunk ``r`` of that parameter's array when it is chunked along dim 0
+by ``C`` rows, which is how a checkpoint stores it (each rank writes its own chunks,
+:mod:`bb_lightning.engine.checkpoint`). The ranks of a node thus hold one copy of the
+weights between them (FSDP's and ZeRO-3's pattern).
 
-Per block, per micro-batch: the block's gradients are packed rank by rank into one fp32
-buffer of ``N * S`` elements (``S``: the shard's elements) and reduce-scattered
-(:meth:`ShardComm.reduce_scatter`): each rank receives the sum over the ranks of its own
-rows, scales it by ``1 / N`` (gloo has no average) and adds it to its shard accumulator. After the rank's host
-AdamW step of a shard, the shard is cast to the compute dtype, all-gathered
-(:meth:`ShardComm.all_gather`) and unpacked (:meth:`ShardLayout.unpack`) into the full
-flat weights every rank writes home.
+Page-in: each rank copies its shard of a block's weights to the compute device, where the
+whole block is assembled (:meth:`ShardComm.assemble`: an all-gather, then the shards'
+rows unpacked into the flat weights the parameters view). After backward, per block and
+micro-batch, the block's gradients are packed rank by rank into one fp32 buffer of
+``N * S`` elements on the compute device (``S``: the shard's elements) and
+reduce-scattered there (:meth:`ShardComm.reduce_scatter_async`, overlapped with the
+backward of the next block): each rank receives the sum over the ranks of its own rows,
+scales it by ``1 / N`` (gloo has no average) and only that shard leaves the device for
+the host accumulator. After a rank's host AdamW step of its shard it writes the shard's
+compute-dtype weights home; no rank gathers the weights on the host.
 
-The collectives run on a process group of their own (:meth:`ShardComm.from_world`),
-from one thread at a time, in the same order on every rank: the gradient worker's
-FIFO during backward, the caller's thread while the worker is idle (the step, a
-checkpoint, the initial weights check). Lightning's own reductions use the world group.
+On a CUDA device the collectives run over NCCL (the groups' backend is
+``cpu:gloo,cuda:nccl``), each on the communicator's own stream; on a CPU device the same
+code runs over gloo on CPU tensors. The collectives run on two process groups of their
+own (:meth:`ShardComm.from_world`), both from the training thread, in the same order on
+every rank: the page-ins' all-gathers on one, everything else (the reduce-scatters, the
+step's sums, the checkpoint's gathers, the initial weights check) on the other, so an
+all-gather never waits behind a reduce-scatter another rank issues later. Lightning's
+own reductions use the world group.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,69 +45,108 @@ from torch import Tensor
 
 from storage.checksum import crc32c
 
-__all__ = ["Piece", "ShardComm", "ShardLayout", "digest"]
+__all__ = ["Piece", "Reduced", "ShardComm", "ShardLayout", "digest"]
 
 
 class ShardComm:
-    """The engine's collectives over ``group``, for ``world_size`` > 1 ranks.
+    """The engine's collectives over ``group``, for ``world_size`` ranks.
 
-    Not thread-safe: one thread at a time calls it (see the module docstring). Its
-    buffers (a padded fp32 gradient buffer and a shard buffer) grow once to the largest
-    flat state and are reused.
+    The strategy runs one process without one (nothing to shard); a world of one rank
+    still runs every collective (the GPU check runs the NCCL path so).
+
+    Not thread-safe: one thread at a time calls it (see the module docstring).
+    ``gather_group`` carries the page-ins' all-gathers (None: ``group``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, *, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        rank: int,
+        world_size: int,
+        gather_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """Collectives of rank ``rank`` of ``world_size`` over ``group`` (None: the world)."""
-        if world_size < 2 or not 0 <= rank < world_size:
+        if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
-                f"rank={rank} of world_size={world_size}: sharding needs world_size >= 2 and "
-                "0 <= rank < world_size (one process runs without a ShardComm)"
+                f"rank={rank} of world_size={world_size}: give world_size >= 1 and "
+                "0 <= rank < world_size"
             )
         self.group = group
+        self.gather_group = group if gather_group is None else gather_group
         self.rank = rank
         self.world_size = world_size
-        self._pack = torch.empty(0, dtype=torch.float32)
-        self._part = torch.empty(0, dtype=torch.float32)
         self.bytes_sent = 0
         """Bytes this rank handed to the collectives since it was built (payload, unpadded
         ring traffic not counted: ``(N - 1) / N`` of it crosses the network)."""
 
     @classmethod
-    def from_world(cls, backend: str = "gloo", timeout: timedelta | None = None) -> ShardComm:
-        """A ShardComm on a new process group of every rank of the initialised world.
+    def from_world(cls, backend: str | None = None, timeout: timedelta | None = None) -> ShardComm:
+        """A ShardComm on two new process groups of every rank of the initialised world.
 
-        ``backend`` is the new group's (``"gloo"`` reduces host tensors, which is where
-        the engine's gradients and optimizer state are). Every rank must call it, in the
-        same order as its other ``new_group`` calls.
+        ``backend`` is the new groups' (None: ``"cpu:gloo,cuda:nccl"`` where CUDA and NCCL
+        are available, so that tensors on a GPU are reduced over NCCL and host tensors
+        over gloo; else ``"gloo"``). Every rank must call it, in the same order as its
+        other ``new_group`` calls.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "ShardComm.from_world needs an initialised torch.distributed world: run under "
                 "a Lightning Trainer with devices > 1 or num_nodes > 1"
             )
+        if backend is None:
+            nccl = torch.cuda.is_available() and dist.is_nccl_available()
+            backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"
         group = dist.new_group(backend=backend, timeout=timeout)
-        return cls(group, rank=dist.get_rank(), world_size=dist.get_world_size())
+        gathers = dist.new_group(backend=backend, timeout=timeout)
+        return cls(
+            group, rank=dist.get_rank(), world_size=dist.get_world_size(), gather_group=gathers
+        )
 
     # -- collectives --------------------------------------------------------------
 
-    def reduce_scatter(self, grads: Sequence[Tensor | None], layout: ShardLayout) -> Tensor:
-        """This rank's shard of the mean over ranks of the gradients of a flat state.
+    def reduce_scatter_async(
+        self,
+        grads: Sequence[Tensor | None],
+        layout: ShardLayout,
+        device: torch.device | None = None,
+    ) -> Reduced:
+        """Start reducing the gradients of a flat state on their device: this rank's shard
+        of their sum over the ranks, in a :class:`Reduced` (:meth:`Reduced.mean` waits).
 
-        ``grads`` (host tensors of any float dtype, None for a parameter without one,
-        counted as zeros) are shaped like ``layout``'s parameters. Returns a view of the
-        comm's shard buffer (fp32, ``layout.shard_numel`` elements), valid until the next
-        call.
+        ``grads`` (tensors of any float dtype on the compute device, None for a parameter
+        without one, counted as zeros) are shaped like ``layout``'s parameters; they are
+        packed rank by rank into a new fp32 buffer on their device (``device`` where every
+        one is None), so the caller may free them at once.
         """
         s = layout.shard_numel
+        first = next((g.device for g in grads if g is not None), None)
+        device = first or device or torch.device("cpu")
+        pack = torch.empty(s * self.world_size, dtype=torch.float32, device=device)
+        part = torch.empty(s, dtype=torch.float32, device=device)
         if s == 0:  # nothing to reduce (the same on every rank: the layouts are equal)
-            return self._buffer("_part", 0)
-        pack = self._buffer("_pack", s * self.world_size)
+            return Reduced(part, None, self.world_size)
         layout.pack(grads, pack)
-        part = self._buffer("_part", s)
-        dist.reduce_scatter_tensor(part, pack, op=dist.ReduceOp.SUM, group=self.group)
-        part.mul_(1.0 / self.world_size)  # the sum to the mean, on the shard only
+        work = dist.reduce_scatter_tensor(
+            part, pack, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
         self.bytes_sent += pack.numel() * 4
-        return part
+        return Reduced(part, work, self.world_size)
+
+    def assemble(self, shard: Tensor, layout: ShardLayout) -> Tensor:
+        """The whole flat tensor (``layout.full_numel`` elements) from every rank's
+        ``shard`` of it, on ``shard``'s device: an all-gather on the gather group, then each
+        rank's rows unpacked into place. Every rank calls it for the same tensors in the
+        same order."""
+        gathered = torch.empty(
+            layout.shard_numel * self.world_size, dtype=shard.dtype, device=shard.device
+        )
+        full = torch.empty(layout.full_numel, dtype=shard.dtype, device=shard.device)
+        if layout.shard_numel:
+            src = shard[: layout.shard_numel].contiguous()
+            dist.all_gather_into_tensor(gathered, src, group=self.gather_group)
+            self.bytes_sent += src.numel() * src.element_size()
+        return layout.unpack(gathered, full)
 
     def all_gather(self, shard: Tensor, out: Tensor) -> Tensor:
         """Every rank's ``shard`` laid end to end (rank order) in ``out``; returns ``out``.
@@ -158,12 +205,38 @@ class ShardComm:
                 "identically on every rank (lightning.seed_everything before building it)"
             )
 
-    def _buffer(self, attr: str, numel: int) -> Tensor:
-        buf: Tensor = getattr(self, attr)
-        if buf.numel() < numel:
-            buf = torch.empty(numel, dtype=torch.float32)
-            setattr(self, attr, buf)
-        return buf[:numel]
+
+class Reduced:
+    """A reduce-scatter in flight (:meth:`ShardComm.reduce_scatter_async`): this rank's
+    shard of the summed gradients in :attr:`part`, once :meth:`mean` returned."""
+
+    def __init__(self, part: Tensor, work: dist.Work | None, world_size: int) -> None:
+        self.part = part
+        """This rank's shard (fp32, on the compute device)."""
+        self._work = work
+        self._world_size = world_size
+        self._done = work is None
+
+    def mean(self) -> Tensor:
+        """:attr:`part` as the mean over the ranks, after the collective: on CUDA the
+        caller's stream is ordered after it (the host does not wait), on the CPU the
+        caller waits for it. Idempotent."""
+        if not self._done:
+            assert self._work is not None
+            self._work.wait()
+            self.part.mul_(1.0 / self._world_size)  # the sum to the mean, on the shard only
+            self._done = True
+        return self.part
+
+    def then(self, work: Callable[[Sequence[Tensor | None]], object]) -> Callable[..., object]:
+        """``work`` (of a batch of gradients) run after :meth:`mean`, on whichever thread
+        runs it (the gradient sink's worker)."""
+
+        def run(batch: Sequence[Tensor | None]) -> object:
+            self.mean()
+            return work(batch)
+
+        return run
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,8 @@ def load_state(
 
     ``out`` is an fp32 host view of the parameter's shape. When ``master`` is among
     ``kinds``, the compute-dtype weights (paged and resident) are re-derived from it.
-    Under data parallelism every rank fills whole parameters and keeps its shard (no
-    collective: each rank reads the values itself).
+    Under data parallelism every rank fills whole parameters and keeps its shard of the
+    state and of the weights (no collective: each rank reads the values itself).
     """
     engine.grads.wait()
     engine.pager.release_all_except(())
@@ -117,6 +117,7 @@ def load_state(
     wide = _whole_buffers(engine, kinds)
     for i, (state, names) in enumerate(engine.named_states()):
         flats: dict[StateKind, Tensor] = {}
+        mine: dict[StateKind, Tensor] = {}  # what this rank stores: its shard under comm
         for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
             if kind not in kinds:
                 continue
@@ -127,13 +128,14 @@ def load_state(
                 fill(key, kind, view)
             if engine.comm is not None:
                 state.local(whole, flat)
+            mine[kind] = flat
             if engine.store.home(name) is not Tier.HOST:
                 engine.store.write(name, flat)
         if "master" not in kinds:
             continue
         master = flats["master"]
-        if i < engine.pager.num_blocks:
-            ticket = engine.pager.write_weights(i, master, scratch.cast)
+        if i < engine.pager.num_blocks:  # this rank's weights (its shard under comm)
+            ticket = engine.pager.write_weights(i, mine["master"], scratch.cast)
             if ticket is not None:
                 ticket.wait_host()  # scratch.cast is refilled for the next block
         else:

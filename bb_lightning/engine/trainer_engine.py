@@ -156,7 +156,7 @@ class TrainingEngine:
             self.pager.states,
             self._by_name,
             compute_dtype=self.compute_dtype,
-            cast_numel=max(self.sizes.blocks),
+            cast_numel=max(self.sizes.shard_blocks or self.sizes.blocks),  # a rank's weights
         )
         """The scratch and read-ahead sets of the optimizer step."""
         self.pool.ensure_ahead_sets(placement, self._by_name)
@@ -342,7 +342,8 @@ class TrainingEngine:
                 self._dispatch_grads(i, more)
         self._reset_reduce_order()
         resident = self.resident
-        self.grads.process_async(
+        self._queue(
+            resident,
             [p.grad for p in self.resident_params],
             resident.hold if self._hold else lambda g: resident.accumulate(g, None),
         )
@@ -409,16 +410,35 @@ class TrainingEngine:
         state = self.pager.states[i]
         last = self.paged.runs_left(i) == 0  # else more of this micro-batch's gradient comes
         if overlap is not None and overlap.clip is not None and last and not self._hold:
-            self.grads.process_async(grads, lambda g: self._sum_and_norm(i, overlap.norms, g))
+            self._queue(state, grads, lambda g: self._sum_and_norm(i, overlap.norms, g))
         elif overlap is not None and overlap.clip is None and i not in overlap.done and last:
             overlap.done.add(i)
-            self.grads.process_async(grads, lambda g: self.steps.step_block(i, overlap, g))
+            self._queue(state, grads, lambda g: self.steps.step_block(i, overlap, g))
         elif self._hold:
-            self.grads.process_async(grads, state.hold)
+            self._queue(state, grads, state.hold)
         else:
-            self.grads.process_async(
-                grads, lambda g: state.accumulate(g, self._grad_scratch(state))
-            )
+            self._queue(state, grads, lambda g: state.accumulate(g, self._grad_scratch(state)))
+
+    def _queue(
+        self,
+        state: FlatState,
+        grads: Sequence[Tensor | None],
+        work: Callable[[Sequence[Tensor | None]], object],
+    ) -> None:
+        """Hand ``state``'s gradients (device tensors) to the gradient sink, which runs
+        ``work`` on them in host memory. Under data parallelism they are reduce-scattered
+        on the device first, now, in the fixed order of :meth:`_block_grads`, and only
+        this rank's shard of their mean leaves the device (``work`` gets it as a
+        one-tensor batch): where the sink copies it to the host (CUDA, the CPU double) the
+        copy is ordered after the collective; else the sink's work waits for it."""
+        comm = self.comm
+        if comm is None or state.layout is None:
+            self.grads.process_async(grads, work)
+            return
+        reduced = comm.reduce_scatter_async(grads, state.layout, self.device)
+        if self.store.copies_to_host:
+            reduced.mean()  # CUDA: the copy's stream waits for it, not the host
+        self.grads.process_async([reduced.part], reduced.then(work))
 
     def _sum_and_norm(
         self, i: int, norms: dict[int, Tensor], grads: Sequence[Tensor | None]
@@ -451,8 +471,8 @@ class TrainingEngine:
         the training thread (:class:`~bb_lightning.engine.grad_sink.GradSink`, ``inline``): on
         a CPU device, whose cores the compute's team holds, unless a block's gradient sums
         are homed on NVMe (their reads and writes would then stall the compute instead of
-        running beside it) or data parallelism reduces them (its collectives run on the
-        worker, in their fixed order, while backward goes on)."""
+        running beside it) or data parallelism reduces them (the worker waits for each
+        reduce-scatter while backward goes on)."""
         return (
             self.store.device.type == "cpu"
             and self.comm is None

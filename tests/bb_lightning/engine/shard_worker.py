@@ -211,6 +211,8 @@ def _train(rank: int, comm: ShardComm, tmp: Path, case: str) -> dict[str, torch.
             run_steps(engine, case, rank, WORLD, range(STEPS))
         out = state_of(engine)
         out["bytes_sent"] = torch.tensor(comm.bytes_sent)
+        stored = [int(torch.Size(store.spec(n).shape).numel()) for n in engine.pager.names]
+        out["weight_numel"] = torch.tensor(sum(stored))  # this rank's store's block weights
         engine.close()
     return out
 

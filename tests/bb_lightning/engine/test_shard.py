@@ -125,6 +125,19 @@ def test_two_shards_step_like_torch_adamw_on_the_whole_batch(two_ranks: Ranks, c
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_rank_stores_only_its_shard_of_the_weights(two_ranks: Ranks, case: str) -> None:
+    """The ranks' stores hold one copy of the block weights between them: each its own
+    rows (padding included), and the blocks assembled from them trained as above."""
+    blocks = list(tiny_llama().model.layers)
+    whole = sum(p.numel() for b in blocks for p in b.parameters())
+    shard = sum(ShardLayout([p.shape for p in b.parameters()], WORLD).shard_numel for b in blocks)
+    assert whole <= WORLD * shard < whole * 1.05  # a few padded rows at most
+    for rank in range(WORLD):
+        assert int(two_ranks[rank][case]["weight_numel"]) == shard
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["refused", "refused-frozen"])
 def test_ranks_that_start_from_different_weights_are_refused(two_ranks: Ranks, kind: str) -> None:
     for rank in range(WORLD):
@@ -198,9 +211,11 @@ def test_every_rank_holds_its_rows_of_every_parameter(world: int) -> None:
     torch.testing.assert_close(packed, torch.cat(shards))
 
 
-def test_one_process_needs_no_shard_comm() -> None:
-    with pytest.raises(ValueError, match="world_size >= 2"):
-        ShardComm(None, rank=0, world_size=1)
+def test_a_shard_comm_needs_its_rank_within_the_world() -> None:
+    assert ShardComm(None, rank=0, world_size=1).world_size == 1  # a group of one runs too
+    for rank, world in ((1, 1), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match=f"rank={rank} of world_size={world}"):
+            ShardComm(None, rank=rank, world_size=world)
 
 
 def test_sharded_budgets_hold_one_shard_of_the_state() -> None:
