@@ -26,11 +26,13 @@ from typing import Any, Literal
 from storage.tiers import Tier
 
 __all__ = [
+    "BOUNDARY_PREFIX",
     "DTYPE_BYTES",
     "READ_AHEAD",
     "ModelSizes",
     "Placement",
     "StoredTensor",
+    "boundary_manifest",
     "manifest_bytes",
     "training_manifest",
     "weights_manifest",
@@ -312,10 +314,6 @@ class ModelSizes:
     included (:class:`~bb_lightning.engine.shard.ShardLayout`); empty: no sharding."""
     shard_rest: int = 0
     """Data parallelism: elements of one rank's shard of the state outside the blocks."""
-    shard_frozen: tuple[int, ...] = ()
-    """Data parallelism: elements of one rank's shard of each block's frozen weights,
-    padding included; empty: the frozen weights' own count divided up (``ceil(f / N)``,
-    which the padding may exceed by a few rows: give it for the engine's own store)."""
 
     def __post_init__(self) -> None:
         if self.frozen and len(self.frozen) != len(self.blocks):
@@ -364,10 +362,8 @@ def training_manifest(
 
     With ``shards`` N > 1 (data parallelism, :mod:`bb_lightning.engine.shard`) every fp32
     state holds one rank's shard (``sizes.shard_blocks``, ``sizes.shard_rest``), and so do
-    the compute-dtype weights (the trainable ones laid out as the state,
-    ``sizes.shard_blocks``; the frozen ones ``sizes.shard_frozen``), the fp32 scratch and
-    read-ahead buffers and each ``cast`` buffer: the ranks of a node hold one copy of the
-    weights between them, each block assembled on the device at its page-in.
+    the fp32 scratch and read-ahead buffers; the weights stay whole, and so does each
+    ``cast`` buffer (a block's weights, unpacked from every rank's shard).
     """
     if shards < 1:
         raise ValueError(f"shards={shards} must be >= 1 (the data-parallel world size)")
@@ -386,18 +382,16 @@ def training_manifest(
     frozen = sizes.frozen or (0,) * len(sizes.blocks)
 
     state = sizes.shard_blocks if shards > 1 else sizes.blocks
-    if shards > 1:
-        frozen = sizes.shard_frozen or tuple(-(-f // shards) for f in frozen)
     out = _flat_state(RESIDENT_PREFIX, sizes.shard_rest if shards > 1 else sizes.rest, host, host)
     tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
-    blocks = zip(state, frozen, tiers, strict=True)  # the weights laid out as the state
-    for i, (s, f, (w, m, g)) in enumerate(blocks):
+    blocks = zip(sizes.blocks, state, frozen, tiers, strict=True)
+    for i, (n, s, f, (w, m, g)) in enumerate(blocks):
         name = f"{prefix}.{i}"
         if f:
             out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
-        out.append(StoredTensor(name=f"{name}.weight", numel=s, dtype=dtype, home=w, block=i))
+        out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
         out += _flat_state(name, s, m, g)
-    largest = cast = max(state)
+    largest, cast = max(state), max(sizes.blocks)
     for k in range(SCRATCH_SETS):
         name = f"{SCRATCH_PREFIX}.{k}"
         out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)
@@ -408,6 +402,27 @@ def training_manifest(
             out += [StoredTensor(name=read_ahead_name(k, s), numel=largest, dtype=fp32, home=host)
                     for s in STATE_KINDS]  # fmt: skip
     return tuple(out)
+
+
+BOUNDARY_PREFIX = "boundary"
+"""Store name prefix of the recomputed blocks' boundary inputs kept off the device."""
+
+
+def boundary_manifest(placement: Placement, numel: int) -> tuple[StoredTensor, ...]:
+    """The boundary inputs of one micro-batch that the training engine keeps in the store
+    (``placement.boundaries`` HOST or NVME): each block's hidden states, ``numel``
+    elements (rows x tokens x width) in the compute dtype, as ``boundary.<i>.0.0``. The
+    engine registers them at their first use with the micro-batch's shape (another
+    tensor argument needing gradient, a second forward in one micro-batch, adds its own);
+    none for boundaries on the device, or ``numel`` 0."""
+    home = placement.boundaries
+    if home in (None, Tier.DEVICE) or numel <= 0:
+        return ()
+    return tuple(
+        StoredTensor(name=f"{BOUNDARY_PREFIX}.{i}.0.0", numel=numel,
+                     dtype=placement.compute_dtype, home=home)
+        for i in range(placement.num_blocks)
+    )  # fmt: skip
 
 
 def read_ahead_name(k: int, kind: str) -> str:

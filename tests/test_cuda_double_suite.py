@@ -1,4 +1,5 @@
-"""Key store tests, one fit-equivalence and one greedy-generate-equivalence test, run
+"""Key store tests, fit-equivalence tests (one piece, and in row chunks with the boundary
+inputs on each tier) and one greedy-generate-equivalence test, run
 again with ``--cuda-double`` (every store under the CPU double of CUDA's copy semantics).
 
 The whole suite runs the same way with ``pytest --cuda-double``; this file keeps a
@@ -21,6 +22,7 @@ UNDER_THE_DOUBLE = [
     "tests/storage/test_store.py",
     "tests/bb_lightning/strategy/test_strategy.py::test_llama_equals_plain_lightning[device]",
     "tests/bb_lightning/engine/test_generate.py::test_paged_greedy_equals_generate_each_block_once_per_step[device]",
+    "tests/bb_lightning/test_chunked_fit.py::test_a_dense_model_fits_in_row_chunks_like_plain_lightning",
 ]
 
 

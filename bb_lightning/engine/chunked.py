@@ -39,17 +39,22 @@ from torch import Tensor
 
 from bb_lightning.engine.hf_quirks import CapturedOutputs, recording
 from bb_lightning.engine.rows import cut_rows
-from bb_lightning.placement import Placement
+from bb_lightning.placement import BOUNDARY_PREFIX, Placement, boundary_manifest
+from storage.device import slot_bytes
 from storage.store import Ticket, TieredStore
 from storage.tiers import Tier
 
 if TYPE_CHECKING:
     from bb_lightning.engine.blocks import PagedBlocks, _BlockCall
 
-__all__ = ["Boundaries", "Chunking", "chunking_for", "row_spans", "run_chunked"]
-
-BOUNDARY_PREFIX = "boundary"
-"""Store name prefix of the blocks' boundary inputs kept off the device."""
+__all__ = [
+    "Boundaries",
+    "Chunking",
+    "boundary_budgets",
+    "chunking_for",
+    "row_spans",
+    "run_chunked",
+]
 
 
 class Chunking:
@@ -76,6 +81,23 @@ def chunking_for(placement: Placement, store: TieredStore) -> Chunking | None:
             "the boundary inputs on Tier.HOST or Tier.DEVICE"
         )
     return Chunking(placement.chunk_rows, Boundaries(store, tier))
+
+
+def boundary_budgets(placement: Placement, numel: int) -> dict[Tier, int]:
+    """Bytes each tier of the store needs for the boundary inputs of one micro-batch, each
+    block's ``numel`` elements (:func:`~bb_lightning.placement.boundary_manifest`, padded
+    as the arenas pad them): on their home, and on the device the slots of the ones paged
+    in at once in backward (the block's own and those of ``prefetch_depth`` blocks ahead).
+    NVMe boundaries need an NVMe tier whatever ``numel``."""
+    need = dict.fromkeys(Tier, 0)
+    if placement.boundaries is Tier.NVME:  # the tier exists even with no size given
+        need[Tier.NVME] = slot_bytes(0)
+    entries = boundary_manifest(placement, numel)
+    for t in entries:
+        need[t.home] += slot_bytes(t.nbytes)
+    if entries:
+        need[Tier.DEVICE] += (placement.prefetch_depth + 1) * slot_bytes(entries[0].nbytes)
+    return need
 
 
 def row_spans(rows: int, chunk_rows: int | None) -> list[tuple[int, int]]:
@@ -147,7 +169,7 @@ class Boundaries:
         if ticket is None:
             ticket = self.store.prefetch_async(list(names))
         got = ticket.wait()
-        return [got[n] for n in names]
+        return [_own_version(got[n]) for n in names]
 
     def free(self, i: int, names: Sequence[str]) -> None:
         """Release the device copies of ``names`` (block ``i``'s; their home stays for the
@@ -167,6 +189,14 @@ class Boundaries:
             self.store.release(list(names))
         self._tickets = {}
         self._saved = {}
+
+
+def _own_version(t: Tensor) -> Tensor:
+    """``t``'s memory as a tensor whose version counter is its own: a page-in is a view of
+    the device arena, whose counter every other slot's writes advance, which autograd would
+    take for an in-place change of a tensor it saved."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def run_chunked(

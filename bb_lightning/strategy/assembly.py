@@ -25,12 +25,12 @@ from torch import Tensor, nn
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.budgets import (
     check_budgets,
-    frozen_shard_counts,
     param_counts,
     required_budgets,
     shard_counts,
     weights_budgets,
 )
+from bb_lightning.engine.chunked import boundary_budgets
 from bb_lightning.engine.flat import ParamLoader, torch_dtype
 from bb_lightning.engine.inference import InferenceEngine, PieceSource, external_blocks
 from bb_lightning.engine.shard import ShardComm
@@ -40,7 +40,7 @@ from bb_lightning.hf.hf_load import HFCheckpoint, check_generation, check_suppor
 from bb_lightning.hf.structure import check_block_calls
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.planner import Plan
+from bb_lightning.planner import FitJob, Plan
 from bb_lightning.strategy.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.strategy.session import hf_model
 from storage.external import FilePiece
@@ -89,6 +89,7 @@ def build_engine(
     plan: Plan | None = None,
     comm: ShardComm | None = None,
     open_store: Callable[[StoreConfig], TieredStore] = TieredStore,
+    boundary_numel: int = 0,
 ) -> Assembly:
     """Open the store for ``placement`` and build the engine of ``module``'s ``blocks``.
 
@@ -97,7 +98,9 @@ def build_engine(
     engine stores this rank's shard of the optimizer state (the weights-only engine
     needs no collectives and ignores it). ``open_store`` opens the store of the sized
     config (a dry run's :class:`storage.dry.DryStore`). Raises ``ValueError`` when the
-    budgets cannot hold the placement; a failure leaves nothing open.
+    budgets cannot hold the placement; a failure leaves nothing open. The store holds
+    room for the boundary inputs the placement keeps off the device: ``boundary_numel``
+    elements per block, else a plan's micro-batch x sequence x width.
     """
     if not training:
         check_decode_attention(placement, device)
@@ -109,10 +112,9 @@ def build_engine(
     if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
         parts = shard_counts(module, list(blocks), shards) if shards > 1 else ([], 0)
-        frozen_parts = frozen_shard_counts(list(blocks), shards) if shards > 1 else []
         need = required_budgets(numels, rest, placement, frozen, shards=shards,
-                                shard_numels=parts[0], shard_rest=parts[1],
-                                shard_frozen=frozen_parts)  # fmt: skip
+                                shard_numels=parts[0], shard_rest=parts[1])  # fmt: skip
+        need = _with_boundaries(need, placement, plan, boundary_numel)
         sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path,
                              (shards, parts))  # fmt: skip
     else:
@@ -263,9 +265,22 @@ def _replan_room(
         for mem in plan.memory:
             room = need[mem.tier] + max(mem.headroom, 0)
             need[mem.tier] = max(need[mem.tier], min(most[mem.tier], room))
-        if nvme_path is None and Tier.NVME not in (*placement.weights, *placement.master):
+        homes = (*placement.weights, *placement.master, placement.boundaries)
+        if nvme_path is None and Tier.NVME not in homes:
             need[Tier.NVME] = 0
     return need
+
+
+def _with_boundaries(
+    need: dict[Tier, int], placement: Placement, plan: Plan | None, numel: int
+) -> dict[Tier, int]:
+    """``need`` plus the boundary inputs of one micro-batch kept off the device
+    (:func:`~bb_lightning.engine.chunked.boundary_budgets`): ``numel`` elements per
+    block, or with ``numel`` 0 the plan's ``micro_batch x seq_len x hidden_size``."""
+    if not numel and plan is not None and isinstance(plan.job, FitJob):
+        numel = plan.micro_batch * plan.job.seq_len * plan.model.hidden_size
+    room = boundary_budgets(placement, numel)
+    return {t: need[t] + room[t] for t in Tier}
 
 
 def check_decode_attention(placement: Placement, device: torch.device) -> None:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -33,7 +34,7 @@ from .test_families import JAMBA, ZAYA
 from .tiny import VOCAB, saved
 
 STEPS, ACCUM, ROWS, SEQ = 2, 2, 5, 12
-D, H = Tier.DEVICE, Tier.HOST
+D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,15 +75,17 @@ def _placement(blocks: int, chunk_rows: int | None, boundaries: Tier | None) -> 
 
 
 def _same_as_plain(tiny: SimpleNamespace, make: Any, blocks: int, chunk_rows: int | None,
-                   boundaries: Tier | None, *, whole: bool = False) -> BalanceBeamStrategy:  # fmt: skip
+                   boundaries: Tier | None, *, whole: bool = False,
+                   nvme: str | None = None) -> BalanceBeamStrategy:  # fmt: skip
     """Fit ``make()`` under plain Lightning and chunked; both agree, and the chunked run
     ran every recomputed block forward in the chunks of ``chunk_rows`` rows (``whole``: in
     one piece, hidden states not laid out by rows; Gemma 3n, whose padded rows give NaN
     losses in both runs, trains unpadded)."""
     want_losses, want = _fit(tiny, "auto", make(), not whole)
     strategy = BalanceBeamStrategy(
-        placement=_placement(blocks, chunk_rows, boundaries), compute_dtype="fp32"
-    )
+        placement=_placement(blocks, chunk_rows, boundaries), compute_dtype="fp32",
+        nvme_path=nvme,
+    )  # fmt: skip
     spans: list[list[tuple[int, int]]] = []
 
     def recorded(rows: int, k: int | None) -> list[tuple[int, int]]:
@@ -93,9 +96,11 @@ def _same_as_plain(tiny: SimpleNamespace, make: Any, blocks: int, chunk_rows: in
         losses, got = _fit(tiny, strategy, make(), not whole)
     chunks = [] if whole else [row_spans(ROWS, chunk_rows)] * (blocks * STEPS * ACCUM)
     assert spans == chunks
-    if boundaries is H:  # kept in the store between forward and backward
-        names = [n for n in strategy.store.names() if n.startswith("boundary.")]  # type: ignore[union-attr]
-        assert names and all(strategy.store.home(n) is H for n in names)  # type: ignore[union-attr]
+    if boundaries in (H, N):  # kept in the store between forward and backward
+        store = strategy.store
+        assert store is not None
+        names = [n for n in store.names() if n.startswith("boundary.")]
+        assert names and all(store.home(n) is boundaries for n in names)
     assert len(losses) == STEPS * ACCUM
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     assert got.keys() == want.keys()
@@ -106,14 +111,14 @@ def _same_as_plain(tiny: SimpleNamespace, make: Any, blocks: int, chunk_rows: in
     return strategy
 
 
-@pytest.mark.parametrize(("chunk_rows", "boundaries"), [(1, D), (2, H), (3, None)])
+@pytest.mark.parametrize(("chunk_rows", "boundaries"), [(1, D), (2, H), (3, None), (2, N)])
 def test_a_dense_model_fits_in_row_chunks_like_plain_lightning(
     chunk_rows: int, boundaries: Tier | None, tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
     path = saved("llama", tmp_path / "ckpt")
     strategy = _same_as_plain(
         tiny, lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01), 2,
-        chunk_rows, boundaries,
+        chunk_rows, boundaries, nvme=str(tmp_path / "nvme") if boundaries is N else None,
     )  # fmt: skip
     strategy.close()
 
@@ -158,4 +163,68 @@ def test_hybrid_and_state_handing_blocks_fit_in_row_chunks_like_plain_lightning(
         tiny, lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01), 2,
         chunk_rows, H,
     )  # fmt: skip
+    strategy.close()
+
+
+class _Block(torch.nn.Module):
+    """A block reading, beside its hidden states, a trainable per-row input and a trainable
+    gate without rows (passed whole to every chunk, its gradient summed over them)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(
+        self, hidden: torch.Tensor, extra: torch.Tensor, gate: torch.Tensor
+    ) -> torch.Tensor:
+        mixed = torch.tanh(self.mix(hidden) + extra) * gate
+        weights = torch.softmax(mixed @ mixed.transpose(1, 2) / 8.0, dim=-1)  # across tokens
+        return hidden + self.out(weights @ mixed)
+
+
+class _OwnModule(pl.LightningModule):
+    """A user's own LightningModule: its own model, loss and optimizer."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.side = torch.nn.Linear(width, width)
+        self.gate = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.layers = torch.nn.ModuleList(_Block(width) for _ in range(3))
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        extra = self.side(x)
+        for layer in self.layers:
+            x = layer(x, extra, self.gate)
+        logits = self.head(x)[:, :-1]
+        labels = batch["labels"][:, 1:]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+@pytest.mark.parametrize(("chunk_rows", "boundaries"), [(2, H), (3, D)])
+def test_a_users_own_module_fits_in_row_chunks_like_plain_lightning(
+    chunk_rows: int, boundaries: Tier, tiny: SimpleNamespace
+) -> None:
+    """Gradients of an argument cut by rows are joined, those of one passed whole summed."""
+    strategy = _same_as_plain(tiny, _OwnModule, 3, chunk_rows, boundaries)
+    strategy.close()
+
+
+def test_lora_adapters_fit_in_row_chunks_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Frozen base weights paged with the adapters; only the adapters' gradients summed."""
+    path = saved("llama", tmp_path / "ckpt")
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+    strategy = _same_as_plain(
+        tiny, lambda: CausalLMModule(str(path), learning_rate=1e-2, lora=lora, seed=3), 2, 2, H
+    )
+    assert strategy.engine is not None and all(strategy.engine.pager.frozen)
     strategy.close()
