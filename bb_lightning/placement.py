@@ -314,6 +314,10 @@ class ModelSizes:
     included (:class:`~bb_lightning.engine.shard.ShardLayout`); empty: no sharding."""
     shard_rest: int = 0
     """Data parallelism: elements of one rank's shard of the state outside the blocks."""
+    shard_frozen: tuple[int, ...] = ()
+    """Data parallelism: elements of one rank's shard of each block's frozen weights,
+    padding included; empty: the frozen weights' own count divided up (``ceil(f / N)``,
+    which the padding may exceed by a few rows: give it for the engine's own store)."""
 
     def __post_init__(self) -> None:
         if self.frozen and len(self.frozen) != len(self.blocks):
@@ -362,8 +366,10 @@ def training_manifest(
 
     With ``shards`` N > 1 (data parallelism, :mod:`bb_lightning.engine.shard`) every fp32
     state holds one rank's shard (``sizes.shard_blocks``, ``sizes.shard_rest``), and so do
-    the fp32 scratch and read-ahead buffers; the weights stay whole, and so does each
-    ``cast`` buffer (a block's weights, unpacked from every rank's shard).
+    the compute-dtype weights (the trainable ones laid out as the state,
+    ``sizes.shard_blocks``; the frozen ones ``sizes.shard_frozen``), the fp32 scratch and
+    read-ahead buffers and each ``cast`` buffer: the ranks of a node hold one copy of the
+    weights between them, each block assembled on the device at its page-in.
     """
     if shards < 1:
         raise ValueError(f"shards={shards} must be >= 1 (the data-parallel world size)")
@@ -382,16 +388,18 @@ def training_manifest(
     frozen = sizes.frozen or (0,) * len(sizes.blocks)
 
     state = sizes.shard_blocks if shards > 1 else sizes.blocks
+    if shards > 1:
+        frozen = sizes.shard_frozen or tuple(-(-f // shards) for f in frozen)
     out = _flat_state(RESIDENT_PREFIX, sizes.shard_rest if shards > 1 else sizes.rest, host, host)
     tiers = zip(placement.weights, placement.master, placement.grad_tiers, strict=True)
-    blocks = zip(sizes.blocks, state, frozen, tiers, strict=True)
-    for i, (n, s, f, (w, m, g)) in enumerate(blocks):
+    blocks = zip(state, frozen, tiers, strict=True)  # the weights laid out as the state
+    for i, (s, f, (w, m, g)) in enumerate(blocks):
         name = f"{prefix}.{i}"
         if f:
             out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
-        out.append(StoredTensor(name=f"{name}.weight", numel=n, dtype=dtype, home=w, block=i))
+        out.append(StoredTensor(name=f"{name}.weight", numel=s, dtype=dtype, home=w, block=i))
         out += _flat_state(name, s, m, g)
-    largest, cast = max(state), max(sizes.blocks)
+    largest = cast = max(state)
     for k in range(SCRATCH_SETS):
         name = f"{SCRATCH_PREFIX}.{k}"
         out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)

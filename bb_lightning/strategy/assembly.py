@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.budgets import (
     check_budgets,
+    frozen_shard_counts,
     param_counts,
     required_budgets,
     shard_counts,
@@ -112,8 +113,10 @@ def build_engine(
     if training:
         numels, rest, frozen = param_counts(module, list(blocks))  # trainable / frozen
         parts = shard_counts(module, list(blocks), shards) if shards > 1 else ([], 0)
+        frozen_parts = frozen_shard_counts(list(blocks), shards) if shards > 1 else []
         need = required_budgets(numels, rest, placement, frozen, shards=shards,
-                                shard_numels=parts[0], shard_rest=parts[1])  # fmt: skip
+                                shard_numels=parts[0], shard_rest=parts[1],
+                                shard_frozen=frozen_parts)  # fmt: skip
         need = _with_boundaries(need, placement, plan, boundary_numel)
         sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path,
                              (shards, parts))  # fmt: skip
