@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from bb_lightning.placement import Placement
 from bb_lightning.planner import cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES
+from bb_lightning.planner.data_parallel import REDUCE_BYTES
 from bb_lightning.planner.fit_price import FitPrice
 from bb_lightning.planner.fit_search import PricedFitCandidate
 from bb_lightning.planner.job import FitJob
@@ -105,8 +106,9 @@ def fit_roofline(
     model: ModelProfile, hw: HardwareProfile, job: FitJob, best: PricedFitCandidate
 ) -> Roofline:
     """The roofline of a training pass: FLOPs per token against the bytes each link moves."""
-    v, n = best.price, model.num_blocks
-    block_bytes = model.block_params * job.compute_bytes  # one block's weights
+    v, n, ranks = best.price, model.num_blocks, hw.world_size
+    # the weights a rank pages in of one block (its shard with data parallelism)
+    block_bytes = cost.shard_numel(model.block_params, ranks) * job.compute_bytes
     paged = n - int(v.full_blocks) - int(v.resident_weight_blocks)
     recomputed = int(v.recomputed_blocks)
     bw = cost.effective_bandwidths(hw)
@@ -118,7 +120,9 @@ def fit_roofline(
         bytes_per_pass={
             Link.HOST_TO_DEVICE: 2.0 * paged * block_bytes,
             Link.NVME_TO_HOST: 2.0 * (paged - int(v.host_weight_blocks)) * block_bytes,
-            Link.DEVICE_TO_HOST: float(n * model.block_train * job.compute_bytes),
+            Link.DEVICE_TO_HOST: float(n * model.block_train * job.compute_bytes)
+            if ranks == 1
+            else float(n * cost.shard_numel(model.block_train, ranks) * REDUCE_BYTES),
         },
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
@@ -213,7 +217,7 @@ def _batch_reason(
     device_flops = hw.device_flops * hw.compute_efficiency
     hide = cost.hide_tokens_per_pass(  # FLOPs of the active weights against all bytes (MoE)
         (8.0 if best.checkpointing else 6.0) * model.active_fraction,
-        4.0,
+        4.0 / hw.world_size,  # each rank copies its 1/N shard of the weights
         device_flops,
         bw[Link.HOST_TO_DEVICE],
     )

@@ -31,7 +31,7 @@ from bb_lightning.planner.data_parallel import collective_seconds
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.planner.profile import LAYOUT_FIELDS
 from bb_lightning.probe import model_profile_from_config
-from storage.tiers import Tier
+from storage.tiers import Link, Tier
 
 GIB = 2**30
 
@@ -197,6 +197,9 @@ def test_rank_follows_the_formulas(
     ups = ga * 2 * n * shard * 2 + rest_shard * 2  # and the outside shards after the step
     assert plan.predicted.h2d == pytest.approx(ups / 2e10)
     assert plan.predicted.d2h == pytest.approx(ga * (n * shard + rest_shard) * 4 / 2e10)
+    # a pass's bytes in the roofline: the shards, as above
+    assert plan.roofline.bytes_per_pass[Link.HOST_TO_DEVICE] == 2 * n * shard * 2
+    assert plan.roofline.bytes_per_pass[Link.DEVICE_TO_HOST] == n * shard * 4
 
     # the job's throughput: every rank trains its share of the batch in one step
     assert plan.tokens_per_s == pytest.approx(world * rank_seqs * 512 / plan.predicted.total)
