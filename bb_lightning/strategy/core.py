@@ -42,6 +42,7 @@ from bb_lightning.strategy.session import ComputeDtype, clip_config
 from bb_lightning.strategy.settings import HandBackConfig, PlanningConfig, grouped
 from bb_lightning.strategy.summary import describe_placement, use_paged_summary
 from storage.store import StoreConfig, TieredStore
+from storage.tiers import Tier
 
 __all__ = ["BalanceBeamStrategy", "HandBackConfig", "PlanningConfig"]
 
@@ -233,6 +234,7 @@ class BalanceBeamStrategy(RankedStrategy):
             module, list(blocks), placement, training=training, device=self.root_device,
             loader=loader, store=store, nvme_path=nvme, plan=self.plan,
             comm=self.shard_comm() if ranks > 1 else None,  # one process: no collectives
+            boundary_numel=_boundary_numel(module, trainer, placement, plan, training),
         )  # fmt: skip
         self._slot.hold(built, self)
 
@@ -439,3 +441,28 @@ class BalanceBeamStrategy(RankedStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
+
+
+def _boundary_numel(
+    module: pl.LightningModule,
+    trainer: pl.Trainer,
+    placement: Placement,
+    plan: Plan | None,
+    training: bool,
+) -> int:
+    """Elements of one block's hidden states in a micro-batch (rows x tokens x width) for
+    the store to hold the boundary inputs a given placement keeps off the device; 0 when a
+    plan sizes them, when they stay on the device, or when the width or the batch cannot
+    be read (a module of the user's own: the store's slack holds them, else its budgets)."""
+    if not training or plan is not None or placement.boundaries in (None, Tier.DEVICE):
+        return 0
+    config = getattr(session.hf_model(module), "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    width = getattr(get_text() if callable(get_text) else config, "hidden_size", None)
+    if not isinstance(width, int):
+        return 0
+    try:
+        seq_len, rows = session.first_batch_shape(trainer)
+    except ValueError:
+        return 0
+    return rows * seq_len * width

@@ -228,3 +228,22 @@ def test_lora_adapters_fit_in_row_chunks_like_plain_lightning(
     )
     assert strategy.engine is not None and all(strategy.engine.pager.frozen)
     strategy.close()
+
+
+def test_a_given_placement_sizes_the_store_for_its_host_boundaries(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Boundary inputs larger than the store's slack: the strategy reads the first batch's
+    shape and the model's width and sizes the host tier (and the device's slots) for them."""
+    path = saved("llama", tmp_path / "ckpt")
+    rows, seq, width = 96, 64, 32  # 768 KiB of fp32 hidden states per block
+    strategy = BalanceBeamStrategy(placement=_placement(2, 16, H), compute_dtype="fp32")
+    trainer, recorder = tiny.make_trainer(strategy, 1)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0))
+    module = CausalLMModule(str(path), learning_rate=1e-3)
+    trainer.fit(module, DataLoader([{"input_ids": ids}], batch_size=None))  # type: ignore[arg-type]
+    store = strategy.store
+    assert store is not None and len(recorder.losses) == 1
+    assert store.spec("boundary.1.0.0").nbytes == rows * seq * width * 4
+    assert store.config.host_budget >= 2 * rows * seq * width * 4 + (1 << 20)
+    strategy.close()
