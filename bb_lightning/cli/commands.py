@@ -152,6 +152,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-nodes", type=_positive_int, default=1, help="nodes (the Trainer's num_nodes)"
     )
+    for level, where in (("intra", "between two GPUs of a node"), ("inter", "between nodes")):
+        p.add_argument(
+            f"--{level}-node-bandwidth",
+            type=_positive_float,
+            metavar="GB/S",
+            help=f"collective bandwidth {where}, GB/s per direction per GPU (overrides the "
+            "profile's: a preset's datasheet figure)",
+        )
     p.add_argument(
         "--loss-chunk-tokens",
         type=_count,
@@ -306,6 +314,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    value = float(text) if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", text) else 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0, e.g. 50")
+    return value
+
+
 def _count(text: str) -> int:
     """An argparse type: an integer >= 0."""
     try:
@@ -357,6 +373,9 @@ def _plan(args: argparse.Namespace) -> int:
                 "NVMe or --hardware measure --nvme-path DIR"
             )
         changes["nvme_capacity"] = sizes["nvme_capacity"]
+    for level in ("intra", "inter"):  # the collectives' GB/s, where given
+        if (rate := getattr(args, f"{level}_node_bandwidth")) is not None:
+            changes[f"{level}_node_bandwidth"] = rate * 1e9
     hw = world.with_world(hw.replace(**changes), args.devices * args.num_nodes, args.devices)
     if args.decode_attention is not None and args.task != "predict":
         raise UsageError(

@@ -223,3 +223,21 @@ def test_plan_for_several_ranks_prints_one_rank_and_the_layout(
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--devices", "0"])
     assert exc.value.code == 2
+
+
+def test_plan_takes_the_collective_bandwidths_given(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "llama-1.5b", "--hardware", "a100-80gb", "--seq-len", "1024"]
+    argv += ["--devices", "4", "--num-nodes", "2", "--json"]
+    assert main(argv) == 0
+    preset_links = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--intra-node-bandwidth", "10", "--inter-node-bandwidth", "0.5"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert preset_links["hardware"]["inter_node_bandwidth"] == 0.8 * 200e9 / 8  # HDR, datasheet
+    assert given["hardware"]["intra_node_bandwidth"] == 10e9
+    assert given["hardware"]["inter_node_bandwidth"] == 0.5e9
+    assert given["predicted"]["net"] > preset_links["predicted"]["net"]
+    for bad in ("0", "-1", "fast"):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--inter-node-bandwidth", bad])
+        assert exc.value.code == 2
+        assert f"'{bad}' is not a number > 0" in capsys.readouterr().err
