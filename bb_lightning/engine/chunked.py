@@ -123,10 +123,18 @@ class Boundaries:
         if off_device and store is None:
             raise ValueError(f"boundaries={tier}: keeping them off the device needs the store")
         self.store = store if off_device else None
-        self.tier = tier if off_device else Tier.DEVICE
+        self.tier: Tier = tier if tier is not None and off_device else Tier.DEVICE
         self._saved: dict[int, list[list[str]]] = {}
         """Per block, the store names of each forward's boundary inputs not yet used."""
         self._tickets: dict[tuple[str, ...], Ticket] = {}
+        self._registered: dict[str, tuple[tuple[int, ...], torch.dtype, Tier]] = {}
+        """Shape, dtype and home of each boundary tensor registered in the store (an earlier
+        placement's too, registered again on this one's tier at their next use)."""
+        if self.store is not None:
+            for name in self.store.names():
+                if name.startswith(f"{BOUNDARY_PREFIX}."):
+                    spec = self.store.spec(name)
+                    self._registered[name] = (spec.shape, spec.dtype, self.store.home(name))
 
     @property
     def on_device(self) -> bool:
@@ -137,7 +145,9 @@ class Boundaries:
         """Write block ``i``'s boundary ``tensors`` to the store; their names."""
         assert self.store is not None
         runs = self._saved.setdefault(i, [])
-        names = [f"{BOUNDARY_PREFIX}.{i}.{len(runs)}.{k}" for k in range(len(tensors))]
+        taken = {r[0] for r in runs}  # forwards of block i whose backward is still to come
+        n = next(n for n in range(len(runs) + 1) if f"{BOUNDARY_PREFIX}.{i}.{n}.0" not in taken)
+        names = [f"{BOUNDARY_PREFIX}.{i}.{n}.{k}" for k in range(len(tensors))]
         for name, t in zip(names, tensors, strict=True):
             self._ensure(name, t)
             self.store.write_back_async(name, t.detach().contiguous())
@@ -146,13 +156,14 @@ class Boundaries:
 
     def _ensure(self, name: str, t: Tensor) -> None:
         assert self.store is not None
-        if name in self.store.names():
-            spec = self.store.spec(name)
-            if spec.shape == tuple(t.shape) and spec.dtype == t.dtype:
-                return
+        held = self._registered.get(name)
+        if held == (tuple(t.shape), t.dtype, self.tier):
+            return
+        if held is not None:  # a micro-batch of another shape
             self.store.unregister(name)
         self.store.register(name, shape=tuple(t.shape), dtype=t.dtype, home=self.tier,
                             scratch=True)  # fmt: skip
+        self._registered[name] = (tuple(t.shape), t.dtype, self.tier)
 
     def prefetch(self, blocks: Sequence[int]) -> None:
         """Start paging in the last saved boundary inputs of each of ``blocks``."""
@@ -375,18 +386,20 @@ def _chunk_backward(
     )
     for j, g in enumerate(grads[len(wanted) :]):
         if g is not None:
-            summed[j] = g if summed[j] is None else summed[j] + g
+            before = summed[j]
+            summed[j] = g if before is None else before + g
     got = iter(grads[: len(wanted)])
     for n, (t, c, w) in enumerate(zip(saved, cut, wants, strict=True)):
         g = next(got) if w else None
         if g is None:
             continue
+        held = of_inputs[n]
         if not c:
-            of_inputs[n] = g if of_inputs[n] is None else of_inputs[n] + g
+            of_inputs[n] = g if held is None else held + g
             continue
-        if of_inputs[n] is None:
-            of_inputs[n] = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
-        of_inputs[n][a:b].copy_(g)
+        if held is None:
+            held = of_inputs[n] = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
+        held[a:b].copy_(g)
 
 
 def _joined(made: list[list[Tensor]], handed: list[set[int]]) -> tuple[list[Tensor], list[bool]]:
