@@ -76,7 +76,7 @@ def _placement(blocks: int, chunk_rows: int | None, boundaries: Tier | None) -> 
 
 def _same_as_plain(tiny: SimpleNamespace, make: Any, blocks: int, chunk_rows: int | None,
                    boundaries: Tier | None, *, whole: bool = False,
-                   nvme: str | None = None) -> BalanceBeamStrategy:  # fmt: skip
+                   nvme: str | None = None, forwards: int = 1) -> BalanceBeamStrategy:  # fmt: skip
     """Fit ``make()`` under plain Lightning and chunked; both agree, and the chunked run
     ran every recomputed block forward in the chunks of ``chunk_rows`` rows (``whole``: in
     one piece, hidden states not laid out by rows; Gemma 3n, whose padded rows give NaN
@@ -94,7 +94,7 @@ def _same_as_plain(tiny: SimpleNamespace, make: Any, blocks: int, chunk_rows: in
 
     with mock.patch.object(chunked, "row_spans", recorded):
         losses, got = _fit(tiny, strategy, make(), not whole)
-    chunks = [] if whole else [row_spans(ROWS, chunk_rows)] * (blocks * STEPS * ACCUM)
+    chunks = [] if whole else [row_spans(ROWS, chunk_rows)] * (blocks * STEPS * ACCUM * forwards)
     assert spans == chunks
     if boundaries in (H, N):  # kept in the store between forward and backward
         store = strategy.store
@@ -246,4 +246,30 @@ def test_a_given_placement_sizes_the_store_for_its_host_boundaries(
     assert store is not None and len(recorder.losses) == 1
     assert store.spec("boundary.1.0.0").nbytes == rows * seq * width * 4
     assert store.config.host_budget >= 2 * rows * seq * width * 4 + (1 << 20)
+    strategy.close()
+
+
+class _TwoForwards(pl.LightningModule):
+    """Two forwards of the model before one backward (a preference pair's two sides)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        mask, labels = batch["attention_mask"], batch["labels"]
+        first = self.net(input_ids=batch["input_ids"], attention_mask=mask, labels=labels)
+        second = self.net(input_ids=batch["input_ids"].flip(1), labels=labels.flip(1))
+        return first.loss + 0.5 * second.loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def test_two_forwards_before_one_backward_keep_two_sets_of_boundaries(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    path = saved("llama", tmp_path / "ckpt")
+    strategy = _same_as_plain(tiny, lambda: _TwoForwards(path), 2, 2, H, forwards=2)
+    assert strategy.store is not None and "boundary.0.1.0" in strategy.store.names()
     strategy.close()
