@@ -169,12 +169,16 @@ class TieredStore(StoreCore):
             with self._lock:
                 self._leave_device(rec, "release")
 
-    def write_back_async(self, name: str, src: torch.Tensor | None = None) -> Ticket:
+    def write_back_async(
+        self, name: str, src: torch.Tensor | None = None, *, from_device: bool = False
+    ) -> Ticket:
         """Copy the device copy of ``name`` (or ``src``) to its home tier, overlapped.
 
         The device copy stays usable; neither it nor ``src`` may be modified
         until the ticket is done. ``src`` replaces the home contents only (the
-        device copy is left as it is).
+        device copy is left as it is). ``from_device``: ``src`` is the compute's own
+        memory (an activation), whatever the store tells from the tensor itself (a dry
+        run's ``meta`` tensors), so the copy crosses the device-to-host link.
         """
         rec = self._record(name)
         check_writable(rec, "write back")
@@ -196,7 +200,8 @@ class TieredStore(StoreCore):
             )
         else:
             self._check_like(rec, src)
-            out, data, tier = src, flat_bytes(src), self._tier_of(src)
+            out, data = src, flat_bytes(src)
+            tier = Tier.DEVICE if from_device else self._tier_of(src)
             src_raw = padded_source(src) if rec.home is Tier.NVME else None
             if data.is_cuda and self._cuda:  # used by the stream that runs the copy
                 to_device = rec.home is Tier.DEVICE

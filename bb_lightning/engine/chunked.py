@@ -150,7 +150,7 @@ class Boundaries:
         names = [f"{BOUNDARY_PREFIX}.{i}.{n}.{k}" for k in range(len(tensors))]
         for name, t in zip(names, tensors, strict=True):
             self._ensure(name, t)
-            self.store.write_back_async(name, t.detach().contiguous())
+            self.store.write_back_async(name, t.detach().contiguous(), from_device=True)
         runs.append(names)
         return names
 

@@ -43,7 +43,7 @@ def test_the_dry_run_device_peak_of_a_chunked_placement_is_one_chunks() -> None:
     assert device[2] < device[1]  # the boundaries of blocks not paged in are on the host
     boundary = ROWS * SEQ * CONFIG["hidden_size"] * 4  # one block's hidden states, fp32
     assert host.peaks[Tier.HOST].bytes - chunked.peaks[Tier.HOST].bytes >= 4 * boundary
-    # each block's boundary inputs read back to the device once, in backward
-    h2d = Link.HOST_TO_DEVICE
-    assert host.links[h2d] - chunked.links[h2d] == 4 * boundary
+    # each block's boundary inputs written to the host in forward, read back in backward
+    for link in (Link.DEVICE_TO_HOST, Link.HOST_TO_DEVICE):
+        assert host.links[link] - chunked.links[link] == 4 * boundary
     assert chunked.links == whole.links  # chunks move no more bytes than one piece
