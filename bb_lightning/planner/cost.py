@@ -428,7 +428,9 @@ def backward_peak_bytes(
     - The loss's backward. Whole: :func:`logits_bytes` of the pass and the head's weight
       gradient. In chunks of ``chunk`` tokens: one chunk's logits buffers or the head's
       gradients being summed (:data:`HEAD_GRAD_COPIES` less the running sum), the running
-      sum, and :data:`HIDDEN_GRAD_COPIES` gradients of the hidden states.
+      sum, :data:`HIDDEN_GRAD_COPIES` gradients of the hidden states, and the final norm's
+      fp32 copy of them (``4 * hidden`` bytes per token: Llama-style RMS norms compute in
+      fp32 and keep that input for their backward; the whole loss's logits outweigh it).
     - A block's backward: its saved activations when recomputed
       (``act_bytes_per_token_full`` per token, checkpointing only), what its backward
       holds beyond them (``act_bytes_per_token_backward``, introspected on ``meta``), and
@@ -440,7 +442,7 @@ def backward_peak_bytes(
     if chunk is None:
         loss = logits_bytes(model, tokens) + head
     else:
-        hidden = HIDDEN_GRAD_COPIES * tokens * model.hidden_size * elem_bytes
+        hidden = tokens * model.hidden_size * (HIDDEN_GRAD_COPIES * elem_bytes + FP32_BYTES)
         summing = (HEAD_GRAD_COPIES - 1) * head
         loss = np.maximum(logits_bytes(model, np.minimum(tokens, chunk)), summing) + head + hidden
     recompute = model.act_bytes_per_token_full if checkpointing else 0

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bb_lightning.placement import READ_AHEAD
-from bb_lightning.planner import cost
+from bb_lightning.planner import chunks, cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
 from bb_lightning.planner.data_parallel import REDUCE_BYTES
 from bb_lightning.planner.job import FitJob
@@ -68,10 +68,35 @@ class FitSizes:
     """Micro-batches per optimizer step."""
     loss_chunk_tokens: int | None = None
     """Tokens whose logits the loss holds at once (None: the whole pass's)."""
+    chunk_rows: int | None = None
+    """Sequences of the micro-batch a recomputed block runs at once (``Placement.chunk_rows``;
+    None: the micro-batch in one piece)."""
+    boundaries: Tier | None = None
+    """Where the recomputed blocks' boundary inputs live (``Placement.boundaries``; None:
+    the device)."""
+
+    @property
+    def chunks(self) -> int:
+        """Chunks a recomputed block runs per micro-batch."""
+        return chunks.chunks_per_pass(self.micro_batch, self.chunk_rows)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of a recomputed block's chunk (the micro-batch's unchunked)."""
+        return min(self.chunk_rows or self.micro_batch, self.micro_batch) * self.seq_len
 
 
-def fit_sizes(model: ModelProfile, hw: HardwareProfile, job: FitJob, mb: int) -> FitSizes:
-    """The scalars of micro-batch ``mb`` of ``job`` (one rank's share) on ``hw``."""
+def fit_sizes(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    mb: int,
+    chunk_rows: int | None = None,
+    boundaries: Tier | None = None,
+) -> FitSizes:
+    """The scalars of micro-batch ``mb`` of ``job`` (one rank's share) on ``hw``, its
+    recomputed blocks run ``chunk_rows`` sequences at a time with their boundary inputs on
+    ``boundaries``."""
     wb = job.compute_bytes
     return FitSizes(
         blocks=model.num_blocks,
@@ -90,6 +115,8 @@ def fit_sizes(model: ModelProfile, hw: HardwareProfile, job: FitJob, mb: int) ->
         micro_batch=mb,
         grad_accum=math.ceil(job.seqs_per_step / mb),
         loss_chunk_tokens=job.loss_chunk_tokens,
+        chunk_rows=chunk_rows,
+        boundaries=boundaries if chunk_rows is not None else None,
     )
 
 
@@ -152,8 +179,9 @@ def _device_and_staging_bytes(
     kf: Arr,
     kw: Arr,
     hold: bool,
-) -> tuple[Arr, Arr]:
-    """(bytes on the device, host bytes every placement needs) of each candidate."""
+) -> tuple[Arr, Arr, Arr]:
+    """(bytes on the device, host bytes every placement needs, NVMe bytes of the boundary
+    inputs) of each candidate."""
     n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_weight_bytes
     ps, mb, ga = sz.block_shard_params, sz.micro_batch, sz.grad_accum
     paged = n - kf - kw
@@ -171,8 +199,16 @@ def _device_and_staging_bytes(
     # the activations kept across the pass, less the recomputed block's (priced with the
     # backward's peak)
     tokens = mb * sz.seq_len
-    recomputed = tokens * model.act_bytes_per_token_full if ckpt else 0
-    kept_acts = cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept) - recomputed
+    bounds = chunks.boundary_bytes(model, tokens, n - act_kept, sz.boundaries)
+    if sz.chunk_rows is None:
+        recomputed = tokens * model.act_bytes_per_token_full if ckpt else 0
+        kept_acts = cost.activation_bytes(model, mb, sz.seq_len, ckpt, act_kept) - recomputed
+        peak = cost.backward_peak_bytes(model, tokens, ckpt, sz.loss_chunk_tokens, wb)
+    else:  # the recomputed blocks run in chunks: their boundaries, one chunk's activations
+        kept_acts = tokens * model.act_bytes_per_token_full * act_kept + bounds[Tier.DEVICE]
+        loss = cost.backward_peak_bytes(model, tokens, False, sz.loss_chunk_tokens, wb)
+        head = cost.head_grad_bytes(model, wb)
+        peak = np.maximum(loss, chunks.chunk_peak_bytes(model, tokens, sz.chunk_tokens) + head)
     held = (
         cost.held_grad_bytes(ga, wb, n * p + sz.rest_train_params) if hold else 0.0
     )  # the earlier micro-batches' gradients (Placement.hold_grads)
@@ -186,18 +222,19 @@ def _device_and_staging_bytes(
         + in_flight
         + collective
         + kept_acts
-        + cost.backward_peak_bytes(model, tokens, ckpt, sz.loss_chunk_tokens, wb)
+        + peak
     )
     # host bytes outside the store: the engine's setup, then the pages and gradients in flight
     setup = cost.setup_host_bytes(sz.rest_train_params, bb / wb, ps)
     outside = np.maximum(paging + in_flight, setup)
     mandatory = (
         outside
+        + bounds[Tier.HOST]  # boundary inputs kept in (or staged through) pinned host memory
         + sz.rest_shard_params * (FP32_BYTES + ADAM_STATE_BYTES)
         + cost.scratch_set_bytes(ps, p, wb)
         + cost.store_overhead_bytes(n)
     )
-    return device, mandatory
+    return device, mandatory, bounds[Tier.NVME] + 0.0 * kf
 
 
 def _fill(free: Arr, count: Arr, each: float, forced: Tier | None) -> tuple[Arr, Mask]:
@@ -257,7 +294,7 @@ def fit_memory(
     """Bytes per tier of every (kF, kW) and the host's homes (see :func:`price`)."""
     n, bb, ps = sz.blocks, sz.block_home_bytes, sz.block_shard_params
     paged, off = n - kf - kw, n - kf
-    device, mandatory = _device_and_staging_bytes(model, sz, ckpt, depth, kf, kw, hold)
+    device, mandatory, boundaries = _device_and_staging_bytes(model, sz, ckpt, depth, kf, kw, hold)
     # On a CPU device both tiers are the same RAM: one pool, whatever the device holds
     # is not there for the host (:func:`cost.pooled_budget`).
     pool = cost.pooled_budget(hw, budgets)
@@ -286,7 +323,12 @@ def fit_memory(
         np.where(no_sets, b, a) for a, b in zip(with_sets, without, strict=True)
     )
     mandatory = mandatory + np.where(no_sets, 0.0, ahead)
-    nvme = (paged - w_h) * bb + (off - g_h) * FP32_BYTES * ps + (off - m_h) * ADAM_STATE_BYTES * ps
+    nvme = (
+        boundaries
+        + (paged - w_h) * bb
+        + (off - g_h) * FP32_BYTES * ps
+        + (off - m_h) * ADAM_STATE_BYTES * ps
+    )
     in_memory = (
         (device <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])
         if pool is None

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 
 from bb_lightning.placement import Placement
-from bb_lightning.planner import cost
+from bb_lightning.planner import chunks, cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES
 from bb_lightning.planner.data_parallel import REDUCE_BYTES
 from bb_lightning.planner.fit_price import FitPrice
@@ -99,6 +99,8 @@ def fit_placement(
         read_ahead=int(v.read_ahead_sets),
         hold_grads=best.hold,
         compute_dtype=job.compute_dtype,
+        chunk_rows=best.chunk_rows,
+        boundaries=best.boundaries,
     )
 
 
@@ -138,21 +140,29 @@ def fit_reasons(
 ) -> tuple[str, ...]:
     """Why the plan is what it is, one sentence per decision."""
     v, n = best.price, model.num_blocks
+    placement = _priced_recompute(hw, fit_placement(model, hw, job, best))
     block_bytes = model.block_params * job.compute_bytes  # one block's weights
     kf, kw = int(v.full_blocks), int(v.resident_weight_blocks)
     w_h, g_h, m_h = int(v.host_weight_blocks), int(v.host_grad_blocks), int(v.host_state_blocks)
     ga = math.ceil(job.seqs_per_step / best.micro_batch)
     recomputed = int(v.recomputed_blocks)
+    acts = cost.activation_bytes(model, best.micro_batch, job.seq_len, best.checkpointing)
     reasons = [
         _batch_reason(model, hw, job, best, limited),
-        f"checkpointing {'on' if best.checkpointing else 'off'}: activations take "
-        f"{format_bytes(cost.activation_bytes(model, best.micro_batch, job.seq_len, best.checkpointing))}"
-        f" per micro-batch; "
-        + (
-            f"{recomputed} of {n} blocks recomputed in backward (a quarter more FLOPs each)"
-            if best.checkpointing
-            else "no block is paged in by copy, none is recomputed"
+        *(
+            _chunk_reasons(model, hw, job, best)
+            if best.chunk_rows is not None
+            else [
+                f"checkpointing {'on' if best.checkpointing else 'off'}: activations take "
+                f"{format_bytes(acts)} per micro-batch; "
+                + (
+                    f"{recomputed} of {n} blocks recomputed in backward (a quarter more FLOPs each)"
+                    if best.checkpointing
+                    else "no block is paged in by copy, none is recomputed"
+                )
+            ]
         ),
+        *_block_work_reasons(model, job, best, placement),
         f"{kf + kw} of {n} blocks resident with leftover device memory ({kf} with gradients and "
         f"optimizer on the device); each resident block saves "
         f"{format_bytes(2 * block_bytes * ga)} of H2D per step",
@@ -187,6 +197,82 @@ def fit_reasons(
     if hw.device_type == "cpu":
         reasons.append(_cpu_reason(model, hw, job, best, budgets))
     return tuple(reasons)
+
+
+def _chunk_reasons(
+    model: ModelProfile, hw: HardwareProfile, job: FitJob, best: PricedFitCandidate
+) -> list[str]:
+    """A chunked pass: the tokens a weight pass carries, in how many chunks, where the
+    boundary inputs live and what they cost."""
+    v, mb, rows = best.price, best.micro_batch, best.chunk_rows or best.micro_batch
+    tokens, ga = mb * job.seq_len, math.ceil(job.seqs_per_step / mb)
+    recomputed = int(v.recomputed_blocks + v.swapped_blocks)
+    tier = best.boundaries or Tier.DEVICE
+    held = chunks.boundary_bytes(model, tokens, recomputed, tier)
+    moved = chunks.boundary_link_bytes(model, tokens, recomputed, tier)
+    bw = {
+        Link.HOST_TO_DEVICE: hw.h2d_bandwidth * hw.h2d_efficiency,
+        Link.DEVICE_TO_HOST: hw.d2h_bandwidth * hw.d2h_efficiency,
+        Link.NVME_TO_HOST: hw.nvme_read_bandwidth * hw.nvme_efficiency,
+        Link.HOST_TO_NVME: hw.nvme_write_bandwidth * hw.nvme_efficiency,
+    }
+    links = [
+        f"{link.value} {ga * float(b) / max(bw[link], 1.0):.3g} s"
+        for link, b in moved.items()
+        if float(b) > 0
+    ]
+    per_chunk = model.act_bytes_per_token_full + model.act_bytes_per_token_backward
+    return [
+        f"chunks: each of the {recomputed} checkpointed blocks carries the micro-batch's "
+        f"{tokens:,} tokens per weight pass in {best.chunks} chunk(s) of {rows} sequence(s) "
+        f"({rows * job.seq_len:,} tokens; {format_bytes(rows * job.seq_len * per_chunk)} of "
+        f"activations at once), its weights paged in once per pass; the chunks' extra kernel "
+        f"launches take {v.launch_seconds:.3g} s per step",
+        f"boundary inputs ({format_bytes(tokens * model.act_bytes_per_token_checkpointed)} per "
+        f"block, {format_bytes(float(held[tier]))} in all) live on the {tier.value}"
+        + (
+            f", {format_bytes(float(held[Tier.DEVICE]))} of them in flight on the device; "
+            f"busy per step: {', '.join(links)} (overlapped with compute)"
+            if tier is not Tier.DEVICE
+            else ", nothing moved"
+        ),
+    ]
+
+
+def _block_work_reasons(
+    model: ModelProfile, job: FitJob, best: PricedFitCandidate, placement: Placement
+) -> list[str]:
+    """Per block, with checkpointing: whether its backward recomputes its forward, keeps its
+    activations (autograd), or, where swapping was priced, fetches its saved activations
+    back from the host (the last of the blocks that would recompute: backward needs them
+    first)."""
+    if not best.checkpointing:
+        return []
+    n, swapped = model.num_blocks, int(best.price.swapped_blocks)
+    recomputed = list(placement.recomputed or ())
+    swaps = set(recomputed[len(recomputed) - swapped :]) if swapped else set()
+    work = ["swap" if i in swaps else "recompute" if i in recomputed else "keep" for i in range(n)]
+    runs: list[str] = []
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or work[i] != work[start]:
+            blocks = f"block {start}" if i - start == 1 else f"blocks {start}-{i - 1}"
+            runs.append(f"{blocks} {work[start]}")
+            start = i
+    swap_bytes = best.micro_batch * job.seq_len * model.act_bytes_per_token_full
+    return [
+        "per block (keep: activations kept by autograd; recompute: forward again in "
+        "backward"
+        + (
+            "; swap: saved activations to the host in forward and back in "
+            f"backward, {format_bytes(swap_bytes)} per block and micro-batch, priced only: the "
+            "engine does not swap activations yet"
+            if swaps
+            else ""
+        )
+        + "): "
+        + ", ".join(runs)
+    ]
 
 
 def _optimizer_reason(hw: HardwareProfile, job: FitJob, v: FitPrice[float]) -> str:

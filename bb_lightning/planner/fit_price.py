@@ -35,10 +35,11 @@ import numpy as np
 import numpy.typing as npt
 
 from bb_lightning.placement import READ_AHEAD
-from bb_lightning.planner import cost
+from bb_lightning.planner import chunks, cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
 from bb_lightning.planner.data_parallel import REDUCE_BYTES, collective_seconds
 from bb_lightning.planner.fit_memory import FitMemory, FitSizes, fit_memory, fit_sizes
+from bb_lightning.planner.fit_work import pass_work
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -114,6 +115,11 @@ class FitPrice(Generic[V]):
     """Blocks recomputed in backward."""
     read_ahead_sets: V
     """Host buffer sets the optimizer state on NVMe is read ahead into."""
+    swapped_blocks: V = 0.0  # type: ignore[assignment]
+    """Of the blocks that would be recomputed, those whose saved activations are kept on
+    the host instead (``PlanOverrides.swap_activations``; priced only)."""
+    launch_seconds: V = 0.0  # type: ignore[assignment]
+    """Seconds per step the chunks' extra kernel launches add to the compute."""
 
     def at(self: FitPrice[Arr], i: int) -> FitPrice[float]:
         """The scalars of candidate ``i``."""
@@ -145,8 +151,11 @@ def _device_grad_bytes(sz: FitSizes, mem: FitMemory) -> Arr:
     return kf * FP32_BYTES * sz.block_shard_params if sz.grad_accum > 1 else 0.0 * kf
 
 
-def _pass_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -> dict[Link, Arr]:
-    """Busy seconds per link of one micro-batch pass (forward and backward)."""
+def _pass_link_seconds(
+    hw: HardwareProfile, sz: FitSizes, mem: FitMemory, boundaries: Mapping[Link, Arr]
+) -> dict[Link, Arr]:
+    """Busy seconds per link of one micro-batch pass (forward and backward); ``boundaries``:
+    the bytes the boundary inputs move on each link (:func:`chunks.boundary_link_bytes`)."""
     n, p, wb, bb = sz.blocks, sz.block_train_params, sz.element_bytes, sz.block_home_bytes
     ps, nbs = sz.block_shard_params, sz.rest_shard_params
     grads_dev, grads_nvme = _device_grad_bytes(sz, mem), _nvme_grad_bytes(sz, mem)
@@ -159,16 +168,22 @@ def _pass_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -> dic
     nvme_r, paged = hw.nvme_read_bandwidth, mem.paged_blocks
     return {
         Link.HOST_TO_DEVICE: cost.link_seconds(
-            2.0 * paged * bb + grads_dev, hw.h2d_bandwidth, hw.h2d_efficiency
+            2.0 * paged * bb + grads_dev + boundaries[Link.HOST_TO_DEVICE],
+            hw.h2d_bandwidth,
+            hw.h2d_efficiency,
         ),
         Link.NVME_TO_HOST: cost.link_seconds(
-            2.0 * mem.nvme_weight_blocks * bb + grads_nvme, nvme_r, hw.nvme_efficiency
+            2.0 * mem.nvme_weight_blocks * bb + grads_nvme + boundaries[Link.NVME_TO_HOST],
+            nvme_r,
+            hw.nvme_efficiency,
         ),
         Link.HOST_TO_NVME: cost.link_seconds(
-            grads_nvme, hw.nvme_write_bandwidth, hw.nvme_efficiency
+            grads_nvme + boundaries[Link.HOST_TO_NVME], hw.nvme_write_bandwidth, hw.nvme_efficiency
         ),
         Link.DEVICE_TO_HOST: cost.link_seconds(
-            grads_d2h + grads_dev, hw.d2h_bandwidth, hw.d2h_efficiency
+            grads_d2h + grads_dev + boundaries[Link.DEVICE_TO_HOST],
+            hw.d2h_bandwidth,
+            hw.d2h_efficiency,
         ),
     }
 
@@ -326,8 +341,13 @@ def price(
     kw: Arr,
     hold: bool = False,
     state_first: bool = False,
+    chunk_rows: int | None = None,
+    boundaries: Tier | None = None,
 ) -> FitPrice[Arr]:
     """Bytes per tier and seconds per step of every (kF, kW) for one batch shape.
+
+    ``chunk_rows`` and ``boundaries`` price ``Placement.chunk_rows`` and ``boundaries``
+    (:mod:`~bb_lightning.planner.chunks`; a candidate with nothing recomputed runs none).
 
     ``hold`` prices ``Placement.hold_grads``: the earlier micro-batches' gradients take
     device memory (:func:`cost.held_grad_bytes`) and are summed once.
@@ -352,20 +372,22 @@ def price(
     weights' all-gathers after the step beside the host AdamW in the optimizer pipeline
     (:func:`cost.optimizer_exposed_seconds`).
     """
-    sz = fit_sizes(model, hw, job, mb)
+    sz = fit_sizes(model, hw, job, mb, chunk_rows, boundaries)
     n, ga, tokens = sz.blocks, sz.grad_accum, sz.seqs_per_step * sz.seq_len
     mem = fit_memory(model, hw, ov, budgets, sz, ckpt, depth, kf, kw, hold, state_first)
     recomputed, runnable = _recompute(
         model, hw, job, ov, ckpt, mem.paged_blocks, mem.host_weight_blocks
     )
-    # resident blocks (and blocks used in place) keep their activations: never recomputed
-    flops = float(tokens) * cost.train_flops_per_token(model, sz.seq_len, ckpt, n - recomputed)
-    compute = cost.compute_seconds(flops, hw)
+    if sz.chunk_rows is not None:  # only recomputed blocks run in chunks
+        runnable = runnable & (recomputed > 0)
+    bounds = chunks.boundary_link_bytes(model, mb * sz.seq_len, recomputed, sz.boundaries)
+    links = _pass_link_seconds(hw, sz, mem, bounds)
+    work = pass_work(model, hw, ov, sz, mem, ckpt, recomputed, links)
+    recomputed, compute, links = work.recomputed, work.compute, work.links
     c_pass = compute / ga
-    links = _pass_link_seconds(hw, sz, mem)
     net_pass, net_opt = _net_seconds(model, hw, sz, mem)
     exposed_pass = cost.pass_exposed_seconds(
-        np.full_like(kf, c_pass), links, net=net_pass if sz.data_parallel else None
+        c_pass + 0.0 * kf, links, net=net_pass if sz.data_parallel else None
     )
     opt_links = _optimizer_link_seconds(hw, sz, mem)
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
@@ -382,7 +404,7 @@ def price(
         step_seconds=total,
         seconds_per_token=total / tokens,
         exposed_pass_seconds=exposed_pass,
-        compute_seconds=np.full_like(kf, compute),
+        compute_seconds=compute + 0.0 * kf,
         optimizer_seconds=opt.adam_seconds,
         optimizer_exposed_seconds=opt.exposed_seconds,
         shared_core_seconds=shared,
@@ -392,7 +414,7 @@ def price(
         d2h_seconds=busy[Link.DEVICE_TO_HOST],
         network_seconds=ga * net_pass + net_opt,
         device_bytes=mem.device_bytes,
-        host_bytes=mem.host_bytes + opt.read_ahead_bytes,
+        host_bytes=mem.host_bytes + opt.read_ahead_bytes + work.swap_host_bytes,
         nvme_bytes=mem.nvme_bytes,
         mandatory_host_bytes=mem.mandatory_host_bytes,
         full_blocks=kf,
@@ -403,6 +425,8 @@ def price(
         in_place_blocks=mem.in_place_blocks,
         recomputed_blocks=recomputed,
         read_ahead_sets=opt.read_ahead_sets,
+        swapped_blocks=work.swapped,
+        launch_seconds=work.launch,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bb_lightning.planner import cost
+from bb_lightning.planner import chunks, cost
 from bb_lightning.planner.fit_price import Arr, FitPrice, price
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import PlanOverrides
@@ -72,6 +72,15 @@ class PricedFitCandidate:
     """Whether the earlier micro-batches' gradients are held (``Placement.hold_grads``)."""
     price: FitPrice[float]
     """Its bytes per tier and seconds per step."""
+    chunk_rows: int | None = None
+    """Sequences per chunk of the recomputed blocks (None: the micro-batch in one piece)."""
+    boundaries: Tier | None = None
+    """Where the chunked blocks keep their boundary inputs (None: unchunked)."""
+
+    @property
+    def chunks(self) -> int:
+        """Chunks a recomputed block runs per micro-batch."""
+        return chunks.chunks_per_pass(self.micro_batch, self.chunk_rows)
 
 
 TIE_TOLERANCE = 0.01
@@ -106,6 +115,26 @@ def _shapes(
     ]
 
 
+def _chunkings(
+    hw: HardwareProfile, ov: PlanOverrides, ckpt: bool, mb: int
+) -> list[tuple[int | None, Tier | None]]:
+    """(rows per chunk, boundary tier) pairs to price for micro-batch ``mb``: unchunked,
+    then with checkpointing (chunks run recomputed blocks) every chunk of
+    :func:`chunks.chunk_options` on each tier of :data:`chunks.BOUNDARY_TIERS` (one chunk
+    of the whole micro-batch only off the device: on it, that is the unchunked pass), or
+    what ``ov`` forces."""
+    tiers = (ov.boundaries,) if ov.boundaries else chunks.BOUNDARY_TIERS[hw.device_type]
+    if ov.chunk_rows is not None:
+        return [(ov.chunk_rows, t) for t in tiers]
+    if not (ov.chunked and ckpt):
+        return [(None, None)]
+    out: list[tuple[int | None, Tier | None]] = [(None, None)]
+    for rows in chunks.chunk_options(mb):
+        if rows is not None:
+            out += [(rows, t) for t in tiers if rows < mb or t is not Tier.DEVICE]
+    return out
+
+
 def search(
     model: ModelProfile,
     hw: HardwareProfile,
@@ -117,29 +146,52 @@ def search(
     kf, kw = states(model.num_blocks, ov)
     if kf.size == 0:
         return None
-    found: list[tuple[float, float, float, float, PricedFitCandidate]] = []
+    found: list[tuple[float, float, float, float, float, PricedFitCandidate]] = []
     ckpts, depths, mbs = _options(job, ov)
     fills = (False, True) if hw.device_type == "cpu" else (False,)
     for ckpt, depth, (mb, hold), first in itertools.product(
         ckpts, depths, _shapes(hw, job, ov, mbs), fills
     ):
-        a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, hold, first)
-        traffic = a.traffic_seconds
-        for i in np.flatnonzero(a.feasible > 0):
-            one = a.at(int(i))
-            picked = PricedFitCandidate(
-                checkpointing=ckpt, depth=depth, micro_batch=mb, hold=hold, price=one
-            )
-            found.append(
-                (one.seconds_per_token, float(traffic[i]), float(mb), one.device_bytes, picked)
-            )
+        for rows, tier in _chunkings(hw, ov, ckpt, mb):
+            a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, hold, first, rows, tier)
+            traffic = a.traffic_seconds
+            for i in np.flatnonzero(a.feasible > 0):
+                one = a.at(int(i))
+                picked = PricedFitCandidate(
+                    checkpointing=ckpt, depth=depth, micro_batch=mb, hold=hold, price=one,
+                    chunk_rows=rows, boundaries=tier,
+                )  # fmt: skip
+                key = (float(traffic[i]), float(mb), float(picked.chunks), one.device_bytes)
+                found.append((one.seconds_per_token, *key, picked))
     if not found:
         return None
     fastest = min(c[0] for c in found)
     # Candidates within TIE_TOLERANCE of the fastest are equally fast for this cost model:
-    # take the one that moves the least (then the smaller micro-batch, less device memory).
+    # take the one that moves the least (then the smaller micro-batch, fewer chunks, less
+    # device memory).
     ties = [c for c in found if c[0] <= fastest * (1.0 + TIE_TOLERANCE)]
-    return min(ties, key=lambda c: c[1:4])[4]
+    return min(ties, key=lambda c: c[1:5])[5]
+
+
+def _frugal(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    ov: PlanOverrides,
+    budgets: Mapping[Tier, int],
+    ckpt: bool,
+    depth: int,
+    mb: int,
+    kf: Arr,
+    kw: Arr,
+) -> FitPrice[float]:
+    """The price of the first (kF, kW) under the chunking of :func:`_chunkings` that needs
+    the least device memory (then the least mandatory host memory)."""
+    priced = [
+        price(model, hw, job, ov, budgets, ckpt, depth, mb, kf, kw, False, False, r, t).at(0)
+        for r, t in _chunkings(hw, ov, ckpt, mb)
+    ]
+    return min(priced, key=lambda v: (v.device_bytes, v.mandatory_host_bytes))
 
 
 def diagnose(
@@ -155,7 +207,7 @@ def diagnose(
     kf, kw = states(model.num_blocks, ov)
     if kf.size == 0:
         return f"no block placement satisfies the overrides {ov}: relax them"
-    a = price(model, hw, job, ov, budgets, ckpt, depth, mb, kf[:1], kw[:1]).at(0)
+    a = _frugal(model, hw, job, ov, budgets, ckpt, depth, mb, kf[:1], kw[:1])
     relaxed = dataclasses.replace(ov, checkpointing=None)
     if ckpts == [False] and search(
         model, hw, dataclasses.replace(job, checkpointing=None), relaxed, budgets
@@ -176,20 +228,18 @@ def diagnose(
             s
             for s in (2**k for k in range(4, 20))
             if s < job.seq_len
-            and float(
-                price(
-                    model,
-                    hw,
-                    FitJob(seq_len=s, global_batch_seqs=1),
-                    ov,
-                    budgets,
-                    ckpt,
-                    depth,
-                    1,
-                    kf[:1],
-                    kw[:1],
-                ).device_bytes[0]
-            )
+            and _frugal(
+                model,
+                hw,
+                FitJob(seq_len=s, global_batch_seqs=1),
+                ov,
+                budgets,
+                ckpt,
+                depth,
+                1,
+                kf[:1],
+                kw[:1],
+            ).device_bytes
             <= dev_b
         ]
         fix = (

@@ -65,6 +65,18 @@ class PlanOverrides:
     attention on the host's cores (``Placement.decode_attention``; the engine runs it on a
     CPU device only, so the search tries it only when asked), DEVICE the device's
     attention only; None: the device's."""
+    chunked: bool = True
+    """Let the search run the recomputed blocks' micro-batch in chunks of sequences, with
+    their boundary inputs on the device, the host or NVMe (``Placement.chunk_rows``,
+    ``Placement.boundaries``; fit); False: every micro-batch in one piece."""
+    chunk_rows: int | None = None
+    """Sequences per chunk of the recomputed blocks (fit; forces chunked execution)."""
+    boundaries: Tier | None = None
+    """Where chunked blocks keep their boundary inputs: DEVICE, HOST or NVME (fit)."""
+    swap_activations: bool = False
+    """Price keeping the saved activations of recomputed blocks on the host instead of
+    recomputing them, per block where the links have headroom (fit). Off unless asked: the
+    engine does not swap activations yet, so such a plan is priced, not executable."""
 
     def __post_init__(self) -> None:
         """Refuse values out of range, one line naming the field, the value and the range."""
@@ -74,6 +86,7 @@ class PlanOverrides:
             ("concurrent_seqs", 1, "sequences generated together"),
             ("prefetch_depth", 1, "blocks paged in ahead"),
             ("resident_blocks", 0, "blocks kept on the device"),
+            ("chunk_rows", 1, "sequences per chunk"),
         ):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
@@ -82,7 +95,7 @@ class PlanOverrides:
                     f"PlanOverrides.{name}={value!r}: must be an integer >= {low} ({what}), "
                     "or null to let the planner choose"
                 )
-        for name in ("weights_tier", "master_tier", "decode_attention"):
+        for name in ("weights_tier", "master_tier", "decode_attention", "boundaries"):
             object.__setattr__(self, name, _tier(name, getattr(self, name)))
         if self.decode_attention is Tier.NVME:
             raise ValueError(
@@ -93,7 +106,7 @@ class PlanOverrides:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (tiers as their names)."""
         d = dataclasses.asdict(self)
-        for key in ("weights_tier", "master_tier", "decode_attention"):
+        for key in ("weights_tier", "master_tier", "decode_attention", "boundaries"):
             if d[key] is not None:
                 d[key] = Tier(d[key]).value
         return d
@@ -102,7 +115,7 @@ class PlanOverrides:
     def from_dict(cls, d: dict[str, Any]) -> PlanOverrides:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
-        for key in ("weights_tier", "master_tier", "decode_attention"):
+        for key in ("weights_tier", "master_tier", "decode_attention", "boundaries"):
             if d.get(key) is not None:
                 d[key] = Tier(d[key])
         return cls(**d)

@@ -137,6 +137,10 @@ class HardwareProfile:
     peak_flops: float = 0.0
     """The device's datasheet dense bf16 matrix-product FLOP/s, the denominator of model
     FLOPs utilisation (0.0: no datasheet figure is known, e.g. a CPU)."""
+    kernel_launch_seconds: float = 5e-6
+    """Seconds each kernel launch costs the device beyond its arithmetic (about 5 us, the
+    launch latency of a CUDA kernel and of an eager CPU operator alike): priced for the
+    extra launches of a block whose micro-batch runs in chunks."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -163,6 +167,7 @@ class HardwareProfile:
                 "inter_node_bandwidth",
                 "collective_latency",
                 "peak_flops",
+                "kernel_launch_seconds",
             ),
         )
         self._check_layout()
