@@ -142,24 +142,7 @@ def _build_parser() -> argparse.ArgumentParser:
     nv.add_argument("--nvme-capacity", help="NVMe tier size, e.g. 2TiB (overrides the profile)")
     nv.add_argument("--no-nvme", action="store_true", help="plan without an NVMe tier")
     p.add_argument("--nvme-path", help="directory on the NVMe to measure (with --hardware measure)")
-    p.add_argument(
-        "--devices",
-        type=_positive_int,
-        default=1,
-        help="data-parallel ranks per node (the Trainer's devices; default 1): the plan is "
-        "one rank's, on its share of the node",
-    )
-    p.add_argument(
-        "--num-nodes", type=_positive_int, default=1, help="nodes (the Trainer's num_nodes)"
-    )
-    for level, where in (("intra", "between two GPUs of a node"), ("inter", "between nodes")):
-        p.add_argument(
-            f"--{level}-node-bandwidth",
-            type=_positive_float,
-            metavar="GB/S",
-            help=f"collective bandwidth {where}, GB/s per direction per GPU (overrides the "
-            "profile's: a preset's datasheet figure)",
-        )
+    _add_layout_args(p)
     p.add_argument(
         "--loss-chunk-tokens",
         type=_count,
@@ -184,6 +167,23 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, what in _LIGHTNING_HELP.items():
         sub.add_parser(name, help=f"{what} (LightningCLI: bb-lightning {name} --help)")
     return parser
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    """``plan``'s data-parallel layout: ranks per node, nodes, the collectives' rates."""
+    p.add_argument(
+        "--devices",
+        type=_positive_int,
+        default=1,
+        help="data-parallel ranks per node (the Trainer's devices; default 1): the plan is "
+        "one rank's, on its share of the node",
+    )
+    p.add_argument(
+        "--num-nodes", type=_positive_int, default=1, help="nodes (the Trainer's num_nodes)"
+    )
+    for level, where in (("intra", "between two GPUs of a node"), ("inter", "between nodes")):
+        h = f"collective GB/s {where}, per direction per GPU (default: the profile's)"
+        p.add_argument(f"--{level}-node-bandwidth", type=_positive_float, metavar="GB/S", help=h)
 
 
 _LIGHTNING_HELP = {
