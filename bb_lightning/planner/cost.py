@@ -248,8 +248,9 @@ def pass_exposed_seconds(
     compute and with each other, so a pass takes ``max(compute, each link's time)``
     and ``max(...) - compute`` is exposed. Bytes from NVMe to the device cross two
     links (NVMe read, then H2D): both carry them, each priced on its own. ``net``, the
-    seconds of the pass's collectives between data-parallel ranks (:func:`ring_seconds`),
-    is one more such link (None: one rank, no network).
+    seconds of the pass's collectives between data-parallel ranks on the devices (their
+    own stream; :func:`~bb_lightning.planner.data_parallel.collective_seconds`), is one
+    more such link (None: one rank, no collectives).
     """
     longest = compute_s
     for seconds in links.values():
