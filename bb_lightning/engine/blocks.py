@@ -34,7 +34,9 @@ of more tokens runs through the block in chunks of rows while it is paged in
 (the planner's prefill micro-batch). A recomputed block passes gradient to its hidden
 states (the first positional argument, or the keyword) and to every other tensor argument
 that requires it (a per-layer input computed from trainable embeddings, as Gemma 3n's);
-other arguments pass through.
+other arguments pass through. With :attr:`PagedBlocks.chunking` set, a recomputed block
+runs its micro-batch in row chunks instead, its boundary inputs kept where the placement
+says (:mod:`~bb_lightning.engine.chunked`).
 """
 
 from __future__ import annotations

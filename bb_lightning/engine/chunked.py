@@ -103,7 +103,7 @@ def boundary_budgets(placement: Placement, numel: int) -> dict[Tier, int]:
 def row_spans(rows: int, chunk_rows: int | None) -> list[tuple[int, int]]:
     """``[start, end)`` of each chunk of ``rows`` rows, ``chunk_rows`` each (the last may be
     shorter); one span of every row for None."""
-    step = rows if chunk_rows is None else max(1, chunk_rows)
+    step = max(1, rows if chunk_rows is None else chunk_rows)
     return [(a, min(rows, a + step)) for a in range(0, max(rows, 1), step)]
 
 

@@ -32,6 +32,7 @@ def test_row_spans_cover_every_row_once_the_last_chunk_shorter() -> None:
     assert row_spans(4, 3) == [(0, 3), (3, 4)]
     assert row_spans(4, 9) == [(0, 4)]
     assert row_spans(3, None) == [(0, 3)]
+    assert row_spans(0, None) == [(0, 0)]  # an empty micro-batch: one empty chunk
 
 
 def test_boundaries_off_the_device_are_in_the_manifest_and_the_budgets() -> None:
