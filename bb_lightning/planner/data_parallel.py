@@ -9,12 +9,14 @@ copy of the weights together (one copy on one node), not G copies. Per block and
 micro-batch, on the devices (:func:`collective_seconds`):
 
 - at each page-in a rank copies only its weight shard to its device and the block is
-  all-gathered there, on a stream of its own beside the previous block's compute;
+  all-gathered there, on a stream of its own beside the previous block's compute (a
+  block resident on the device homes the rank's shard there and is all-gathered at its
+  use alike; without recompute it keeps the assembled weights for its backward);
 - after the block's backward its gradients are reduce-scattered there, beside the next
   block's backward, and only the rank's reduced fp32 shard goes to the host, where the
-  host AdamW steps it; the updated shard stays home until the next page-in gathers it
-  (blocks resident on the device, and the parameters outside the blocks, all-gather
-  their updated shards once per step).
+  host AdamW steps it; the updated shard goes home until the next use gathers it (the
+  parameters outside the blocks, whole on every device, all-gather their updated shards
+  once per step).
 
 The planner plans ONE rank: against :func:`rank_share` of the node's profile and
 :func:`rank_job` of the job. The plan keeps the node's profile and the whole job; its

@@ -186,9 +186,13 @@ def _device_and_staging_bytes(
     ps, mb, ga = sz.block_shard_params, sz.micro_batch, sz.grad_accum
     paged = n - kf - kw
     # the pages in flight: the blocks' homed bytes on the host (a rank's shards with data
-    # parallelism), and on the device besides them the gathered blocks
+    # parallelism), and on the device besides them the blocks assembled from the shards
+    # (a resident block too is assembled at its use: one at a time where nothing is paged)
     paging = np.where(paged > 0, (depth + 1) * sz.block_home_bytes, 0.0)
-    gathered = np.where(paged > 0, (depth + 1) * bb, 0.0) if sz.data_parallel else 0.0 * kf
+    gathered = np.where(paged > 0, (depth + 1) * bb, bb) if sz.data_parallel else 0.0 * kf
+    # data parallel: a resident block's device home is the rank's shard, and the block
+    # assembled from it is held from its forward to its backward
+    shard_home = sz.block_home_bytes if sz.data_parallel else 0.0
     # checkpointing forced on a placement that pages nothing: every block is recomputed
     act_kept = np.where(paged > 0, kf + kw, 0.0) if ckpt else kf + kw
     # every block's gradients leave through the gradient sink (two batches in flight)
@@ -215,8 +219,8 @@ def _device_and_staging_bytes(
     device = (
         held
         + sz.rest_params * wb
-        + kw * bb
-        + kf * (bb + ps * (FP32_BYTES + ADAM_STATE_BYTES))
+        + kw * (bb + shard_home)
+        + kf * (bb + shard_home + ps * (FP32_BYTES + ADAM_STATE_BYTES))
         + paging
         + gathered
         + in_flight

@@ -193,9 +193,9 @@ def _optimizer_link_seconds(hw: HardwareProfile, sz: FitSizes, mem: FitMemory) -
 
     The engine steps every block with host AdamW, the kF blocks too: their fp32 state
     comes off the device and goes back each step (12 + 12 bytes per parameter). After
-    the step the resident weights go up (data parallel: the rank's updated shards, for
-    the all-gather on the device; a paged block's shard stays home until its next
-    page-in) and the paged blocks' updated weights homed on NVMe go there.
+    the step the resident weights go up (data parallel: the rank's updated shards, gathered
+    at their next use; a paged block's shard stays home until its next page-in) and the
+    paged blocks' updated weights homed on NVMe go there.
     """
     wb = sz.element_bytes
     ps, nbs, kf = sz.block_shard_params, sz.rest_shard_params, mem.full_blocks
@@ -243,12 +243,12 @@ def _optimizer_times(
     network: Arr,
 ) -> FitOptimizerTimes:
     """The optimizer pipeline (host AdamW, the state's disk traffic, the copies and, data
-    parallel, the resident weights' all-gathers: each block's step runs beside the
-    others') against the last backward, or, norm-clipped on one rank, the next forward
+    parallel, the all-gather of the parameters outside the blocks: each block's step runs
+    beside the others') against the last backward, or, norm-clipped on one rank, the next forward
     (``passes``: the (forward, backward) seconds of one micro-batch of the ``compute``
     seconds per step).
 
-    ``network``: the seconds of the step's all-gathers on the devices.
+    ``network``: the seconds of the step's all-gather on the devices.
     """
     n, ps, kf = sz.blocks, sz.block_shard_params, mem.full_blocks
     forward, backward = passes
@@ -266,7 +266,7 @@ def _optimizer_times(
     disk = disk + cost.link_seconds(written, hw.nvme_write_bandwidth, eff)
     opt_copies = np.maximum(opt_links[Link.HOST_TO_DEVICE], opt_links[Link.DEVICE_TO_HOST])
     pipeline = np.maximum(np.maximum(adam, disk), opt_copies)
-    if sz.data_parallel:  # the all-gathers run beside the AdamW, block by block
+    if sz.data_parallel:  # the outside parameters' all-gather runs beside the AdamW
         pipeline = np.maximum(pipeline, network)
     if deferred:  # the outside parameters step and go up first, then the blocks
         adam_rest = cost.host_adam_seconds(sz.rest_shard_params + 0.0 * kf, hw)
@@ -368,8 +368,8 @@ def price(
     (:mod:`~bb_lightning.planner.data_parallel`). ``network_seconds`` is the rank's
     collective busy time per step (:func:`_net_seconds`): each pass's all-gathers and
     reduce-scatters run on their own stream beside its compute, one more link
-    (:func:`cost.pass_exposed_seconds`: exposed only where they outlast it); the resident
-    weights' all-gathers after the step beside the host AdamW in the optimizer pipeline
+    (:func:`cost.pass_exposed_seconds`: exposed only where they outlast it); the outside
+    parameters' all-gather after the step beside the host AdamW in the optimizer pipeline
     (:func:`cost.optimizer_exposed_seconds`).
     """
     sz = fit_sizes(model, hw, job, mb, chunk_rows, boundaries)
@@ -385,7 +385,7 @@ def price(
     work = pass_work(model, hw, ov, sz, mem, ckpt, recomputed, links)
     recomputed, compute, links = work.recomputed, work.compute, work.links
     c_pass = compute / ga
-    net_pass, net_opt = _net_seconds(model, hw, sz, mem)
+    net_pass, net_opt = _net_seconds(model, hw, sz, mem, recomputed)
     exposed_pass = cost.pass_exposed_seconds(
         c_pass + 0.0 * kf, links, net=net_pass if sz.data_parallel else None
     )
@@ -431,19 +431,20 @@ def price(
 
 
 def _net_seconds(
-    model: ModelProfile, hw: HardwareProfile, sz: FitSizes, mem: FitMemory
+    model: ModelProfile, hw: HardwareProfile, sz: FitSizes, mem: FitMemory, recomputed: Arr
 ) -> tuple[Arr, Arr]:
     """(seconds per micro-batch, seconds per step) of one rank's collectives on the
     devices, each :func:`~bb_lightning.planner.data_parallel.collective_seconds` of its
     buffer of N padded shards.
 
-    Per micro-batch: every page-in all-gathers its block's weights (each paged block twice,
-    forward and the recomputing backward: ``N * ceil(block_params / N)`` elements of the
-    compute dtype), and every block's trained gradients are reduce-scattered in
-    :data:`REDUCE_BYTES` (``N * ceil(block_train / N)`` elements), and so are the trained
-    parameters outside the blocks (one more buffer). Per step: the updated shards of the
-    resident blocks (``kF + kW``) and of the parameters outside are all-gathered into the
-    device's copies, in the compute dtype. (0, 0) for one rank.
+    Per micro-batch: every use of a block all-gathers its weights from the ranks' shards
+    (``N * ceil(block_params / N)`` elements of the compute dtype): once in forward, and
+    again in backward where the block is ``recomputed`` (every paged block; a resident
+    block keeps its assembled weights for its backward); every block's trained gradients
+    are reduce-scattered in :data:`REDUCE_BYTES` (``N * ceil(block_train / N)`` elements),
+    and so are the trained parameters outside the blocks (one more buffer). Per step: the
+    updated shards of the parameters outside the blocks are all-gathered into the
+    device's copy, in the compute dtype. (0, 0) for one rank.
     """
     zero = 0.0 * mem.full_blocks
     if not sz.data_parallel:
@@ -456,10 +457,8 @@ def _net_seconds(
 
     reduce = sz.blocks * coll(model.block_train, REDUCE_BYTES)
     reduce += coll(model.rest_train, REDUCE_BYTES)
-    per_pass = 2.0 * mem.paged_blocks * coll(model.block_params, wb) + reduce
-    resident = mem.full_blocks + mem.resident_weight_blocks
-    per_step = resident * coll(model.block_train, wb) + coll(model.rest_train, wb)
-    return per_pass, per_step
+    per_pass = (sz.blocks + recomputed) * coll(model.block_params, wb) + reduce + zero
+    return per_pass, coll(model.rest_train, wb) + zero
 
 
 def _recompute(

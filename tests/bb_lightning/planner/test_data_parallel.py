@@ -212,6 +212,37 @@ def test_rank_follows_the_formulas(
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_resident_blocks_home_a_shard_and_gather_once_a_pass(
+    model: ModelProfile, node: HardwareProfile
+) -> None:
+    """Every block resident, nothing recomputed: each block is all-gathered once a pass (its
+    assembled weights kept for its backward), none after the step; the device holds each
+    block's assembled weights and the rank's shard beside them."""
+    intra = 1e11
+    hw = node.replace(world_size=2, ranks_per_node=2, intra_node_bandwidth=intra)
+    n, p, rest = model.num_blocks, model.block_params, model.rest_params
+    job = FitJob(seq_len=512, global_batch_seqs=8)
+    resident = PlanOverrides(
+        resident_blocks=n, checkpointing=False, master_tier=Tier.HOST, micro_batch=1
+    )
+    plan = make_plan(model, hw, job, overrides=resident)
+    assert set(plan.placement.weights) == {Tier.DEVICE} and plan.grad_accum == 4
+    shard, rest_shard = math.ceil(p / 2), math.ceil(rest / 2)
+
+    def coll(nbytes: float) -> float:
+        return _ring(nbytes, 2, intra, 0.0)
+
+    per_pass = n * (coll(2 * shard * 2) + coll(2 * shard * 4)) + coll(2 * rest_shard * 4)
+    per_step = coll(2 * rest_shard * 2)
+    assert plan.predicted.net == pytest.approx(plan.grad_accum * per_pass + per_step)
+    one = make_plan(model, node, job, overrides=resident)  # resident whole, one rank
+    dev = [next(m.used for m in x.memory if m.tier is Tier.DEVICE) for x in (one, plan)]
+    # more on the device: each block's shard, one block's assembly, the reduce-scatter's
+    # buffers (3 fp32 shards); less: the activations and gradients of half the batch
+    shards = n * 2 * shard + 2 * p + 4 * 3 * shard
+    assert dev[1] - dev[0] <= shards
+
+
 def test_collectives_go_two_levels_within_and_between_nodes(node: HardwareProfile) -> None:
     """16 ranks, 8 a node: 8 GB over NVLink-class links within the node, then 1/8 of it
     across the two nodes (not the whole buffer over the slowest hop, as a flat ring)."""
