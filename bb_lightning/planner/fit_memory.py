@@ -235,7 +235,7 @@ def _device_and_staging_bytes(
         outside
         + bounds[Tier.HOST]  # boundary inputs kept in (or staged through) pinned host memory
         + sz.rest_shard_params * (FP32_BYTES + ADAM_STATE_BYTES)
-        + cost.scratch_set_bytes(ps, p, wb)
+        + cost.scratch_set_bytes(ps, ps, wb)  # each ``cast`` the rank's updated shard
         + cost.store_overhead_bytes(n)
     )
     return device, mandatory, bounds[Tier.NVME] + 0.0 * kf

@@ -132,10 +132,10 @@ def _host_bytes(n: int, p: int, rest: int, shard: int, page: int | None = None) 
     (fp32 ``rest`` values, then one block's fp32 values and its moments' zeros) and two
     paging slots of ``page`` elements (the rank's weight shard; default ``p``) with two
     blocks' gradients in flight; in it two scratch sets (four fp32 block shards and one
-    bf16 block each), 1 MiB of slack and a 4 KiB slot per tensor."""
+    bf16 cast of the shard each), 1 MiB of slack and a 4 KiB slot per tensor."""
     page = p if page is None else page
     setup = 4 * (rest + max(rest, p + shard))
-    scratch = 2 * (4 * 4 * shard + 2 * p)
+    scratch = 2 * (4 * 4 * shard + 2 * shard)
     return max(2 * 2 * page + 2 * 2 * p, setup) + scratch + 2**20 + 4096 * (9 * n + 32)
 
 
