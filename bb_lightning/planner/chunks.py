@@ -108,13 +108,16 @@ def boundary_link_bytes(
 ) -> dict[Link, Any]:
     """Bytes the boundary inputs move per micro-batch on each priced link: every recomputed
     block's input (``tokens * act_bytes_per_token_checkpointed``) leaves the device in
-    forward and comes back in backward where it lives on the host, and crosses the disk
-    both ways too where it lives on NVMe (staged through host memory); nothing on the
-    device."""
+    forward and comes back in backward. On the host: device to host, then host to device.
+    On NVMe: written from device memory as a file transfer (the store's
+    ``nvme_write_direct``, priced as the disk's write), read back to the host and copied
+    up. Nothing on the device."""
     moved = float(tokens * model.act_bytes_per_token_checkpointed) * recomputed
     out = {link: 0.0 * recomputed for link in PRICED_LINKS}
     if boundaries in (Tier.HOST, Tier.NVME):
-        out[Link.DEVICE_TO_HOST] = out[Link.HOST_TO_DEVICE] = moved
+        out[Link.HOST_TO_DEVICE] = moved
+    if boundaries is Tier.HOST:
+        out[Link.DEVICE_TO_HOST] = moved
     if boundaries is Tier.NVME:
         out[Link.HOST_TO_NVME] = out[Link.NVME_TO_HOST] = moved
     return out

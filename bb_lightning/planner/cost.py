@@ -436,6 +436,8 @@ def backward_peak_bytes(
       (``act_bytes_per_token_full`` per token, checkpointing only), what its backward
       holds beyond them (``act_bytes_per_token_backward``, introspected on ``meta``), and
       the head's gradient, held throughout.
+    - The final norm's backward, over the whole pass (:data:`NORM_BACKWARD_BYTES`), and
+      the head's gradient.
 
     ``tokens`` (the pass's) may be an array; ``elem_bytes`` is the compute dtype's size.
     """
@@ -448,7 +450,16 @@ def backward_peak_bytes(
         loss = np.maximum(logits_bytes(model, np.minimum(tokens, chunk)), summing) + head + hidden
     recompute = model.act_bytes_per_token_full if checkpointing else 0
     block = tokens * (recompute + model.act_bytes_per_token_backward) + head
-    return np.maximum(loss, block)
+    norm = tokens * model.hidden_size * NORM_BACKWARD_BYTES + head
+    return np.maximum(np.maximum(loss, block), norm)
+
+
+NORM_BACKWARD_BYTES = 24
+"""Bytes per token and hidden element the final norm's backward holds at its peak, over the
+whole pass: a Llama-style RMS norm computes in fp32 and its backward keeps its fp32 input,
+the gradients through its square, scale and product, and the hidden states' gradient at
+once (about six fp32 buffers of the hidden states; what dry runs of passes of 65,536 to
+262,144 tokens name as the device's peak when a chunked loss no longer is)."""
 
 
 def setup_host_bytes(rest_train: float, block_params: float, block_state: float) -> float:
