@@ -84,9 +84,8 @@ def call_placement(
     if ranks.world_size > 1 and (hardware is None or hardware == "measure"):
         hardware = world.measured_nodes(ranks, lambda: session.measure_machine(nvme_path))
         hardware = world.measured_collectives(hardware, ranks.world_size, ranks_per_node, device)
-        rank_zero_info(
-            f"balance_beam: collectives on the ranks' group: {_rates(hardware)} (timed now)"
-        )
+        rates = _rates(hardware, ranks.world_size, ranks_per_node)
+        rank_zero_info(f"balance_beam: collectives on the ranks' group: {rates} (timed now)")
     planning = session.PlanningSession(
         overrides=overrides, hardware=hardware, nvme_path=nvme_path, dtype=dtype,
         device=device, world_size=ranks.world_size, ranks_per_node=ranks_per_node,
@@ -104,11 +103,13 @@ def call_placement(
     return placement, plan
 
 
-def _rates(hw: HardwareProfile) -> str:
-    """The collective rates of ``hw`` in words."""
-    within = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s within a node"
-    between = f"{hw.inter_node_bandwidth / 1e9:.3g} GB/s between nodes"
-    return f"{within}, {between}, {hw.collective_latency * 1e6:.3g} us a ring step"
+def _rates(hw: HardwareProfile, world_size: int, ranks_per_node: int) -> str:
+    """The collective rates of ``hw`` in words, of the levels ``world_size`` ranks,
+    ``ranks_per_node`` a node, have."""
+    levels = [f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s within a node"] * (ranks_per_node > 1)
+    if world_size > ranks_per_node:
+        levels.append(f"{hw.inter_node_bandwidth / 1e9:.3g} GB/s between nodes")
+    return ", ".join([*levels, f"{hw.collective_latency * 1e3:.3g} ms a ring step"])
 
 
 def end_call(
