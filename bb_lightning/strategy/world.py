@@ -69,8 +69,9 @@ __all__ = [
 ]
 
 DEFAULT_INTRA_NODE_BANDWIDTH = 2.0e9
-"""Bytes/s one rank sends another of its node when the profile gives none: the engine's
-collectives run on gloo over host memory (loopback TCP), a few GB/s."""
+"""Bytes/s one rank sends another of its node when the profile gives none and none was
+timed (:func:`measured_collectives` times them where the machine is measured): gloo over
+host memory (loopback TCP), as CPU ranks run their collectives, a few GB/s."""
 DEFAULT_INTER_NODE_BANDWIDTH = 1.25e9
 """Bytes/s one rank sends a rank of another node when the profile gives none (10 Gbit/s
 Ethernet); give ``HardwareProfile.inter_node_bandwidth`` for a faster network."""
