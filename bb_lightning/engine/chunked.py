@@ -19,7 +19,7 @@ The device holds one chunk's block internals at a time, plus the boundary buffer
 flight. The other arguments are cut by rows as
 :func:`~bb_lightning.engine.rows.call_in_row_chunks` cuts them: a tensor of two or more
 dimensions whose first is the micro-batch's rows (masks, position ids, rotary tables)
-gives its chunk's rows; anything else (a mask broadcast over rows, 1-D
+gives its chunk's rows, ALiBi's heads folded into the rows its chunk's rows' heads; anything else (a mask broadcast over rows, 1-D
 ``cache_position``, flags) passes whole, and the gradient of such an argument that
 needs one is summed over the chunks. Tensors the block returns, and those transformers'
 output capture records inside it (router logits of an MoE's auxiliary loss, whose rows
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from bb_lightning.engine.hf_quirks import CapturedOutputs, recording
-from bb_lightning.engine.rows import cut_rows
+from bb_lightning.engine.rows import cut_rows, row_factor
 from bb_lightning.placement import BOUNDARY_PREFIX, Placement, boundary_manifest
 from storage.device import slot_bytes
 from storage.store import Ticket, TieredStore
@@ -246,11 +246,6 @@ def run_chunked(
     return _repack(out, outputs[:made])
 
 
-def _has_rows(t: Tensor, rows: int) -> bool:
-    """Whether argument ``t`` is cut by rows (as :func:`~bb_lightning.engine.rows.cut_rows`)."""
-    return t.ndim >= 2 and t.shape[0] == rows
-
-
 def _rng_state(t: Tensor) -> tuple[Tensor, Tensor | None]:
     return torch.get_rng_state(), torch.cuda.get_rng_state() if t.is_cuda else None
 
@@ -273,7 +268,7 @@ class _ChunkedBlockFunction(torch.autograd.Function):
         from bb_lightning.engine.blocks import _outputs
 
         rows = hidden.shape[0] if len(calls) > 1 else -1
-        cut = [rows > 0 and _has_rows(e, rows) for e in extras]
+        cut = [row_factor(e, rows) if rows > 0 else 0 for e in extras]
         ctx.runner, ctx.i, ctx.calls, ctx.cut, ctx.rngs = runner, i, calls, cut, []
         made: list[list[Tensor]] = []
         first: Any = None
@@ -284,7 +279,7 @@ class _ChunkedBlockFunction(torch.autograd.Function):
             for k, (a, b, call) in enumerate(calls):
                 ctx.rngs.append(_rng_state(hidden))
                 h = hidden[a:b] if rows > 0 else hidden
-                e = [x[a:b] if c else x for x, c in zip(extras, cut, strict=True)]
+                e = [x[a * c : b * c] if c else x for x, c in zip(extras, cut, strict=True)]
                 if k == 0:
                     captured = CapturedOutputs.since_now()
                     first = call(h, *e)
@@ -359,9 +354,10 @@ def _chunk_backward(
 
     a, b, call = chunk
     params = ctx.runner.pager.params[ctx.i]
-    cut = [len(ctx.calls) > 1, *(len(ctx.calls) > 1 and c for c in ctx.cut)]
+    chunked = len(ctx.calls) > 1
+    cut = [int(chunked), *(c if chunked else 0 for c in ctx.cut)]
     given = [
-        (t[a:b] if c else t).detach().requires_grad_(w)
+        (t[a * c : b * c] if c else t).detach().requires_grad_(w)
         for t, c, w in zip(saved, cut, wants, strict=True)
     ]
     wanted = [t for t, w in zip(given, wants, strict=True) if w]
@@ -399,7 +395,7 @@ def _chunk_backward(
             continue
         if held is None:
             held = of_inputs[n] = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
-        held[a:b].copy_(g)
+        held[a * c : b * c].copy_(g)
 
 
 def _joined(made: list[list[Tensor]], handed: list[set[int]]) -> tuple[list[Tensor], list[bool]]:

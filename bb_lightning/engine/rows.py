@@ -9,7 +9,8 @@ before the next block, and the activations are those of one chunk.
 
 Arguments are cut per chunk: a tensor of two or more dimensions whose first
 dimension is the batch (hidden states, position ids, masks, rotary ``cos`` /
-``sin``) gives its rows of the chunk, tuples, lists and plain dicts of them likewise, and
+``sin``) gives its rows of the chunk, ALiBi's ``[rows * heads, 1, tokens]`` its rows'
+heads (:func:`row_factor`), tuples, lists and plain dicts of them likewise, and
 anything else (1-D ``cache_position``, flags) passes whole. The outputs are
 joined along the rows.
 
@@ -115,9 +116,25 @@ def _shareable(cache: Any) -> bool:
     )
 
 
+def row_factor(t: Tensor, rows: int) -> int:
+    """How many of ``t``'s first-dimension entries each of a call's ``rows`` rows owns: 1 for
+    a tensor of two or more dimensions whose first is ``rows`` (masks, position ids, rotary
+    tables), ``f`` for ALiBi's ``[rows * heads, 1, tokens]`` (BLOOM, Falcon: the heads folded
+    into the rows, row-major), 0 for anything passed whole."""
+    if t.ndim < 2 or rows < 1:
+        return 0
+    first = t.shape[0]
+    if first == rows:
+        return 1
+    if t.ndim == 3 and t.shape[1] == 1 and first > rows and first % rows == 0:
+        return first // rows
+    return 0
+
+
 def _cut(x: Any, rows: int, a: int, b: int) -> Any:
     if isinstance(x, Tensor):
-        return x[a:b] if x.ndim >= 2 and x.shape[0] == rows else x
+        f = row_factor(x, rows)
+        return x[a * f : b * f] if f else x
     if isinstance(x, tuple):
         return tuple(_cut(y, rows, a, b) for y in x)
     if isinstance(x, list):

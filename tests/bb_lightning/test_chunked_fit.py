@@ -133,6 +133,8 @@ FAMILY_RUNS = {  # family: (rows per chunk, boundaries)
     "falcon_h1_state_and_keys": (3, H),
     "gpt2_tied": (2, H),
     "mamba_state": (2, H),
+    "bloom_alibi_tied": (2, H),  # ALiBi's [rows * heads, 1, tokens]: cut by rows x heads
+    "mpt_alibi": (3, D),
 }
 
 
