@@ -4,6 +4,7 @@ the swap of saved activations (priced only), and the search's larger passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -139,3 +140,29 @@ def test_the_search_carries_more_tokens_per_weight_pass_in_chunks(llama_30b: Mod
     # a user's accumulation is honoured: 128 micro-batches of 4, chunked or not
     kept = make_plan(llama_30b, hw, job, overrides=PlanOverrides(grad_accum=128))
     assert (kept.micro_batch, kept.grad_accum) == (4, 128)
+
+
+def test_a_chunked_pass_of_many_tokens_fits_its_dry_run_at_the_final_norm() -> None:
+    """Chunked blocks leave the final norm's backward over the whole pass (131,072 tokens
+    of a 2,048-wide model, in fp32) as the device's peak: the plan prices it, and the dry
+    run of the plan at the model's real size stays within the plan's device bytes."""
+    from bb_lightning.strategy.dryrun import dry_fit
+
+    config = builtin_config("llama-1.5b")
+    model = model_profile_from_config(config)
+    job = FitJob(seq_len=2048, global_batch_seqs=64, loss_chunk_tokens=697)
+    ov = PlanOverrides(micro_batch=64, chunk_rows=8, boundaries=Tier.HOST, resident_blocks=0)
+    plan = make_plan(model, preset("h100"), job, overrides=ov)
+    used = plan.memory[0].used
+    # the device budget cut to the plan's figure: the store's arena takes no headroom
+    exact = dataclasses.replace(
+        plan,
+        memory=tuple(
+            dataclasses.replace(m, budget=used) if m.tier is Tier.DEVICE else m for m in plan.memory
+        ),
+    )
+    report = dry_fit(exact, config)
+    peak = report.peaks[Tier.DEVICE]
+    assert report.over == [], (peak, used)
+    assert peak.phase.startswith("backward") and peak.block is None, peak  # not a block's
+    assert peak.bytes <= used <= 1.05 * peak.bytes, (peak, used)
