@@ -245,6 +245,9 @@ class CausalLMModule(pl.LightningModule):
         self._generator: LayerMajorGenerator | None = None
         self.kv_cache_tier: Tier | None = None
         """Where ``predict`` keeps the KV cache (a planning strategy sets it); None: device."""
+        self.decode_attention_tier: Tier | None = None
+        """Where ``predict``'s decode attention runs (a planning strategy sets it; HOST with
+        the cache on the host); None: beside the model."""
 
     def model_config(self) -> PretrainedConfig:
         """The Hugging Face configuration of the network (available before it is built)."""
@@ -423,8 +426,11 @@ class CausalLMModule(pl.LightningModule):
         """
         net = self._net()
         gen = self._generator
-        if gen is None or gen.model is not net or gen.kv_tier is not self.kv_cache_tier:
-            gen = self._generator = LayerMajorGenerator(net, kv_tier=self.kv_cache_tier)
+        tiers = (self.kv_cache_tier, self.decode_attention_tier)
+        if gen is None or gen.model is not net or (gen.kv_tier, gen.attention_tier) != tiers:
+            gen = self._generator = LayerMajorGenerator(
+                net, kv_tier=tiers[0], attention_tier=tiers[1]
+            )
         ids: list[str] = list(batch["id"])
         errors: list[str | None] = list(batch.get("error") or [None] * len(ids))
         lengths = batch["attention_mask"].sum(-1).tolist()

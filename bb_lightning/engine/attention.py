@@ -26,6 +26,14 @@ flash model is left as it is) on the CPU (on CUDA, ``sdpa``'s own kernels serve 
 decode step), under the name ``sdpa`` itself, so the model runs exactly the code it
 runs for ``sdpa``; afterwards ``sdpa`` is transformers' own again, so training and a
 user's own calls see the model as loaded.
+
+Beside another device (``decode_attention_for(model, host=True)``, the plan's decode
+attention on the host with the KV cache there: :class:`~bb_lightning.engine.kv.KVCache`'s
+``host_attention``) the same function serves the model on any device: a decode step's
+query rows (and its mask) go to the host where the cache lives, the attention above runs
+there on the host's cores, and its output returns to the model's device; a prefill's
+attended cache prefix goes to the device and ``sdpa`` runs there. One group of sequences
+is in flight: the device waits for the host's attention of each layer.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from storage.threads import single_threaded
 
 __all__ = ["CHUNK_BYTES", "attended_prefix", "decode_attention", "decode_attention_for"]
+__all__ += ["host_attention", "uses_sdpa"]
 
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -200,8 +209,53 @@ def _as_sdpa(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tens
     return decode_attention(module, *args, **kwargs)
 
 
+def host_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention over a KV cache homed on the host, for a model on any device.
+
+    A decode step (one query row) copies ``query`` and the mask to the cache's device (the
+    host: a few KiB per sequence and layer), runs :func:`decode_attention` there and
+    copies the ``[batch, 1, heads, v_dim]`` output to the query's device. A prefill runs
+    ``sdpa`` on the query's device over the attended prefix of ``key``/``value`` copied
+    there. On a CPU device the copies are no-ops (the host is the device); a cache off the
+    host (a dry run's meta tensors) runs ``sdpa`` where it lies.
+    """
+    here = query.device
+    if key.device.type != "cpu":  # a dry run's meta tensors
+        return sdpa_attention_forward(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[2] == 1:
+        host = key.device
+        mask = None if attention_mask is None else attention_mask.to(host)
+        out, _ = decode_attention(
+            module, query.to(host), key, value, mask, dropout, scaling, **kwargs
+        )
+        return out.to(here), None
+    if attention_mask is not None:
+        key, value, attention_mask = attended_prefix(key, value, attention_mask)
+    return sdpa_attention_forward(  # type: ignore[no-any-return]
+        module, query, key.to(here), value.to(here), attention_mask,
+        dropout=dropout, scaling=scaling, **kwargs,
+    )  # fmt: skip
+
+
+def uses_sdpa(model: nn.Module) -> bool:
+    """Whether some module of ``model`` runs transformers' ``sdpa`` attention."""
+    configs = (getattr(mod, "config", None) for mod in model.modules())
+    return any(getattr(c, "_attn_implementation", None) == "sdpa" for c in configs)
+
+
 @contextmanager
-def decode_attention_for(model: nn.Module) -> Iterator[bool]:
+def decode_attention_for(model: nn.Module, *, host: bool = False) -> Iterator[bool]:
     """Run ``model``'s ``sdpa`` attention calls through :func:`decode_attention` when it
     uses ``sdpa`` on the CPU (the device of its first parameter or buffer; a model with
     neither is on the CPU).
@@ -214,15 +268,11 @@ def decode_attention_for(model: nn.Module) -> Iterator[bool]:
     function what it hands ``sdpa``.
     """
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    if first is not None and first.device.type != "cpu":
-        yield False
-        return
-    configs = (getattr(mod, "config", None) for mod in model.modules())
-    if not any(getattr(c, "_attn_implementation", None) == "sdpa" for c in configs):
+    if (first is not None and first.device.type != "cpu" and not host) or not uses_sdpa(model):
         yield False
         return
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = _as_sdpa
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = host_attention if host else _as_sdpa
     try:
         yield True
     finally:

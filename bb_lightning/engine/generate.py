@@ -28,6 +28,11 @@ seed and its logits, not on the other sequences in the batch.
 Decode steps use :func:`~bb_lightning.engine.attention.decode_attention` (one
 query token over the cache as two batched products) on models that run
 transformers' ``sdpa`` attention on the CPU; prefill, and every step on CUDA, keep ``sdpa``.
+With ``attention_tier`` :attr:`Tier.HOST` (the plan's ``decode_attention``) the KV cache
+lives on the host whatever the model's device, and each decode step's attention runs there
+(:func:`~bb_lightning.engine.attention.host_attention`: the layer's new query, key and
+value rows go to the host, its output comes back); the batch is one group of sequences,
+so the device waits for each layer's host attention.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from bb_lightning.engine.attention import decode_attention_for
+from bb_lightning.engine.attention import decode_attention_for, uses_sdpa
 from bb_lightning.engine.hf_quirks import (
     forward_options,
     model_context,
@@ -116,15 +121,36 @@ class Generated:
 class LayerMajorGenerator:
     """Generates for whole batches of prompts with one model forward per step."""
 
-    def __init__(self, model: nn.Module, *, kv_tier: Tier | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, *, kv_tier: Tier | None = None, attention_tier: Tier | None = None
+    ) -> None:
         """Wrap a Hugging Face causal LM (its blocks paged or not).
 
         Args:
             model: the ``PreTrainedModel``; its ``config`` gives the context length.
             kv_tier: where the KV cache lives (the plan's ``kv_cache``); None: the device.
+            attention_tier: where decode attention runs (the plan's ``decode_attention``);
+                :attr:`Tier.HOST` needs ``kv_tier`` HOST and a model running ``sdpa``.
         """
+        if attention_tier not in (None, Tier.DEVICE, Tier.HOST):
+            raise ValueError(
+                f"attention_tier={attention_tier!r}: use Tier.DEVICE, Tier.HOST or None"
+            )
+        if attention_tier is Tier.HOST and kv_tier is not Tier.HOST:
+            raise ValueError(
+                f"attention_tier=host with kv_tier={kv_tier!r}: attention runs where the cache "
+                "lives; set kv_tier=Tier.HOST or attention_tier=None"
+            )
+        if attention_tier is Tier.HOST and not uses_sdpa(model):
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            raise ValueError(
+                f"attention_tier=host with attn_implementation={impl!r}: host attention serves "
+                "models running 'sdpa'; load the model with attn_implementation='sdpa' or plan "
+                "without --decode-attention host"
+            )
         self.model = model
         self.kv_tier = kv_tier
+        self.attention_tier = attention_tier
         self.context = model_context(getattr(model, "config", None))
         """Longest sequence the model takes (tokens), or None when the config has no limit."""
         config = getattr(model, "config", None)
@@ -154,8 +180,9 @@ class LayerMajorGenerator:
             config = self.model.config
             assert isinstance(config, PretrainedConfig), "a Hugging Face model has a config"
             self._kv = KVCache(
-                config, rows=rows, max_len=max_len, tier=self.kv_tier, device=_device_of(self.model)
-            )
+                config, rows=rows, max_len=max_len, tier=self.kv_tier,
+                device=_device_of(self.model), host_attention=self.attention_tier is Tier.HOST,
+            )  # fmt: skip
         self._kv.reset()
         return self._kv
 
@@ -261,7 +288,7 @@ class LayerMajorGenerator:
                 "columns no prompt uses, or lower max_new_tokens"
             )
         run = _Run(self, config, rows, plen, total, device, seeds, decode)
-        with decode_attention_for(self.model):
+        with decode_attention_for(self.model, host=self.attention_tier is Tier.HOST):
             return run.run(input_ids.to(device), attention_mask.to(device))
 
 

@@ -23,10 +23,18 @@ Placement: on a CUDA device with ``tier`` :attr:`Tier.HOST` the cache uses
 transformers' offloaded static layers (host copies, each layer moved to the
 device on a side stream while the previous layer computes). Elsewhere it lives
 on the model's device.
+
+With ``host_attention`` (the plan's decode attention on the host) every layer of keys and
+values lives in host memory whatever the model's device: each update copies the layer's
+new key and value rows to the host and writes them there (the prefill writes the cache to
+its home as it goes), and the attention reads it there
+(:func:`~bb_lightning.engine.attention.host_attention`). State layers stay on the model's
+device (their convolution runs there, and a state is a few rows per sequence).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,6 +58,7 @@ class KVCache:
         max_len: int,
         tier: Tier | None = None,
         device: torch.device | None = None,
+        host_attention: bool = False,
     ) -> None:
         """Allocate nothing yet: each layer's buffers appear at its first update (prefill).
 
@@ -59,6 +68,8 @@ class KVCache:
             max_len: tokens per sequence, prompt and generated together.
             tier: where the plan puts the cache; HOST offloads on a CUDA device, else ignored.
             device: the model's device (None: CUDA when it is available).
+            host_attention: keep every layer's keys and values on the host (decode attention
+                runs there), whatever ``tier`` and the device.
         """
         if rows < 1 or max_len < 1:
             raise ValueError(
@@ -68,8 +79,14 @@ class KVCache:
         self.max_len = max_len
         self.tier = tier
         cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-        offload = tier is Tier.HOST and cuda
+        offload = tier is Tier.HOST and cuda and not host_attention
+        self.host_attention = host_attention
         self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
+        if host_attention:
+            layers: list[Any] = list(self.cache.layers)
+            for layer in layers:
+                if _has_keys(layer):
+                    layer.update = partial(_update_on_host, layer.update)
         self._full: list[dict[tuple[str, int | None], Tensor]] = []
         """Each layer's buffers of all rows, by (attribute, state index), while compacted."""
 
@@ -140,6 +157,18 @@ class KVCache:
                 _set(layer, slot, buf[:n])
             if _has_keys(layer):
                 layer.batch_size = n
+
+
+def _update_on_host(
+    update: Any, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """A layer's ``update`` with its new key and value rows copied to the host first, so the
+    layer allocates its buffers there at its first update and keeps every token there
+    (meta tensors, a dry run's, stay as they are)."""
+    if not key_states.is_meta:
+        key_states, value_states = key_states.to("cpu"), value_states.to("cpu")
+    keys, values = update(key_states, value_states, *args, **kwargs)
+    return keys, values
 
 
 def _is_state_layer(layer: Any) -> bool:

@@ -103,8 +103,6 @@ def build_engine(
     room for the boundary inputs the placement keeps off the device: ``boundary_numel``
     elements per block, else a plan's micro-batch x sequence x width.
     """
-    if not training:
-        check_decode_attention(placement, device)
     external: dict[int, list[FilePiece]] = {}
     if not training and loader is not None:
         check_store_dtype(module, placement)
@@ -286,23 +284,13 @@ def _with_boundaries(
     return {t: need[t] + room[t] for t in Tier}
 
 
-def check_decode_attention(placement: Placement, device: torch.device) -> None:
-    """Refuse a placement whose decode attention runs on the host beside another device:
-    the generator attends where the model runs (on a CPU device, the host itself)."""
-    if placement.decode_attention is Tier.HOST and device.type != "cpu":
-        raise ValueError(
-            f"placement.decode_attention = host with the model on {device.type}: decode "
-            "attention runs on the device the model runs on (a host KV cache is copied to it "
-            "each step); plan without --decode-attention host (PlanOverrides.decode_attention"
-            "=None) or run on the CPU"
-        )
-
-
 def _configure_inference(module: nn.Module, placement: Placement) -> None:
-    """The placement's KV-cache tier into the module (its generator keeps the cache there;
-    the engine takes the prefill chunk from the placement itself)."""
+    """The placement's KV-cache tier and decode-attention tier into the module (its generator
+    keeps the cache there and attends there; the engine takes the prefill chunk from the
+    placement itself)."""
     if isinstance(module, CausalLMModule):
         module.kv_cache_tier = placement.kv_cache
+        module.decode_attention_tier = placement.decode_attention
 
 
 def release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:

@@ -1,0 +1,140 @@
+"""Generation with the KV cache homed on the host and decode attention run there, against
+Hugging Face greedy ``generate`` (fp32) across the family matrix: dense, tied, sliding window
+(both batches past it), MoE and hybrid recurrent; ragged prompts, EOS mid-way (the batch
+compacts), and a second batch on the same cache."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import bb_lightning.engine.attention as attention
+from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
+from bb_lightning.engine.kv import KVCache
+from storage.tiers import Tier
+
+from ..tiny import FAMILIES, VOCAB, tiny_model
+
+NEW = 10
+MATRIX = ("llama", "qwen2_tied", "mistral_sliding", "mixtral_moe", "lfm2_conv")
+"""Dense, tied head, sliding window of 8 (prompts of up to 7 + 10 new tokens pass it),
+MoE, hybrid recurrent (short convolutions beside attention)."""
+BATCHES = ((1, (7, 3, 5, 6)), (2, (4, 7, 6, 2)))
+"""(seed, prompt lengths) of two batches of four ragged prompts: the same cache serves both."""
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(family: str) -> torch.nn.Module:
+    """The family's tiny model with strong weights (initializer range 0.2: no greedy ties)."""
+    return tiny_model({**FAMILIES[family], "initializer_range": 0.2}).eval()
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, : width - n], mask[row, : width - n] = 0, 0
+    return ids, mask
+
+
+def _reference(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Hugging Face greedy tokens of each prompt alone (no padding), ``NEW`` of them."""
+    rows = []
+    for row in range(ids.shape[0]):
+        one = ids[row][mask[row].bool()][None]
+        with torch.no_grad():
+            out = model.generate(  # type: ignore[operator]
+                input_ids=one, attention_mask=torch.ones_like(one), max_new_tokens=NEW,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        rows.append(out[0, one.shape[1] :].tolist())
+    return rows
+
+
+def _mid_eos(rows: list[list[int]]) -> int:
+    """The token found mid-way (not first, not last) in the most rows."""
+    counts = Counter(t for r in rows for t in set(r[1:-1]))
+    return counts.most_common(1)[0][0]
+
+
+def _cut(rows: list[list[int]], eos: int) -> list[list[int]]:
+    return [r[: r.index(eos)] if eos in r else r for r in rows]
+
+
+class _Spy:
+    """Counts the attention calls of decode steps and checks each reads the host cache."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decode_calls = 0
+        self.gen: LayerMajorGenerator | None = None
+        real = attention.host_attention
+
+        def spy(module: Any, query: torch.Tensor, key: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if query.shape[2] == 1:
+                self.decode_calls += 1
+                assert self.gen is not None and self.gen._kv is not None
+                bufs = {
+                    layer.keys.untyped_storage().data_ptr()
+                    for layer in self.gen._kv.cache.layers
+                    if getattr(layer, "keys", None) is not None
+                }
+                assert key.device.type == "cpu"
+                assert key.untyped_storage().data_ptr() in bufs, "attends over the host cache"
+            return real(module, query, key, *a, **k)
+
+        monkeypatch.setattr(attention, "host_attention", spy)
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_host_cache_and_host_attention_generate_like_hf(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model(family)
+    gen = LayerMajorGenerator(model, kv_tier=Tier.HOST, attention_tier=Tier.HOST)
+    spy = _Spy(monkeypatch)
+    spy.gen = gen
+    compactions: list[int] = []
+    real_compact = KVCache.compact
+
+    def compact(self: KVCache, keep: torch.Tensor) -> None:
+        compactions.append(int(keep.numel()))
+        real_compact(self, keep)
+
+    monkeypatch.setattr(KVCache, "compact", compact)
+    caches = []
+    for seed, lengths in BATCHES:
+        ids, mask = _prompts(seed, lengths)
+        full = _reference(model, ids, mask)
+        eos = _mid_eos(full)
+        want = _cut(full, eos)
+        out = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)))
+        assert [o.token_ids for o in out] == want, (family, seed)
+        assert [o.finish_reason for o in out] == ["eos" if eos in r else "length" for r in full], (
+            family,
+            seed,
+        )
+        caches.append(gen._kv)
+    assert caches[0] is caches[1] and caches[0] is not None and caches[0].host_attention
+    keys = [
+        layer.keys for layer in caches[0].cache.layers if getattr(layer, "keys", None) is not None
+    ]
+    assert keys and all(k.device.type == "cpu" for k in keys)
+    assert spy.decode_calls > 0
+    assert compactions, f"{family}: EOS mid-way in at least half the rows compacts the batch"
+
+
+def test_host_attention_needs_the_cache_on_the_host_and_sdpa() -> None:
+    model = _model("llama")
+    with pytest.raises(
+        ValueError, match=r"attention_tier=host with kv_tier=None.*kv_tier=Tier.HOST"
+    ):
+        LayerMajorGenerator(model, attention_tier=Tier.HOST)
+    eager = tiny_model(FAMILIES["llama"], attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"attn_implementation='eager'.*'sdpa'"):
+        LayerMajorGenerator(eager, kv_tier=Tier.HOST, attention_tier=Tier.HOST)

@@ -1,0 +1,94 @@
+"""``trainer.predict`` under balance_beam with the KV cache on the host and decode attention
+run there (``Placement.decode_attention``, given or planned), against Hugging Face greedy
+``generate`` (fp32) on a ``save_pretrained`` directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
+from bb_lightning.planner.plan import PlanOverrides
+from storage.tiers import Tier
+
+from .tiny import FAMILIES, VOCAB, cpu_profile, save_tiny
+
+NEW = 6
+H, N = Tier.HOST, Tier.NVME
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, : width - n], mask[row, : width - n] = 0, 0
+    return {"id": [f"{seed}-{r}" for r in range(len(lengths))], "input_ids": ids,
+            "attention_mask": mask}  # fmt: skip
+
+
+def _check(path: Path, module: CausalLMModule, batches: list[Any], records: Any) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    stop = set(module.generation_config().eos_token_ids)
+    for batch, got in zip(batches, records, strict=True):
+        for row, record in enumerate(got):
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
+            with torch.no_grad():
+                out = reference.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                    do_sample=False, pad_token_id=0, eos_token_id=sorted(stop) or None,
+                )[0, ids.shape[1] :].tolist()  # fmt: skip
+            cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+            assert record["token_ids"] == out[:cut], record["id"]
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding", "lfm2_conv"])
+def test_a_host_attention_placement_predicts_like_hf_generate(
+    family: str, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Weights on NVMe, the cache on the host with attention there; two batches on one cache
+    (the sliding window of 8 passed by both)."""
+    path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
+    module = CausalLMModule(str(path), max_new_tokens=NEW)
+    placement = dataclasses.replace(Placement.uniform(2, weights=N), kv_cache=H, decode_attention=H)
+    strategy = BalanceBeamStrategy(
+        placement=placement, compute_dtype="fp32", nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    batches = [_prompts(5, (7, 3, 5)), _prompts(6, (4, 7, 6))]
+    records = trainer.predict(module, DataLoader(batches, batch_size=None))
+    gen = module._generator
+    assert gen is not None and (gen.kv_tier, gen.attention_tier) == (H, H)
+    assert gen._kv is not None and gen._kv.host_attention
+    strategy.close()
+    _check(path, module, batches, records)
+
+
+def test_a_plan_with_host_attention_runs_it(tiny: SimpleNamespace, tmp_path: Path) -> None:
+    """``PlanOverrides.decode_attention=HOST``: the planned placement reaches the generator."""
+    path = save_tiny(tmp_path / "ckpt", {**FAMILIES["llama"], "initializer_range": 0.2})
+    module = CausalLMModule(str(path), max_new_tokens=NEW)
+    strategy = BalanceBeamStrategy(
+        hardware=cpu_profile(), compute_dtype="fp32",
+        overrides=PlanOverrides(decode_attention=H),
+    )  # fmt: skip
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    batches = [_prompts(7, (6, 2, 5))]
+    records = trainer.predict(module, DataLoader(batches, batch_size=None))
+    assert strategy.plan is not None and strategy.plan.placement.decode_attention is H
+    gen = module._generator
+    assert gen is not None and gen.attention_tier is H and gen.kv_tier is H
+    strategy.close()
+    _check(path, module, batches, records)
