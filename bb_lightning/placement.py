@@ -93,7 +93,8 @@ class Placement:
     """Where a decode step's attention over the KV cache runs (predict): HOST computes it
     with the host's cores over a cache homed on the host, the q/k/v rows of the new token
     sent there and the output sent back; None: on the device the model runs on (on a CPU
-    device that is the host itself). The engine runs HOST on a CPU device only."""
+    device that is the host itself). The engine runs HOST beside any device, one group of
+    sequences at a time."""
     chunk_rows: int | None = None
     """Training: rows (sequences) of the micro-batch each recomputed block runs at once
     while its weights are paged in once (forward chunk by chunk without grad, backward

@@ -4,9 +4,9 @@ Job: 4096 prompts of 512 tokens, 32 new tokens each (the FlexGen setting), on th
 T4-16GB preset with 208 GB of host memory (the FlexGen machine), beside the
 throughputs published in Sheng et al. 2023, "FlexGen", Table 2 (OPT-30B, T4,
 generation throughput in tokens/s), planned twice: with decode attention on the device
-(what the engine runs beside a GPU) and with the KV cache on the host and attention on the
-host's cores (``PlanOverrides(decode_attention=Tier.HOST)``, priced only: the engine attends
-on the host beside a CPU device only). Then OPT-30B on the ZeRO-Inference 2023 release's
+and with the KV cache on the host and attention on the host's cores
+(``PlanOverrides(decode_attention=Tier.HOST)``, priced with two groups of sequences in
+flight; the engine runs one group at a time). Then OPT-30B on the ZeRO-Inference 2023 release's
 RTX A6000 machine (the ``a6000`` preset: 48 GB, PCIe Gen4, 252 GB DRAM) beside its published
 21.84 tokens/s and FlexGen's 13.40 there, and the same job planned for this machine's
 measured profile. This compares a prediction with other systems' measurements on
