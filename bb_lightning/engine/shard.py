@@ -34,8 +34,9 @@ own reductions use the world group.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,7 +46,7 @@ from torch import Tensor
 
 from storage.checksum import crc32c
 
-__all__ = ["Piece", "Reduced", "ShardComm", "ShardLayout", "digest"]
+__all__ = ["Piece", "Reduced", "ShardComm", "ShardLayout", "check_same_start", "digest"]
 
 
 class ShardComm:
@@ -76,6 +77,7 @@ class ShardComm:
         self.gather_group = group if gather_group is None else gather_group
         self.rank = rank
         self.world_size = world_size
+        self._stream: torch.cuda.Stream | None = None
         self.bytes_sent = 0
         """Bytes this rank handed to the collectives since it was built (payload, unpadded
         ring traffic not counted: ``(N - 1) / N`` of it crosses the network)."""
@@ -125,13 +127,23 @@ class ShardComm:
         pack = torch.empty(s * self.world_size, dtype=torch.float32, device=device)
         part = torch.empty(s, dtype=torch.float32, device=device)
         if s == 0:  # nothing to reduce (the same on every rank: the layouts are equal)
-            return Reduced(part, None, self.world_size)
+            return Reduced(part, None)
         layout.pack(grads, pack)
+        pack.mul_(1.0 / self.world_size)  # the sum becomes the mean (gloo has no average)
         work = dist.reduce_scatter_tensor(
             part, pack, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
         self.bytes_sent += pack.numel() * 4
-        return Reduced(part, work, self.world_size)
+        return Reduced(part, work, self._side_stream(device))
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream that waits for this rank's reduce-scatters on a CUDA ``device`` (the
+        copies of their results to the host are queued after it), None elsewhere."""
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
     def assemble(self, shard: Tensor, layout: ShardLayout) -> Tensor:
         """The whole flat tensor (``layout.full_numel`` elements) from every rank's
@@ -208,25 +220,38 @@ class ShardComm:
 
 class Reduced:
     """A reduce-scatter in flight (:meth:`ShardComm.reduce_scatter_async`): this rank's
-    shard of the summed gradients in :attr:`part`, once :meth:`mean` returned."""
+    shard of the mean of the gradients over the ranks in :attr:`part`, once
+    :meth:`mean` returned or within :meth:`ordered`."""
 
-    def __init__(self, part: Tensor, work: dist.Work | None, world_size: int) -> None:
+    def __init__(
+        self, part: Tensor, work: dist.Work | None, stream: torch.cuda.Stream | None = None
+    ) -> None:
         self.part = part
         """This rank's shard (fp32, on the compute device)."""
         self._work = work
-        self._world_size = world_size
-        self._done = work is None
+        self._stream = stream
 
     def mean(self) -> Tensor:
-        """:attr:`part` as the mean over the ranks, after the collective: on CUDA the
-        caller's stream is ordered after it (the host does not wait), on the CPU the
-        caller waits for it. Idempotent."""
-        if not self._done:
-            assert self._work is not None
+        """:attr:`part`, once the collective is done: the caller waits for it (on CUDA the
+        caller's stream does)."""
+        if self._work is not None:
             self._work.wait()
-            self.part.mul_(1.0 / self._world_size)  # the sum to the mean, on the shard only
-            self._done = True
+            self._work = None
         return self.part
+
+    @contextlib.contextmanager
+    def ordered(self) -> Iterator[None]:
+        """Meanwhile the current stream is one that waits for the collective: device
+        work queued here (the copy of :attr:`part` to the host) runs after it, while the
+        compute stream goes on with the next block's backward. Without CUDA the caller
+        waits for the collective here."""
+        if self._stream is None:
+            self.mean()
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            self.mean()  # the side stream waits for the reduce-scatter, not the compute
+            yield
 
     def then(self, work: Callable[[Sequence[Tensor | None]], object]) -> Callable[..., object]:
         """``work`` (of a batch of gradients) run after :meth:`mean`, on whichever thread
@@ -334,6 +359,33 @@ class ShardLayout:
         return shard[piece.offset : piece.offset + piece.chunk * piece.row].view(
             piece.chunk, piece.row
         )
+
+
+def check_same_start(
+    comm: ShardComm,
+    model: torch.nn.Module,
+    blocks: Sequence[torch.nn.Module],
+    digests: Sequence[int | None],
+    frozen_digests: Sequence[int | None],
+    frozen_params: Sequence[Tensor],
+) -> None:
+    """Raise ``ValueError`` unless every rank starts from the same weights: ``digests`` of
+    each block's flat state then of the resident one, ``frozen_digests`` of each block's
+    frozen weights (None: none), and the frozen parameters outside the blocks."""
+    where = {id(m): name for name, m in model.named_modules()}
+    labels = [f"block {i} ({where.get(id(b), '?')})" for i, b in enumerate(blocks)]
+    labels.append("the parameters outside the blocks (embedding, final norm, head)")
+    found = list(digests)
+    for i, frozen in enumerate(frozen_digests):  # a LoRA base, say
+        if frozen is not None:
+            labels.append(f"the frozen weights of block {i} ({where.get(id(blocks[i]), '?')})")
+            found.append(frozen)
+    if frozen_params:
+        values = [p.detach().reshape(-1).to("cpu", torch.float32) for p in frozen_params]
+        labels.append("the frozen parameters outside the blocks")
+        found.append(digest(torch.cat(values)))
+    assert all(d is not None for d in found)
+    comm.check_equal(labels, [int(d) for d in found if d is not None])
 
 
 def digest(flat: Tensor) -> int:

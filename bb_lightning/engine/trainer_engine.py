@@ -81,7 +81,7 @@ from bb_lightning.engine.optimizer_step import ClipConfig, OptimizerStep, Overla
 from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.recompute import planned_autograd_blocks
 from bb_lightning.engine.scratch_pool import ScratchPool
-from bb_lightning.engine.shard import ShardComm, digest
+from bb_lightning.engine.shard import Reduced, ShardComm, check_same_start
 from bb_lightning.engine.state_io import EngineStateDict
 from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
@@ -126,6 +126,8 @@ class TrainingEngine:
         self.device = device
         self.comm = comm
         """The collectives of data parallelism (None: one process)."""
+        self._held_reduced: list[tuple[Reduced, Callable[[Sequence[Tensor | None]], object]]] = []
+        """Reduce-scatters whose results the CPU double copies at the end of backward."""
         self.compute_dtype = torch_dtype(placement)
         """The dtype the device computes in (``placement.compute_dtype``)."""
         if device.type == "cpu":  # activations and gradients reuse freed heap memory
@@ -146,7 +148,9 @@ class TrainingEngine:
         self._place_outside(blocks, loader)
         initial = self._store_states(blocks, placement, loader)
         if comm is not None:
-            self._check_same_start(comm, blocks)
+            digests = [st.digest for st in self.states]
+            check_same_start(comm, self.model, blocks, digests, self.pager.frozen_digests,
+                             self.frozen_params)  # fmt: skip
         self._bind_resident(initial)
         buffers_to(model, device, self.compute_dtype)
         self._install(blocks, placement)
@@ -299,23 +303,6 @@ class TrainingEngine:
             return []
         return [i for i, s in enumerate(self.pager.states) if s.numel > 0]
 
-    def _check_same_start(self, comm: ShardComm, blocks: Sequence[nn.Module]) -> None:
-        """Raise ``ValueError`` unless every rank starts from the same weights."""
-        where = {id(m): name for name, m in self.model.named_modules()}
-        labels = [f"block {i} ({where.get(id(b), '?')})" for i, b in enumerate(blocks)]
-        labels.append("the parameters outside the blocks (embedding, final norm, head)")
-        digests = [s.digest for s in self.states]
-        for i, frozen in enumerate(self.pager.frozen_digests):  # a LoRA base, say
-            if frozen is not None:
-                labels.append(f"the frozen weights of block {i} ({where.get(id(blocks[i]), '?')})")
-                digests.append(frozen)
-        if self.frozen_params:
-            values = [p.detach().reshape(-1).to("cpu", torch.float32) for p in self.frozen_params]
-            labels.append("the frozen parameters outside the blocks")
-            digests.append(digest(torch.cat(values)))
-        assert all(d is not None for d in digests)
-        comm.check_equal(labels, [int(d) for d in digests if d is not None])
-
     @property
     def world_size(self) -> int:
         """Ranks sharing the optimizer state (1 without data parallelism)."""
@@ -349,6 +336,10 @@ class TrainingEngine:
         )
         for p in self.resident_params:
             p.grad = None
+        for reduced, work in self._held_reduced:  # the CPU double's, at last
+            with reduced.ordered():
+                self.grads.process_async([reduced.part], work)
+        self._held_reduced.clear()
         self.grads.wait(phase="optimizer" if self.steps.overlap is not None else "wait_grads")
         self.pager.release_all_except(())
 
@@ -427,18 +418,21 @@ class TrainingEngine:
     ) -> None:
         """Hand ``state``'s gradients (device tensors) to the gradient sink, which runs
         ``work`` on them in host memory. Under data parallelism they are reduce-scattered
-        on the device first, now, in the fixed order of :meth:`_block_grads`, and only
-        this rank's shard of their mean leaves the device (``work`` gets it as a
-        one-tensor batch): where the sink copies it to the host (CUDA, the CPU double) the
-        copy is ordered after the collective; else the sink's work waits for it."""
+        on the device first, in the fixed order of :meth:`_block_grads`, and only this
+        rank's shard of their mean (``work``'s one-tensor batch) leaves the device, copied
+        after the collective on a stream of its own (CUDA) or taken by the sink's work."""
         comm = self.comm
         if comm is None or state.layout is None:
             self.grads.process_async(grads, work)
             return
         reduced = comm.reduce_scatter_async(grads, state.layout, self.device)
-        if self.store.copies_to_host:
-            reduced.mean()  # CUDA: the copy's stream waits for it, not the host
-        self.grads.process_async([reduced.part], reduced.then(work))
+        if not self.store.copies_to_host:
+            self.grads.process_async([reduced.part], reduced.then(work))
+        elif self.device.type != "cuda":  # the CPU double, whose host would wait: at the end
+            self._held_reduced.append((reduced, work))  # (another rank may first need ours)
+        else:
+            with reduced.ordered():  # the copy waits for the collective, the compute not
+                self.grads.process_async([reduced.part], work)
 
     def _sum_and_norm(
         self, i: int, norms: dict[int, Tensor], grads: Sequence[Tensor | None]
