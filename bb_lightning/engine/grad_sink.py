@@ -26,7 +26,7 @@ from storage.store import TieredStore
 from storage.threads import limit_torch_threads
 from storage.transfers import settled
 
-__all__ = ["CONVERT_CHUNK", "GradSink", "add_converted", "sum_tiles"]
+__all__ = ["CONVERT_CHUNK", "LINK_CHUNK", "GradSink", "add_converted", "convert_piece", "sum_tiles"]
 
 
 class GradSink:
@@ -46,6 +46,11 @@ class GradSink:
     ``threads`` sets the intra-op (OpenMP) threads of the worker's torch ops (None: the
     process's). On a CPU device the worker runs beside the compute's own thread team
     and the engine passes 1 (:mod:`storage.threads` says why).
+
+    The worker converts and sums in pieces of :data:`LINK_CHUNK` elements where the
+    gradients arrive by copy from a device (its thread team splits each piece, and a
+    1 MiB piece left each thread a sliver per op, the team's start-up cost paid twice
+    per sliver), else of :data:`CONVERT_CHUNK` (:func:`convert_piece`).
 
     ``inline``: run each batch's work on the calling thread at once, with its thread
     team, instead of on the worker (:meth:`wait` still raises what the work raised). On
@@ -68,7 +73,10 @@ class GradSink:
             raise ValueError(f"GradSink pending={pending} must be >= 1: pass 1 or more")
         if threads is not None and threads < 1:
             raise ValueError(f"GradSink threads={threads} must be >= 1, or None (the process's)")
-        init = None if threads is None else functools.partial(limit_torch_threads, threads)
+        copies = store is not None and store.copies_to_host
+        self.piece = LINK_CHUNK if copies else CONVERT_CHUNK
+        """Elements the worker converts and sums at a time (:func:`convert_piece`)."""
+        init = functools.partial(_init_worker, threads, self.piece)
         self._pool = ThreadPoolExecutor(1, "bb-grads", initializer=init)
         self._futures: list[Future[object]] = []
         self._store = store
@@ -218,8 +226,26 @@ def _timed(timer: PhaseTimer | None, phase: str) -> contextlib.AbstractContextMa
 
 
 CONVERT_CHUNK = 1 << 18
-"""Elements converted at a time when adding a gradient of another dtype (1 MiB of fp32)."""
+"""Elements converted at a time when adding a gradient of another dtype (1 MiB of fp32):
+a thread's default, and a CPU device's, whose cores the compute's team holds."""
+LINK_CHUNK = 1 << 22
+"""Elements a gradient worker converts and sums at a time when the gradients come by copy
+from a device (16 MiB of fp32): its thread team splits each piece."""
 _chunks = threading.local()
+
+
+def convert_piece() -> int:
+    """Elements this thread converts and sums at a time (:func:`add_converted`,
+    :func:`sum_tiles`): :data:`CONVERT_CHUNK` unless its :class:`GradSink` set another."""
+    piece: int = getattr(_chunks, "piece", CONVERT_CHUNK)
+    return piece
+
+
+def _init_worker(threads: int | None, piece: int) -> None:
+    """A gradient worker's start: its intra-op threads (None: the process's), its piece."""
+    if threads is not None:
+        limit_torch_threads(threads)
+    _chunks.piece = piece
 
 
 def _add_all(dst: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
@@ -235,7 +261,7 @@ def sum_tiles(
 
     ``into`` adds to what ``dst`` holds; otherwise the first present gradient is copied
     in (zeros where a view has none). Contiguous CPU views are summed
-    :data:`CONVERT_CHUNK` elements at a time, every batch's slice in turn, so each
+    :func:`convert_piece` elements at a time, every batch's slice in turn, so each
     element of ``dst`` is read and written once whatever the number of batches.
     """
     for j, view in enumerate(dst):
@@ -252,8 +278,9 @@ def sum_tiles(
             continue
         flat = view.view(-1)
         srcs = [g.reshape(-1) for g in grads]
-        for start in range(0, flat.numel(), CONVERT_CHUNK):
-            stop = min(start + CONVERT_CHUNK, flat.numel())
+        piece = convert_piece()
+        for start in range(0, flat.numel(), piece):
+            stop = min(start + piece, flat.numel())
             tile = flat[start:stop]
             if not into:
                 tile.copy_(srcs[0][start:stop])
@@ -276,7 +303,7 @@ def add_converted(dst: Tensor, src: Tensor) -> None:
 
     On the CPU, PyTorch's mixed-dtype ``add_`` (fp32 += bf16) runs several times
     slower than a conversion plus a same-dtype add, so a contiguous CPU ``src`` of
-    another dtype is converted :data:`CONVERT_CHUNK` elements at a time into a
+    another dtype is converted :func:`convert_piece` elements at a time into a
     per-thread buffer (no allocation per call) and added from there.
     """
     if (
@@ -287,12 +314,13 @@ def add_converted(dst: Tensor, src: Tensor) -> None:
     ):
         dst.add_(src)
         return
+    piece = convert_piece()
     buf: Tensor | None = getattr(_chunks, "buf", None)
-    if buf is None or buf.dtype != dst.dtype:
-        buf = _chunks.buf = torch.empty(CONVERT_CHUNK, dtype=dst.dtype)
+    if buf is None or buf.dtype != dst.dtype or buf.numel() != piece:
+        buf = _chunks.buf = torch.empty(piece, dtype=dst.dtype)
     flat_dst, flat_src, n = dst.view(-1), src.view(-1), dst.numel()
-    for start in range(0, n, CONVERT_CHUNK):
-        stop = min(start + CONVERT_CHUNK, n)
+    for start in range(0, n, piece):
+        stop = min(start + piece, n)
         part = buf[: stop - start]
         part.copy_(flat_src[start:stop])
         flat_dst[start:stop].add_(part)

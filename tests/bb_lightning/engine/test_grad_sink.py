@@ -204,3 +204,37 @@ def test_inline_work_runs_on_the_calling_thread_and_raises_at_wait() -> None:
             sink.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_gradients_copied_off_a_device_are_summed_in_link_sized_pieces() -> None:
+    """Where gradients come by copy from the device (the CUDA double), the worker converts
+    and sums them in 16 MiB pieces (its thread team splits each), the sum exact; a CPU
+    device's stay in 1 MiB pieces."""
+    from bb_lightning.engine.grad_sink import CONVERT_CHUNK, LINK_CHUNK, _chunks, add_converted
+
+    n = LINK_CHUNK + 3 * CONVERT_CHUNK + 5  # a partial last piece either way
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=g).to(torch.bfloat16)
+    acc = torch.randn(n, generator=g)
+    want = acc + grad.float()
+    seen: list[int] = []
+
+    def work(host: list[torch.Tensor | None]) -> None:
+        assert host[0] is not None
+        add_converted(acc, host[0])
+        seen.append(int(_chunks.buf.numel()))
+
+    store = TieredStore(
+        StoreConfig(device_budget=8 * MiB, host_budget=8 * MiB, device="cpu", cuda_double=True)
+    )
+    with store:
+        sink = GradSink(store=store)
+        sink.process_async([grad], work)  # type: ignore[arg-type]
+        sink.wait()
+        sink.close()
+    assert seen == [LINK_CHUNK] and torch.equal(acc, want)
+    cpu = GradSink()
+    cpu.process_async([grad], lambda host: seen.append(0))
+    cpu.submit(lambda: seen.append(int(getattr(_chunks, "piece", CONVERT_CHUNK))))
+    cpu.close()
+    assert seen[-1] == CONVERT_CHUNK
