@@ -56,6 +56,9 @@ PROMPT_LLAMA: dict[str, Any] = {
 }
 """The generating model: byte tokens plus pad 256, bos 257, eos 258."""
 
+TIED_LLAMA = tiny_llama_config(2, tie_word_embeddings=True)
+"""The trained model with its head tied to its embedding (one parameter, two uses)."""
+
 
 @contextmanager
 def rendezvous(timeout: float) -> Iterator[dict[str, str]]:
@@ -199,6 +202,8 @@ class Runs:
         self.shared = shared
         self.model = model
         self.prompt_model = prompt_model
+        self.tied_model = model.with_name("tied-llama")
+        """:data:`TIED_LLAMA`'s ``save_pretrained`` directory (pass ``--model`` it)."""
 
     def fit(self, devices: int, accum: int, *args: str) -> Run:
         """A (cached) training run of the tiny Llama at ``devices`` ranks; checked.
@@ -253,7 +258,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     models = shared / "models"
     models.mkdir(parents=True, exist_ok=True)
     with _locked(shared / "models.lock"):
-        for name, config, seed in (("llama", LLAMA, 0), ("prompt-llama", PROMPT_LLAMA, 3)):
+        made = (
+            ("llama", LLAMA, 0),
+            ("prompt-llama", PROMPT_LLAMA, 3),
+            ("tied-llama", TIED_LLAMA, 5),
+        )
+        for name, config, seed in made:
             if not (models / name / "config.json").exists():
                 _save(config, models / name, seed)
     return Runs(shared, models / "llama", models / "prompt-llama")

@@ -21,8 +21,8 @@ What it writes under ``--out``:
 - ``state.pt`` and ``result.json`` (rank 0, fit): the masters and AdamW moments read
   back from ``ckpt/state.zarr`` with plain zarr; the step count and the world size that
   saved it from ``meta.json``, and the run's world size. With ``--plain`` (plain
-  Lightning, one process, no checkpoint): the parameters and ``torch.optim.AdamW``'s
-  moments.
+  Lightning, no checkpoint: one process, or Lightning's own DDP at ``--devices`` > 1):
+  the trained parameters and ``torch.optim.AdamW``'s moments.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import zarr
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
@@ -117,17 +117,30 @@ class _Rows(Dataset[dict[str, torch.Tensor]]):
 
 
 class RowsData(pl.LightningDataModule):
-    """The 48 rows, in micro-batches of ``micro``, ``global_batch`` rows per optimizer step."""
+    """The 48 rows, in micro-batches of ``micro``, ``global_batch`` rows per optimizer step.
 
-    def __init__(self, micro: int, global_batch: int) -> None:
+    ``loader``: ``"strided"`` (:class:`StridedSteps`, the same rows per step at any world
+    size), ``"plain"`` (a plain ``DataLoader``: Lightning gives each rank its
+    ``DistributedSampler``), ``"user"`` (a seeded ``RandomSampler`` of the user's, which
+    Lightning wraps in its ``DistributedSamplerWrapper``)."""
+
+    def __init__(self, micro: int, global_batch: int, loader: str = "strided") -> None:
         super().__init__()
         self.micro = micro
         self.global_batch = global_batch
+        self.loader = loader
 
     def train_dataloader(self) -> DataLoader[Any]:
         trainer = self.trainer
         assert trainer is not None
         data = _Rows()
+        if self.loader == "plain":
+            return DataLoader(data, batch_size=self.micro)
+        if self.loader == "user":
+            gen = torch.Generator().manual_seed(DATA_SEED)
+            return DataLoader(
+                data, batch_size=self.micro, sampler=RandomSampler(data, generator=gen)
+            )
         sampler = StridedSteps(
             data,
             num_replicas=trainer.world_size,
@@ -236,6 +249,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--freeze-embed", action="store_true", help="the embedding trains not")
     p.add_argument("--user-module", action="store_true", help="UserModule, not the project's")
+    p.add_argument("--loader", choices=["strided", "plain", "user"], default="strided",
+                   help="the training rows' sampler (RowsData)")  # fmt: skip
+    p.add_argument("--lora", type=int, default=None, help="train LoRA adapters of this rank")
     p.add_argument("--pg-timeout", type=float, default=None, help="collectives' timeout (s)")
     return p.parse_args(argv)
 
@@ -263,16 +279,21 @@ def callbacks(args: argparse.Namespace, out: Path) -> list[pl.Callback]:
 
 
 def write_plain_state(trainer: pl.Trainer, module: pl.LightningModule, out: Path) -> None:
-    """``state.pt`` and ``result.json`` of a plain Lightning run: the parameters and
+    """``state.pt`` and ``result.json`` of a plain Lightning run (one process, or Lightning's
+    DDP on several ranks: rank 0 writes): the trained parameters and
     ``torch.optim.AdamW``'s moments, named as in the module."""
     adam = trainer.optimizers[0].state
     state: dict[str, dict[str, torch.Tensor]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for name, param in module.named_parameters():
+        if not param.requires_grad:  # a LoRA base: no optimizer state, not in a checkpoint
+            continue
         state["master"][name] = param.detach().clone()
         for kind in ("exp_avg", "exp_avg_sq"):
             state[kind][name] = adam[param][kind].clone()
+    if not trainer.is_global_zero:  # DDP: every rank holds the same
+        return
     torch.save(state, out / "state.pt")
-    result = {"step": trainer.global_step, "world_size": 1, "saved_by": None}
+    result = {"step": trainer.global_step, "world_size": trainer.world_size, "saved_by": None}
     (out / "result.json").write_text(json.dumps(result))
 
 
@@ -293,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="auto" if args.plain else strategy,
+        strategy=("ddp" if args.devices > 1 else "auto") if args.plain else strategy,
         precision="32-true",
         max_steps=args.steps,
         accumulate_grad_batches=args.accum,
@@ -317,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
             perturb=args.perturb,
             raise_at=args.raise_at,
             freeze_embed=args.freeze_embed,
+            lora=None if args.lora is None else {"rank": args.lora},
         )
     )
     if args.predict:
@@ -326,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         strategy.close()
         return
     global_batch = args.devices * args.accum * args.micro
-    trainer.fit(module, datamodule=RowsData(args.micro, global_batch), ckpt_path=args.resume)
+    data = RowsData(args.micro, global_batch, args.loader)
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     rank = trainer.global_rank
     (out / f"losses.rank{rank}.json").write_text(json.dumps(module.losses))
     if args.plain:
