@@ -248,6 +248,8 @@ class CausalLMModule(pl.LightningModule):
         self.decode_attention_tier: Tier | None = None
         """Where ``predict``'s decode attention runs (a planning strategy sets it; HOST with
         the cache on the host); None: beside the model."""
+        self.kv_cache_nvme: tuple[int, str | None] = (0, None)
+        """(last blocks whose KV cache ``predict`` homes on NVMe, the directory for it)."""
 
     def model_config(self) -> PretrainedConfig:
         """The Hugging Face configuration of the network (available before it is built)."""
@@ -426,11 +428,13 @@ class CausalLMModule(pl.LightningModule):
         """
         net = self._net()
         gen = self._generator
-        tiers = (self.kv_cache_tier, self.decode_attention_tier)
-        if gen is None or gen.model is not net or (gen.kv_tier, gen.attention_tier) != tiers:
+        tiers = (self.kv_cache_tier, self.decode_attention_tier, self.kv_cache_nvme)
+        have = None if gen is None else (gen.kv_tier, gen.attention_tier, gen.kv_nvme)
+        if gen is None or gen.model is not net or have != tiers:
             gen = self._generator = LayerMajorGenerator(
-                net, kv_tier=tiers[0], attention_tier=tiers[1]
-            )
+                net, kv_tier=tiers[0], attention_tier=tiers[1], kv_nvme_layers=tiers[2][0],
+                kv_nvme_dir=tiers[2][1],
+            )  # fmt: skip
         ids: list[str] = list(batch["id"])
         errors: list[str | None] = list(batch.get("error") or [None] * len(ids))
         lengths = batch["attention_mask"].sum(-1).tolist()

@@ -95,6 +95,10 @@ class Placement:
     sent there and the output sent back; None: on the device the model runs on (on a CPU
     device that is the host itself). The engine runs HOST beside any device, one group of
     sequences at a time."""
+    kv_cache_nvme_blocks: int = 0
+    """With ``decode_attention`` HOST, the last blocks whose KV cache is homed on NVMe where
+    host memory ends (memory-mapped files under the store's NVMe path that the host's
+    attention reads); 0: the whole cache in host memory."""
     chunk_rows: int | None = None
     """Training: rows (sequences) of the micro-batch each recomputed block runs at once
     while its weights are paged in once (forward chunk by chunk without grad, backward
@@ -135,6 +139,13 @@ class Placement:
             raise ValueError(
                 f"decode_attention=host with kv_cache={self.kv_cache!r}: attention runs on the "
                 "host where the cache lives there; set kv_cache=Tier.HOST or decode_attention=None"
+            )
+        if self.kv_cache_nvme_blocks < 0 or (
+            self.kv_cache_nvme_blocks and self.decode_attention is not Tier.HOST
+        ):
+            raise ValueError(
+                f"kv_cache_nvme_blocks={self.kv_cache_nvme_blocks}: the KV cache spills to NVMe "
+                "(>= 0 blocks) only with decode_attention=Tier.HOST; set it or pass 0"
             )
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ValueError(
@@ -232,6 +243,7 @@ class Placement:
             "decode_attention": None
             if self.decode_attention is None
             else self.decode_attention.value,
+            "kv_cache_nvme_blocks": self.kv_cache_nvme_blocks,
             "chunk_rows": self.chunk_rows,
             "boundaries": None if self.boundaries is None else self.boundaries.value,
         }

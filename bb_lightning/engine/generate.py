@@ -122,7 +122,13 @@ class LayerMajorGenerator:
     """Generates for whole batches of prompts with one model forward per step."""
 
     def __init__(
-        self, model: nn.Module, *, kv_tier: Tier | None = None, attention_tier: Tier | None = None
+        self,
+        model: nn.Module,
+        *,
+        kv_tier: Tier | None = None,
+        attention_tier: Tier | None = None,
+        kv_nvme_layers: int = 0,
+        kv_nvme_dir: str | None = None,
     ) -> None:
         """Wrap a Hugging Face causal LM (its blocks paged or not).
 
@@ -131,6 +137,10 @@ class LayerMajorGenerator:
             kv_tier: where the KV cache lives (the plan's ``kv_cache``); None: the device.
             attention_tier: where decode attention runs (the plan's ``decode_attention``);
                 :attr:`Tier.HOST` needs ``kv_tier`` HOST and a model running ``sdpa``.
+            kv_nvme_layers: with host attention, the last layers of keys and values homed on
+                NVMe (memory-mapped files under ``kv_nvme_dir``; see
+                :class:`~bb_lightning.engine.kv.KVCache`).
+            kv_nvme_dir: where those files go (None: the system's temporary directory).
         """
         if attention_tier not in (None, Tier.DEVICE, Tier.HOST):
             raise ValueError(
@@ -148,9 +158,16 @@ class LayerMajorGenerator:
                 "models running 'sdpa'; load the model with attn_implementation='sdpa' or plan "
                 "without --decode-attention host"
             )
+        if kv_nvme_layers and attention_tier is not Tier.HOST:
+            raise ValueError(
+                f"kv_nvme_layers={kv_nvme_layers} with attention_tier={attention_tier!r}: a KV "
+                "cache spills to NVMe only beside host attention; pass attention_tier=Tier.HOST"
+            )
         self.model = model
         self.kv_tier = kv_tier
         self.attention_tier = attention_tier
+        self.kv_nvme = (kv_nvme_layers, kv_nvme_dir)
+        """(layers of keys and values homed on NVMe, their directory)."""
         self.context = model_context(getattr(model, "config", None))
         """Longest sequence the model takes (tokens), or None when the config has no limit."""
         config = getattr(model, "config", None)
@@ -182,6 +199,7 @@ class LayerMajorGenerator:
             self._kv = KVCache(
                 config, rows=rows, max_len=max_len, tier=self.kv_tier,
                 device=_device_of(self.model), host_attention=self.attention_tier is Tier.HOST,
+                nvme_layers=self.kv_nvme[0], nvme_dir=self.kv_nvme[1],
             )  # fmt: skip
         self._kv.reset()
         return self._kv

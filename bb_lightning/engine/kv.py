@@ -30,11 +30,21 @@ new key and value rows to the host and writes them there (the prefill writes the
 its home as it goes), and the attention reads it there
 (:func:`~bb_lightning.engine.attention.host_attention`). State layers stay on the model's
 device (their convolution runs there, and a state is a few rows per sequence).
+
+Where host memory ends, the last ``nvme_layers`` layers of keys and values are homed on
+NVMe instead: their buffers are files under ``nvme_dir`` mapped into memory (shared, so the
+kernel writes the appended rows back to the disk and reads the cache from it as the host
+attention reads them; none of it is anonymous host memory). The files go with the cache.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
+import weakref
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +69,8 @@ class KVCache:
         tier: Tier | None = None,
         device: torch.device | None = None,
         host_attention: bool = False,
+        nvme_layers: int = 0,
+        nvme_dir: str | Path | None = None,
     ) -> None:
         """Allocate nothing yet: each layer's buffers appear at its first update (prefill).
 
@@ -70,10 +82,19 @@ class KVCache:
             device: the model's device (None: CUDA when it is available).
             host_attention: keep every layer's keys and values on the host (decode attention
                 runs there), whatever ``tier`` and the device.
+            nvme_layers: with ``host_attention``, the last layers of keys and values (by
+                layer index) whose buffers are memory-mapped files on NVMe (0: none).
+            nvme_dir: the directory those files go under (the store's NVMe path; None: the
+                system's temporary directory).
         """
         if rows < 1 or max_len < 1:
             raise ValueError(
                 f"KV cache of rows={rows} x max_len={max_len} tokens: both must be >= 1"
+            )
+        if nvme_layers < 0 or (nvme_layers and not host_attention):
+            raise ValueError(
+                f"nvme_layers={nvme_layers}: a KV cache homes layers on NVMe (>= 0 of them) "
+                "only with host_attention=True (the host reads them); pass 0 or host_attention"
             )
         self.rows = rows
         self.max_len = max_len
@@ -81,12 +102,25 @@ class KVCache:
         cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
         offload = tier is Tier.HOST and cuda and not host_attention
         self.host_attention = host_attention
+        self.nvme_layers = 0
+        """Layers of keys and values homed on NVMe (the last ones)."""
+        self._files: tempfile.TemporaryDirectory[str] | None = None
         self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
         if host_attention:
             layers: list[Any] = list(self.cache.layers)
-            for layer in layers:
-                if _has_keys(layer):
-                    layer.update = partial(_update_on_host, layer.update)
+            keyed = [layer for layer in layers if _has_keys(layer)]
+            for layer in keyed:
+                layer.update = partial(_update_on_host, layer.update)
+            self.nvme_layers = min(nvme_layers, len(keyed))
+            if self.nvme_layers:
+                root = None if nvme_dir is None else Path(nvme_dir)
+                if root is not None:
+                    root.mkdir(parents=True, exist_ok=True)
+                files = tempfile.TemporaryDirectory(prefix="bb-kv-", dir=root)
+                self._files = files
+                weakref.finalize(self, files.cleanup)
+                for layer in keyed[len(keyed) - self.nvme_layers :]:
+                    layer.lazy_initialization = partial(_init_on_nvme, layer, Path(files.name))
         self._full: list[dict[tuple[str, int | None], Tensor]] = []
         """Each layer's buffers of all rows, by (attribute, state index), while compacted."""
 
@@ -169,6 +203,28 @@ def _update_on_host(
         key_states, value_states = key_states.to("cpu"), value_states.to("cpu")
     keys, values = update(key_states, value_states, *args, **kwargs)
     return keys, values
+
+
+def _init_on_nvme(layer: Any, directory: Path, key_states: Tensor, value_states: Tensor) -> None:
+    """A static layer's first-update allocation (transformers' ``lazy_initialization``), its
+    keys and values ``[batch, heads, max_cache_len, dim]`` as shared memory maps of zeroed
+    files in ``directory``, on the host."""
+    layer.device = torch.device("cpu")
+    layer.batch_size, layer.num_heads = key_states.shape[:2]
+    layer.k_head_dim, layer.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+    for name, dim, dtype in (
+        ("keys", layer.k_head_dim, key_states.dtype),
+        ("values", layer.v_head_dim, value_states.dtype),
+    ):
+        shape = (layer.batch_size, layer.num_heads, layer.max_cache_len, dim)
+        path = directory / f"{id(layer)}.{name}"
+        numel = math.prod(shape)
+        with open(path, "wb") as f:
+            os.truncate(f.fileno(), numel * torch.empty((), dtype=dtype).element_size())
+        buf = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+        setattr(layer, name, buf.view(shape))
+    layer.cumulative_length = layer.cumulative_length.to("cpu")
+    layer.is_initialized = True
 
 
 def _is_state_layer(layer: Any) -> bool:

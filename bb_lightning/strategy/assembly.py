@@ -17,6 +17,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -145,7 +146,7 @@ def build_engine(
             tmpdir.cleanup()
         raise
     if isinstance(engine, InferenceEngine):
-        _configure_inference(module, placement)
+        _configure_inference(module, placement, config.nvme_path or nvme_path)
     return Assembly(engine, opened, tmpdir)
 
 
@@ -284,13 +285,15 @@ def _with_boundaries(
     return {t: need[t] + room[t] for t in Tier}
 
 
-def _configure_inference(module: nn.Module, placement: Placement) -> None:
+def _configure_inference(module: nn.Module, placement: Placement, nvme_path: str | None) -> None:
     """The placement's KV-cache tier and decode-attention tier into the module (its generator
-    keeps the cache there and attends there; the engine takes the prefill chunk from the
-    placement itself)."""
+    keeps the cache there and attends there; the blocks' caches homed on NVMe go under
+    ``nvme_path``/kv-cache; the engine takes the prefill chunk from the placement itself)."""
     if isinstance(module, CausalLMModule):
         module.kv_cache_tier = placement.kv_cache
         module.decode_attention_tier = placement.decode_attention
+        kv_dir = None if nvme_path is None else str(Path(nvme_path) / "kv-cache")
+        module.kv_cache_nvme = (placement.kv_cache_nvme_blocks, kv_dir)
 
 
 def release(store: TieredStore, tmpdir: tempfile.TemporaryDirectory[str] | None) -> None:

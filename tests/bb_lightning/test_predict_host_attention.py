@@ -92,3 +92,35 @@ def test_a_plan_with_host_attention_runs_it(tiny: SimpleNamespace, tmp_path: Pat
     assert gen is not None and gen.attention_tier is H and gen.kv_tier is H
     strategy.close()
     _check(path, module, batches, records)
+
+
+def test_a_placement_spilling_the_kv_cache_to_nvme_predicts_like_hf_generate(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The last block's KV cache homed on NVMe (files under the store's NVMe path), the
+    first's in host memory; ragged prompts, two batches on one cache."""
+    path = save_tiny(tmp_path / "ckpt", {**FAMILIES["qwen2_tied"], "initializer_range": 0.2})
+    module = CausalLMModule(str(path), max_new_tokens=NEW)
+    placement = dataclasses.replace(
+        Placement.uniform(2, weights=N), kv_cache=H, decode_attention=H, kv_cache_nvme_blocks=1
+    )
+    strategy = BalanceBeamStrategy(
+        placement=placement, compute_dtype="fp32", nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    batches = [_prompts(8, (7, 3, 5)), _prompts(9, (4, 7, 6))]
+    records = trainer.predict(module, DataLoader(batches, batch_size=None))
+    gen = module._generator
+    assert gen is not None and gen._kv is not None and gen._kv.nvme_layers == 1
+    files = [p for p in (tmp_path / "nvme" / "kv-cache").rglob("*") if p.is_file()]
+    assert len(files) == 2 and all(p.stat().st_size > 0 for p in files)  # keys, values
+    strategy.close()
+    _check(path, module, batches, records)
+
+
+def test_the_placement_carries_the_blocks_of_kv_cache_on_nvme() -> None:
+    base = {"weights": (H,) * 2, "master": ()}
+    p = Placement(**base, kv_cache=H, decode_attention=H, kv_cache_nvme_blocks=1)
+    assert Placement.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match=r"kv_cache_nvme_blocks=1: .*decode_attention=Tier.HOST"):
+        Placement(**base, kv_cache=H, kv_cache_nvme_blocks=1)

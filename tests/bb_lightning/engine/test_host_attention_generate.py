@@ -5,7 +5,9 @@ compacts), and a second batch on the same cache."""
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -138,3 +140,40 @@ def test_host_attention_needs_the_cache_on_the_host_and_sdpa() -> None:
     eager = tiny_model(FAMILIES["llama"], attn_implementation="eager")
     with pytest.raises(ValueError, match=r"attn_implementation='eager'.*'sdpa'"):
         LayerMajorGenerator(eager, kv_tier=Tier.HOST, attention_tier=Tier.HOST)
+
+
+@pytest.mark.parametrize(("family", "spilled"), [("llama", 1), ("mistral_sliding", 2)])
+def test_a_kv_cache_spilled_to_nvme_generates_like_hf(
+    family: str, spilled: int, tmp_path: Path
+) -> None:
+    """The last ``spilled`` layers' keys and values in files under the NVMe directory (both
+    layers of the sliding-window model), two batches on the same cache."""
+    model = _model(family)
+    gen = LayerMajorGenerator(
+        model, kv_tier=Tier.HOST, attention_tier=Tier.HOST, kv_nvme_layers=spilled,
+        kv_nvme_dir=str(tmp_path),
+    )  # fmt: skip
+    for seed, lengths in BATCHES:
+        ids, mask = _prompts(seed, lengths)
+        full = _reference(model, ids, mask)
+        eos = _mid_eos(full)
+        out = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)))
+        assert [o.token_ids for o in out] == _cut(full, eos), (family, seed)
+        kv = gen._kv
+        assert kv is not None and kv.nvme_layers == spilled
+        layers: list[Any] = list(kv.cache.layers)
+        files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+        assert len(files) == 2 * spilled  # keys and values of each spilled layer
+        for layer in layers[len(layers) - spilled :]:
+            for buf in (layer.keys, layer.values):
+                # the layer's buffer is the file: what attention wrote is on disk
+                path = Path(str(buf.untyped_storage().filename))
+                assert path in files and buf.untyped_storage().nbytes() == path.stat().st_size
+                on_disk = torch.from_file(str(path), size=buf.numel(), dtype=buf.dtype)
+                torch.testing.assert_close(on_disk.view(buf.shape), buf, rtol=0, atol=0)
+                assert on_disk.abs().sum() > 0
+        for layer in layers[: len(layers) - spilled]:
+            assert layer.keys.untyped_storage().filename is None
+    del gen, kv, layers
+    gc.collect()
+    assert not any(p.is_file() for p in tmp_path.rglob("*")), "the files go with the cache"
