@@ -4,9 +4,10 @@
 engine exactly as :func:`bb_lightning.strategy.assembly.build_engine` does for the plan, over a
 :class:`storage.dry.DryStore` (every tier ``meta``, copies counted per link, nothing
 moved), and runs one optimizer step as the strategy drives it: ``grad_accum``
-micro-batches of ``micro_batch`` x ``seq_len`` tokens (the optimizer state read ahead
-from the window's start and each block stepped as its gradient arrives when the job
-does not clip), then the optimizer step. A
+micro-batches of ``micro_batch`` x ``seq_len`` tokens, then the optimizer step: each
+block stepped as its gradient arrives (the optimizer state read ahead from the window's
+start) or, when the job clips by norm, stepped on the gradient worker after the last
+backward (``OptimizerStep.step_deferred``) as a run steps it. A
 :class:`~bb_lightning.strategy.dryrun_memory.MemoryAccountant` counts the device and host bytes
 live at each op (the arenas, the weights outside the blocks, activations, logits and
 the loss's upcast, gradients, the optimizer's temporaries), with CUDA's caching
@@ -322,10 +323,12 @@ def run_fit_step(
     every: bool = False,
     outside: Callable[[], Mapping[Link, int]] = dict,
 ) -> tuple[dict[Link, int], dict[Link, int]]:
-    """One optimizer step of ``plan`` as the strategy drives the engine (the state read
-    ahead from the window's start and the last backward stepping each block, unless the
-    job clips); the step's bytes per priced link through the store, and those ``outside``
-    it (a running count per link). ``where`` hears each phase's name.
+    """One optimizer step of ``plan`` as the strategy drives the engine: the last backward
+    steps each block as its gradient arrives, the state read ahead from the window's start;
+    when the job clips (by norm), the blocks step after it on the gradient worker, their
+    state read as each steps (``OptimizerStep.step_deferred``), which this waits for. The
+    step's bytes per priced link through the store, and those ``outside`` it (a running
+    count per link). ``where`` hears each phase's name.
 
     Over three micro-batches, only the first, the second and the last run (all with
     ``every``); the second's bytes count for every middle one (``grad_accum - 2`` times).
@@ -336,17 +339,17 @@ def run_fit_step(
     runs = list(range(accum)) if accum <= 3 or every else [0, 1, accum - 1]
     adamw = AdamWConfig(lr=1e-4)
     clip = ClipConfig(value=1.0 if job.grad_clipping else None)
-    overlap = clip.value is None
+    ahead = clip.value is None  # a clipped step reads its state as its blocks step
     total = dict.fromkeys(PRICED_LINKS, 0)
     beside = dict.fromkeys(PRICED_LINKS, 0)
     gen = torch.Generator().manual_seed(0)
     for k in runs:
         before, out_before = priced_bytes(store), dict(outside())
         last = k == accum - 1
-        if k == 0 and overlap:
+        if k == 0 and ahead:
             engine.read_state_ahead()
-        if last and overlap:
-            engine.begin_overlapped_step(adamw)
+        if last:  # the engine says whether the step overlaps (it does under norm clipping)
+            engine.begin_overlapped_step(adamw, clip)
         where(f"forward (micro-batch {k + 1})", None)
         shape = (plan.micro_batch, job.seq_len)
         if device.type == "meta":
@@ -363,6 +366,7 @@ def run_fit_step(
         if last:
             where("optimizer step", None)
             engine.optimizer_step(adamw, clip)
+            engine.grads.wait(phase=None)  # a clipped step's deferred block updates
         after, out_after = priced_bytes(store), outside()
         times = accum - 2 if len(runs) < accum and k == 1 else 1
         for link in PRICED_LINKS:

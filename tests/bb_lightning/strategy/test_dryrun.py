@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from bb_lightning.cli import main, parse_recipe
+from bb_lightning.engine.optimizer_step import OptimizerStep
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.hf.lora import LoraOptions
 from bb_lightning.hf.structure import find_block_list, load_config
@@ -24,6 +26,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, Plan, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
 from bb_lightning.probe import model_profile_from_config, model_profile_from_module
+from bb_lightning.strategy import dryrun
 from bb_lightning.strategy.assembly import build_engine
 from bb_lightning.strategy.dryrun import (
     dry_fit,
@@ -102,6 +105,35 @@ def test_dry_fit_moves_the_bytes_of_a_real_step(tmp_path: Path, seqs: int, clip:
     store = {link.value: dry.links[link] - dry.outside[link] for link in PRICED_LINKS}
     assert store == real
     assert real["h2d"] > 0 and real["nvme_read"] > 0 and real["nvme_write"] > 0
+
+
+def test_a_clipped_dry_run_steps_the_blocks_after_backward_as_a_run_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under norm clipping the strategy's step clips and steps every block on the gradient
+    worker after the last backward (``OptimizerStep.step_deferred``); the dry run runs
+    that step, each block's update done when it returns, not the plain step after it."""
+    deferred: list[int] = []
+    done: list[bool] = []
+    real_deferred = OptimizerStep.step_deferred
+
+    def spy(self: OptimizerStep, overlap: Any, norms: Any, submit: Any) -> None:
+        deferred.append(len(norms))
+        real_deferred(self, overlap, norms, submit)
+
+    real_step = run_fit_step
+
+    def checked(engine: TrainingEngine, *args: Any, **kwargs: Any) -> Any:
+        out = real_step(engine, *args, **kwargs)
+        updated = engine.steps.updated or []
+        done.extend(event.is_set() for event in updated)
+        return out
+
+    monkeypatch.setattr(OptimizerStep, "step_deferred", spy)
+    monkeypatch.setattr(dryrun, "run_fit_step", checked)
+    dry_fit(_plan(PLACEMENT, seqs=4, clip=True), CONFIG, direct_device=True)
+    assert deferred == [CONFIG["num_hidden_layers"]]
+    assert done == [True] * CONFIG["num_hidden_layers"]
 
 
 def test_accountant_counts_device_blocks_as_cuda_rounds_them() -> None:
