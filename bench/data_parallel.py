@@ -7,21 +7,27 @@ layers, ffn 2816, 16 heads, vocab 32000, sequence 512) with random weights train
 
 1. one process, ``torch.set_num_threads(2)``, pinned to both cores, accumulation A;
 2. ``devices=2``: two processes started by Lightning's popen launcher, one thread and
-   one core each, accumulation A / 2 per rank (the same global batch), the optimizer
-   state sharded, gradients reduce-scattered and weights all-gathered on gloo.
+   one core each, accumulation A / 2 per rank (the same global batch), the weights and
+   the optimizer state sharded, gradients reduce-scattered on the device and each block
+   assembled on the device from the ranks' shards at its page-in, over gloo.
 
 Each run takes ``--warmup`` optimizer steps, then ``--steps`` timed ones, in a process
 of its own (this script again with ``--worker``). Printed: the machine; trained tokens/s
 of each and the ratio; the bytes one rank sends over the network per step, from the
 model's sizes (the ring's ``(N - 1) / N`` of each reduce-scattered gradient buffer and
-all-gathered weight buffer) and as handed to the collectives
+each all-gathered block, :func:`ring_bytes_per_step`) and as handed to the collectives
 (``ShardComm.bytes_sent``); a gloo all-reduce probe's bandwidth between the ranks; and
 the planner's predicted step time of each run next to the measured one, priced with
 that bandwidth and the compute rate of the model's own training pass timed on the
-run's threads. ``--smoke`` runs a tiny model for a few seconds (the test suite's check).
+run's threads; each run's bytes per rank per optimizer step on each copy link of its
+store (``TieredStore.stats``, rank 0's). ``--cuda-double`` runs the store's CPU double
+(``BB_CUDA_DOUBLE``): the device's memory is kept apart from the host's and every copy
+between them is made and counted as on CUDA, so host-to-device and device-to-host bytes
+are those a GPU's PCIe would carry. ``--smoke`` runs a tiny model for a few seconds (the
+test suite's check).
 
     .venv/bin/python bench/data_parallel.py [--steps 3] [--warmup 2] [--micro-batch 1]
-        [--accumulate 4] [--layers 24] [--hidden 1024] [--nvme-dir D] [--smoke]
+        [--accumulate 4] [--layers 24] [--hidden 1024] [--nvme-dir D] [--cuda-double] [--smoke]
 """
 
 from __future__ import annotations
@@ -57,20 +63,26 @@ PROBE_BYTES = 32 << 20
 """Bytes of the all-reduce that measures the ranks' bandwidth."""
 
 
-def ring_bytes_per_step(model: ModelProfile, world_size: int, accumulate: int) -> float:
+def ring_bytes_per_step(
+    model: ModelProfile, world_size: int, accumulate: int, page_ins: int
+) -> float:
     """Bytes one rank sends per optimizer step in the engine's ring collectives.
 
     Per micro-batch every block's trained gradients (and those of the parameters outside
-    the blocks) are reduce-scattered as one padded fp32 buffer of ``N * ceil(n / N)``
-    elements; per step the stepped shards are all-gathered in bf16. A ring sends
-    ``(N - 1) / N`` of each buffer (:func:`bb_lightning.planner.cost.ring_seconds`).
+    the blocks) are reduce-scattered on the device as one padded fp32 buffer of
+    ``N * ceil(n / N)`` elements, and each block is assembled from the ranks' bf16 shards
+    (an all-gather) at each of its ``page_ins`` page-ins (forward, and the backward's
+    recompute where the block is recomputed); per step the parameters outside the blocks
+    are assembled once from their stepped shards. A ring sends ``(N - 1) / N`` of each
+    buffer (:func:`bb_lightning.planner.cost.ring_seconds`).
     """
     n = world_size
     if n == 1:
         return 0.0
-    units = [(model.num_blocks, model.block_train), (1, model.rest_train)]
-    padded = sum(count * n * cost.shard_numel(numel, n) for count, numel in units)
-    return (n - 1) / n * padded * (accumulate * REDUCE_BYTES + 2)
+    blocks = model.num_blocks * n * cost.shard_numel(model.block_train, n)
+    rest = n * cost.shard_numel(model.rest_train, n)
+    per_micro = (blocks + rest) * REDUCE_BYTES + blocks * 2 * page_ins
+    return (n - 1) / n * (accumulate * per_micro + rest * 2)
 
 
 def allreduce_bandwidth() -> float:
@@ -113,6 +125,8 @@ def worker(args: argparse.Namespace) -> None:
     engine = strategy.engine
     comm = getattr(engine, "comm", None)
     handed = getattr(comm, "bytes_sent", 0) / steps
+    doubled = engine.store.copies_to_host  # the double: host blocks copied in, recomputed
+    links = {link.value: s.bytes / steps for link, s in engine.store.stats().items() if s.bytes}
     bandwidth = allreduce_bandwidth() if args.devices > 1 else 0.0
     strategy.close()
     if not trainer.is_global_zero:
@@ -137,8 +151,9 @@ def worker(args: argparse.Namespace) -> None:
     p = plan.predicted
     result = {
         "devices": args.devices, "threads": threads, "accumulate": accumulate,
-        "tokens_per_s": tps, "step_s": step_s, "phases": phases, "handed": handed,
-        "ring": ring_bytes_per_step(model, args.devices, accumulate), "bandwidth": bandwidth,
+        "tokens_per_s": tps, "step_s": step_s, "phases": phases, "handed": handed, "links": links,
+        "ring": ring_bytes_per_step(model, args.devices, accumulate, 2 if doubled else 1),
+        "bandwidth": bandwidth,
         "predicted": p.total, "predicted_net": p.net, "bottleneck": p.bottleneck,
         "same_placement": plan.placement.weights == placement.weights
         and plan.placement.master == placement.master,
@@ -158,6 +173,8 @@ def launch(
     for key in ("heads", "vocab", "seq", "measure_seconds"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = dict(os.environ, OMP_NUM_THREADS=str(len(cores) if devices == 1 else 1))
+    if args.cuda_double:
+        env["BB_CUDA_DOUBLE"] = "1"
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -173,6 +190,8 @@ def report(name: str, r: dict[str, Any], micro: int, seq: int) -> None:
         flush=True,
     )
     print(f"[{name}] per step (rank 0): {r['phases']}")
+    links = ", ".join(f"{k} {v / 1e6:.4g} MB" for k, v in sorted(r["links"].items()))
+    print(f"[{name}] copy links per step (rank 0): {links or 'none'}")
     note = "" if r["same_placement"] else " (the planner's placement differs from the run's)"
     print(
         f"[{name}] planner predicted {r['predicted']:.3g} s/step (network {r['predicted_net']:.3g}"
@@ -198,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nvme-dir", default=None, help="directory of the hardware probe")
     parser.add_argument("--measure-seconds", type=float, default=20.0, help="hardware probe")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a few seconds")
+    parser.add_argument(
+        "--cuda-double", action="store_true", help="copies between device and host as on CUDA"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cores", default="", help=argparse.SUPPRESS)

@@ -364,6 +364,19 @@ def predict(ctx: Ctx) -> Outcome:
     return Outcome(None if ctx.dry else ok)
 
 
+def data_parallel(ctx: Ctx) -> Outcome:
+    """One rank on one GPU through the data-parallel engine (``gpu_check_dp.py``): a world
+    of one rank, the blocks assembled at page-in and their gradients reduce-scattered on
+    the device over NCCL. Pass: the group's backend holds NCCL and the weights after two
+    steps lie within 1e-4 of ``torch.optim.AdamW``'s on the CPU."""
+    from gpu_check_dp import one_rank
+
+    ctx.figures.update(one_rank(ctx.device))
+    ctx.figures["several_gpus"] = "not run"
+    ok = ctx.figures["max_abs_diff"] < 1e-4 and "nccl" in ctx.figures["backend"]
+    return Outcome(None if ctx.dry else ok)
+
+
 STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
     "preflight": (preflight_step, 25),
     "versions": (versions, 15),
@@ -372,7 +385,8 @@ STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
     "nvme_read": (nvme_read, 20),
     "measure": (measure_step, 25),
     "finetune": (finetune, 110),
-    "predict": (predict, 80),
+    "predict": (predict, 65),
+    "data_parallel": (data_parallel, 15),
 }
 """Step name -> (function, seconds the driver allows it): 330 s in all, so that one call
 of 6 minutes holds the whole check with the driver's own seconds."""
