@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from bb_lightning.engine import checkpoint as ckpt
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
-from bb_lightning.engine.inference import InferenceEngine
+from bb_lightning.engine.inference import InferenceEngine, release_free_heap
 from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.hf.structure import find_block_list
@@ -237,6 +237,8 @@ class BalanceBeamStrategy(RankedStrategy):
             boundary_numel=_boundary_numel(module, trainer, placement, plan, training),
         )  # fmt: skip
         self._slot.hold(built, self)
+        if self.root_device.type == "cpu":  # what the build freed, the heap would keep
+            release_free_heap()
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
@@ -451,10 +453,12 @@ def _boundary_numel(
     training: bool,
 ) -> int:
     """Elements of one block's hidden states in a micro-batch (rows x tokens x width) for
-    the store to hold the boundary inputs a given placement keeps off the device; 0 when a
-    plan sizes them, when they stay on the device, or when the width or the batch cannot
-    be read (a module of the user's own: the store's slack holds them, else its budgets)."""
-    if not training or plan is not None or placement.boundaries in (None, Tier.DEVICE):
+    the store to hold the boundary inputs a given placement keeps off the device and its
+    swapped blocks' saved activations; 0 when a plan sizes them, when they stay on the
+    device, or when the width or the batch cannot be read (a module of the user's own: the
+    store's slack holds them, else its budgets)."""
+    on_device = placement.boundaries in (None, Tier.DEVICE) and not placement.swapped
+    if not training or plan is not None or on_device:
         return 0
     config = getattr(session.hf_model(module), "config", None)
     get_text = getattr(config, "get_text_config", None)
