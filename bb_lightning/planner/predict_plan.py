@@ -70,6 +70,7 @@ def build_plan(
             if best.host_attention or (best.kv is Tier.HOST and ov_attention(overrides))
             else None,
             prefill_tokens=micro_batch * job.prompt_len,
+            kv_cache_nvme_blocks=int(v.kv_nvme_blocks),
         ),
         memory=tier_memory(hw, budgets, v.device_bytes, v.host_bytes, v.nvme_bytes),
         predicted=pred,
@@ -148,6 +149,11 @@ def predict_reasons(
         where = " (offloaded: the whole cache to the device and back each decode pass)"
     elif best.kv is Tier.HOST:
         where = " (RAM: the CPU reads it in place)"
+    if spilled := int(v.kv_nvme_blocks):
+        where += (
+            f"; the last {spilled} of {n} blocks' caches home on NVMe where host memory ends "
+            f"({format_bytes(kv_bytes * spilled / n)}, the attended part read back each pass)"
+        )
     reasons = [
         f"a paged weight pass ({LINK_FIELDS[link].replace('_', ' ')}) hides behind compute from about "
         f"{hide:,.0f} tokens per decode pass; chosen {c} concurrent sequences (limited by "

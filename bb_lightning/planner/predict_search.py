@@ -86,7 +86,9 @@ class PredictPrice(Generic[V]):
     nvme_read_seconds: V
     """NVMe-to-host link busy seconds per batch."""
     nvme_write_seconds: V
-    """Host-to-NVMe link busy seconds per batch (generation writes nothing)."""
+    """Host-to-NVMe link busy seconds per batch: the prompts' cache of the blocks whose
+    cache homes on NVMe (the decode steps' rows are a few KiB per sequence; busy seconds
+    only, not in ``batch_seconds``)."""
     h2d_seconds: V
     """Host-to-device link busy seconds per batch."""
     d2h_seconds: V
@@ -108,6 +110,9 @@ class PredictPrice(Generic[V]):
     host_attention_seconds: V
     """Seconds the host's cores spend on decode attention per batch (0 where the device
     attends)."""
+    kv_nvme_blocks: V
+    """Last blocks whose KV cache homes on NVMe where host memory ends (attention on the
+    host; ``Placement.kv_cache_nvme_blocks``)."""
 
     def at(self: PredictPrice[Arr], i: int) -> PredictPrice[float]:
         """The scalars of candidate ``i``."""
@@ -141,6 +146,8 @@ class PredictMemory:
     """Whether the KV cache streams from the host to the device block by block."""
     host_attention: bool = False
     """Whether decode attention runs on the host's cores over a KV cache homed there."""
+    kv_nvme_blocks: Arr | None = None
+    """Last blocks whose KV cache homes on NVMe (None: none)."""
 
     @property
     def nvme_weight_blocks(self) -> Arr:
@@ -201,16 +208,21 @@ def predict_memory(
     )
     stage = host_attention.staging_bytes(model, c, wb) if host_attn else 0.0
     dev = dev + stage
-    mandatory = (
-        paging + (kv_all if kv is Tier.HOST else 0.0) + stage + load_staging_bytes(model, wb)
-    )
+    base = paging + stage + load_staging_bytes(model, wb)
     pool = cost.pooled_budget(hw, budgets)  # a CPU device: one RAM pool
-    free = (budgets[Tier.HOST] if pool is None else pool - dev) - mandatory
+    room = budgets[Tier.HOST] if pool is None else pool - dev
+    spilled = np.zeros_like(kw)
+    if kv is Tier.HOST and ov.decode_attention is Tier.HOST:  # the host attends: blocks'
+        per_block = kv_all / n  # caches past host memory home on NVMe
+        over = np.ceil(np.maximum(kv_all - np.maximum(room - base, 0.0), 0.0) / per_block)
+        spilled = np.minimum(over, float(n))
+    mandatory = base + (kv_all * (1.0 - spilled / n) if kv is Tier.HOST else 0.0)
+    free = room - mandatory
     if ov.weights_tier is Tier.NVME:
         w_h = np.zeros_like(kw)
     else:
         w_h = np.minimum(paged, np.floor(np.maximum(free, 0.0) / bb))
-    nvme = (paged - w_h) * bb
+    nvme = (paged - w_h) * bb + spilled * kv_all / n
     in_memory = (
         (dev <= budgets[Tier.DEVICE]) & (mandatory <= budgets[Tier.HOST])
         if pool is None
@@ -231,6 +243,7 @@ def predict_memory(
         prefill_micro_batch=mb,
         kv_streamed=streamed,
         host_attention=host_attn,
+        kv_nvme_blocks=spilled,
     )
 
 
@@ -285,7 +298,7 @@ def _pass_link_seconds(
             if prefill
             else (c * n * to_dev, c * n * to_host)
         )
-    nvme_bytes = mem.nvme_weight_blocks * bb
+    nvme_bytes = mem.nvme_weight_blocks * bb + _kv_nvme_read_bytes(model, job, c, mem, prefill)
     return {
         Link.HOST_TO_DEVICE: cost.link_seconds(
             mem.paged_blocks * bb + kv_up, hw.h2d_bandwidth, hw.h2d_efficiency
@@ -297,6 +310,18 @@ def _pass_link_seconds(
             np.full_like(mem.resident_weight_blocks, kv_down), hw.d2h_bandwidth, hw.d2h_efficiency
         ),
     }
+
+
+def _kv_nvme_read_bytes(
+    model: ModelProfile, job: PredictJob, c: int, mem: PredictMemory, prefill: bool
+) -> Arr:
+    """Bytes a decode pass reads of the blocks' caches homed on NVMe (the positions attended
+    so far, on average: the memory map's pages come from the disk where host memory ends);
+    none in the prefill, which writes them."""
+    if mem.kv_nvme_blocks is None or prefill:
+        return np.zeros_like(mem.resident_weight_blocks)
+    per_block = c * job.mean_context * model.kv_bytes_per_token
+    return mem.kv_nvme_blocks * per_block
 
 
 def _exposed_seconds(compute: Arr, links: dict[Link, Arr], mem: PredictMemory) -> Arr:
@@ -358,13 +383,19 @@ def price(
     # on a CPU device the CPU time of a pass's reads from NVMe comes out of its cores
     per_byte = hw.nvme_cpu_seconds_per_byte if hw.device_type == "cpu" else 0.0
     io_cpu = mem.nvme_weight_blocks * float(model.block_params * job.compute_bytes) * per_byte
-    c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu
+    c_dec_io = _kv_nvme_read_bytes(model, job, c, mem, False) * per_byte
+    c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu + c_dec_io
     exp_pre = _exposed_seconds(c_pre_a, pre_links, mem)
     exp_dec = _exposed_seconds(c_dec_a, dec_links, mem)
     host_s = 0.0
     if host_attn:
         exp_dec, host_s = _host_attention_exposed(model, hw, job, c, c_dec_a, dec_links)
     compute = c_pre_a + steps * c_dec_a
+    spilled = mem.kv_nvme_blocks if mem.kv_nvme_blocks is not None else np.zeros_like(kw)
+    prompt_cache = float(cost.kv_cache_bytes(model, c, job.prompt_len)) / model.num_blocks
+    kv_write = cost.link_seconds(  # the prefill writes the spilled blocks' prompt cache
+        spilled * prompt_cache, hw.nvme_write_bandwidth, hw.nvme_efficiency
+    )
     total = compute + exp_pre + steps * exp_dec
     busy = {link: pre_links[link] + steps * dec_links[link] for link in pre_links}
     return PredictPrice(
@@ -374,7 +405,7 @@ def price(
         compute_seconds=compute,
         exposed_pass_seconds=exp_dec if steps > 0 else exp_pre,
         nvme_read_seconds=busy[Link.NVME_TO_HOST],
-        nvme_write_seconds=np.zeros_like(kw),
+        nvme_write_seconds=kv_write,
         h2d_seconds=busy[Link.HOST_TO_DEVICE],
         d2h_seconds=busy[Link.DEVICE_TO_HOST],
         device_bytes=mem.device_bytes,
@@ -385,6 +416,7 @@ def price(
         host_weight_blocks=mem.host_weight_blocks,
         prefill_micro_batch=np.full_like(kw, mem.prefill_micro_batch),
         host_attention_seconds=np.full_like(kw, steps * host_s),
+        kv_nvme_blocks=spilled,
     )
 
 
