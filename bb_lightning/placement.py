@@ -29,6 +29,7 @@ __all__ = [
     "BOUNDARY_PREFIX",
     "DTYPE_BYTES",
     "READ_AHEAD",
+    "SWAP_PREFIX",
     "ModelSizes",
     "Placement",
     "StoredTensor",
@@ -66,8 +67,9 @@ class Placement:
     memory, no recompute). Blocks copied in from another tier are always recomputed."""
     recomputed: tuple[int, ...] | None = None
     """The blocks whose forward runs again in backward, as a plan decided them for the
-    device it priced (:meth:`recomputed_blocks`); the engine runs every other block with
-    ordinary autograd, and refuses a block it must copy in but the plan keeps bound.
+    device it priced (:meth:`recomputed_blocks`); the engine runs every other block but the
+    ``swapped`` ones with ordinary autograd, and refuses a block it must copy in but the
+    plan keeps bound.
     None: decided by the device the engine runs on (``recompute_resident`` above)."""
     read_ahead: int = READ_AHEAD
     """Blocks whose optimizer state, where homed off the host, is read ahead of their
@@ -110,6 +112,12 @@ class Placement:
     other tensor argument needing gradient, kept from forward to backward) live: None or
     DEVICE on the device, HOST in host memory (pinned beside a GPU), NVME on the NVMe
     tier; stored, fetched back ahead of their block in backward, and freed after."""
+    swapped: tuple[int, ...] | None = None
+    """Training: paged blocks whose forward runs with autograd while their weights are
+    paged in and whose saved activations go to the store's host tier (pinned beside a GPU)
+    instead of being recomputed in backward: fetched back ahead of the block's backward,
+    the saved weights re-bound to the block paged in again, and freed after. Disjoint from
+    ``recomputed``; None or empty: no block swaps."""
 
     def __post_init__(self) -> None:
         if self.master and len(self.weights) != len(self.master):
@@ -164,6 +172,29 @@ class Placement:
             raise ValueError(
                 f"boundaries={self.boundaries!r}: use Tier.DEVICE, Tier.HOST, Tier.NVME or None"
             )
+        if self.swapped:
+            self._check_swapped(self.swapped)
+
+    def _check_swapped(self, swapped: tuple[int, ...]) -> None:
+        """One line per bad ``swapped``: out of range, recomputed too, or resident."""
+        bad = sorted(i for i in swapped if not 0 <= i < len(self.weights))
+        both = sorted(set(swapped) & set(self.recomputed or ()))
+        resident = sorted(i for i in swapped if i not in bad and self.weights[i] is Tier.DEVICE)
+        if bad:
+            raise ValueError(
+                f"swapped blocks {bad} are out of range for {len(self.weights)} blocks: give "
+                f"indices 0 to {len(self.weights) - 1}"
+            )
+        if both:
+            raise ValueError(
+                f"blocks {both} are both recomputed and swapped: list each block in at most "
+                "one of recomputed and swapped"
+            )
+        if resident:
+            raise ValueError(
+                f"swapped blocks {resident} are resident (weights on the device) and keep "
+                "their activations: swap only paged blocks (weights on host or NVMe)"
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -196,13 +227,14 @@ class Placement:
 
     def recomputed_blocks(self, in_place: frozenset[Tier]) -> tuple[int, ...]:
         """Blocks whose forward runs again in backward (training), as the engine runs it:
-        those paged in by copy, plus the ones used in place with ``recompute_resident``;
-        or ``recomputed`` where a plan decided them."""
+        those paged in by copy, plus the ones used in place with ``recompute_resident``, less
+        the ``swapped`` ones; or ``recomputed`` where a plan decided them."""
         if self.recomputed is not None:
             return self.recomputed
+        swapped = set(self.swapped or ())
         if self.recompute_resident:
-            return tuple(range(self.num_blocks))
-        return self.copied_blocks(in_place)
+            return tuple(i for i in range(self.num_blocks) if i not in swapped)
+        return tuple(i for i in self.copied_blocks(in_place) if i not in swapped)
 
     @classmethod
     def uniform(
@@ -246,6 +278,7 @@ class Placement:
             "kv_cache_nvme_blocks": self.kv_cache_nvme_blocks,
             "chunk_rows": self.chunk_rows,
             "boundaries": None if self.boundaries is None else self.boundaries.value,
+            "swapped": None if self.swapped is None else list(self.swapped),
         }
 
     @classmethod
@@ -256,7 +289,9 @@ class Placement:
         recomputed = d.pop("recomputed", None)
         attention = d.pop("decode_attention", None)
         boundaries = d.pop("boundaries", None)
+        swapped = d.pop("swapped", None)
         return cls(
+            swapped=None if swapped is None else tuple(swapped),
             boundaries=None if boundaries is None else Tier(boundaries),
             decode_attention=None if attention is None else Tier(attention),
             recomputed=None if recomputed is None else tuple(recomputed),
@@ -427,6 +462,9 @@ def training_manifest(
 
 BOUNDARY_PREFIX = "boundary"
 """Store name prefix of the recomputed blocks' boundary inputs kept off the device."""
+
+SWAP_PREFIX = "swap"
+"""Store name prefix of the swapped blocks' saved activations (``Placement.swapped``)."""
 
 
 def boundary_manifest(placement: Placement, numel: int) -> tuple[StoredTensor, ...]:

@@ -36,7 +36,9 @@ states (the first positional argument, or the keyword) and to every other tensor
 that requires it (a per-layer input computed from trainable embeddings, as Gemma 3n's);
 other arguments pass through. With :attr:`PagedBlocks.chunking` set, a recomputed block
 runs its micro-batch in row chunks instead, its boundary inputs kept where the placement
-says (:mod:`~bb_lightning.engine.chunked`).
+says (:mod:`~bb_lightning.engine.chunked`). A block in :attr:`PagedBlocks.swapped_blocks`
+runs with autograd while paged in and keeps its saved activations in the store instead of
+recomputing (:mod:`~bb_lightning.engine.swapped`).
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine.chunked import Chunking, run_chunked
+from bb_lightning.engine.chunked import Boundaries, Chunking, run_chunked
 from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.hf_quirks import CACHE_KWARGS, CapturedOutputs, recording
 from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.rows import call_in_row_chunks
+from bb_lightning.engine.swapped import run_swapped
 
 __all__ = ["PagedBlocks"]
 
@@ -98,6 +101,12 @@ class PagedBlocks:
         """Training: recomputed blocks run their micro-batch in row chunks and keep their
         boundary inputs where this says (:mod:`~bb_lightning.engine.chunked`); None: one
         checkpointed call on the device."""
+        self.swapped_blocks: frozenset[int] = frozenset()
+        """Training: paged blocks run with autograd whose saved activations :attr:`swap`
+        keeps in the store instead of recomputing them
+        (:mod:`~bb_lightning.engine.swapped`)."""
+        self.swap: Boundaries | None = None
+        """Where the swapped blocks' saved activations live from forward to backward."""
         self.max_tokens: int | None = None
         """Tokens a forward without grad runs through a block at once: a larger batch runs
         in chunks of rows while the block stays paged in
@@ -149,6 +158,8 @@ class PagedBlocks:
                         self._input_pending[i] = self._input_pending.get(i, 0) + 1
                         return call(_InputDone.apply(self, i, hidden))
                 return original(*args, **kwargs)
+            if i in self.swapped_blocks:
+                return run_swapped(self, i, original, args, kwargs)
             if self.chunking is not None:
                 return run_chunked(self, i, original, args, kwargs)
             hidden, call = _split(original, args, kwargs)
@@ -227,11 +238,21 @@ class PagedBlocks:
         self._runs = {}
         if self.chunking is not None:
             self.chunking.boundaries.forget()
+        if self.swap is not None:
+            self.swap.forget()
         for i, grads in pending.items():
             for j, p in enumerate(self.pager.params[i]):
                 if grads[j] is None and p.grad is not None:
                     grads[j], p.grad = p.grad, None
         return pending
+
+    def prefetch_saved(self, blocks: Sequence[int]) -> None:
+        """Start fetching back what ``blocks`` keep in the store for their backward: the
+        boundary inputs of recomputed blocks, the saved activations of swapped ones."""
+        if self.chunking is not None and not self.chunking.boundaries.on_device:
+            self.chunking.boundaries.prefetch(blocks)
+        if self.swap is not None:
+            self.swap.prefetch(blocks)
 
     # -- the visit schedule -------------------------------------------------
 
@@ -468,6 +489,7 @@ class _PagedBlockFunction(torch.autograd.Function):
         i: int = ctx.i
         wants = [bool(w) for w in ctx.needs_input_grad[5:]]  # hidden, then the extras
         upcoming = runner.enter(i, "backward")
+        runner.prefetch_saved(upcoming)
         try:
             params = runner.pager.params[i]
             given = [t.detach().requires_grad_(w) for t, w in zip(saved, wants, strict=True)]

@@ -118,12 +118,16 @@ class Boundaries:
     the micro-batch's shape and registered again when it changes.
     """
 
-    def __init__(self, store: TieredStore | None, tier: Tier | None) -> None:
+    def __init__(
+        self, store: TieredStore | None, tier: Tier | None, prefix: str = BOUNDARY_PREFIX
+    ) -> None:
         off_device = tier is not None and tier is not Tier.DEVICE
         if off_device and store is None:
             raise ValueError(f"boundaries={tier}: keeping them off the device needs the store")
         self.store = store if off_device else None
         self.tier: Tier = tier if tier is not None and off_device else Tier.DEVICE
+        self.prefix = prefix
+        """Store name prefix of the tensors kept (``<prefix>.<i>.<n>.<k>``)."""
         self._saved: dict[int, list[list[str]]] = {}
         """Per block, the store names of each forward's boundary inputs not yet used."""
         self._tickets: dict[tuple[str, ...], Ticket] = {}
@@ -132,7 +136,7 @@ class Boundaries:
         placement's too, registered again on this one's tier at their next use)."""
         if self.store is not None:
             for name in self.store.names():
-                if name.startswith(f"{BOUNDARY_PREFIX}."):
+                if name.startswith(f"{prefix}."):
                     spec = self.store.spec(name)
                     self._registered[name] = (spec.shape, spec.dtype, self.store.home(name))
 
@@ -146,8 +150,8 @@ class Boundaries:
         assert self.store is not None
         runs = self._saved.setdefault(i, [])
         taken = {r[0] for r in runs}  # forwards of block i whose backward is still to come
-        n = next(n for n in range(len(runs) + 1) if f"{BOUNDARY_PREFIX}.{i}.{n}.0" not in taken)
-        names = [f"{BOUNDARY_PREFIX}.{i}.{n}.{k}" for k in range(len(tensors))]
+        n = next(n for n in range(len(runs) + 1) if f"{self.prefix}.{i}.{n}.0" not in taken)
+        names = [f"{self.prefix}.{i}.{n}.{k}" for k in range(len(tensors))]
         for name, t in zip(names, tensors, strict=True):
             self._ensure(name, t)
             self.store.write_back_async(name, t.detach().contiguous(), from_device=True)
@@ -321,7 +325,7 @@ class _ChunkedBlockFunction(torch.autograd.Function):
             else:
                 assert bounds is not None
                 saved = bounds.load(i, ctx.names)
-                bounds.prefetch(upcoming)
+            runner.prefetch_saved(upcoming)
             params = runner.pager.params[i]
             summed: list[Tensor | None] = [None] * len(params)
             of_inputs: list[Tensor | None] = [None] * len(saved)

@@ -20,7 +20,8 @@ __all__ = ["planned_autograd_blocks"]
 
 
 def planned_autograd_blocks(placement: Placement, in_place: Collection[Tier]) -> frozenset[int]:
-    """Blocks run with ordinary autograd: those ``placement.recomputed`` leaves out.
+    """Blocks run with ordinary autograd: those ``placement.recomputed`` and
+    ``placement.swapped`` leave out.
 
     Args:
         placement: a placement carrying a plan's ``recomputed`` blocks.
@@ -30,7 +31,7 @@ def planned_autograd_blocks(placement: Placement, in_place: Collection[Tier]) ->
     copies in (a copied block is always recomputed).
     """
     assert placement.recomputed is not None, "only for a placement a plan decided"
-    recomputed = set(placement.recomputed)
+    recomputed = set(placement.recomputed) | set(placement.swapped or ())
     bound = frozenset(i for i in range(len(placement.weights)) if i not in recomputed)
     copied = sorted(i for i in bound if placement.weights[i] not in in_place)
     if copied:

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from bb_lightning.engine import state_io
 from bb_lightning.engine.blocks import PagedBlocks
 from bb_lightning.engine.budgets import model_sizes
-from bb_lightning.engine.chunked import chunking_for
+from bb_lightning.engine.chunked import Boundaries, chunking_for
 from bb_lightning.engine.flat import (
     ParamLoader,
     block_params,
@@ -87,6 +87,7 @@ from bb_lightning.engine.timing import PhaseTimer
 from bb_lightning.placement import (
     RESIDENT_PREFIX,
     STATE_KINDS,
+    SWAP_PREFIX,
     Placement,
     StateKind,
     StoredTensor,
@@ -286,16 +287,21 @@ class TrainingEngine:
         host = self.store.pages_host_in_place
         in_place = {Tier.DEVICE, Tier.HOST} if host else {Tier.DEVICE}
         blocks = (i for i, w in enumerate(placement.weights) if w in in_place)
-        self.paged.autograd_blocks = frozenset(() if placement.recompute_resident else blocks)
+        swapped = frozenset(placement.swapped or ())
+        self.paged.autograd_blocks = frozenset(
+            () if placement.recompute_resident else (i for i in blocks if i not in swapped)
+        )
         if placement.recomputed is not None:  # the plan's decision
             if self.store.device.type == "cpu" and not host:
                 # the CUDA double copies HOST blocks in as CUDA does; a plan for the CPU
                 # kept them bound, so they are recomputed here, as on CUDA
                 copied = {i for i, w in enumerate(placement.weights) if w not in in_place}
-                recomputed = tuple(sorted(copied | set(placement.recomputed)))
+                recomputed = tuple(sorted((copied - swapped) | set(placement.recomputed)))
                 placement = dataclasses.replace(placement, recomputed=recomputed)
             self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
         self.paged.chunking = chunking_for(placement, self.store)
+        self.paged.swapped_blocks = swapped
+        self.paged.swap = Boundaries(self.store, Tier.HOST, SWAP_PREFIX) if swapped else None
 
     def _reduce_order(self) -> list[int]:
         """Blocks whose gradients are reduced, in reverse (the first to reduce last)."""

@@ -53,7 +53,10 @@ def build_plan(
         grad_accum=ga,
         concurrent_seqs=0,
         tokens_per_pass=best.micro_batch * job.seq_len,
-        placement=_priced_recompute(hw, fit_placement(model, hw, job, best)),
+        placement=_with_swaps(
+            _priced_recompute(hw, fit_placement(model, hw, job, best)),
+            int(best.price.swapped_blocks),
+        ),
         memory=tier_memory(hw, budgets, v.device_bytes, v.host_bytes, v.nvme_bytes),
         predicted=fit_predicted_time(v),
         tokens_per_s=tok_s,
@@ -140,7 +143,9 @@ def fit_reasons(
 ) -> tuple[str, ...]:
     """Why the plan is what it is, one sentence per decision."""
     v, n = best.price, model.num_blocks
-    placement = _priced_recompute(hw, fit_placement(model, hw, job, best))
+    placement = _with_swaps(
+        _priced_recompute(hw, fit_placement(model, hw, job, best)), int(v.swapped_blocks)
+    )
     block_bytes = model.block_params * job.compute_bytes  # one block's weights
     kf, kw = int(v.full_blocks), int(v.resident_weight_blocks)
     w_h, g_h, m_h = int(v.host_weight_blocks), int(v.host_grad_blocks), int(v.host_state_blocks)
@@ -248,9 +253,9 @@ def _block_work_reasons(
     first)."""
     if not best.checkpointing:
         return []
-    n, swapped = model.num_blocks, int(best.price.swapped_blocks)
+    n = model.num_blocks
     recomputed = list(placement.recomputed or ())
-    swaps = set(recomputed[len(recomputed) - swapped :]) if swapped else set()
+    swaps = set(placement.swapped or ())
     work = ["swap" if i in swaps else "recompute" if i in recomputed else "keep" for i in range(n)]
     runs: list[str] = []
     start = 0
@@ -265,8 +270,7 @@ def _block_work_reasons(
         "backward"
         + (
             "; swap: saved activations to the host in forward and back in "
-            f"backward, {format_bytes(swap_bytes)} per block and micro-batch, priced only: the "
-            "engine does not swap activations yet"
+            f"backward, {format_bytes(swap_bytes)} per block and micro-batch"
             if swaps
             else ""
         )
@@ -375,6 +379,19 @@ def tier_memory(
         TierMemory(tier=t, used=int(u), budget=limits[t], capacity=c)
         for t, u, c in zip((Tier.DEVICE, Tier.HOST, Tier.NVME), used, caps, strict=True)
     )
+
+
+def _with_swaps(placement: Placement, swapped: int) -> Placement:
+    """``placement`` with its last ``swapped`` recomputed paged blocks swapping their saved
+    activations to the host instead (``Placement.swapped``): the last blocks' backward
+    comes first, so their activations are fetched back while the earlier ones recompute."""
+    recomputed = list(placement.recomputed or ())
+    paged = [i for i in recomputed if placement.weights[i] is not Tier.DEVICE]
+    swaps = paged[len(paged) - swapped :] if swapped > 0 else []
+    if not swaps:
+        return placement
+    kept = tuple(i for i in recomputed if i not in swaps)
+    return dataclasses.replace(placement, recomputed=kept, swapped=tuple(swaps))
 
 
 def _priced_recompute(hw: HardwareProfile, placement: Placement) -> Placement:

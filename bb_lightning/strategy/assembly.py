@@ -36,6 +36,7 @@ from bb_lightning.engine.chunked import boundary_budgets
 from bb_lightning.engine.flat import ParamLoader, torch_dtype
 from bb_lightning.engine.inference import InferenceEngine, PieceSource, external_blocks
 from bb_lightning.engine.shard import ShardComm
+from bb_lightning.engine.swapped import SWAP_BYTES_PER_ELEMENT, swap_budgets
 from bb_lightning.engine.trainer_engine import TrainingEngine
 from bb_lightning.hf.converted import ConvertedStore, StoreCheckpoint
 from bb_lightning.hf.hf_load import HFCheckpoint, check_generation, check_supported
@@ -278,11 +279,18 @@ def _with_boundaries(
 ) -> dict[Tier, int]:
     """``need`` plus the boundary inputs of one micro-batch kept off the device
     (:func:`~bb_lightning.engine.chunked.boundary_budgets`): ``numel`` elements per
-    block, or with ``numel`` 0 the plan's ``micro_batch x seq_len x hidden_size``."""
+    block, or with ``numel`` 0 the plan's ``micro_batch x seq_len x hidden_size``; and the
+    swapped blocks' saved activations (:func:`~bb_lightning.engine.swapped.swap_budgets`):
+    :data:`~bb_lightning.engine.swapped.SWAP_BYTES_PER_ELEMENT` per ``numel`` element and
+    dtype byte, or the plan's activation bytes per token (bf16, scaled to the dtype)."""
+    swap = numel * placement.compute_bytes * SWAP_BYTES_PER_ELEMENT
     if not numel and plan is not None and isinstance(plan.job, FitJob):
         numel = plan.micro_batch * plan.job.seq_len * plan.model.hidden_size
+        tokens = plan.micro_batch * plan.job.seq_len
+        swap = tokens * plan.model.act_bytes_per_token_full * max(1, placement.compute_bytes // 2)
     room = boundary_budgets(placement, numel)
-    return {t: need[t] + room[t] for t in Tier}
+    saved = swap_budgets(placement, swap)
+    return {t: need[t] + room[t] + saved[t] for t in Tier}
 
 
 def _configure_inference(module: nn.Module, placement: Placement, nvme_path: str | None) -> None:

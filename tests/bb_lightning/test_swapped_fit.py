@@ -1,0 +1,192 @@
+"""Swapped blocks in training against plain Lightning, over a few model families.
+
+Each run gives ``BalanceBeamStrategy(placement=Placement(..., swapped=...))``: the swapped
+blocks run their forward once, with autograd, keeping their saved activations as store
+tensors on the host (``swap.<i>.<n>.<k>``) and their saved weights as references re-bound
+in backward; the other blocks recompute (some in row chunks). Losses and final weights
+(fp32) must equal plain Lightning's on the same ``save_pretrained`` directory, with
+gradient accumulation and norm clipping, and a swapped block's forward must run once per
+micro-batch (no recompute).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine.chunked import row_spans
+from bb_lightning.hf.structure import find_block_list
+from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
+from bb_lightning.planner import FitJob, PlanOverrides, preset
+from storage.tiers import Tier
+
+from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit
+from .test_families import JAMBA
+from .tiny import saved
+
+H = Tier.HOST
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _counted(module: Any) -> tuple[Counter[int], Any]:
+    """A patch of the blocks' class forward counting calls per block (by its index)."""
+    blocks = _blocks(module)
+    cls = type(blocks[0])
+    forward = cls.forward
+    calls: Counter[int] = Counter()
+    index = {id(b): i for i, b in enumerate(blocks)}
+
+    @functools.wraps(forward)  # the engine reads the signature for the hidden states
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "forward" in vars(self):  # run by the engine, not the strategy's tracing pass
+            calls[index.get(id(self), -1)] += 1
+        return forward(self, *args, **kwargs)
+
+    return calls, mock.patch.object(cls, "forward", counting)
+
+
+def _blocks(module: Any) -> list[Any]:
+    if isinstance(module, CausalLMModule):
+        module.configure_model()
+        module = module.model
+    return list(find_block_list(module)[1])
+
+
+def _same_as_plain(
+    tiny: SimpleNamespace, make: Any, placement: Placement, *, count: bool = True
+) -> BalanceBeamStrategy:
+    """Fit ``make()`` under plain Lightning and under ``placement``: both agree, the swapped
+    blocks kept their saved activations in the store on the host, and (``count``) each
+    swapped block ran forward once per micro-batch, each recomputed one twice."""
+    want_losses, want = _fit(tiny, "auto", make())
+    strategy = BalanceBeamStrategy(placement=placement, compute_dtype="fp32")
+    module = make()
+    calls, patch = _counted(module)
+    with patch:
+        losses, got = _fit(tiny, strategy, module)
+    store = strategy.store
+    assert store is not None
+    swapped = placement.swapped or ()
+    names = [n for n in store.names() if n.startswith("swap.")]
+    assert {int(n.split(".")[1]) for n in names} == set(swapped)
+    assert all(store.home(n) is H for n in names)
+    if count:
+        chunks = len(row_spans(ROWS, placement.chunk_rows))
+        for i in range(placement.num_blocks):
+            assert calls[i] == STEPS * ACCUM * (1 if i in swapped else 2 * chunks), (i, calls)
+    assert len(losses) == STEPS * ACCUM
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(
+            got[key], value, rtol=1e-5, atol=5e-5, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    return strategy
+
+
+def _placement(blocks: int, swapped: tuple[int, ...], chunk_rows: int | None = None) -> Placement:
+    return Placement(
+        weights=(H,) * blocks, master=(H,) * blocks, recompute_resident=True,
+        swapped=swapped, chunk_rows=chunk_rows, boundaries=H if chunk_rows else None,
+    )  # fmt: skip
+
+
+FAMILY_RUNS = {  # family: (blocks swapped of 2, rows per chunk of the recomputed ones)
+    "llama": ((1,), None),
+    "qwen2_tied": ((0,), 2),
+    "mixtral_aux_loss": ((0, 1), None),  # the routers' logits recorded once, not recomputed
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_RUNS))
+def test_swapped_blocks_fit_like_plain_lightning(
+    family: str, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    path = saved(family, tmp_path / "ckpt")
+    swapped, chunk_rows = FAMILY_RUNS[family]
+    strategy = _same_as_plain(
+        tiny,
+        lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01),
+        _placement(2, swapped, chunk_rows),
+    )
+    strategy.close()
+
+
+def test_a_hybrid_recurrent_model_fits_with_swapped_blocks_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Jamba's mamba and attention layers (two classes: forwards not counted)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("jamba", **JAMBA))
+    model.save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt"
+    strategy = _same_as_plain(
+        tiny,
+        lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01),
+        _placement(2, (0,)),
+        count=False,
+    )
+    strategy.close()
+
+
+def test_lora_adapters_fit_with_swapped_blocks_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The frozen base weights saved by reference, re-bound when paged in for backward."""
+    path = saved("llama", tmp_path / "ckpt")
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+    strategy = _same_as_plain(
+        tiny,
+        lambda: CausalLMModule(str(path), learning_rate=1e-2, lora=lora, seed=3),
+        _placement(2, (0, 1)),
+    )
+    strategy.close()
+
+
+def test_a_plan_that_swaps_runs_end_to_end(tiny: SimpleNamespace, tmp_path: Path) -> None:
+    """A plan priced with ``swap_activations`` for a GPU whose links have headroom over
+    its compute swaps block 1 and recomputes block 0; the strategy runs that plan on the
+    CPU (the store sized for the swapped activations by the plan) as plain Lightning trains."""
+    path = saved("llama", tmp_path / "ckpt")
+    hw = preset("a100-80gb").replace(device_flops=1e12, device_memory=int(1.3 * (1 << 30)))
+    job = FitJob(seq_len=SEQ, global_batch_seqs=ROWS * ACCUM)
+    overrides = PlanOverrides(
+        swap_activations=True, weights_tier=H, micro_batch=ROWS, grad_accum=ACCUM
+    )
+    make = lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01)  # noqa: E731
+    want_losses, want = _fit(tiny, "auto", make())
+    strategy = BalanceBeamStrategy(job=job, hardware=hw, overrides=overrides, compute_dtype="fp32")
+    losses, got = _fit(tiny, strategy, make())
+    plan, store = strategy.plan, strategy.store
+    assert plan is not None and store is not None
+    assert (plan.placement.swapped, plan.placement.recomputed) == ((1,), (0,))
+    assert "block 0 recompute, block 1 swap" in plan.explain()
+    names = [n for n in store.names() if n.startswith("swap.")]
+    assert names and {n.split(".")[1] for n in names} == {"1"}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=5e-5)
+    strategy.close()
+
+
+def test_a_placement_refuses_a_block_both_recomputed_and_swapped() -> None:
+    with pytest.raises(ValueError, match=r"blocks \[1\] are both recomputed and swapped"):
+        Placement(weights=(H, H), master=(H, H), recomputed=(0, 1), swapped=(1,))
+    with pytest.raises(ValueError, match=r"swapped blocks \[0\] are resident"):
+        Placement(weights=(Tier.DEVICE, H), master=(H, H), swapped=(0,))
+    with pytest.raises(ValueError, match=r"swapped blocks \[2\] are out of range for 2"):
+        Placement(weights=(H, H), master=(H, H), swapped=(2,))
+    p = Placement(weights=(H, H), master=(H, H), recomputed=(0,), swapped=(1,))
+    assert Placement.from_dict(p.to_dict()) == p
+    assert p.recomputed_blocks(frozenset((Tier.DEVICE,))) == (0,)
