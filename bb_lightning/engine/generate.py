@@ -136,7 +136,8 @@ class LayerMajorGenerator:
             model: the ``PreTrainedModel``; its ``config`` gives the context length.
             kv_tier: where the KV cache lives (the plan's ``kv_cache``); None: the device.
             attention_tier: where decode attention runs (the plan's ``decode_attention``);
-                :attr:`Tier.HOST` needs ``kv_tier`` HOST and a model running ``sdpa``.
+                :attr:`Tier.HOST` needs ``kv_tier`` HOST, and :meth:`generate` a model
+                running ``sdpa``.
             kv_nvme_layers: with host attention, the last layers of keys and values homed on
                 NVMe (memory-mapped files under ``kv_nvme_dir``; see
                 :class:`~bb_lightning.engine.kv.KVCache`).
@@ -150,13 +151,6 @@ class LayerMajorGenerator:
             raise ValueError(
                 f"attention_tier=host with kv_tier={kv_tier!r}: attention runs where the cache "
                 "lives; set kv_tier=Tier.HOST or attention_tier=None"
-            )
-        if attention_tier is Tier.HOST and not uses_sdpa(model):
-            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-            raise ValueError(
-                f"attention_tier=host with attn_implementation={impl!r}: host attention serves "
-                "models running 'sdpa'; load the model with attn_implementation='sdpa' or plan "
-                "without --decode-attention host"
             )
         if kv_nvme_layers and attention_tier is not Tier.HOST:
             raise ValueError(
@@ -304,6 +298,13 @@ class LayerMajorGenerator:
                 f"a batch {plen} tokens wide + {config.max_new_tokens} new > "
                 f"{self.cache_limit[0]} positions ({self.cache_limit[1]}): drop the padding "
                 "columns no prompt uses, or lower max_new_tokens"
+            )
+        if self.attention_tier is Tier.HOST and not uses_sdpa(self.model):
+            impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+            raise ValueError(
+                f"attention_tier=host with attn_implementation={impl!r}: host attention serves "
+                "models running 'sdpa'; load the model with attn_implementation='sdpa' or plan "
+                "without --decode-attention host"
             )
         run = _Run(self, config, rows, plen, total, device, seeds, decode)
         with decode_attention_for(self.model, host=self.attention_tier is Tier.HOST):

@@ -111,6 +111,7 @@ class KVCache:
             keyed = [layer for layer in layers if _has_keys(layer)]
             for layer in keyed:
                 layer.update = partial(_update_on_host, layer.update)
+                layer.lazy_initialization = partial(_init_on_host, layer, None)
             self.nvme_layers = min(nvme_layers, len(keyed))
             if self.nvme_layers:
                 root = None if nvme_dir is None else Path(nvme_dir)
@@ -120,7 +121,7 @@ class KVCache:
                 self._files = files
                 weakref.finalize(self, files.cleanup)
                 for layer in keyed[len(keyed) - self.nvme_layers :]:
-                    layer.lazy_initialization = partial(_init_on_nvme, layer, Path(files.name))
+                    layer.lazy_initialization = partial(_init_on_host, layer, Path(files.name))
         self._full: list[dict[tuple[str, int | None], Tensor]] = []
         """Each layer's buffers of all rows, by (attribute, state index), while compacted."""
 
@@ -197,18 +198,20 @@ def _update_on_host(
     update: Any, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
     """A layer's ``update`` with its new key and value rows copied to the host first, so the
-    layer allocates its buffers there at its first update and keeps every token there
-    (meta tensors, a dry run's, stay as they are)."""
-    if not key_states.is_meta:
-        key_states, value_states = key_states.to("cpu"), value_states.to("cpu")
+    layer allocates its buffers there at its first update and keeps every token there (in
+    a dry run the accountant takes the copy of meta tensors as one to host memory)."""
+    key_states, value_states = key_states.to("cpu"), value_states.to("cpu")
     keys, values = update(key_states, value_states, *args, **kwargs)
     return keys, values
 
 
-def _init_on_nvme(layer: Any, directory: Path, key_states: Tensor, value_states: Tensor) -> None:
-    """A static layer's first-update allocation (transformers' ``lazy_initialization``), its
-    keys and values ``[batch, heads, max_cache_len, dim]`` as shared memory maps of zeroed
-    files in ``directory``, on the host."""
+def _init_on_host(
+    layer: Any, directory: Path | None, key_states: Tensor, value_states: Tensor
+) -> None:
+    """A static layer's first-update allocation (transformers' ``lazy_initialization``): its
+    keys and values ``[batch, heads, max_cache_len, dim]`` zeroed in host memory, or with a
+    ``directory`` as shared memory maps of zeroed files there (a dry run's accountant takes
+    host allocations as host memory)."""
     layer.device = torch.device("cpu")
     layer.batch_size, layer.num_heads = key_states.shape[:2]
     layer.k_head_dim, layer.v_head_dim = key_states.shape[-1], value_states.shape[-1]
@@ -217,6 +220,9 @@ def _init_on_nvme(layer: Any, directory: Path, key_states: Tensor, value_states:
         ("values", layer.v_head_dim, value_states.dtype),
     ):
         shape = (layer.batch_size, layer.num_heads, layer.max_cache_len, dim)
+        if directory is None:
+            setattr(layer, name, torch.zeros(shape, dtype=dtype, device="cpu"))
+            continue
         path = directory / f"{id(layer)}.{name}"
         numel = math.prod(shape)
         with open(path, "wb") as f:

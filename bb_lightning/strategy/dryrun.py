@@ -275,7 +275,9 @@ def _run_batch(
             beside[link] += (moved.get(link, 0) - since[1].get(link, 0)) * times
 
     with torch.no_grad():
-        gen = LayerMajorGenerator(model, kv_tier=plan.placement.kv_cache)
+        gen = LayerMajorGenerator(
+            model, kv_tier=plan.placement.kv_cache, attention_tier=plan.placement.decode_attention
+        )
         kv = gen._cache(rows, total)
         mask = torch.ones(rows, kv.max_len, dtype=torch.long, device=META)
         cache_pos = torch.arange(total, device=META)

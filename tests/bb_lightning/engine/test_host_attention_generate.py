@@ -138,8 +138,10 @@ def test_host_attention_needs_the_cache_on_the_host_and_sdpa() -> None:
     ):
         LayerMajorGenerator(model, attention_tier=Tier.HOST)
     eager = tiny_model(FAMILIES["llama"], attn_implementation="eager")
+    gen = LayerMajorGenerator(eager, kv_tier=Tier.HOST, attention_tier=Tier.HOST)
+    ids, mask = _prompts(1, (3, 2))
     with pytest.raises(ValueError, match=r"attn_implementation='eager'.*'sdpa'"):
-        LayerMajorGenerator(eager, kv_tier=Tier.HOST, attention_tier=Tier.HOST)
+        gen.generate(ids, mask, GenerationConfig(max_new_tokens=2))
 
 
 @pytest.mark.parametrize(("family", "spilled"), [("llama", 1), ("mistral_sliding", 2)])

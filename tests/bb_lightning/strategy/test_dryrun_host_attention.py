@@ -1,0 +1,25 @@
+"""A predict dry run of a plan with decode attention on the host holds the KV cache in
+host memory, as the engine does, not on the device."""
+
+from __future__ import annotations
+
+from bb_lightning.planner import PlanOverrides, PredictJob, make_plan, preset
+from bb_lightning.planner.cost import kv_cache_bytes
+from bb_lightning.planner.models import builtin_config
+from bb_lightning.probe import model_profile_from_config
+from bb_lightning.strategy.dryrun import dry_predict
+from storage.tiers import Tier
+
+
+def test_a_host_attention_dry_run_keeps_the_kv_cache_on_the_host() -> None:
+    config = builtin_config("llama-370m")
+    profile = model_profile_from_config(config)
+    hw = preset("a100-80gb").replace(device_memory=int(1.6 * 2**30), host_memory=8 << 30)
+    job = PredictJob(prompt_len=128, new_tokens=8, num_prompts=64)
+    plan = make_plan(profile, hw, job, overrides=PlanOverrides(decode_attention=Tier.HOST))
+    assert plan.placement.decode_attention is Tier.HOST
+    kv = kv_cache_bytes(profile, plan.concurrent_seqs, job.total_len)
+    report = dry_predict(plan, config)
+    assert report.peaks[Tier.HOST].bytes >= kv
+    assert report.peaks[Tier.DEVICE].bytes < kv
+    assert Tier.DEVICE not in report.over
