@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine.compiled import check_backend, compile_blocks
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine, release_free_heap
 from bb_lightning.engine.optimizer_step import adamw_groups_from_optimizer
@@ -65,7 +66,8 @@ class BalanceBeamStrategy(RankedStrategy):
         planning: how the blocks are placed and the optimizer steps run
             (:class:`~bb_lightning.strategy.settings.PlanningConfig`: ``placement``,
             ``compute_dtype``, ``overrides``, ``job``, ``hardware``, ``warmup_steps``,
-            ``adapt_tolerance``, ``overlap_optimizer``, each documented there).
+            ``adapt_tolerance``, ``overlap_optimizer``, ``compile_blocks``, each documented
+            there).
         hand_back: what the module holds at the end of every ``trainer.*`` call
             (:class:`~bb_lightning.strategy.settings.HandBackConfig`: ``gather_on_teardown``,
             ``gather_limit``).
@@ -100,6 +102,7 @@ class BalanceBeamStrategy(RankedStrategy):
         warmup_steps: int = 3,
         adapt_tolerance: float | None = 0.25,
         overlap_optimizer: bool = True,
+        compile_blocks: str | None = None,
         gather_on_teardown: bool | None = None,
         gather_limit: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -121,7 +124,7 @@ class BalanceBeamStrategy(RankedStrategy):
             planning, hand_back, placement=placement, compute_dtype=compute_dtype,
             overrides=overrides, job=job, hardware=hardware, warmup_steps=warmup_steps,
             adapt_tolerance=adapt_tolerance, overlap_optimizer=overlap_optimizer,
-            gather_on_teardown=gather_on_teardown, gather_limit=gather_limit,
+            compile_blocks=compile_blocks, gather_on_teardown=gather_on_teardown, gather_limit=gather_limit,
         )  # fmt: skip
         session.check_settings(
             plan.compute_dtype, back.gather_limit, store, nvme_path, hardware=plan.hardware
@@ -130,6 +133,9 @@ class BalanceBeamStrategy(RankedStrategy):
             warmup_steps=plan.warmup_steps, tolerance=plan.adapt_tolerance
         )
         self.overlap_optimizer = plan.overlap_optimizer
+        self.compile_blocks = plan.compile_blocks
+        if plan.compile_blocks is not None:
+            check_backend(plan.compile_blocks)
         self.gather_on_teardown, self.gather_limit = back.gather_on_teardown, back.gather_limit
         self._slot = assembly.EngineSlot()
         """The engine, its store, and where the module's weights are between calls."""
@@ -237,6 +243,8 @@ class BalanceBeamStrategy(RankedStrategy):
             boundary_numel=_boundary_numel(module, trainer, placement, plan, training),
         )  # fmt: skip
         self._slot.hold(built, self)
+        if self.compile_blocks is not None:
+            compile_blocks(built.engine.paged, self.compile_blocks)
         if self.root_device.type == "cpu":  # what the build freed, the heap would keep
             release_free_heap()
 

@@ -49,6 +49,11 @@ class PlanningConfig:
     (0.25 = 25 %); None only logs the comparison."""
     overlap_optimizer: bool = True
     """Step each block during backward when no gradient clipping is set."""
+    compile_blocks: str | None = None
+    """A ``torch.compile`` backend (``"inductor"``) each block's own forward runs under,
+    paging outside it (:mod:`bb_lightning.engine.compiled`); None (the default): eager.
+    Whether it is faster is the device's to say (``scripts/gpu-check.sh``'s ``compile``
+    step); on a CPU, inductor takes tens of seconds to compile."""
 
 
 @dataclass(frozen=True, kw_only=True)
