@@ -177,6 +177,12 @@ class Boundaries:
             if runs and tuple(runs[-1]) not in self._tickets:
                 self._tickets[tuple(runs[-1])] = self.store.prefetch_async(runs[-1])
 
+    def prefetch_names(self, names: Sequence[str]) -> None:
+        """Start paging in ``names`` (tensors one :meth:`save` wrote), unless under way."""
+        assert self.store is not None
+        if tuple(names) not in self._tickets:
+            self._tickets[tuple(names)] = self.store.prefetch_async(list(names))
+
     def load(self, i: int, names: Sequence[str]) -> list[Tensor]:
         """Block ``i``'s boundary inputs ``names`` on the device (waiting for their page-in)."""
         assert self.store is not None

@@ -16,6 +16,12 @@ inside :class:`_SwappedBlockFunction` instead of being checkpointed:
   ``torch.autograd.grad`` (the references re-bound to the weights paged in now), hand the
   weight gradients to the gradient sink once, and free the fetched copies.
 
+With :attr:`~bb_lightning.placement.Placement.chunk_rows` set, a swapped block runs its
+micro-batch in the row chunks the recomputed blocks run in (cut as
+:mod:`~bb_lightning.engine.chunked` cuts them), each chunk's saved activations stored as
+its forward ends and fetched back one chunk ahead in backward, the weight gradients summed
+over the chunks on the device: the device holds one chunk's activations at a time.
+
 Nothing of the block runs twice: the compute of a recompute is traded for the saved
 activations' copies to the host and back.
 """
@@ -27,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
-from bb_lightning.engine.chunked import Boundaries
-from bb_lightning.engine.hf_quirks import CapturedOutputs
+from bb_lightning.engine.chunked import Boundaries, _joined, row_spans
+from bb_lightning.engine.hf_quirks import CapturedOutputs, recording
+from bb_lightning.engine.rows import cut_rows, row_factor
 from bb_lightning.placement import Placement
 from storage.device import slot_bytes
 from storage.tiers import Tier
@@ -136,17 +144,24 @@ class SavedActivations:
         if held:
             self.names = self.swap.save(self.i, held)
 
+    def prefetch(self) -> None:
+        """Start fetching the stored tensors back to the device."""
+        if self.names is not None:
+            self.swap.prefetch_names(self.names)
+
     def load(self) -> None:
         """Fetch the stored tensors back to the device (waiting for their page-in)."""
-        if self.names is not None:
+        if self.names is not None and self._loaded is None:
             self._loaded = self.swap.load(self.i, self.names)
 
     def free(self) -> None:
-        """Release the fetched copies (their homes stay for the next forward to overwrite)."""
-        self._loaded = None
+        """Release the fetched copies (their homes stay for the next forward to overwrite);
+        copies not fetched yet are fetched first (a backward that read none of them)."""
         if self.names is not None:
+            self.load()
             self.swap.free(self.i, self.names)
             self.names = None
+        self._loaded = None
 
 
 def run_swapped(
@@ -157,31 +172,58 @@ def run_swapped(
     kwargs: dict[str, Any],
 ) -> Any:
     """Block ``i`` (its forward ``original``) on ``args`` / ``kwargs`` through
-    :class:`_SwappedBlockFunction`; its output as the block returns it."""
-    from bb_lightning.engine.blocks import _outputs, _repack, _split
+    :class:`_SwappedBlockFunction`, in the row chunks of ``runner.chunking`` where set (as
+    :func:`~bb_lightning.engine.chunked.run_chunked` cuts them); its output as the block
+    returns it."""
+    from bb_lightning.engine.blocks import _repack, _split
 
     hidden, call = _split(original, args, kwargs)
     runner._runs[i] = runner._runs.get(i, 0) + 1
+    rows = hidden.shape[0]
+    per_chunk = runner.chunking.rows if runner.chunking is not None else None
+    spans = row_spans(rows, per_chunk) if hidden.ndim == 3 else [(0, rows)]
+    calls = [
+        (
+            a,
+            b,
+            call
+            if (a, b) == (0, rows)
+            else _split(original, *cut_rows(args, kwargs, rows, a, b))[1],
+        )
+        for a, b in spans
+    ]
     holder: list[Any] = []
     outputs = _SwappedBlockFunction.apply(
-        runner, i, call, holder, runner._dummy, hidden, *call.extras
+        runner, i, calls, holder, runner._dummy, hidden, *call.extras
     )
-    out, captured = holder
-    made = len(_outputs(out))
+    out, captured, made = holder
     captured.replace(list(outputs[made:]))
     return _repack(out, outputs[:made])
 
 
+class _Chunk:
+    """What row chunk ``[a, b)`` of a swapped block keeps from its forward to its backward:
+    its saved activations, the gradient edges of its outputs (not their memory), the rows
+    each output has, and its inner leaves (their memory dropped)."""
+
+    def __init__(
+        self, a: int, b: int, saved: SavedActivations, made: Sequence[Tensor], wanted: list[Tensor]
+    ) -> None:
+        self.a, self.b, self.saved, self.wanted = a, b, saved, wanted
+        self.edges = [get_gradient_edge(t) if t.requires_grad else None for t in made]
+        self.sizes = [t.shape[0] if t.ndim else 0 for t in made]
+
+
 class _SwappedBlockFunction(torch.autograd.Function):
-    """One swapped block (see the module docstring): its inner graph kept, its saved
-    activations in the store."""
+    """One swapped block (see the module docstring): each chunk's inner graph kept, its
+    saved activations in the store."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         runner: PagedBlocks,
         i: int,
-        call: _BlockCall,
+        calls: list[tuple[int, int, _BlockCall]],
         holder: list[Any],
         dummy: Tensor,
         hidden: Tensor,
@@ -190,68 +232,134 @@ class _SwappedBlockFunction(torch.autograd.Function):
         from bb_lightning.engine.blocks import _outputs
 
         assert runner.swap is not None
+        rows = hidden.shape[0] if len(calls) > 1 else -1
+        cut = [row_factor(e, rows) if rows > 0 else 0 for e in extras]
         wants = [bool(w) for w in ctx.needs_input_grad[5:]]
-        given = [
-            t.detach().requires_grad_(w) for t, w in zip((hidden, *extras), wants, strict=True)
-        ]
+        ctx.runner, ctx.i, ctx.cut, ctx.chunks = runner, i, [int(rows > 0), *cut], []
+        made: list[list[Tensor]] = []
+        handed: list[set[int]] = []
+        first: Any = None
+        captured = CapturedOutputs(None)
         upcoming = runner.enter(i, "forward_grad")
-        saved = SavedActivations(runner, i, runner.swap)  # the weights bound now
         try:
-            captured = CapturedOutputs.since_now()
-            hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
-            with torch.enable_grad(), hooks:
-                out = call(*given)
-            made = [*_outputs(out), *captured.tensors()]
-            passed = call.passed(exclude=given)
-            call.drop_inputs()
-            saved.write()
+            for k, (a, b, call) in enumerate(calls):
+                h = hidden[a:b] if rows > 0 else hidden
+                e = [x[a * c : b * c] if c else x for x, c in zip(extras, cut, strict=True)]
+                given = [t.detach().requires_grad_(w) for t, w in zip((h, *e), wants, strict=True)]
+                saved = SavedActivations(runner, i, runner.swap)  # the weights bound now
+                hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+                with torch.enable_grad(), hooks:
+                    if k == 0:
+                        captured = CapturedOutputs.since_now()
+                        first = call(*given)
+                        ctx.layout = captured.layout()
+                        made.append([*_outputs(first), *captured.tensors()])
+                    else:
+                        with recording(ctx.layout) as redo:
+                            out = call(*given)
+                        made.append([*_outputs(out), *redo.tensors()])
+                handed.append(call.passed(exclude=given))
+                call.drop_inputs()
+                saved.write()
+                wanted = [t for t, w in zip(given, wants, strict=True) if w]
+                ctx.chunks.append(_Chunk(a, b, saved, made[-1], wanted))
+                _drop_leaves(given, made[-1])
         finally:
             runner.leave(i, upcoming)
-        holder.extend((out, captured))
-        returned = {id(t) for t in made}
-        for t in given:  # the inner leaves keep no memory: what backward reads is stored
-            if id(t) not in returned:
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        ctx.runner, ctx.i, ctx.saved, ctx.inner = runner, i, saved, made
-        ctx.wanted = [t for t, w in zip(given, wants, strict=True) if w]
-        outputs = [t.detach() for t in made]
+        holder.extend((first, captured, len(_outputs(first))))
+        joined, passive = _joined(made, handed)
+        outputs = [t.detach() for t in joined]
         ctx.set_materialize_grads(False)  # an output nothing reads gets None, not zeros
         ctx.mark_non_differentiable(
             *(
                 o
-                for o, t in zip(outputs, made, strict=True)
-                if id(t) in passed or not t.requires_grad or not o.is_floating_point()
+                for j, (o, p) in enumerate(zip(outputs, passive, strict=True))
+                if p or not o.is_floating_point() or not any(m[j].requires_grad for m in made)
             )
         )
+        ctx.shapes = [tuple(t.shape) for t in (hidden, *extras)]
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outs: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         runner: PagedBlocks = ctx.runner
         i: int = ctx.i
-        saved: SavedActivations = ctx.saved
+        chunks: list[_Chunk] = ctx.chunks
         wants = [bool(w) for w in ctx.needs_input_grad[5:]]
-        wanted: list[Tensor] = ctx.wanted
+        params = runner.pager.params[i]
+        summed: list[Tensor | None] = [None] * len(params)
+        of_inputs: list[Tensor | None] = [None] * len(wants)
         upcoming = runner.enter(i, "backward")
-        try:
-            saved.load()
-            runner.prefetch_saved(upcoming)
-            inputs = [*wanted, *runner.pager.params[i]]
-            grads: Sequence[Tensor | None] = (None,) * len(inputs)
-            read = [
-                (o, g)
-                for o, g in zip(ctx.inner, grad_outs, strict=True)
-                if g is not None and o.requires_grad
-            ]
-            if read and inputs:
-                grads = torch.autograd.grad(
-                    [o for o, _ in read], inputs, [g for _, g in read], allow_unused=True
-                )
+        try:  # the last chunk first: the one prefetched ahead of the block (its last saved)
+            for k in range(len(chunks) - 1, -1, -1):
+                if k > 0:
+                    chunks[k - 1].saved.prefetch()
+                else:
+                    runner.prefetch_saved(upcoming)
+                _chunk_backward(ctx, k, grad_outs, summed, of_inputs)
         finally:
             runner.leave(i, upcoming)
-            saved.free()
-            ctx.inner = ctx.wanted = ctx.saved = None
+            for chunk in chunks:
+                chunk.saved.free()
+            ctx.chunks = None
         runner.backward_ran(i)
-        runner.hand_off(i, grads[len(wanted) :])
-        of_inputs = iter(grads[: len(wanted)])
-        return (None,) * 5 + tuple(next(of_inputs) if w else None for w in wants)
+        runner.hand_off(i, summed)
+        return (None,) * 5 + tuple(g if w else None for g, w in zip(of_inputs, wants, strict=True))
+
+
+def _chunk_backward(
+    ctx: Any,
+    k: int,
+    grad_outs: Sequence[Tensor | None],
+    summed: list[Tensor | None],
+    of_inputs: list[Tensor | None],
+) -> None:
+    """The backward of chunk ``k`` from its saved activations: the weights' gradients added
+    into ``summed``, the inputs' into their rows of ``of_inputs`` (summed for inputs passed
+    whole); its fetched activations freed."""
+    chunks: list[_Chunk] = ctx.chunks
+    chunk, chunked = chunks[k], len(chunks) > 1
+    read = []
+    for j, (edge, g) in enumerate(zip(chunk.edges, grad_outs, strict=True)):
+        if g is not None and chunked:
+            start = sum(c.sizes[j] for c in chunks[:k])
+            g = g[start : start + chunk.sizes[j]]
+        if g is not None and edge is not None:
+            read.append((edge, g))
+    inputs = [*chunk.wanted, *ctx.runner.pager.params[ctx.i]]
+    chunk.saved.load()
+    grads: Sequence[Tensor | None] = ()
+    if read and inputs:
+        grads = torch.autograd.grad(
+            [e for e, _ in read], inputs, [g for _, g in read], allow_unused=True
+        )
+    chunk.saved.free()
+    if not grads:
+        return
+    for j, g in enumerate(grads[len(chunk.wanted) :]):
+        if g is not None:
+            before = summed[j]
+            summed[j] = g if before is None else before + g
+    got = iter(grads[: len(chunk.wanted)])
+    wants = [bool(w) for w in ctx.needs_input_grad[5:]]
+    a, b = chunk.a, chunk.b
+    for n, (c, w) in enumerate(zip(ctx.cut, wants, strict=True)):
+        g = next(got) if w else None
+        if g is None:
+            continue
+        held = of_inputs[n]
+        if not c:
+            of_inputs[n] = g if held is None else held + g
+            continue
+        if held is None:
+            held = of_inputs[n] = torch.zeros(ctx.shapes[n], dtype=g.dtype, device=g.device)
+        held[a * c : b * c].copy_(g)
+
+
+def _drop_leaves(given: Sequence[Tensor], made: Sequence[Tensor]) -> None:
+    """Let the memory of a chunk's inner leaves go (what its backward reads is stored; the
+    graph keeps the leaves' shapes): those the block does not return."""
+    returned = {id(t) for t in made}
+    for t in given:
+        if id(t) not in returned:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)

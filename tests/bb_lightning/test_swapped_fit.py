@@ -30,7 +30,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, PlanOverrides, preset
 from storage.tiers import Tier
 
-from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit
+from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit, _OwnModule, _TwoForwards
 from .test_families import JAMBA
 from .tiny import saved
 
@@ -64,7 +64,12 @@ def _blocks(module: Any) -> list[Any]:
 
 
 def _same_as_plain(
-    tiny: SimpleNamespace, make: Any, placement: Placement, *, count: bool = True
+    tiny: SimpleNamespace,
+    make: Any,
+    placement: Placement,
+    *,
+    count: bool = True,
+    forwards: int = 1,
 ) -> BalanceBeamStrategy:
     """Fit ``make()`` under plain Lightning and under ``placement``: both agree, the swapped
     blocks kept their saved activations in the store on the host, and (``count``) each
@@ -84,7 +89,8 @@ def _same_as_plain(
     if count:
         chunks = len(row_spans(ROWS, placement.chunk_rows))
         for i in range(placement.num_blocks):
-            assert calls[i] == STEPS * ACCUM * (1 if i in swapped else 2 * chunks), (i, calls)
+            runs = STEPS * ACCUM * forwards * chunks
+            assert calls[i] == runs * (1 if i in swapped else 2), (i, calls)
     assert len(losses) == STEPS * ACCUM
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     assert got.keys() == want.keys()
@@ -102,19 +108,24 @@ def _placement(blocks: int, swapped: tuple[int, ...], chunk_rows: int | None = N
     )  # fmt: skip
 
 
-FAMILY_RUNS = {  # family: (blocks swapped of 2, rows per chunk of the recomputed ones)
-    "llama": ((1,), None),
-    "qwen2_tied": ((0,), 2),
-    "mixtral_aux_loss": ((0, 1), None),  # the routers' logits recorded once, not recomputed
-}
+RUNS = [  # family, blocks swapped of 2, rows per chunk (of 5: 1, 2 + 2 + 1 uneven, 3 + 2)
+    ("llama", (1,), None),
+    ("llama", (0, 1), 1),
+    ("qwen2_tied", (0,), 2),
+    ("mixtral_aux_loss", (0, 1), None),  # the routers' logits recorded once, not recomputed
+    ("mixtral_aux_loss", (1,), 3),  # ... and joined by rows over the chunks
+]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_RUNS))
+@pytest.mark.parametrize(("family", "swapped", "chunk_rows"), RUNS)
 def test_swapped_blocks_fit_like_plain_lightning(
-    family: str, tiny: SimpleNamespace, tmp_path: Path
+    family: str,
+    swapped: tuple[int, ...],
+    chunk_rows: int | None,
+    tiny: SimpleNamespace,
+    tmp_path: Path,
 ) -> None:
     path = saved(family, tmp_path / "ckpt")
-    swapped, chunk_rows = FAMILY_RUNS[family]
     strategy = _same_as_plain(
         tiny,
         lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01),
@@ -134,7 +145,7 @@ def test_a_hybrid_recurrent_model_fits_with_swapped_blocks_like_plain_lightning(
     strategy = _same_as_plain(
         tiny,
         lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01),
-        _placement(2, (0,)),
+        _placement(2, (0,), 2),
         count=False,
     )
     strategy.close()
@@ -149,8 +160,23 @@ def test_lora_adapters_fit_with_swapped_blocks_like_plain_lightning(
     strategy = _same_as_plain(
         tiny,
         lambda: CausalLMModule(str(path), learning_rate=1e-2, lora=lora, seed=3),
-        _placement(2, (0, 1)),
+        _placement(2, (0, 1), 3),
     )
+    strategy.close()
+
+
+def test_a_users_own_module_fits_with_swapped_blocks_in_row_chunks(tiny: SimpleNamespace) -> None:
+    """A per-row input's gradients joined by rows over the chunks, a whole gate's summed."""
+    strategy = _same_as_plain(tiny, _OwnModule, _placement(3, (0, 2), 2))
+    strategy.close()
+
+
+def test_two_forwards_before_one_backward_keep_two_sets_of_saved_activations(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    path = saved("llama", tmp_path / "ckpt")
+    strategy = _same_as_plain(tiny, lambda: _TwoForwards(path), _placement(2, (0, 1)), forwards=2)
+    assert strategy.store is not None and "swap.0.1.0" in strategy.store.names()
     strategy.close()
 
 
