@@ -45,7 +45,13 @@ from storage.tiers import Tier
 if TYPE_CHECKING:
     from bb_lightning.engine.blocks import PagedBlocks, _BlockCall
 
-__all__ = ["SWAP_BYTES_PER_ELEMENT", "SavedActivations", "run_swapped", "swap_budgets"]
+__all__ = [
+    "SWAP_BYTES_PER_ELEMENT",
+    "SWAP_CHUNKS_IN_FLIGHT",
+    "SavedActivations",
+    "run_swapped",
+    "swap_budgets",
+]
 
 SWAP_BYTES_PER_ELEMENT = 32
 """Bytes of saved activations per hidden-state element and compute-dtype byte, for a
@@ -54,21 +60,27 @@ placement given without a plan: Korthikanti et al. count 34 bytes per element in
 wider MLPs, routers and the attention scores of eager attention (measured 20-32 on the
 tests' tiny models in fp32)."""
 
+SWAP_CHUNKS_IN_FLIGHT = 3
+"""Chunks of saved activations a swapped block's backward holds on the device at once: the
+chunk computing, the next one being fetched, and the one the next block reads first."""
+
 SWAP_TENSORS = 64
 """Saved tensors per block the budgets pad for (each rounded up to the arena alignment)."""
 
 
-def swap_budgets(placement: Placement, block_bytes: int) -> dict[Tier, int]:
+def swap_budgets(placement: Placement, block_bytes: int, chunk_bytes: int) -> dict[Tier, int]:
     """Bytes each tier needs for the saved activations of ``placement.swapped``, each block
-    ``block_bytes`` of them: on the host every swapped block's, and on the device those
-    fetched back at once in backward (the block's own and ``prefetch_depth`` ahead)."""
+    ``block_bytes`` of them in chunks of ``chunk_bytes``: on the host every swapped block's,
+    and on the device the chunks fetched back at once in backward (the one computing, the
+    next one, and the one the next block reads first: :data:`SWAP_CHUNKS_IN_FLIGHT`)."""
     need = dict.fromkeys(Tier, 0)
     swapped = placement.swapped or ()
     if not swapped or block_bytes <= 0:
         return need
-    per_block = slot_bytes(block_bytes) + SWAP_TENSORS * slot_bytes(0)
-    need[Tier.HOST] = len(swapped) * per_block
-    need[Tier.DEVICE] = min(len(swapped), placement.prefetch_depth + 1) * per_block
+    pad = SWAP_TENSORS * slot_bytes(0)
+    need[Tier.HOST] = len(swapped) * (slot_bytes(block_bytes) + pad)
+    chunk = min(max(chunk_bytes, 1), block_bytes)
+    need[Tier.DEVICE] = SWAP_CHUNKS_IN_FLIGHT * (slot_bytes(chunk) + pad)
     return need
 
 

@@ -76,8 +76,8 @@ class PlanOverrides:
     """Where chunked blocks keep their boundary inputs: DEVICE, HOST or NVME (fit)."""
     swap_activations: bool = False
     """Price keeping the saved activations of recomputed blocks on the host instead of
-    recomputing them, per block where the links have headroom (fit). Off unless asked: the
-    engine does not swap activations yet, so such a plan is priced, not executable."""
+    recomputing them, per block where the links have headroom (fit; the plan's
+    ``Placement.swapped``). Off unless asked."""
 
     def __post_init__(self) -> None:
         """Refuse values out of range, one line naming the field, the value and the range."""

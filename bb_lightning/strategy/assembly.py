@@ -282,14 +282,17 @@ def _with_boundaries(
     block, or with ``numel`` 0 the plan's ``micro_batch x seq_len x hidden_size``; and the
     swapped blocks' saved activations (:func:`~bb_lightning.engine.swapped.swap_budgets`):
     :data:`~bb_lightning.engine.swapped.SWAP_BYTES_PER_ELEMENT` per ``numel`` element and
-    dtype byte, or the plan's activation bytes per token (bf16, scaled to the dtype)."""
-    swap = numel * placement.compute_bytes * SWAP_BYTES_PER_ELEMENT
+    dtype byte, or the plan's activation bytes per token (bf16, scaled to the dtype), in
+    the plan's row chunks."""
+    swap = chunk = numel * placement.compute_bytes * SWAP_BYTES_PER_ELEMENT
     if not numel and plan is not None and isinstance(plan.job, FitJob):
         numel = plan.micro_batch * plan.job.seq_len * plan.model.hidden_size
-        tokens = plan.micro_batch * plan.job.seq_len
-        swap = tokens * plan.model.act_bytes_per_token_full * max(1, placement.compute_bytes // 2)
+        per_seq = plan.job.seq_len * plan.model.act_bytes_per_token_full
+        per_seq *= max(1, placement.compute_bytes // 2)  # bf16 bytes in the profile
+        swap = plan.micro_batch * per_seq
+        chunk = min(placement.chunk_rows or plan.micro_batch, plan.micro_batch) * per_seq
     room = boundary_budgets(placement, numel)
-    saved = swap_budgets(placement, swap)
+    saved = swap_budgets(placement, swap, chunk)
     return {t: need[t] + room[t] + saved[t] for t in Tier}
 
 

@@ -20,6 +20,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
@@ -32,7 +33,7 @@ from storage.tiers import Tier
 
 from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit, _OwnModule, _TwoForwards
 from .test_families import JAMBA
-from .tiny import saved
+from .tiny import VOCAB, saved
 
 H = Tier.HOST
 
@@ -216,3 +217,23 @@ def test_a_placement_refuses_a_block_both_recomputed_and_swapped() -> None:
     p = Placement(weights=(H, H), master=(H, H), recomputed=(0,), swapped=(1,))
     assert Placement.from_dict(p.to_dict()) == p
     assert p.recomputed_blocks(frozenset((Tier.DEVICE,))) == (0,)
+
+
+def test_a_given_placement_sizes_the_store_for_its_swapped_activations(
+    tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Saved activations far larger than the store's slack: the strategy reads the first
+    batch's shape and the model's width and sizes the host tier for them."""
+    path = saved("llama", tmp_path / "ckpt")
+    rows, seq = 48, 64  # about 12 MiB of fp32 saved activations per block
+    strategy = BalanceBeamStrategy(placement=_placement(2, (0, 1)), compute_dtype="fp32")
+    trainer, recorder = tiny.make_trainer(strategy, 1)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0))
+    module = CausalLMModule(str(path), learning_rate=1e-3)
+    trainer.fit(module, DataLoader([{"input_ids": ids}], batch_size=None))  # type: ignore[arg-type]
+    store = strategy.store
+    assert store is not None and len(recorder.losses) == 1
+    held = sum(store.spec(n).nbytes for n in store.names() if n.startswith("swap."))
+    assert held > 4 << 20  # beyond the slack
+    assert store.config.host_budget >= held
+    strategy.close()
