@@ -246,6 +246,17 @@ def measure_step(ctx: Ctx) -> Outcome:
     return Outcome(took < 30 and hw.h2d_bandwidth >= 20e9 and hw.device_flops >= 400e12)
 
 
+def compile_step(ctx: Ctx) -> Outcome:
+    """A paged block's forward eager against compiled as ``compile_blocks="inductor"``
+    runs it (``gpu_check_compile.py``: a Llama-7B-shaped bf16 block, 2,048 tokens; a dry
+    run, a tiny fp32 block under ``aot_eager``). Pass: outputs and input gradients within
+    0.1 of eager's; the ratio decides whether to turn ``compile_blocks`` on, not a pass."""
+    from gpu_check_compile import eager_and_compiled
+
+    ctx.figures.update(eager_and_compiled(ctx.device, dry=ctx.dry, sync=ctx.sync))
+    return Outcome(None if ctx.dry else ctx.figures["max_abs_diff"] < 0.1)
+
+
 MUST_PAGE: dict[str, Any] = {
     "name": "llama-3.2-3b-shape", "hidden": 3072, "ffn": 8192, "layers": 28, "heads": 24,
     "kv_heads": 8, "vocab": 128256, "seq": 2048, "micro": 1, "accum": 2, "steps": 3,
@@ -379,12 +390,13 @@ def data_parallel(ctx: Ctx) -> Outcome:
 
 STEPS: dict[str, tuple[Callable[[Ctx], Outcome], int]] = {
     "preflight": (preflight_step, 25),
-    "versions": (versions, 15),
-    "pytest": (pytest_gpu, 40),
+    "versions": (versions, 10),
+    "pytest": (pytest_gpu, 35),
     "page_in": (page_in, 15),
-    "nvme_read": (nvme_read, 20),
+    "nvme_read": (nvme_read, 15),
     "measure": (measure_step, 25),
-    "finetune": (finetune, 110),
+    "compile": (compile_step, 25),
+    "finetune": (finetune, 100),
     "predict": (predict, 65),
     "data_parallel": (data_parallel, 15),
 }

@@ -30,6 +30,7 @@ REQUIRED = [
     "jsonargparse", "psutil", "safetensors", "pytest", "storage.store", "storage.io",
     "bb_lightning", "bb_lightning.cli", "bb_lightning.module", "bb_lightning.strategy.dryrun",
     "bb_lightning.engine.inference", "bb_lightning.engine.generate", "gpu_check_runs",
+    "gpu_check_compile",
 ]  # fmt: skip
 """Modules every step together needs: the preflight fails unless each imports."""
 OPTIONAL = ["kvikio", "deepspeed", "peft"]

@@ -65,9 +65,9 @@ def test_dry_run_records_every_step(tmp_path: Path) -> None:
     assert report["dry_run"] is True and report["failed"] == []
     assert list(report["steps"]) == names
     assert names[0] == "preflight"
-    assert {"versions", "pytest", "page_in", "nvme_read", "measure", "finetune", "predict"} <= set(
-        names
-    )
+    assert {
+        "versions", "pytest", "page_in", "nvme_read", "measure", "compile", "finetune", "predict"
+    } <= set(names)  # fmt: skip
     for name, step in report["steps"].items():
         # a dry run judges nothing but the imports, which are as real on the CPU
         assert step["pass"] is (True if name == "preflight" else None), name
@@ -90,6 +90,11 @@ def test_dry_run_records_every_step(tmp_path: Path) -> None:
     assert len(ours["losses"]) == 4 and all(0 < x < 20 for x in ours["losses"])  # 2 steps x 2
     flops = steps["measure"]["profile"]["device_flops"]
     assert ours["mfu_measured"] == ours["tokens_per_s"] * ours["model_flops_per_token"] / flops
+    # one block eager and compiled (a tiny fp32 block under aot_eager): both timed, the same
+    compiled = steps["compile"]
+    assert compiled["backend"] == "aot_eager" and compiled["shape"]["hidden"] == 64
+    assert compiled["eager_over_compiled"] == compiled["eager_ms"] / compiled["compiled_ms"]
+    assert compiled["max_abs_diff"] < 1e-5
     # fp32 on the CPU: our layer-major generation gives Accelerate's (Hugging Face's) tokens
     assert steps["predict"]["same_tokens"] == 1.0
     # the NVMe scratch was a fresh folder outside OUTDIR, removed at the end
