@@ -111,7 +111,7 @@ class SavedActivations:
     def _param_spans(self) -> list[tuple[int, int, str, int, Tensor]]:
         """(first byte, end byte, group, index, tensor) of the block's bound parameters."""
         pager = self.runner.pager
-        out = []
+        out: list[tuple[int, int, str, int, Tensor]] = []
         for group, params in (("params", pager.params[self.i]), ("frozen", pager.frozen[self.i])):
             for j, p in enumerate(params):
                 if p.numel():
