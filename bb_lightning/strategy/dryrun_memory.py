@@ -265,16 +265,16 @@ class MemoryAccountant(TorchDispatchMode):
         if host is None:
             host = Tier.DEVICE not in tiers
         tier = Tier.HOST if host else Tier.DEVICE
-        if func is _aten.copy_.default:
-            self._moved(args[1], args[0], bool(args[2]) if len(args) > 2 else False)
-        elif func is _aten._to_copy.default and tier is not self.tier_of(args[0]):
-            self._moved(args[0], out, bool(kwargs.get("non_blocking", False)))
         made, _ = tree_flatten(out)
         for t in made:
             if isinstance(t, torch.Tensor) and t.is_meta:
                 key = t.untyped_storage()._cdata
                 if key not in self._tiers and key not in self._known:
                     self._track(t, tier, _op_name(func))
+        if func is _aten.copy_.default:
+            self._moved(args[1], args[0], bool(args[2]) if len(args) > 2 else False)
+        elif func is _aten._to_copy.default and tier is not self.tier_of(args[0]):
+            self._moved(args[0], out, bool(kwargs.get("non_blocking", False)))  # out tracked
         self.check()
         return out
 

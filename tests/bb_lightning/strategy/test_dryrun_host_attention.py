@@ -1,14 +1,17 @@
 """A predict dry run of a plan with decode attention on the host holds the KV cache in
-host memory, as the engine does, not on the device."""
+host memory, as the engine does, not on the device, and counts the key and value rows it
+copies there."""
 
 from __future__ import annotations
+
+import pytest
 
 from bb_lightning.planner import PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.cost import kv_cache_bytes
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
 from bb_lightning.strategy.dryrun import dry_predict
-from storage.tiers import Tier
+from storage.tiers import Link, Tier
 
 
 def test_a_host_attention_dry_run_keeps_the_kv_cache_on_the_host() -> None:
@@ -23,3 +26,6 @@ def test_a_host_attention_dry_run_keeps_the_kv_cache_on_the_host() -> None:
     assert report.peaks[Tier.HOST].bytes >= kv
     assert report.peaks[Tier.DEVICE].bytes < kv
     assert Tier.DEVICE not in report.over
+    # the prompts' keys and values, then each decode step's new rows, cross to the host
+    rows = kv_cache_bytes(profile, plan.concurrent_seqs, job.prompt_len + job.new_tokens - 1)
+    assert report.links[Link.DEVICE_TO_HOST] == pytest.approx(rows, rel=0.01)
