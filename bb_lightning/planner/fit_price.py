@@ -366,9 +366,10 @@ def price(
     a page-in copies the weight shard and all-gathers the block on the device, the
     gradients are reduce-scattered there and only the reduced fp32 shard leaves it
     (:mod:`~bb_lightning.planner.data_parallel`). ``network_seconds`` is the rank's
-    collective busy time per step (:func:`_net_seconds`): each pass's all-gathers and
-    reduce-scatters run on their own stream beside its compute, one more link
-    (:func:`cost.pass_exposed_seconds`: exposed only where they outlast it); the outside
+    collective busy time per step (:func:`_net_seconds`): each pass's reduce-scatters run
+    on their own stream beside its compute, one more link (:func:`cost.pass_exposed_seconds`:
+    exposed only where they outlast it); its all-gathers are issued as each block is paged
+    in, before its compute, and so are exposed whole; the outside
     parameters' all-gather after the step beside the host AdamW in the optimizer pipeline
     (:func:`cost.optimizer_exposed_seconds`).
     """
@@ -385,9 +386,10 @@ def price(
     work = pass_work(model, hw, ov, sz, mem, ckpt, recomputed, links)
     recomputed, compute, links = work.recomputed, work.compute, work.links
     c_pass = compute / ga
-    net_pass, net_opt = _net_seconds(model, hw, sz, mem, recomputed)
-    exposed_pass = cost.pass_exposed_seconds(
-        c_pass + 0.0 * kf, links, net=net_pass if sz.data_parallel else None
+    gather_pass, reduce_pass, net_opt = _net_seconds(model, hw, sz, mem, recomputed)
+    net_pass = gather_pass + reduce_pass
+    exposed_pass = gather_pass + cost.pass_exposed_seconds(
+        c_pass + 0.0 * kf, links, net=reduce_pass if sz.data_parallel else None
     )
     opt_links = _optimizer_link_seconds(hw, sz, mem)
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
@@ -432,9 +434,9 @@ def price(
 
 def _net_seconds(
     model: ModelProfile, hw: HardwareProfile, sz: FitSizes, mem: FitMemory, recomputed: Arr
-) -> tuple[Arr, Arr]:
-    """(seconds per micro-batch, seconds per step) of one rank's collectives on the
-    devices, each :func:`~bb_lightning.planner.data_parallel.collective_seconds` of its
+) -> tuple[Arr, Arr, Arr]:
+    """(all-gather seconds per micro-batch, reduce-scatter seconds per micro-batch,
+    seconds per step) of one rank's collectives on the devices, each :func:`~bb_lightning.planner.data_parallel.collective_seconds` of its
     buffer of N padded shards.
 
     Per micro-batch: every use of a block all-gathers its weights from the ranks' shards
@@ -444,11 +446,11 @@ def _net_seconds(
     are reduce-scattered in :data:`REDUCE_BYTES` (``N * ceil(block_train / N)`` elements),
     and so are the trained parameters outside the blocks (one more buffer). Per step: the
     updated shards of the parameters outside the blocks are all-gathered into the
-    device's copy, in the compute dtype. (0, 0) for one rank.
+    device's copy, in the compute dtype. (0, 0, 0) for one rank.
     """
     zero = 0.0 * mem.full_blocks
     if not sz.data_parallel:
-        return zero, zero
+        return zero, zero, zero
     n_ranks, wb = sz.world_size, sz.element_bytes
 
     def coll(numel: int, elem: int) -> float:
@@ -457,8 +459,8 @@ def _net_seconds(
 
     reduce = sz.blocks * coll(model.block_train, REDUCE_BYTES)
     reduce += coll(model.rest_train, REDUCE_BYTES)
-    per_pass = (sz.blocks + recomputed) * coll(model.block_params, wb) + reduce + zero
-    return per_pass, coll(model.rest_train, wb) + zero
+    gathers = (sz.blocks + recomputed) * coll(model.block_params, wb) + zero
+    return gathers, reduce + zero, coll(model.rest_train, wb) + zero
 
 
 def _recompute(

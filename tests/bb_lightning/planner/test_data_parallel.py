@@ -273,9 +273,11 @@ def test_a_node_homes_one_copy_of_the_weights(model: ModelProfile, node: Hardwar
 def test_collectives_hide_behind_compute_until_they_outlast_it(
     model: ModelProfile, node: HardwareProfile
 ) -> None:
-    """On their own stream the collectives cost nothing while the compute outlasts them
-    (two fast links give the same step), and once they outlast it the step is at least
-    their busy time, not compute plus collectives."""
+    """The reduce-scatters, on their own stream, cost nothing while the compute outlasts
+    them; the all-gathers, issued as each block is paged in before its compute, are
+    exposed (a faster link shortens the step by less than the collectives' busy time it
+    saves); and once the collectives outlast the compute the step is at least their busy
+    time, not compute plus collectives."""
     job = FitJob(seq_len=512, global_batch_seqs=8)
 
     fast_adam = node.replace(host_adam_params_per_s=1e14)  # the step hides behind backward
@@ -286,7 +288,8 @@ def test_collectives_hide_behind_compute_until_they_outlast_it(
 
     fast, faster, slow = plan_at(1e12), plan_at(1e13), plan_at(5e9)
     assert fast.predicted.net > faster.predicted.net > 0
-    assert fast.predicted.total == faster.predicted.total
+    gained = fast.predicted.total - faster.predicted.total
+    assert 0 < gained < fast.predicted.net - faster.predicted.net
     p = slow.predicted
     # the passes' collectives outlast their compute and set the step; the outside
     # parameters' all-gather after the step runs beside the host AdamW
