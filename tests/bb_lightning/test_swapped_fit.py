@@ -28,8 +28,10 @@ from bb_lightning.engine.chunked import row_spans
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.planner import FitJob, PlanOverrides, preset
-from storage.tiers import Tier
+from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
+from bb_lightning.probe import model_profile_from_config
+from bb_lightning.strategy.dryrun import dry_fit
+from storage.tiers import PRICED_LINKS, Tier
 
 from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit, _OwnModule, _TwoForwards
 from .test_families import JAMBA
@@ -237,3 +239,23 @@ def test_a_given_placement_sizes_the_store_for_its_swapped_activations(
     assert held > 4 << 20  # beyond the slack
     assert store.config.host_budget >= held
     strategy.close()
+
+
+@pytest.mark.slow  # a full-size Llama-7B dry run on the meta device: about 10 s on 2 cores
+def test_a_swapping_plan_moves_on_each_link_what_it_prices_in_a_dry_run() -> None:
+    """The ``llama-7b-24gb`` recipe's job planned with swapping on ``rtx4090``: the engine,
+    run on meta tensors, stores the swapped block's saved activations within the store's
+    budgets and moves on each link what the plan prices, within the 5 % the recipes are
+    held to."""
+    config = {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+        "vocab_size": 32000, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    job = FitJob(seq_len=2048, global_batch_seqs=128)
+    forced = PlanOverrides(micro_batch=1, grad_accum=128, swap_activations=True)
+    plan = make_plan(model_profile_from_config(config), preset("rtx4090"), job, overrides=forced)
+    assert plan.placement.swapped
+    report = dry_fit(plan, config)
+    for link in PRICED_LINKS:
+        assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05), link
