@@ -156,7 +156,7 @@ class SavedActivations:
             if t.dtype != p.dtype or t.device != p.device:
                 continue
             if meta and (t is p or t._base is p):
-                offset = t.storage_offset() - p.storage_offset()
+                offset = int(t.storage_offset()) - int(p.storage_offset())
                 return group, j, offset, tuple(t.shape), t.stride()
             if not meta and start <= ptr < end:
                 return group, j, (ptr - start) // t.element_size(), tuple(t.shape), t.stride()
