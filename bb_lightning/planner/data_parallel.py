@@ -9,7 +9,8 @@ copy of the weights together (one copy on one node), not G copies. Per block and
 micro-batch, on the devices (:func:`collective_seconds`):
 
 - at each page-in a rank copies only its weight shard to its device and the block is
-  all-gathered there, on a stream of its own beside the previous block's compute (a
+  all-gathered there before the block's compute, exposed (the engine issues it as the
+  block is paged in; a
   block resident on the device homes the rank's shard there and is all-gathered at its
   use alike; without recompute it keeps the assembled weights for its backward);
 - after the block's backward its gradients are reduce-scattered there, beside the next

@@ -74,7 +74,7 @@ class PlanOverrides:
     """Sequences per chunk of the recomputed blocks (fit; forces chunked execution)."""
     boundaries: Tier | None = None
     """Where chunked blocks keep their boundary inputs: DEVICE, HOST or NVME (fit)."""
-    swap_activations: bool = False
+    swap_activations: bool = True
     """Price keeping the saved activations of recomputed blocks on the host instead of
     recomputing them, per block where the links have headroom (fit; the plan's
     ``Placement.swapped``). Off unless asked."""
@@ -544,7 +544,7 @@ class Plan:
                 levels = f"{levels}, then {between}" if levels else between
             lines.append(
                 f"  collectives on the devices: {p.net:.3g} s busy per step (each page-in's "
-                "all-gather beside the previous block's compute, each block's reduce-scatter "
+                "all-gather before its block's compute, exposed; each block's reduce-scatter "
                 f"beside the next block's backward), rings {levels}"
             )
         return lines
