@@ -74,7 +74,7 @@ class PlanOverrides:
     """Sequences per chunk of the recomputed blocks (fit; forces chunked execution)."""
     boundaries: Tier | None = None
     """Where chunked blocks keep their boundary inputs: DEVICE, HOST or NVME (fit)."""
-    swap_activations: bool = True
+    swap_activations: bool = False
     """Price keeping the saved activations of recomputed blocks on the host instead of
     recomputing them, per block where the links have headroom (fit; the plan's
     ``Placement.swapped``). Off unless asked."""
