@@ -30,7 +30,7 @@ device the cores are the compute's: there the training thread sums and steps eac
 block itself as its gradient comes (:meth:`TrainingEngine._inline_grads`), between two
 blocks' backward, and only the optimizer state's reads and write-backs run beside it.
 
-On a CPU device the engine calls
+On a CPU device the engine, once its state is in the store, calls
 :func:`~bb_lightning.engine.inference.keep_host_allocations` (process-wide), as the
 inference engine does: each micro-batch's activations and gradients then reuse the heap
 memory the previous one freed instead of faulting in fresh pages: the kernel's time a
@@ -131,8 +131,6 @@ class TrainingEngine:
         """Reduce-scatters whose results the CPU double copies at the end of backward."""
         self.compute_dtype = torch_dtype(placement)
         """The dtype the device computes in (``placement.compute_dtype``)."""
-        if device.type == "cpu":  # activations and gradients reuse freed heap memory
-            keep_host_allocations()
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.timer = PhaseTimer(sync=sync)
         """Per-step phase times of the caller's thread."""
@@ -176,6 +174,8 @@ class TrainingEngine:
         )
         """The host AdamW steps (step count, overlapped step in progress)."""
         self.pager.gate = self.steps.wait_block  # a page-in waits for its block's update
+        if device.type == "cpu":  # activations and gradients reuse freed heap memory (set
+            keep_host_allocations()  # after the state streamed in: its copies are not kept)
 
     def _place_outside(self, blocks: Sequence[nn.Module], loader: ParamLoader | None) -> None:
         """Split the parameters outside the blocks into trainable and frozen ones, the
