@@ -316,11 +316,17 @@ class RssSampler:
 
     Each kind's peak (:func:`rss_by_kind`: RssAnon, RssShmem, RssFile and their sum,
     ``"total"``) is kept on its own, so a kind's peak may come from another sample than the
-    total's; :attr:`at_peak` is the sample at the total's peak.
+    total's; :attr:`at_peak` is the sample at the total's peak. ``accounts``, if given, is
+    called with each sample and its byte counts (e.g. a store's own accounting) are kept
+    beside the kinds, peaks and all.
     """
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(
+        self, interval: float = 0.05, accounts: Callable[[], dict[str, int]] | None = None
+    ) -> None:
         self.interval = interval
+        self.accounts = accounts
+        """Byte counts sampled with each sample (names other than the RSS kinds)."""
         self.peaks: dict[str, int] = {}
         """Highest sampled bytes of each kind since the start, whole run."""
         self.at_peak: dict[str, int] = {}
@@ -341,6 +347,8 @@ class RssSampler:
     def sample(self) -> dict[str, int]:
         """Take one sample now, fold it into the peaks, and return it (bytes by kind)."""
         now = rss_by_kind()
+        if self.accounts is not None:
+            now.update(self.accounts())
         with self._lock:
             if now["total"] >= self.at_peak.get("total", 0):
                 self.at_peak = now

@@ -8,9 +8,11 @@ weights and its fp32 master weights and AdamW moments on NVMe (``--nvme-dir``),
 the store's host arena capped at ``--host-budget-gib``. Printed: the peak resident
 memory of the process by kind (RssAnon, RssShmem, RssFile of ``/proc/self/status``,
 sampled every 50 ms) in each phase (setup, forward, backward, optimizer, teardown),
-the sampled peak and ``ru_maxrss`` against host budget + 2 GiB (pass / fail), where
-that memory is expected to go, whether the module holds its trained weights after fit,
-trained tokens/s and the time per step by phase.
+beside the store's own accounting sampled with it (its host and device arenas' slots, the
+module's resident parameters, the RssAnon beyond the last two and the free bytes glibc's
+heaps keep), the sampled peak and ``ru_maxrss`` against host budget + 2 GiB (pass /
+fail), where that memory is expected to go, whether the module holds its trained weights
+after fit, trained tokens/s and the time per step by phase.
 
 Building the model (``--init``): ``checkpoint`` first writes random
 weights (normal, std 0.02; norms 1) as a sharded safetensors checkpoint, one
@@ -28,10 +30,12 @@ before the strategy copies each block into the store. ``auto`` (default) tries
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,7 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.strategy.handback import WeightsInStoreError
 from storage.io import padded
-from storage.store import StoreConfig
+from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
 SLACK = 1 << 20
@@ -116,6 +120,66 @@ def held_weights(module: CausalLMModule) -> str:
     return f"the module holds its trained weights ({_common.gib(held)})"
 
 
+ACCOUNTS = ("host arena", "device tier", "resident params", "RssAnon beyond", "heap free")
+"""The store's own accounting sampled beside RSS: bytes in the host arena's slots, in the
+device arena's slots (host RAM on this CPU, so counted in RssAnon), in the module's
+parameters and buffers that hold storage (the resident ones outside the store), and the
+RssAnon beyond the last two: the runtime, activations, the engine's buffers outside the
+store and freed heap kept for reuse; of which ``heap free``: the bytes glibc's heaps hold
+free for reuse (``mallinfo2``'s ``fordblks``, all arenas)."""
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def heap_free() -> int:
+    """Bytes free in this process's glibc heaps (kept for reuse), 0 without ``mallinfo2``."""
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+def resident_bytes(module: torch.nn.Module, store: TieredStore | None) -> int:
+    """Bytes of the distinct storages behind ``module``'s parameters and buffers, those on
+    the meta device or in ``store``'s arenas (a block's paged-in weights) aside."""
+    seen: dict[int, int] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type != "meta" and (store is None or not store.holds(t)):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def store_accounts(
+    strategy: BalanceBeamStrategy, module: torch.nn.Module
+) -> Callable[[], dict[str, int]]:
+    """A sampler of :data:`ACCOUNTS` (bytes) of ``strategy``'s store and ``module``."""
+
+    def sample() -> dict[str, int]:
+        store = strategy.store
+        out = {"resident params": resident_bytes(module, store), "host arena": 0, "device tier": 0}
+        if store is not None:
+            usage = store.usage()
+            out["host arena"], out["device tier"] = usage[Tier.HOST][0], usage[Tier.DEVICE][0]
+        anon = _common.rss_by_kind()["RssAnon"]
+        out["RssAnon beyond"] = max(0, anon - out["device tier"] - out["resident params"])
+        out["heap free"] = heap_free()
+        return out
+
+    return sample
+
+
+def accounts_line(sample: dict[str, int]) -> str:
+    """``host arena a, device tier d, resident params r, RssAnon beyond b`` of a sample, GiB."""
+    return ", ".join(f"{k} {sample.get(k, 0) / _common.GIB:.2f}" for k in ACCOUNTS)
+
+
 def train(
     args: argparse.Namespace,
     config: dict[str, Any],
@@ -149,7 +213,7 @@ def train(
             source = str(ckpt)
         module = CausalLMModule(source, learning_rate=1e-4, seed=0)
         timer = _common.StepTimer()
-        sampler = _common.RssSampler()
+        sampler = _common.RssSampler(accounts=store_accounts(strategy, module))
         steps = args.warmup + args.steps
         trainer = _common.quiet_trainer(
             strategy,
@@ -187,6 +251,15 @@ def train(
             print(f"  {phase}: {_common.rss_line(sampler.phases[phase])}")
     print(f"  whole run: {_common.rss_line(sampler.peaks)}")
     print(f"  at the highest total: {_common.rss_line(sampler.at_peak)}")
+    print(
+        "the store's accounting, each figure's peak within the phase (GiB; RssAnon beyond: "
+        "the RssAnon not in the device tier or resident params):"
+    )
+    for phase in ("setup", "forward", "backward", "optimizer", "teardown"):
+        if phase in sampler.phases:
+            print(f"  {phase}: {accounts_line(sampler.phases[phase])}")
+    print(f"  whole run: {accounts_line(sampler.peaks)}")
+    print(f"  at the highest total: {accounts_line(sampler.at_peak)}")
     print(
         f"peak RSS: sampled {_common.gib(sampler.peak)}, ru_maxrss "
         f"{_common.gib(_common.max_rss())}; limit host budget + 2 GiB = "

@@ -398,6 +398,10 @@ class StoreCore:
         """Traffic per link in :data:`LINKS` since the store opened (bytes, busy s, count)."""
         return self._io.stats()
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s first byte lies in the store's device or host arena."""
+        return self._device_arena.holds(tensor) or self._host_arena.holds(tensor)
+
     def usage(self) -> dict[Tier, tuple[int, int]]:
         """``(used, capacity)`` bytes per tier; arena slots count padded to 4 KiB.
 

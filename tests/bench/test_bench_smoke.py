@@ -79,6 +79,11 @@ def test_train_large_reports_peak_memory(tmp_path: Path) -> None:
         assert match is not None, f"no RSS line of {phase} in:\n{out}"
         total, *parts = (float(x) for x in match.groups())
         assert parts[0] > 0 and total == pytest.approx(sum(parts), abs=0.02), match.group(0)
+    names = ("host arena", "device tier", "resident params", "RssAnon beyond", "heap free")
+    account = ", ".join(rf"{name} ([\d.]+)" for name in names)
+    for phase in ("setup", "forward", "backward", "optimizer", "teardown", "whole run"):
+        match = re.search(rf"^  {phase}: {account}$", out, re.MULTILINE)  # the store's own
+        assert match is not None, f"no accounting line of {phase} in:\n{out}"
     assert "after fit: the module holds its trained weights" in out  # tiny: they fit
     assert "FITS in RAM" in out  # the tiny model says it is not a large-model test
     assert "wrote a random bf16 checkpoint" in out
