@@ -386,11 +386,9 @@ def price(
     work = pass_work(model, hw, ov, sz, mem, ckpt, recomputed, links)
     recomputed, compute, links = work.recomputed, work.compute, work.links
     c_pass = compute / ga
-    gather_pass, reduce_pass, net_opt = _net_seconds(model, hw, sz, mem, recomputed)
-    net_pass = gather_pass + reduce_pass
-    exposed_pass = gather_pass + cost.pass_exposed_seconds(
-        c_pass + 0.0 * kf, links, net=reduce_pass if sz.data_parallel else None
-    )
+    gather, reduce, net_opt = _net_seconds(model, hw, sz, mem, recomputed)
+    net = reduce if sz.data_parallel else None
+    exposed_pass = gather + cost.pass_exposed_seconds(c_pass + 0.0 * kf, links, net=net)
     opt_links = _optimizer_link_seconds(hw, sz, mem)
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
     passes = (c_pass - bwd, bwd)
@@ -414,7 +412,7 @@ def price(
         nvme_write_seconds=busy[Link.HOST_TO_NVME],
         h2d_seconds=busy[Link.HOST_TO_DEVICE],
         d2h_seconds=busy[Link.DEVICE_TO_HOST],
-        network_seconds=ga * net_pass + net_opt,
+        network_seconds=ga * (gather + reduce) + net_opt,
         device_bytes=mem.device_bytes,
         host_bytes=mem.host_bytes + opt.read_ahead_bytes + work.swap_host_bytes,
         nvme_bytes=mem.nvme_bytes,
