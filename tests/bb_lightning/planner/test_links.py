@@ -56,7 +56,12 @@ def test_plan_json_keeps_its_link_names_and_round_trips_to_links(
 
 
 def test_measured_times_add_each_store_link_to_the_link_it_is_priced_as() -> None:
-    stats = {"nvme_read": 1.0, "nvme_read_direct": 0.5, "nvme_write": 0.25, "nvme_write_direct": 2.0}
+    stats = {
+        "nvme_read": 1.0,
+        "nvme_read_direct": 0.5,
+        "nvme_write": 0.25,
+        "nvme_write_direct": 2.0,
+    }
     stats |= {"h2d": 3.0}  # as the store's stats name them, read back from JSON
     measured = MeasuredTimes.from_links({Link(k): v for k, v in stats.items()}, step_s=9.0)
     assert measured.nvme_read_s == 1.5 and measured.nvme_write_s == 2.25
