@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..bb_lightning.tiny import tiny_llama_config
+from ..bb_lightning.tiny import FAMILIES, tiny_llama_config
 
 SCRIPT = Path(__file__).resolve().parent / "dp_run.py"
 TIMEOUT = 180.0
@@ -58,6 +58,14 @@ PROMPT_LLAMA: dict[str, Any] = {
 
 TIED_LLAMA = tiny_llama_config(2, tie_word_embeddings=True)
 """The trained model with its head tied to its embedding (one parameter, two uses)."""
+
+MIXTRAL: dict[str, Any] = {
+    **FAMILIES["mixtral_aux_loss"],
+    "vocab_size": LLAMA["vocab_size"],
+    "max_position_embeddings": LLAMA["max_position_embeddings"],
+}
+"""A mixture of experts (4 experts, 2 per token, the routers' auxiliary loss in the loss)
+with the trained model's vocabulary."""
 
 
 @contextmanager
@@ -204,6 +212,8 @@ class Runs:
         self.prompt_model = prompt_model
         self.tied_model = model.with_name("tied-llama")
         """:data:`TIED_LLAMA`'s ``save_pretrained`` directory (pass ``--model`` it)."""
+        self.moe_model = model.with_name("mixtral")
+        """:data:`MIXTRAL`'s ``save_pretrained`` directory (pass ``--model`` it)."""
 
     def fit(self, devices: int, accum: int, *args: str) -> Run:
         """A (cached) training run of the tiny Llama at ``devices`` ranks; checked.
@@ -262,6 +272,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             ("llama", LLAMA, 0),
             ("prompt-llama", PROMPT_LLAMA, 3),
             ("tied-llama", TIED_LLAMA, 5),
+            ("mixtral", MIXTRAL, 7),
         )
         for name, config, seed in made:
             if not (models / name / "config.json").exists():

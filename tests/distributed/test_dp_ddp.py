@@ -14,7 +14,7 @@ The cases cover the samplers (the strided ``DistributedSampler`` subclass of
 ``dp_run.py``, a plain ``DataLoader`` that Lightning shards, a user's seeded
 ``RandomSampler`` that Lightning wraps), accumulation, global-norm clipping with the
 state on NVMe, LoRA adapters over frozen (sharded) base weights, a head tied to the
-embedding, and 4 ranks. Resuming at another world size is ``test_dp_fit.py``'s.
+embedding, a mixture of experts with its routers' auxiliary loss, and 4 ranks. Resuming at another world size is ``test_dp_fit.py``'s.
 """
 
 from __future__ import annotations
@@ -33,13 +33,16 @@ CASES: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "plain-loader-lora": (2, 2, ("--loader", "plain", "--lora", "4")),
     "user-sampler-tied": (2, 2, ("--loader", "user", "--tied")),
     "four-ranks": (4, 1, ("--loader", "plain")),
+    "plain-loader-moe": (2, 2, ("--loader", "plain", "--moe")),
 }
 
 
 def _args(runs: Any, args: tuple[str, ...]) -> list[str]:
-    """``args`` with ``--tied`` replaced by the tied model's directory."""
-    out = [a for a in args if a != "--tied"]
-    return [*out, "--model", str(runs.tied_model)] if "--tied" in args else out
+    """``args`` with ``--tied`` or ``--moe`` replaced by that model's directory."""
+    out = [a for a in args if a not in ("--tied", "--moe")]
+    if "--tied" in args:
+        return [*out, "--model", str(runs.tied_model)]
+    return [*out, "--model", str(runs.moe_model)] if "--moe" in args else out
 
 
 MASTER_ATOL = 5e-6
