@@ -229,14 +229,32 @@ def run_chunked(
 ) -> Any:
     """Block ``i`` (its forward ``original``) on ``args`` / ``kwargs`` through
     :class:`_ChunkedBlockFunction`; its output as the block returns it."""
-    from bb_lightning.engine.blocks import _repack, _split
-
     chunking = runner.chunking
     assert chunking is not None
+    return run_in_row_chunks(
+        runner, i, original, args, kwargs, chunking.rows, _ChunkedBlockFunction
+    )
+
+
+def run_in_row_chunks(
+    runner: PagedBlocks,
+    i: int,
+    original: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    per_chunk: int | None,
+    function: Any,
+) -> Any:
+    """Block ``i`` on ``args`` / ``kwargs`` through the autograd ``function`` (this module's
+    or :mod:`~bb_lightning.engine.swapped`'s), its calls cut into chunks of ``per_chunk``
+    rows (None: one piece; hidden states not laid out by rows: one piece); its output as
+    the block returns it."""
+    from bb_lightning.engine.blocks import _repack, _split
+
     hidden, call = _split(original, args, kwargs)
     runner._runs[i] = runner._runs.get(i, 0) + 1
     rows = hidden.shape[0]
-    spans = row_spans(rows, chunking.rows) if hidden.ndim == 3 else [(0, rows)]
+    spans = row_spans(rows, per_chunk) if hidden.ndim == 3 else [(0, rows)]
     calls = [
         (
             a,
@@ -248,9 +266,7 @@ def run_chunked(
         for a, b in spans
     ]
     holder: list[Any] = []
-    outputs = _ChunkedBlockFunction.apply(
-        runner, i, calls, holder, runner._dummy, hidden, *call.extras
-    )
+    outputs = function.apply(runner, i, calls, holder, runner._dummy, hidden, *call.extras)
     out, captured, made = holder
     captured.replace(list(outputs[made:]))
     return _repack(out, outputs[:made])

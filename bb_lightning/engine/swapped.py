@@ -35,9 +35,9 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-from bb_lightning.engine.chunked import Boundaries, _joined, row_spans
+from bb_lightning.engine.chunked import Boundaries, _joined, run_in_row_chunks
 from bb_lightning.engine.hf_quirks import CapturedOutputs, recording
-from bb_lightning.engine.rows import cut_rows, row_factor
+from bb_lightning.engine.rows import row_factor
 from bb_lightning.placement import Placement
 from storage.device import slot_bytes
 from storage.tiers import Tier
@@ -212,30 +212,8 @@ def run_swapped(
     :class:`_SwappedBlockFunction`, in the row chunks of ``runner.chunking`` where set (as
     :func:`~bb_lightning.engine.chunked.run_chunked` cuts them); its output as the block
     returns it."""
-    from bb_lightning.engine.blocks import _repack, _split
-
-    hidden, call = _split(original, args, kwargs)
-    runner._runs[i] = runner._runs.get(i, 0) + 1
-    rows = hidden.shape[0]
     per_chunk = runner.chunking.rows if runner.chunking is not None else None
-    spans = row_spans(rows, per_chunk) if hidden.ndim == 3 else [(0, rows)]
-    calls = [
-        (
-            a,
-            b,
-            call
-            if (a, b) == (0, rows)
-            else _split(original, *cut_rows(args, kwargs, rows, a, b))[1],
-        )
-        for a, b in spans
-    ]
-    holder: list[Any] = []
-    outputs = _SwappedBlockFunction.apply(
-        runner, i, calls, holder, runner._dummy, hidden, *call.extras
-    )
-    out, captured, made = holder
-    captured.replace(list(outputs[made:]))
-    return _repack(out, outputs[:made])
+    return run_in_row_chunks(runner, i, original, args, kwargs, per_chunk, _SwappedBlockFunction)
 
 
 class _Chunk:
