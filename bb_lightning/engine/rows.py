@@ -12,7 +12,7 @@ dimension is the batch (hidden states, position ids, masks, rotary ``cos`` /
 ``sin``) gives its rows of the chunk, ALiBi's ``[rows * heads, 1, tokens]`` its rows'
 heads (:func:`row_factor`), tuples, lists and plain dicts of them likewise, and
 anything else (1-D ``cache_position``, flags) passes whole. The outputs are
-joined along the rows.
+joined along the rows, each chunk's copied into the call's output as it comes.
 
 The KV cache is shared: each chunk writes its rows of the same static cache.
 :class:`_RowWindow` stands in for a transformers ``StaticCache`` (not
@@ -30,7 +30,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
@@ -72,14 +71,39 @@ def call_in_row_chunks(
     def cut(x: Any, a: int, b: int) -> Any:
         return window if found and x is found[0] else _cut(x, rows, a, b)
 
-    outs = []
+    joined: Any = None
     for a in range(0, rows, step):
         b = min(rows, a + step)
         if window is not None:
             window.rows = (a, b)
         cut_args = tuple(cut(x, a, b) for x in args)
-        outs.append(forward(*cut_args, **{k: cut(v, a, b) for k, v in kwargs.items()}))
-    return _join(outs)
+        out = forward(*cut_args, **{k: cut(v, a, b) for k, v in kwargs.items()})
+        joined = _place(joined, out, rows, a, b)
+    return joined
+
+
+def _place(joined: Any, out: Any, rows: int, a: int, b: int) -> Any:
+    """``out`` (a chunk's output: a tensor, or a tuple / list whose tensors have rows)
+    written into rows ``[a, b)`` of ``joined``, the call's output over ``rows`` rows
+    (allocated at the first chunk): each chunk's output is freed as soon as it is copied,
+    so the call holds one output of all rows, not every chunk's beside their join."""
+    if isinstance(out, Tensor) and out.ndim >= 1:
+        if out.shape[0] != b - a:
+            raise TypeError(
+                f"a block returned a tensor of {out.shape[0]} rows for a chunk of {b - a}: "
+                "run it whole (PagedBlocks.max_tokens = None)"
+            )
+        if joined is None:
+            joined = out.new_empty((rows, *out.shape[1:]))
+        joined[a:b] = out
+        return joined
+    if isinstance(out, (tuple, list)):
+        parts = list(joined) if joined is not None else [None] * len(out)
+        return type(out)(_place_part(p, x, rows, a, b) for p, x in zip(parts, out, strict=True))
+    raise TypeError(
+        f"a block returned {type(out).__name__}, which row chunks cannot join: run it "
+        "whole (PagedBlocks.max_tokens = None)"
+    )
 
 
 def cut_rows(
@@ -144,26 +168,12 @@ def _cut(x: Any, rows: int, a: int, b: int) -> Any:
     return x
 
 
-def _join(outs: list[Any]) -> Any:
-    """The chunks' outputs joined by rows: a tensor, or a tuple / list whose tensors are."""
-    first = outs[0]
-    if isinstance(first, Tensor) and first.ndim >= 1:
-        return torch.cat(outs)
-    if isinstance(first, (tuple, list)):
-        parts = [_join_part([o[j] for o in outs]) for j in range(len(first))]
-        return type(first)(parts)
-    raise TypeError(
-        f"a block returned {type(first).__name__}, which row chunks cannot join: run it "
-        "whole (PagedBlocks.max_tokens = None)"
-    )
-
-
-def _join_part(items: list[Any]) -> Any:
-    if all(isinstance(x, Tensor) and x.ndim >= 1 for x in items):
-        return torch.cat(items)
-    if any(isinstance(x, Tensor) for x in items):
+def _place_part(joined: Any, x: Any, rows: int, a: int, b: int) -> Any:
+    if isinstance(x, Tensor) and x.ndim >= 1:
+        return _place(joined, x, rows, a, b)
+    if isinstance(x, Tensor):
         raise TypeError("a block's output holds a tensor without rows: run it whole")
-    return items[0]
+    return x if joined is None else joined
 
 
 class _RowWindow:

@@ -163,6 +163,19 @@ def load_staging_bytes(model: ModelProfile, compute_bytes: int) -> float:
     return float(model.block_params * (FP32_BYTES + compute_bytes))
 
 
+def prefill_hidden_copies(model: ModelProfile) -> int:
+    """How many ``[sequences, prompt_len, hidden]`` tensors of hidden states (all the
+    batch's prompt tokens, compute dtype) the device holds at once in a prefill: the
+    embedding's output (the model's forward keeps it to its end), a block's input and its
+    output (the row chunks' outputs are written into one output of all rows:
+    :func:`~bb_lightning.engine.rows.call_in_row_chunks`); with a learned table of
+    positions (embedding parameters beyond ``vocab x hidden``: OPT, GPT-2) the positions'
+    embedding too, beside the tokens' (their sum is the first block's input). The full-size
+    dry run shows them at the prefill's peak (``bb-lightning plan --task predict --dry-run``)."""
+    learned_positions = model.embed_params > model.vocab_size * model.hidden_size
+    return 4 if learned_positions else 3
+
+
 def predict_memory(
     model: ModelProfile,
     hw: HardwareProfile,
@@ -201,7 +214,7 @@ def predict_memory(
         nb * wb
         + kw * bb
         + slots
-        + c * plen * model.hidden_size * wb  # hidden states of all sequences
+        + prefill_hidden_copies(model) * c * plen * model.hidden_size * wb
         + mb * plen * model.act_bytes_per_token_full
         + c * model.vocab_size * FP32_BYTES
         + kv_dev

@@ -29,3 +29,20 @@ def test_a_host_attention_dry_run_keeps_the_kv_cache_on_the_host() -> None:
     # the prompts' keys and values, then each decode step's new rows, cross to the host
     rows = kv_cache_bytes(profile, plan.concurrent_seqs, job.prompt_len + job.new_tokens - 1)
     assert report.links[Link.DEVICE_TO_HOST] == pytest.approx(rows, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["opt-30b", "llama-30b"])
+def test_a_prefill_of_many_long_prompts_holds_the_priced_device_memory(name: str) -> None:
+    # four blocks of the full-size shape, on a device whose memory the prefill's hidden
+    # states of every prompt token fill: the embedding's output (and OPT's learned
+    # positions') beside a block's input and output are priced, as the dry run holds them
+    config = {**builtin_config(name), "num_hidden_layers": 4}
+    profile = model_profile_from_config(config)
+    hw = preset("t4").replace(device_memory=8 << 30, host_memory=208 << 30)
+    job = PredictJob(prompt_len=512, new_tokens=4, num_prompts=4096)
+    plan = make_plan(profile, hw, job, overrides=PlanOverrides(decode_attention=Tier.HOST))
+    report = dry_predict(plan, config)
+    peak = report.peaks[Tier.DEVICE]
+    assert peak.phase == "prefill"
+    assert Tier.DEVICE not in report.over
+    assert peak.bytes <= report.planned[Tier.DEVICE]
