@@ -5,20 +5,30 @@ whole KV cache. PyTorch's fused CPU attention kernel
 (``scaled_dot_product_attention``) is tiled for long query blocks; with a
 single query row and a padding mask it spends most of a decode step's
 attention time on per-tile overhead (several times the time of two batched matrix
-products and a softmax). :func:`decode_attention` computes the same
-attention as two batched products (the scores as ``K·qᵀ``, which reads the cache in
-its own row-major layout, then ``softmax·V``) with the softmax in fp32, grouping query
-heads over their key/value head (GQA) without copying the cache; every other call (prefill, training, softcapping,
-attention sinks, position bias, dropout) goes to transformers' ``sdpa``
-function unchanged.
+products and a softmax). :func:`decode_attention` computes the same attention as two
+batched products, the scores and then ``softmax·V``, with the softmax in fp32, grouping
+query heads over their key/value head (GQA: the heads of a group are rows of one product,
+so the cache is read once); every other call (prefill, training, softcapping, attention
+sinks, position bias, dropout) goes to transformers' ``sdpa`` function unchanged.
 
-A large batch runs in chunks of sequences (about :data:`CHUNK_BYTES` of cache each) on a
-pool of as many threads as the caller's intra-op team, each chunk on one thread. The
-products are skinny (one column per query head of a group), so one op's team spends much of
-its time waiting at the op's end for its slowest thread, once per op of the step; chunks on
+The step reads every cached key and value once against a few FLOPs each, in products
+one row per query head of a group: on a host of few cores the products' arithmetic, not
+the memory, bounds it. So each product runs where it reads the cache fastest. fp32 scores
+are BLAS's ``K·qᵀ`` with the keys as the left operand in their own layout. In bf16 (and
+fp16) oneDNN's ``q·Kᵀ`` is the faster one over keys in the core's caches but stalls on keys
+it reads from memory, so a chunk's keys are first read by a streaming sum that brings them
+into the caches; and a cache cut after its written positions (:func:`attended_prefix`)
+is not contiguous, which oneDNN's batched product answers by cloning it into fresh memory
+at every step: such keys and values are copied into a buffer each thread keeps instead.
+
+A large batch runs in chunks (about :data:`CHUNK_BYTES` of cache each: whole sequences,
+or key/value heads of one sequence when a sequence exceeds it or the batch has fewer
+sequences than workers) on a pool of as many threads as the caller's intra-op team, each
+chunk on one thread. The products are skinny, so one op's team spends much of its time
+waiting at the op's end for its slowest thread, once per op of the step; chunks on
 single-threaded workers run their ops back to back, take the next chunk when done, and
-keep a chunk's scores in the core's cache. Each chunk computes what the whole batch
-would, sequence by sequence.
+keep a chunk's keys and scores in the core's caches. Each chunk computes what the whole
+batch would, sequence by sequence.
 
 :func:`decode_attention_for` installs it for the duration of a ``with`` block,
 only when the model runs transformers' ``sdpa`` implementation (an ``eager`` or
@@ -58,14 +68,18 @@ __all__ += ["host_attention", "uses_sdpa"]
 
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
 
-CHUNK_BYTES = 4 << 20
-"""Bytes of keys and values one chunk of a decode step's sequences reads (at least one
-sequence): large enough that a chunk's few ops outweigh their dispatch, small enough that a
-batch makes several chunks per thread to balance."""
+CHUNK_BYTES = 8 << 20
+"""Bytes of keys and values one chunk of a decode step reads (at least one key/value head
+of one sequence): large enough that a chunk's few ops outweigh their dispatch, small enough
+that its keys stay in the CPU's caches between their first read and the product, and
+that a batch makes several chunks per thread to balance."""
 
 _pool_lock = threading.Lock()
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None
 """(process id, workers, pool): a forked child holds its parent's pool without its threads."""
+
+_scratch = threading.local()
+"""Each thread's buffer a chunk's keys or values are made dense in (see :func:`_dense`)."""
 
 
 def decode_attention(
@@ -104,26 +118,69 @@ def decode_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    threads = torch.get_num_threads()
-    per_seq = (key[:1].numel() * key.element_size()) + value[:1].numel() * value.element_size()
-    chunk = max(1, CHUNK_BYTES // max(per_seq, 1))
-    batch = query.shape[0]
+    batch, heads, _, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    q = query.reshape(batch, kv_heads, group, dim)
+    mask = None
+    if attention_mask is not None:
+        mask = _grouped_mask(attention_mask, batch, kv_heads, group, kv_len)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if threads == 1 or grad or batch < 2 * chunk or key.shape[0] != batch:
-        return _attend(query, key, value, attention_mask, scale), None
-    out = value.new_empty(batch, 1, query.shape[1], value.shape[-1])
+    if grad or key.shape[0] != batch or value.shape[0] != batch:
+        out = _attend(q, key, value, mask, scale, scratch=False)
+        return out.reshape(batch, 1, heads, -1), None
+    out = value.new_empty(batch, kv_heads, group, value.shape[-1])
+    threads = torch.get_num_threads()
+    chunks = _chunks(key, value, threads)
+    if len(chunks) == 1:
+        for rows, cols in chunks:
+            out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
+                                      _mask_of(mask, rows, cols), scale)  # fmt: skip
+        return out.reshape(batch, 1, heads, -1), None
     inference = torch.is_inference_mode_enabled()
-    per_row = attention_mask is not None and attention_mask.ndim >= 2
-    per_row = per_row and attention_mask.shape[0] == batch  # type: ignore[union-attr]
+    todo = iter(chunks)  # shared by the workers: each takes the next chunk when done
 
-    def run(start: int) -> None:
-        rows = slice(start, start + chunk)
-        mask = attention_mask[rows] if per_row else attention_mask  # type: ignore[index]
+    def run(_: int) -> None:
         with torch.inference_mode(inference), torch.no_grad():
-            out[rows] = _attend(query[rows], key[rows], value[rows], mask, scale)
+            for rows, cols in todo:
+                out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
+                                          _mask_of(mask, rows, cols), scale)  # fmt: skip
 
-    list(_workers(threads).map(run, range(0, query.shape[0], chunk)))
-    return out, None
+    list(_workers(threads).map(run, range(min(threads, len(chunks)))))
+    return out.reshape(batch, 1, heads, -1), None
+
+
+def _chunks(key: Tensor, value: Tensor, threads: int) -> list[tuple[slice, slice]]:
+    """(sequences, key/value heads) of each chunk of a decode step on ``threads`` workers.
+
+    One chunk (the calling thread's team runs it) on one thread or below
+    :data:`CHUNK_BYTES` of keys and values in all; else whole sequences, at most
+    :data:`CHUNK_BYTES` and at most a ``threads``-th of the batch a chunk, while a sequence
+    fits and the batch gives each worker one; else key/value heads of one sequence, so
+    that a few long sequences keep every worker busy too.
+    """
+    batch, kv_heads, kv_len = key.shape[:3]
+    per_head = kv_len * (key.shape[-1] * key.element_size()
+                         + value.shape[-1] * value.element_size())  # fmt: skip
+    per_seq = kv_heads * per_head
+    if threads == 1 or batch * per_seq < CHUNK_BYTES:
+        return [(slice(None), slice(None))]
+    if per_seq <= CHUNK_BYTES and batch >= threads:
+        step = max(1, min(CHUNK_BYTES // max(per_seq, 1), -(-batch // threads)))
+        return [(slice(s, s + step), slice(None)) for s in range(0, batch, step)]
+    per_seq_chunks = -(-threads // batch)  # chunks each sequence needs to feed the workers
+    width = max(1, min(CHUNK_BYTES // max(per_head, 1), -(-kv_heads // per_seq_chunks)))
+    return [(slice(s, s + 1), slice(h, h + width))
+            for s in range(batch) for h in range(0, kv_heads, width)]  # fmt: skip
+
+
+def _mask_of(mask: Tensor | None, rows: slice, cols: slice) -> Tensor | None:
+    """A chunk's part of a grouped mask ``[batch|1, kv_heads|1, group|1, kv_len]``."""
+    if mask is None:
+        return None
+    return mask[
+        rows if mask.shape[0] > 1 else slice(None), cols if mask.shape[1] > 1 else slice(None)
+    ]
 
 
 def _workers(threads: int) -> ThreadPoolExecutor:
@@ -141,31 +198,48 @@ def _workers(threads: int) -> ThreadPoolExecutor:
         return _pool[2]
 
 
+def _dense(t: Tensor) -> Tensor:
+    """``t`` copied into this thread's scratch buffer: a reduced-precision view that is
+    not contiguous (a cache cut after its written positions), which a batched product
+    would copy into a fresh allocation of its own."""
+    need = t.numel()
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.dtype != t.dtype or buf.numel() < need:
+        with torch.inference_mode(False):
+            buf = torch.empty(need, dtype=t.dtype)
+        _scratch.buf = buf
+    return buf[:need].view(t.shape).copy_(t)
+
+
 def _attend(
-    query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scale: float
+    q: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, scratch: bool = True
 ) -> Tensor:
-    """One decode step's attention ``[batch, 1, heads, v_dim]`` of ``query`` ``[batch, heads,
-    1, head_dim]`` over ``key``/``value`` ``[batch, kv_heads, kv_len, *]`` (see
-    :func:`decode_attention`; ``scale`` multiplies ``q·Kᵀ``)."""
-    batch, heads, _, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    # [batch, kv_heads, kv_len, dim] @ [batch, kv_heads, dim, group]: the heads sharing a
-    # key/value head are columns of one product, so the cache is read once and never
-    # copied, and in its own row-major layout (q·Kᵀ, the same product with the cache as
-    # its transposed right operand, took several times as long on the CPU)
-    q = query.reshape(batch, kv_heads, group, dim)
-    scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
-    scores = scores.to(torch.float32, memory_format=torch.contiguous_format).mul_(scale)
-    if attention_mask is not None:
-        mask = _grouped_mask(attention_mask, batch, kv_heads, group, kv_len)
+    """One decode step's attention ``[batch, kv_heads, group, v_dim]`` of ``q`` ``[batch,
+    kv_heads, group, head_dim]`` over ``key``/``value`` ``[batch, kv_heads, kv_len, *]``
+    with a grouped ``mask`` ``[batch|1, kv_heads|1, group|1, kv_len]`` (see
+    :func:`decode_attention`; ``scale`` multiplies ``q·Kᵀ``). With ``scratch`` a
+    reduced-precision view that is not contiguous is made dense in this thread's buffer
+    (not under autograd, which would keep the buffer for the backward pass)."""
+    if key.dtype == torch.float32:
+        # BLAS reads the keys as the left operand in their own row-major layout, any strides
+        scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
+        scores = scores.to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        if scratch and not key.is_contiguous():
+            key = _dense(key)
+        elif scratch:
+            torch.sum(key)  # a streaming read brings the chunk's keys into the caches
+        scores = torch.matmul(q, key.transpose(-1, -2)).float()
+    scores.mul_(scale)
+    if mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask)
     probs = scores.softmax(-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [batch, kv_heads, group, v_dim]
-    return out.reshape(batch, 1, heads, value.shape[-1])
+    if scratch and value.dtype != torch.float32 and not value.is_contiguous():
+        value = _dense(value)
+    return torch.matmul(probs, value)
 
 
 def attended_prefix(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -216,14 +216,14 @@ def test_a_model_branching_on_the_attention_name_decodes_as_with_sdpa() -> None:
 
 @pytest.fixture
 def in_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Decode steps in chunks of one sequence on two workers; yields the names of the
-    threads each chunk ran on."""
+    """Decode steps in chunks of one key/value head of one sequence on two workers; yields
+    the names of the threads each chunk ran on."""
     ran: list[str] = []
     attend = attention._attend
 
-    def recorded(*args: Any) -> Tensor:
+    def recorded(*args: Any, **kwargs: Any) -> Tensor:
         ran.append(threading.current_thread().name)
-        return attend(*args)
+        return attend(*args, **kwargs)
 
     monkeypatch.setattr(attention, "CHUNK_BYTES", 1)
     monkeypatch.setattr(attention, "_attend", recorded)
@@ -261,7 +261,7 @@ def test_decode_attention_in_chunks_equals_reference(
     context = torch.inference_mode() if mode == "inference" else torch.no_grad()
     with context:
         out, _ = decode_attention(nn.Module(), q, k, v, mask, scaling=0.3)
-    assert len(in_chunks) == b, "one chunk per sequence"
+    assert len(in_chunks) == b * kv_heads, "one chunk per key/value head of each sequence"
     assert all(name.startswith("bb-decode-attention") for name in in_chunks), in_chunks
     assert out.shape == (b, 1, heads, d) and out.dtype == v.dtype
     torch.testing.assert_close(out.double(), _reference(q, k, v, keep, 0.3), atol=1e-5, rtol=1e-5)
@@ -287,7 +287,7 @@ def test_model_decode_step_in_chunks_unchanged(in_chunks: list[str]) -> None:
         with decode_attention_for(model):
             got = model(input_ids=nxt, attention_mask=full, position_ids=pos,
                         cache=out.past_key_values).logits  # fmt: skip
-    assert len(in_chunks) == 2 * 3, "each layer's step ran one chunk per sequence"
+    assert len(in_chunks) == 2 * 3 * 2, "each layer's step ran one chunk per sequence and head"
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -303,7 +303,7 @@ def test_a_forked_child_decodes_in_chunks_on_workers_of_its_own(in_chunks: list[
     q, k, v = (torch.randn(4, 4, n, 8, generator=g) for n in (1, 9, 9))
     with torch.inference_mode():
         here, _ = decode_attention(nn.Module(), q, k, v, None)
-    assert len(in_chunks) == 4
+    assert len(in_chunks) == 4 * 4
     with multiprocessing.get_context("fork").Pool(1) as pool:
         there = pool.apply_async(_attend_in_child, (q, k, v)).get(timeout=60)
     torch.testing.assert_close(there, here, atol=0, rtol=0)
