@@ -127,6 +127,10 @@ class DryNvme:
         """A write that completed at once."""
         return _DONE
 
+    def write_piece_async(self, name: str, src: torch.Tensor, *, offset: int, nbytes: int) -> Any:
+        """A piece written at once."""
+        return _DONE
+
     @contextlib.contextmanager
     def begin_write(self, name: str) -> Any:
         """A piecewise write whose pieces complete at once."""

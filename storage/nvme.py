@@ -71,7 +71,7 @@ from storage.chunk_io import (
     read_verified,
 )
 from storage.durable import fsync_dir, write_synced
-from storage.io import IOBackend, IOFuture, padded
+from storage.io import ALIGNMENT, IOBackend, IOFuture, padded
 from storage.nvme_write import NvmeWrite, check_piece
 from storage.scratch import LOCK_NAME, PARTIAL, SCRATCH_ATTR
 from storage.tiers import Budget, Tier, format_bytes
@@ -419,6 +419,45 @@ class NvmeTier:
         settle = self._settler(name, chunk)
         inner.add_done_callback(lambda done: settle(done._error is not None))
         return chain(inner, lambda: None, name, "write", chunk, spec.nbytes)
+
+    def write_piece_async(
+        self, name: str, src: torch.Tensor, *, offset: int, nbytes: int
+    ) -> IOFuture:
+        """Write bytes ``[offset, offset + nbytes)`` of scratch tensor ``name`` from the start
+        of ``src`` over its chunk in place (buffer rule of :meth:`write_async`; ``offset`` a
+        multiple of :data:`storage.io.ALIGNMENT`); the other bytes stay. A chunk not yet
+        written is first made, as zeros (sparse). ``ValueError`` for a durable or
+        checksummed array: write those whole."""
+        self._check_open()
+        spec, chunk = self._entry(name)
+        count = check_piece(spec, offset, nbytes)
+        if name not in self._scratch or spec.checksum:
+            raise ValueError(
+                f"tensor {name!r} is written atomically (durable or with a checksum), not in "
+                "pieces: write it whole"
+            )
+        if count % ALIGNMENT and offset + count != spec.nbytes:
+            raise ValueError(
+                f"tensor {name!r}: a piece of {count} bytes at offset {offset} neither fills "
+                f"whole {ALIGNMENT}-byte blocks nor ends the tensor: split at {ALIGNMENT} bytes"
+            )
+        if not self._writes_in_place(spec, chunk):
+            self._ensure_dir(chunk.parent)
+            with open(chunk, "wb") as f:
+                f.truncate(spec.file_bytes)
+        if count == 0:
+            return IOFuture.completed(0, path=str(chunk))
+        try:
+            inner = self.backend.write_async(
+                chunk, src, count, fsync=False, offset=offset, in_place=True
+            )
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from exc
+        except OSError as exc:
+            raise io_error(name, "write", chunk, exc) from exc
+        settle = self._settler(name, chunk)
+        inner.add_done_callback(lambda done: settle(done._error is not None))
+        return chain(inner, lambda: None, name, "write", chunk, count)
 
     def begin_write(self, name: str) -> NvmeWrite:
         """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`): atomically, or

@@ -411,6 +411,109 @@ class TieredStore(StoreCore):
             rec.residency.apply("home_on_device")
             rec.device_slot = rec.home_slot
 
+    # -- element ranges (one piece of a flat tensor) ---------------------------------------
+
+    def read_range_async(self, name: str, out: torch.Tensor, start: int, count: int) -> Ticket:
+        """Start reading elements ``[start, start + count)`` of the 1-D tensor ``name``'s home
+        contents into the first ``count`` elements of ``out``, on the copy threads.
+
+        ``out`` is a contiguous host tensor of the tensor's dtype with at least ``count``
+        elements, untouched until the ticket is done. From an NVMe home ``start`` lies on a
+        4 KiB boundary (:data:`storage.io.ALIGNMENT`, in bytes) and ``out`` holds ``count``
+        elements padded to 4 KiB (the piece is read from the file alone); a tensor never
+        written reads as zeros. Ordered after this tensor's pending operations, as
+        :meth:`read_async`.
+        """
+        rec = self._record(name)
+        lo, n = self._range(rec, out, start, count)
+        ready = self._ready_if(rec.home is Tier.DEVICE)
+        dst = flat_bytes(out)
+        fut = self._submit(
+            rec, lambda after: self._read_range(rec, dst, lo, n, after + ready), TransferKind.READ
+        )
+        return self._ticket([(rec, fut)], results={name: out[:count]})
+
+    def write_range_async(self, name: str, src: torch.Tensor, start: int, count: int) -> Ticket:
+        """Start writing the first ``count`` elements of host tensor ``src`` over elements
+        ``[start, start + count)`` of the 1-D tensor ``name``'s home, on the copy threads.
+
+        The rest of the tensor keeps its contents. ``src`` follows :meth:`read_range_async`'s
+        rules for ``out`` and stays unchanged until the ticket's ``wait_host``. The tensor is
+        not paged in by copy (its device copy would go stale); an NVMe home is a scratch
+        array without a checksum trailer, written over its chunk in place
+        (``ValueError`` otherwise: write it whole with :meth:`write_back_async`).
+        """
+        rec = self._record(name)
+        check_writable(rec, "write a range of")
+        lo, n = self._range(rec, src, start, count)
+        if rec.home is not Tier.DEVICE and rec.device_slot not in (None, rec.home_slot):
+            raise StateError(
+                f"tensor {name!r} is {rec.residency.state.value.upper()} by copy: a range "
+                f"written to its home would leave its device copy stale; {rec.residency.hint()}"
+            )
+        if rec.home is Tier.NVME and (rec.spec.checksum or not rec.scratch):
+            raise ValueError(
+                f"tensor {name!r} on nvme is written atomically with a checksum, not in "
+                "pieces: write it whole with write_back_async"
+            )
+        data, tier = flat_bytes(src), self._tier_of(src)
+        ready = self._ready_if(self._on_device(data) or rec.home is Tier.DEVICE)
+        fut = self._submit(
+            rec,
+            lambda after: self._write_range(rec, data, tier, lo, n, after + ready),
+            TransferKind.WRITE_BACK,
+        )
+        return self._ticket([(rec, fut)], results={name: src[:count]})
+
+    def _range(self, rec: Record, buf: torch.Tensor, start: int, count: int) -> tuple[int, int]:
+        """(byte offset, bytes) of elements ``[start, start + count)`` of ``rec`` carried by
+        ``buf``; ``ValueError`` naming what does not fit."""
+        spec = rec.spec
+        numel = spec.shape[0] if len(spec.shape) == 1 else -1
+        if buf.dtype != spec.dtype or not buf.is_contiguous() or buf.is_cuda:
+            raise ValueError(
+                f"tensor {spec.name!r} is {spec.dtype}: a range goes through a contiguous host "
+                f"tensor of that dtype, got {buf.dtype} on {buf.device}: pass one"
+            )
+        if numel < 0 or start < 0 or count < 0 or start + count > numel or count > buf.numel():
+            raise ValueError(
+                f"tensor {spec.name!r} of shape {spec.shape}: elements [{start}, {start + count}) "
+                f"through a buffer of {buf.numel()}: pass a range of a 1-D tensor and a buffer "
+                "of at least count elements"
+            )
+        size = buf.element_size()
+        return start * size, count * size
+
+    def _read_range(
+        self, rec: Record, dst: torch.Tensor, lo: int, n: int, after: Events
+    ) -> CopyEvent | None:
+        if n == 0:
+            return None
+        if rec.home is Tier.NVME:
+            settled_all(after)
+            if rec.written:
+                self._io._nvme_read(rec, dst, Tier.HOST, lo, n)
+            else:
+                dst[:n].zero_()
+            return None
+        assert rec.home_slot is not None
+        return self._io.copy(dst[:n], Tier.HOST, rec.home_slot.raw()[lo : lo + n], rec.home, after)
+
+    def _write_range(
+        self, rec: Record, data: torch.Tensor, tier: Tier, lo: int, n: int, after: Events
+    ) -> CopyEvent | None:
+        if n == 0:
+            return None
+        if rec.home is not Tier.NVME:
+            assert rec.home_slot is not None
+            return self._io.copy(rec.home_slot.raw()[lo : lo + n], rec.home, data[:n], tier, after)
+        settled_all(after)
+        nvme = self._nvme_for(rec.spec.name)
+        with self._io.meters[Link.HOST_TO_NVME].timing(n):
+            nvme.write_piece_async(rec.spec.name, data, offset=lo, nbytes=n).wait()
+        rec.written = True
+        return None
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _page_in_work(self, rec: Record, slot: Slot, ready: Events) -> Work:
