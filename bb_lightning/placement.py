@@ -27,6 +27,7 @@ from storage.tiers import Tier
 
 __all__ = [
     "BOUNDARY_PREFIX",
+    "DECODE_GROUPS",
     "DTYPE_BYTES",
     "READ_AHEAD",
     "SWAP_PREFIX",
@@ -42,6 +43,11 @@ __all__ = [
 READ_AHEAD = 2
 """Read-ahead sets of a placement whose optimizer state is homed off the host, unless the
 planner gives more (three fp32 host buffers of the largest block each)."""
+
+DECODE_GROUPS = 2
+"""Groups of sequences a decode step keeps in flight with ``decode_attention`` HOST beside
+a device other than the CPU: the host attends for one group while the device computes for
+another (two suffice to overlap the two)."""
 
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 """Bytes per element of each compute dtype the engine runs, by its torch name."""
@@ -95,8 +101,8 @@ class Placement:
     """Where a decode step's attention over the KV cache runs (predict): HOST computes it
     with the host's cores over a cache homed on the host, the q/k/v rows of the new token
     sent there and the output sent back; None: on the device the model runs on (on a CPU
-    device that is the host itself). The engine runs HOST beside any device, one group of
-    sequences at a time."""
+    device that is the host itself). The engine runs HOST beside any device, with
+    :data:`DECODE_GROUPS` groups of sequences in flight beside a device other than the CPU."""
     kv_cache_nvme_blocks: int = 0
     """With ``decode_attention`` HOST, the last blocks whose KV cache is homed on NVMe where
     host memory ends (memory-mapped files under the store's NVMe path that the host's

@@ -133,8 +133,8 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=("device", "host"),
         default=None,
         help="predict: 'host' plans the KV cache on the host with decode attention on the "
-        "host's cores beside a GPU (priced with two groups of sequences in flight; the engine "
-        "runs one at a time); default: attention on the device",
+        "host's cores beside a GPU (two groups of sequences in flight, the host attending for "
+        "one while the device computes the other); default: attention on the device",
     )
     p.add_argument("--device-memory", help="device tier size, e.g. 24GiB (overrides the profile)")
     p.add_argument("--host-memory", help="host tier size, e.g. 128GiB (overrides the profile)")

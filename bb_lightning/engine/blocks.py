@@ -27,17 +27,18 @@ whose backward marks the block's backward as done, and the block is handed on on
 then. :meth:`PagedBlocks.take_pending` returns what a backward left incomplete
 (parameters that got no gradient).
 
-Without grad (validation, prediction, ``inference_mode``) a block is paged in,
-run and released, with the next blocks prefetched cyclically so that the next
-batch finds block 0 in flight; with :attr:`PagedBlocks.max_tokens` set, a batch
-of more tokens runs through the block in chunks of rows while it is paged in
-(the planner's prefill micro-batch). A recomputed block passes gradient to its hidden
-states (the first positional argument, or the keyword) and to every other tensor argument
-that requires it (a per-layer input computed from trainable embeddings, as Gemma 3n's);
-other arguments pass through. With :attr:`PagedBlocks.chunking` set, a recomputed block
-runs its micro-batch in row chunks instead, its boundary inputs kept where the placement
-says (:mod:`~bb_lightning.engine.chunked`). A block in :attr:`PagedBlocks.swapped_blocks`
-runs with autograd while paged in and keeps its saved activations in the store instead of
+Without grad (validation, prediction, ``inference_mode``) a block is paged in, run and
+released, with the next blocks prefetched cyclically so that the next batch finds block 0
+in flight; with :attr:`PagedBlocks.max_tokens` set, a batch of more tokens runs through
+the block in chunks of rows while it is paged in (the planner's prefill micro-batch);
+groups of sequences run side by side (:mod:`~bb_lightning.engine.groups`) page a block in
+once for them all. A recomputed block passes gradient to its hidden states (the first
+positional argument, or the keyword) and to every other tensor argument that requires it
+(a per-layer input computed from trainable embeddings, as Gemma 3n's); other arguments
+pass through. With :attr:`PagedBlocks.chunking` set, a recomputed block runs its
+micro-batch in row chunks instead, its boundary inputs kept where the placement says
+(:mod:`~bb_lightning.engine.chunked`). A block in :attr:`PagedBlocks.swapped_blocks` runs
+with autograd while paged in and keeps its saved activations in the store instead of
 recomputing (:mod:`~bb_lightning.engine.swapped`).
 """
 
@@ -54,6 +55,7 @@ from torch import Tensor, nn
 from bb_lightning.engine.chunked import Boundaries, Chunking, run_chunked
 from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.grad_sink import GradSink
+from bb_lightning.engine.groups import current_step
 from bb_lightning.engine.hf_quirks import CACHE_KWARGS, CapturedOutputs, recording
 from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.rows import call_in_row_chunks
@@ -286,11 +288,17 @@ class PagedBlocks:
     def _run_no_grad(
         self, i: int, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        upcoming = self.enter(i, "forward")
-        try:
+        def run() -> Any:
             if self.max_tokens is None:
                 return original(*args, **kwargs)
             return call_in_row_chunks(original, args, kwargs, self.max_tokens)
+
+        step = current_step()
+        if step is not None:  # groups of sequences in flight: one page-in for them all
+            return step.block(lambda: self.enter(i, "forward"), run, lambda up: self.leave(i, up))
+        upcoming = self.enter(i, "forward")
+        try:
+            return run()
         finally:
             self.leave(i, upcoming)
 

@@ -31,16 +31,23 @@ transformers' ``sdpa`` attention on the CPU; prefill, and every step on CUDA, ke
 With ``attention_tier`` :attr:`Tier.HOST` (the plan's ``decode_attention``) the KV cache
 lives on the host whatever the model's device, and each decode step's attention runs there
 (:func:`~bb_lightning.engine.attention.host_attention`: the layer's new query, key and
-value rows go to the host, its output comes back); the batch is one group of sequences,
-so the device waits for each layer's host attention.
+value rows go to the host, its output comes back). The batch then runs as
+:attr:`LayerMajorGenerator.attention_groups` groups of sequences in flight, one thread and
+one KV cache each (:mod:`~bb_lightning.engine.groups`): while the host attends for one
+group, the device computes for another, and each paged block is paged in once per step for
+every group. Each group finishes and compacts its own rows.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -48,6 +55,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from bb_lightning.engine.attention import decode_attention_for, uses_sdpa
+from bb_lightning.engine.groups import group_spans, run_groups
 from bb_lightning.engine.hf_quirks import (
     forward_options,
     model_context,
@@ -55,6 +63,7 @@ from bb_lightning.engine.hf_quirks import (
     unread_outputs_off,
 )
 from bb_lightning.engine.kv import KVCache
+from bb_lightning.placement import DECODE_GROUPS
 from bb_lightning.shapes import cache_length
 from storage.tiers import Tier
 
@@ -67,6 +76,8 @@ __all__ = [
 ]
 
 FinishReason = Literal["eos", "stop", "length", "context"]
+_Call = tuple[Tensor, Tensor | None, Tensor, Tensor, KVCache]
+"""One group's forward: token ids, attention mask, position ids, cache positions, cache."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +140,7 @@ class LayerMajorGenerator:
         attention_tier: Tier | None = None,
         kv_nvme_layers: int = 0,
         kv_nvme_dir: str | None = None,
+        attention_groups: int | None = None,
     ) -> None:
         """Wrap a Hugging Face causal LM (its blocks paged or not).
 
@@ -142,6 +154,10 @@ class LayerMajorGenerator:
                 NVMe (memory-mapped files under ``kv_nvme_dir``; see
                 :class:`~bb_lightning.engine.kv.KVCache`).
             kv_nvme_dir: where those files go (None: the system's temporary directory).
+            attention_groups: with host attention, groups of sequences in flight in each
+                step (>= 1; a batch of fewer rows runs one group per row); None:
+                :data:`~bb_lightning.placement.DECODE_GROUPS` beside a device other than
+                the CPU, 1 on the CPU (the host is the device: nothing to overlap).
         """
         if attention_tier not in (None, Tier.DEVICE, Tier.HOST):
             raise ValueError(
@@ -157,6 +173,16 @@ class LayerMajorGenerator:
                 f"kv_nvme_layers={kv_nvme_layers} with attention_tier={attention_tier!r}: a KV "
                 "cache spills to NVMe only beside host attention; pass attention_tier=Tier.HOST"
             )
+        if attention_groups is not None and (
+            attention_groups < 1 or (attention_groups > 1 and attention_tier is not Tier.HOST)
+        ):
+            raise ValueError(
+                f"attention_groups={attention_groups} with attention_tier={attention_tier!r}: "
+                "groups of sequences in flight (>= 1) serve host attention; pass "
+                "attention_tier=Tier.HOST, or attention_groups=1 or None"
+            )
+        self.attention_groups = attention_groups
+        """Groups of sequences in flight per step with host attention (None: by device)."""
         self.model = model
         self.kv_tier = kv_tier
         self.attention_tier = attention_tier
@@ -168,7 +194,11 @@ class LayerMajorGenerator:
         self.cache_limit = None if config is None else static_cache_limit(config)
         """Most positions of a static KV cache the model generates right with, and why
         (:func:`~bb_lightning.engine.hf_quirks.static_cache_limit`), or None."""
-        self._kv: KVCache | None = None
+        self._kvs: list[KVCache] = []
+        """Each group's KV cache (one group: one cache)."""
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+        """(workers, pool): threads of the groups beside the caller's (made at the first
+        grouped batch)."""
         self._cache_kw, self._logits_kw = forward_options(model)
         self._quiet = unread_outputs_off(model)
         self.steps = 0
@@ -177,30 +207,70 @@ class LayerMajorGenerator:
         """Wall seconds spent so far in prefill and in decode steps (host read of the tokens
         included: the step's sync point)."""
 
+    @property
+    def _kv(self) -> KVCache | None:
+        """The first group's KV cache (the whole batch's with one group), or None."""
+        return self._kvs[0] if self._kvs else None
+
     def _cache(self, rows: int, max_len: int) -> KVCache:
-        """The KV cache for a batch, reused while batches have as many rows and fit its length.
+        """The KV cache of a batch of ``rows`` sequences run as one group (:meth:`_caches`)."""
+        return self._caches([rows], max_len)[0]
+
+    def _caches(self, rows: Sequence[int], max_len: int) -> list[KVCache]:
+        """One KV cache per group of ``rows[g]`` sequences, reused while batches have groups
+        of as many rows and fit their length.
 
         Lengths are rounded up to a multiple of ``CACHE_ROUND`` (32) tokens so that batches
         of ragged prompts share one cache.
         """
-        if self._kv is None or not self._kv.fits(rows, max_len):
+        if len(self._kvs) != len(rows) or not all(
+            kv.fits(n, max_len) for kv, n in zip(self._kvs, rows, strict=True)
+        ):
             max_len = cache_length(max_len)
             if self.cache_limit is not None:  # no rounding past it (the rows fit it)
                 max_len = min(max_len, max(self.cache_limit[0], 1))
-            self._kv = None  # free the old buffers before allocating new ones
-            config = self.model.config
-            assert isinstance(config, PretrainedConfig), "a Hugging Face model has a config"
-            self._kv = KVCache(
-                config, rows=rows, max_len=max_len, tier=self.kv_tier,
-                device=_device_of(self.model), host_attention=self.attention_tier is Tier.HOST,
-                nvme_layers=self.kv_nvme[0], nvme_dir=self.kv_nvme[1],
-            )  # fmt: skip
-        self._kv.reset()
-        return self._kv
+            self._kvs = []  # free the old buffers before allocating new ones
+            self._kvs = [self._new_cache(n, max_len) for n in rows]
+        for kv in self._kvs:
+            kv.reset()
+        return self._kvs
+
+    def _new_cache(self, rows: int, max_len: int) -> KVCache:
+        config = self.model.config
+        assert isinstance(config, PretrainedConfig), "a Hugging Face model has a config"
+        return KVCache(
+            config, rows=rows, max_len=max_len, tier=self.kv_tier,
+            device=_device_of(self.model), host_attention=self.attention_tier is Tier.HOST,
+            nvme_layers=self.kv_nvme[0], nvme_dir=self.kv_nvme[1],
+        )  # fmt: skip
+
+    def _groups(self, device: torch.device) -> int:
+        """Groups of sequences in flight per step on ``device`` (see ``attention_groups``)."""
+        if self.attention_tier is not Tier.HOST:
+            return 1
+        if self.attention_groups is not None:
+            return self.attention_groups
+        return DECODE_GROUPS if device.type != "cpu" else 1
+
+    def _forward_groups(self, calls: Sequence[_Call]) -> list[Tensor]:
+        """:meth:`_forward` of each group's ``(ids, mask, pos, cache_pos, kv)``, the groups
+        side by side (one step: :attr:`steps` counts one)."""
+        workers = len(calls) - 1
+        if workers and (self._pool is None or self._pool[0] < workers):
+            if self._pool is not None:
+                self._pool[1].shutdown(wait=False)
+            made = ThreadPoolExecutor(workers, "bb-generate-group")
+            weakref.finalize(self, made.shutdown, wait=False)
+            self._pool = (workers, made)
+        pool = None if self._pool is None else self._pool[1]
+        out = run_groups([partial(self._forward, *c, count=False) for c in calls], pool)
+        self.steps += 1
+        return out
 
     def _forward(
-        self, ids: Tensor, mask: Tensor | None, pos: Tensor, cache_pos: Tensor, kv: KVCache
-    ) -> Tensor:
+        self, ids: Tensor, mask: Tensor | None, pos: Tensor, cache_pos: Tensor, kv: KVCache,
+        *, count: bool = True,
+    ) -> Tensor:  # fmt: skip
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "attention_mask": mask,
@@ -212,11 +282,12 @@ class LayerMajorGenerator:
         }
         if self._logits_kw:
             kwargs["logits_to_keep"] = 1
-        self.steps += 1
+        self.steps += count
         try:
             logits: Tensor = self.model(**kwargs).logits
         except (RuntimeError, AssertionError, IndexError) as err:
-            if isinstance(err, torch.OutOfMemoryError) or not _from_model_code(err):
+            broken = isinstance(err, threading.BrokenBarrierError)  # another group failed
+            if broken or isinstance(err, torch.OutOfMemoryError) or not _from_model_code(err):
                 raise
             config = getattr(self.model, "config", None)
             raise ValueError(
@@ -311,8 +382,38 @@ class LayerMajorGenerator:
             return run.run(input_ids.to(device), attention_mask.to(device))
 
 
+class _Group:
+    """One group's rows of a generation batch: its KV cache, mask buffer and live rows."""
+
+    def __init__(self, kv: KVCache, rows: range, device: torch.device) -> None:
+        self.kv = kv
+        # as long as the static cache (zeros past the tokens so far), as a model that builds
+        # positions from the mask's width (alibi) needs it, and as transformers pads it
+        self.mask = torch.zeros(len(rows), kv.max_len, dtype=torch.long, device=device)
+        self.live = list(rows)
+        """Original row index of each row still in the group."""
+        self.logits: Tensor | None = None
+        """Last-position logits of the group's rows from its last forward."""
+        self.pos = torch.zeros(len(rows), 1, dtype=torch.long, device=device)
+        """Position id of each row's next token."""
+
+    def compact(self, done: list[int], tokens: Tensor) -> Tensor:
+        """Drop the rows ``done`` (positions in the group) from the cache and the buffers;
+        the tokens of the rows kept."""
+        gone = set(done)
+        keep_b = [b for b in range(len(self.live)) if b not in gone]
+        keep = torch.tensor(keep_b, device=tokens.device)
+        self.kv.compact(keep)
+        n = len(keep_b)
+        self.mask[:n] = self.mask.index_select(0, keep)
+        self.mask = self.mask[:n]
+        self.live = [self.live[b] for b in keep_b]
+        self.pos = self.pos.index_select(0, keep)
+        return tokens.index_select(0, keep)
+
+
 class _Run:
-    """The state of one generation batch: buffers, live rows, results."""
+    """The state of one generation batch: its groups, results."""
 
     def __init__(
         self,
@@ -327,13 +428,13 @@ class _Run:
     ) -> None:
         self.gen, self.config, self.plen, self.total = gen, config, plen, total
         self.decode = decode
-        self.kv = gen._cache(rows, total)
-        # as long as the static cache (zeros past the tokens so far), as a model that builds
-        # positions from the mask's width (alibi) needs it, and as transformers pads it
-        self.mask = torch.zeros(rows, self.kv.max_len, dtype=torch.long, device=device)
+        spans = group_spans(rows, gen._groups(device))
+        kvs = gen._caches([b - a for a, b in spans], total)
+        self.groups = [
+            _Group(kv, range(a, b), device) for kv, (a, b) in zip(kvs, spans, strict=True)
+        ]
+        self.spans = spans
         self.cache_pos = torch.arange(total, device=device)
-        self.live = list(range(rows))
-        """Original row index of each row still in the batch."""
         self.results: list[Generated | None] = [None] * rows
         self.raw: list[list[int]] = [[] for _ in range(rows)]
         self.longest_stop = max((len(x) for x in config.stop_strings), default=0)
@@ -346,43 +447,60 @@ class _Run:
     def run(self, input_ids: Tensor, attention_mask: Tensor) -> list[Generated]:
         plen, total, seconds = self.plen, self.total, self.gen.seconds
         start = time.perf_counter()
-        self.mask[:, :plen] = attention_mask
-        pos = attention_mask.long().cumsum(-1) - 1
-        pos.masked_fill_(attention_mask == 0, 1)
-        mask = self.mask[:, :plen] if self.kv.has_states else self.mask
-        logits = self.gen._forward(input_ids, mask, pos, self.cache_pos[:plen], self.kv)
-        step_pos = pos[:, -1:] + 1
+        calls: list[_Call] = []
+        for g, (a, b) in zip(self.groups, self.spans, strict=True):
+            g.mask[:, :plen] = attention_mask[a:b]
+            pos = attention_mask[a:b].long().cumsum(-1) - 1
+            pos.masked_fill_(attention_mask[a:b] == 0, 1)
+            mask = g.mask[:, :plen] if g.kv.has_states else g.mask
+            calls.append((input_ids[a:b], mask, pos, self.cache_pos[:plen], g.kv))
+            g.pos = pos[:, -1:] + 1
+        self._forward(self.groups, calls)
+        running: list[_Group] = list(self.groups)
         for cur in range(plen, total + 1):
-            tokens = self._choose(logits)
-            host = tokens.tolist()  # the step's one sync point
+            chosen = [(g, self._choose(g)) for g in running]
+            hosts = [tokens.tolist() for _, tokens in chosen]  # the step's one sync point
             now = time.perf_counter()
             seconds["prefill" if cur == plen else "decode"] += now - start
             start = now
-            done = self._record(host, at_limit=cur == total)
-            if len(done) == len(self.live):
+            running, calls = [], []
+            for (g, tokens), host in zip(chosen, hosts, strict=True):
+                done = self._record(g, host, at_limit=cur == total)
+                if len(done) == len(g.live):
+                    continue  # the group is done
+                if done and 2 * (len(g.live) - len(done)) <= g.mask.shape[0]:
+                    tokens = g.compact(done, tokens)
+                g.mask[:, cur] = 1
+                calls.append((
+                    tokens[:, None], g.mask if g.kv.attends else None, g.pos,
+                    self.cache_pos[cur : cur + 1], g.kv,
+                ))  # fmt: skip
+                running.append(g)
+            if not running:
                 break
-            if done and 2 * (len(self.live) - len(done)) <= self.mask.shape[0]:
-                tokens, step_pos = self._compact(done, tokens, step_pos)
-            self.mask[:, cur] = 1
-            logits = self.gen._forward(
-                tokens[:, None], self.mask if self.kv.attends else None, step_pos,
-                self.cache_pos[cur : cur + 1], self.kv,
-            )  # fmt: skip
-            step_pos += 1
+            self._forward(running, calls)
+            for g in running:
+                g.pos = g.pos + 1
         out = [r for r in self.results if r is not None]
         assert len(out) == len(self.results), "every row finishes"
         return out
 
-    def _choose(self, logits: Tensor) -> Tensor:
-        if self.gens is None:
-            return logits.argmax(-1)
-        return _sample(logits.float(), self.config, [self.gens[i] for i in self.live])
+    def _forward(self, groups: list[_Group], calls: list[_Call]) -> None:
+        for g, logits in zip(groups, self.gen._forward_groups(calls), strict=True):
+            g.logits = logits
 
-    def _record(self, tokens: list[int], *, at_limit: bool) -> list[int]:
-        """Append each live row's token; finish rows; return batch positions that finished."""
+    def _choose(self, g: _Group) -> Tensor:
+        assert g.logits is not None, "a group's forward ran before its tokens are chosen"
+        if self.gens is None:
+            return g.logits.argmax(-1)
+        return _sample(g.logits.float(), self.config, [self.gens[i] for i in g.live])
+
+    def _record(self, g: _Group, tokens: list[int], *, at_limit: bool) -> list[int]:
+        """Append each of the group's live rows' token; finish rows; return the positions in
+        the group that finished."""
         cfg = self.config
         done: list[int] = []
-        for b, (row, t) in enumerate(zip(self.live, tokens, strict=True)):
+        for b, (row, t) in enumerate(zip(g.live, tokens, strict=True)):
             if self.results[row] is not None:
                 continue  # finished but not compacted away yet
             raw = self.raw[row]
@@ -400,7 +518,7 @@ class _Run:
             if reason is not None:
                 self.results[row] = self._finish(raw, reason)
                 done.append(b)
-        done += [b for b, row in enumerate(self.live) if self.results[row] is not None]
+        done += [b for b, row in enumerate(g.live) if self.results[row] is not None]
         return sorted(set(done))
 
     def _stopped(self, raw: list[int]) -> bool:
@@ -419,17 +537,6 @@ class _Run:
             while ids and len(self.decode(ids)) > len(text):
                 ids.pop()
         return Generated(token_ids=ids, finish_reason=reason, text=text)
-
-    def _compact(self, done: list[int], tokens: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        gone = set(done)
-        keep_b = [b for b in range(len(self.live)) if b not in gone]
-        keep = torch.tensor(keep_b, device=tokens.device)
-        self.kv.compact(keep)
-        n = len(keep_b)
-        self.mask[:n] = self.mask.index_select(0, keep)
-        self.mask = self.mask[:n]
-        self.live = [self.live[b] for b in keep_b]
-        return tokens.index_select(0, keep), pos.index_select(0, keep)
 
 
 def _sample(logits: Tensor, cfg: GenerationConfig, gens: Sequence[torch.Generator]) -> Tensor:

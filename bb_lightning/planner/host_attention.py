@@ -26,6 +26,7 @@ Pure functions of the profiles; sizes in bytes, times in seconds.
 
 from __future__ import annotations
 
+from bb_lightning.placement import DECODE_GROUPS
 from bb_lightning.planner.profile import BF16_BYTES, HardwareProfile, ModelProfile
 
 __all__ = [
@@ -37,9 +38,10 @@ __all__ = [
     "staging_bytes",
 ]
 
-GROUPS_IN_FLIGHT = 2
-"""Groups of sequences a decode pass keeps in flight: one attended on the host while the
-device computes another (two suffice to overlap the two; more only shorten the fill)."""
+GROUPS_IN_FLIGHT = DECODE_GROUPS
+"""Groups of sequences a decode pass keeps in flight, as the engine runs them: one attended
+on the host while the device computes another (two suffice to overlap the two; more only
+shorten the fill)."""
 
 
 def qkv_row_bytes(model: ModelProfile, compute_bytes: int) -> tuple[float, float]:

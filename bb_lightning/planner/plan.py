@@ -62,9 +62,8 @@ class PlanOverrides:
     took no less time than with the fp32 accumulator (``bench/grad_hold.py``)."""
     decode_attention: Tier | None = None
     """Where decode attention runs (predict): HOST prices the KV cache on the host with
-    attention on the host's cores (``Placement.decode_attention``; priced with two groups of
-    sequences in flight where the engine runs one at a time, so the search tries it only
-    when asked), DEVICE the device's
+    attention on the host's cores (``Placement.decode_attention``; two groups of sequences
+    in flight, priced and run; the search tries it only when asked), DEVICE the device's
     attention only; None: the device's."""
     chunked: bool = True
     """Let the search run the recomputed blocks' micro-batch in chunks of sequences, with

@@ -142,8 +142,7 @@ def predict_reasons(
             f" (decode attention on the host's {hw.cores} cores, reading the cache at "
             f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s: {per_pass:.3g} s per pass beside the "
             f"device's, {host_attention.GROUPS_IN_FLIGHT} groups of sequences in flight; "
-            "each block's q/k/v rows to the host and outputs back; the engine runs one group "
-            "at a time)"
+            "each block's q/k/v rows to the host and outputs back)"
         )
     elif best.kv is Tier.HOST and hw.device_type != "cpu":
         where = " (offloaded: the whole cache to the device and back each decode pass)"

@@ -19,7 +19,7 @@ moves it (:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache
 decode pass, the copies to the host on the compute stream, so exposed); a CPU device
 reads it in place. A KV cache on the host with decode attention on the host's cores
 (:mod:`~bb_lightning.planner.host_attention`; a candidate only where
-``PlanOverrides.decode_attention`` asks for it: the engine runs one group at a time)
+``PlanOverrides.decode_attention`` asks for it)
 sends each block's q/k/v rows to the host and the attention output back, and prices the
 host's read of the cache at its memory bandwidth beside the device's matrix products.
 """

@@ -1,11 +1,13 @@
 """Generation with the KV cache homed on the host and decode attention run there, against
 Hugging Face greedy ``generate`` (fp32) across the family matrix: dense, tied, sliding window
 (both batches past it), MoE and hybrid recurrent; ragged prompts, EOS mid-way (the batch
-compacts), and a second batch on the same cache."""
+compacts), and a second batch on the same cache; the batch as one group, as two groups of
+sequences in flight and as three uneven ones (2, 1 and 1 rows), each with its own cache."""
 
 from __future__ import annotations
 
 import gc
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ MATRIX = ("llama", "qwen2_tied", "mistral_sliding", "mixtral_moe", "lfm2_conv")
 MoE, hybrid recurrent (short convolutions beside attention)."""
 BATCHES = ((1, (7, 3, 5, 6)), (2, (4, 7, 6, 2)))
 """(seed, prompt lengths) of two batches of four ragged prompts: the same cache serves both."""
+GROUPS = (1, 2, 3)
+"""Groups of sequences in flight: the batch whole, two groups of 2 rows, three of 2, 1, 1."""
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,24 +74,29 @@ def _cut(rows: list[list[int]], eos: int) -> list[list[int]]:
 
 
 class _Spy:
-    """Counts the attention calls of decode steps and checks each reads the host cache."""
+    """Records the attention calls of decode steps: each reads a host cache of the generator,
+    the cache of the group whose rows it attends for, on that group's own thread."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.decode_calls = 0
+        self.decode_calls: list[tuple[int, int]] = []
+        """(group whose cache was read, thread) of each decode step's attention call."""
         self.gen: LayerMajorGenerator | None = None
         real = attention.host_attention
 
         def spy(module: Any, query: torch.Tensor, key: torch.Tensor, *a: Any, **k: Any) -> Any:
             if query.shape[2] == 1:
-                self.decode_calls += 1
-                assert self.gen is not None and self.gen._kv is not None
-                bufs = {
-                    layer.keys.untyped_storage().data_ptr()
-                    for layer in self.gen._kv.cache.layers
+                assert self.gen is not None and self.gen._kvs
+                owner = {
+                    layer.keys.untyped_storage().data_ptr(): g
+                    for g, kv in enumerate(self.gen._kvs)
+                    for layer in kv.cache.layers
                     if getattr(layer, "keys", None) is not None
                 }
                 assert key.device.type == "cpu"
-                assert key.untyped_storage().data_ptr() in bufs, "attends over the host cache"
+                group = owner.get(key.untyped_storage().data_ptr())
+                assert group is not None, "attends over the host cache"
+                assert key.shape[0] == query.shape[0] <= self.gen._kvs[group].rows
+                self.decode_calls.append((group, threading.get_ident()))
             return real(module, query, key, *a, **k)
 
         monkeypatch.setattr(attention, "host_attention", spy)
@@ -98,37 +107,54 @@ def test_host_cache_and_host_attention_generate_like_hf(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _model(family)
-    gen = LayerMajorGenerator(model, kv_tier=Tier.HOST, attention_tier=Tier.HOST)
+    gens = {
+        g: LayerMajorGenerator(model, kv_tier=Tier.HOST, attention_tier=Tier.HOST,
+                               attention_groups=g)
+        for g in GROUPS
+    }  # fmt: skip
     spy = _Spy(monkeypatch)
-    spy.gen = gen
-    compactions: list[int] = []
+    compactions: list[KVCache] = []
     real_compact = KVCache.compact
 
     def compact(self: KVCache, keep: torch.Tensor) -> None:
-        compactions.append(int(keep.numel()))
+        compactions.append(self)
         real_compact(self, keep)
 
     monkeypatch.setattr(KVCache, "compact", compact)
-    caches = []
+    caches: dict[int, list[list[KVCache]]] = {g: [] for g in GROUPS}
     for seed, lengths in BATCHES:
         ids, mask = _prompts(seed, lengths)
         full = _reference(model, ids, mask)
         eos = _mid_eos(full)
         want = _cut(full, eos)
-        out = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)))
-        assert [o.token_ids for o in out] == want, (family, seed)
-        assert [o.finish_reason for o in out] == ["eos" if eos in r else "length" for r in full], (
-            family,
-            seed,
-        )
-        caches.append(gen._kv)
-    assert caches[0] is caches[1] and caches[0] is not None and caches[0].host_attention
-    keys = [
-        layer.keys for layer in caches[0].cache.layers if getattr(layer, "keys", None) is not None
-    ]
-    assert keys and all(k.device.type == "cpu" for k in keys)
-    assert spy.decode_calls > 0
-    assert compactions, f"{family}: EOS mid-way in at least half the rows compacts the batch"
+        reasons = ["eos" if eos in r else "length" for r in full]
+        for groups, gen in gens.items():
+            spy.gen, spy.decode_calls = gen, []
+            out = gen.generate(
+                ids, mask, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))
+            )
+            assert [o.token_ids for o in out] == want, (family, seed, groups)
+            assert [o.finish_reason for o in out] == reasons, (family, seed, groups)
+            assert [kv.rows for kv in gen._kvs] == [[4], [2, 2], [2, 1, 1]][groups - 1]
+            caches[groups].append(list(gen._kvs))
+            # each group attended over its own cache; the first group on this thread, and
+            # while several are in flight the others beside it, on threads of their own
+            assert len({group for group, _ in spy.decode_calls}) >= min(groups, 2)
+            main = threading.get_ident()
+            assert {t for group, t in spy.decode_calls if group == 0} == {main}
+            beside = {t != main for group, t in spy.decode_calls if group > 0}
+            assert (True in beside) == (groups > 1), (family, groups)
+    for groups, (first, second) in caches.items():
+        assert first == second, f"{family}: the second batch reuses the {groups} group caches"
+        assert all(kv.host_attention for kv in first)
+        keys = [
+            layer.keys for kv in first for layer in kv.cache.layers
+            if getattr(layer, "keys", None) is not None
+        ]  # fmt: skip
+        assert keys and all(k.device.type == "cpu" for k in keys)
+    compacted = {id(kv) for kv in compactions}
+    assert id(caches[1][0][0]) in compacted, f"{family}: EOS mid-way in half the rows compacts"
+    assert any(id(kv) in compacted for kv in caches[2][0]), f"{family}: a group compacts alone"
 
 
 def test_host_attention_needs_the_cache_on_the_host_and_sdpa() -> None:
