@@ -34,6 +34,7 @@ from bb_lightning.hf.hf_load import HFCheckpoint, check_supported, empty_model
 from bb_lightning.hf.lora import LoraOptions, require_peft, wrap_lora
 from bb_lightning.planner.cost import loss_chunk_tokens
 from bb_lightning.planner.models import BUILTIN_MODELS
+from storage.store import TieredStore
 from storage.tiers import Tier
 
 __all__ = [
@@ -250,6 +251,10 @@ class CausalLMModule(pl.LightningModule):
         the cache on the host); None: beside the model."""
         self.kv_cache_nvme: tuple[int, str | None] = (0, None)
         """(last blocks whose KV cache ``predict`` homes on NVMe, the directory for it)."""
+        self.kv_store: TieredStore | None = None
+        """The store whose host tier homes ``predict``'s KV cache on the host beside the
+        device's attention (a planning strategy sets it, having sized the store for it);
+        None: the cache holds its own buffers."""
 
     def model_config(self) -> PretrainedConfig:
         """The Hugging Face configuration of the network (available before it is built)."""
@@ -430,10 +435,13 @@ class CausalLMModule(pl.LightningModule):
         gen = self._generator
         tiers = (self.kv_cache_tier, self.decode_attention_tier, self.kv_cache_nvme)
         have = None if gen is None else (gen.kv_tier, gen.attention_tier, gen.kv_nvme)
-        if gen is None or gen.model is not net or have != tiers:
+        stale = gen is not None and (gen.model is not net or gen.kv_store is not self.kv_store)
+        if gen is None or stale or have != tiers:
+            if gen is not None:
+                gen.close()
             gen = self._generator = LayerMajorGenerator(
                 net, kv_tier=tiers[0], attention_tier=tiers[1], kv_nvme_layers=tiers[2][0],
-                kv_nvme_dir=tiers[2][1],
+                kv_nvme_dir=tiers[2][1], kv_store=self.kv_store,
             )  # fmt: skip
         ids: list[str] = list(batch["id"])
         errors: list[str | None] = list(batch.get("error") or [None] * len(ids))

@@ -267,6 +267,11 @@ class StoreCore:
         return not self._cuda and self._io.double is None
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (every tensor and arena is gone)."""
+        return self._closed
+
+    @property
     def pins_host(self) -> bool:
         """Whether host buffers that copies to and from the device use should be page-locked
         (a CUDA device); on a CPU device they stay pageable even where CUDA is visible."""

@@ -65,6 +65,7 @@ from bb_lightning.engine.hf_quirks import (
 from bb_lightning.engine.kv import KVCache
 from bb_lightning.placement import DECODE_GROUPS
 from bb_lightning.shapes import cache_length
+from storage.store import TieredStore
 from storage.tiers import Tier
 
 __all__ = [
@@ -141,6 +142,7 @@ class LayerMajorGenerator:
         kv_nvme_layers: int = 0,
         kv_nvme_dir: str | None = None,
         attention_groups: int | None = None,
+        kv_store: TieredStore | None = None,
     ) -> None:
         """Wrap a Hugging Face causal LM (its blocks paged or not).
 
@@ -158,6 +160,9 @@ class LayerMajorGenerator:
                 step (>= 1; a batch of fewer rows runs one group per row); None:
                 :data:`~bb_lightning.placement.DECODE_GROUPS` beside a device other than
                 the CPU, 1 on the CPU (the host is the device: nothing to overlap).
+            kv_store: the engine's store: a ``kv_tier`` HOST cache beside attention on a
+                device that is not the host keeps its layers in the store's host tier
+                (:class:`~bb_lightning.engine.kv.KVCache`); :meth:`close` gives them back.
         """
         if attention_tier not in (None, Tier.DEVICE, Tier.HOST):
             raise ValueError(
@@ -188,6 +193,9 @@ class LayerMajorGenerator:
         self.attention_tier = attention_tier
         self.kv_nvme = (kv_nvme_layers, kv_nvme_dir)
         """(layers of keys and values homed on NVMe, their directory)."""
+        self.kv_store = kv_store
+        """The store whose host tier homes a ``kv_tier`` HOST cache paged to the device
+        (:mod:`~bb_lightning.engine.kv_paged`); None: the cache holds its own buffers."""
         self.context = model_context(getattr(model, "config", None))
         """Longest sequence the model takes (tokens), or None when the config has no limit."""
         config = getattr(model, "config", None)
@@ -229,7 +237,7 @@ class LayerMajorGenerator:
             max_len = cache_length(max_len)
             if self.cache_limit is not None:  # no rounding past it (the rows fit it)
                 max_len = min(max_len, max(self.cache_limit[0], 1))
-            self._kvs = []  # free the old buffers before allocating new ones
+            self.close()  # free the old buffers before allocating new ones
             self._kvs = [self._new_cache(n, max_len) for n in rows]
         for kv in self._kvs:
             kv.reset()
@@ -241,8 +249,15 @@ class LayerMajorGenerator:
         return KVCache(
             config, rows=rows, max_len=max_len, tier=self.kv_tier,
             device=_device_of(self.model), host_attention=self.attention_tier is Tier.HOST,
-            nvme_layers=self.kv_nvme[0], nvme_dir=self.kv_nvme[1],
+            nvme_layers=self.kv_nvme[0], nvme_dir=self.kv_nvme[1], store=self.kv_store,
         )  # fmt: skip
+
+    def close(self) -> None:
+        """Drop the KV caches, giving back what they hold in the store; the next batch
+        builds new ones."""
+        for kv in self._kvs:
+            kv.close()
+        self._kvs = []
 
     def _groups(self, device: torch.device) -> int:
         """Groups of sequences in flight per step on ``device`` (see ``attention_groups``)."""

@@ -19,10 +19,14 @@ masked keys, would carry into the next batch; a sliding-window layer keeps its p
 in a counter of its own, which left unreset placed the next batch's tokens past the
 window).
 
-Placement: on a CUDA device with ``tier`` :attr:`Tier.HOST` the cache uses
-transformers' offloaded static layers (host copies, each layer moved to the
-device on a side stream while the previous layer computes). Elsewhere it lives
-on the model's device.
+Placement: with ``tier`` :attr:`Tier.HOST` and a ``store`` whose device is not the host (a
+CUDA device, the CPU double of its copies, a dry run) each full-attention layer is one
+tensor of the store's host tier, paged to the device around its update and written back
+after it (:mod:`~bb_lightning.engine.kv_paged`: one host buffer per layer, counted in the
+store's host budget, nothing allocated per step). On a CUDA device without a store (the
+generator used on its own) the cache uses transformers' offloaded static layers, whose
+copies allocate pinned host memory outside any budget. Elsewhere it lives on the model's
+device.
 
 With ``host_attention`` (the plan's decode attention on the host) every layer of keys and
 values lives in host memory whatever the model's device: each update copies the layer's
@@ -52,6 +56,8 @@ from torch import Tensor
 from transformers import PretrainedConfig, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from bb_lightning.engine.kv_paged import KVPager, PagedLayer
+from storage.store import TieredStore
 from storage.tiers import Tier
 
 __all__ = ["KVCache"]
@@ -71,6 +77,7 @@ class KVCache:
         host_attention: bool = False,
         nvme_layers: int = 0,
         nvme_dir: str | Path | None = None,
+        store: TieredStore | None = None,
     ) -> None:
         """Allocate nothing yet: each layer's buffers appear at its first update (prefill).
 
@@ -86,6 +93,9 @@ class KVCache:
                 layer index) whose buffers are memory-mapped files on NVMe (0: none).
             nvme_dir: the directory those files go under (the store's NVMe path; None: the
                 system's temporary directory).
+            store: the engine's store: with ``tier`` HOST and attention on the device, the
+                layers' keys and values are its host tensors, paged to its device (see the
+                module docstring); :meth:`close` unregisters them.
         """
         if rows < 1 or max_len < 1:
             raise ValueError(
@@ -100,12 +110,23 @@ class KVCache:
         self.max_len = max_len
         self.tier = tier
         cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-        offload = tier is Tier.HOST and cuda and not host_attention
+        paged = tier is Tier.HOST and not host_attention
+        paged = paged and store is not None and not store.pages_host_in_place
+        offload = tier is Tier.HOST and cuda and not host_attention and store is None
         self.host_attention = host_attention
         self.nvme_layers = 0
         """Layers of keys and values homed on NVMe (the last ones)."""
         self._files: tempfile.TemporaryDirectory[str] | None = None
         self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
+        self.pager: KVPager | None = None
+        """The paging of the layers homed in the store's host tier (None: not paged)."""
+        if paged:
+            assert store is not None
+            self.pager = KVPager(store)
+            slots: list[Any] = self.cache.layers
+            for i, layer in enumerate(slots):
+                if type(layer) is StaticLayer:  # sliding-window and state layers stay put
+                    slots[i] = self.pager.adopt(layer)
         if host_attention:
             layers: list[Any] = list(self.cache.layers)
             keyed = [layer for layer in layers if _has_keys(layer)]
@@ -148,7 +169,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every cached token and widen compacted layers back to all rows."""
-        layers: list[Any] = list(self.cache.layers)
+        layers = self._plain()
         if self._full:
             for layer, full in zip(layers, self._full, strict=True):
                 for slot, buf in full.items():
@@ -156,7 +177,7 @@ class KVCache:
                 if _has_keys(layer):
                     layer.batch_size = self.rows
             self._full = []
-        for layer in layers:
+        for layer in self.cache.layers:
             if type(layer) is StaticLayer:  # its unwritten positions are masked: counter only
                 if layer.is_initialized:
                     layer.cumulative_length.zero_()
@@ -175,7 +196,9 @@ class KVCache:
         moved to its device), after the compute stream waited for that prefetch and
         the host for the copies to the host.
         """
-        layers: list[Any] = list(self.cache.layers)
+        if self.pager is not None:
+            self.pager.compact(keep)
+        layers = self._plain()
         if getattr(self.cache, "offloading", False) and torch.cuda.is_available():
             compute = torch.cuda.current_stream()
             compute.wait_stream(self.cache.prefetch_stream)  # the prefetched layer
@@ -192,6 +215,17 @@ class KVCache:
                 _set(layer, slot, buf[:n])
             if _has_keys(layer):
                 layer.batch_size = n
+
+    def close(self) -> None:
+        """Give the store back what the cache holds there (its paged layers' slots and
+        tensors); the cache is not used afterwards."""
+        if self.pager is not None:
+            self.pager.close()
+            self.pager = None
+
+    def _plain(self) -> list[Any]:
+        """The layers whose buffers the cache holds itself (not paged through the store)."""
+        return [layer for layer in self.cache.layers if not isinstance(layer, PagedLayer)]
 
 
 def _update_on_host(

@@ -507,21 +507,18 @@ def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:
     return seqs * tokens_per_seq * model.kv_bytes_per_token * model.num_blocks
 
 
-def offloaded_kv_bytes(
-    model: ModelProfile, seqs: int, cache_len: int, *, prefill: bool
-) -> tuple[float, float]:
-    """(host-to-device, device-to-host) bytes one pass moves for a KV cache that
-    transformers offloads to the host (``StaticCache(offloading=True)``).
+def offloaded_kv_bytes(model: ModelProfile, seqs: int, cache_len: int) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes one pass moves for a KV cache homed on the
+    host beside the device's attention (:mod:`bb_lightning.engine.kv_paged`).
 
-    transformers' ``Cache.update`` (``cache_utils.py``) copies each layer's whole static
-    buffers (keys and values, ``seqs x cache_len`` positions) to the host after the
-    layer's update (``offload``, on the compute stream), and the next layer's whole
-    buffers to the device (``prefetch``, on a side stream; the last layer prefetches
-    layer 0 for the next pass). A decode pass so moves the whole cache each way; a
-    prefill moves it to the host, and only layer 0 back.
+    Each layer's keys and values (``seqs x cache_len`` positions) are one store tensor on
+    the host, paged to the device whole ahead of the layer's update and written back whole
+    after it, as transformers' offloading cache moves them (``cache_utils.py``
+    ``prefetch`` / ``offload``). A pass, the prefill too (its page-ins carry the positions
+    it does not write, masked), so moves the whole cache each way.
     """
     whole = float(kv_cache_bytes(model, seqs, cache_len))
-    return (whole / model.num_blocks if prefill else whole), whole
+    return whole, whole
 
 
 def grad_bytes_in_flight(model: ModelProfile, elem_bytes: int = BF16_BYTES) -> int:

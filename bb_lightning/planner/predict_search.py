@@ -14,10 +14,11 @@ every block's weights, the head and the KV cache from its memory
 (``device_memory_bandwidth``, where the profile has it): the whole static cache on an
 accelerator, the positions cached so far on a CPU device (whose decode step cuts the
 cache after the last attended position), ``mean_context`` on average. A KV cache on
-the host streams to a CUDA device block by block as transformers' offloading cache
-moves it (:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per
-decode pass, the copies to the host on the compute stream, so exposed); a CPU device
-reads it in place. A KV cache on the host with decode attention on the host's cores
+the host streams to a CUDA device layer by layer through the store
+(:func:`~bb_lightning.planner.cost.offloaded_kv_bytes`: the whole cache each way per pass;
+the compute waits for each layer's copy to the host before its device lane is reused,
+priced exposed); a CPU device reads it in place. A KV cache on the host with decode
+attention on the host's cores
 (:mod:`~bb_lightning.planner.host_attention`; a candidate only where
 ``PlanOverrides.decode_attention`` asks for it)
 sends each block's q/k/v rows to the host and the attention output back, and prices the
@@ -299,7 +300,7 @@ def _pass_link_seconds(
     the host in the prefill, each block's q/k/v rows there and outputs back per decode."""
     bb = float(model.block_params * job.compute_bytes)
     kv_up, kv_down = (
-        cost.offloaded_kv_bytes(model, c, job.cache_len, prefill=prefill)
+        cost.offloaded_kv_bytes(model, c, job.cache_len)
         if mem.kv_streamed
         else (0.0, 0.0)
     )

@@ -35,6 +35,7 @@ from bb_lightning.engine.budgets import (
 from bb_lightning.engine.chunked import boundary_budgets
 from bb_lightning.engine.flat import ParamLoader, torch_dtype
 from bb_lightning.engine.inference import InferenceEngine, PieceSource, external_blocks
+from bb_lightning.engine.kv_paged import kv_budgets
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.swapped import SWAP_BYTES_PER_ELEMENT, swap_budgets
 from bb_lightning.engine.trainer_engine import TrainingEngine
@@ -43,7 +44,7 @@ from bb_lightning.hf.hf_load import HFCheckpoint, check_generation, check_suppor
 from bb_lightning.hf.structure import check_block_calls
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.planner import FitJob, Plan
+from bb_lightning.planner import FitJob, Plan, PredictJob
 from bb_lightning.strategy.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.strategy.session import hf_model
 from storage.external import FilePiece
@@ -59,6 +60,7 @@ __all__ = [
     "build_engine",
     "checkpoint_loader",
     "engine_calls",
+    "paged_kv_budgets",
     "release",
     "store_config",
 ]
@@ -123,6 +125,8 @@ def build_engine(
     else:
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement, external)  # fmt: skip
+        kv = paged_kv_budgets(placement, plan)
+        need = need if kv is None else {t: need[t] + kv[t] for t in Tier}
         sized = need
     config, tmpdir = (store, None) if store is not None else store_config(sized, nvme_path, device)
     config = as_scratch(config, blocks, placement, training=training)
@@ -147,8 +151,19 @@ def build_engine(
             tmpdir.cleanup()
         raise
     if isinstance(engine, InferenceEngine):
-        _configure_inference(module, placement, config.nvme_path or nvme_path)
+        kv_store = opened if paged_kv_budgets(placement, plan) is not None else None
+        _configure_inference(module, placement, config.nvme_path or nvme_path, kv_store)
     return Assembly(engine, opened, tmpdir)
+
+
+def paged_kv_budgets(placement: Placement, plan: Plan | None) -> dict[Tier, int] | None:
+    """The store's bytes per tier for a KV cache on the host beside the device's attention
+    (:func:`kv_budgets` of the plan's sequences and positions); None: no such cache, or no
+    generation plan sizing it (the cache then holds its own buffers, outside the store)."""
+    if plan is None or not isinstance(plan.job, PredictJob):
+        return None
+    sizes = (plan.concurrent_seqs, plan.job.cache_len, plan.model.kv_bytes_per_token)
+    return kv_budgets(placement, *sizes, plan.model.num_blocks)
 
 
 def store_pieces(module: nn.Module, placement: Placement) -> PieceSource | None:
@@ -296,11 +311,15 @@ def _with_boundaries(
     return {t: need[t] + room[t] + saved[t] for t in Tier}
 
 
-def _configure_inference(module: nn.Module, placement: Placement, nvme_path: str | None) -> None:
+def _configure_inference(
+    module: nn.Module, placement: Placement, nvme_path: str | None, kv_store: TieredStore | None
+) -> None:
     """The placement's KV-cache tier and decode-attention tier into the module (its generator
     keeps the cache there and attends there; the blocks' caches homed on NVMe go under
-    ``nvme_path``/kv-cache; the engine takes the prefill chunk from the placement itself)."""
+    ``nvme_path``/kv-cache, one on the host beside the device's attention in ``kv_store``;
+    the engine takes the prefill chunk from the placement itself)."""
     if isinstance(module, CausalLMModule):
+        module.kv_store = kv_store
         module.kv_cache_tier = placement.kv_cache
         module.decode_attention_tier = placement.decode_attention
         kv_dir = None if nvme_path is None else str(Path(nvme_path) / "kv-cache")

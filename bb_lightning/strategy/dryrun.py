@@ -276,8 +276,9 @@ def _run_batch(
 
     with torch.no_grad():
         gen = LayerMajorGenerator(
-            model, kv_tier=plan.placement.kv_cache, attention_tier=plan.placement.decode_attention
-        )
+            model, kv_tier=plan.placement.kv_cache, attention_tier=plan.placement.decode_attention,
+            kv_store=store,  # a cache on the host beside the device's attention pages through it
+        )  # fmt: skip
         kv = gen._cache(rows, total)
         mask = torch.ones(rows, kv.max_len, dtype=torch.long, device=META)
         cache_pos = torch.arange(total, device=META)

@@ -51,10 +51,10 @@ def test_a_host_kv_cache_streams_to_a_cuda_device_but_not_to_a_cpu(
     gpu, host = _kv_on_host(small_model, small_gpu), _kv_on_host(small_model, cpu)
     kv_tok = small_model.kv_bytes_per_token * small_model.num_blocks
     steps = JOB.new_tokens - 1
-    # transformers' offloading cache: the whole static cache (128 positions) each way per
-    # decode pass; prefill sends it to the host and brings layer 0 back
+    # the cache paged through the store: the whole static cache (128 positions) each way
+    # per pass, the prefill's too (its layers paged in before their update)
     whole = 32 * JOB.cache_len * kv_tok
-    streamed = (steps * whole + whole / small_model.num_blocks) / small_gpu.h2d_bandwidth
+    streamed = (steps + 1) * whole / small_gpu.h2d_bandwidth
     assert gpu.h2d_seconds - host.h2d_seconds == pytest.approx(streamed)
     assert host.d2h_seconds == 0.0
     assert gpu.d2h_seconds == pytest.approx((steps + 1) * whole / small_gpu.d2h_bandwidth)
@@ -137,10 +137,9 @@ def test_an_offloaded_cache_is_priced_as_transformers_moves_it(
     kw = np.array([float(n)])
     a = price(m, hw, JOB, PlanOverrides(), budgets, 1, c, Tier.HOST, kw)
     whole = c * JOB.cache_len * m.kv_bytes_per_token * n  # [c, kv heads, 128, dim] x 2 x n
-    assert cost.offloaded_kv_bytes(m, c, JOB.cache_len, prefill=False) == (whole, whole)
-    assert cost.offloaded_kv_bytes(m, c, JOB.cache_len, prefill=True) == (whole / n, whole)
+    assert cost.offloaded_kv_bytes(m, c, JOB.cache_len) == (whole, whole)
     d2h_s = whole / (5e8 * 0.8)  # per pass, prefill and decode alike
-    h2d_pre, h2d_dec = whole / n / 1e9, whole / 1e9
+    h2d_pre = h2d_dec = whole / 1e9
     head = cost.forward_flops_per_token(m, JOB.prompt_len) - m.head_flops_per_token()
     pre = cost.compute_seconds(c * JOB.prompt_len * head + c * m.head_flops_per_token(), hw)
     dec = cost.compute_seconds(c * cost.forward_flops_per_token(m, JOB.mean_context), hw)
