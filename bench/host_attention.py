@@ -4,9 +4,11 @@ read of the same bytes and the planner's price for it.
 For each size (concurrent sequences x cached positions) it builds one layer's KV cache
 (``[seqs, kv_heads, positions, head_dim]`` keys and values, ``--dtype``) and times the
 engine's CPU decode attention (:func:`bb_lightning.engine.attention.decode_attention`, one
-query token per sequence) and a plain read of the same keys and values (``torch.sum``
-over each), best of repeats within ``--seconds``. It prints the cache's bytes over each
-time (GB/s), their ratio, and the planner's predicted seconds
+query token per sequence, in inference mode as the engine decodes) and a plain read of the
+same keys and values (``torch.sum`` over each) in turns, one of each per round, best of
+each within twice ``--seconds``: a neighbour's load slows both alike, so their ratio holds
+on a shared machine. It prints the cache's bytes over each time (GB/s), their ratio, and
+the planner's predicted seconds
 (:func:`bb_lightning.planner.host_attention.host_attention_seconds`) on the rate the
 hardware probe prices host attention at, measured in the same run: the lesser of its plain
 read of host memory (:func:`bb_lightning.probe.host_memory.probe_host_read`) and its decode
@@ -40,16 +42,21 @@ from bb_lightning.probe.host_memory import probe_host_attention, probe_host_read
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _best_seconds(run: Callable[[], object], seconds: float) -> float:
-    """Least seconds of ``run()`` over repeats within ``seconds`` (at least three)."""
-    run()  # warm-up
-    best, runs = float("inf"), 0
+def _best_seconds(runs: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
+    """Least seconds of each of ``runs`` over repeats within ``seconds`` (at least three
+    each), taken in turns, one of each per round, so that a neighbour's load on this
+    shared machine slows each of them alike and their ratio holds."""
+    for run in runs.values():
+        run()  # warm-up
+    best = dict.fromkeys(runs, float("inf"))
+    rounds = 0
     deadline = time.perf_counter() + seconds
-    while runs < 3 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-        runs += 1
+    while rounds < 3 or time.perf_counter() < deadline:
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        rounds += 1
     return best
 
 
@@ -108,7 +115,7 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     print(_common.machine(None))
     probe_bytes = 256 << 20
-    seconds = min(args.seconds, 1.0)
+    seconds = args.seconds  # best of repeats, as long as a size's: alike on a shared machine
     read_rate = probe_host_read(seconds, probe_bytes)
     print(f"probe: host memory read {read_rate / 1e9:.3f} GB/s (sum over {probe_bytes >> 20} MiB)")
     layer = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
@@ -134,10 +141,14 @@ def main() -> None:
                 err = _check_against_sdpa(q, k, v)
                 print(f"check: decode attention vs torch sdpa (fp32), max abs diff {err:.3g}")
                 checked = True
-            attend = _best_seconds(
-                partial(decode_attention, nn.Module(), q, k, v, None), args.seconds
-            )
-            read = _best_seconds(partial(_read, k, v), args.seconds)
+            module = nn.Module()
+            with torch.inference_mode():  # as the engine decodes
+                best = _best_seconds(
+                    {"attend": partial(decode_attention, module, q, k, v, None),
+                     "read": partial(_read, k, v)},
+                    2 * args.seconds,
+                )  # fmt: skip
+            attend, read = best["attend"], best["read"]
             predicted = host_attention_seconds(profile, host, seqs, pos - 1, elem)
             print(
                 f"{seqs} seqs x {pos} positions ({nbytes / 2**20:.1f} MiB): attention "
