@@ -234,6 +234,62 @@ def test_host_kv_generation_equals_device_kv_with_compaction(tmp_path: Path) -> 
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
 
 
+def test_a_host_kv_cache_in_the_store_pins_nothing_per_step(tmp_path: Path) -> None:
+    """The cache on the host paged through the store: tokens as with the cache on the device
+    (compaction included), the cache in the store's host tier, and no pinned memory from
+    PyTorch's host allocator per step, where transformers' offloading cache takes some."""
+    import dataclasses
+
+    from bb_lightning.engine.kv_paged import kv_budgets
+    from bb_lightning.shapes import cache_length
+    from storage.store import StoreConfig, TieredStore
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").cuda().eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (8, 9), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate((9, 4, 7, 4, 9, 5, 8, 6)):
+        mask[row, : 9 - n], ids[row, : 9 - n] = 0, 0
+    device_kv = LayerMajorGenerator(model)
+    free = [r.token_ids for r in _tokens(device_kv, ids, mask, ())]
+    eos = _mid_eos(free, 5)
+    want = _tokens(device_kv, ids, mask, eos)
+    placement = dataclasses.replace(
+        Placement.uniform(3, weights=H, compute_dtype="float32"), kv_cache=H
+    )
+    per_token = model_profile_from_config(config).kv_bytes_per_token
+    kv = kv_budgets(placement, 8, cache_length(9 + 12), per_token, 3)
+    assert kv is not None
+    store = TieredStore(
+        StoreConfig(device_budget=kv[D] + (1 << 20), host_budget=kv[H] + (1 << 20), device="cuda")
+    )
+
+    def pinned_requests() -> int:
+        torch.cuda.synchronize()
+        return int(torch.cuda.host_memory_stats().get("active_requests.allocated", 0))
+
+    offloading = LayerMajorGenerator(model, kv_tier=H)
+    before = pinned_requests()
+    _tokens(offloading, ids, mask, eos)
+    assert pinned_requests() > before  # transformers' copies to the host, per layer and step
+    paged = LayerMajorGenerator(model, kv_tier=H, kv_store=store)
+    before = pinned_requests()
+    got = _tokens(paged, ids, mask, eos)
+    assert pinned_requests() == before
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert store.usage()[H][0] == kv[H]  # every layer's keys and values, in the store
+    paged.close()
+    store.close()
+
+
 def test_page_in_waits_are_timed_on_the_device() -> None:
     from bb_lightning.engine.budgets import required_budgets
     from bb_lightning.engine.trainer_engine import TrainingEngine
