@@ -108,7 +108,7 @@ def predict_roofline(
             Link.HOST_TO_DEVICE: float((n - kw) * model.block_params * job.compute_bytes),
             Link.NVME_TO_HOST: float((n - kw - w_h) * model.block_params * job.compute_bytes),
         },
-        # transformers' offloading cache moves the whole cache each way per decode pass
+        # the cache paged through the store moves the whole cache each way per pass
         bytes_per_token={Link.HOST_TO_DEVICE: up, Link.DEVICE_TO_HOST: down},
         bandwidth={k: b for k, b in bw.items() if b > 0},
     )
