@@ -37,12 +37,13 @@ from torch import Tensor
 from transformers.cache_utils import StaticLayer
 
 from bb_lightning.placement import Placement
+from storage.deferred import double_requested
 from storage.device import slot_bytes
 from storage.residency import Ticket
-from storage.store import TieredStore
+from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier, format_bytes
 
-__all__ = ["KVPager", "PagedLayer", "kv_budgets", "kv_layer_bytes"]
+__all__ = ["KVPager", "PagedLayer", "kv_budgets", "kv_layer_bytes", "paged_kv_budgets"]
 
 _ids = itertools.count()
 
@@ -66,6 +67,23 @@ def kv_budgets(
     per_token = bf16_bytes_per_token * placement.compute_bytes // 2
     layer = slot_bytes(rows * positions * per_token)
     return {Tier.DEVICE: 2 * layer, Tier.HOST: layers * layer, Tier.NVME: 0}
+
+
+def paged_kv_budgets(
+    placement: Placement,
+    sizes: tuple[int, int, int, int] | None,
+    device: torch.device,
+    store: StoreConfig | None,
+) -> dict[Tier, int] | None:
+    """:func:`kv_budgets` of ``sizes`` (a plan's concurrent sequences, cache positions,
+    bf16 bytes per token and layer, layers) where the store pages the cache; None: no such
+    cache, no ``sizes`` (the cache then holds its own buffers, outside the store), or a CPU
+    device (the cache in its RAM) but under the double of CUDA's copies (``store``'s, or
+    the environment's)."""
+    double = double_requested(None if store is None else store.cuda_double)
+    if sizes is None or (device.type == "cpu" and not double):
+        return None
+    return kv_budgets(placement, *sizes)
 
 
 class PagedLayer(StaticLayer):

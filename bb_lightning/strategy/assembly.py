@@ -35,7 +35,7 @@ from bb_lightning.engine.budgets import (
 from bb_lightning.engine.chunked import boundary_budgets
 from bb_lightning.engine.flat import ParamLoader, torch_dtype
 from bb_lightning.engine.inference import InferenceEngine, PieceSource, external_blocks
-from bb_lightning.engine.kv_paged import kv_budgets
+from bb_lightning.engine.kv_paged import paged_kv_budgets
 from bb_lightning.engine.shard import ShardComm
 from bb_lightning.engine.swapped import SWAP_BYTES_PER_ELEMENT, swap_budgets
 from bb_lightning.engine.trainer_engine import TrainingEngine
@@ -60,7 +60,6 @@ __all__ = [
     "build_engine",
     "checkpoint_loader",
     "engine_calls",
-    "paged_kv_budgets",
     "release",
     "store_config",
 ]
@@ -125,7 +124,7 @@ def build_engine(
     else:
         need = weights_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
                                placement, external)  # fmt: skip
-        kv = paged_kv_budgets(placement, plan)
+        kv = paged_kv_budgets(placement, _kv_sizes(plan), device, store)
         need = need if kv is None else {t: need[t] + kv[t] for t in Tier}
         sized = need
     config, tmpdir = (store, None) if store is not None else store_config(sized, nvme_path, device)
@@ -151,19 +150,18 @@ def build_engine(
             tmpdir.cleanup()
         raise
     if isinstance(engine, InferenceEngine):
-        kv_store = opened if paged_kv_budgets(placement, plan) is not None else None
+        kv_store = opened if paged_kv_budgets(placement, _kv_sizes(plan), device, store) else None
         _configure_inference(module, placement, config.nvme_path or nvme_path, kv_store)
     return Assembly(engine, opened, tmpdir)
 
 
-def paged_kv_budgets(placement: Placement, plan: Plan | None) -> dict[Tier, int] | None:
-    """The store's bytes per tier for a KV cache on the host beside the device's attention
-    (:func:`kv_budgets` of the plan's sequences and positions); None: no such cache, or no
-    generation plan sizing it (the cache then holds its own buffers, outside the store)."""
+def _kv_sizes(plan: Plan | None) -> tuple[int, int, int, int] | None:
+    """A generation plan's concurrent sequences, cache positions, bf16 KV bytes per token
+    and layer, and layers (None: no generation plan)."""
     if plan is None or not isinstance(plan.job, PredictJob):
         return None
-    sizes = (plan.concurrent_seqs, plan.job.cache_len, plan.model.kv_bytes_per_token)
-    return kv_budgets(placement, *sizes, plan.model.num_blocks)
+    model = plan.model
+    return plan.concurrent_seqs, plan.job.cache_len, model.kv_bytes_per_token, model.num_blocks
 
 
 def store_pieces(module: nn.Module, placement: Placement) -> PieceSource | None:
