@@ -63,7 +63,7 @@ def test_a_paged_host_cache_generates_like_hf_within_the_store_budgets(arch: str
     assert [g.token_ids for g in out] == want_eos
     assert gen._kv is cache and cache is not None and cache.pager is not None
     paged = [x for x in cache.cache.layers if isinstance(x, PagedLayer)]
-    assert paged and len(paged) == sum(type(x).__name__ == "PagedLayer" for x in paged)
+    assert paged  # every full-attention layer (LFM2's convolution layers keep their states)
     # every paged layer is a tensor of the store's host tier, and holds the cache's bytes
     held = store.usage()[Tier.HOST][0] - before
     assert held == len(paged) * (kv[Tier.HOST] // len(blocks))
