@@ -30,19 +30,30 @@ __all__ = [
     "DECODE_GROUPS",
     "DTYPE_BYTES",
     "READ_AHEAD",
+    "STATE_PIECE",
     "SWAP_PREFIX",
     "ModelSizes",
     "Placement",
     "StoredTensor",
     "boundary_manifest",
     "manifest_bytes",
+    "state_pieces",
     "training_manifest",
     "weights_manifest",
 ]
 
 READ_AHEAD = 2
 """Read-ahead sets of a placement whose optimizer state is homed off the host, unless the
-planner gives more (three fp32 host buffers of the largest block each)."""
+planner gives more (three fp32 host buffers of one state piece each)."""
+
+STATE_PIECE = 64 << 20
+"""Elements (256 MiB of fp32) of the pieces the host AdamW step works through a block's
+flat state in, unless a placement gives another size: each scratch and read-ahead buffer
+holds one piece, so the optimizer's host buffers are bounded by it, not by the block."""
+
+PIECE_ALIGN = 2048
+"""Elements a state piece is a multiple of: whole 4 KiB file blocks in fp32 and in a
+2-byte compute dtype, so a piece of state or weights on NVMe is read and written alone."""
 
 DECODE_GROUPS = 2
 """Groups of sequences a decode step keeps in flight with ``decode_attention`` HOST beside
@@ -78,10 +89,16 @@ class Placement:
     plan keeps bound.
     None: decided by the device the engine runs on (``recompute_resident`` above)."""
     read_ahead: int = READ_AHEAD
-    """Blocks whose optimizer state, where homed off the host, is read ahead of their
-    optimizer step, each into its own host buffers (three fp32 tensors of the largest
-    block); >= 1. More blocks give the reads more of the step to run in, at
-    ``12 * largest block params`` host bytes each."""
+    """Pieces of blocks' optimizer state (:attr:`state_piece`), where homed off the host,
+    read ahead of their optimizer step, each into its own host buffers (three fp32 tensors
+    of one piece, or of the largest block where that is smaller); >= 1. More give the
+    reads more of the step to run in, at 12 bytes per element each."""
+    state_piece: int = STATE_PIECE
+    """Elements of the pieces the host AdamW step reads, steps and writes a block's flat
+    state in (a multiple of :data:`PIECE_ALIGN`): the optimizer's scratch and read-ahead
+    buffers hold one piece each (the whole block where it is smaller), and the state and
+    weights of a larger block are read and written piece by piece (each piece one
+    sequential request per tensor)."""
     hold_grads: bool = False
     """Training with several micro-batches per step: keep each earlier micro-batch's
     gradients as the backward made them, in the compute dtype, and sum them into the
@@ -140,6 +157,16 @@ class Placement:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 1: pass 1 or more")
         if self.read_ahead < 1:
             raise ValueError(f"read_ahead={self.read_ahead} must be >= 1: pass 1 or more")
+        if (
+            isinstance(self.state_piece, bool)
+            or not isinstance(self.state_piece, int)
+            or self.state_piece < PIECE_ALIGN
+            or self.state_piece % PIECE_ALIGN
+        ):
+            raise ValueError(
+                f"state_piece={self.state_piece!r} elements must be a multiple of "
+                f"{PIECE_ALIGN} (4 KiB file blocks): pass one, e.g. {STATE_PIECE}"
+            )
         if self.compute_dtype not in DTYPE_BYTES:
             raise ValueError(
                 f"compute_dtype={self.compute_dtype!r} is not supported: use one of "
@@ -274,6 +301,7 @@ class Placement:
             "recompute_resident": self.recompute_resident,
             "recomputed": None if self.recomputed is None else list(self.recomputed),
             "read_ahead": self.read_ahead,
+            "state_piece": self.state_piece,
             "hold_grads": self.hold_grads,
             "compute_dtype": self.compute_dtype,
             "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
@@ -320,7 +348,8 @@ SCRATCH_SETS = 2
 """Sets of host scratch buffers (one in use, one whose writes may still be in flight)."""
 
 SCRATCH_FP32 = ("master", "exp_avg", "exp_avg_sq", "grad")
-"""fp32 buffers of a scratch set (each of the largest block's numel); plus one ``cast``."""
+"""fp32 buffers of a scratch set (each of one state piece, :attr:`Placement.state_piece`,
+or of the largest block where that is smaller); plus one ``cast``."""
 
 StateKind = Literal["master", "exp_avg", "exp_avg_sq"]
 STATE_KINDS: tuple[StateKind, StateKind, StateKind] = ("master", "exp_avg", "exp_avg_sq")
@@ -415,8 +444,9 @@ def training_manifest(
     ``placement.weights[i]``; the fp32 master weights and moments on ``placement.master[i]``
     and the fp32 gradient accumulator on ``placement.grad_tiers[i]``. Then the optimizer's
     :data:`SCRATCH_SETS` host scratch sets (four fp32 buffers and one compute-dtype
-    ``cast`` of the largest block each), and, with optimizer state off the host,
-    ``placement.read_ahead`` read-ahead sets (three fp32 buffers each).
+    ``cast``, each of one ``placement.state_piece`` or of the largest block where that is
+    smaller), and, with optimizer state off the host, ``placement.read_ahead`` read-ahead
+    sets (three fp32 buffers of that size each).
 
     With ``shards`` N > 1 (data parallelism, :mod:`bb_lightning.engine.shard`) every fp32
     state holds one rank's shard (``sizes.shard_blocks``, ``sizes.shard_rest``), and so do
@@ -453,7 +483,7 @@ def training_manifest(
             out.append(StoredTensor(name=f"{name}.frozen", numel=f, dtype=dtype, home=w, block=i))
         out.append(StoredTensor(name=f"{name}.weight", numel=s, dtype=dtype, home=w, block=i))
         out += _flat_state(name, s, m, g)
-    largest = cast = max(state)
+    largest = cast = min(max(state), placement.state_piece)  # one piece of the largest
     for k in range(SCRATCH_SETS):
         name = f"{SCRATCH_PREFIX}.{k}"
         out += [StoredTensor(name=f"{name}.{b}", numel=largest, dtype=fp32, home=host)
@@ -488,6 +518,13 @@ def boundary_manifest(placement: Placement, numel: int) -> tuple[StoredTensor, .
                      dtype=placement.compute_dtype, home=home)
         for i in range(placement.num_blocks)
     )  # fmt: skip
+
+
+def state_pieces(numel: int, piece: int) -> list[tuple[int, int]]:
+    """``(start, end)`` element ranges of a flat state of ``numel`` elements cut into pieces
+    of ``piece`` (:attr:`Placement.state_piece`); the last may be shorter, one when the
+    state is no larger than a piece (none for an empty state)."""
+    return [(a, min(a + piece, numel)) for a in range(0, numel, piece)]
 
 
 def read_ahead_name(k: int, kind: str) -> str:

@@ -21,11 +21,82 @@ from torch import Tensor
 from bb_lightning.engine.flat import flat_views, flatten_fp32, register_stored
 from bb_lightning.engine.grad_sink import sum_tiles
 from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
-from bb_lightning.placement import StoredTensor
-from storage.store import TieredStore
+from bb_lightning.placement import StoredTensor, state_pieces
+from storage.io import aligned_empty
+from storage.store import Ticket, TieredStore
 from storage.tiers import Tier
 
-__all__ = ["FlatState"]
+__all__ = ["FlatState", "read_piece", "read_piece_now", "write_piece"]
+
+
+def read_piece(store: TieredStore, name: str, buf: Tensor, a: int, b: int) -> Ticket:
+    """Start reading elements ``[a, b)`` of flat tensor ``name`` into the start of ``buf``
+    (a host buffer of one piece, 4 KiB-padded): the whole tensor in one read when the
+    range is all of it, else the range alone."""
+    if a == 0 and b == store.spec(name).shape[0]:
+        return store.read_async(name, buf[:b])
+    return store.read_range_async(name, buf, a, b - a)
+
+
+def read_piece_now(store: TieredStore, name: str, buf: Tensor, a: int, b: int) -> Tensor:
+    """Elements ``[a, b)`` of flat tensor ``name`` read into the start of ``buf`` now (as
+    :func:`read_piece`, the whole tensor by :meth:`~storage.store.TieredStore.read`)."""
+    if a == 0 and b == store.spec(name).shape[0]:
+        return store.read(name, out=buf[:b])
+    read_piece(store, name, buf, a, b).wait_host()
+    return buf[: b - a]
+
+
+def write_piece(store: TieredStore, name: str, buf: Tensor, a: int, b: int) -> Ticket:
+    """Start writing the start of ``buf`` over elements ``[a, b)`` of flat tensor ``name``
+    (as :func:`read_piece`); ``buf`` stays unchanged until the ticket's ``wait_host``."""
+    if a == 0 and b == store.spec(name).shape[0]:
+        return store.write_back_async(name, buf[:b])
+    return store.write_range_async(name, buf, a, b - a)
+
+
+ZERO_PIECE = 16 << 20
+"""Elements of the zeros written at a time over a moment homed on NVMe (64 MiB of fp32)."""
+
+
+def _write_zeros(store: TieredStore, name: str) -> None:
+    """Write zeros over flat fp32 tensor ``name`` where it is homed on NVMe (its chunk is
+    then on disk, as every later step finds it), a piece at a time from one small buffer:
+    no tensor of the whole state is made. A checksummed array is written whole."""
+    if store.home(name) is not Tier.NVME:
+        return
+    spec = store.spec(name)
+    numel = spec.shape[0]
+    if spec.checksum:
+        store.write(name, torch.zeros(numel, dtype=torch.float32))
+        return
+    buf = aligned_empty(4 * min(numel, ZERO_PIECE)).view(torch.float32).zero_()
+    for a, b in state_pieces(numel, ZERO_PIECE):
+        store.write_range_async(name, buf, a, b - a).wait_host()
+
+
+def _piece_views(
+    shapes: Sequence[tuple[int, ...]],
+    batches: Sequence[Sequence[Tensor | None]],
+    a: int,
+    b: int,
+    out: Tensor,
+) -> tuple[list[Tensor], list[list[Tensor | None]]]:
+    """The parts of ``out`` (elements ``[a, b)`` of a flat buffer laid out as ``shapes``)
+    that each tensor covers, and the matching flat slices of each batch's tensors."""
+    views: list[Tensor] = []
+    sliced: list[list[Tensor | None]] = [[] for _ in batches]
+    start = 0
+    for j, shape in enumerate(shapes):
+        end = start + math.prod(shape)
+        lo, hi = max(a, start), min(b, end)
+        if lo < hi:
+            views.append(out[lo - a : hi - a])
+            for k, batch in enumerate(batches):
+                g = batch[j]
+                sliced[k].append(None if g is None else g.reshape(-1)[lo - start : hi - start])
+        start = end
+    return views, sliced
 
 
 class FlatState:
@@ -74,10 +145,10 @@ class FlatState:
         """CRC-32C of the initial values under ``comm`` (checked equal on every rank)."""
         if comm is not None:
             master = self.local(master, torch.empty(self.numel, dtype=torch.float32))
-        zeros = torch.zeros(self.numel, dtype=torch.float32)
         register_stored(store, manifest[self.master_name], master)
-        register_stored(store, manifest[f"{name}.exp_avg"], zeros)
-        register_stored(store, manifest[f"{name}.exp_avg_sq"], zeros)
+        for kind in ("exp_avg", "exp_avg_sq"):  # zeros, made by the store
+            register_stored(store, manifest[f"{name}.{kind}"])
+            _write_zeros(store, f"{name}.{kind}")
         register_stored(store, manifest[self.grad_name])
         self.grad_pending = False
         """Whether the accumulator holds gradients since the last :meth:`clear_grad`."""
@@ -106,12 +177,7 @@ class FlatState:
         (reduced on the device: :meth:`ShardComm.reduce_scatter_async`).
         """
         if self.comm is not None:  # this rank's shard of the mean, reduced on the device
-            if len(grads) != 1 or grads[0] is None or grads[0].numel() != self.numel:
-                raise ValueError(
-                    f"{self.name!r} is sharded over {self.comm.world_size} ranks: accumulate "
-                    f"takes this rank's reduced shard, one flat tensor of {self.numel} "
-                    "elements (ShardComm.reduce_scatter_async)"
-                )
+            self._check_reduced(grads)
             return self._sum([grads], [(self.numel,)], scratch, persist)
         return self._sum([*self.held, grads], self.shapes, scratch, persist)
 
@@ -162,6 +228,79 @@ class FlatState:
         if persist:
             self.store.write(self.grad_name, flat)
         return flat
+
+    def pieces(self, piece: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of the pieces of ``piece`` elements this state is stepped in."""
+        return state_pieces(self.numel, piece)
+
+    def _check_reduced(self, grads: Sequence[Tensor | None]) -> None:
+        """Under ``comm``: ``ValueError`` unless ``grads`` is this rank's reduced shard."""
+        if self.comm is not None and (
+            len(grads) != 1 or grads[0] is None or grads[0].numel() != self.numel
+        ):
+            raise ValueError(
+                f"{self.name!r} is sharded over {self.comm.world_size} ranks: accumulate "
+                f"takes this rank's reduced shard, one flat tensor of {self.numel} "
+                "elements (ShardComm.reduce_scatter_async)"
+            )
+
+    def gradient_piece(
+        self, a: int, b: int, out: Tensor, fresh: Sequence[Tensor | None] | None = None
+    ) -> Tensor:
+        """Elements ``[a, b)`` of the accumulated gradient, the held gradients and ``fresh``
+        (per-parameter gradients, or this rank's reduced shard under ``comm``) summed, in
+        ``out[: b - a]`` (fp32, a piece buffer); nothing is stored. For an accumulator homed
+        off the host (a HOST one is summed in place: :meth:`accumulate`)."""
+        dst = out[: b - a]
+        batches = [*self.held, *([] if fresh is None else [fresh])]
+        if fresh is not None:
+            self._check_reduced(fresh)
+        if self.grad_pending:
+            read_piece_now(self.store, self.grad_name, out, a, b)
+        elif not batches:
+            return dst.zero_()
+        if batches:
+            shapes = [(self.numel,)] if self.comm is not None else self.shapes
+            views, sliced = _piece_views(shapes, batches, a, b, dst)
+            sum_tiles(views, sliced, into=self.grad_pending)
+        return dst
+
+    def accumulate_pieces(
+        self,
+        grads: Sequence[Tensor | None],
+        buf: Tensor | None,
+        piece: int,
+        *,
+        norm: bool = False,
+    ) -> Tensor | None:
+        """:meth:`accumulate`: in place on the host (``buf`` unused), else through ``buf``
+        one piece of ``piece`` elements at a time (read, summed, written back); with
+        ``norm`` the fp32 2-norm of the new sum (0-d), else None."""
+        if self.store.home(self.grad_name) is Tier.HOST or buf is None:
+            flat = self.accumulate(grads, buf)
+            return torch.linalg.vector_norm(flat, 2.0, dtype=torch.float32) if norm else None
+        norms = []
+        for a, b in self.pieces(piece):
+            flat = self.gradient_piece(a, b, buf, grads)
+            if norm:
+                norms.append(torch.linalg.vector_norm(flat, 2.0, dtype=torch.float32))
+            write_piece(self.store, self.grad_name, buf, a, b).wait_host()
+        self.held = []
+        self.grad_pending = True
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norm and norms else None
+
+    def grad_norm(self, buf: Tensor | None, piece: int) -> Tensor:
+        """The fp32 2-norm of the accumulated gradient (held gradients included): read
+        piece by piece through ``buf`` where the accumulator is homed off the host."""
+        if self.store.home(self.grad_name) is Tier.HOST or buf is None:
+            return torch.linalg.vector_norm(self.gradient(buf), 2.0, dtype=torch.float32)
+        norms = [
+            torch.linalg.vector_norm(self.gradient_piece(a, b, buf), 2.0, dtype=torch.float32)
+            for a, b in self.pieces(piece)
+        ]
+        if len(norms) == 1:
+            return norms[0]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
     def gradient(self, scratch: Tensor | None = None) -> Tensor:
         """The accumulated gradient (zeros when none is pending), flat fp32 on the host.

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from bb_lightning.engine.flat_state import FlatState
+from bb_lightning.engine.flat_state import FlatState, read_piece_now, write_piece
 from bb_lightning.engine.optim import (
     AdamWConfig,
     AdamWGroups,
@@ -205,7 +205,7 @@ class OptimizerStep:
         local = [*norms, torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)]
         total = float(torch.linalg.vector_norm(torch.stack(local), 2.0))
         scale = clip_coefficient(total, overlap.clip)
-        master = self.step_state(self.resident, overlap.adam, scale, overlap.step, None, grad)
+        master = self.step_state(self.resident, overlap.adam, scale, overlap.step, grad)
         self.set_resident(master)
         self._failed = False
         self.overlap_starts = []
@@ -220,10 +220,7 @@ class OptimizerStep:
         assert updated is not None
         try:
             self.overlap_starts.append((i, time.perf_counter()))
-            scratch = self.pool.take()
-            state = self.pager.states[i]
-            grad = state.gradient(scratch.fp32["grad"])
-            self.step_state(state, overlap.adam, scale, overlap.step, scratch, grad, block=i)
+            self.step_block_state(i, overlap.adam, scale, overlap.step)
         except BaseException:
             self._failed = True
             raise
@@ -249,20 +246,14 @@ class OptimizerStep:
     ) -> None:
         """Block ``i``'s AdamW step (its last ``grads`` summed in) and weight write-back."""
         self.overlap_starts.append((i, time.perf_counter()))
-        scratch = self.pool.take()
-        state = self.pager.states[i]
-        if grads is None:
-            grad = state.gradient(scratch.fp32["grad"])
-        else:
-            grad = state.accumulate(grads, scratch.fp32["grad"], persist=False)
-        self.step_state(state, overlap.adam, 1.0, overlap.step, scratch, grad, block=i)
+        self.step_block_state(i, overlap.adam, 1.0, overlap.step, grads)
 
-    def write_weights(self, i: int, master: Tensor, scratch: Scratch) -> None:
-        """Write block ``i``'s compute-dtype weights from its stepped fp32 ``master`` through
-        ``scratch.cast`` (under data parallelism this rank's shard: each rank writes home
-        its own, the next page-in assembles the block on the device); the write's ticket
-        joins the set's."""
-        ticket = self.pager.write_weights(i, master, scratch.cast)
+    def write_weights(self, i: int, master: Tensor, scratch: Scratch, start: int = 0) -> None:
+        """Write elements ``[start, start + master.numel())`` of block ``i``'s compute-dtype
+        weights from its stepped fp32 ``master`` (a piece) through ``scratch.cast`` (under
+        data parallelism this rank's shard: each rank writes home its own, the next page-in
+        assembles the block on the device); the write's ticket joins the set's."""
+        ticket = self.pager.write_weights(i, master, scratch.cast, start)
         if ticket is not None:
             scratch.tickets.append(ticket)
 
@@ -273,9 +264,7 @@ class OptimizerStep:
             if i not in overlap.done:
                 self.step_block(i, overlap)
         resident = self.resident
-        master = self.step_state(
-            resident, overlap.adam, 1.0, overlap.step, None, resident.gradient()
-        )
+        master = self.step_state(resident, overlap.adam, 1.0, overlap.step, resident.gradient())
         self.set_resident(master)
 
     def step_all(
@@ -295,16 +284,12 @@ class OptimizerStep:
         self.step_count += 1
         adam = Steppers(adamw)
         self.pool.plan_reads(range(self.pager.num_blocks))
-        for i, state in enumerate(self.pager.states):
-            scratch = self.pool.take()
-            grad = state.gradient(scratch.fp32["grad"])
-            if clamp is not None:
-                grad.clamp_(-clamp, clamp)
-            self.step_state(state, adam, scale, self.step_count, scratch, grad, block=i)
+        for i in range(self.pager.num_blocks):
+            self.step_block_state(i, adam, scale, self.step_count, clamp=clamp)
         grad = self.resident.gradient()
         if clamp is not None:
             grad.clamp_(-clamp, clamp)
-        master = self.step_state(self.resident, adam, scale, self.step_count, None, grad)
+        master = self.step_state(self.resident, adam, scale, self.step_count, grad)
         self.set_resident(master)
 
     def set_resident(self, master: Tensor) -> None:
@@ -320,53 +305,90 @@ class OptimizerStep:
             p.data.copy_(v)
 
     def step_state(
-        self,
-        state: FlatState,
-        adam: Steppers,
-        scale: float,
-        step: int,
-        scratch: Scratch | None,
-        grad: Tensor,
-        *,
-        block: int | None = None,
+        self, state: FlatState, adam: Steppers, scale: float, step: int, grad: Tensor
     ) -> Tensor:
-        """AdamW on one flat state: HOST-home tensors in place, others through ``scratch``
-        or block ``block``'s read-ahead set (read, stepped, written back asynchronously);
-        the stepped fp32 master weights.
-
-        For a block, its compute-dtype weights are written from the stepped master here,
-        before its read-ahead set goes back to the free list: from then on a read-ahead of
-        another block may refill that set (the returned master is then no longer its own).
-        """
+        """AdamW on the resident parameters' flat state (homed on the host: stepped in
+        place); the stepped fp32 master weights."""
         start = time.perf_counter()
-        ahead = self.pool.take_ahead(block)  # the next blocks' reads run while this one steps
-        held = ahead if ahead is not None else scratch
-        if ahead is not None:
-            ahead.wait_reads()
-        bufs: list[Tensor] = []
-        for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
-            if self.store.home(name) is Tier.HOST:
-                bufs.append(self.store.host_view(name))
-            elif ahead is not None:
-                bufs.append(ahead.fp32[kind][: state.numel])
-            else:
-                assert scratch is not None, f"{name} is not on host and no scratch was given"
-                bufs.append(self.store.read(name, out=scratch.fp32[kind][: state.numel]))
-        master, exp_avg, exp_avg_sq = bufs
-        params = self.resident_params if block is None else self.pager.params[block]
-        for a, b, stepper in adam.runs(state, params):
+        master, exp_avg, exp_avg_sq = (self.store.host_view(n) for n in state.state_names)
+        for a, b, stepper in adam.runs(state, self.resident_params):
             stepper.step_block(
                 master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, grad_scale=scale
             )
-        for name, buf in zip(state.state_names, bufs, strict=True):
-            if self.store.home(name) is not Tier.HOST:
-                assert held is not None
-                held.tickets.append(self.store.write_back_async(name, buf))
-        if block is not None:
-            assert scratch is not None, f"block {block} is stepped without a scratch set"
-            self.write_weights(block, master, scratch)
-        if ahead is not None:  # the weights are cast from its master: reused once written
-            self.pool.give_back(ahead)
         state.clear_grad()
         self.busy_s += time.perf_counter() - start
         return master
+
+    def step_block_state(
+        self,
+        i: int,
+        adam: Steppers,
+        scale: float,
+        step: int,
+        fresh: Sequence[Tensor | None] | None = None,
+        *,
+        clamp: float | None = None,
+    ) -> None:
+        """AdamW on block ``i``'s flat state, one piece (``pool.piece`` elements) at a time:
+        its gradient (the accumulated one plus ``fresh``, clamped to ``clamp``), its
+        HOST-home tensors in place, the others from the piece's read-ahead set or read into
+        a scratch set, stepped and written back asynchronously, then the piece's
+        compute-dtype weights written from its stepped master.
+
+        A HOST-home gradient accumulator is summed whole in place first (no buffer). A
+        read-ahead set goes back to the free list once its piece's weights are cast (from
+        then on a read of another piece may refill it).
+        """
+        start = time.perf_counter()
+        state = self.pager.states[i]
+        host_grad = None
+        if self.store.home(state.grad_name) is Tier.HOST:
+            host_grad = state.gradient() if fresh is None else state.accumulate(fresh, None)
+        runs = adam.runs(state, self.pager.params[i])
+        for k, (a, b) in enumerate(state.pieces(self.pool.piece)):
+            scratch = self.pool.take()
+            ahead = self.pool.take_ahead((i, k))  # the next pieces' reads run meanwhile
+            if ahead is not None:
+                ahead.wait_reads()
+            if host_grad is not None:
+                grad = host_grad[a:b]
+            else:
+                grad = state.gradient_piece(a, b, scratch.fp32["grad"], fresh)
+            if clamp is not None:
+                grad.clamp_(-clamp, clamp)
+            bufs = self._piece_bufs(state, a, b, scratch, ahead)
+            master, exp_avg, exp_avg_sq = bufs
+            for lo, hi, stepper in runs:
+                lo, hi = max(lo, a) - a, min(hi, b) - a
+                if lo < hi:
+                    stepper.step_block(
+                        master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                        step=step, grad_scale=scale,
+                    )  # fmt: skip
+            held = ahead if ahead is not None else scratch
+            for name, buf in zip(state.state_names, bufs, strict=True):
+                if self.store.home(name) is not Tier.HOST:
+                    held.tickets.append(write_piece(self.store, name, buf, a, b))
+            self.write_weights(i, master[: b - a], scratch, a)
+            if ahead is not None:  # the weights are cast from its master: reused once written
+                self.pool.give_back(ahead)
+        state.clear_grad()
+        self.busy_s += time.perf_counter() - start
+
+    def _piece_bufs(
+        self, state: FlatState, a: int, b: int, scratch: Scratch, ahead: Scratch | None
+    ) -> list[Tensor]:
+        """Elements ``[a, b)`` of ``state``'s master weights and moments to step: views of
+        HOST homes, else the read-ahead set's buffers (read), else read into ``scratch``.
+        Off-host buffers are whole piece buffers (a range write needs their padding); the
+        caller steps their first ``b - a`` elements."""
+        bufs: list[Tensor] = []
+        for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
+            if self.store.home(name) is Tier.HOST:
+                bufs.append(self.store.host_view(name)[a:b])
+            elif ahead is not None:
+                bufs.append(ahead.fp32[kind])
+            else:
+                read_piece_now(self.store, name, scratch.fp32[kind], a, b)
+                bufs.append(scratch.fp32[kind])
+        return bufs

@@ -40,11 +40,11 @@ from bb_lightning.engine.flat import (
     split_frozen,
     torch_dtype,
 )
-from bb_lightning.engine.flat_state import FlatState
+from bb_lightning.engine.flat_state import FlatState, write_piece
 from bb_lightning.engine.observers import BlockObserver
 from bb_lightning.engine.shard import ShardComm, ShardLayout, digest
 from bb_lightning.engine.timing import PhaseTimer
-from bb_lightning.placement import Placement, StoredTensor
+from bb_lightning.placement import Placement, StoredTensor, state_pieces
 from storage.external import FilePiece
 from storage.observers import added, removed
 from storage.store import Ticket, TieredStore
@@ -323,24 +323,35 @@ class BlockPager:
         flat = self._whole(self.store.read(name), self.frozen_layouts[i])
         return flat_views(flat.to("cpu", torch.float32), self.frozen_shapes[i])
 
-    def write_weights(self, i: int, master: Tensor, scratch: Tensor) -> Ticket | None:
-        """Store fp32 ``master`` as block ``i``'s weights in the compute dtype, asynchronously.
+    def write_weights(
+        self, i: int, master: Tensor, scratch: Tensor, start: int = 0
+    ) -> Ticket | None:
+        """Store fp32 ``master`` as elements ``[start, start + master.numel())`` of block
+        ``i``'s weights in the compute dtype, asynchronously.
 
         HOST-home weights are cast in place into their home (None returned). Others are
         cast into ``scratch`` and written back on the store's copy threads: ``scratch``
         must stay unchanged until the returned ticket's :meth:`~storage.store.Ticket.wait_host`
         returned (on CUDA the copy reads it until it completes); the store orders the
-        block's next page-in after the write.
+        block's next page-in after the write. A ``master`` larger than ``scratch`` is
+        written one ``scratch`` at a time, each waited for (None returned).
         """
-        assert not self._paged(i) or self.store.state(self.names[i]) is Residency.RELEASED, (
+        name = self.names[i]
+        assert not self._paged(i) or self.store.state(name) is Residency.RELEASED, (
             f"block {i} must be released before its weights are rewritten"
         )
-        if self.store.home(self.names[i]) is Tier.HOST:
-            self.store.host_view(self.names[i]).copy_(master)
+        n = master.numel()
+        if self.store.home(name) is Tier.HOST:
+            self.store.host_view(name)[start : start + n].copy_(master)
             return None
-        out = scratch[: master.numel()]
-        out.copy_(master)
-        return self.store.write_back_async(self.names[i], out)
+        if n > scratch.numel():  # a whole state through a piece buffer (loading state)
+            for a, b in state_pieces(n, scratch.numel()):
+                ticket = self.write_weights(i, master[a:b], scratch, start + a)
+                if ticket is not None:
+                    ticket.wait_host()  # scratch takes the next piece
+            return None
+        scratch[:n].copy_(master)
+        return write_piece(self.store, name, scratch, start, start + n)
 
     def apply(self, placement: Placement) -> None:
         """Re-home every block's tensors as ``placement`` says (moves through the store).

@@ -1,13 +1,15 @@
 """Host scratch buffers of the optimizer step, and the read-ahead of off-host optimizer state.
 
-Optimizer state homed on HOST is stepped in place in the host arena. State homed
-elsewhere passes through :data:`~bb_lightning.placement.SCRATCH_SETS` sets of scratch
-buffers sized for the largest block, registered in the store's host arena (so the host
-budget covers them); writes from the optimizer go back asynchronously on the store's copy
-threads, a set waiting for its previous writes only when it is used again. When some
-optimizer state is homed off the host, ``Placement.read_ahead`` more sets of three fp32
-buffers let the reads of the next blocks' state run on the store's threads while a block
-steps (:meth:`ScratchPool.plan_reads`).
+The step works through each block's flat state in pieces of ``Placement.state_piece``
+elements (the whole block where it is smaller). Optimizer state homed on HOST is stepped
+in place in the host arena. State homed elsewhere passes through
+:data:`~bb_lightning.placement.SCRATCH_SETS` sets of scratch buffers of one piece each,
+registered in the store's host arena (so the host budget covers them); writes from the
+optimizer go back asynchronously on the store's copy threads, a set waiting for its
+previous writes only when it is used again. When some optimizer state is homed off the
+host, ``Placement.read_ahead`` more sets of three fp32 buffers of one piece let the reads
+of the next pieces' state (of this block and the next ones) run on the store's threads
+while a piece steps (:meth:`ScratchPool.plan_reads`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 from bb_lightning.engine.flat import register_stored
-from bb_lightning.engine.flat_state import FlatState
+from bb_lightning.engine.flat_state import FlatState, read_piece
 from bb_lightning.placement import (
     SCRATCH_FP32,
     SCRATCH_PREFIX,
@@ -33,7 +35,10 @@ from bb_lightning.placement import (
 from storage.store import Ticket, TieredStore
 from storage.tiers import Tier
 
-__all__ = ["Scratch", "ScratchPool"]
+__all__ = ["Piece", "Scratch", "ScratchPool"]
+
+Piece = tuple[int, int]
+"""(block, piece index) of a piece of a block's flat state."""
 
 
 @dataclass
@@ -41,9 +46,9 @@ class Scratch:
     """One set of host scratch buffers and the writes still reading them."""
 
     fp32: dict[str, Tensor]
-    """fp32 buffers by :data:`SCRATCH_FP32` name, each of the largest block's numel."""
+    """fp32 buffers by :data:`SCRATCH_FP32` name, each of one piece's elements."""
     cast: Tensor
-    """A compute-dtype buffer of the largest block's numel (weights being written)."""
+    """A compute-dtype buffer of one piece's elements (weights being written)."""
     tickets: list[Ticket] = field(default_factory=list)
     """Asynchronous writes from these buffers not yet waited for."""
     reads: list[Ticket] = field(default_factory=list)
@@ -71,12 +76,13 @@ class Scratch:
 class ScratchPool:
     """The scratch sets and read-ahead sets of one training engine's optimizer step.
 
-    ``states`` are the blocks' flat states (the fp32 buffers hold the largest one's
-    elements, ``cast_numel`` those of the compute-dtype ones); ``entries`` the engine's
-    manifest by name, from which the sets are registered in
-    ``store``. Scratch sets are taken in turn by one thread at a time (:meth:`take`);
-    read-ahead sets move between a free list and the blocks whose state they hold, under
-    a lock (the gradient worker and the training thread both step blocks).
+    ``states`` are the blocks' flat states, stepped in pieces of ``piece`` elements (each
+    fp32 buffer holds one piece, or the largest state where that is smaller; each cast
+    buffer likewise, of ``cast_numel``); ``entries`` the engine's manifest by name, from
+    which the sets are registered in ``store``. Scratch sets are taken in turn by one
+    thread at a time (:meth:`take`); read-ahead sets move between a free list and the
+    pieces whose state they hold, under a lock (the gradient worker and the training
+    thread both step blocks).
     """
 
     def __init__(
@@ -87,32 +93,42 @@ class ScratchPool:
         *,
         compute_dtype: torch.dtype,
         cast_numel: int,
+        piece: int,
     ) -> None:
+        largest = max(s.numel for s in states)
+        if largest > piece and store.config.scratch_checksums:
+            raise ValueError(
+                f"a block's optimizer state ({largest} elements) is stepped in pieces of "
+                f"{piece}, but scratch_checksums writes NVMe tensors whole: set "
+                f"Placement.state_piece >= {largest} or scratch_checksums=False"
+            )
         self.store = store
         self.states = states
         self.compute_dtype = compute_dtype
-        self.largest = max(s.numel for s in states)
-        """Elements of the largest block's flat state (each fp32 buffer's size)."""
-        self.cast_numel = cast_numel
-        """Elements of each set's compute-dtype buffer (the largest block's whole weights)."""
+        self.piece = piece
+        """Elements of the pieces a block's state is stepped in (``Placement.state_piece``)."""
+        self.largest = min(largest, piece)
+        """Elements of each fp32 buffer: one piece, or the largest state where smaller."""
+        self.cast_numel = min(cast_numel, piece)
+        """Elements of each set's compute-dtype buffer (one piece of a block's weights)."""
         self.sets = [self._scratch_set(k, entries) for k in range(SCRATCH_SETS)]
         """The scratch sets, taken in turn."""
         self._next_set = 0
         self._free_ahead: list[Scratch] = []
-        """Read-ahead sets not holding a block's state (a set may still be writing)."""
+        """Read-ahead sets not holding a piece's state (a set may still be writing)."""
         self._ahead_sets = 0
         """Read-ahead sets registered in the store (only grows)."""
-        self._ahead: dict[int, Scratch] = {}
-        """Blocks whose state is being (or has been) read ahead, and the set it is read into."""
-        self._queue: list[int] = []
-        """Blocks still to step in this optimizer step, in step order, not yet read ahead."""
+        self._ahead: dict[Piece, Scratch] = {}
+        """Pieces whose state is being (or has been) read ahead, and the set it is read into."""
+        self._queue: list[Piece] = []
+        """Pieces still to step in this optimizer step, in step order, not yet read ahead."""
         self._lock = threading.Lock()
 
     def _scratch_set(self, k: int, entries: Mapping[str, StoredTensor]) -> Scratch:
         store, prefix = self.store, f"{SCRATCH_PREFIX}.{k}"
         for name in (*SCRATCH_FP32, "cast"):
             entry = entries[f"{prefix}.{name}"]
-            want = self.cast_numel if name == "cast" else self.largest  # cast: whole weights
+            want = self.cast_numel if name == "cast" else self.largest  # cast: weights
             assert entry.numel == want, (entry, want)
             register_stored(store, entry)
         return Scratch(
@@ -138,42 +154,43 @@ class ScratchPool:
         return Scratch(fp32=views, cast=torch.empty(0, dtype=self.compute_dtype))
 
     def plan_reads(self, order: Sequence[int]) -> None:
-        """Blocks ``order`` will step in this order: start reading their off-host state
-        (blocks already read ahead are kept)."""
+        """Blocks ``order`` will step in this order: start reading their off-host state,
+        piece by piece (pieces already read ahead are kept)."""
         with self._lock:
             self._queue = [
-                i
+                (i, k)
                 for i in order
-                if i not in self._ahead
-                and any(self.store.home(n) is not Tier.HOST for n in self.states[i].state_names)
+                if any(self.store.home(n) is not Tier.HOST for n in self.states[i].state_names)
+                for k in range(len(self.states[i].pieces(self.piece)))
+                if (i, k) not in self._ahead
             ]
         self.read_ahead()
 
     def read_ahead(self) -> None:
-        """Issue state reads of the next queued blocks into free read-ahead sets whose
+        """Issue state reads of the next queued pieces into free read-ahead sets whose
         earlier writes are done (never waits: a set still writing is taken later)."""
         with self._lock:
             while self._queue and self._free_ahead and self._free_ahead[0].idle():
-                i = self._queue.pop(0)
-                if i in self._ahead:
+                key = self._queue.pop(0)
+                if key in self._ahead:
                     continue
                 buf = self._free_ahead.pop(0)
                 buf.settle()  # collects the finished writes
-                state = self.states[i]
+                state = self.states[key[0]]
+                a, b = state.pieces(self.piece)[key[1]]
                 for kind, name in zip(STATE_KINDS, state.state_names, strict=True):
                     if self.store.home(name) is not Tier.HOST:
-                        out = buf.fp32[kind][: state.numel]
-                        buf.reads.append(self.store.read_async(name, out))
-                self._ahead[i] = buf
+                        buf.reads.append(read_piece(self.store, name, buf.fp32[kind], a, b))
+                self._ahead[key] = buf
 
-    def take_ahead(self, block: int | None) -> Scratch | None:
-        """The read-ahead set holding ``block``'s state (None: none; the block leaves the
-        queue either way), then the next reads are issued."""
+    def take_ahead(self, key: Piece | None) -> Scratch | None:
+        """The read-ahead set holding piece ``key``'s state (None: none; the piece leaves
+        the queue either way), then the next reads are issued."""
         with self._lock:
-            ahead = self._ahead.pop(block, None) if block is not None else None
-            if block in self._queue:
-                self._queue.remove(block)
-        self.read_ahead()  # the next blocks' reads run while this one steps
+            ahead = self._ahead.pop(key, None) if key is not None else None
+            if key in self._queue:
+                self._queue.remove(key)
+        self.read_ahead()  # the next pieces' reads run while this one steps
         return ahead
 
     def give_back(self, ahead: Scratch) -> None:

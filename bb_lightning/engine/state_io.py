@@ -1,7 +1,8 @@
 """Reading and writing a training engine's state: fp32 masters, moments, frozen weights.
 
 Each flat state is read from its home one at a time into the engine's first scratch set
-(HOST-home state is seen in place) and handed out per parameter by name; under data
+(HOST-home state is seen in place; a state larger than one optimizer piece into buffers of
+its own) and handed out per parameter by name; under data
 parallelism the reading passes gather every rank's shard (collectives) and the writing
 ones keep each rank's own shard. :class:`EngineStateDict` is the model's state dict read
 from the store on demand. The :class:`~bb_lightning.engine.trainer_engine.TrainingEngine`
@@ -153,9 +154,13 @@ def _whole_buffers(engine: TrainingEngine, kinds: Sequence[StateKind]) -> dict[S
 
 
 def _flat(store: TieredStore, name: str, scratch: Tensor, numel: int) -> Tensor:
-    """Where the state ``name`` is worked on: its host view (HOST home) or ``scratch``."""
+    """Where the state ``name`` is worked on: its host view (HOST home), ``scratch``, or
+    where the state is larger than a scratch buffer (one optimizer piece), a buffer of its
+    own, outside the store, for as long as the caller holds it."""
     if store.home(name) is Tier.HOST:
         return store.host_view(name)
+    if scratch.numel() < numel:
+        return torch.empty(numel, dtype=torch.float32)
     return scratch[:numel]
 
 

@@ -145,12 +145,11 @@ class TrainingEngine:
         self._by_name: dict[str, StoredTensor] = {}
         self._set_manifest(placement)
         self._place_outside(blocks, loader)
-        initial = self._store_states(blocks, placement, loader)
+        self._store_states(blocks, placement, loader)
         if comm is not None:
             digests = [st.digest for st in self.states]
             check_same_start(comm, self.model, blocks, digests, self.pager.frozen_digests,
                              self.frozen_params)  # fmt: skip
-        self._bind_resident(initial)
         buffers_to(model, device, self.compute_dtype)
         self._install(blocks, placement)
         self._reset_reduce_order()
@@ -160,6 +159,7 @@ class TrainingEngine:
             self._by_name,
             compute_dtype=self.compute_dtype,
             cast_numel=max(self.sizes.shard_blocks or self.sizes.blocks),  # a rank's weights
+            piece=placement.state_piece,
         )
         """The scratch and read-ahead sets of the optimizer step."""
         self.pool.ensure_ahead_sets(placement, self._by_name)
@@ -192,10 +192,10 @@ class TrainingEngine:
 
     def _store_states(
         self, blocks: Sequence[nn.Module], placement: Placement, loader: ParamLoader | None
-    ) -> Tensor | None:
-        """Register the resident parameters' flat state and the blocks' tensors (the
-        :class:`~bb_lightning.engine.pager.BlockPager`) in the store; the resident
-        parameters' initial values read by ``loader`` (None without one)."""
+    ) -> None:
+        """Register the resident parameters' flat state and bind them to the device (their
+        initial values read by ``loader`` are dropped before the blocks' come), then the
+        blocks' tensors (the :class:`~bb_lightning.engine.pager.BlockPager`) in the store."""
         initial = None if loader is None else flat_from(self.resident_params, loader)
         self.resident = FlatState(
             self.store,
@@ -206,6 +206,8 @@ class TrainingEngine:
             comm=self.comm,
         )
         """The flat fp32 state of the trainable parameters outside the blocks."""
+        self._bind_resident(initial)
+        del initial
         block_lists = [[p for _, p in block_params(b)] for b in blocks]
         self.pager = BlockPager(
             self.store,
@@ -218,7 +220,6 @@ class TrainingEngine:
             comm=self.comm,
         )
         """The blocks' paged weights and flat states."""
-        return initial
 
     def _bind_resident(self, initial: Tensor | None) -> None:
         """Put the resident parameters on the device in the compute dtype (from
@@ -407,14 +408,14 @@ class TrainingEngine:
         state = self.pager.states[i]
         last = self.paged.runs_left(i) == 0  # else more of this micro-batch's gradient comes
         if overlap is not None and overlap.clip is not None and last and not self._hold:
-            self._queue(state, grads, lambda g: self._sum_and_norm(i, overlap.norms, g))
+            self._queue(state, grads, lambda g: self._accumulate(state, g, overlap.norms, i))
         elif overlap is not None and overlap.clip is None and i not in overlap.done and last:
             overlap.done.add(i)
             self._queue(state, grads, lambda g: self.steps.step_block(i, overlap, g))
         elif self._hold:
             self._queue(state, grads, state.hold)
         else:
-            self._queue(state, grads, lambda g: state.accumulate(g, self._grad_scratch(state)))
+            self._queue(state, grads, lambda g: self._accumulate(state, g))
 
     def _queue(
         self,
@@ -440,25 +441,27 @@ class TrainingEngine:
             with reduced.ordered():  # the copy waits for the collective, the compute not
                 self.grads.process_async([reduced.part], work)
 
-    def _sum_and_norm(
-        self, i: int, norms: dict[int, Tensor], grads: Sequence[Tensor | None]
+    def _accumulate(
+        self,
+        state: FlatState,
+        grads: Sequence[Tensor | None],
+        norms: dict[int, Tensor] | None = None,
+        i: int = -1,
     ) -> None:
-        """Sum block ``i``'s gradients into its accumulator and record the sum's fp32
-        2-norm in ``norms`` (a norm-clipped overlapped step's)."""
-        state = self.pager.states[i]
-        flat = state.accumulate(grads, self._grad_scratch(state))
-        norms[i] = torch.linalg.vector_norm(flat, 2.0, dtype=torch.float32)
-
-    def _grad_scratch(self, state: FlatState) -> Tensor | None:
-        """A scratch buffer to sum ``state``'s gradient in, None when it sums in place."""
-        if self.store.home(state.grad_name) is Tier.HOST:
-            return None
-        return self.pool.take().fp32["grad"]
+        """Sum ``grads`` into ``state``'s accumulator (in place on the host, else piece by
+        piece through a scratch buffer); with ``norms`` (a norm-clipped overlapped step's)
+        the new sum's fp32 2-norm is recorded there as block ``i``'s."""
+        host = self.store.home(state.grad_name) is Tier.HOST
+        buf = None if host else self.pool.take().fp32["grad"]
+        norm = state.accumulate_pieces(grads, buf, self.pool.piece, norm=norms is not None)
+        if norms is not None and norm is not None:
+            norms[i] = norm
 
     def apply_placement(self, placement: Placement) -> None:
         """Re-home the blocks' weights and optimizer state (between optimizer steps)."""
         self.grads.wait(phase=None)
         self.pool.settle()
+        placement = dataclasses.replace(placement, state_piece=self.pool.piece)  # as sized
         self.pager.apply(placement)
         self._set_manifest(placement)
         self.pool.ensure_ahead_sets(placement, self._by_name)
@@ -489,7 +492,7 @@ class TrainingEngine:
         """Global 2-norm of the accumulated gradients (fp32)."""
         self.grads.wait()
         scratch = self.pool.take().fp32["grad"]
-        local = global_grad_norm(s.gradient(scratch) for s in self.states)
+        local = global_grad_norm(s.grad_norm(scratch, self.pool.piece) for s in self.states)
         if self.comm is None:
             return local
         return math.sqrt(self.comm.sum(local * local))  # the shards' squares summed
@@ -525,8 +528,7 @@ class TrainingEngine:
         for i, state in enumerate(self.pager.states):
             norm = overlap.norms.get(i)
             if norm is None:
-                grad = state.gradient(self.pool.take().fp32["grad"])
-                norm = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
+                norm = state.grad_norm(self.pool.take().fp32["grad"], self.pool.piece)
             norms.append(norm)
         self.steps.step_deferred(overlap, norms, self.grads.submit)
 

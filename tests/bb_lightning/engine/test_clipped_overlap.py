@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -110,18 +111,16 @@ def test_next_forward_starts_before_the_last_block_update_ends() -> None:
     with _double_store(model, placement) as store:
         engine = cpu_engine(model, store, placement)
         engine.grads.inline = False  # the gradient work on the worker, as on CUDA
-        step_state = engine.steps.step_state
+        step_block_state = engine.steps.step_block_state
 
-        def held(*args: object, block: int | None = None, **kwargs: object) -> torch.Tensor:
+        def held(block: int, *args: Any, **kwargs: Any) -> None:
             if block == LAYERS - 1:
                 first_bound.wait(timeout=20.0)
-            out = step_state(*args, block=block, **kwargs)  # type: ignore[arg-type]
-            if block is not None:
-                with lock:
-                    events.append(("updated", block))
-            return out
+            step_block_state(block, *args, **kwargs)
+            with lock:
+                events.append(("updated", block))
 
-        engine.steps.step_state = held  # type: ignore[method-assign]
+        engine.steps.step_block_state = held  # type: ignore[method-assign]
         engine.pager.add_observer(Record())
         ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
         assert engine.begin_overlapped_step(ADAMW, ClipConfig(value=CLIP))
