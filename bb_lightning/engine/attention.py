@@ -132,7 +132,7 @@ def decode_attention(
     out = value.new_empty(batch, kv_heads, group, value.shape[-1])
     threads = torch.get_num_threads()
     chunks = _chunks(key, value, threads)
-    if len(chunks) == 1:
+    if threads == 1 or len(chunks) == 1:
         for rows, cols in chunks:
             out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
                                       _mask_of(mask, rows, cols), scale)  # fmt: skip
@@ -153,17 +153,17 @@ def decode_attention(
 def _chunks(key: Tensor, value: Tensor, threads: int) -> list[tuple[slice, slice]]:
     """(sequences, key/value heads) of each chunk of a decode step on ``threads`` workers.
 
-    One chunk (the calling thread's team runs it) on one thread or below
-    :data:`CHUNK_BYTES` of keys and values in all; else whole sequences, at most
-    :data:`CHUNK_BYTES` and at most a ``threads``-th of the batch a chunk, while a sequence
-    fits and the batch gives each worker one; else key/value heads of one sequence, so
-    that a few long sequences keep every worker busy too.
+    One chunk (the calling thread's team runs it) up to :data:`CHUNK_BYTES` of keys and
+    values in all; else whole sequences, at most :data:`CHUNK_BYTES` and at most a
+    ``threads``-th of the batch a chunk, while a sequence fits and the batch gives each
+    worker one; else key/value heads of one sequence, so that a few long sequences keep
+    every worker busy too (one thread runs the chunks one after another).
     """
     batch, kv_heads, kv_len = key.shape[:3]
     per_head = kv_len * (key.shape[-1] * key.element_size()
                          + value.shape[-1] * value.element_size())  # fmt: skip
     per_seq = kv_heads * per_head
-    if threads == 1 or batch * per_seq < CHUNK_BYTES:
+    if batch * per_seq <= CHUNK_BYTES:
         return [(slice(None), slice(None))]
     if per_seq <= CHUNK_BYTES and batch >= threads:
         step = max(1, min(CHUNK_BYTES // max(per_seq, 1), -(-batch // threads)))

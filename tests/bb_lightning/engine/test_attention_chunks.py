@@ -16,6 +16,7 @@ from torch.profiler import profile
 
 from bb_lightning.engine import attention
 from bb_lightning.engine.attention import decode_attention
+from storage.threads import limit_torch_threads
 
 
 @pytest.fixture
@@ -121,3 +122,35 @@ def test_one_long_sequence_is_split_over_the_workers(
     assert len(ran_on) == 4 and all(n.startswith("bb-decode-attention") for n in ran_on), ran_on
     keep = torch.ones(1, 1, 1, 64, dtype=torch.bool)
     torch.testing.assert_close(got.double(), _reference(q, k, v, keep, 0.25), atol=1e-6, rtol=0)
+
+
+def test_one_thread_runs_the_chunks_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one intra-op thread a batch above a chunk still runs chunk by chunk (on the calling
+    thread), so a cut bf16 cache is made dense a chunk at a time, never the whole layer."""
+    names: list[str] = []
+    attend = attention._attend
+
+    def recorded(*args: Any, **kwargs: Any) -> Tensor:
+        names.append(threading.current_thread().name)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attend", recorded)
+    q, k, v, keep = _step(torch.bfloat16, None)
+    per_seq = 2 * 41 * 2 * 32 * 2  # 2 key/value heads' written keys and values, bf16
+    monkeypatch.setattr(attention, "CHUNK_BYTES", per_seq)
+    out: dict[str, Any] = {}
+
+    def decode() -> None:  # a fresh thread: its scratch buffer is this step's alone
+        limit_torch_threads(1)  # this thread's team only
+        with torch.inference_mode():
+            out["got"], _ = decode_attention(nn.Module(), q, k, v, keep, scaling=0.2)
+        out["scratch"] = attention._scratch.buf.numel()
+
+    thread = threading.Thread(target=decode, name="single")
+    thread.start()
+    thread.join()
+    assert names == ["single"] * 6, names
+    ref = _reference(q, k[:, :, :41], v[:, :, :41], keep[..., :41], 0.2)
+    torch.testing.assert_close(out["got"].double(), ref, atol=1.5e-2, rtol=1.5e-2)
+    # the buffer a cut chunk is made dense in holds one chunk's keys, not the layer's
+    assert out["scratch"] * 2 <= per_seq // 2, out["scratch"]
