@@ -285,6 +285,25 @@ class PagedBlocks:
         if i not in upcoming and i not in self._pending:
             self.pager.release(i)
 
+    def _enter_shared(self, i: int, visit: int) -> list[int]:
+        """Page block ``i`` in for groups of sequences in flight (its ``visit``-th block of
+        the step); the blocks kept after it. The blocks after it are prefetched by the
+        release of the block before it (:meth:`_leave_shared`), at the first visit here."""
+        upcoming = self._upcoming(i, "forward")
+        if i == 0:
+            self.pager.release_all_except([0, *upcoming, *self._pending])
+        self.pager.acquire(i)
+        if visit == 0:
+            self.pager.prefetch(upcoming)
+        return upcoming
+
+    def _leave_shared(self, i: int, upcoming: list[int]) -> None:
+        """Release block ``i`` once every group is done with it (:meth:`leave`) and prefetch
+        the blocks after the next one into its slot."""
+        self.leave(i, upcoming)
+        if upcoming:
+            self.pager.prefetch(self._upcoming(upcoming[0], "forward"))
+
     def _run_no_grad(
         self, i: int, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -295,7 +314,10 @@ class PagedBlocks:
 
         step = current_step()
         if step is not None:  # groups of sequences in flight: one page-in for them all
-            return step.block(lambda: self.enter(i, "forward"), run, lambda up: self.leave(i, up))
+            return step.block(
+                i, lambda visit: self._enter_shared(i, visit), run,
+                lambda upcoming: self._leave_shared(i, upcoming),
+            )  # fmt: skip
         upcoming = self.enter(i, "forward")
         try:
             return run()

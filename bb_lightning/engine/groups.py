@@ -13,11 +13,15 @@ host's attention (on all the host's cores): the first group's attention ends fir
 its device work runs beside the next group's attention, instead of every group's
 attention ending together at the end of a shared, slower one.
 
-Paged blocks meet at each block (:meth:`GroupStep.block`): the block is paged in once,
-when every group has reached it (the last to arrive pages it in and prefetches the next),
-each group runs its own call of it, and the block is released once every group is done
-with it, so a block's weights cross the link once per step whatever the groups. A model
-whose blocks are not paged runs its groups' forwards side by side without meeting.
+Paged blocks meet at each block (:meth:`GroupStep.block`): the first group to reach a
+block pages it in, each group runs its own call of it, and the last group done with it
+releases it, so a block's weights cross the link once per step whatever the groups. A
+group may run ahead into the next block while another is still in this one (the device
+computes the first group's next projections while the host attends for the second: the
+pipeline fills once per step, not once per block), but no further: with two blocks in use,
+the next block's page-in starts when the block before them is released, so the device
+holds as many blocks as without groups (``prefetch_depth + 1``). A model whose blocks are
+not paged runs its groups' forwards side by side without meeting.
 
 Every group computes what it would alone: its rows, its cache, its mask and positions;
 a token depends only on its own sequence. An error in one group breaks the others'
@@ -44,52 +48,98 @@ _STEP: ContextVar[GroupStep | None] = ContextVar("bb_group_step", default=None)
 
 
 class GroupStep:
-    """One forward pass of ``parties`` groups, each on its own thread."""
+    """One forward pass of ``parties`` groups, each on its own thread, meeting at the paged
+    blocks they visit in the same order (see the module docstring)."""
 
     def __init__(self, parties: int) -> None:
         if parties < 1:
             raise ValueError(f"parties={parties} must be >= 1 groups in flight")
         self.parties = parties
-        self._barrier = threading.Barrier(parties, action=self._act)
-        self._pending: Callable[[], None] = lambda: None
-        """What the last group to reach a meeting runs before every group goes on."""
-        self._upcoming: list[int] = []
-        """The blocks the last page-in kept paged in after its block (its ``enter``)."""
         self.host = threading.Lock()
         """Held while a group's host attention computes (one group at a time)."""
-
-    def _act(self) -> None:
-        self._pending()
-
-    def _meet(self, action: Callable[[], None]) -> None:
-        self._pending = action  # every group sets the same action before its last one meets
-        self._barrier.wait()
+        self._cv = threading.Condition()
+        self._pager = threading.Lock()
+        """Held while a block is paged in or released (one at a time)."""
+        self._visits: dict[int, int] = {}
+        """Blocks each group's thread has visited so far."""
+        self._block: dict[int, int] = {}
+        """The block of each visit begun (visits are numbered in order, the same for all)."""
+        self._kept: dict[int, list[int]] = {}
+        """What each visit's page-in returned (the blocks kept after it)."""
+        self._left: dict[int, int] = {}
+        """Groups done with each visit."""
+        self._released: set[int] = set()
+        """Visits every group is done with, their block released."""
+        self._broken = False
 
     def block(
         self,
-        enter: Callable[[], list[int]],
+        i: int,
+        enter: Callable[[int], list[int]],
         run: Callable[[], T],
         leave: Callable[[list[int]], None],
     ) -> T:
-        """``run()`` (this group's call of a block) between one ``enter()`` (the block's
-        page-in, returning the blocks kept after it) when every group has reached the block
-        and one ``leave(kept)`` when every group is done with it."""
+        """``run()``, this group's call of block ``i`` at its ``k``-th visit of a block.
 
-        def entered() -> None:
-            self._upcoming = enter()
-
-        self._meet(entered)
-        try:
+        The first group to reach visit ``k`` runs ``enter(k)`` (the block's page-in,
+        returning the blocks kept after it) before any group runs it, and the last group
+        done with it runs ``leave(kept)`` (its release, and the next page-ins). A group
+        begins visit ``k`` once visit ``k - 2`` and every earlier visit of block ``i`` are
+        released: the groups are at most one block apart, so at most two blocks are in
+        use at once, and the next page-in starts as the block two visits back is released.
+        """
+        me = threading.get_ident()
+        k = self._visits.get(me, 0)
+        self._visits[me] = k + 1
+        with self._cv:
+            self._wait(lambda: (k < 2 or k - 2 in self._released) and all(
+                v in self._released for v, b in self._block.items() if b == i and v < k
+            ))  # fmt: skip
+            first = k not in self._block
+            self._block[k] = i
+        if first:
+            with self._guard(), self._pager:
+                kept = enter(k)
+            with self._cv:
+                self._kept[k] = kept
+                self._cv.notify_all()
+        else:
+            with self._cv:
+                self._wait(lambda: k in self._kept)
+        with self._guard():
             out = run()
-        except BaseException:
-            self.abort()
-            raise
-        self._meet(lambda: leave(self._upcoming))
+        with self._cv:
+            self._left[k] = self._left.get(k, 0) + 1
+            last = self._left[k] == self.parties
+        if last:
+            with self._guard(), self._pager:
+                leave(self._kept[k])
+            with self._cv:
+                self._released.add(k)
+                self._cv.notify_all()
         return out
 
     def abort(self) -> None:
-        """Break the meetings: every group waiting at one (or reaching one) stops."""
-        self._barrier.abort()
+        """Stop every group waiting at a block (or reaching one): it raises
+        ``threading.BrokenBarrierError``."""
+        with self._cv:
+            self._broken = True
+            self._cv.notify_all()
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Wait (holding ``self._cv``) until ``ready()``, unless the step is aborted."""
+        self._cv.wait_for(lambda: self._broken or ready())
+        if self._broken:
+            raise threading.BrokenBarrierError
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Abort the step when the body raises (the other groups stop instead of waiting)."""
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
 
 
 def current_step() -> GroupStep | None:

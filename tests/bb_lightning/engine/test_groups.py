@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -37,58 +39,96 @@ def test_a_batch_splits_into_groups_as_even_as_can_be() -> None:
 
 
 def test_groups_meet_at_each_block_once(pool: ThreadPoolExecutor) -> None:
-    """Three groups through two blocks: each block is entered once before any group runs
-    it and left once after every group has; each group on a thread of its own, under the
-    caller's inference mode."""
+    """Three groups through three blocks: each block is paged in once before any group runs
+    it and released once after every group has; each group on a thread of its own, under
+    the caller's inference mode."""
     events: list[tuple[str, int, int | None]] = []
     lock = threading.Lock()
 
-    def record(*event: object) -> None:
+    def record(*event: Any) -> None:
         with lock:
             events.append(event)  # type: ignore[arg-type]
+
+    def enter(i: int, visit: int) -> list[int]:
+        assert visit == i
+        record("enter", i, None)
+        return [i + 1]
 
     def forward(group: int) -> tuple[int, bool]:
         step = current_step()
         assert step is not None and step.parties == 3
-        for i in range(2):
+        for i in range(3):
             step.block(
-                lambda i=i: (record("enter", i, None), [i + 1])[1],
-                lambda i=i: record("run", i, group),
-                lambda kept, i=i: record("leave", i, kept[0]),
-            )
+                i, partial(enter, i), partial(record, "run", i, group),
+                partial(lambda i, kept: record("leave", i, kept[0]), i),
+            )  # fmt: skip
         return threading.get_ident(), torch.is_inference_mode_enabled()
 
     with torch.inference_mode():
-        out = run_groups([lambda g=g: forward(g) for g in range(3)], pool)
+        out = run_groups([partial(forward, g) for g in range(3)], pool)
     assert len({thread for thread, _ in out}) == 3 and out[0][0] == threading.get_ident()
     assert all(inference for _, inference in out)
     assert current_step() is None
-    for i in range(2):
-        block = events[5 * i : 5 * i + 5]
-        assert block[0] == ("enter", i, None)
-        assert sorted(e[2] for e in block[1:4]) == [0, 1, 2]  # type: ignore[type-var]
-        assert block[4] == ("leave", i, i + 1)  # the blocks the page-in kept
-    assert len(events) == 10
+    assert len(events) == 3 * 5
+    for i in range(3):
+        at = [n for n, e in enumerate(events) if e[1] == i]
+        kinds = [events[n][0] for n in at]
+        assert kinds == ["enter", "run", "run", "run", "leave"], kinds
+        assert sorted(events[n][2] for n in at[1:4]) == [0, 1, 2]  # type: ignore[type-var]
+        assert events[at[-1]] == ("leave", i, i + 1)  # the blocks its page-in kept
+
+
+def test_a_group_runs_ahead_one_block_and_no_further(pool: ThreadPoolExecutor) -> None:
+    """The first group runs block 1 while the second is still in block 0 (it waits there
+    for the first to reach block 1: a schedule meeting at the end of each block never gets
+    there), and pages block 2 in only after block 0 is released (two blocks in use)."""
+    events: list[tuple[str, int]] = []
+    ahead = threading.Event()
+
+    def run(i: int, group: int) -> None:
+        if (i, group) == (1, 0):
+            ahead.set()
+        if (i, group) == (0, 1):
+            assert ahead.wait(timeout=60), "the first group did not run ahead into block 1"
+        events.append(("run", i))
+
+    def forward(group: int) -> None:
+        step = current_step()
+        assert step is not None
+        for i in range(3):
+            step.block(
+                i, lambda visit, i=i: (events.append(("enter", i)), [])[1],
+                partial(run, i, group), lambda kept, i=i: events.append(("leave", i)),
+            )  # fmt: skip
+
+    run_groups([partial(forward, g) for g in range(2)], pool)
+    assert events.index(("enter", 1)) < events.index(("leave", 0))  # ran ahead
+    assert events.index(("leave", 0)) < events.index(("enter", 2))  # no further
+    assert sorted(events) == sorted(
+        [(kind, i) for i in range(3) for kind in ("enter", "run", "run", "leave")]
+    )
 
 
 def test_an_error_in_one_group_stops_the_others_and_reaches_the_caller(
     pool: ThreadPoolExecutor,
 ) -> None:
-    """The second group fails before its first block while the first waits there: the
-    first stops (its meeting broken) and the caller gets the second group's error."""
+    """The second group fails before its first block; the first runs blocks 0 and 1 and
+    then waits for block 0's release, which the second never gives: it stops (its wait
+    broken) and the caller gets the second group's error."""
     ran: list[int] = []
 
     def waits() -> None:
         step = current_step()
         assert step is not None
-        step.block(lambda: [], lambda: ran.append(0), lambda kept: None)
+        for i in range(3):
+            step.block(i, lambda visit: [], partial(ran.append, i), lambda kept: None)
 
     def fails() -> None:
         raise KeyError("the second group's error")
 
     with pytest.raises(KeyError, match="the second group's error"):
         run_groups([waits, fails], pool)
-    assert ran == []
+    assert ran in ([], [0], [0, 1])  # never block 2
     with pytest.raises(ValueError, match=r"2 groups need a pool of 1 threads"):
         run_groups([waits, fails], None)
 
