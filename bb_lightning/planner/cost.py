@@ -8,13 +8,14 @@ at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
-from bb_lightning.placement import SCRATCH_FP32, SCRATCH_SETS
+from bb_lightning.placement import SCRATCH_FP32, SCRATCH_SETS, STATE_PIECE
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import Link, Tier
 
@@ -50,6 +51,8 @@ __all__ = [
     "scratch_set_bytes",
     "setup_host_bytes",
     "shard_numel",
+    "state_piece_numel",
+    "state_pieces_per_block",
     "store_overhead_bytes",
     "train_flops_per_token",
 ]
@@ -462,17 +465,31 @@ once (about six fp32 buffers of the hidden states; what dry runs of passes of 65
 262,144 tokens name as the device's peak when a chunked loss no longer is)."""
 
 
-def setup_host_bytes(rest_train: float, block_params: float, block_state: float) -> float:
+def setup_host_bytes(
+    rest_train: float,
+    block_params: float,
+    block_train: float,
+    elem_bytes: int,
+    shard: float | None = None,
+) -> float:
     """Host bytes outside the store while the training engine registers its state:
-    ``4 * (rest_train + max(rest_train, block_params + block_state))``.
+    ``max(4 * rest_train, 4 * (block_params + split) + stored)``, where ``split`` is
+    ``block_params`` when the block has frozen parameters, else 0, and ``stored`` is
+    ``elem_bytes * block_params``, or with data parallelism ``(4 + elem_bytes) * shard``
+    (the rank's fp32 shard of the weights, ``shard`` elements, taken apart, then cast).
 
-    The fp32 initial values of the trained parameters outside the blocks (``rest_train``
-    elements, read whole first) stay held while the zeros their moments are written from
-    are made, and then while each block's fp32 initial values (``block_params``: every
-    parameter of the largest block) and the zeros of its moments (``block_state``: its
-    stored state's elements) are (``TrainingEngine.__init__``, ``FlatState.__init__``).
+    First the fp32 initial values of the trained parameters outside the blocks
+    (``rest_train`` elements, read whole), dropped once they are stored and bound to the
+    device; then, one block at a time, the fp32 values of all of the largest block's
+    parameters (``block_params``; ``block_train`` of them trained), their trained and
+    frozen parts copied apart when it has frozen ones, and the compute-dtype copy each
+    part is stored from (``TrainingEngine._store_states``, ``BlockPager``). The moments
+    are made as zeros by the store itself (``FlatState``).
     """
-    return FP32_BYTES * (rest_train + np.maximum(rest_train, block_params + block_state))
+    split = block_params if block_train < block_params else 0.0
+    stored = elem_bytes * block_params if shard is None else (FP32_BYTES + elem_bytes) * shard
+    block = FP32_BYTES * (block_params + split) + stored
+    return float(max(FP32_BYTES * rest_train, block))
 
 
 STORE_SLACK_BYTES = 1 << 20
@@ -492,14 +509,29 @@ def store_overhead_bytes(blocks: int) -> int:
     return STORE_SLACK_BYTES + SLOT_ALIGNMENT * (9 * blocks + 32)
 
 
+def state_piece_numel(block_state: float, piece: int = STATE_PIECE) -> float:
+    """Elements of one piece of a block's flat state as the host AdamW step reads, steps and
+    writes it (:attr:`bb_lightning.placement.Placement.state_piece`): ``min(block_state,
+    piece)``, the size of each scratch and read-ahead buffer."""
+    return float(min(block_state, piece))
+
+
+def state_pieces_per_block(block_state: float, piece: int = STATE_PIECE) -> float:
+    """Pieces the host AdamW step works through one block's flat state in:
+    ``ceil(block_state / piece)`` (one for an empty state)."""
+    return float(max(1, math.ceil(block_state / piece)))
+
+
 def scratch_set_bytes(block_state: float, block_train: float, elem_bytes: int) -> float:
     """Host bytes of the optimizer's scratch sets the training engine registers:
-    ``SCRATCH_SETS * (4 * 4 * block_state + elem_bytes * block_train)`` (four fp32 buffers
-    of the largest block's stored state, ``block_state`` elements, and one compute-dtype
-    ``cast`` of its trained weights each; :func:`bb_lightning.placement.training_manifest`).
+    ``SCRATCH_SETS * (4 * 4 * piece + elem_bytes * piece)`` with ``piece`` the
+    :func:`state_piece_numel` of the largest block's stored state (``block_state``
+    elements; its trained weights ``block_train`` are laid out as the state): four fp32
+    buffers and one compute-dtype ``cast`` of one piece each
+    (:func:`bb_lightning.placement.training_manifest`).
     """
-    fp32 = len(SCRATCH_FP32) * FP32_BYTES * block_state
-    return float(SCRATCH_SETS * (fp32 + elem_bytes * block_train))
+    fp32 = len(SCRATCH_FP32) * FP32_BYTES * state_piece_numel(block_state)
+    return float(SCRATCH_SETS * (fp32 + elem_bytes * state_piece_numel(block_train)))
 
 
 def kv_cache_bytes(model: ModelProfile, seqs: int, tokens_per_seq: int) -> int:

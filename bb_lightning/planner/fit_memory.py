@@ -147,9 +147,12 @@ class FitMemory:
     setup and the pinned staging; in it the state outside the blocks, the optimizer's
     scratch sets, the read-ahead sets when state is off the host, the arena's padding."""
     host_bytes: Arr
-    """Bytes on the host before the read-ahead sets beyond :data:`MIN_READ_AHEAD`."""
+    """Bytes on the host before the read-ahead sets beyond :attr:`read_ahead_bytes`."""
     free_host_bytes: Arr
     """Host bytes left after the homes (room for read-ahead sets)."""
+    read_ahead_bytes: Arr
+    """Host bytes reserved among the mandatory ones for read-ahead sets (0: state on the
+    host)."""
     nvme_bytes: Arr
     """Bytes on NVMe."""
     fits: Mask
@@ -229,7 +232,8 @@ def _device_and_staging_bytes(
         + peak
     )
     # host bytes outside the store: the engine's setup, then the pages and gradients in flight
-    setup = cost.setup_host_bytes(sz.rest_train_params, bb / wb, ps)
+    shard = sz.block_home_bytes / wb if sz.data_parallel else None
+    setup = cost.setup_host_bytes(sz.rest_train_params, bb / wb, sz.block_train_params, wb, shard)
     outside = np.maximum(paging + in_flight, setup)
     mandatory = (
         outside
@@ -316,8 +320,14 @@ def fit_memory(
         else 0.0
     )
     # with optimizer state off the host (on NVMe, or a full block's on the device) the
-    # engine registers READ_AHEAD read-ahead sets: filled once with and once without them
-    ahead = float(READ_AHEAD * ADAM_STATE_BYTES * ps)
+    # engine registers read-ahead sets of one state piece each: READ_AHEAD whole blocks'
+    # worth reserved where the host holds them beside what it must, else READ_AHEAD pieces;
+    # filled once with and once without them
+    piece = cost.state_piece_numel(ps)
+    sets = max(READ_AHEAD, math.ceil(READ_AHEAD * ps / max(piece, 1.0)))  # whole sets
+    blocks_ahead = float(sets * ADAM_STATE_BYTES * piece)
+    pieces_ahead = float(READ_AHEAD * ADAM_STATE_BYTES * piece)
+    ahead = np.where(mandatory + blocks_ahead <= host_base, blocks_ahead, pieces_ahead)
     with_sets = _fill_host(
         sz, ov, host_base - mandatory - ahead, paged, off, in_place_act, state_first
     )
@@ -326,7 +336,8 @@ def fit_memory(
     w_h, g_h, m_h, forced_ok, free = (
         np.where(no_sets, b, a) for a, b in zip(with_sets, without, strict=True)
     )
-    mandatory = mandatory + np.where(no_sets, 0.0, ahead)
+    reserved = np.where(no_sets, 0.0, ahead)
+    mandatory = mandatory + reserved
     nvme = (
         boundaries
         + (paged - w_h) * bb
@@ -351,6 +362,7 @@ def fit_memory(
         mandatory_host_bytes=mandatory,
         host_bytes=host_base - free,
         free_host_bytes=free,
+        read_ahead_bytes=reserved,
         nvme_bytes=nvme,
         fits=in_memory & (nvme <= budgets[Tier.NVME]) & forced_ok,
     )

@@ -177,11 +177,13 @@ def fit_reasons(
     ]
     if n - kf - m_h > 0:
         k = int(v.read_ahead_sets)
+        piece = cost.state_piece_numel(cost.shard_numel(model.block_train, hw.world_size))
         reasons.append(
             f"optimizer state of {n - kf - m_h} blocks on NVMe is read ahead of each block's "
-            f"step through {k} host buffer sets "
-            f"({format_bytes(k * ADAM_STATE_BYTES * cost.shard_numel(model.block_train, hw.world_size))}), sized so that its "
-            "reads and write-backs fit the last backward where the host budget allows"
+            f"step, {format_bytes(cost.FP32_BYTES * piece)} of each fp32 tensor at a time, "
+            f"through {k} host buffer sets ({format_bytes(k * ADAM_STATE_BYTES * piece)}), "
+            "sized so that its reads and write-backs fit the last backward where the host "
+            "budget allows"
         )
     if job.loss_chunk_tokens is not None:
         tokens = best.micro_batch * job.seq_len

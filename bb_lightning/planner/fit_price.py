@@ -255,12 +255,19 @@ def _optimizer_times(
     nvme_state = mem.nvme_state_blocks
     adam = cost.host_adam_seconds(n * ps + sz.rest_shard_params + 0.0 * kf, hw)
     deferred = _deferred_step(job, sz)
-    # the free host bytes beside the MIN_READ_AHEAD sets the memory step reserved
-    free = mem.free_host_bytes + MIN_READ_AHEAD * ADAM_STATE_BYTES * ps
+    # the free host bytes beside the read-ahead sets (of one state piece each) the memory
+    # step reserved
+    piece = cost.state_piece_numel(ps)
+    least = MIN_READ_AHEAD * ADAM_STATE_BYTES * piece
+    free = mem.free_host_bytes + np.maximum(mem.read_ahead_bytes, least)
     # a deferred step reads the state after backward, in the next forward's window
     window = forward if deferred else backward
-    k, disk = _state_reads(model, hw, job, nvme_state, free, compute - backward, window, shard=ps)
-    extra = np.where(nvme_state > 0, (k - MIN_READ_AHEAD) * ADAM_STATE_BYTES * ps, 0.0)
+    reserved = np.floor(mem.read_ahead_bytes / (ADAM_STATE_BYTES * piece))  # sets registered
+    k, disk = _state_reads(
+        model, hw, job, nvme_state, free, compute - backward, window, shard=ps, least=reserved
+    )
+    beyond = np.maximum(k * ADAM_STATE_BYTES * piece - mem.read_ahead_bytes, 0.0)
+    extra = np.where(nvme_state > 0, beyond, 0.0)
     eff = hw.nvme_efficiency
     written = mem.nvme_weight_blocks * ps * sz.element_bytes
     disk = disk + cost.link_seconds(written, hw.nvme_write_bandwidth, eff)
@@ -496,15 +503,18 @@ def _state_reads(
     ahead_s: Arr,
     backward_s: Arr,
     shard: float | None = None,
+    least: Arr | None = None,
 ) -> tuple[Arr, Arr]:
     """Read-ahead sets for ``blocks`` blocks whose optimizer state is on NVMe, and the
     seconds from the start of the last backward until the disk has served the state
     traffic the optimizer step waits for.
 
     One disk serves the state's reads and write-backs (interleaved, at
-    :data:`MIXED_IO_EFFICIENCY` of their serial rate). A block's state
-    (:data:`ADAM_STATE_BYTES` per parameter) is read into a free read-ahead set before
-    its step and written back from it after, freeing the set. In an overlapped step the
+    :data:`MIXED_IO_EFFICIENCY` of their serial rate). The step works through a block's
+    state in pieces (:func:`cost.state_piece_numel`, :func:`cost.state_pieces_per_block`):
+    each piece's state (:data:`ADAM_STATE_BYTES` per parameter) is read into a free
+    read-ahead set before its step and written back from it after, freeing the set; below,
+    "a block" is one piece. In an overlapped step the
     reads start with the accumulation window: ``k`` sets are read in the ``ahead_s``
     seconds before its last backward (what does not fit spills over). The last backward
     (``backward_s``) hands the blocks' gradients over one by one; from the first, each
@@ -514,15 +524,19 @@ def _state_reads(
     has left. With clipping the step starts after backward: every read and the writes
     that free sets are waited on (norm-clipped on one rank the step runs beside the next
     forward, whose seconds are then passed as ``backward_s``). ``shard``: the block's parameters whose state one rank
-    holds (data parallel; None: all of them).
+    holds (data parallel; None: all of them). ``least``: sets the host memory already
+    reserves for each candidate (``k`` is at least that many).
     """
-    state = ADAM_STATE_BYTES * float(model.block_train if shard is None else shard)
+    numel = float(model.block_train if shard is None else shard)
+    state = ADAM_STATE_BYTES * cost.state_piece_numel(numel)
     eff = hw.nvme_efficiency * MIXED_IO_EFFICIENCY
     read = cost.link_seconds(state, hw.nvme_read_bandwidth, eff)
     write = cost.link_seconds(state, hw.nvme_write_bandwidth, eff)
     room = np.floor(np.maximum(free, 0.0) / max(state, 1.0))
-    cap = np.maximum(MIN_READ_AHEAD, np.minimum(room, blocks))
-    lead = backward_s / np.maximum(blocks, 1.0)  # until the first gradient is in
+    lead = backward_s / np.maximum(blocks, 1.0)  # until the first block's gradient is in
+    blocks = blocks * cost.state_pieces_per_block(numel)  # the pieces, read one by one
+    lowest = np.maximum(MIN_READ_AHEAD, 0.0 if least is None else least)
+    cap = np.maximum(lowest, np.minimum(room, blocks))
 
     def seconds(k: Arr) -> Arr:
         rest = np.maximum(blocks - k, 0.0)

@@ -129,12 +129,13 @@ HOST_HOMES = PlanOverrides(
 def _host_bytes(n: int, p: int, rest: int, shard: int, page: int | None = None) -> int:
     """A rank's host bytes besides the homes (bf16 weights, ``n`` blocks of ``p`` trained
     parameters, ``rest`` outside): outside the store the larger of the engine's setup
-    (fp32 ``rest`` values, then one block's fp32 values and its moments' zeros) and two
+    (fp32 ``rest`` values; then one block's fp32 values with the rank's fp32 shard of its
+    weights and that shard's bf16 cast, or the whole block's bf16 cast on one rank) and two
     paging slots of ``page`` elements (the rank's weight shard; default ``p``) with two
     blocks' gradients in flight; in it two scratch sets (four fp32 block shards and one
     bf16 cast of the shard each), 1 MiB of slack and a 4 KiB slot per tensor."""
     page = p if page is None else page
-    setup = 4 * (rest + max(rest, p + shard))
+    setup = max(4 * rest, 4 * p + (2 * p if page == p else (4 + 2) * page))
     scratch = 2 * (4 * 4 * shard + 2 * shard)
     return max(2 * 2 * page + 2 * 2 * p, setup) + scratch + 2**20 + 4096 * (9 * n + 32)
 

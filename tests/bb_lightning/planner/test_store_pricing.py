@@ -30,12 +30,17 @@ def test_a_fit_plans_host_bytes_hold_its_engines_store_and_setup(name: str, hard
     plan = make_plan(model, preset(hardware), FitJob(seq_len=2048, global_batch_seqs=512))
     n = model.num_blocks
     need = required_budgets([model.block_train] * n, model.rest_train, plan.placement)
-    # the fp32 values of the weights outside the blocks stay held while the zeros of
-    # their moments, then each block's fp32 values and its moments' zeros, are made
-    setup = 4 * (model.rest_train + max(model.rest_train, 2 * model.block_train))
+    # the fp32 values of the weights outside the blocks (their moments made as zeros by
+    # the store), dropped once bound to the device; then each block's fp32 values and the
+    # bf16 copy its weights are stored from
+    setup = max(4 * model.rest_train, (4 + 2) * model.block_params)
+    # after setup the same host memory holds the pages of paged blocks in flight (depth + 1
+    # blocks' bf16 weights) and two blocks' bf16 gradients on their way off the device
+    p = plan.placement
+    if any(w is not Tier.DEVICE for w in p.weights):
+        setup = max(setup, 2 * (p.prefetch_depth + 1 + 2) * model.block_params)
     # boundary inputs the chunked blocks keep in pinned host memory (registered as they
     # come, beside the manifest): each recomputed block's input, or two staged for NVMe
-    p = plan.placement
     recomputed = len(p.recomputed or ())
     kept = {Tier.HOST: recomputed, Tier.NVME: 2}.get(p.boundaries or Tier.DEVICE, 0)
     setup += kept * plan.tokens_per_pass * model.act_bytes_per_token_checkpointed
