@@ -9,11 +9,12 @@ team (every core the process may use), best of repeats: ``bytes / seconds`` of t
 The arithmetic is not free on every host, though: each cached key and value meets every
 query head of its group (``2 x group`` FLOPs per element for the scores and as many for
 the weighted sum), in skinny matrix products (``group`` columns) that few cores run well
-below their peak. On a 2-core AMD EPYC the engine's
-:func:`~bb_lightning.engine.attention.decode_attention` reads a bf16 cache of a 32/8-head
-layer at about a fifth of the rate a sum reads the same bytes at (a third in fp32).
-:func:`probe_host_attention` therefore times that function itself over a cache of the
-same bytes, and the probe prices host attention on the lesser of the two rates.
+below their peak. On a host of two cores the engine's
+:func:`~bb_lightning.engine.attention.decode_attention` reads a 32/8-head layer's cache
+at well under the rate a sum reads the same bytes at, in bf16 and in fp32 (the figures:
+``docs/benchmarks.md``, host decode attention). :func:`probe_host_attention` therefore
+times that function itself over a cache of the same bytes, in inference mode as the
+engine decodes, and the probe prices host attention on the lesser of the two rates.
 """
 
 from __future__ import annotations
