@@ -301,7 +301,6 @@ class Placement:
             "recompute_resident": self.recompute_resident,
             "recomputed": None if self.recomputed is None else list(self.recomputed),
             "read_ahead": self.read_ahead,
-            "state_piece": self.state_piece,
             "hold_grads": self.hold_grads,
             "compute_dtype": self.compute_dtype,
             "kv_cache": None if self.kv_cache is None else self.kv_cache.value,
@@ -313,6 +312,8 @@ class Placement:
             "chunk_rows": self.chunk_rows,
             "boundaries": None if self.boundaries is None else self.boundaries.value,
             "swapped": None if self.swapped is None else list(self.swapped),
+            # the planner's pieces are the default: written only when another was given
+            **({} if self.state_piece == STATE_PIECE else {"state_piece": self.state_piece}),
         }
 
     @classmethod

@@ -528,13 +528,15 @@ def _state_reads(
     reserves for each candidate (``k`` is at least that many).
     """
     numel = float(model.block_train if shard is None else shard)
-    state = ADAM_STATE_BYTES * cost.state_piece_numel(numel)
+    pieces = cost.state_pieces_per_block(numel)
+    state = ADAM_STATE_BYTES * numel / pieces  # a piece's state on disk, on average
     eff = hw.nvme_efficiency * MIXED_IO_EFFICIENCY
     read = cost.link_seconds(state, hw.nvme_read_bandwidth, eff)
     write = cost.link_seconds(state, hw.nvme_write_bandwidth, eff)
-    room = np.floor(np.maximum(free, 0.0) / max(state, 1.0))
+    per_set = ADAM_STATE_BYTES * cost.state_piece_numel(numel)  # a set's host buffers
+    room = np.floor(np.maximum(free, 0.0) / max(per_set, 1.0))
     lead = backward_s / np.maximum(blocks, 1.0)  # until the first block's gradient is in
-    blocks = blocks * cost.state_pieces_per_block(numel)  # the pieces, read one by one
+    blocks = blocks * pieces  # the pieces, read one by one
     lowest = np.maximum(MIN_READ_AHEAD, 0.0 if least is None else least)
     cap = np.maximum(lowest, np.minimum(room, blocks))
 
