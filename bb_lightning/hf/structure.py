@@ -295,6 +295,10 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
         )
     trace = _Trace(tokens=context, fused=fused)
     params = dict(model.named_parameters())
+    # what autograd saves depends on what is trained: a frozen matrix (LoRA's base) keeps
+    # no input for its weight gradient; a model with nothing trained yet is traced as
+    # fully trained
+    trained = {n for n, p in params.items() if p.requires_grad} or set(params)
     stand_ins: dict[str, torch.Tensor] = {n: _meta_like(p) for n, p in params.items()}
     stand_ins.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
     storage_to_name = {stand_ins[n].untyped_storage()._cdata: n for n in params}
@@ -343,7 +347,7 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
             stand_ins_req = {
-                n: t.requires_grad_(True) if n in params and t.is_floating_point() else t
+                n: t.requires_grad_(True) if n in trained and t.is_floating_point() else t
                 for n, t in stand_ins.items()
             }
             torch.func.functional_call(
