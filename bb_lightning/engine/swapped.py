@@ -39,6 +39,7 @@ from bb_lightning.engine.chunked import Boundaries, _joined, run_in_row_chunks
 from bb_lightning.engine.hf_quirks import CapturedOutputs, recording
 from bb_lightning.engine.rows import row_factor
 from bb_lightning.placement import Placement
+from bb_lightning.shapes import SWAP_CHUNKS_IN_FLIGHT, SWAP_MARGIN
 from storage.device import slot_bytes
 from storage.tiers import Tier
 
@@ -60,14 +61,6 @@ placement given without a plan: Korthikanti et al. count 34 bytes per element in
 wider MLPs, routers and the attention scores of eager attention (measured 20-32 on the
 tests' tiny models in fp32)."""
 
-SWAP_CHUNKS_IN_FLIGHT = 3
-"""Chunks of saved activations a swapped block's backward holds on the device at once: the
-chunk computing, the next one being fetched, and the one the next block reads first."""
-
-SWAP_MARGIN = 1.25
-"""What the budgets hold beyond the estimated saved activations: autograd saves some of a
-block's tensors in several views (a Llama-7B layer at 2,048 tokens in bf16 saved 6 % more
-than the planner's introspected bytes per token in a dry run)."""
 
 SWAP_TENSORS = 64
 """Saved tensors per block the budgets pad for (each rounded up to the arena alignment)."""

@@ -215,8 +215,9 @@ def _chunk_reasons(
     tokens, ga = mb * job.seq_len, math.ceil(job.seqs_per_step / mb)
     recomputed = int(v.recomputed_blocks + v.swapped_blocks)
     tier = best.boundaries or Tier.DEVICE
-    held = chunks.boundary_bytes(model, tokens, recomputed, tier)
-    moved = chunks.boundary_link_bytes(model, tokens, recomputed, tier)
+    # a swapped block's inputs are among its saved activations: only recomputed ones keep
+    held = chunks.boundary_bytes(model, tokens, int(v.recomputed_blocks), tier)
+    moved = chunks.boundary_link_bytes(model, tokens, int(v.recomputed_blocks), tier)
     bw = {
         Link.HOST_TO_DEVICE: hw.h2d_bandwidth * hw.h2d_efficiency,
         Link.DEVICE_TO_HOST: hw.d2h_bandwidth * hw.d2h_efficiency,

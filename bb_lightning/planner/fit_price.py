@@ -39,7 +39,7 @@ from bb_lightning.planner import chunks, cost
 from bb_lightning.planner.cost import ADAM_STATE_BYTES, FP32_BYTES
 from bb_lightning.planner.data_parallel import REDUCE_BYTES, collective_seconds
 from bb_lightning.planner.fit_memory import FitMemory, FitSizes, fit_memory, fit_sizes
-from bb_lightning.planner.fit_work import pass_work
+from bb_lightning.planner.fit_work import PassWork, pass_work
 from bb_lightning.planner.job import FitJob
 from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -355,6 +355,8 @@ def price(
 
     ``chunk_rows`` and ``boundaries`` price ``Placement.chunk_rows`` and ``boundaries``
     (:mod:`~bb_lightning.planner.chunks`; a candidate with nothing recomputed runs none).
+    With ``ov.swap_activations`` each candidate is priced with its blocks recomputing and
+    with some swapping (:func:`~bb_lightning.planner.fit_work.pass_work`): the faster kept.
 
     ``hold`` prices ``Placement.hold_grads``: the earlier micro-batches' gradients take
     device memory (:func:`cost.held_grad_bytes`) and are summed once.
@@ -381,7 +383,6 @@ def price(
     (:func:`cost.optimizer_exposed_seconds`).
     """
     sz = fit_sizes(model, hw, job, mb, chunk_rows, boundaries)
-    n, ga, tokens = sz.blocks, sz.grad_accum, sz.seqs_per_step * sz.seq_len
     mem = fit_memory(model, hw, ov, budgets, sz, ckpt, depth, kf, kw, hold, state_first)
     recomputed, runnable = _recompute(
         model, hw, job, ov, ckpt, mem.paged_blocks, mem.host_weight_blocks
@@ -390,7 +391,44 @@ def price(
         runnable = runnable & (recomputed > 0)
     bounds = chunks.boundary_link_bytes(model, mb * sz.seq_len, recomputed, sz.boundaries)
     links = _pass_link_seconds(hw, sz, mem, bounds)
-    work = pass_work(model, hw, ov, sz, mem, ckpt, recomputed, links)
+    best: FitPrice[Arr] | None = None
+    for swap in (False, True) if ov.swap_activations else (False,):
+        work = pass_work(model, hw, sz, mem, ckpt, recomputed, links, budgets[Tier.DEVICE], swap)
+        priced = _priced_work(model, hw, job, sz, mem, ckpt, hold, work)
+        best = priced if best is None else _cheaper(best, priced)
+    assert best is not None
+    return dataclasses.replace(
+        best,
+        feasible=(mem.fits & runnable).astype(np.float64),
+        full_blocks=kf,
+        resident_weight_blocks=kw,
+    )
+
+
+def _cheaper(a: FitPrice[Arr], b: FitPrice[Arr]) -> FitPrice[Arr]:
+    """Per candidate, whichever of ``a`` and ``b`` takes fewer seconds per step (``a`` on
+    a tie)."""
+    take = b.step_seconds < a.step_seconds
+    values = {
+        f.name: np.where(take, getattr(b, f.name), getattr(a, f.name))
+        for f in dataclasses.fields(a)
+    }
+    return FitPrice(**values)
+
+
+def _priced_work(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: FitJob,
+    sz: FitSizes,
+    mem: FitMemory,
+    ckpt: bool,
+    hold: bool,
+    work: PassWork,
+) -> FitPrice[Arr]:
+    """Seconds per step and bytes per tier of every candidate doing ``work`` per pass (its
+    blocks recomputed or swapped; feasibility left to :func:`price`)."""
+    n, ga, tokens, kf = sz.blocks, sz.grad_accum, sz.seqs_per_step * sz.seq_len, mem.full_blocks
     recomputed, compute, links = work.recomputed, work.compute, work.links
     c_pass = compute / ga
     gather, reduce, net_opt = _net_seconds(model, hw, sz, mem, recomputed)
@@ -406,8 +444,9 @@ def price(
         shared = _shared_core_seconds(hw, sz, mem, opt.adam_seconds, hold)
         total = total + shared
     busy = {link: ga * links[link] + opt_links.get(link, 0.0) for link in links}
+    swapped_bounds = {t: work.boundary_bytes if sz.boundaries is t else 0.0 for t in Tier}
     return FitPrice(
-        feasible=(mem.fits & runnable).astype(np.float64),
+        feasible=np.ones_like(kf),
         step_seconds=total,
         seconds_per_token=total / tokens,
         exposed_pass_seconds=exposed_pass,
@@ -420,12 +459,15 @@ def price(
         h2d_seconds=busy[Link.HOST_TO_DEVICE],
         d2h_seconds=busy[Link.DEVICE_TO_HOST],
         network_seconds=ga * (gather + reduce) + net_opt,
-        device_bytes=mem.device_bytes,
-        host_bytes=mem.host_bytes + opt.read_ahead_bytes + work.swap_host_bytes,
-        nvme_bytes=mem.nvme_bytes,
+        device_bytes=mem.device_bytes + work.swap_device_bytes,
+        host_bytes=mem.host_bytes
+        + opt.read_ahead_bytes
+        + work.swap_host_bytes
+        - swapped_bounds[Tier.HOST],
+        nvme_bytes=mem.nvme_bytes - swapped_bounds[Tier.NVME],
         mandatory_host_bytes=mem.mandatory_host_bytes,
         full_blocks=kf,
-        resident_weight_blocks=kw,
+        resident_weight_blocks=mem.resident_weight_blocks,
         host_weight_blocks=mem.host_weight_blocks,
         host_grad_blocks=mem.host_grad_blocks,
         host_state_blocks=mem.host_state_blocks,

@@ -11,8 +11,8 @@ import numpy.typing as npt
 
 from bb_lightning.planner import chunks, cost
 from bb_lightning.planner.fit_memory import FitMemory, FitSizes
-from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
+from bb_lightning.shapes import SWAP_CHUNKS_IN_FLIGHT, SWAP_MARGIN
 from storage.tiers import Link
 
 Arr = npt.NDArray[np.float64]
@@ -25,7 +25,7 @@ class PassWork:
     recomputed: Arr
     """Blocks whose forward runs again in backward."""
     swapped: Arr
-    """Blocks whose saved activations go to the host and back instead (priced only)."""
+    """Blocks whose saved activations go to the host and back instead."""
     compute: Arr
     """Device compute, seconds per step, the chunks' extra launches included."""
     launch: Arr
@@ -34,27 +34,45 @@ class PassWork:
     """Busy seconds per link of one micro-batch pass."""
     swap_host_bytes: Arr
     """Host bytes the swapped activations of one micro-batch take."""
+    swap_device_bytes: Arr
+    """Device bytes of the swapped blocks' chunks fetched back at once in backward (0
+    where nothing swaps)."""
+    boundary_bytes: Arr
+    """Bytes of one recomputed block's boundary inputs on their home tier: the swapped
+    blocks keep none (their inputs are among their saved activations)."""
+
+
+def swap_bytes(model: ModelProfile, tokens: int) -> tuple[float, float]:
+    """(bytes the store holds on the host per swapped block, bytes of its device slots
+    beside the blocks' activations) for a pass or chunk of ``tokens`` tokens: the saved
+    activations (``act_bytes_per_token_full`` per token) with :data:`SWAP_MARGIN`, and
+    :data:`SWAP_CHUNKS_IN_FLIGHT` of a chunk's on the device."""
+    held = float(tokens * model.act_bytes_per_token_full) * SWAP_MARGIN
+    return held, SWAP_CHUNKS_IN_FLIGHT * held
 
 
 def pass_work(
     model: ModelProfile,
     hw: HardwareProfile,
-    ov: PlanOverrides,
     sz: FitSizes,
     mem: FitMemory,
     ckpt: bool,
     recomputed: Arr,
     links: dict[Link, Arr],
+    device_budget: float,
+    swap: bool,
 ) -> PassWork:
     """Compute per step and link seconds per pass of every candidate.
 
     Resident blocks (and blocks used in place) keep their activations: never recomputed.
-    ``links``: the busy seconds per link of one pass, the boundary inputs' copies
-    included (:func:`chunks.boundary_link_bytes`). With ``ov.swap_activations`` the recomputed blocks
-    the links have headroom for keep their saved activations on the host instead
-    (:func:`chunks.swapped_blocks`: their recompute saved, their activations on both links).
-    Each chunk beyond the first launches the block's kernels again
-    (:func:`chunks.launch_seconds`).
+    ``links``: the busy seconds per link of one pass, every recomputed block's boundary
+    inputs' copies included (:func:`chunks.boundary_link_bytes`). With ``swap`` (not on a
+    CPU device, whose host is its own memory), the recomputed blocks the links have headroom for keep their saved activations on
+    the host instead (:func:`chunks.swapped_blocks`: their recompute saved, their
+    activations on both links, their boundary inputs' copies not made), where the free
+    host memory holds them and the device ``device_budget`` the store's slots for their
+    chunks fetched back (:func:`swap_bytes`). Each chunk beyond the first launches the
+    block's kernels again (:func:`chunks.launch_seconds`).
     """
     n, ga, pass_tokens = sz.blocks, sz.grad_accum, sz.micro_batch * sz.seq_len
     tokens = float(sz.seqs_per_step * sz.seq_len)
@@ -62,31 +80,52 @@ def pass_work(
     flops = tokens * cost.train_flops_per_token(model, sz.seq_len, ckpt, n - recomputed)
     compute = cost.compute_seconds(flops, hw) + 0.0 * recomputed
     swapped = 0.0 * recomputed
-    swap_bytes = float(pass_tokens * model.act_bytes_per_token_full)
-    if ov.swap_activations and ckpt:
+    moved = float(pass_tokens * model.act_bytes_per_token_full)
+    held, _ = swap_bytes(model, pass_tokens)
+    _, slots = swap_bytes(model, sz.chunk_tokens)
+    if swap and ckpt and hw.device_type != "cpu":
         head = model.head_flops_per_token()
         block_fwd = (cost.forward_flops_per_token(model, sz.seq_len) - head) / max(n, 1)
         fwd_pass = cost.compute_seconds(pass_tokens * block_fwd, hw)
         swap_link = max(
-            cost.link_seconds(swap_bytes, hw.h2d_bandwidth, hw.h2d_efficiency),
-            cost.link_seconds(swap_bytes, hw.d2h_bandwidth, hw.d2h_efficiency),
+            cost.link_seconds(moved, hw.h2d_bandwidth, hw.h2d_efficiency),
+            cost.link_seconds(moved, hw.d2h_bandwidth, hw.d2h_efficiency),
         )
         busiest = np.maximum(links[Link.HOST_TO_DEVICE], links[Link.DEVICE_TO_HOST])
         swapped = chunks.swapped_blocks(
-            recomputed, compute / ga, fwd_pass, busiest, swap_link, mem.free_host_bytes, swap_bytes
+            recomputed, compute / ga, fwd_pass, busiest, swap_link, mem.free_host_bytes, held
         )
+        # only paged blocks swap (a resident block recomputed by force keeps its weights)
+        swapped = np.minimum(swapped, mem.paged_blocks)
+        swapped = np.where(mem.device_bytes + slots <= device_budget, swapped, 0.0)
         compute = compute - ga * swapped * fwd_pass
+        bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
         for link, bw, eff in (
             (Link.HOST_TO_DEVICE, hw.h2d_bandwidth, hw.h2d_efficiency),
             (Link.DEVICE_TO_HOST, hw.d2h_bandwidth, hw.d2h_efficiency),
         ):
-            links[link] = links[link] + cost.link_seconds(swapped * swap_bytes, bw, eff)
+            links[link] = links[link] + cost.link_seconds(swapped * moved, bw, eff)
+        for link, (bw, eff) in _rates(hw).items():
+            links[link] = links[link] - cost.link_seconds(bound[link], bw, eff)
     launch = chunks.launch_seconds(hw, ga, recomputed - swapped, sz.chunks)
+    per_block = float(pass_tokens * model.act_bytes_per_token_checkpointed)
     return PassWork(
         recomputed=recomputed - swapped,
         swapped=swapped,
         compute=compute + launch,
         launch=launch,
         links=links,
-        swap_host_bytes=swapped * swap_bytes,
+        swap_host_bytes=swapped * held,
+        swap_device_bytes=np.where(swapped > 0, slots, 0.0),
+        boundary_bytes=swapped * per_block,
     )
+
+
+def _rates(hw: HardwareProfile) -> dict[Link, tuple[float, float]]:
+    """(bandwidth, efficiency) of each priced link."""
+    return {
+        Link.HOST_TO_DEVICE: (hw.h2d_bandwidth, hw.h2d_efficiency),
+        Link.DEVICE_TO_HOST: (hw.d2h_bandwidth, hw.d2h_efficiency),
+        Link.NVME_TO_HOST: (hw.nvme_read_bandwidth, hw.nvme_efficiency),
+        Link.HOST_TO_NVME: (hw.nvme_write_bandwidth, hw.nvme_efficiency),
+    }

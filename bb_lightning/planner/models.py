@@ -34,6 +34,14 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "llama-1.5b": _llama(2048, 24, 16, 5504, 2048),
     # LLaMA-30B (Touvron et al. 2023): hidden 6656, 60 layers, 52 heads, ffn 17920.
     "llama-30b": _llama(6656, 60, 52, 17920, 2048),
+    # Llama 3 8B (Meta 2024): hidden 4096, 32 layers, 32 heads (8 KV), ffn 14336, a
+    # 128,256-token vocabulary.
+    "llama-8b": {
+        **_llama(4096, 32, 32, 14336, 8192),
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+    },
     # Llama 3 70B (Meta 2024): hidden 8192, 80 layers, 64 heads (8 KV), ffn 28672, a
     # 128,256-token vocabulary.
     "llama-70b": {

@@ -73,10 +73,11 @@ class PlanOverrides:
     """Sequences per chunk of the recomputed blocks (fit; forces chunked execution)."""
     boundaries: Tier | None = None
     """Where chunked blocks keep their boundary inputs: DEVICE, HOST or NVME (fit)."""
-    swap_activations: bool = False
+    swap_activations: bool = True
     """Price keeping the saved activations of recomputed blocks on the host instead of
-    recomputing them, per block where the links have headroom (fit; the plan's
-    ``Placement.swapped``). Off unless asked."""
+    recomputing them, per block where the links have headroom, against recomputing them
+    all, and keep the cheaper (fit; the plan's ``Placement.swapped``); False: every
+    paged block recomputes."""
 
     def __post_init__(self) -> None:
         """Refuse values out of range, one line naming the field, the value and the range."""
@@ -337,8 +338,9 @@ class Plan:
 
     @property
     def checkpointing(self) -> bool:
-        """Whether some block is recomputed in backward (fit; False for predict)."""
-        return bool(self.recomputed_blocks())
+        """Whether some block is recomputed in backward or swaps its saved activations to
+        the host instead (the search's checkpointing candidates; fit; False for predict)."""
+        return bool(self.recomputed_blocks() or self.placement.swapped)
 
     def in_place_tiers(self) -> frozenset[Tier]:
         """Weight homes the engine uses in place, without a copy: DEVICE, and HOST when
@@ -444,8 +446,9 @@ class Plan:
                 f"micro-batch {self.micro_batch} x grad-accum {self.grad_accum}, "
                 f"{self.tokens_per_pass} tokens per pass, prefetch depth {self.prefetch_depth}, "
                 f"checkpointing {'on' if self.checkpointing else 'off'} "
-                f"({len(self.recomputed_blocks())} of {len(self.weights)} blocks recomputed; "
-                f"limited by {self.limited_by})"
+                f"({len(self.recomputed_blocks())} of {len(self.weights)} blocks recomputed"
+                + (f", {len(self.placement.swapped)} swapped" if self.placement.swapped else "")
+                + f"; limited by {self.limited_by})"
             )
         else:
             lines.append(

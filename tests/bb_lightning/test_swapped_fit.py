@@ -25,12 +25,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine.chunked import row_spans
+from bb_lightning.hf.lora import LoraOptions
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
-from bb_lightning.probe import model_profile_from_config
-from bb_lightning.strategy.dryrun import dry_fit
+from bb_lightning.planner.models import builtin_config
+from bb_lightning.probe import model_profile_from_config, model_profile_from_module
+from bb_lightning.strategy.dryrun import dry_fit, meta_model
 from storage.tiers import PRICED_LINKS, Tier
 
 from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit, _OwnModule, _TwoForwards
@@ -243,19 +245,45 @@ def test_a_given_placement_sizes_the_store_for_its_swapped_activations(
 
 @pytest.mark.slow  # a full-size Llama-7B dry run on the meta device: about 10 s on 2 cores
 def test_a_swapping_plan_moves_on_each_link_what_it_prices_in_a_dry_run() -> None:
-    """The ``llama-7b-24gb`` recipe's job planned with swapping on ``rtx4090``: the engine,
-    run on meta tensors, stores the swapped block's saved activations within the store's
-    budgets and moves on each link what the plan prices, within the 5 % the recipes are
-    held to."""
+    """The ``llama-7b-24gb`` recipe's job on ``rtx4090`` with 128 GiB of host memory, where
+    swapping the last blocks is cheaper than recomputing them: the engine, run on meta
+    tensors, holds the swapped blocks' chunks fetched back within the plan's device budget
+    and moves on each link what the plan prices, within the 5 % the recipes are held to."""
     config = {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
         "vocab_size": 32000, "max_position_embeddings": 4096,
     }  # fmt: skip
     job = FitJob(seq_len=2048, global_batch_seqs=128)
-    forced = PlanOverrides(micro_batch=1, grad_accum=128, swap_activations=True)
-    plan = make_plan(model_profile_from_config(config), preset("rtx4090"), job, overrides=forced)
+    forced = PlanOverrides(micro_batch=1, grad_accum=128)
+    hw = preset("rtx4090").replace(host_memory=128 << 30)
+    plan = make_plan(model_profile_from_config(config), hw, job, overrides=forced)
     assert plan.placement.swapped
     report = dry_fit(plan, config)
+    assert Tier.DEVICE not in report.over  # the chunks fetched back are in the device budget
+    for link in PRICED_LINKS:
+        assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05), link
+
+
+@pytest.mark.slow  # a 370M Llama's LoRA dry run on the meta device: about 15 s on 2 cores
+def test_a_lora_plan_that_swaps_holds_and_moves_what_it_prices_in_a_dry_run() -> None:
+    """LoRA adapters over a frozen 370M Llama, planned with swapping on a 6 GiB device: a
+    frozen matrix saves no input for its weight gradient, so the blocks' saved
+    activations are priced from a trace of what the module trains; the engine, run on
+    meta tensors, moves on each link what the plan prices (within the 5 % the recipes are
+    held to), and its device peak, the store's slots for the chunks fetched back
+    included, stays within the plan's budget."""
+    config = builtin_config("llama-370m")
+    lora = LoraOptions.from_value(
+        {"rank": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+    )
+    profile = model_profile_from_module(meta_model(config, torch.bfloat16, lora=lora))
+    hw = preset("rtx4090").replace(device_memory=6 << 30)
+    job = FitJob(seq_len=2048, global_batch_seqs=8)
+    forced = PlanOverrides(micro_batch=4, grad_accum=2)
+    plan = make_plan(profile, hw, job, overrides=forced)
+    assert plan.placement.swapped and plan.placement.recomputed
+    report = dry_fit(plan, config, lora=lora)
+    assert report.over == []
     for link in PRICED_LINKS:
         assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05), link

@@ -98,9 +98,9 @@ def test_swapping_saved_activations_is_priced_where_the_links_have_headroom(
 ) -> None:
     m = small_model
     hw = small_gpu.replace(device_flops=1e12, h2d_bandwidth=1e9, d2h_bandwidth=1e9)
-    base = _price(m, hw, 2, Tier.DEVICE)
-    swap = _price(m, hw, 2, Tier.DEVICE, PlanOverrides(swap_activations=True))
-    assert base.swapped_blocks == 0.0
+    base = _price(m, hw, 2, Tier.DEVICE, PlanOverrides(swap_activations=False))
+    swap = _price(m, hw, 2, Tier.DEVICE)  # priced both ways by default, the cheaper kept
+    assert base.swapped_blocks == 0.0 and swap.step_seconds < base.step_seconds
     # a block's forward over one micro-batch, and its saved activations on one link
     fwd = T * (2 * m.block_matmul_params + 4 * m.num_heads * m.head_dim * SEQ) / 1e12
     link = T * m.act_bytes_per_token_full / 1e9
@@ -114,6 +114,27 @@ def test_swapping_saved_activations_is_priced_where_the_links_have_headroom(
     )
     assert swap.h2d_seconds - base.h2d_seconds == pytest.approx(2 * s * link, rel=1e-9)
     assert swap.recomputed_blocks == 4 - s
+
+
+def test_a_swapped_block_moves_no_boundary_inputs_and_holds_its_chunks_on_the_device(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    """With the boundary inputs on the host, a swapped block's input is among its saved
+    activations: the plan moves and holds its activations instead of its boundary, and the
+    device holds the store's slots for three chunks fetched back (25 % beyond the estimate)."""
+    m = small_model
+    full, ckpt = m.act_bytes_per_token_full, m.act_bytes_per_token_checkpointed
+    hw = small_gpu.replace(device_flops=1e12, h2d_bandwidth=1e9, d2h_bandwidth=1e9)
+    base = _price(m, hw, 2, Tier.HOST, PlanOverrides(swap_activations=False))
+    swap = _price(m, hw, 2, Tier.HOST, PlanOverrides(swap_activations=True))
+    s = swap.swapped_blocks
+    assert 0 < s < 4 and swap.recomputed_blocks == 4 - s
+    for link in ("h2d_seconds", "d2h_seconds"):  # 2 micro-batches, each way
+        grown = getattr(swap, link) - getattr(base, link)
+        assert grown == pytest.approx(2 * s * T * (full - ckpt) / 1e9, rel=1e-9), link
+    chunk = 2 * SEQ  # rows per chunk x tokens per row
+    assert swap.device_bytes - base.device_bytes == pytest.approx(3 * 1.25 * chunk * full)
+    assert swap.host_bytes - base.host_bytes == pytest.approx(s * T * (1.25 * full - ckpt))
 
 
 @pytest.fixture(scope="module")
