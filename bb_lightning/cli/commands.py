@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bb_lightning.cli.errors import OneLineArgumentParser, UsageError, first_line
+from bb_lightning.cli.plan_args import add_activation_args, plan_overrides, recipe_overrides
 
 if TYPE_CHECKING:
     from bb_lightning.planner.profile import ModelProfile
@@ -97,7 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="tiny-llama",
-        help="built-in name (tiny-llama, llama-370m, llama-1.5b, llama-30b, llama-70b, opt-30b), "
+        help="built-in name (tiny-llama, llama-370m/1.5b/8b/30b/70b, opt-30b, mixtral-8x7b), "
         "a local model directory, a config.json or a hub id (default: tiny-llama)",
     )
     p.add_argument(
@@ -152,6 +153,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(2796 tokens at 32k, 697 at 128k); 0: the whole pass's, as transformers' loss holds "
         "them for a module that calls the model with labels",
     )
+    add_activation_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
         "--dry-run",
@@ -342,7 +344,7 @@ def module_loss_chunk(chunk: int | None, vocab_size: int) -> int | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
+    from bb_lightning.planner import FitJob, PredictJob, make_plan, preset
     from bb_lightning.probe import measure
     from bb_lightning.strategy import world
 
@@ -397,8 +399,7 @@ def _plan(args: argparse.Namespace) -> int:
         job = PredictJob(
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_prompts=args.num_prompts
         )
-    overrides = PlanOverrides(decode_attention=args.decode_attention)
-    plan = make_plan(model, hw, job, overrides=overrides)
+    plan = make_plan(model, hw, job, overrides=plan_overrides(args))
     print(plan.to_json() if args.json else plan.explain())
     if args.plot:
         from bb_lightning.planner.roofline import plot_roofline
@@ -518,7 +519,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
     from bb_lightning.cli.lightning import parse_recipe
     from bb_lightning.cli.recipe_dryrun import fit_recipe_profile
     from bb_lightning.module import resolve_model_config
-    from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
+    from bb_lightning.planner import FitJob, make_plan, preset
     from bb_lightning.strategy.session import compute_dtype
 
     if command not in ("fit", "predict"):
@@ -563,7 +564,7 @@ def _recipe_dry_run(command: str, argv: list[str]) -> int:
         compute_dtype=str(dtype).removeprefix("torch."),
         loss_chunk_tokens=module_loss_chunk(chunk, profile.vocab_size),
     )
-    forced = PlanOverrides(micro_batch=data.batch_size, grad_accum=accum)
+    forced = recipe_overrides(strategy, micro_batch=data.batch_size, grad_accum=accum)
     plan = make_plan(profile, preset(hardware), job, overrides=forced)
     print(plan.explain())
     return _dry_run(plan, config, lora=lora)

@@ -241,3 +241,23 @@ def test_plan_takes_the_collective_bandwidths_given(capsys: pytest.CaptureFixtur
             main([*argv, "--inter-node-bandwidth", bad])
         assert exc.value.code == 2
         assert f"'{bad}' is not a number > 0" in capsys.readouterr().err
+
+
+def test_plan_swaps_saved_activations_unless_told_not_to(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A 370M Llama on a 4 GiB device whose links have headroom: by default the planner
+    prices each paged block both ways and swaps the saved activations of some instead of
+    recomputing them (faster); ``--no-swap-activations`` recomputes every paged block."""
+    argv = ["plan", "--model", "llama-370m", "--hardware", "rtx4090", "--device-memory", "4GiB"]
+    argv += ["--seq-len", "1024", "--global-batch", "32s", "--json"]
+    assert main(argv) == 0
+    swapping = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-swap-activations"]) == 0
+    recomputing = json.loads(capsys.readouterr().out)
+    assert swapping["overrides"]["swap_activations"] is True
+    assert recomputing["overrides"]["swap_activations"] is False
+    assert swapping["placement"]["swapped"] and not recomputing["placement"]["swapped"]
+    assert swapping["tokens_per_s"] > recomputing["tokens_per_s"]
+    reason = next(r for r in swapping["reasons"] if r.startswith("per block"))
+    assert "recompute" in reason and "swap" in reason

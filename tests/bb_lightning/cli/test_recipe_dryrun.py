@@ -110,11 +110,21 @@ def test_a_lora_recipe_dry_runs_its_adapters_over_the_frozen_base(
     ratios = _link_ratios(out)
     assert set(ratios) == {"h2d", "d2h"}, out[-1500:]
     assert all(r == pytest.approx(1.0, abs=0.05) for r in ratios.values()), ratios
-    # only the adapters' gradients leave the device: peft's trained count, in bf16, per
-    # micro-batch (the 6.7 B frozen weights would be 800 times more)
+    assert ", 14 swapped;" in out  # the last blocks' saved activations go to the host
+    # every block recomputing (the recipe's override), the adapters' gradients leave the
+    # device: peft's trained count, in bf16, per micro-batch (the 6.7 B frozen weights
+    # would be 800 times more), and the recomputed blocks' boundary inputs where the plan
+    # keeps them on the host (2 x 2,048 tokens x 4,096 wide, bf16, per block)
+    no_swap = "--trainer.strategy.init_args.overrides.swap_activations=false"
+    assert main([*args, no_swap]) == 0
+    out = capsys.readouterr().out
+    assert "swap" not in out.split("per block", 1)[1].split("\n", 1)[0]
     model = meta_model(json.loads(spec), torch.bfloat16, lora=LoraOptions(rank=16))
     trained, total = model.get_nb_trainable_parameters()
     assert (trained, total) == (39_976_960, 6_778_392_576)
     d2h = re.search(r"^\s+d2h\s+([\d.]+) GiB", out, re.M)
     assert d2h is not None
-    assert float(d2h.group(1)) == pytest.approx(16 * trained * 2 / 2**30, abs=0.01)
+    recomputed = re.search(r"\((\d+) of 32 blocks recomputed", out)
+    assert recomputed is not None
+    bounds = 2 * 2048 * 4096 * 2 * int(recomputed.group(1)) if "live on the host" in out else 0
+    assert float(d2h.group(1)) == pytest.approx(16 * (trained * 2 + bounds) / 2**30, abs=0.01)
