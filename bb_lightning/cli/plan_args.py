@@ -43,8 +43,10 @@ def recipe_overrides(strategy: Any, **batch: int) -> PlanOverrides:
     given = getattr(strategy, "overrides", None)
     if given is None:
         given = getattr(getattr(strategy, "planning", None), "overrides", None)
-    if given is None:
-        return PlanOverrides(**batch)
-    values = dataclasses.asdict(given) if isinstance(given, PlanOverrides) else vars(given)
+    values: dict[str, Any] = {}
+    if isinstance(given, PlanOverrides):
+        values = dataclasses.asdict(given)
+    elif given is not None:
+        values = dict(vars(given))
     fields = {f.name for f in dataclasses.fields(PlanOverrides)}
     return PlanOverrides(**{**{k: v for k, v in values.items() if k in fields}, **batch})
