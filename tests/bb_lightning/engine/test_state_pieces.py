@@ -14,6 +14,7 @@ from bb_lightning.placement import SCRATCH_FP32, SCRATCH_PREFIX, SCRATCH_SETS, P
 from storage.tiers import Tier
 
 from ..tiny import LAYERS, cpu_engine, tiny_llama
+from .test_cuda_double import _double_store
 from .test_grad_tiers import _store
 
 PIECE = 6144
@@ -24,14 +25,23 @@ ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _train(
-    placement: Placement, tmp_path: Path, accumulate: int, overlap: bool, clip: float | None
+    placement: Placement,
+    tmp_path: Path | None,
+    accumulate: int,
+    overlap: bool,
+    clip: float | None,
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """Three optimizer steps of a tiny Llama through the engine: its state dict and losses."""
+    """Three optimizer steps of a tiny Llama through the engine (its store under the CUDA
+    double where ``tmp_path`` is None): its state dict and losses."""
     model = tiny_llama()
     gen = torch.Generator().manual_seed(3)
     losses = []
-    tmp_path.mkdir()
-    with _store(tmp_path, model, placement) as store:
+    if tmp_path is not None:
+        tmp_path.mkdir()
+    store = (
+        _double_store(model, placement) if tmp_path is None else _store(tmp_path, model, placement)
+    )
+    with store:
         engine = cpu_engine(model, store, placement)
         for _ in range(3):
             for k in range(accumulate):
@@ -113,6 +123,25 @@ def test_steps_in_pieces_equal_torch_adamw(
     for key, value in want.items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=5e-6, msg=key)
         torch.testing.assert_close(state[key], state_whole[key], rtol=1e-6, atol=2e-6, msg=key)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_device_homes_step_in_pieces_under_the_cuda_double(clip: float | None) -> None:
+    """Weights and optimizer state on the device and the host, under the CPU double of
+    CUDA's copies: each piece read from the device and written back by range lands before
+    the host uses its buffer again, so the steps equal torch AdamW's."""
+    placement = Placement(
+        weights=(Tier.DEVICE, Tier.HOST, Tier.DEVICE),
+        master=(Tier.DEVICE, Tier.HOST, Tier.DEVICE),
+        read_ahead=2,
+        state_piece=PIECE,
+    )
+    state, losses = _train(placement, None, 2, True, clip)
+    want, want_losses = _reference(2, clip)
+    for got, ref in zip(losses, want_losses, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=5e-6, msg=key)
 
 
 def test_scratch_and_read_ahead_buffers_hold_one_piece(tmp_path: Path) -> None:
