@@ -67,7 +67,8 @@ def pass_work(
     Resident blocks (and blocks used in place) keep their activations: never recomputed.
     ``links``: the busy seconds per link of one pass, every recomputed block's boundary
     inputs' copies included (:func:`chunks.boundary_link_bytes`). With ``swap`` (not on a
-    CPU device, whose host is its own memory), the recomputed blocks the links have headroom for keep their saved activations on
+    CPU device, whose host is its own memory, nor data parallel, where no run has checked
+    it), the recomputed blocks the links have headroom for keep their saved activations on
     the host instead (:func:`chunks.swapped_blocks`: their recompute saved, their
     activations on both links, their boundary inputs' copies not made), where the free
     host memory holds them and the device ``device_budget`` the store's slots for their
@@ -83,7 +84,7 @@ def pass_work(
     moved = float(pass_tokens * model.act_bytes_per_token_full)
     held, _ = swap_bytes(model, pass_tokens)
     _, slots = swap_bytes(model, sz.chunk_tokens)
-    if swap and ckpt and hw.device_type != "cpu":
+    if swap and ckpt and hw.device_type != "cpu" and not sz.data_parallel:
         head = model.head_flops_per_token()
         block_fwd = (cost.forward_flops_per_token(model, sz.seq_len) - head) / max(n, 1)
         fwd_pass = cost.compute_seconds(pass_tokens * block_fwd, hw)
