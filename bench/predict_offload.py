@@ -36,6 +36,12 @@ checkpoint's bf16 weights at the NVMe rate; never below all FLOPs at that rate)
 beside Accelerate's best. With ``--busy-probe`` a process spins on one core
 while the probes run and the plan is made, and stops before the runs (measured /
 predicted then checks the plan made beside a busy neighbour).
+With ``--decode-attention host`` the KV cache lives on the host and decode attention runs
+there; ``--host-memory-gib`` / ``--device-memory-gib`` plan with that much memory, so that
+the cache of the plan's batch may pass it and its last blocks home on NVMe
+(``Placement.kv_cache_nvme_blocks``); ``--ram-batch`` then also runs ours at the largest
+batch whose cache the plan keeps in memory, printing its measured / predicted and the
+spilled run's tokens/s against it.
 Run ``python bench/predict_offload.py --help``.
 """
 
@@ -114,7 +120,28 @@ def _args() -> argparse.Namespace:
         help="compute dtype of every run (fp32 for a CPU without bf16 matrix instructions)",
     )
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    return p.parse_args()
+    p.add_argument(
+        "--decode-attention",
+        choices=("device", "host"),
+        default="device",
+        help="host: the KV cache on the host, attended there (its blocks past host memory "
+        "homed on NVMe)",
+    )
+    p.add_argument(
+        "--host-memory-gib", type=float, default=None, help="plan with this much host memory"
+    )
+    p.add_argument(
+        "--device-memory-gib", type=float, default=None, help="plan with this much device memory"
+    )
+    p.add_argument(
+        "--ram-batch",
+        action="store_true",
+        help="also run ours at the largest batch whose KV cache the plan keeps in memory",
+    )
+    args = p.parse_args()
+    if args.ram_batch and args.decode_attention != "host":
+        p.error("--ram-batch compares the KV cache spilled to NVMe: pass --decode-attention host")
+    return args
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -194,8 +221,10 @@ def _ours(
             f"{gen.seconds['decode']:.1f} s ({args.new_tokens - 1} steps), of which waiting for "
             f"page-ins {wait:.1f} s"
         )
+        spill = strategy.plan.placement.kv_cache_nvme_blocks
         print(f"[ours] plan in force: {strategy.plan.concurrent_seqs} concurrent sequences, "
-              f"KV cache on {getattr(strategy.plan.kv_cache, 'value', 'device')}")  # fmt: skip
+              f"KV cache on {getattr(strategy.plan.kv_cache, 'value', 'device')}"
+              + (f", the last {spill} blocks' on NVMe" if spill else ""))  # fmt: skip
     return tok_s, tokens, phases
 
 
@@ -254,7 +283,9 @@ def main() -> None:
         with busy_neighbour(args.busy_probe) as core:
             if core is not None:
                 print(f"busy neighbour: a process spins on core {core} during the probes and plan")
-            matmul_hw = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+            matmul_hw = _memory(
+                args, measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+            )
             hw = _probed(args, config, matmul_hw)
             plan = _plan(args, config, hw)
         if core is not None:
@@ -278,6 +309,8 @@ def main() -> None:
                   f"predicted = {ours / p.tokens_per_s:.2f}")  # fmt: skip
             figures[key] = ours / p.tokens_per_s
 
+        if args.ram_batch:
+            figures.update(_ram_batch_run(args, config, hw, ckpt, work / "nvme-ram", prompts, ours))
         hf: dict[int, float] = {}
         same_shape: list[list[int]] | None = None
         cap = args.hf_max_batches
@@ -403,11 +436,75 @@ def _job(args: argparse.Namespace) -> PredictJob:
 
 
 def _plan(args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile) -> Plan:
-    """The predict plan with every block's weights on the NVMe tier (``--batch`` forced)."""
+    """The predict plan with every block's weights on the NVMe tier (``--batch`` forced;
+    ``--decode-attention host``: the KV cache on the host, attended there)."""
     ov = PlanOverrides(
-        weights_tier=Tier.NVME, concurrent_seqs=args.batch, prefetch_depth=args.prefetch
+        weights_tier=Tier.NVME,
+        concurrent_seqs=args.batch,
+        prefetch_depth=args.prefetch,
+        decode_attention=Tier.HOST if args.decode_attention == "host" else None,
     )
     return make_plan(model_profile_from_config(config), hw, _job(args), overrides=ov)
+
+
+def _memory(args: argparse.Namespace, hw: HardwareProfile) -> HardwareProfile:
+    """``hw`` with ``--host-memory-gib`` / ``--device-memory-gib`` where given (bytes the
+    planner spends less its margins; on a CPU device the two are one RAM pool)."""
+    changes = {
+        field: int(gib_ * (1 << 30))
+        for field, gib_ in (
+            ("host_memory", args.host_memory_gib),
+            ("device_memory", args.device_memory_gib),
+        )
+        if gib_ is not None
+    }
+    if changes:
+        print(
+            "planning with "
+            + ", ".join(
+                f"{k.replace('_', ' ')} {v / (1 << 30):.2f} GiB" for k, v in changes.items()
+            )
+        )
+    return hw.replace(**changes)
+
+
+def _ram_batch_run(
+    args: argparse.Namespace,
+    config: LlamaConfig,
+    hw: HardwareProfile,
+    ckpt: Path,
+    nvme: Path,
+    prompts: torch.Tensor,
+    spilled: float,
+) -> dict[str, Any]:
+    """Ours at the largest batch below the plan's whose KV cache the plan keeps in host
+    memory (no block's cache on NVMe), against the run at the plan's batch (``spilled``
+    tokens/s); its figures, keyed ``ram_batch_*``."""
+    batch = _plan(args, config, hw).concurrent_seqs
+    plan = None
+    for rows in range(batch - 1, 0, -1):
+        sub = argparse.Namespace(**{**vars(args), "batch": rows})
+        plan = _plan(sub, config, hw)
+        if plan.placement.kv_cache_nvme_blocks == 0:
+            break
+    if plan is None or plan.placement.kv_cache_nvme_blocks:
+        print("[ram batch] no smaller batch keeps the whole KV cache in memory")
+        return {}
+    print(plan.explain())
+    sub = argparse.Namespace(**{**vars(args), "batch": plan.concurrent_seqs})
+    tok_s, _, _ = isolated(_ours, sub, ckpt, nvme, prompts, plan, args.dtype)
+    print(
+        f"[ram batch] batch {plan.concurrent_seqs}, KV cache in memory: {tok_s:.1f} tokens/s; "
+        f"predicted {plan.tokens_per_s:.1f}, measured / predicted = "
+        f"{tok_s / plan.tokens_per_s:.2f}; the plan's batch {batch} with the cache spilled / "
+        f"this = {spilled / tok_s:.2f}"
+    )
+    return {
+        "ram_batch": plan.concurrent_seqs,
+        "ram_batch_tokens_per_s": tok_s,
+        "ram_batch_measured_over_predicted": tok_s / plan.tokens_per_s,
+        "spilled_over_ram_batch": spilled / tok_s,
+    }
 
 
 def _fp32_check(

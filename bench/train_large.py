@@ -23,15 +23,30 @@ the whole model under Lightning's bf16-true init context (2 bytes/param at once)
 before the strategy copies each block into the store. ``auto`` (default) tries
 ``checkpoint`` and, when that fails, prints why and runs ``module``.
 
+With ``--plan`` the placement is the planner's for the user's batch (``--micro-batch``
+x ``--accumulate``): the machine's measured profile (the model's own training pass timed
+at ``--probe-micro-batch`` sequences) with its memory cut to the budget (host memory whose
+plannable 95 % is ``--host-budget-gib``, a device tier of 2 GiB: on a CPU device the two
+are one RAM pool of host budget + 2 GiB, the RSS limit), weights and optimizer state on
+NVMe; the recomputed blocks run the micro-batch in the plan's row chunks
+(``Placement.chunk_rows``) with their boundary inputs on its tier. ``--chunk-rows N``
+forces N rows per chunk, ``--chunk-rows 0`` each micro-batch in one piece: where that
+does not fit the budget, the chunked plan's placement runs without its chunks (its
+prediction then from a plan with the machine's whole memory). Printed besides: the plan,
+its predicted step time and measured / predicted.
+
     .venv/bin/python bench/train_large.py [--steps 3] [--warmup 1] [--host-budget-gib 8]
         [--layers 24] [--hidden 2048] [--ffn 8192] [--nvme-dir D]
+        [--plan [--chunk-rows N] [--micro-batch 16 --seq 512]]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
+import math
 import re
 import tempfile
 import time
@@ -49,6 +64,18 @@ from bb_lightning.engine.budgets import required_budgets
 from bb_lightning.hf.structure import find_block_list
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    Plan,
+    PlanError,
+    PlanOverrides,
+    cost,
+    make_plan,
+)
+from bb_lightning.planner.cost import loss_chunk_tokens
+from bb_lightning.probe import measure, model_profile_from_config
+from bb_lightning.probe.calibrate import probe_train_compute
 from bb_lightning.strategy.handback import WeightsInStoreError
 from storage.io import padded
 from storage.store import StoreConfig, TieredStore
@@ -180,25 +207,65 @@ def accounts_line(sample: dict[str, int]) -> str:
     return ", ".join(f"{k} {sample.get(k, 0) / _common.GIB:.2f}" for k in ACCOUNTS)
 
 
-def train(
-    args: argparse.Namespace,
-    config: dict[str, Any],
-    placement: Placement,
-    need: dict[Tier, int],
-    limit: int,
-    base: Path,
-    init: str,
-) -> None:
-    """Fit ``--warmup + --steps`` steps, the model built per ``init``; print the figures."""
-    with tempfile.TemporaryDirectory(prefix="large-", dir=base) as run_dir:
+def fixed_strategy(
+    args: argparse.Namespace, placement: Placement, need: dict[Tier, int]
+) -> Callable[[Path], BalanceBeamStrategy]:
+    """A maker of the strategy that runs ``placement`` in a store of ``need`` bytes per tier
+    (the host arena capped at ``--host-budget-gib``), its NVMe tier under a run directory."""
+
+    def make(run_dir: Path) -> BalanceBeamStrategy:
         store = StoreConfig(
             device_budget=need[Tier.DEVICE] + SLACK,
             host_budget=int(args.host_budget_gib * _common.GIB),
-            nvme_path=str(Path(run_dir) / "store"),
+            nvme_path=str(run_dir / "store"),
             nvme_budget=need[Tier.NVME] + SLACK,
             device="cpu",
         )
-        strategy = BalanceBeamStrategy(store=store, placement=placement, compute_dtype="bf16")
+        print(f"placement in force (no plan): {chunking(placement)}")
+        return BalanceBeamStrategy(store=store, placement=placement, compute_dtype="bf16")
+
+    return make
+
+
+def chunking(placement: Placement) -> str:
+    """How ``placement`` runs a micro-batch through its recomputed blocks, in words."""
+    if placement.chunk_rows is None:
+        return "each micro-batch in one piece through every block"
+    where = placement.boundaries.value if placement.boundaries is not None else "device"
+    return (
+        f"recomputed blocks run {placement.chunk_rows} rows per chunk, their boundary inputs "
+        f"on the {where}"
+    )
+
+
+def planned_strategy(plan: Plan) -> Callable[[Path], BalanceBeamStrategy]:
+    """A maker of the strategy that plans as ``plan`` was made (its job, hardware profile and
+    overrides: the same plan) and sizes its store from it, its NVMe tier under a run
+    directory; no re-plan after warm-up, and the module left hollow after fit."""
+
+    def make(run_dir: Path) -> BalanceBeamStrategy:
+        return BalanceBeamStrategy(
+            job=plan.job, hardware=plan.hardware, overrides=plan.overrides,
+            nvme_path=str(run_dir / "store"), compute_dtype="bf16", adapt_tolerance=None,
+            gather_on_teardown=False,
+        )  # fmt: skip
+
+    return make
+
+
+def train(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    make_strategy: Callable[[Path], BalanceBeamStrategy],
+    limit: int,
+    base: Path,
+    init: str,
+    predicted: float | None = None,
+) -> None:
+    """Fit ``--warmup + --steps`` steps, the model built per ``init``; print the figures
+    (and measured / ``predicted`` seconds per step where given)."""
+    with tempfile.TemporaryDirectory(prefix="large-", dir=base) as run_dir:
+        strategy = make_strategy(Path(run_dir))
         source: str | dict[str, Any] = config
         if init == "checkpoint":
             ckpt = Path(run_dir) / "checkpoint"
@@ -228,6 +295,8 @@ def train(
             sampler.mark("teardown")  # the strategy gives the module its weights back
         wall = time.perf_counter() - start
         stats = strategy.store.stats() if strategy.store is not None else {}
+        if strategy.plan is not None:
+            print(f"plan in force: {chunking(strategy.plan.placement)}")
         print(f"after fit: {held_weights(module)}")
         strategy.close()
     tokens = args.micro_batch * args.seq * args.accumulate
@@ -267,6 +336,70 @@ def train(
         f"(peak / limit = {peak / limit:.2f})"
     )
     print(f"throughput: {tps:.1f} trained tokens/s, {step_s:.2f} s/step")
+    if predicted is not None:
+        print(
+            f"measured {step_s:.4g} s/step, predicted {predicted:.4g} s/step ("
+            f"{tokens / predicted:.1f} tokens/s); measured / predicted = "
+            f"{step_s / predicted:.2f} (target 0.75-1.25)"
+        )
+
+
+DEVICE_POOL = 2 * _common.GIB
+"""Plannable bytes of the device tier with ``--plan``: on a CPU device it shares one RAM pool
+with the host's, host budget + 2 GiB in all (the RSS limit)."""
+
+
+def budget_hardware(hw: HardwareProfile, host_budget: int) -> HardwareProfile:
+    """``hw`` with memory whose plannable bytes (:func:`~bb_lightning.planner.cost.budgets`)
+    are ``host_budget`` on the host and :data:`DEVICE_POOL` on the device."""
+    host = math.ceil(host_budget / (1.0 - cost.HOST_MARGIN_FRACTION))
+    device = math.ceil(
+        (DEVICE_POOL + cost.DEVICE_MARGIN_BYTES) / (1.0 - cost.DEVICE_MARGIN_FRACTION)
+    )
+    return hw.replace(host_memory=host, device_memory=device)
+
+
+def plan_for_budget(
+    args: argparse.Namespace, config: dict[str, Any], base: Path, counts: tuple[list[int], int]
+) -> tuple[Callable[[Path], BalanceBeamStrategy], float]:
+    """(maker of the strategy, predicted seconds per step) of ``--plan``: see the module doc."""
+    whole = measure(nvme_path=str(base), max_seconds=args.measure_seconds)
+    probe = probe_train_compute(
+        config, whole, seq_len=args.seq, micro_batch=args.probe_micro_batch, dtype=torch.bfloat16
+    )
+    if probe is not None:
+        print(probe.describe(whole), flush=True)
+        whole = probe.applied_to(whole)
+    hw = budget_hardware(whole, int(args.host_budget_gib * _common.GIB))
+    model = model_profile_from_config(config)
+    job = FitJob(
+        seq_len=args.seq, global_batch_seqs=args.micro_batch * args.accumulate,
+        compute_dtype="bfloat16", loss_chunk_tokens=loss_chunk_tokens(args.vocab),
+    )  # fmt: skip
+    ov = PlanOverrides(
+        micro_batch=args.micro_batch, grad_accum=args.accumulate, weights_tier=Tier.NVME,
+        master_tier=Tier.NVME, prefetch_depth=args.prefetch, chunk_rows=args.chunk_rows or None,
+        chunked=args.chunk_rows != 0,
+    )  # fmt: skip
+    try:
+        plan = make_plan(model, hw, job, overrides=ov)
+    except PlanError as err:
+        if args.chunk_rows != 0:
+            raise
+        print(f"each micro-batch in one piece does not fit the budget: {err}")
+        chunked = make_plan(model, hw, job, overrides=dataclasses.replace(ov, chunked=True))
+        placement = dataclasses.replace(chunked.placement, chunk_rows=None, boundaries=None)
+        priced = make_plan(model, whole, job, overrides=ov)  # the machine's whole memory
+        print(
+            "running the budget's chunked placement without its chunks; priced with the "
+            f"machine's whole memory:\n{priced.explain()}",
+            flush=True,
+        )
+        return fixed_strategy(args, placement, required_budgets(*counts, placement)), (
+            priced.predicted.total
+        )
+    print(plan.explain(), flush=True)
+    return planned_strategy(plan), plan.predicted.total
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -290,9 +423,22 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="see above; auto tries checkpoint, then module",
     )
+    parser.add_argument("--plan", action="store_true", help="the planner's placement (above)")
+    parser.add_argument(
+        "--chunk-rows", type=int, default=None, help="with --plan: rows per chunk, 0: none"
+    )
+    parser.add_argument(
+        "--probe-micro-batch", type=int, default=2, help="with --plan: rows the probe times"
+    )
+    parser.add_argument("--measure-seconds", type=float, default=20.0, help="hardware probe")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.chunk_rows is not None and (args.chunk_rows < 0 or not args.plan):
+        raise ValueError(
+            f"--chunk-rows {args.chunk_rows}: pass it with --plan, as rows >= 1 per chunk or 0 "
+            "(each micro-batch in one piece)"
+        )
     _common.quiet()
 
     base = _common.nvme_base(args.nvme_dir)
@@ -333,15 +479,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{_common.gib(2 * params) + ' (--init module)'}; RSS limit {_common.gib(limit)}",
         flush=True,
     )
+    make, predicted = fixed_strategy(args, placement, need), None
+    if args.plan:
+        make, predicted = plan_for_budget(args, config, base, (numels, rest))
     if args.init != "auto":
-        train(args, config, placement, need, limit, base, args.init)
+        train(args, config, make, limit, base, args.init, predicted)
         return
     try:
-        train(args, config, placement, need, limit, base, "checkpoint")
+        train(args, config, make, limit, base, "checkpoint", predicted)
     except Exception as exc:  # report, then build the model whole instead
         print(f"streaming from a checkpoint failed: {type(exc).__name__}: {exc}")
         print("falling back to --init module (the whole model built in bf16 first)", flush=True)
-        train(args, config, placement, need, limit, base, "module")
+        train(args, config, make, limit, base, "module", predicted)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ instructions), sequence 512, with AdamW:
    block's fp32 master weights and AdamW moments on NVMe (``--nvme-dir``, a real disk);
 3. ``balance_beam`` at the micro-batch, accumulation and placement the planner
    recommends for a global batch of ``--plan-global-seqs`` sequences (default: the
-   same as 1 and 2), optimizer state on NVMe.
+   same as 1 and 2), optimizer state on NVMe (and the blocks' weights, with
+   ``--weights-on-nvme``).
 
 With ``--peer deepspeed`` a fourth run, last: DeepSpeed ZeRO-3 on the same
 model, micro-batch, accumulation and data, parameters offloaded to the CPU (to NVMe
@@ -272,19 +273,21 @@ def recommended_plan(
     args: argparse.Namespace, model: ModelProfile, hw: HardwareProfile
 ) -> tuple[Plan, Placement]:
     """The planner's micro-batch, accumulation, placement, checkpointing and prefetch
-    (optimizer state on NVMe, as in run 2)."""
-    _, master = offload_tiers(args)
+    (optimizer state on NVMe, as in run 2; with ``--weights-on-nvme`` the blocks' weights
+    homed on NVMe too)."""
+    weights, master = offload_tiers(args)
     ram = psutil.virtual_memory().available
     job = FitJob(
         seq_len=args.seq, global_batch_seqs=args.plan_global_seqs, compute_dtype=DTYPES[args.dtype]
     )
-    overrides = PlanOverrides(master_tier=master)
+    nvme = weights if weights is Tier.NVME else None
+    overrides = PlanOverrides(master_tier=master, weights_tier=nvme)
     plan = make_plan(model, hw, job, overrides=overrides)
     used = sum(m.used for m in plan.memory if m.tier is not Tier.NVME)
     if plan.micro_batch > args.max_micro_batch or used > ram:
         cap = min(args.max_micro_batch, plan.micro_batch // 2 if used > ram else plan.micro_batch)
         print(f"capping the planner's micro-batch {plan.micro_batch} to {cap} (RAM / option)")
-        overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master)
+        overrides = PlanOverrides(micro_batch=max(1, cap), master_tier=master, weights_tier=nvme)
         plan = make_plan(model, hw, job, overrides=overrides)
     return plan, plan.placement
 

@@ -90,6 +90,32 @@ def test_train_large_reports_peak_memory(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_train_large_runs_the_plans_row_chunks_and_prices_its_step(tmp_path: Path) -> None:
+    """``--plan --chunk-rows 1``: the strategy plans the user's micro-batch of 3 in chunks of
+    one row, runs that plan, and prints its predicted step beside the measured one."""
+    out = _run(
+        "train_large.py", tmp_path, "--host-budget-gib", "0.5", "--plan", "--chunk-rows", "1",
+        "--micro-batch", "3", "--measure-seconds", "0.5", "--probe-micro-batch", "1",
+    )  # fmt: skip
+    assert "plan: fit llama" in out and "in 3 chunk(s) of 1 sequence(s)" in out
+    assert "plan in force: recomputed blocks run 1 rows per chunk" in out
+    step = _number(r"measured ([\d.e-]+) s/step, predicted", out)
+    predicted = _number(r"predicted ([\d.e-]+) s/step", out)
+    ratio = _number(r"measured / predicted = ([\d.]+) \(target", out)
+    assert ratio == pytest.approx(step / predicted, rel=0.02, abs=0.006)
+
+
+@pytest.mark.slow
+def test_train_large_runs_whole_micro_batches_with_chunk_rows_0(tmp_path: Path) -> None:
+    out = _run(
+        "train_large.py", tmp_path, "--host-budget-gib", "0.5", "--plan", "--chunk-rows", "0",
+        "--micro-batch", "2", "--measure-seconds", "0.5", "--probe-micro-batch", "1",
+    )  # fmt: skip
+    assert "each micro-batch in one piece through every block" in out
+    _number(r"measured / predicted = ([\d.]+) \(target", out)
+
+
+@pytest.mark.slow
 def test_train_large_rejects_a_host_budget_below_the_store_need(tmp_path: Path) -> None:
     env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"))
     cmd = [sys.executable, str(BENCH / "train_large.py"), *TINY, "--host-budget-gib", "0.00001"]

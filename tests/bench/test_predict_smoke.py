@@ -73,3 +73,26 @@ def test_predict_offload_fp32_computes_every_run_in_fp32(tmp_path: Path) -> None
     floor = _number(r"-> at most ([\d.]+) tokens/s", out)
     ours = _number(r"\[ours\] NVMe weights, batch 4: ([\d.]+) tokens/s", out)
     assert _number(r"ours reaches (\d+)% of it", out) == pytest.approx(100 * ours / floor, abs=1)
+
+
+@pytest.mark.slow
+def test_predict_offload_spills_the_host_kv_cache_to_nvme(tmp_path: Path) -> None:
+    """``--decode-attention host`` with too little memory for the plan's batch: the last
+    blocks' KV cache homes on NVMe, and ``--ram-batch`` runs the largest batch that keeps it
+    in memory, each with its prediction."""
+    env = dict(os.environ, BB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH), *TINY, "--nvme-dir", str(tmp_path / "nvme")]
+    cmd += ["--acc-batches", "", "--hf-batches", "16"]
+    cmd += ["--prompts", "16", "--prompt-len", "256", "--new-tokens", "4", "--batch", "16"]
+    cmd += ["--check-prompts", "0", "--decode-attention", "host", "--ram-batch"]
+    cmd += ["--host-memory-gib", "0.002", "--device-memory-gib", "1.118"]  # 8.8 MiB in all
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    spilled = re.search(r"KV cache on host, the last (\d+) blocks' on NVMe", out)
+    assert spilled is not None and int(spilled.group(1)) >= 1, out
+    ours = _number(r"\[ours\] NVMe weights, batch \d+: ([\d.]+) tokens/s", out)
+    ram = _number(r"\[ram batch\] batch \d+, KV cache in memory: ([\d.]+) tokens/s", out)
+    ratio = _number(r"with the cache spilled / this = ([\d.]+)", out)
+    assert ratio == pytest.approx(ours / ram, rel=0.02, abs=0.006)
+    _number(r"\[ram batch\] .*measured / predicted = ([\d.]+)", out)
