@@ -24,15 +24,15 @@ GIB = 1 << 30
 def test_a_kv_cache_past_host_memory_spills_whole_blocks_to_nvme() -> None:
     model = model_profile_from_config(builtin_config("opt-30b"))
     hw = dataclasses.replace(preset("t4"), host_memory=64 * GIB)
-    c = 256
+    c = 128  # as many as the T4's device holds a 512-token prefill of
     ask = PlanOverrides(decode_attention=Tier.HOST, concurrent_seqs=c)
     plan = make_plan(model, hw, JOB, overrides=ask)
     mem = {m.tier: m for m in plan.memory}
     spilled = plan.placement.kv_cache_nvme_blocks
     n = model.num_blocks
-    # the cache (c x 544 tokens x every block) is 178.5 GiB: most blocks' caches cannot stay
+    # the cache (c x 544 tokens x every block) is 89.3 GiB: not every block's cache can stay
     per_block = c * JOB.total_len * model.kv_bytes_per_token
-    assert per_block * n > 150 * GIB
+    assert per_block * n > 80 * GIB
     assert 0 < spilled < n
     # what stays on the host fits its budget; one block's cache more would not (the weights
     # homed on the host take what the caches leave)
