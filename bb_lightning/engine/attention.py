@@ -42,8 +42,9 @@ attention on the host with the KV cache there: :class:`~bb_lightning.engine.kv.K
 ``host_attention``) the same function serves the model on any device: a decode step's
 query rows (and its mask) go to the host where the cache lives, the attention above runs
 there on the host's cores, and its output returns to the model's device; a prefill's
-attended cache prefix goes to the device and ``sdpa`` runs there. One group of sequences
-is in flight: the device waits for the host's attention of each layer.
+attended cache prefix goes to the device and ``sdpa`` runs there. With groups of sequences
+in flight (:mod:`~bb_lightning.engine.groups`) one group's attention runs on the host at a
+time while the device computes for the others.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from bb_lightning.engine.groups import host_turn
 from storage.threads import single_threaded
 
 __all__ = ["CHUNK_BYTES", "attended_prefix", "decode_attention", "decode_attention_for"]
@@ -310,9 +312,9 @@ def host_attention(
     if query.shape[2] == 1:
         host = key.device
         mask = None if attention_mask is None else attention_mask.to(host)
-        out, _ = decode_attention(
-            module, query.to(host), key, value, mask, dropout, scaling, **kwargs
-        )
+        query = query.to(host)  # waits for the device's rows outside the host's turn
+        with host_turn():
+            out, _ = decode_attention(module, query, key, value, mask, dropout, scaling, **kwargs)
         return out.to(here), None
     if attention_mask is not None:
         key, value, attention_mask = attended_prefix(key, value, attention_mask)
