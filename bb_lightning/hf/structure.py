@@ -105,6 +105,8 @@ class _Trace:
     """Parameter names read by a matrix-product op."""
     saved_bytes: list[int] = field(default_factory=list)
     """Per block: bytes of distinct non-parameter storages saved for backward."""
+    swapped_bytes: list[int] = field(default_factory=list)
+    """Per block: bytes saved as a swapped block stores them (each view; no int, no broadcast)."""
     tokens: int = 0
     """Tokens in the traced batch."""
     calls: list[int] = field(default_factory=list)
@@ -306,8 +308,8 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
 
     recorder = _Recorder(storage_to_name, trace)
     current: list[int | None] = [None]
-    seen: list[set[int]] = [set() for _ in blocks]
-    trace.saved_bytes = [0] * len(blocks)
+    seen: list[set[Any]] = [set() for _ in blocks]  # storages, and views as swapped
+    trace.saved_bytes, trace.swapped_bytes = [0] * len(blocks), [0] * len(blocks)
     trace.block_spans = [(0, 0)] * len(blocks)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -318,6 +320,13 @@ def _trace_once(model: nn.Module, blocks: nn.ModuleList, context: int, *, fused:
             if key not in const_storages and key not in seen[i]:
                 seen[i].add(key)
                 trace.saved_bytes[i] += storage.nbytes()
+            # each view at its own bytes, as SavedActivations.pack stores it
+            view = (key, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            broadcast = any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True))
+            stored = t.is_floating_point() and t.numel() > 0 and not broadcast
+            if stored and key not in const_storages and view not in seen[i]:
+                seen[i].add(view)
+                trace.swapped_bytes[i] += t.numel() * t.element_size()
         return t
 
     handles = []
@@ -481,6 +490,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
     kv_heads = config_int(config, "num_kv_heads", default=num_heads)
     head_dim = config_int(config, "head_dim", default=hidden // num_heads if num_heads else 0)
     act_full = -(-max(trace.saved_bytes) // trace.tokens)
+    act_swapped = -(-max(trace.swapped_bytes) // trace.tokens)
     act_backward = _backward_bytes_per_token(model, trace, widest, block_name, act_full)
     matmul = tuple(n for n in first if n in trace.matmul_params)
     experts, top_k, expert_names = _experts(config, model.get_submodule(block_name))
@@ -502,6 +512,7 @@ def profile_fields_from_module(model: nn.Module) -> dict[str, Any]:
         "act_bytes_per_token_checkpointed": hidden * 2,
         "act_bytes_per_token_full": act_full,
         "act_bytes_per_token_backward": act_backward,
+        "act_bytes_per_token_swapped": act_swapped,
         "kv_bytes_per_token": 2 * kv_heads * head_dim * 2,
         "num_experts": experts,
         "experts_per_token": top_k,

@@ -267,7 +267,7 @@ def _block_work_reasons(
             blocks = f"block {start}" if i - start == 1 else f"blocks {start}-{i - 1}"
             runs.append(f"{blocks} {work[start]}")
             start = i
-    swap_bytes = best.micro_batch * job.seq_len * model.act_bytes_per_token_full
+    swap_bytes = best.micro_batch * job.seq_len * model.swap_bytes_per_token
     return [
         "per block (keep: activations kept by autograd; recompute: forward again in "
         "backward"

@@ -45,9 +45,9 @@ class PassWork:
 def swap_bytes(model: ModelProfile, tokens: int) -> tuple[float, float]:
     """(bytes the store holds on the host per swapped block, bytes of its device slots
     beside the blocks' activations) for a pass or chunk of ``tokens`` tokens: the saved
-    activations (``act_bytes_per_token_full`` per token) with :data:`SWAP_MARGIN`, and
+    activations (``ModelProfile.swap_bytes_per_token``) with :data:`SWAP_MARGIN`, and
     :data:`SWAP_CHUNKS_IN_FLIGHT` of a chunk's on the device."""
-    held = float(tokens * model.act_bytes_per_token_full) * SWAP_MARGIN
+    held = float(tokens * model.swap_bytes_per_token) * SWAP_MARGIN
     return held, SWAP_CHUNKS_IN_FLIGHT * held
 
 
@@ -81,7 +81,7 @@ def pass_work(
     flops = tokens * cost.train_flops_per_token(model, sz.seq_len, ckpt, n - recomputed)
     compute = cost.compute_seconds(flops, hw) + 0.0 * recomputed
     swapped = 0.0 * recomputed
-    moved = float(pass_tokens * model.act_bytes_per_token_full)
+    moved = float(pass_tokens * model.swap_bytes_per_token)
     held, _ = swap_bytes(model, pass_tokens)
     _, slots = swap_bytes(model, sz.chunk_tokens)
     if swap and ckpt and hw.device_type != "cpu" and not sz.data_parallel:

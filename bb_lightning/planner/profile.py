@@ -302,6 +302,12 @@ class ModelProfile:
     """Bytes per token per block a block's backward holds at its peak beyond what its
     forward saved: the gradient flowing in and the gradients of its intermediate
     activations (bf16, introspected by :mod:`bb_lightning.hf.backward_trace`)."""
+    act_bytes_per_token_swapped: int = 0
+    """Bytes per token per block a swapped block stores of its saved activations (bf16,
+    introspected): each view autograd saves at its own bytes, where the storages of
+    ``act_bytes_per_token_full`` count once (the attention's output is saved as it is and
+    as the output projection's input); 0: not introspected, taken as
+    ``act_bytes_per_token_full``."""
     kv_bytes_per_token: int
     """Bytes per token per block of the bf16 K and V cache: ``2 * num_kv_heads * head_dim * 2``."""
     num_experts: int = 0
@@ -349,6 +355,13 @@ class ModelProfile:
                     f"ModelProfile.{field_name} = {value} exceeds the {total} parameters it "
                     "counts from: give at most that many trainable parameters"
                 )
+
+    @property
+    def swap_bytes_per_token(self) -> int:
+        """Bytes per token per block a swapped block stores (bf16):
+        ``act_bytes_per_token_swapped``, or ``act_bytes_per_token_full`` where not
+        introspected."""
+        return self.act_bytes_per_token_swapped or self.act_bytes_per_token_full
 
     @property
     def block_active_matmul_params(self) -> float:

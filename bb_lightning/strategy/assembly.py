@@ -300,7 +300,7 @@ def _with_boundaries(
     swap = chunk = numel * placement.compute_bytes * SWAP_BYTES_PER_ELEMENT
     if not numel and plan is not None and isinstance(plan.job, FitJob):
         numel = plan.micro_batch * plan.job.seq_len * plan.model.hidden_size
-        per_seq = plan.job.seq_len * plan.model.act_bytes_per_token_full
+        per_seq = plan.job.seq_len * plan.model.swap_bytes_per_token
         per_seq *= max(1, placement.compute_bytes // 2)  # bf16 bytes in the profile
         swap = plan.micro_batch * per_seq
         chunk = min(placement.chunk_rows or plan.micro_batch, plan.micro_batch) * per_seq

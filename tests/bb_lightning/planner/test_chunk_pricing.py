@@ -16,6 +16,7 @@ from bb_lightning.planner.models import builtin_config
 from bb_lightning.planner.plan import PlanOverrides
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import model_profile_from_config
+from bb_lightning.shapes import SWAP_MARGIN
 from storage.tiers import Tier
 
 SEQ, MB, GLOBAL = 512, 8, 16  # two micro-batches of 8 x 512 = 4,096 tokens
@@ -103,7 +104,7 @@ def test_swapping_saved_activations_is_priced_where_the_links_have_headroom(
     assert base.swapped_blocks == 0.0 and swap.step_seconds < base.step_seconds
     # a block's forward over one micro-batch, and its saved activations on one link
     fwd = T * (2 * m.block_matmul_params + 4 * m.num_heads * m.head_dim * SEQ) / 1e12
-    link = T * m.act_bytes_per_token_full / 1e9
+    link = T * m.swap_bytes_per_token / 1e9
     c, busiest = base.compute_seconds / 2, max(base.h2d_seconds, base.d2h_seconds) / 2
     s = swap.swapped_blocks
     assert 0 < s < 4  # some, not all: the links' headroom runs out
@@ -121,9 +122,9 @@ def test_a_swapped_block_moves_no_boundary_inputs_and_holds_its_chunks_on_the_de
 ) -> None:
     """With the boundary inputs on the host, a swapped block's input is among its saved
     activations: the plan moves and holds its activations instead of its boundary, and the
-    device holds the store's slots for three chunks fetched back (25 % beyond the estimate)."""
+    device holds the store's slots for three chunks fetched back (a margin beyond the estimate)."""
     m = small_model
-    full, ckpt = m.act_bytes_per_token_full, m.act_bytes_per_token_checkpointed
+    full, ckpt = m.swap_bytes_per_token, m.act_bytes_per_token_checkpointed
     hw = small_gpu.replace(device_flops=1e12, h2d_bandwidth=1e9, d2h_bandwidth=1e9)
     base = _price(m, hw, 2, Tier.HOST, PlanOverrides(swap_activations=False))
     swap = _price(m, hw, 2, Tier.HOST, PlanOverrides(swap_activations=True))
@@ -133,8 +134,8 @@ def test_a_swapped_block_moves_no_boundary_inputs_and_holds_its_chunks_on_the_de
         grown = getattr(swap, link) - getattr(base, link)
         assert grown == pytest.approx(2 * s * T * (full - ckpt) / 1e9, rel=1e-9), link
     chunk = 2 * SEQ  # rows per chunk x tokens per row
-    assert swap.device_bytes - base.device_bytes == pytest.approx(3 * 1.25 * chunk * full)
-    assert swap.host_bytes - base.host_bytes == pytest.approx(s * T * (1.25 * full - ckpt))
+    assert swap.device_bytes - base.device_bytes == pytest.approx(3 * SWAP_MARGIN * chunk * full)
+    assert swap.host_bytes - base.host_bytes == pytest.approx(s * T * (SWAP_MARGIN * full - ckpt))
 
 
 @pytest.fixture(scope="module")
