@@ -593,7 +593,7 @@ def _state_reads(
     chosen = np.zeros_like(k, dtype=bool)
     for sets in range(MIN_READ_AHEAD, int(np.max(cap, initial=0.0)) + 1):
         trial = np.full_like(k, float(sets))
-        fits = ~chosen & (trial <= cap) & (seconds(trial) <= backward_s)
+        fits = ~chosen & (trial >= lowest) & (trial <= cap) & (seconds(trial) <= backward_s)
         k = np.where(fits, trial, k)
         chosen |= fits
     return k, np.where(blocks > 0, seconds(k), 0.0)
