@@ -406,8 +406,7 @@ def price(
 
 
 def _cheaper(a: FitPrice[Arr], b: FitPrice[Arr]) -> FitPrice[Arr]:
-    """Per candidate, whichever of ``a`` and ``b`` takes fewer seconds per step (``a`` on
-    a tie)."""
+    """Per candidate, whichever of ``a`` and ``b`` takes fewer seconds per step (``a`` on a tie)."""
     take = b.step_seconds < a.step_seconds
     values = {
         f.name: np.where(take, getattr(b, f.name), getattr(a, f.name))
@@ -427,7 +426,8 @@ def _priced_work(
     work: PassWork,
 ) -> FitPrice[Arr]:
     """Seconds per step and bytes per tier of every candidate doing ``work`` per pass (its
-    blocks recomputed or swapped; feasibility left to :func:`price`)."""
+    blocks recomputed or swapped; the read-ahead sets in the host memory the swapped
+    activations leave; feasibility left to :func:`price`)."""
     n, ga, tokens, kf = sz.blocks, sz.grad_accum, sz.seqs_per_step * sz.seq_len, mem.full_blocks
     recomputed, compute, links = work.recomputed, work.compute, work.links
     c_pass = compute / ga
@@ -437,7 +437,8 @@ def _priced_work(
     opt_links = _optimizer_link_seconds(hw, sz, mem)
     bwd = c_pass * cost.backward_fraction(ckpt, recomputed / max(n, 1))
     passes = (c_pass - bwd, bwd)
-    opt = _optimizer_times(model, hw, job, sz, mem, opt_links, compute, passes, net_opt)
+    left = dataclasses.replace(mem, free_host_bytes=mem.free_host_bytes - work.swap_host_bytes)
+    opt = _optimizer_times(model, hw, job, sz, left, opt_links, compute, passes, net_opt)
     total = compute + ga * exposed_pass + opt.exposed_seconds
     shared = np.zeros_like(kf)
     if hw.device_type == "cpu":  # the host work shares the compute's cores

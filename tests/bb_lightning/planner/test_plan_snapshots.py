@@ -13,6 +13,7 @@ them with :data:`REGEN` and commit them with the change.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from pathlib import Path
@@ -77,9 +78,12 @@ def _differs(name: str, text: str) -> str:
 
 
 def _check(stem: str, plan_json: str, explain: str) -> None:
-    """The plan's JSON and ``explain()`` equal their snapshots, else one failure with both
-    diffs and the command that regenerates them."""
+    """The plan holds every tier within its budget, and its JSON and ``explain()`` equal
+    their snapshots, else one failure with both diffs and the command that regenerates them
+    (a regenerated snapshot never records a plan over its budget)."""
     __tracebackhide__ = True
+    over = [m for m in json.loads(plan_json)["memory"] if m["used"] > m["budget"]]
+    assert not over, f"{stem}: a tier over its budget: {over}"
     diffs = _differs(f"{stem}.json", plan_json) + _differs(f"{stem}.txt", explain)
     if diffs:
         pytest.fail(f"{stem}: the plan differs from its snapshot:\n{diffs}\nintended? {REGEN}")
