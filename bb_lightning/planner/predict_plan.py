@@ -74,7 +74,7 @@ def build_plan(
         ),
         memory=tier_memory(hw, budgets, v.device_bytes, v.host_bytes, v.nvme_bytes),
         predicted=pred,
-        tokens_per_s=c * job.new_tokens / v.batch_seconds,
+        tokens_per_s=1.0 / v.seconds_per_token,
         mfu=cost.flops_utilisation(flops, hw)[0],
         model_flops=flops,
         limited_by=limited,

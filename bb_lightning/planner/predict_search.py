@@ -66,6 +66,11 @@ reads in flight ride out a slow one: with weights read from NVMe as fast as the 
 passes compute, the passes waited for page-ins at depth 1 and 2 and not at 4."""
 
 
+def batches_of(job: PredictJob, c: int) -> int:
+    """Batches of ``c`` concurrent sequences the job's ``num_prompts`` prompts take."""
+    return -(-job.num_prompts // max(c, 1))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PredictPrice(Generic[V]):
     """Bytes and seconds of generation candidates: numpy arrays over the resident-block
@@ -78,7 +83,9 @@ class PredictPrice(Generic[V]):
     """Predicted seconds to generate for one batch of concurrent sequences (prefill and
     every decode pass)."""
     seconds_per_token: V
-    """``batch_seconds`` over the tokens the batch generates."""
+    """Seconds per generated token over all the job's prompts: ``batch_seconds`` for each
+    of its :func:`batches_of` batches (a last, partial batch streams every block's weights
+    as a whole one does, and is priced as one)."""
     compute_seconds: V
     """Device compute of the batch, seconds (with a CPU device's NVMe CPU time)."""
     exposed_pass_seconds: V
@@ -300,9 +307,7 @@ def _pass_link_seconds(
     the host in the prefill, each block's q/k/v rows there and outputs back per decode."""
     bb = float(model.block_params * job.compute_bytes)
     kv_up, kv_down = (
-        cost.offloaded_kv_bytes(model, c, job.cache_len)
-        if mem.kv_streamed
-        else (0.0, 0.0)
+        cost.offloaded_kv_bytes(model, c, job.cache_len) if mem.kv_streamed else (0.0, 0.0)
     )
     if mem.host_attention:
         to_host, to_dev = host_attention.qkv_row_bytes(model, job.compute_bytes)
@@ -415,7 +420,7 @@ def price(
     return PredictPrice(
         feasible=mem.fits.astype(np.float64),
         batch_seconds=total,
-        seconds_per_token=total / (c * job.new_tokens),
+        seconds_per_token=total * batches_of(job, c) / (job.num_prompts * job.new_tokens),
         compute_seconds=compute,
         exposed_pass_seconds=exp_dec if steps > 0 else exp_pre,
         nvme_read_seconds=busy[Link.NVME_TO_HOST],

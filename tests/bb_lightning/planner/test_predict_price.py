@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -173,3 +175,20 @@ def test_a_cpu_device_adds_the_cpu_time_of_each_pass_s_reads_from_nvme(
             small_model, hw.replace(nvme_cpu_seconds_per_byte=per_byte), JOB, overrides=ov
         )
         assert costly.predicted.compute - free.predicted.compute == pytest.approx(extra * per_byte)
+
+
+def test_a_batch_that_does_not_divide_the_prompts_pays_for_its_last_partial_batch(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    # 32 prompts in batches of 24 are two batches: the second, of 8 sequences, streams
+    # every block's weights as the first does, so the job generates 32 x 17 tokens in two
+    # batches' time, not at the rate of one full batch
+    job = dataclasses.replace(JOB, num_prompts=32)
+    ov = PlanOverrides(weights_tier=Tier.HOST, concurrent_seqs=24)
+    plan = make_plan(small_model, small_gpu, job, overrides=ov)
+    assert plan.tokens_per_s == pytest.approx(32 * 17 / (2 * plan.predicted.total), rel=1e-9)
+    whole = make_plan(
+        small_model, small_gpu, dataclasses.replace(job, num_prompts=48), overrides=ov
+    )
+    assert whole.predicted.total == pytest.approx(plan.predicted.total, rel=1e-9)
+    assert whole.tokens_per_s == pytest.approx(48 * 17 / (2 * whole.predicted.total), rel=1e-9)
