@@ -406,11 +406,21 @@ class NvmeTier:
         inner.add_done_callback(clean)
         return chain(inner, commit, name, "write", tmp, spec.nbytes)
 
-    def _write_in_place(self, spec: ArraySpec, chunk: Path, src: torch.Tensor) -> IOFuture:
-        """Write scratch tensor ``spec`` over its existing chunk (see the module doc)."""
-        name = spec.name
+    def _write_in_place(
+        self,
+        spec: ArraySpec,
+        chunk: Path,
+        src: torch.Tensor,
+        count: int | None = None,
+        offset: int = 0,
+    ) -> IOFuture:
+        """Write scratch tensor ``spec`` over its existing chunk (see the module doc): all of
+        it, or ``count`` bytes at byte ``offset`` (a piece)."""
+        name, count = spec.name, spec.nbytes if count is None else count
         try:
-            inner = self.backend.write_async(chunk, src, spec.nbytes, fsync=False, in_place=True)
+            inner = self.backend.write_async(
+                chunk, src, count, fsync=False, offset=offset, in_place=True
+            )
         except ValueError as exc:
             raise ValueError(f"tensor {name!r}: {exc}") from exc
         except OSError as exc:
@@ -418,7 +428,7 @@ class NvmeTier:
 
         settle = self._settler(name, chunk)
         inner.add_done_callback(lambda done: settle(done._error is not None))
-        return chain(inner, lambda: None, name, "write", chunk, spec.nbytes)
+        return chain(inner, lambda: None, name, "write", chunk, count)
 
     def write_piece_async(
         self, name: str, src: torch.Tensor, *, offset: int, nbytes: int
@@ -447,17 +457,7 @@ class NvmeTier:
                 f.truncate(spec.file_bytes)
         if count == 0:
             return IOFuture.completed(0, path=str(chunk))
-        try:
-            inner = self.backend.write_async(
-                chunk, src, count, fsync=False, offset=offset, in_place=True
-            )
-        except ValueError as exc:
-            raise ValueError(f"tensor {name!r}: {exc}") from exc
-        except OSError as exc:
-            raise io_error(name, "write", chunk, exc) from exc
-        settle = self._settler(name, chunk)
-        inner.add_done_callback(lambda done: settle(done._error is not None))
-        return chain(inner, lambda: None, name, "write", chunk, count)
+        return self._write_in_place(spec, chunk, src, count, offset)
 
     def begin_write(self, name: str) -> NvmeWrite:
         """Start writing tensor ``name`` in pieces (see :class:`NvmeWrite`): atomically, or
