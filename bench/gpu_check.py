@@ -36,6 +36,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
+DRY_PROBE_S = 0.5
+"""Seconds of every hardware probe of a dry run (the measure step's and the runs')."""
 
 
 @dataclass
@@ -65,6 +67,11 @@ class Ctx:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+    def probe_s(self, seconds: float) -> float:
+        """Seconds a hardware probe may take: ``seconds``, or :data:`DRY_PROBE_S` in a dry
+        run (whose tiny runs need the probe's code path, not its accuracy)."""
+        return DRY_PROBE_S if self.dry else seconds
 
 
 @dataclass
@@ -238,7 +245,7 @@ def measure_step(ctx: Ctx) -> Outcome:
 
     os.environ["BB_CACHE_DIR"] = str(ctx.out / "cache")
     t0 = time.perf_counter()
-    hw = measure(nvme_path=str(ctx.nvme), cache=False, max_seconds=0.5 if ctx.dry else 15.0)
+    hw = measure(nvme_path=str(ctx.nvme), cache=False, max_seconds=ctx.probe_s(15.0))
     took = time.perf_counter() - t0
     ctx.figures.update(seconds=took, profile=hw.to_dict())
     if ctx.dry:

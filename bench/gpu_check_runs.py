@@ -54,7 +54,8 @@ def train_child(ctx: Ctx, framework: str, spec: dict[str, Any]) -> dict[str, Any
     precision = "bf16-true"
     strategy: Any
     if framework == "balance_beam":  # planned on this machine's measured profile
-        strategy = BalanceBeamStrategy(hardware=measure(nvme_path=str(ctx.nvme), max_seconds=10.0))
+        hw = measure(nvme_path=str(ctx.nvme), max_seconds=ctx.probe_s(10.0))
+        strategy = BalanceBeamStrategy(hardware=hw)
     elif framework == "fsdp_cpu_offload":
         from lightning.pytorch.strategies import FSDPStrategy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -243,9 +244,8 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     mask = torch.ones_like(ids)
     job = PredictJob(prompt_len=spec["prompt_len"], new_tokens=spec["new"],
                      num_prompts=spec["prompts"], compute_dtype=dtype_name(dtype))  # fmt: skip
-    hw = measure(nvme_path=str(ctx.nvme), max_seconds=10.0).replace(  # device or host only
-        nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0
-    )
+    hw = measure(nvme_path=str(ctx.nvme), max_seconds=ctx.probe_s(10.0))
+    hw = hw.replace(nvme_capacity=0, nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0)  # no NVMe
     plan = make_plan(model_profile_from_module(model), hw, job)
     _note(f"planned: {plan.concurrent_seqs} rows at once")
     _, blocks = find_block_list(model)
