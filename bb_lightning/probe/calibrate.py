@@ -32,11 +32,13 @@ pass). While a check fails they take another round of passes
 (``MAX_ROUNDS`` in all); still failing, they warn in one line and take, in this order:
 the rates an undisturbed probe of the same model and shape recorded on this machine
 (:mod:`bb_lightning.probe.rate_cache`); on a CPU whose other processes left one of its
-cores alone, the passes timed again with one thread pinned to that core, counted at the
-thread count's worth (a neighbour spinning on one of two cores slowed the passes several
-fold, and on a first run the hardware profile was measured beside it too, so the products
-beside the passes showed no drift); the model's rate relative to the matrix products
-timed beside it, which a busy neighbour slows alike; else the fastest passes. Measured
+cores alone, the passes and a matrix product timed again with one thread pinned to that
+core, the model's rate taken relative to that product's (a neighbour spinning on one of two
+cores slowed the passes several fold, and on a first run the hardware profile was measured
+beside it too, so the products beside the passes showed no drift; one thread's time counted
+at the thread count's worth credited the passes with a perfect division among the threads,
+faster than the engine ran); the model's rate relative to the matrix products timed beside
+it, which a busy neighbour slows alike; else the fastest passes. Measured
 steps re-plan after warm-up.
 The rounds, their checks and the timing on a quiet core are
 :mod:`bb_lightning.probe.timed_passes`'s.

@@ -68,7 +68,9 @@ class Passes:
     note: str | None
     """Why not to trust them (one line), or None."""
     drifted: bool = False
-    """Whether the matrix products stayed below ``DRIFT`` x the profile's rate."""
+    """Whether the passes' rates are to be taken relative to :attr:`reference_flops`, not
+    the profile's: the matrix products stayed below ``DRIFT`` x the profile's rate, or the
+    passes and the product were timed again on one thread of a quiet core."""
     ceiling: float | None = None
     """The efficiency ceiling as measured on the quiet core the passes were timed alone on
     (None: not timed alone; measure it as usual)."""
@@ -149,15 +151,15 @@ def timed_rounds(
     if recorded:
         taken = "taking the rates an undisturbed probe of this model and shape recorded here"
     elif core is not None:
-        threads = torch.get_num_threads()
-        alone, ceiling = alone_on_core(
-            passes, core, repeats, timing, threads, dtype, device, ceiling_of
+        alone, rate, ceiling = alone_on_core(
+            passes, (ref, product, 2.0 * n**3), core, repeats, timing, dtype, device, ceiling_of
         )
-        best.update(alone)
-        drifted = False  # the passes' own times, on a core nobody else used
+        best.update(alone)  # one thread's times, and ``rate`` the product's beside them:
+        drifted = True  # efficiencies are relative to it, as beside a busy neighbour
         taken = (
             f"timing the passes with one thread on core {core}, which the others left alone, "
-            f"and counting {threads} threads' worth of it"
+            f"beside a matrix product there ({rate / 1e12:.3g} TFLOP/s), and taking the "
+            "model's rate relative to it"
         )
     elif drifted:
         taken = "taking the model's rate relative to the matrix products beside it"
@@ -173,38 +175,47 @@ def timed_rounds(
 
 def alone_on_core(
     passes: list[tuple[str, Callable[[], None]]],
+    reference: tuple[str, Callable[[], None], float],
     core: int,
     repeats: int,
     timing: Timing,
-    threads: int,
     dtype: torch.dtype,
     device: torch.device,
     ceiling_of: Ceiling,
-) -> tuple[dict[str, float], float]:
-    """The fastest seconds of each pass run with one thread pinned to ``core``, over
-    ``threads``: what ``threads`` threads would take on cores of their own, were the passes
-    to divide perfectly among them (matrix products do, within a few per cent; the norms,
-    activations and attention less, so this errs fast: a training block timed this way
-    came out shorter than undisturbed on all the cores). Labels as in
-    ``passes``; the timed series are labelled ``"<label> alone"``. With them,
-    ``ceiling_of(dtype, device)`` timed on that core too (beside the neighbour its
-    fp32 / bf16 ratio read lower than alone, which capped the credited rate). The
-    thread's affinity and torch's thread count are restored afterwards."""
+) -> tuple[dict[str, float], float, float]:
+    """(the fastest seconds of each pass, the median FLOP/s of the reference product, the
+    efficiency ceiling), each run with one thread pinned to ``core``.
+
+    ``reference`` is (label, run, FLOPs) of the square matrix product timed beside the
+    passes. The passes' times are one thread's: the probe takes their rate relative to the
+    product's on the same thread, which the profile's ``device_flops`` (all threads) then
+    scales, as it does beside a busy neighbour (``Passes.drifted``). Dividing one thread's
+    time by the thread count instead credited the passes with perfect division among the
+    threads, which the engine does not get: on two cores a predict probe's prefill came out
+    at 1.5 x the matrix-product probe's rate, and the runs it priced at 0.4-0.6 x that.
+    Labels as in ``passes``; the timed series are labelled ``"<label> alone"``. With them,
+    ``ceiling_of(dtype, device)`` timed on that core too (beside the neighbour its fp32 /
+    bf16 ratio read lower than alone, which capped the credited rate). The thread's
+    affinity and torch's thread count are restored afterwards."""
+    ref, product, flops = reference
+    threads = torch.get_num_threads()
     pin = hasattr(os, "sched_setaffinity")
     keep = os.sched_getaffinity(0) if pin else set()
     torch.set_num_threads(1)
     if pin:
         os.sched_setaffinity(0, {core})  # this thread only: torch's workers sit idle
     try:
-        for _, run in passes:
+        series = [*passes, (ref, product)]
+        for _, run in series:
             run()  # warm-up on one thread
-        times: dict[str, list[float]] = {label: [] for label, _ in passes}
+        times: dict[str, list[float]] = {label: [] for label, _ in series}
         for _ in range(repeats):
-            for label, run in passes:
+            for label, run in series:
                 times[label].append(timing.seconds(f"{label} alone", run))
         ceiling = ceiling_of(dtype, device)
     finally:
         if pin:
             os.sched_setaffinity(0, keep)
         torch.set_num_threads(threads)
-    return {label: contention.fastest(t) / threads for label, t in times.items()}, ceiling
+    rate = flops / max(contention.median(times.pop(ref)), 1e-12)
+    return {label: contention.fastest(t) for label, t in times.items()}, rate, ceiling

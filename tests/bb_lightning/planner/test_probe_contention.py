@@ -22,6 +22,7 @@ from bb_lightning.probe import calibrate, contention, model_profile_from_config,
 from bb_lightning.probe.calibrate import probe_predict_compute, probe_train_compute
 from bb_lightning.probe.contention import Timing
 from bb_lightning.probe.measure import ROUNDS, cache_path, machine_identity, measure
+from bb_lightning.probe.timed_passes import reference_size
 
 from .test_read_ahead import CPU
 
@@ -253,14 +254,16 @@ def test_with_no_record_a_disturbed_probe_times_its_passes_alone_on_a_quiet_core
 ) -> None:
     """A first run beside a neighbour: no record, and the hardware profile measured beside
     the neighbour too, so the products beside the passes match it and the drift check sees
-    nothing, while the neighbours' share of the cores says they are busy. The passes are
-    timed again with one thread on the core the neighbour left alone, and counted at the
-    thread count's worth: here a thread alone takes ``threads`` x the undisturbed passes, so
-    the probe gives the undisturbed figures (the fit benchmark's first run beside a
-    neighbour was priced 2.9 x too slow, measured / predicted 0.35)."""
+    nothing, while the neighbours' share of the cores says they are busy. The passes and a
+    matrix product are timed again with one thread on the core the neighbour left alone, and
+    the passes' rate is taken relative to that product's: here two threads run the passes
+    and the product 1.6 x as fast as one (not 2 x), so the probe gives the undisturbed
+    efficiencies (the fit benchmark's first run beside a neighbour was priced 2.9 x too slow,
+    measured / predicted 0.35). One thread's time counted at two threads' worth would credit
+    the passes 2 / 1.6 = 1.25 x their rate."""
     path = model_dir(tmp_path)
-    threads = torch.get_num_threads()
-    affinity = os.sched_getaffinity(0)
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    speedup = 1.6  # of two threads over one, the passes' and the product's alike
     train = {"one": 0.006, "more": MORE}
     predict = {"prefill one": 0.005, "prefill more": 0.011, "decode one": 0.002}
     predict["decode more"] = 0.004
@@ -272,27 +275,35 @@ def test_with_no_record_a_disturbed_probe_times_its_passes_alone_on_a_quiet_core
     assert calm_train is not None and calm is not None
 
     def disturbed(label: str, i: int) -> float:
-        if label.endswith(" alone"):
-            return threads * fast[label.removesuffix(" alone")]
-        return 3 * fast[label]
+        alone = label.removesuffix(" alone")
+        if size := re.fullmatch(r"matmul (\d+)", alone):  # one thread: 1 / 1.6 of the rate
+            return speedup * 2 * int(size.group(1)) ** 3 / PEAK
+        return speedup * fast[alone] if alone != label else 3 * fast[label]
 
-    with pytest.MonkeyPatch.context() as mp:  # no record of the undisturbed rates
-        mp.setenv("BB_CACHE_DIR", str(tmp_path / "fresh"))
-        busy = Scripted(disturbed, busy=0.4, quiet=0)
-        with pytest.warns(RuntimeWarning, match="one thread on core 0") as warned:
-            probe_t = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=busy)
-            probe = probe_predict_compute(path, cpu(), **shape, timing=busy)
+    torch.set_num_threads(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # no record of the undisturbed rates
+            mp.setenv("BB_CACHE_DIR", str(tmp_path / "fresh"))
+            busy = Scripted(disturbed, busy=0.4, quiet=0)
+            with pytest.warns(RuntimeWarning, match="one thread on core 0") as warned:
+                probe_t = probe_train_compute(path, cpu(), seq_len=SEQ, repeats=2, timing=busy)
+                probe = probe_predict_compute(path, cpu(), **shape, timing=busy)
+        # the thread count and this thread's cores are as before
+        assert torch.get_num_threads() == 2 and os.sched_getaffinity(0) == affinity
+    finally:
+        torch.set_num_threads(threads)
     assert len(warned) == 2 and all("other processes took 40%" in str(w.message) for w in warned)
     assert busy.calls["one alone"] == busy.calls["decode more alone"] == 2  # repeats
     assert probe_t is not None and probe is not None
-    assert probe_t.pass_s == pytest.approx(calm_train.pass_s)
+    # the passes as timed on one thread, their rate against the product's there
+    assert probe_t.pass_s == pytest.approx(speedup * calm_train.pass_s)
     assert probe_t.efficiency == pytest.approx(calm_train.efficiency)
-    assert probe.prefill_s == pytest.approx(calm.prefill_s)
-    assert probe.decode_s == pytest.approx(calm.decode_s)
+    assert probe.prefill_s == pytest.approx(speedup * calm.prefill_s)
+    assert probe.decode_s == pytest.approx(speedup * calm.decode_s)
     assert probe.efficiency == pytest.approx(calm.efficiency)
     assert probe.decode_efficiency == pytest.approx(calm.decode_efficiency)
-    # the thread count and this thread's cores are as before
-    assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == affinity
+    assert all("relative to it" in str(w.message) for w in warned)
+    assert busy.calls[f"matmul {reference_size('cpu', PEAK)} alone"] == 2 * 2
     # no core left quiet: the fastest passes, as timed
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BB_CACHE_DIR", str(tmp_path / "fresh2"))
