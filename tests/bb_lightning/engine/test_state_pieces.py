@@ -3,6 +3,7 @@ host buffers bounded by the piece rather than the block."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ PIECE = 6144
 and a last one of 128, and its parameters cross piece boundaries (the MLP's 8,192)."""
 
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+STEPS = 2
+"""Optimizer steps of each run: the second steps from the moments the first wrote back."""
 
 
 def _train(
@@ -31,7 +34,7 @@ def _train(
     overlap: bool,
     clip: float | None,
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """Three optimizer steps of a tiny Llama through the engine (its store under the CUDA
+    """:data:`STEPS` optimizer steps of a tiny Llama through the engine (its store under the CUDA
     double where ``tmp_path`` is None): its state dict and losses."""
     model = tiny_llama()
     gen = torch.Generator().manual_seed(3)
@@ -43,7 +46,7 @@ def _train(
     )
     with store:
         engine = cpu_engine(model, store, placement)
-        for _ in range(3):
+        for _ in range(STEPS):
             for k in range(accumulate):
                 ids = torch.randint(0, 128, (2, 16), generator=gen)
                 if overlap and k == accumulate - 1:
@@ -58,17 +61,19 @@ def _train(
     return state, losses
 
 
+@functools.cache
 def _reference(
     accumulate: int, clip: float | None
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """The same steps with torch.optim.AdamW on the plain module."""
+    """The same steps with torch.optim.AdamW on the plain module (one run per argument
+    pair: the tests only read it)."""
     model = tiny_llama()
     opt = torch.optim.AdamW(
         model.parameters(), lr=ADAMW.lr, betas=ADAMW.betas, weight_decay=ADAMW.weight_decay
     )
     gen = torch.Generator().manual_seed(3)
     losses = []
-    for _ in range(3):
+    for _ in range(STEPS):
         for _ in range(accumulate):
             ids = torch.randint(0, 128, (2, 16), generator=gen)
             loss = model(input_ids=ids, labels=ids).loss / accumulate
