@@ -13,7 +13,11 @@ sinks, position bias, dropout) goes to transformers' ``sdpa`` function unchanged
 
 The step reads every cached key and value once against a few FLOPs each, in products
 one row per query head of a group: on a host of few cores the products' arithmetic, not
-the memory, bounds it. So each product runs where it reads the cache fastest. fp32 scores
+the memory, bounds it. Where it builds (a C compiler on the machine; fp32 and bf16 caches
+whose rows are contiguous), a compiled kernel (:mod:`~bb_lightning.engine.native`) runs
+each chunk: it reads the keys and values in place, once, with the host's own vector
+instructions (bf16 pair products on CPUs that have them). Elsewhere torch's products run
+it, each where it reads the cache fastest. fp32 scores
 are BLAS's ``K·qᵀ`` with the keys as the left operand in their own layout. In bf16 (and
 fp16) oneDNN's ``q·Kᵀ`` is the faster one over keys in the core's caches but stalls on keys
 it reads from memory, so a chunk's keys are first read by a streaming sum that brings them
@@ -52,7 +56,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -63,6 +67,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bb_lightning.engine.groups import host_turn
+from bb_lightning.engine.native import NativeAttention, kernel
 from storage.threads import single_threaded
 
 __all__ = ["CHUNK_BYTES", "attended_prefix", "decode_attention", "decode_attention_for"]
@@ -131,25 +136,45 @@ def decode_attention(
     if grad or key.shape[0] != batch or value.shape[0] != batch:
         out = _attend(q, key, value, mask, scale, scratch=False)
         return out.reshape(batch, 1, heads, -1), None
-    out = value.new_empty(batch, kv_heads, group, value.shape[-1])
     threads = torch.get_num_threads()
     chunks = _chunks(key, value, threads)
+    native = kernel() if NativeAttention.supports(key, value) else None
+    if native is not None:
+        q32 = q.to(torch.float32, memory_format=torch.contiguous_format)
+        bias = (
+            None if mask is None else native.additive_mask(mask, (batch, kv_heads, group, kv_len))
+        )
+        out32 = torch.empty(batch, kv_heads, group, value.shape[-1], dtype=torch.float32)
+        _run(chunks, threads, lambda rows, cols: native.attend(
+            q32, key, value, bias, scale, out32, rows, cols))  # fmt: skip
+        return out32.to(value.dtype).reshape(batch, 1, heads, -1), None
+    out = value.new_empty(batch, kv_heads, group, value.shape[-1])
+
+    def chunk(rows: slice, cols: slice) -> None:
+        out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
+                                  _mask_of(mask, rows, cols), scale)  # fmt: skip
+
+    _run(chunks, threads, chunk)
+    return out.reshape(batch, 1, heads, -1), None
+
+
+def _run(chunks: list[tuple[slice, slice]], threads: int,
+         chunk: Callable[[slice, slice], None]) -> None:  # fmt: skip
+    """``chunk(rows, cols)`` for each of ``chunks``: on the calling thread where one thread
+    or one chunk, else on :func:`_workers`, each worker taking the next chunk when done."""
     if threads == 1 or len(chunks) == 1:
         for rows, cols in chunks:
-            out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
-                                      _mask_of(mask, rows, cols), scale)  # fmt: skip
-        return out.reshape(batch, 1, heads, -1), None
+            chunk(rows, cols)
+        return
     inference = torch.is_inference_mode_enabled()
     todo = iter(chunks)  # shared by the workers: each takes the next chunk when done
 
     def run(_: int) -> None:
         with torch.inference_mode(inference), torch.no_grad():
             for rows, cols in todo:
-                out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
-                                          _mask_of(mask, rows, cols), scale)  # fmt: skip
+                chunk(rows, cols)
 
     list(_workers(threads).map(run, range(min(threads, len(chunks)))))
-    return out.reshape(batch, 1, heads, -1), None
 
 
 def _chunks(key: Tensor, value: Tensor, threads: int) -> list[tuple[slice, slice]]:

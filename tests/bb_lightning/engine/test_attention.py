@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -214,19 +213,17 @@ def test_a_model_branching_on_the_attention_name_decodes_as_with_sdpa() -> None:
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def in_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Decode steps in chunks of one key/value head of one sequence on two workers; yields
-    the names of the threads each chunk ran on."""
-    ran: list[str] = []
-    attend = attention._attend
-
-    def recorded(*args: Any, **kwargs: Any) -> Tensor:
-        ran.append(threading.current_thread().name)
-        return attend(*args, **kwargs)
-
+@pytest.fixture(params=["native", "torch"])
+def in_chunks(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    record_chunks: Callable[[str], list[str]],
+) -> Iterator[list[str]]:
+    """Decode steps in chunks of one key/value head of one sequence on two workers, with
+    the compiled kernel or torch's products; yields the names of the threads each chunk ran
+    on."""
+    ran = record_chunks(request.param)
     monkeypatch.setattr(attention, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(attention, "_attend", recorded)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield ran

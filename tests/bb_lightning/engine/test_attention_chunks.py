@@ -1,12 +1,13 @@
 """The CPU decode attention's chunks on its workers against attention written out in float64:
 ragged prompts, a static cache cut after its written positions, GQA, a sliding window, fp32
-and bf16 caches; chunks of whole sequences or of one sequence's key/value heads."""
+and bf16 caches; chunks of whole sequences or of one sequence's key/value heads; each with
+the compiled kernel (:mod:`bb_lightning.engine.native`) and with torch's products."""
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,18 +20,13 @@ from bb_lightning.engine.attention import decode_attention
 from storage.threads import limit_torch_threads
 
 
-@pytest.fixture
-def ran_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+@pytest.fixture(params=["native", "torch"])
+def ran_on(
+    request: pytest.FixtureRequest, record_chunks: Callable[[str], list[str]]
+) -> Iterator[list[str]]:
     """Two intra-op threads (so the workers run the chunks); yields the names of the threads
-    each chunk ran on."""
-    names: list[str] = []
-    attend = attention._attend
-
-    def recorded(*args: Any, **kwargs: Any) -> Tensor:
-        names.append(threading.current_thread().name)
-        return attend(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_attend", recorded)
+    each chunk ran on, with the compiled kernel or torch's products."""
+    names = record_chunks(request.param)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield names
@@ -92,10 +88,15 @@ def test_chunks_equal_a_float64_reference(
     torch.testing.assert_close(additive, got, atol=0, rtol=0)
 
 
-def test_a_cut_bf16_cache_is_not_copied_into_fresh_memory() -> None:
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_cut_bf16_cache_is_not_copied_into_fresh_memory(
+    record_chunks: Callable[[str], list[str]], path: str
+) -> None:
     """A bf16 cache cut after its written positions is not contiguous: a batched product
-    over it would clone the keys and values (every step, every layer). The chunks copy
-    them into a buffer each thread keeps instead, so a step clones nothing."""
+    over it would clone the keys and values (every step, every layer). The kernel reads it
+    in place; torch's chunks copy it into a buffer each thread keeps instead; either way a
+    step clones nothing."""
+    names = record_chunks(path)
     q, k, v, keep = _step(torch.bfloat16, None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the calling thread runs the chunks: the profiler sees them
@@ -106,6 +107,7 @@ def test_a_cut_bf16_cache_is_not_copied_into_fresh_memory() -> None:
         torch.set_num_threads(threads)
     clones = [e.key for e in prof.key_averages() if e.key in ("aten::clone", "aten::contiguous")]
     assert clones == [], clones
+    assert names == [threading.current_thread().name], names
 
 
 def test_one_long_sequence_is_split_over_the_workers(
@@ -124,17 +126,13 @@ def test_one_long_sequence_is_split_over_the_workers(
     torch.testing.assert_close(got.double(), _reference(q, k, v, keep, 0.25), atol=1e-6, rtol=0)
 
 
-def test_one_thread_runs_the_chunks_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_thread_runs_the_chunks_one_after_another(
+    monkeypatch: pytest.MonkeyPatch, record_chunks: Callable[[str], list[str]]
+) -> None:
     """On one intra-op thread a batch above a chunk still runs chunk by chunk (on the calling
-    thread), so a cut bf16 cache is made dense a chunk at a time, never the whole layer."""
-    names: list[str] = []
-    attend = attention._attend
-
-    def recorded(*args: Any, **kwargs: Any) -> Tensor:
-        names.append(threading.current_thread().name)
-        return attend(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_attend", recorded)
+    thread), so torch's products make a cut bf16 cache dense a chunk at a time, never the
+    whole layer."""
+    names = record_chunks("torch")
     q, k, v, keep = _step(torch.bfloat16, None)
     per_seq = 2 * 41 * 2 * 32 * 2  # 2 key/value heads' written keys and values, bf16
     monkeypatch.setattr(attention, "CHUNK_BYTES", per_seq)

@@ -1,0 +1,396 @@
+/* A decode step's attention over a KV cache in host memory: one query row per query head.
+ *
+ * For each (sequence, key/value head) of a range, the query heads of the group attend to
+ * the head's cached keys and values, each read once from memory and widened to fp32 in
+ * registers: the scores of a few key rows against a few query heads at once (independent
+ * vector accumulators, so no product waits for the one before), a softmax in fp32, then
+ * the weighted sum of the value rows, a few query heads by a few vectors of the output at
+ * once, in registers across all positions.
+ *
+ * Compiled by bb_lightning.engine.native with the machine's own vector instructions; the
+ * loops are plain C with the compiler's generic vectors (GCC's vector extensions). Masks
+ * arrive additive and finite (the caller clamps them), so the fast-math flags hold.
+ *
+ * Element strides (not bytes); the last dimension of keys, values and the mask is
+ * contiguous. dtype 0: float32 keys and values, 1: bfloat16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+static inline vf load_f32(const float *p, int64_t i) {
+    vf v;
+    memcpy(&v, p + i, sizeof v);
+    return v;
+}
+
+/* A bfloat16 is the upper half of the float32 it rounds. */
+static inline vf load_bf16(const uint16_t *p, int64_t i) {
+    vh h;
+    memcpy(&h, p + i, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float elem_f32(const float *p, int64_t i) { return p[i]; }
+
+static inline float elem_bf16(const uint16_t *p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; ++i) s += v[i];
+    return s;
+}
+
+/* The softmax of each query head's scores ``s[g * kv_len + p] * scale + mask``, in place. */
+static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t msg, float scale,
+                    float *scores) {
+    for (int64_t g = 0; g < group; ++g) {
+        float *s = scores + g * kv_len;
+        const float *m = bias ? bias + g * msg : NULL;
+        float top = -INFINITY;
+        for (int64_t p = 0; p < kv_len; ++p) {
+            s[p] = s[p] * scale + (m ? m[p] : 0.0f);
+            top = s[p] > top ? s[p] : top;
+        }
+        float total = 0.0f;
+        for (int64_t p = 0; p < kv_len; ++p) {
+            s[p] = expf(s[p] - top);
+            total += s[p];
+        }
+        float inv = 1.0f / total;
+        for (int64_t p = 0; p < kv_len; ++p) s[p] *= inv;
+    }
+}
+
+/* SCORES: scores[(g0 + j) * kv_len + p0 + r] = q[g0 + j] . key[p0 + r] for R key rows and GB
+ * query heads, R x GB vector accumulators, each key and query vector loaded once.
+ * WEIGHTED: out[g0 + j][d0 + c * LANES ...] = sum_p w[g0 + j][p] value[p][...] for GB query
+ * heads and C vectors of the output, accumulated in registers over every position. */
+#define KERNELS(T, SUF, LOAD, ELEM)                                                            \
+    static void scores_##SUF(int R, int GB, int64_t dim, const float *q, int64_t g0,           \
+                             const T *key, int64_t ksp, int64_t kv_len, int64_t p0,            \
+                             float *scores);                                                   \
+    static inline void block_##SUF(const int R, const int GB, int64_t dim, const float *q,     \
+                                   int64_t g0, const T *key, int64_t ksp, int64_t kv_len,      \
+                                   int64_t p0, float *scores) {                                \
+        int64_t whole = dim - dim % LANES;                                                     \
+        vf acc[8][4];                                                                          \
+        for (int r = 0; r < R; ++r)                                                            \
+            for (int j = 0; j < GB; ++j) acc[r][j] = (vf){0};                                  \
+        for (int64_t d = 0; d < whole; d += LANES) {                                           \
+            vf qv[4];                                                                          \
+            for (int j = 0; j < GB; ++j) qv[j] = load_f32(q + (g0 + j) * dim, d);              \
+            for (int r = 0; r < R; ++r) {                                                      \
+                vf kv = LOAD(key + (p0 + r) * ksp, d);                                         \
+                for (int j = 0; j < GB; ++j) acc[r][j] += qv[j] * kv;                          \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; ++r)                                                            \
+            for (int j = 0; j < GB; ++j) {                                                     \
+                const float *qg = q + (g0 + j) * dim;                                          \
+                const T *k = key + (p0 + r) * ksp;                                             \
+                float s = hsum(acc[r][j]);                                                     \
+                for (int64_t d = whole; d < dim; ++d) s += qg[d] * ELEM(k, d);                 \
+                scores[(g0 + j) * kv_len + p0 + r] = s;                                        \
+            }                                                                                  \
+    }                                                                                          \
+    static void scores_##SUF(int R, int GB, int64_t dim, const float *q, int64_t g0,           \
+                             const T *key, int64_t ksp, int64_t kv_len, int64_t p0,            \
+                             float *scores) {                                                  \
+        if (R == 4 && GB == 4) block_##SUF(4, 4, dim, q, g0, key, ksp, kv_len, p0, scores);    \
+        else if (R == 8 && GB == 2) block_##SUF(8, 2, dim, q, g0, key, ksp, kv_len, p0, scores); \
+        else if (R == 8 && GB == 1) block_##SUF(8, 1, dim, q, g0, key, ksp, kv_len, p0, scores); \
+        else block_##SUF(1, 1, dim, q, g0, key, ksp, kv_len, p0, scores);                      \
+    }                                                                                          \
+    static inline void weighted_##SUF(const int GB, const int C, int64_t vdim, int64_t d0,     \
+                                      const float *w, int64_t g0, const T *value, int64_t vsp, \
+                                      int64_t kv_len, float *out) {                            \
+        vf acc[4][4];                                                                          \
+        for (int j = 0; j < GB; ++j)                                                           \
+            for (int c = 0; c < C; ++c) acc[j][c] = (vf){0};                                   \
+        for (int64_t p = 0; p < kv_len; ++p) {                                                 \
+            vf vv[4];                                                                          \
+            for (int c = 0; c < C; ++c) vv[c] = LOAD(value + p * vsp, d0 + c * LANES);        \
+            for (int j = 0; j < GB; ++j) {                                                     \
+                float wj = w[(g0 + j) * kv_len + p];                                           \
+                for (int c = 0; c < C; ++c) acc[j][c] += wj * vv[c];                           \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < GB; ++j)                                                           \
+            for (int c = 0; c < C; ++c)                                                        \
+                memcpy(out + (g0 + j) * vdim + d0 + c * LANES, &acc[j][c], sizeof(vf));        \
+    }                                                                                          \
+    static void head_##SUF(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,           \
+                           const float *q, const T *key, int64_t ksp, const T *value,          \
+                           int64_t vsp, const float *bias, int64_t msg, float scale,           \
+                           float *scores, float *out) {                                        \
+        int64_t g = 0;                                                                         \
+        for (; g + 4 <= group; g += 4) {                                                       \
+            int64_t p = 0;                                                                     \
+            for (; p + 4 <= kv_len; p += 4) scores_##SUF(4, 4, dim, q, g, key, ksp, kv_len, p, scores); \
+            for (; p < kv_len; ++p)                                                            \
+                for (int j = 0; j < 4; ++j) scores_##SUF(1, 1, dim, q, g + j, key, ksp, kv_len, p, scores); \
+        }                                                                                      \
+        for (; g + 2 <= group; g += 2) {                                                       \
+            int64_t p = 0;                                                                     \
+            for (; p + 8 <= kv_len; p += 8) scores_##SUF(8, 2, dim, q, g, key, ksp, kv_len, p, scores); \
+            for (; p < kv_len; ++p)                                                            \
+                for (int j = 0; j < 2; ++j) scores_##SUF(1, 1, dim, q, g + j, key, ksp, kv_len, p, scores); \
+        }                                                                                      \
+        for (; g < group; ++g) {                                                               \
+            int64_t p = 0;                                                                     \
+            for (; p + 8 <= kv_len; p += 8) scores_##SUF(8, 1, dim, q, g, key, ksp, kv_len, p, scores); \
+            for (; p < kv_len; ++p) scores_##SUF(1, 1, dim, q, g, key, ksp, kv_len, p, scores); \
+        }                                                                                      \
+        softmax(group, kv_len, bias, msg, scale, scores);                                      \
+        int64_t whole = vdim - vdim % LANES;                                                   \
+        for (g = 0; g < group; g += 4) {                                                       \
+            int gb = group - g < 4 ? (int)(group - g) : 4;                                     \
+            int64_t d = 0;                                                                     \
+            for (; d + 4 * LANES <= whole; d += 4 * LANES) {                                   \
+                if (gb == 4) weighted_##SUF(4, 4, vdim, d, scores, g, value, vsp, kv_len, out); \
+                else                                                                           \
+                    for (int j = 0; j < gb; ++j)                                               \
+                        weighted_##SUF(1, 4, vdim, d, scores, g + j, value, vsp, kv_len, out); \
+            }                                                                                  \
+            for (; d < whole; d += LANES)                                                      \
+                for (int j = 0; j < gb; ++j)                                                   \
+                    weighted_##SUF(1, 1, vdim, d, scores, g + j, value, vsp, kv_len, out);     \
+            for (int j = 0; j < gb; ++j)                                                       \
+                for (int64_t e = whole; e < vdim; ++e) {                                       \
+                    float s = 0.0f;                                                            \
+                    for (int64_t p = 0; p < kv_len; ++p)                                       \
+                        s += scores[(g + j) * kv_len + p] * ELEM(value + p * vsp, e);          \
+                    out[(g + j) * vdim + e] = s;                                               \
+                }                                                                              \
+        }                                                                                      \
+    }
+
+KERNELS(float, f32, load_f32, elem_f32)
+KERNELS(uint16_t, bf16, load_bf16, elem_bf16)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+
+/* The 16 horizontal sums of a[0..15], lane i holding the sum of a[ORDER[i]] (a tree of
+ * adds of half vectors: 45 operations where 16 separate reductions take about 128). */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+static int reduce_order[16];
+
+__attribute__((constructor)) static void find_reduce_order(void) {
+    __m512 a[16];
+    float lanes[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_ps((float)i / 16.0f);
+    _mm512_storeu_ps(lanes, reduce16(a));
+    for (int i = 0; i < 16; ++i) reduce_order[i] = (int)(lanes[i] + 0.5f);
+}
+
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+/* Rows ahead of the one read that are asked for early: the rows of a head lie apart by
+ * their stride, which the hardware's stream prefetchers may not follow across pages. */
+static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 0); }
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Scores of R positions from p0 against GB query heads from g0 (R * GB == 16): bf16 pairs
+ * multiplied and added into fp32 (vdpbf16ps), 16 accumulators reduced together. */
+static inline void scores_dp(const int R, const int GB, int64_t dim, const uint16_t *qb,
+                             int64_t g0, const uint16_t *key, int64_t ksp, int64_t kv_len,
+                             int64_t p0, float *scores) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+        if (p0 + r + PREFETCH_ROWS < kv_len)
+            for (int64_t d = 0; d < dim; d += 32) prefetch(key + (p0 + r + PREFETCH_ROWS) * ksp + d);
+    for (int64_t d = 0; d < dim; d += 32) {
+        __m512i qv[4];
+        for (int j = 0; j < GB; ++j) qv[j] = _mm512_loadu_si512(qb + (g0 + j) * dim + d);
+        for (int r = 0; r < R; ++r) {
+            __m512i kv = _mm512_loadu_si512(key + (p0 + r) * ksp + d);
+            for (int j = 0; j < GB; ++j)
+                acc[r * GB + j] = _mm512_dpbf16_ps(acc[r * GB + j], (__m512bh)kv, (__m512bh)qv[j]);
+        }
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, reduce16(acc));
+    for (int i = 0; i < 16; ++i) {
+        int src = reduce_order[i];
+        scores[(g0 + src % GB) * kv_len + p0 + src / GB] = sums[i];
+    }
+}
+
+/* out[g0 + j][d0 .. d0 + 32 C) += sum over position pairs of the value rows' bf16 pairs times
+ * the weights' (vdpbf16ps); the accumulators' lanes follow unpack's interleaving and are put
+ * back in order on the way out. */
+static inline void weighted_dp(const int GB, const int C, int64_t vdim, int64_t d0,
+                               const uint16_t *wb, int64_t g0, const uint16_t *value,
+                               int64_t vsp, int64_t pairs_end, int64_t kv_len, float *out) {
+    __m512 acc[4][8];
+    for (int j = 0; j < GB; ++j)
+        for (int c = 0; c < 2 * C; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs_end; p += 2) {
+        __m512i lo[4], hi[4];
+        if (p + PREFETCH_ROWS + 1 < kv_len)
+            for (int c = 0; c < C; ++c) {
+                prefetch(value + (p + PREFETCH_ROWS) * vsp + d0 + 32 * c);
+                prefetch(value + (p + PREFETCH_ROWS + 1) * vsp + d0 + 32 * c);
+            }
+        for (int c = 0; c < C; ++c) {
+            __m512i x = _mm512_loadu_si512(value + p * vsp + d0 + 32 * c);
+            __m512i y = _mm512_loadu_si512(value + (p + 1) * vsp + d0 + 32 * c);
+            lo[c] = _mm512_unpacklo_epi16(x, y);
+            hi[c] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int j = 0; j < GB; ++j) {
+            uint32_t pair;
+            memcpy(&pair, wb + (g0 + j) * kv_len + p, sizeof pair);
+            __m512i w = _mm512_set1_epi32((int)pair);
+            for (int c = 0; c < C; ++c) {
+                acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], (__m512bh)lo[c], (__m512bh)w);
+                acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], (__m512bh)hi[c], (__m512bh)w);
+            }
+        }
+    }
+    for (int j = 0; j < GB; ++j)
+        for (int c = 0; c < C; ++c) {
+            float l[16], h[16], *o = out + (g0 + j) * vdim + d0 + 32 * c;
+            _mm512_storeu_ps(l, acc[j][2 * c]);
+            _mm512_storeu_ps(h, acc[j][2 * c + 1]);
+            for (int k = 0; k < 4; ++k)
+                for (int i = 0; i < 4; ++i) {
+                    o[8 * k + i] = l[4 * k + i];
+                    o[8 * k + 4 + i] = h[4 * k + i];
+                }
+        }
+}
+
+/* A bf16 head with vdpbf16ps (dim and vdim multiples of 32); the products of bf16 pairs
+ * are exact in fp32 and summed in fp32, the softmax's weights rounded to bf16 for the
+ * weighted sum of the values (as torch's products of a bf16 cache take them). */
+static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
+                         const float *q, const uint16_t *key, int64_t ksp,
+                         const uint16_t *value, int64_t vsp, const float *bias, int64_t msg,
+                         float scale, float *scores, uint16_t *qb, uint16_t *wb, float *out) {
+    for (int64_t i = 0; i < group * dim; ++i) qb[i] = to_bf16(q[i]);
+    int64_t g = 0;
+    for (; g < group; ) {
+        int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1, r = 16 / gb;
+        int64_t p = 0;
+        for (; p + r <= kv_len; p += r) {
+            if (gb == 4) scores_dp(4, 4, dim, qb, g, key, ksp, kv_len, p, scores);
+            else if (gb == 2) scores_dp(8, 2, dim, qb, g, key, ksp, kv_len, p, scores);
+            else scores_dp(16, 1, dim, qb, g, key, ksp, kv_len, p, scores);
+        }
+        for (; p < kv_len; ++p)
+            for (int j = 0; j < gb; ++j) {
+                float sum = 0.0f;
+                for (int64_t d = 0; d < dim; ++d)
+                    sum += elem_bf16(qb + (g + j) * dim, d) * elem_bf16(key + p * ksp, d);
+                scores[(g + j) * kv_len + p] = sum;
+            }
+        g += gb;
+    }
+    softmax(group, kv_len, bias, msg, scale, scores);
+    for (int64_t i = 0; i < group * kv_len; ++i) wb[i] = to_bf16(scores[i]);
+    int64_t pairs_end = kv_len - kv_len % 2;
+    for (g = 0; g < group; ) {
+        int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1;
+        int64_t d = 0;
+        for (; d + 64 <= vdim; d += 64) {
+            if (gb == 4) weighted_dp(4, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out);
+            else if (gb == 2) weighted_dp(2, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out);
+            else weighted_dp(1, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out);
+        }
+        for (; d < vdim; d += 32)
+            for (int j = 0; j < gb; ++j)
+                weighted_dp(1, 1, vdim, d, wb, g + j, value, vsp, pairs_end, kv_len, out);
+        if (pairs_end < kv_len)
+            for (int j = 0; j < gb; ++j) {
+                float w = elem_bf16(wb + (g + j) * kv_len, kv_len - 1);
+                for (int64_t e = 0; e < vdim; ++e)
+                    out[(g + j) * vdim + e] += w * elem_bf16(value + (kv_len - 1) * vsp, e);
+            }
+        g += gb;
+    }
+}
+#endif
+
+/* Attention of sequences [b0, b1) x key/value heads [h0, h1); returns 0, or -1 where the
+ * scratch buffer could not be allocated.
+ * q: [batch, kv_heads, group, dim] float32, contiguous. out: the same with vdim, float32.
+ * key, value: strides (sequence, head, position). bias: additive float32 mask with strides
+ * (sequence, head, query head of the group), 0 where broadcast; NULL for none. */
+int bb_decode_attention(int dtype, int64_t b0, int64_t b1, int64_t h0, int64_t h1,
+                        int64_t kv_heads, int64_t group, int64_t kv_len, int64_t dim,
+                        int64_t vdim, const float *q, const void *key, int64_t ksb,
+                        int64_t ksh, int64_t ksp, const void *value, int64_t vsb,
+                        int64_t vsh, int64_t vsp, const float *bias, int64_t msb,
+                        int64_t msh, int64_t msg, float scale, float *out) {
+    size_t n = (size_t)(group * (kv_len > 0 ? kv_len : 1));
+    float *scores = (float *)malloc(n * sizeof(float) + (n + (size_t)(group * dim)) * 2 + 64);
+    if (!scores) return -1;
+#ifdef HAVE_DPBF16
+    uint16_t *wb = (uint16_t *)(scores + n), *qb = wb + n;
+    int dp = dtype == 1 && dim % 32 == 0 && vdim % 32 == 0;
+#endif
+    for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t h = h0; h < h1; ++h) {
+            int64_t qh = (b * kv_heads + h) * group;
+            const float *m = bias ? bias + b * msb + h * msh : NULL;
+            if (dtype == 0)
+                head_f32(group, kv_len, dim, vdim, q + qh * dim,
+                         (const float *)key + b * ksb + h * ksh, ksp,
+                         (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
+                         out + qh * vdim);
+#ifdef HAVE_DPBF16
+            else if (dp)
+                head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
+                             (const uint16_t *)key + b * ksb + h * ksh, ksp,
+                             (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
+                             scores, qb, wb, out + qh * vdim);
+#endif
+            else
+                head_bf16(group, kv_len, dim, vdim, q + qh * dim,
+                          (const uint16_t *)key + b * ksb + h * ksh, ksp,
+                          (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
+                          scores, out + qh * vdim);
+        }
+    }
+    free(scores);
+    return 0;
+}

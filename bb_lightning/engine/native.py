@@ -1,0 +1,199 @@
+"""The host decode attention kernel in C (``decode_attention.c``), compiled on first use.
+
+A decode step's attention reads each cached key and value once against a few FLOPs
+each; torch's batched products for these skinny shapes (one row per query head of a
+group) run far below the rate the host reads memory at. The C kernel widens each cached
+row to fp32 in registers and keeps its products on independent vector accumulators (see
+the source's header), so it reads the cache near the host's memory rate where the
+products cannot.
+
+It is compiled once per machine and source with the C compiler the Python headers'
+packages use (``$CC``, else ``cc``) for the host's own vector instructions
+(``-march=native``), into ``$BB_NATIVE_CACHE`` (default ``~/.cache/balance-beam/native``),
+keyed by the source, the flags and the CPU's model and feature flags, and loaded with
+:mod:`ctypes` (whose calls release the GIL, so a pool of threads runs it side by side).
+Where it cannot be built (no compiler, an unsupported platform) or ``BB_NATIVE=0``,
+:func:`kernel` returns None and decode attention runs torch's products instead, with the
+same results to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["NativeAttention", "kernel"]
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+"""Compiler flags; ``-ffast-math`` holds because the kernel's inputs are finite (masks are
+clamped, see :meth:`NativeAttention.additive_mask`)."""
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Cache dtypes the kernel reads, with its code for each."""
+MASK_FLOOR = -1e30
+"""Where an additive mask is lower it is clamped to this (finite, and ``exp`` of a score
+this far below the row's largest is an exact 0 in fp32)."""
+
+_lock = threading.Lock()
+_loaded: dict[str, NativeAttention | None] = {}
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_ARGTYPES: list[Any] = [ctypes.c_int, *([_I64] * 9), _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
+             _PTR, _I64, _I64, _I64, ctypes.c_float, _PTR]  # fmt: skip
+
+
+class NativeAttention:
+    """The loaded kernel: :meth:`attend` runs one range of sequences and key/value heads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.bb_decode_attention
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(key: Tensor, value: Tensor) -> bool:
+        """Whether the kernel reads ``key``/``value`` ``[batch, kv_heads, kv_len, dim]``: on
+        the CPU, of one dtype it reads, each row contiguous."""
+        return (
+            key.device.type == "cpu"
+            and value.device.type == "cpu"
+            and key.dtype in DTYPES
+            and value.dtype == key.dtype
+            and key.stride(-1) == 1
+            and value.stride(-1) == 1
+        )
+
+    @staticmethod
+    def additive_mask(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+        """``mask`` (boolean, True: attend; or additive) as an fp32 additive mask clamped at
+        :data:`MASK_FLOOR`, expanded to ``shape`` ``[batch, kv_heads, group, kv_len]``
+        (broadcast dimensions keep stride 0) with its last dimension contiguous."""
+        if mask.dtype == torch.bool:
+            out = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, MASK_FLOOR)
+        else:
+            out = mask.to(torch.float32).clamp(min=MASK_FLOOR)
+        if out.stride(-1) != 1:
+            out = out.contiguous()
+        return out.expand(shape)
+
+    def attend(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        bias: Tensor | None,
+        scale: float,
+        out: Tensor,
+        rows: slice,
+        cols: slice,
+    ) -> None:
+        """Write attention of sequences ``rows`` x key/value heads ``cols`` into ``out``.
+
+        ``q`` ``[batch, kv_heads, group, dim]`` and ``out`` ``[batch, kv_heads, group, v_dim]``
+        fp32 and contiguous; ``key``/``value`` as :meth:`supports` accepts; ``bias`` from
+        :meth:`additive_mask` or None; ``scale`` multiplies ``q·Kᵀ``.
+        """
+        batch, kv_heads, group, dim = q.shape
+        b0, b1, _ = rows.indices(batch)
+        h0, h1, _ = cols.indices(kv_heads)
+        mask = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
+        rc = self._fn(
+            DTYPES[key.dtype], b0, b1, h0, h1, kv_heads, group, key.shape[2], dim,
+            value.shape[-1], q.data_ptr(), key.data_ptr(), *key.stride()[:3],
+            value.data_ptr(), *value.stride()[:3], *mask, scale, out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError(f"decode attention: no memory for {group} x {key.shape[2]} scores")
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags")]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _cache_dir() -> Path:
+    """Where compiled kernels are kept."""
+    env = os.environ.get("BB_NATIVE_CACHE")
+    if env:
+        return Path(env)
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "balance-beam" / "native"
+    )
+
+
+def _build(compiler: str) -> Path:
+    """The compiled kernel's path, compiling it unless already cached (written under a
+    temporary name and renamed, so concurrent processes never load half a file)."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            check=True, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def kernel() -> NativeAttention | None:
+    """The compiled kernel, built on first call; None where ``BB_NATIVE=0`` or it cannot
+    be built (a warning says why, once per process)."""
+    if os.environ.get("BB_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC", "cc")
+    with _lock:
+        if compiler not in _loaded:
+            _loaded[compiler] = _load(compiler)
+        return _loaded[compiler]
+
+
+def _load(compiler: str) -> NativeAttention | None:
+    """Build and load the kernel with ``compiler``, or None with a warning."""
+    if shutil.which(compiler) is None:
+        warnings.warn(
+            f"decode attention runs torch's products: no C compiler {compiler!r} on PATH "
+            "(install gcc or set CC)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    try:
+        return NativeAttention(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        warnings.warn(
+            f"decode attention runs torch's products: the C kernel did not build with "
+            f"{compiler!r}: {detail.strip()[:500]}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None

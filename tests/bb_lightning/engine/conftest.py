@@ -1,0 +1,38 @@
+"""Fixtures of the engine's tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from bb_lightning.engine import attention, native
+
+
+@pytest.fixture
+def record_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[str]]:
+    """``record(path)`` runs CPU decode attention's chunks on ``path`` ("native": the
+    compiled kernel, which must have built; "torch": torch's products) and returns the list
+    the names of the threads each chunk ran on go to."""
+
+    def record(path: str) -> list[str]:
+        names: list[str] = []
+        target: Any
+        if path == "native":
+            assert native.kernel() is not None, "the C kernel did not build (see the warning)"
+            target, name = native.NativeAttention, "attend"
+        else:
+            monkeypatch.setattr(attention, "kernel", lambda: None)
+            target, name = attention, "_attend"
+        run = getattr(target, name)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            names.append(threading.current_thread().name)
+            return run(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, recorded)
+        return names
+
+    return record

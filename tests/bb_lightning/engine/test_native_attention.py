@@ -1,0 +1,103 @@
+"""The compiled decode attention kernel against attention written out in float64, over the
+shapes its vector paths split on (query heads per key/value head, head widths that are or
+are not multiples of its vectors, positions that do or do not fill its blocks), and its
+fallback to torch's products where it cannot be built."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from bb_lightning.engine import attention, native
+from bb_lightning.engine.attention import decode_attention
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """softmax(q·Kᵀ·scale, masked)·V in float64; q ``[b, kv_heads, group, d]``."""
+    s = torch.einsum("bhgd,bhld->bhgl", q.double(), k.double()) * scale
+    s = s.masked_fill(~keep, -math.inf)
+    return torch.einsum("bhgl,bhld->bhgd", s.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(("dim", "vdim"), [(64, 64), (72, 40), (80, 80), (128, 96)])
+def test_the_kernel_equals_a_float64_reference(
+    dtype: torch.dtype, group: int, dim: int, vdim: int
+) -> None:
+    kern = native.kernel()
+    assert kern is not None, "the C kernel did not build (see the warning)"
+    g = torch.Generator().manual_seed(group * dim)
+    b, kv_heads, length = 3, 2, 40
+    for kv_len in (1, 2, 17, 37):  # one position, a pair, past whole blocks with tails
+        q = torch.randn(b, kv_heads, group, dim, generator=g).to(dtype).float()
+        # a cache with room beyond the written positions: rows apart by their stride
+        k = torch.randn(b, kv_heads, length, dim, generator=g).to(dtype)[:, :, :kv_len]
+        v = torch.randn(b, kv_heads, length, vdim, generator=g).to(dtype)[:, :, :kv_len]
+        keep = torch.ones(b, 1, 1, kv_len, dtype=torch.bool)
+        keep[1, ..., : kv_len // 3] = False  # a left-padded prompt
+        bias = kern.additive_mask(keep, (b, kv_heads, group, kv_len))
+        out = torch.full((b, kv_heads, group, vdim), math.nan)
+        kern.attend(q, k, v, bias, dim**-0.5, out, slice(None), slice(None))
+        ref = _reference(q, k, v, keep.expand(b, kv_heads, group, kv_len), dim**-0.5)
+        # bf16: the weights are rounded to bf16 before their products with the values
+        tol = 2e-6 if dtype == torch.float32 else 1.5e-2
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_a_range_writes_only_its_sequences_and_heads() -> None:
+    kern = native.kernel()
+    assert kern is not None
+    q = torch.randn(4, 3, 2, 64)
+    k, v = torch.randn(4, 3, 9, 64), torch.randn(4, 3, 9, 64)
+    out = torch.full((4, 3, 2, 64), math.nan)
+    kern.attend(q, k, v, None, 0.125, out, slice(1, 3), slice(1, 2))
+    written = torch.zeros(4, 3, dtype=torch.bool)
+    written[1:3, 1:2] = True
+    assert out[~written].isnan().all()
+    assert not out[written].isnan().any()
+    keep = torch.ones(2, 1, 2, 9, dtype=torch.bool)
+    ref = _reference(q[1:3, 1:2], k[1:3, 1:2], v[1:3, 1:2], keep, 0.125)
+    torch.testing.assert_close(out[1:3, 1:2].double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_without_a_compiler_decode_attention_runs_torch_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CC", "bb-no-such-compiler")
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.warns(RuntimeWarning, match="no C compiler 'bb-no-such-compiler'"):
+        assert native.kernel() is None
+    calls: list[int] = []
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a, **kw: calls.append(1) or attend(*a, **kw))
+    q = torch.randn(2, 4, 1, 32)
+    k, v = torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32)
+    with torch.inference_mode():
+        got, _ = decode_attention(nn.Module(), q, k, v, None)
+    assert calls == [1]
+    keep = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    ref = _reference(q.reshape(2, 2, 2, 32), k, v, keep, 32**-0.5)
+    torch.testing.assert_close(got.reshape(2, 2, 2, 32).double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_bb_native_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BB_NATIVE", "0")
+    assert native.kernel() is None
+
+
+def test_a_broken_build_warns_with_the_compiler_s_message(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setenv("BB_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.warns(RuntimeWarning, match="did not build"):
+        assert native.kernel() is None
+    assert [p.name for p in tmp_path.iterdir()] == ["broken.c"]  # no half-written library
