@@ -64,24 +64,38 @@ static inline float hsum(vf v) {
 static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 0); }
 static inline void prefetch_kept(const void *p) { __builtin_prefetch(p, 0, 3); }
 
-/* The softmax of each query head's scores ``s[g * kv_len + p] * scale + mask``, in place. */
+static inline uint16_t to_bf16(float f) {  /* rounded to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The softmax of each query head's scores ``s[g * kv_len + p] * scale + mask``: in place,
+ * or, with ``wb``, rounded to bf16 into ``wb`` (the scores then hold the exponentials). */
 static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t msg, float scale,
-                    float *scores) {
+                    float *scores, uint16_t *wb) {
     for (int64_t g = 0; g < group; ++g) {
         float *s = scores + g * kv_len;
-        const float *m = bias ? bias + g * msg : NULL;
         float top = -INFINITY;
-        for (int64_t p = 0; p < kv_len; ++p) {
-            s[p] = s[p] * scale + (m ? m[p] : 0.0f);
-            top = s[p] > top ? s[p] : top;
+        if (bias) {
+            const float *m = bias + g * msg;
+            for (int64_t p = 0; p < kv_len; ++p) s[p] = s[p] * scale + m[p];
+        } else {
+            for (int64_t p = 0; p < kv_len; ++p) s[p] *= scale;
         }
+        for (int64_t p = 0; p < kv_len; ++p) top = s[p] > top ? s[p] : top;
         float total = 0.0f;
         for (int64_t p = 0; p < kv_len; ++p) {
             s[p] = expf(s[p] - top);
             total += s[p];
         }
         float inv = 1.0f / total;
-        for (int64_t p = 0; p < kv_len; ++p) s[p] *= inv;
+        if (wb) {
+            uint16_t *w = wb + g * kv_len;
+            for (int64_t p = 0; p < kv_len; ++p) w[p] = to_bf16(s[p] * inv);
+        } else {
+            for (int64_t p = 0; p < kv_len; ++p) s[p] *= inv;
+        }
     }
 }
 
@@ -172,7 +186,7 @@ static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t ms
             for (; p + 8 <= kv_len; p += 8) scores_##SUF(8, 1, dim, q, g, key, ksp, kv_len, p, scores); \
             for (; p < kv_len; ++p) scores_##SUF(1, 1, dim, q, g, key, ksp, kv_len, p, scores); \
         }                                                                                      \
-        softmax(group, kv_len, bias, msg, scale, scores);                                      \
+        softmax(group, kv_len, bias, msg, scale, scores, NULL);                                \
         int64_t whole = vdim - vdim % LANES;                                                   \
         for (g = 0; g < group; g += 4) {                                                       \
             int gb = group - g < 4 ? (int)(group - g) : 4;                                     \
@@ -203,8 +217,8 @@ KERNELS(uint16_t, bf16, load_bf16, elem_bf16)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
 
-/* The 16 horizontal sums of a[0..15], lane i holding the sum of a[ORDER[i]] (a tree of
- * adds of half vectors: 45 operations where 16 separate reductions take about 128). */
+/* The 16 horizontal sums of a[0..15], lane i holding the sum of a[4 (i % 4) + i / 4] (a tree
+ * of adds of half vectors: 45 operations where 16 separate reductions take about 128). */
 static inline __m512 reduce16(const __m512 a[16]) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; ++i)
@@ -219,22 +233,6 @@ static inline __m512 reduce16(const __m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-static int reduce_order[16];
-
-__attribute__((constructor)) static void find_reduce_order(void) {
-    __m512 a[16];
-    float lanes[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_ps((float)i / 16.0f);
-    _mm512_storeu_ps(lanes, reduce16(a));
-    for (int i = 0; i < 16; ++i) reduce_order[i] = (int)(lanes[i] + 0.5f);
-}
-
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Scores of R positions from p0 against GB query heads from g0 (R * GB == 16): bf16 pairs
  * multiplied and added into fp32 (vdpbf16ps), 16 accumulators reduced together. */
@@ -255,12 +253,15 @@ static inline void scores_dp(const int R, const int GB, int64_t dim, const uint1
                 acc[r * GB + j] = _mm512_dpbf16_ps(acc[r * GB + j], (__m512bh)kv, (__m512bh)qv[j]);
         }
     }
-    float sums[16];
-    _mm512_storeu_ps(sums, reduce16(acc));
-    for (int i = 0; i < 16; ++i) {
-        int src = reduce_order[i];
-        scores[(g0 + src % GB) * kv_len + p0 + src / GB] = sums[i];
+    __m512 in[16];  /* in the order that puts query head j's R scores in lanes j R .. */
+    for (int k = 0; k < 16; ++k) {
+        int lane = 4 * (k % 4) + k / 4;
+        in[k] = acc[(lane % R) * GB + lane / R];
     }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, reduce16(in));
+    for (int j = 0; j < GB; ++j)
+        memcpy(scores + (g0 + j) * kv_len + p0, lanes + j * R, (size_t)R * sizeof(float));
 }
 
 /* out[g0 + j][d0 .. d0 + 32 C) += sum over position pairs of the value rows' bf16 pairs times
@@ -334,8 +335,7 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
             }
         g += gb;
     }
-    softmax(group, kv_len, bias, msg, scale, scores);
-    for (int64_t i = 0; i < group * kv_len; ++i) wb[i] = to_bf16(scores[i]);
+    softmax(group, kv_len, bias, msg, scale, scores, wb);
     int64_t pairs_end = kv_len - kv_len % 2;
     for (g = 0; g < group; ) {
         int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1;
