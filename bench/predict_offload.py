@@ -48,6 +48,7 @@ Run ``python bench/predict_offload.py --help``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -82,6 +83,7 @@ from bb_lightning.planner import (
     cost,
     make_plan,
 )
+from bb_lightning.planner.predict_search import batches_of
 from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_predict_compute, product_rate
 from bb_lightning.strategy.core import BalanceBeamStrategy
@@ -221,11 +223,30 @@ def _ours(
             f"{gen.seconds['decode']:.1f} s ({args.new_tokens - 1} steps), of which waiting for "
             f"page-ins {wait:.1f} s"
         )
+        pre, dec = _predicted_phases(plan)
+        print(f"[plan] predicted for the job: prefill {pre:.1f} s + decode {dec:.1f} s "
+              f"({batches_of(plan.job, plan.concurrent_seqs)} batches)")  # fmt: skip
         spill = strategy.plan.placement.kv_cache_nvme_blocks
         print(f"[ours] plan in force: {strategy.plan.concurrent_seqs} concurrent sequences, "
               f"KV cache on {getattr(strategy.plan.kv_cache, 'value', 'device')}"
               + (f", the last {spill} blocks' on NVMe" if spill else ""))  # fmt: skip
     return tok_s, tokens, phases
+
+
+def _predicted_phases(plan: Plan) -> tuple[float, float]:
+    """(prefill, decode) seconds the plan prices for the whole job: each batch's prefill is
+    the price of the same plan generating one token, its decode passes the rest."""
+    job = plan.job
+    assert isinstance(job, PredictJob) and plan.predicted is not None
+    ov = dataclasses.replace(
+        plan.overrides or PlanOverrides(), concurrent_seqs=plan.concurrent_seqs,
+        prefetch_depth=plan.placement.prefetch_depth,
+    )  # fmt: skip
+    one = make_plan(plan.model, plan.hardware, dataclasses.replace(job, new_tokens=1), overrides=ov)
+    assert one.predicted is not None
+    batches = batches_of(job, plan.concurrent_seqs)
+    pre = one.predicted.total
+    return batches * pre, batches * (plan.predicted.total - pre)
 
 
 class _PageWaits(pl.Callback):
