@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from storage.tiers import Link, Tier
 
@@ -244,8 +244,7 @@ class MemoryAccountant(TorchDispatchMode):
             return True
         if func in (_aten._pin_memory.default,):
             return args[0]
-        flat, _ = tree_flatten((args, kwargs))
-        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs), [])
         tiers = {self.tier_of(t) for t in inputs}
         host = None
         if "device" in kwargs or not inputs:
@@ -265,9 +264,8 @@ class MemoryAccountant(TorchDispatchMode):
         if host is None:
             host = Tier.DEVICE not in tiers
         tier = Tier.HOST if host else Tier.DEVICE
-        made, _ = tree_flatten(out)
-        for t in made:
-            if isinstance(t, torch.Tensor) and t.is_meta:
+        for t in _tensors(out, []):
+            if t.is_meta:
                 key = t.untyped_storage()._cdata
                 if key not in self._tiers and key not in self._known:
                     self._track(t, tier, _op_name(func))
@@ -277,6 +275,21 @@ class MemoryAccountant(TorchDispatchMode):
             self._moved(args[0], out, bool(kwargs.get("non_blocking", False)))  # out tracked
         self.check()
         return out
+
+
+def _tensors(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``out`` with the tensors of ``tree`` (an operator's arguments or result: tensors,
+    scalars and options in tuples, lists and dicts) appended in order: what
+    ``tree_flatten`` finds, without its per-node bookkeeping on every operator."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            _tensors(item, out)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _tensors(item, out)
+    return out
 
 
 def _moved_bytes(src: torch.Tensor, dst: torch.Tensor, on_device: bool, blocking: bool) -> int:
