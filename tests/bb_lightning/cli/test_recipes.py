@@ -92,6 +92,9 @@ def test_tiny_cpu_recipe_runs_end_to_end(
         f"--trainer.strategy.init_args.nvme_path={run / 'nvme'}",
         "--data.init_args.max_tokens=40000", "--data.init_args.cache_dir=null",
         "--samples=[def ]", "--sample_tokens=4",
+        # rows of 64 tokens, 4 a micro-batch: the model-shaped probe and the steps a quarter
+        # of the recipe's work (its own batch is the dry runs' and the predict test's)
+        "--data.init_args.seq_len=64", "--data.init_args.batch_size=4",
     ]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
