@@ -31,7 +31,9 @@ from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
 
 WORLD = 2
-ROWS, SEQ, STEPS = 4, 16, 3
+ROWS, SEQ, STEPS = 4, 16, 2
+"""Rows and tokens of each global batch; optimizer steps (the last steps from moments that
+the ranks, or a checkpoint, hold from the first)."""
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 CASES = {
     # name: (weights, state, accumulate, overlapped step, clip norm)
@@ -203,7 +205,7 @@ def _train(rank: int, comm: ShardComm, tmp: Path, case: str) -> dict[str, torch.
     if case == LATE and rank == 1:
         _hand_last_block_late(engine)
     with store:
-        if case == SAVED:  # a 2-rank checkpoint after 2 steps, then the third step
+        if case == SAVED:  # a 2-rank checkpoint before the last step, then the last step
             run_steps(engine, case, rank, WORLD, range(STEPS - 1))
             save(engine, tmp / "two.ckpt")
             run_steps(engine, case, rank, WORLD, range(STEPS - 1, STEPS))
@@ -218,7 +220,8 @@ def _train(rank: int, comm: ShardComm, tmp: Path, case: str) -> dict[str, torch.
 
 
 def _resume(rank: int, comm: ShardComm, tmp: Path) -> dict[str, torch.Tensor]:
-    """A 1-process checkpoint after 2 steps (``one.ckpt``), resumed by 2 ranks for step 3."""
+    """A 1-process checkpoint before the last step (``one.ckpt``), resumed by 2 ranks for
+    the last step."""
     engine, store = engine_for(RESUMED, tmp / f"resume-rank{rank}", comm)
     with store:
         restore(engine, tmp / "one.ckpt")

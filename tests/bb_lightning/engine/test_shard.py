@@ -82,8 +82,8 @@ Ranks = list[dict[str, dict[str, torch.Tensor]]]
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the two ranks ran: their results, ``one.ckpt`` (1 process, 2 steps, resumed
-    by the ranks) and ``two.ckpt`` (saved by the ranks after 2 steps)."""
+    """Where the two ranks ran: their results, ``one.ckpt`` (1 process, all steps but the
+    last, resumed by the ranks) and ``two.ckpt`` (saved by the ranks before the last step)."""
     tmp = tmp_path_factory.mktemp("shard")
     engine, store = engine_for(RESUMED, tmp / "one", None)
     with store:
