@@ -9,7 +9,7 @@ products cannot.
 
 It is compiled once per machine and source with the C compiler the Python headers'
 packages use (``$CC``, else ``cc``) for the host's own vector instructions
-(``-march=native``), into ``$BB_NATIVE_CACHE`` (default ``~/.cache/balance-beam/native``),
+(``-march=native``), into ``native`` in ``$BB_CACHE_DIR`` (default ``~/.cache/balance_beam``),
 keyed by the source, the flags and the CPU's model and feature flags, and loaded with
 :mod:`ctypes` (whose calls release the GIL, so a pool of threads runs it side by side).
 Where it cannot be built (no compiler, an unsupported platform) or ``BB_NATIVE=0``,
@@ -130,13 +130,10 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    """Where compiled kernels are kept."""
-    env = os.environ.get("BB_NATIVE_CACHE")
-    if env:
-        return Path(env)
-    return (
-        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "balance-beam" / "native"
-    )
+    """Where compiled kernels are kept: ``native`` in ``$BB_CACHE_DIR`` (the probes' cache,
+    default ``~/.cache/balance_beam``)."""
+    root = os.environ.get("BB_CACHE_DIR") or Path.home() / ".cache" / "balance_beam"
+    return Path(root) / "native"
 
 
 def _build(compiler: str) -> Path:
