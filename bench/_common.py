@@ -561,17 +561,24 @@ def hf_generate(
 
 
 class PredictTimer(pl.Callback):
-    """Seconds spent in predict batches (setup, weights to their tiers, teardown excluded)."""
+    """Seconds spent in predict batches (setup, weights to their tiers, teardown excluded),
+    and this process's CPU seconds in them."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._t = 0.0
+        self.cpu_seconds = 0.0
+        self._t = self._cpu = 0.0
 
     def on_predict_batch_start(self, *args: Any) -> None:
-        self._t = time.perf_counter()
+        self._t, self._cpu = time.perf_counter(), _cpu_time()
 
     def on_predict_batch_end(self, *args: Any) -> None:
         self.seconds += time.perf_counter() - self._t
+        self.cpu_seconds += _cpu_time() - self._cpu
+
+    def busy(self) -> float:
+        """Share of the machine's cores this process kept busy in the batches (0..1)."""
+        return self.cpu_seconds / max(self.seconds * (os.cpu_count() or 1), 1e-9)
 
 
 def cpu_training_engine(

@@ -221,7 +221,8 @@ def _ours(
             f"[ours] setup + teardown {total - timer.seconds:.1f} s (weights to the NVMe tier); "
             f"generation {timer.seconds:.1f} s = prefill {gen.seconds['prefill']:.1f} s + decode "
             f"{gen.seconds['decode']:.1f} s ({args.new_tokens - 1} steps), of which waiting for "
-            f"page-ins {wait:.1f} s"
+            f"page-ins {wait:.1f} s; cores {timer.busy():.0%} busy, load average "
+            f"{os.getloadavg()[0]:.1f}"
         )
         pre, dec = _predicted_phases(plan)
         print(f"[plan] predicted for the job: prefill {pre:.1f} s + decode {dec:.1f} s "
