@@ -59,6 +59,9 @@ FIT_ONE_STEP = textwrap.dedent(
     strategy.close()
     print("package", bb_lightning.__file__)
     print(f"fit one step, loss {loss:.4f}")
+    from bb_lightning.engine import native  # the decode attention kernel's C source ships
+
+    print("native kernel built", native.SOURCE.is_file() and native.kernel() is not None)
     """
 )
 
@@ -127,3 +130,5 @@ def test_pip_install_without_extras_fits(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"package {env_dir}" in run.stdout and "fit one step" in run.stdout
+    if shutil.which(os.environ.get("CC", "cc")):
+        assert "native kernel built True" in run.stdout, run.stdout + run.stderr[-3000:]
