@@ -389,8 +389,8 @@ class LayerMajorGenerator:
             impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
             raise ValueError(
                 f"attention_tier=host with attn_implementation={impl!r}: host attention serves "
-                "models running 'sdpa'; load the model with attn_implementation='sdpa' or plan "
-                "without --decode-attention host"
+                "models running 'sdpa'; load the model with attn_implementation='sdpa' or run "
+                "attention on the device (attention_tier=None; --decode-attention device)"
             )
         run = _Run(self, config, rows, plen, total, device, seeds, decode)
         with decode_attention_for(self.model, host=self.attention_tier is Tier.HOST):

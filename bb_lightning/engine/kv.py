@@ -132,7 +132,7 @@ class KVCache:
             keyed = [layer for layer in layers if _has_keys(layer)]
             for layer in keyed:
                 layer.update = partial(_update_on_host, layer.update)
-                layer.lazy_initialization = partial(_init_on_host, layer, None)
+                layer.lazy_initialization = partial(_init_on_host, layer, None, _own_init(layer))
             self.nvme_layers = min(nvme_layers, len(keyed))
             if self.nvme_layers:
                 root = None if nvme_dir is None else Path(nvme_dir)
@@ -142,7 +142,9 @@ class KVCache:
                 self._files = files
                 weakref.finalize(self, files.cleanup)
                 for layer in keyed[len(keyed) - self.nvme_layers :]:
-                    layer.lazy_initialization = partial(_init_on_host, layer, Path(files.name))
+                    layer.lazy_initialization = partial(
+                        _init_on_host, layer, Path(files.name), _own_init(layer)
+                    )
         self._full: list[dict[tuple[str, int | None], Tensor]] = []
         """Each layer's buffers of all rows, by (attribute, state index), while compacted."""
 
@@ -239,13 +241,24 @@ def _update_on_host(
     return keys, values
 
 
+def _own_init(layer: Any) -> Any:
+    """The class's own ``lazy_initialization`` of ``layer``, bound to it."""
+    return type(layer).lazy_initialization.__get__(layer)
+
+
 def _init_on_host(
-    layer: Any, directory: Path | None, key_states: Tensor, value_states: Tensor
+    layer: Any, directory: Path | None, own: Any, *keys_values: Tensor, **states: Any
 ) -> None:
     """A static layer's first-update allocation (transformers' ``lazy_initialization``): its
     keys and values ``[batch, heads, max_cache_len, dim]`` zeroed in host memory, or with a
     ``directory`` as shared memory maps of zeroed files there (a dry run's accountant takes
-    host allocations as host memory)."""
+    host allocations as host memory). A hybrid layer's convolution and recurrent states
+    (called with them as keywords: Falcon-H1's mamba beside attention) go to ``own``, the
+    layer's own allocation, on the device beside the model's state layers."""
+    if states or len(keys_values) != 2:
+        own(*keys_values, **states)
+        return
+    key_states, value_states = keys_values
     layer.device = torch.device("cpu")
     layer.batch_size, layer.num_heads = key_states.shape[:2]
     layer.k_head_dim, layer.v_head_dim = key_states.shape[-1], value_states.shape[-1]

@@ -205,3 +205,21 @@ def test_a_kv_cache_spilled_to_nvme_generates_like_hf(
     del gen, kv, layers
     gc.collect()
     assert not any(p.is_file() for p in tmp_path.rglob("*")), "the files go with the cache"
+
+
+def test_a_layer_of_keys_and_states_keeps_its_keys_on_the_host() -> None:
+    """Falcon-H1: one cache layer holds attention keys and values and a mamba layer's
+    convolution and recurrent states; the keys and values go to the host, the states are
+    the layer's own; two batches in two groups, against ``generate``."""
+    model = _model("falcon_h1_state_and_keys")
+    gen = LayerMajorGenerator(model, kv_tier=Tier.HOST, attention_tier=Tier.HOST,
+                              attention_groups=2)  # fmt: skip
+    for seed, lengths in BATCHES:
+        ids, mask = _prompts(seed, lengths)
+        full = _reference(model, ids, mask)
+        eos = _mid_eos(full)
+        out = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)))
+        assert [o.token_ids for o in out] == _cut(full, eos), seed
+    layers: list[Any] = [layer for kv in gen._kvs for layer in kv.cache.layers]
+    assert all(layer.keys.device.type == "cpu" for layer in layers)
+    assert all(layer.is_conv_states_initialized[0] for layer in layers)
