@@ -133,9 +133,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--decode-attention",
         choices=("device", "host"),
         default=None,
-        help="predict: 'host' plans the KV cache on the host with decode attention on the "
+        help="predict: 'host' forces the KV cache on the host with decode attention on the "
         "host's cores beside a GPU (two groups of sequences in flight, the host attending for "
-        "one while the device computes the other); default: attention on the device",
+        "one while the device computes the other), 'device' keeps attention on the device; "
+        "default: the faster, where the profile prices the host's memory reads",
     )
     p.add_argument("--device-memory", help="device tier size, e.g. 24GiB (overrides the profile)")
     p.add_argument("--host-memory", help="host tier size, e.g. 128GiB (overrides the profile)")

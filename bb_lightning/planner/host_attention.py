@@ -30,9 +30,12 @@ from bb_lightning.placement import DECODE_GROUPS
 from bb_lightning.planner.profile import BF16_BYTES, HardwareProfile, ModelProfile
 
 __all__ = [
+    "FORWARD_LAUNCHES_PER_BLOCK",
     "GROUPS_IN_FLIGHT",
+    "HOST_COPIES_PER_BLOCK",
     "host_attention_seconds",
     "host_cache_read_bytes",
+    "launch_seconds",
     "pipelined_pass_seconds",
     "qkv_row_bytes",
     "staging_bytes",
@@ -42,6 +45,15 @@ GROUPS_IN_FLIGHT = DECODE_GROUPS
 """Groups of sequences a decode pass keeps in flight, as the engine runs them: one attended
 on the host while the device computes another (two suffice to overlap the two; more only
 shorten the fill)."""
+FORWARD_LAUNCHES_PER_BLOCK = 20
+"""Kernels a decoder layer's forward launches: two norms, four attention projections, the
+rotary embedding, attention, three MLP projections, the activation, products and residual
+additions (the count :data:`~bb_lightning.planner.chunks.LAUNCHES_PER_BLOCK_CHUNK` takes
+four times over a training step)."""
+HOST_COPIES_PER_BLOCK = 5
+"""Copies a group's decode step makes in each block with attention on the host, as
+:func:`~bb_lightning.engine.attention.host_attention` and the KV cache's update make them:
+the new key rows, value rows, query rows and the mask to the host, the output back."""
 
 
 def qkv_row_bytes(model: ModelProfile, compute_bytes: int) -> tuple[float, float]:
@@ -81,6 +93,19 @@ def host_attention_seconds(
     if hw.host_memory_bandwidth <= 0:
         return float("inf")
     return host_cache_read_bytes(model, seqs, context, compute_bytes) / hw.host_memory_bandwidth
+
+
+def launch_seconds(hw: HardwareProfile, num_blocks: int) -> float:
+    """Device seconds a decode pass with the host attending costs beyond its arithmetic:
+    each group beyond the first launches every block's kernels again, and each group's
+    block makes :data:`HOST_COPIES_PER_BLOCK` copies, each a launch the device's stream
+    waits on: ``num_blocks * ((GROUPS_IN_FLIGHT - 1) * FORWARD_LAUNCHES_PER_BLOCK +
+    GROUPS_IN_FLIGHT * HOST_COPIES_PER_BLOCK) * hw.kernel_launch_seconds``. Nothing beside
+    passes of seconds; it decides against the host's attention where the cache is small and
+    every block resident (a pass of a few milliseconds)."""
+    per_block = (GROUPS_IN_FLIGHT - 1) * FORWARD_LAUNCHES_PER_BLOCK
+    per_block += GROUPS_IN_FLIGHT * HOST_COPIES_PER_BLOCK
+    return num_blocks * per_block * hw.kernel_launch_seconds
 
 
 def pipelined_pass_seconds(

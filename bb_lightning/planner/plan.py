@@ -62,9 +62,10 @@ class PlanOverrides:
     took no less time than with the fp32 accumulator (``bench/grad_hold.py``)."""
     decode_attention: Tier | None = None
     """Where decode attention runs (predict): HOST prices the KV cache on the host with
-    attention on the host's cores (``Placement.decode_attention``; two groups of sequences
-    in flight, priced and run; the search tries it only when asked), DEVICE the device's
-    attention only; None: the device's."""
+    attention on the host's cores only (``Placement.decode_attention``; two groups of
+    sequences in flight, priced and run), DEVICE the device's attention only; None: the
+    faster of the two beside a GPU whose profile has ``host_memory_bandwidth``, else the
+    device's."""
     chunked: bool = True
     """Let the search run the recomputed blocks' micro-batch in chunks of sequences, with
     their boundary inputs on the device, the host or NVMe (``Placement.chunk_rows``,

@@ -22,7 +22,7 @@ from bb_lightning.planner.predict_search import PricedPredictCandidate
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from storage.tiers import Link, Tier, format_bytes
 
-__all__ = ["build_plan", "predict_reasons", "predict_roofline"]
+__all__ = ["attention_reasons", "build_plan", "predict_reasons", "predict_roofline"]
 
 
 def build_plan(
@@ -79,13 +79,49 @@ def build_plan(
         model_flops=flops,
         limited_by=limited,
         roofline=predict_roofline(model, hw, job, best),
-        reasons=predict_reasons(model, hw, job, best, budgets, limited),
+        reasons=predict_reasons(model, hw, job, best, budgets, limited)
+        + attention_reasons(hw, best, overrides),
     )
 
 
 def ov_attention(overrides: PlanOverrides | None) -> bool:
     """Whether ``overrides`` ask for decode attention on the host."""
     return overrides is not None and overrides.decode_attention is Tier.HOST
+
+
+def attention_reasons(
+    hw: HardwareProfile, best: PricedPredictCandidate, overrides: PlanOverrides | None
+) -> tuple[str, ...]:
+    """Where decode attention runs beside a device that is not the host, and why: the
+    chosen side's generated tokens/s against the fastest candidate attending on the other
+    side (``best.rival``), or what kept the search from trying it; none on a CPU device
+    (its attention reads the cache where it lies)."""
+    if hw.device_type == "cpu":
+        return ()
+    here, there = ("host", "device") if best.host_attention else ("device", "host")
+    said = f"decode attention on the {here}"
+    if best.rival is not None:
+        c, spt = best.rival
+        return (
+            f"{said}: {_rate(1.0 / best.price.seconds_per_token)} generated tokens/s at "
+            f"{best.concurrent} sequences vs {_rate(1.0 / spt)} with attention on the {there} "
+            f"(its best: {c} sequences; --decode-attention {there} forces it)",
+        )
+    asked = overrides.decode_attention if overrides is not None else None
+    if asked is not None:
+        why = "" if asked is Tier.HOST else "; a run asks for it where its model has no 'sdpa'"
+        return (f"{said}, as asked (--decode-attention {asked.value}{why})",)
+    if not best.host_attention and hw.host_memory_bandwidth <= 0:
+        return (
+            f"{said}: {hw.name} has no host_memory_bandwidth to price the host's cores "
+            "reading the cache (--hardware measure measures it)",
+        )
+    return (f"{said}: no candidate attending on the {there} fits the memory",)
+
+
+def _rate(tokens_per_s: float) -> str:
+    """Tokens/s to four figures; from 10,000 up whole, thousands grouped."""
+    return f"{tokens_per_s:,.0f}" if tokens_per_s >= 1e4 else f"{tokens_per_s:.4g}"
 
 
 def predict_roofline(

@@ -19,8 +19,8 @@ the host streams to a CUDA device layer by layer through the store
 the compute waits for each layer's copy to the host before its device lane is reused,
 priced exposed); a CPU device reads it in place. A KV cache on the host with decode
 attention on the host's cores
-(:mod:`~bb_lightning.planner.host_attention`; a candidate only where
-``PlanOverrides.decode_attention`` asks for it)
+(:mod:`~bb_lightning.planner.host_attention`; a candidate beside a CUDA device whose
+profile has ``host_memory_bandwidth``, unless ``PlanOverrides.decode_attention`` is DEVICE)
 sends each block's q/k/v rows to the host and the attention output back, and prices the
 host's read of the cache at its memory bandwidth beside the device's matrix products.
 """
@@ -233,8 +233,8 @@ def predict_memory(
     pool = cost.pooled_budget(hw, budgets)  # a CPU device: one RAM pool
     room = budgets[Tier.HOST] if pool is None else pool - dev
     spilled = np.zeros_like(kw)
-    if kv is Tier.HOST and ov.decode_attention is Tier.HOST:  # the host attends: blocks'
-        per_block = kv_all / n  # caches past host memory home on NVMe
+    if kv is Tier.HOST and (host_attn or ov.decode_attention is Tier.HOST):
+        per_block = kv_all / n  # the host attends: caches past host memory home on NVMe
         over = np.ceil(np.maximum(kv_all - np.maximum(room - base, 0.0), 0.0) / per_block)
         spilled = np.minimum(over, float(n))
     mandatory = base + (kv_all * (1.0 - spilled / n) if kv is Tier.HOST else 0.0)
@@ -274,7 +274,8 @@ def _pass_compute_seconds(
     """(prefill, one decode pass) compute seconds of ``c`` concurrent sequences: a decode
     pass at ``decode_efficiency`` of the rate, and no faster than the device streams the
     blocks' weights, the head and the KV cache from its memory (``host_attn``: the device
-    neither attends over the cache nor reads it)."""
+    neither attends over the cache nor reads it, and its groups' launches and copies add
+    :func:`~bb_lightning.planner.host_attention.launch_seconds`)."""
     wb, n = job.compute_bytes, model.num_blocks
     bb = float(model.block_params * wb)
     plen, ctx = job.prompt_len, job.mean_context
@@ -290,6 +291,8 @@ def _pass_compute_seconds(
         read = ctx if hw.device_type == "cpu" else float(job.cache_len)
         dec_bytes = n * bb + head_bytes + c * (read + 1.0) * kv_tok
         c_dec = max(c_dec, dec_bytes / hw.device_memory_bandwidth)
+    if host_attn:  # the copies to the host and back sync the device's stream: not hidden
+        c_dec += host_attention.launch_seconds(hw, n)
     return c_pre, c_dec
 
 
@@ -303,8 +306,10 @@ def _pass_link_seconds(
 ) -> dict[Link, Arr]:
     """Busy seconds per link of the prefill pass or of one decode pass: every paged
     block's weights (from NVMe where they home there) and a streamed KV cache's copies
-    (:func:`cost.offloaded_kv_bytes`); with attention on the host, the prompt's cache to
-    the host in the prefill, each block's q/k/v rows there and outputs back per decode."""
+    (:func:`cost.offloaded_kv_bytes`); with attention on the host, the prompts' cache to
+    the host in the prefill and back to the device, where each block's prefill attends over
+    it (:func:`~bb_lightning.engine.attention.host_attention` copies the attended prefix),
+    each block's q/k/v rows there and outputs back per decode."""
     bb = float(model.block_params * job.compute_bytes)
     kv_up, kv_down = (
         cost.offloaded_kv_bytes(model, c, job.cache_len) if mem.kv_streamed else (0.0, 0.0)
@@ -312,11 +317,8 @@ def _pass_link_seconds(
     if mem.host_attention:
         to_host, to_dev = host_attention.qkv_row_bytes(model, job.compute_bytes)
         n = model.num_blocks
-        kv_up, kv_down = (
-            (0.0, float(cost.kv_cache_bytes(model, c, job.prompt_len)))
-            if prefill
-            else (c * n * to_dev, c * n * to_host)
-        )
+        prompts = float(cost.kv_cache_bytes(model, c, job.prompt_len))
+        kv_up, kv_down = (prompts, prompts) if prefill else (c * n * to_dev, c * n * to_host)
     nvme_bytes = mem.nvme_weight_blocks * bb + _kv_nvme_read_bytes(model, job, c, mem, prefill)
     return {
         Link.HOST_TO_DEVICE: cost.link_seconds(
@@ -453,6 +455,10 @@ class PricedPredictCandidate:
     """Its bytes per tier and seconds per batch."""
     host_attention: bool = False
     """Whether decode attention runs on the host's cores (the cache on the host)."""
+    rival: tuple[int, float] | None = None
+    """(concurrent sequences, seconds per generated token) of the fastest feasible
+    candidate with decode attention on the other side (the host's cores against the
+    device's), or None where the search tried no such candidate or none fit."""
 
 
 def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], list[int], Arr]:
@@ -471,15 +477,20 @@ def _options(n: int, job: PredictJob, ov: PlanOverrides) -> tuple[list[int], lis
 
 def kv_options(hw: HardwareProfile, ov: PlanOverrides) -> list[tuple[Tier, bool]]:
     """The (KV cache tier, attention on the host) pairs the search tries: the cache on the
-    device or the host, attended where the device is; attention on the host beside a CUDA
-    device only where ``ov.decode_attention`` asks for it (the engine runs it on a CPU
-    device only) and the profile prices the host's memory reads."""
+    device or the host, attended where the device is; beside a CUDA device also the cache
+    on the host attended by the host's cores, where the profile prices the host's memory
+    reads (``host_memory_bandwidth`` > 0; a profile without it plans the device's attention,
+    unless ``ov.decode_attention`` asks for the host's, which it refuses). On a CPU device
+    the host's attention is the cache read in place (the device is the host): asked for, it
+    is the only pair. ``ov.decode_attention`` DEVICE keeps attention on the device, HOST
+    forces it on the host."""
+    device_attends = [(Tier.DEVICE, False), (Tier.HOST, False)]
     if ov.decode_attention is Tier.DEVICE:
-        return [(Tier.DEVICE, False), (Tier.HOST, False)]
-    if ov.decode_attention is not Tier.HOST:
-        return [(Tier.DEVICE, False), (Tier.HOST, False)]
+        return device_attends
     if hw.device_type == "cpu":  # the device is the host: it reads the cache in place
-        return [(Tier.HOST, False)]
+        return [(Tier.HOST, False)] if ov.decode_attention is Tier.HOST else device_attends
+    if ov.decode_attention is not Tier.HOST:
+        return device_attends + ([(Tier.HOST, True)] if hw.host_memory_bandwidth > 0 else [])
     if hw.host_memory_bandwidth <= 0:
         raise ValueError(
             f"decode attention on the host asked for, but {hw.name} has host_memory_bandwidth "
@@ -498,7 +509,7 @@ def search(
 ) -> PricedPredictCandidate | None:
     """The fastest feasible candidate per generated token, or ``None``."""
     depths, cs, kw = _options(model.num_blocks, job, ov)
-    best: tuple[tuple[float, ...], PricedPredictCandidate] | None = None
+    best: dict[bool, tuple[tuple[float, ...], PricedPredictCandidate]] = {}
     for depth in depths:
         for c in cs:
             for kv, on_host in kv_options(hw, ov):
@@ -509,16 +520,25 @@ def search(
                 i = int(ok[np.lexsort((a.device_bytes[ok], a.seconds_per_token[ok]))[0]])
                 # Ties go to more concurrency (a profile without device memory bandwidth
                 # does not see that decoding few sequences is bound by it), then to a KV
-                # cache on the device (no transfers to overlap), then to a deeper prefetch
-                # (see PREFETCH_DEPTHS), then to less device memory.
-                tie = (-float(c), float(kv is Tier.HOST), -float(depth), float(a.device_bytes[i]))
+                # cache on the device (no transfers to overlap), then to the device's
+                # attention, then to a deeper prefetch (see PREFETCH_DEPTHS), then to less
+                # device memory.
+                tie = (-float(c), float(kv is Tier.HOST), float(on_host), -float(depth),
+                       float(a.device_bytes[i]))  # fmt: skip
                 key = (float(a.seconds_per_token[i]), *tie)
-                if best is None or key < best[0]:
+                if on_host not in best or key < best[on_host][0]:
                     picked = PricedPredictCandidate(
                         depth=depth, concurrent=c, kv=kv, price=a.at(i), host_attention=on_host
                     )
-                    best = (key, picked)
-    return None if best is None else best[1]
+                    best[on_host] = (key, picked)
+    if not best:
+        return None
+    winner = min(best.values(), key=lambda kc: kc[0])[1]
+    other = best.get(not winner.host_attention)
+    if other is None:
+        return winner
+    rival = (other[1].concurrent, other[1].price.seconds_per_token)
+    return dataclasses.replace(winner, rival=rival)
 
 
 def diagnose(

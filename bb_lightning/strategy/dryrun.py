@@ -62,6 +62,7 @@ __all__ = [
 
 META = torch.device("meta")
 _ATTENTION = "bb_dry_fused"
+_HOST_ATTENTION = "bb_dry_fused_host"
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,28 @@ def meta_model(
     return model
 
 
+def host_fused_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`~bb_lightning.hf.structure.fused_attention` with the copies the engine's
+    :func:`~bb_lightning.engine.attention.host_attention` makes over a KV cache on the
+    host: a decode step's query rows and mask to the host, its output back to the device;
+    a prefill's attended prefix of the keys and values (the positions its queries reach
+    from the cache's start) to the device."""
+    if query.shape[2] == 1:
+        mask = None if attention_mask is None else attention_mask.to("cpu")
+        out, _ = fused_attention(module, query.to("cpu"), key, value, mask, **kwargs)
+        return out.to(META, copy=True), None  # meta stands for the device: a copy
+    used = query.shape[2]
+    key, value = (t[:, :, :used].to(META, copy=True) for t in (key, value))
+    return fused_attention(module, query, key, value, attention_mask, **kwargs)
+
+
 def dry_fit(
     plan: Plan, config: Any, *, direct_device: bool = False, lora: LoraOptions | None = None
 ) -> DryReport:
@@ -263,6 +286,12 @@ def _run_batch(
     for every middle one."""
     assert isinstance(plan.job, PredictJob)
     job = plan.job
+    if plan.placement.decode_attention is Tier.HOST and plan.hardware.device_type != "cpu":
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_HOST_ATTENTION, host_fused_attention)
+        config: Any = model.config
+        config._attn_implementation = _HOST_ATTENTION
     rows, plen, total = plan.concurrent_seqs, job.prompt_len, job.prompt_len + job.new_tokens
     steps = list(range(plen, total - 1))  # decode steps: the prefill gave the first token
     runs = steps if len(steps) <= 3 else [steps[0], steps[1], steps[-1]]

@@ -36,9 +36,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from transformers import PreTrainedModel
 from typing_extensions import Protocol, runtime_checkable
 
+from bb_lightning.engine.attention import uses_sdpa
 from bb_lightning.engine.flat import dtype_name
 from bb_lightning.placement import Placement
 from bb_lightning.planner import (
@@ -77,6 +79,7 @@ __all__ = [
     "SizedBatches",
     "TrainShape",
     "TrainerJob",
+    "attention_overrides",
     "check_clipping",
     "check_settings",
     "clip_config",
@@ -223,6 +226,26 @@ def read_job(
     return TrainerJob(job=fit, micro_batch=micro, grad_accum=accum)
 
 
+def attention_overrides(net: nn.Module, overrides: PlanOverrides | None) -> PlanOverrides | None:
+    """``overrides`` for planning generation with ``net``: decode attention kept on the
+    device (``decode_attention`` DEVICE) where ``net`` does not run transformers' ``sdpa``
+    attention, which the engine's host attention serves only (an ``eager``-only model:
+    Gemma 2, Bloom, MPT, GPT-Neo, Mamba); asking for the host's then is a ValueError."""
+    if uses_sdpa(net):
+        return overrides
+    asked = None if overrides is None else overrides.decode_attention
+    if asked is Tier.HOST:
+        impl = getattr(getattr(net, "config", None), "_attn_implementation", None)
+        raise ValueError(
+            f"decode_attention=host with attn_implementation={impl!r}: host attention serves "
+            "models running 'sdpa'; load the model with attn_implementation='sdpa' or drop "
+            "PlanOverrides.decode_attention"
+        )
+    if asked is Tier.DEVICE:
+        return overrides
+    return dataclasses.replace(overrides or PlanOverrides(), decode_attention=Tier.DEVICE)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanningSession:
     """The strategy's planning settings; :meth:`place` plans one :class:`TrainerJob`."""
@@ -284,14 +307,15 @@ class PlanningSession:
         """Plan the predict job; the DataLoader runs its own batch size, or the plan's."""
         batch = run.batch_size
         model, hardware = model_profile_from_module(net), self._hardware()
-        best = make_plan(model, hardware, job, overrides=self.overrides)
+        overrides = attention_overrides(net, self.overrides)
+        best = make_plan(model, hardware, job, overrides=overrides)
         if self.measured:
             rows = min(batch if batch is not None else best.concurrent_seqs, job.num_prompts)
             hardware = self._probe_predict(net, hardware, job, rows)
-            best = make_plan(model, hardware, job, overrides=self.overrides)
+            best = make_plan(model, hardware, job, overrides=overrides)
         plan = best
         if batch is not None and batch != best.concurrent_seqs:
-            ov = dataclasses.replace(self.overrides or PlanOverrides(),
+            ov = dataclasses.replace(overrides or PlanOverrides(),
                           concurrent_seqs=min(batch, job.num_prompts))  # fmt: skip
             try:
                 plan = make_plan(model, hardware, job, overrides=ov)

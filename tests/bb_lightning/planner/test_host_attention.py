@@ -1,9 +1,11 @@
 """Decode attention on the host: its byte counts against a real model's tensors, its
-pricing, the search's choice of it (asked for only), and the placement's refusals."""
+pricing, the search's choice of it (by default beside a GPU whose profile prices the
+host's memory reads), and the placement's refusals."""
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +36,7 @@ from storage.tiers import Tier
 measure_module = importlib.import_module("bb_lightning.probe.measure")
 JOB = PredictJob(prompt_len=64, new_tokens=17, num_prompts=32)
 HOST = PlanOverrides(decode_attention=Tier.HOST)
+DEVICE = PlanOverrides(decode_attention=Tier.DEVICE)
 
 
 def _gqa_config() -> LlamaConfig:
@@ -83,8 +86,9 @@ def test_host_attention_moves_rows_not_the_cache(
     prompt_cache = c * JOB.prompt_len * small_model.kv_bytes_per_token * n
     assert on_host.d2h_seconds == pytest.approx((prompt_cache + steps * c * n * q_kv) / 2e10)
     weights = n * small_model.block_params * 2
+    # the prefill attends on the device: the prompts' cache comes back from the host
     assert on_host.h2d_seconds == pytest.approx(
-        (JOB.new_tokens * weights + steps * c * n * out) / 2e10
+        (JOB.new_tokens * weights + prompt_cache + steps * c * n * out) / 2e10
     )
     # the whole cache lies on the host; the device holds none of it
     kv_all = c * JOB.total_len * small_model.kv_bytes_per_token * n
@@ -108,6 +112,10 @@ def test_a_slow_host_bounds_each_decode_pass(
     blocks = cost.forward_flops_per_token(small_model, JOB.prompt_len) - head
     device_pre = cost.compute_seconds(c * JOB.prompt_len * blocks + c * head, hw)
     device_dec = cost.compute_seconds(c * cost.forward_flops_per_token(small_model, 0), hw)
+    # the second group launches each block's ~20 kernels again; each group's block copies
+    # its key, value and query rows and mask to the host and the output back, a launch each
+    groups = host_attention.GROUPS_IN_FLIGHT
+    device_dec += n * ((groups - 1) * 20 + groups * 5) * hw.kernel_launch_seconds
     fill = (device_dec + host_s) / (host_attention.GROUPS_IN_FLIGHT * n)
     assert host_s > 10 * device_dec
     # the prefill writes the prompts' cache to the host beside its compute
@@ -118,20 +126,63 @@ def test_a_slow_host_bounds_each_decode_pass(
     assert "attention on host" in plan.explain()
 
 
-def test_the_search_tries_host_attention_only_when_asked() -> None:
+def test_the_default_search_chooses_host_attention_beside_a_gpu() -> None:
     model = model_profile_from_config(builtin_config("opt-30b"))
     job = PredictJob(prompt_len=512, new_tokens=32, num_prompts=4096)
     t4 = preset("t4").replace(host_memory=208 * 2**30)
-    plain = make_plan(model, t4, job)
-    assert plain.placement.decode_attention is None
-    asked = make_plan(model, t4, job, overrides=HOST)
-    assert asked.placement.decode_attention is Tier.HOST
+    plan = make_plan(model, t4, job)
+    assert plan.placement.decode_attention is Tier.HOST and plan.kv_cache is Tier.HOST
     # FlexGen's setting (Sheng et al. 2023, Table 2: 7.32 tokens/s): twice as fast, planned
-    assert asked.tokens_per_s >= 2 * 7.32
-    assert asked.concurrent_seqs >= 4 * plain.concurrent_seqs
+    assert plan.tokens_per_s >= 2 * 7.32
+    device = make_plan(model, t4, job, overrides=DEVICE)
+    assert device.placement.decode_attention is None
+    assert plan.concurrent_seqs >= 4 * device.concurrent_seqs
+    # the plan forced on the host prices the same; the why line names both sides' figures
+    asked = make_plan(model, t4, job, overrides=HOST)
+    assert plan.tokens_per_s == pytest.approx(asked.tokens_per_s, rel=1e-12)
+    why = next(r for r in plan.reasons if r.startswith("decode attention on the host:"))
+    assert f"{plan.tokens_per_s:.4g} generated tokens/s at {plan.concurrent_seqs} sequences" in why
+    assert f"vs {device.tokens_per_s:.4g} with attention on the device" in why
+    assert f"its best: {device.concurrent_seqs} sequences" in why
     # ZeRO-Inference's A6000 setting (21.84 tokens/s published)
-    a6000 = make_plan(model, preset("a6000"), job, overrides=HOST)
+    a6000 = make_plan(model, preset("a6000"), job)
+    assert a6000.placement.decode_attention is Tier.HOST
     assert a6000.tokens_per_s >= 2 * 21.84
+
+
+def test_a_small_job_keeps_attention_on_the_device(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    """The cache of every prompt fits the device: its attention there beats the host's."""
+    hw = small_gpu.replace(host_memory_bandwidth=5e10)
+    plan = make_plan(small_model, hw, JOB)
+    assert plan.placement.decode_attention is None and plan.kv_cache is Tier.DEVICE
+    host = make_plan(small_model, hw, JOB, overrides=HOST)
+    assert host.tokens_per_s < plan.tokens_per_s
+    why = next(r for r in plan.reasons if r.startswith("decode attention on the device:"))
+    found = re.search(
+        r"([\d,.]+) generated tokens/s .* vs ([\d,.]+) with attention on the host", why
+    )
+    assert found is not None, why
+    figures = [float(x.replace(",", "")) for x in found.groups()]
+    assert figures == pytest.approx([plan.tokens_per_s, host.tokens_per_s], rel=1e-3)
+
+
+def test_a_profile_without_host_bandwidth_plans_the_devices_attention(
+    small_model: ModelProfile, small_gpu: HardwareProfile
+) -> None:
+    """host_memory_bandwidth 0 (not measured): the host's attention cannot be priced, so the
+    default search leaves it out and says why (priced, it is weighed); asked for, it is
+    refused (below)."""
+    job = PredictJob(prompt_len=512, new_tokens=17, num_prompts=4096)
+    hw = small_gpu.replace(device_memory=2 * 2**30)
+    plan = make_plan(small_model, hw, job)
+    assert plan.placement.decode_attention is None
+    assert f"decode attention on the device: {hw.name} has no host_memory_bandwidth" in (
+        plan.explain()
+    )
+    measured = make_plan(small_model, hw.replace(host_memory_bandwidth=5e10), job)
+    assert "with attention on the host (its best: " in measured.explain()
 
 
 def test_host_attention_needs_a_host_bandwidth(
@@ -235,3 +286,22 @@ def test_the_cli_plans_host_attention_for_generation_only(
     out = capsys.readouterr().out
     assert "KV cache on host, attention on host" in out
     assert "decode attention on the host's 32 cores" in out
+
+
+def test_the_cli_chooses_where_attention_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """FlexGen's setting without the flag plans the host's attention; ``--decode-attention
+    device`` keeps it on the device."""
+    args = ["plan", "--model", "opt-30b", "--hardware", "t4", "--task", "predict",
+            "--prompt-len", "512", "--new-tokens", "32", "--host-memory", "208GiB"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "KV cache on host, attention on host" in out
+    assert "decode attention on the host: " in out
+    host = float(re.findall(r"throughput: ([\d.]+) generated tokens/s", out)[0])
+    assert host >= 2 * 7.32  # FlexGen's published figure, twice
+    assert main([*args, "--decode-attention", "device"]) == 0
+    out = capsys.readouterr().out
+    assert "attention on host" not in out
+    assert "decode attention on the device, as asked (--decode-attention device" in out
+    device = float(re.findall(r"throughput: ([\d.]+) generated tokens/s", out)[0])
+    assert device < host / 2

@@ -56,6 +56,6 @@ def test_a_kv_cache_past_host_memory_spills_whole_blocks_to_nvme() -> None:
 def test_without_host_attention_the_cache_does_not_spill() -> None:
     model = model_profile_from_config(builtin_config("opt-30b"))
     hw = dataclasses.replace(preset("t4"), host_memory=208 * GIB)
-    plan = make_plan(model, hw, JOB)
+    plan = make_plan(model, hw, JOB, overrides=PlanOverrides(decode_attention=Tier.DEVICE))
     assert plan.placement.kv_cache_nvme_blocks == 0
     assert math.isfinite(plan.tokens_per_s)

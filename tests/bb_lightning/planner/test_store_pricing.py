@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from bb_lightning.engine.budgets import required_budgets, weights_budgets
-from bb_lightning.planner import FitJob, Plan, PredictJob, make_plan, preset
+from bb_lightning.planner import FitJob, Plan, PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.planner.profile import ModelProfile
 from bb_lightning.probe import model_profile_from_config
@@ -49,17 +49,32 @@ def test_a_fit_plans_host_bytes_hold_its_engines_store_and_setup(name: str, hard
     assert host <= next(m.budget for m in plan.memory if m.tier is Tier.HOST)
 
 
-def _predict(model: ModelProfile) -> Plan:
+def _predict(model: ModelProfile, attention: Tier) -> Plan:
     job = PredictJob(prompt_len=512, new_tokens=128, num_prompts=10000)
-    return make_plan(model, preset("a100-80gb"), job)
+    ov = PlanOverrides(decode_attention=attention)
+    return make_plan(model, preset("a100-80gb"), job, overrides=ov)
 
 
 @pytest.mark.parametrize("name", ["llama-30b", "opt-30b"])
 def test_a_predict_plans_device_bytes_hold_its_engines_arena_and_kv_cache(name: str) -> None:
     model = model_profile_from_config(builtin_config(name))
-    plan = _predict(model)
+    plan = _predict(model, Tier.DEVICE)
     need = weights_budgets([model.block_params] * model.num_blocks, plan.placement)
     assert plan.placement.kv_cache is Tier.DEVICE
     kv = plan.concurrent_seqs * (512 + 128) * model.kv_bytes_per_token * model.num_blocks
     outside = 2 * (model.embed_params + model.head_params + model.final_params)
     assert _used(plan, Tier.DEVICE) >= need[Tier.DEVICE] + kv + outside
+
+
+@pytest.mark.parametrize("name", ["llama-30b", "opt-30b"])
+def test_a_host_attention_plans_host_bytes_hold_its_kv_cache(name: str) -> None:
+    """With attention on the host the cache lies in host memory beside the paged weights'
+    host arena; the device holds the arena's slots and resident blocks, not the cache."""
+    model = model_profile_from_config(builtin_config(name))
+    plan = _predict(model, Tier.HOST)
+    need = weights_budgets([model.block_params] * model.num_blocks, plan.placement)
+    assert plan.placement.kv_cache is Tier.HOST
+    kv = plan.concurrent_seqs * (512 + 128) * model.kv_bytes_per_token * model.num_blocks
+    outside = 2 * (model.embed_params + model.head_params + model.final_params)
+    assert _used(plan, Tier.DEVICE) >= need[Tier.DEVICE] + outside
+    assert _used(plan, Tier.HOST) >= need[Tier.HOST] + kv

@@ -44,6 +44,9 @@ from ..tiny import tiny_llama_config
 
 CONFIG = tiny_llama_config(4)
 """A 4-block Llama small enough to train for real in a second."""
+ON_DEVICE = PlanOverrides(decode_attention=Tier.DEVICE)
+"""Generation with the device's attention (the host's has its own dry runs:
+``test_dryrun_host_attention.py``)."""
 
 
 def _plan(placement: Placement, *, seqs: int, clip: bool) -> Plan:
@@ -212,6 +215,7 @@ def test_dry_predict_moves_the_plans_bytes_per_link_within_5_percent() -> None:
         model_profile_from_config(config),
         hw,
         PredictJob(prompt_len=128, new_tokens=8, num_prompts=8),
+        overrides=ON_DEVICE,
     )
     assert plan.placement.kv_cache is Tier.DEVICE and Tier.HOST in plan.placement.weights
     report = dry_predict(plan, config)
@@ -290,7 +294,7 @@ def test_the_predict_setup_copies_are_priced_in_the_plans_host_memory() -> None:
     config = builtin_config("llama-370m")
     hw = preset("a100-80gb").replace(device_memory=int(1.6 * 2**30), host_memory=2 << 30)
     job = PredictJob(prompt_len=128, new_tokens=8, num_prompts=8)
-    plan = make_plan(model_profile_from_config(config), hw, job)
+    plan = make_plan(model_profile_from_config(config), hw, job, overrides=ON_DEVICE)
     assert Tier.HOST in plan.placement.weights
     report = dry_predict(plan, config)
     peak = report.peaks[Tier.HOST]

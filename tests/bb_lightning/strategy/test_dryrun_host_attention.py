@@ -1,6 +1,6 @@
 """A predict dry run of a plan with decode attention on the host holds the KV cache in
-host memory, as the engine does, not on the device, and counts the key and value rows it
-copies there."""
+host memory, as the engine does, not on the device, and counts the rows it copies there
+and back."""
 
 from __future__ import annotations
 
@@ -26,9 +26,17 @@ def test_a_host_attention_dry_run_keeps_the_kv_cache_on_the_host() -> None:
     assert report.peaks[Tier.HOST].bytes >= kv
     assert report.peaks[Tier.DEVICE].bytes < kv
     assert Tier.DEVICE not in report.over
-    # the prompts' keys and values, then each decode step's new rows, cross to the host
-    rows = kv_cache_bytes(profile, plan.concurrent_seqs, job.prompt_len + job.new_tokens - 1)
-    assert report.links[Link.DEVICE_TO_HOST] == pytest.approx(rows, rel=0.01)
+    # the prompts' keys and values, then each decode step's new key, value and query rows,
+    # cross to the host; the prefill's keys and values come back to the device, where each
+    # block's prefill attends, and each decode step's attention output comes back
+    c, steps = plan.concurrent_seqs, job.new_tokens - 1
+    rows = kv_cache_bytes(profile, c, job.prompt_len + steps)
+    queries = steps * c * config["num_hidden_layers"] * config["hidden_size"] * 2  # bf16
+    assert report.links[Link.DEVICE_TO_HOST] == pytest.approx(rows + queries, rel=0.01)
+    back = kv_cache_bytes(profile, c, job.prompt_len) + queries  # outputs: queries' size
+    assert report.outside[Link.HOST_TO_DEVICE] == pytest.approx(back, rel=0.01)
+    for link in (Link.HOST_TO_DEVICE, Link.DEVICE_TO_HOST):
+        assert report.links[link] == pytest.approx(report.planned_links[link], rel=0.05)
 
 
 @pytest.mark.parametrize("name", ["opt-30b", "llama-30b"])

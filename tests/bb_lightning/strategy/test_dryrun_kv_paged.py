@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bb_lightning.planner import PredictJob, make_plan, preset
+from bb_lightning.planner import PlanOverrides, PredictJob, make_plan, preset
 from bb_lightning.planner.cost import kv_cache_bytes
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config
@@ -21,7 +21,7 @@ def test_a_kv_cache_on_the_host_is_paged_through_the_store_as_priced() -> None:
     profile = model_profile_from_config(config)
     hw = preset("t4").replace(device_memory=6 << 30, host_memory=208 << 30)
     job = PredictJob(prompt_len=512, new_tokens=4, num_prompts=4096)
-    plan = make_plan(profile, hw, job)
+    plan = make_plan(profile, hw, job, overrides=PlanOverrides(decode_attention=Tier.DEVICE))
     assert plan.placement.kv_cache is Tier.HOST and plan.placement.decode_attention is None
     kv = kv_cache_bytes(profile, plan.concurrent_seqs, job.cache_len)
     report = dry_predict(plan, config)

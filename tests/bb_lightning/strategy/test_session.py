@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,21 +12,24 @@ import pytest
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from bb_lightning.data import PromptsDataModule
 from bb_lightning.module import CausalLMModule
-from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan
+from bb_lightning.planner import FitJob, PlanOverrides, PredictJob, make_plan, preset
+from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_module
 from bb_lightning.strategy.session import (
     PlanningSession,
     PromptShape,
+    TrainerJob,
     TrainShape,
     hf_model,
     read_job,
 )
 from storage.tiers import Tier
 
-from ..tiny import cpu_profile, tiny_llama_config
+from ..tiny import cpu_profile, hf_config, tiny_llama_config
 
 CONFIG = tiny_llama_config(2, vocab_size=260, bos_token_id=257, eos_token_id=258, pad_token_id=256)
 CPU = cpu_profile()
@@ -151,3 +155,32 @@ def test_a_module_without_a_hugging_face_model_is_placed_from_the_overrides() ->
     assert placement.master == (Tier.HOST,) * 3 and placement.prefetch_depth == 2
     with pytest.raises(ValueError, match="LightningModule holds no Hugging Face model"):
         read_job(trainer, plain, FitJob(seq_len=8, global_batch_seqs=1))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_predict_plans_host_attention_only_for_a_model_running_sdpa(impl: str) -> None:
+    """Four blocks of OPT-30B on FlexGen's T4: the default plan attends on the host's cores
+    where the model runs ``sdpa`` (what the engine's host attention serves) and on the
+    device where it runs ``eager``, as the plan forced there prices it; an ``eager`` model
+    asked for the host's attention is refused before anything runs."""
+    config = hf_config({**builtin_config("opt-30b"), "num_hidden_layers": 4})
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    job = TrainerJob(job=PredictJob(prompt_len=512, new_tokens=32, num_prompts=4096))
+    t4 = preset("t4").replace(host_memory=208 << 30)
+    _, plan = PlanningSession(hardware=t4).place(net, job, 4)
+    assert plan is not None and isinstance(job.job, PredictJob)
+    if impl == "sdpa":
+        assert plan.placement.decode_attention is Tier.HOST and plan.kv_cache is Tier.HOST
+        return
+    assert plan.placement.decode_attention is None
+    on_device = PlanOverrides(decode_attention=Tier.DEVICE)
+    profile, planned = (
+        model_profile_from_module(net),
+        dataclasses.replace(job.job, compute_dtype="float32"),
+    )
+    want = make_plan(profile, t4, planned, overrides=on_device)
+    assert plan.tokens_per_s == pytest.approx(want.tokens_per_s, rel=1e-12)
+    asked = PlanningSession(hardware=t4, overrides=PlanOverrides(decode_attention=Tier.HOST))
+    with pytest.raises(ValueError, match=r"attn_implementation='eager': .*'sdpa'"):
+        asked.place(net, job, 4)
