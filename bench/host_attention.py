@@ -4,7 +4,8 @@ read of the same bytes and the planner's price for it.
 For each size (concurrent sequences x cached positions) it builds one layer's KV cache
 (``[seqs, kv_heads, positions, head_dim]`` keys and values, ``--dtype``) and times the
 engine's CPU decode attention (:func:`bb_lightning.engine.attention.decode_attention`, one
-query token per sequence, in inference mode as the engine decodes) and a plain read of the
+query token per sequence, in inference mode as the engine decodes; the compiled kernel where
+it builds, and beside it torch's products, ``BB_NATIVE=0``) and a plain read of the
 same keys and values (``torch.sum`` over each) in turns, one of each per round, best of
 each within twice ``--seconds``: a neighbour's load slows both alike, so their ratio holds
 on a shared machine. It prints the cache's bytes over each time (GB/s), their ratio, and
@@ -26,6 +27,7 @@ Run: ``.venv/bin/python bench/host_attention.py [--seqs 64,256,1024] [--position
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -34,6 +36,7 @@ import _common
 import torch
 from torch import nn
 
+from bb_lightning.engine import native
 from bb_lightning.engine.attention import decode_attention
 from bb_lightning.planner.host_attention import host_attention_seconds
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
@@ -64,6 +67,15 @@ def _read(*tensors: torch.Tensor) -> None:
     """A plain read of ``tensors``: a sum over each."""
     for t in tensors:
         torch.sum(t)
+
+
+def _torch_products(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Decode attention with torch's products instead of the compiled kernel."""
+    os.environ["BB_NATIVE"] = "0"
+    try:
+        decode_attention(module, q, k, v, None)
+    finally:
+        del os.environ["BB_NATIVE"]
 
 
 def _profile(heads: int, kv_heads: int, dim: int) -> ModelProfile:
@@ -114,6 +126,12 @@ def main() -> None:
         ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}: fix one")
     dtype = DTYPES[args.dtype]
     print(_common.machine(None))
+    kernel = native.kernel()
+    print(
+        "decode attention: the compiled kernel, beside torch's products"
+        if kernel is not None
+        else "decode attention: torch's products (the compiled kernel did not build)"
+    )
     probe_bytes = 256 << 20
     seconds = args.seconds  # best of repeats, as long as a size's: alike on a shared machine
     read_rate = probe_host_read(seconds, probe_bytes)
@@ -142,17 +160,20 @@ def main() -> None:
                 print(f"check: decode attention vs torch sdpa (fp32), max abs diff {err:.3g}")
                 checked = True
             module = nn.Module()
+            runs = {"attend": partial(decode_attention, module, q, k, v, None),
+                    "read": partial(_read, k, v)}  # fmt: skip
+            if kernel is not None:
+                runs["torch"] = partial(_torch_products, module, q, k, v)
             with torch.inference_mode():  # as the engine decodes
-                best = _best_seconds(
-                    {"attend": partial(decode_attention, module, q, k, v, None),
-                     "read": partial(_read, k, v)},
-                    2 * args.seconds,
-                )  # fmt: skip
+                best = _best_seconds(runs, 2 * args.seconds)
             attend, read = best["attend"], best["read"]
+            beside = ""
+            if kernel is not None:
+                beside = f" (torch's products {nbytes / best['torch'] / 1e9:.3f} GB/s)"
             predicted = host_attention_seconds(profile, host, seqs, pos - 1, elem)
             print(
                 f"{seqs} seqs x {pos} positions ({nbytes / 2**20:.1f} MiB): attention "
-                f"{nbytes / attend / 1e9:.3f} GB/s, plain read {nbytes / read / 1e9:.3f} GB/s, "
+                f"{nbytes / attend / 1e9:.3f} GB/s{beside}, plain read {nbytes / read / 1e9:.3f} GB/s, "
                 f"attention / read = {read / attend:.3f}; predicted {predicted * 1e3:.4g} ms, "
                 f"measured {attend * 1e3:.4g} ms, measured / predicted = {attend / predicted:.3f}"
             )
