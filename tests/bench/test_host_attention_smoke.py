@@ -33,6 +33,7 @@ def test_host_attention_bench_prints_rates_and_the_price(tmp_path: Path) -> None
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "machine: CPU" in out
+    assert "decode attention: the compiled kernel, beside torch's products" in out
     (read,) = _numbers(r"probe: host memory read ([\d.]+) GB/s", out)
     ((attend_rate, priced),) = _numbers(
         r"probe: host decode attention ([\d.]+) GB/s .*priced at ([\d.]+) GB/s", out
@@ -42,7 +43,8 @@ def test_host_attention_bench_prints_rates_and_the_price(tmp_path: Path) -> None
     ((diff,),) = _numbers(r"max abs diff ([\d.e+-]+)", out)
     assert diff < 1e-5
     rows = _numbers(
-        r"(\d+) seqs x (\d+) positions \(([\d.]+) MiB\): attention ([\d.]+) GB/s, plain read "
+        r"(\d+) seqs x (\d+) positions \(([\d.]+) MiB\): attention ([\d.]+) GB/s "
+        r"\(torch's products [\d.]+ GB/s\), plain read "
         r"([\d.]+) GB/s, attention / read = ([\d.]+); predicted ([\d.e+-]+) ms, "
         r"measured ([\d.e+-]+) ms, "
         r"measured / predicted = ([\d.]+)",
