@@ -259,7 +259,9 @@ def predict_child(ctx: Ctx, spec: dict[str, Any]) -> dict[str, Any]:
     own = {id(p): p.detach() for p in model.parameters()}
     engine = InferenceEngine(model, list(blocks), store, placement,
                              device=ctx.device, loader=lambda p: own[id(p)])  # fmt: skip
-    gen = LayerMajorGenerator(model, kv_tier=plan.kv_cache)
+    gen = LayerMajorGenerator(  # the cache where the plan homes it, attended where it says
+        model, kv_tier=plan.kv_cache, attention_tier=placement.decode_attention
+    )
     _note("engine holds the weights")
     rows = plan.concurrent_seqs
     ours: list[list[int]] = []
