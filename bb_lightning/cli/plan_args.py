@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from bb_lightning.cli.errors import UsageError
+
 if TYPE_CHECKING:
     from bb_lightning.planner import PlanOverrides
 
-__all__ = ["add_activation_args", "plan_overrides", "recipe_overrides"]
+__all__ = ["add_activation_args", "plan_overrides", "recipe_overrides", "runs_sdpa"]
 
 
 def add_activation_args(p: argparse.ArgumentParser) -> None:
@@ -26,12 +28,38 @@ def add_activation_args(p: argparse.ArgumentParser) -> None:
 
 def plan_overrides(args: argparse.Namespace) -> PlanOverrides:
     """The ``PlanOverrides`` of ``plan``'s arguments: where decode attention runs, and
-    whether blocks may swap their saved activations."""
+    whether blocks may swap their saved activations. A generation plan of a model that
+    transformers builds without its ``sdpa`` attention (the engine's host attention serves
+    ``sdpa`` only) keeps attention on the device, as a run plans it; ``--decode-attention
+    host`` for one is a :class:`UsageError`."""
     from bb_lightning.planner import PlanOverrides
+    from storage.tiers import Tier
 
-    return PlanOverrides(
-        decode_attention=args.decode_attention, swap_activations=args.swap_activations
-    )
+    attention = args.decode_attention
+    if args.task == "predict" and attention != "device" and not runs_sdpa(args.model):
+        if attention == "host":
+            raise UsageError(
+                f"--decode-attention host with --model {args.model}: transformers builds it "
+                "without 'sdpa' attention, which host attention serves; drop the flag (the "
+                "plan attends on the device)"
+            )
+        attention = Tier.DEVICE
+    return PlanOverrides(decode_attention=attention, swap_activations=args.swap_activations)
+
+
+def runs_sdpa(model: Any) -> bool:
+    """Whether transformers builds the causal LM of ``model`` (a built-in name, a config, a
+    config or model directory, a hub id) with its ``sdpa`` attention, as a run loads it
+    (``from_pretrained``'s default where the model class supports it)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from bb_lightning.hf.structure import load_config
+    from bb_lightning.planner.models import BUILTIN_MODELS, builtin_config
+
+    if isinstance(model, str) and model.lower() in BUILTIN_MODELS:
+        model = builtin_config(model)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(load_config(model)), None)
+    return bool(getattr(model_class, "_supports_sdpa", False))
 
 
 def recipe_overrides(strategy: Any, **batch: int) -> PlanOverrides:

@@ -12,11 +12,14 @@ prompts file's lines when the file is there (else one batch), and forces the rec
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bb_lightning.cli.errors import UsageError
+from bb_lightning.cli.plan_args import runs_sdpa
 from bb_lightning.planner import Plan
+from storage.tiers import Tier
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +82,8 @@ def predict_recipe_plan(cfg: Any, hardware: str) -> tuple[Plan, Any, str]:
     config, _ = resolve_model_config(recipe_model_spec(cfg))
     profile = model_profile_from_config(config)
     forced = None if batch is None else PlanOverrides(concurrent_seqs=min(batch, count))
+    if not runs_sdpa(config):  # as a run plans it: host attention serves 'sdpa' only
+        forced = dataclasses.replace(forced or PlanOverrides(), decode_attention=Tier.DEVICE)
     try:
         plan = make_plan(profile, preset(hardware), job, overrides=forced)
     except PlanError as err:

@@ -109,7 +109,7 @@ def attention_reasons(
         )
     asked = overrides.decode_attention if overrides is not None else None
     if asked is not None:
-        why = "" if asked is Tier.HOST else "; a run asks for it where its model has no 'sdpa'"
+        why = "" if asked is Tier.HOST else ", or for a model without 'sdpa' attention"
         return (f"{said}, as asked (--decode-attention {asked.value}{why})",)
     if not best.host_attention and hw.host_memory_bandwidth <= 0:
         return (

@@ -25,8 +25,9 @@ HARDWARE = "--trainer.strategy.init_args.hardware="
 
 
 def _link_ratios(out: str) -> dict[str, float]:
-    """The dry run's bytes per link over the plan's, as it prints them (``x 1.000``)."""
-    found = re.findall(r"^\s+(\w+)\s+\S+ GiB\s+\S+ GiB\s+x\s+([\d.]+)$", out, re.M)
+    """The dry run's bytes per link over the plan's, as it prints them (``x 1.000``, a
+    note of the bytes moved outside the store after it)."""
+    found = re.findall(r"^\s+(\w+)\s+\S+ GiB\s+\S+ GiB\s+x\s+([\d.]+)(?:\s+\(.*\))?$", out, re.M)
     return {link: float(ratio) for link, ratio in found}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
 from bb_lightning.cli import main
 from bb_lightning.placement import Placement
@@ -305,3 +305,20 @@ def test_the_cli_chooses_where_attention_runs(capsys: pytest.CaptureFixture[str]
     assert "decode attention on the device, as asked (--decode-attention device" in out
     device = float(re.findall(r"throughput: ([\d.]+) generated tokens/s", out)[0])
     assert device < host / 2
+
+
+def test_the_cli_plans_a_model_without_sdpa_on_the_devices_attention(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """BLOOM (ALiBi; transformers builds it with ``eager`` attention only) at OPT-30B's
+    size on FlexGen's T4: its attention stays on the device, where its run would plan it;
+    asked for the host's, the command refuses in one line."""
+    BloomConfig(hidden_size=7168, n_layer=48, n_head=56, vocab_size=50272).save_pretrained(tmp_path)
+    args = ["plan", "--model", str(tmp_path), "--hardware", "t4", "--task", "predict",
+            "--host-memory", "208GiB"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "attention on host" not in out and "decode attention on the device" in out
+    assert main([*args, "--decode-attention", "host"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without 'sdpa' attention" in err[0] and "drop the flag" in err[0]
