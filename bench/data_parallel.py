@@ -50,7 +50,14 @@ import torch.distributed as dist
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
-from bb_lightning.planner import FitJob, ModelProfile, PlanOverrides, cost, make_plan
+from bb_lightning.planner import (
+    FitJob,
+    HardwareProfile,
+    ModelProfile,
+    PlanOverrides,
+    cost,
+    make_plan,
+)
 from bb_lightning.planner.data_parallel import REDUCE_BYTES
 from bb_lightning.probe import measure, model_profile_from_config
 from bb_lightning.probe.calibrate import probe_train_compute
@@ -132,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
     if not trainer.is_global_zero:
         return
     model = model_profile_from_config(config)
-    hw = measure(nvme_path=args.nvme_dir, max_seconds=args.measure_seconds)
+    hw = HardwareProfile.from_dict(json.loads(Path(args.hardware).read_text()))
     probe = probe_train_compute(config, hw, seq_len=args.seq, micro_batch=args.micro_batch)
     if probe is not None:
         hw = probe.applied_to(hw)
@@ -168,6 +175,7 @@ def launch(
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     argv += ["--devices", str(devices), "--cores", ",".join(map(str, cores))]
     argv += ["--result", str(result), "--nvme-dir", str(args.nvme_dir)]
+    argv += ["--hardware", str(result.with_name("hardware.json"))]
     for key in ("steps", "warmup", "micro_batch", "accumulate", "layers", "hidden", "ffn"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     for key in ("heads", "vocab", "seq", "measure_seconds"):
@@ -224,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cores", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--hardware", default="", help=argparse.SUPPRESS)  # the profile's JSON
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -251,8 +260,10 @@ def main(argv: list[str] | None = None) -> None:
         f"cores {cores}",
         flush=True,
     )
-    measure(nvme_path=args.nvme_dir, max_seconds=args.measure_seconds)  # cached for the runs
+    hw = measure(nvme_path=args.nvme_dir, max_seconds=args.measure_seconds)
     with tempfile.TemporaryDirectory(prefix="bb-dp-") as tmp:
+        # the runs price their steps on this profile (a disturbed probe is not cached)
+        (Path(tmp) / "hardware.json").write_text(json.dumps(hw.to_dict()))
         one = launch(args, 1, cores, Path(tmp) / "one.json")
         two = launch(args, 2, cores, Path(tmp) / "two.json")
     report("1 process x 2 threads", one, args.micro_batch, args.seq)
