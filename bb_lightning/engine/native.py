@@ -9,7 +9,7 @@ products cannot.
 
 It is compiled once per machine and source with the C compiler the Python headers'
 packages use (``$CC``, else ``cc``) for the host's own vector instructions
-(``-march=native``), into ``native`` in ``$BB_CACHE_DIR`` (default ``~/.cache/balance_beam``),
+(``-march=native``), into ``$BB_NATIVE_DIR`` (default ``~/.cache/balance_beam/native``),
 keyed by the source, the flags and the CPU's model and feature flags, and loaded with
 :mod:`ctypes` (whose calls release the GIL, so a pool of threads runs it side by side).
 Where it cannot be built (no compiler, an unsupported platform) or ``BB_NATIVE=0``,
@@ -129,11 +129,16 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
+NATIVE_DIR_ENV = "BB_NATIVE_DIR"
+"""Where compiled kernels are kept, when set."""
+
+
 def _cache_dir() -> Path:
-    """Where compiled kernels are kept: ``native`` in ``$BB_CACHE_DIR`` (the probes' cache,
-    default ``~/.cache/balance_beam``)."""
-    root = os.environ.get("BB_CACHE_DIR") or Path.home() / ".cache" / "balance_beam"
-    return Path(root) / "native"
+    """Where compiled kernels are kept: ``$BB_NATIVE_DIR``, default
+    ``~/.cache/balance_beam/native`` (beside the probes' cache; a kernel is keyed by what
+    it was built from, so any process on the machine may share it)."""
+    env = os.environ.get(NATIVE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "balance_beam" / "native"
 
 
 def _build(compiler: str) -> Path:
