@@ -36,6 +36,13 @@ def test_strategy_by_name_plans_from_the_first_batch(
         return cpu_profile()
 
     monkeypatch.setattr(session_module, "measure", fake_measure)
+    probed: list[dict[str, Any]] = []
+
+    def fake_probe(config: Any, hardware: HardwareProfile, **kwargs: Any) -> None:
+        probed.append(kwargs)  # the model-shaped probe at the Trainer's shape, not run
+        return None  # None: no calibration, the measured profile as it is
+
+    monkeypatch.setattr(session_module, "probe_train_compute", fake_probe)
     trainer, recorder = tiny.make_trainer(
         "balance_beam", 2, accumulate_grad_batches=2, precision="32-true"
     )
@@ -44,6 +51,9 @@ def test_strategy_by_name_plans_from_the_first_batch(
     trainer.fit(tiny.make_module(tiny.tiny_llama()), tiny.loader(4))
     plan = strategy.plan
     assert plan is not None and measured == [{"nvme_path": None}]
+    assert [(p["seq_len"], p["micro_batch"], p["dtype"]) for p in probed] == [
+        (tiny.batches(1)[0]["input_ids"].shape[1], 2, torch.float32)
+    ]
     assert plan.job.seq_len == tiny.batches(1)[0]["input_ids"].shape[1]
     assert plan.job.seqs_per_step == 2 * 2  # micro-batch 2 x accumulate 2
     assert (plan.micro_batch, plan.grad_accum) == (2, 2)  # the batch in use is planned
