@@ -227,8 +227,13 @@ def test_dry_predict_moves_the_plans_bytes_per_link_within_5_percent() -> None:
     assert report.over == []
 
 
-@pytest.mark.slow  # a 30B, two 7B and two OPT-30B dry runs: about 50 s on 2 cores
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+# the LoRA recipe's step is dry-run as the CLI plans it (the same plan: its micro-batch and
+# accumulation on its preset) by test_recipe_dryrun, which checks its peaks and links too
+DRY_RECIPES = [p for p in RECIPES if p.stem != "llama-7b-lora-24gb"]
+
+
+@pytest.mark.slow  # a 30B, a 7B and two OPT-30B dry runs: about 25 s on 2 cores
+@pytest.mark.parametrize("recipe", DRY_RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_dry_runs_on_its_preset(recipe: Path) -> None:
     task = "predict" if recipe.stem.endswith("-predict") else "fit"
     cfg = parse_recipe([task, "--config", str(recipe)])
