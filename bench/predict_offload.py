@@ -235,8 +235,9 @@ def _ours(
 
 
 def _predicted_phases(plan: Plan) -> tuple[float, float]:
-    """(prefill, decode) seconds the plan prices for the whole job: each batch's prefill is
-    the price of the same plan generating one token, its decode passes the rest."""
+    """(prefill, decode) seconds the plan prices for the whole job (a last, partial batch
+    priced for its own prompts): the prefill is the price of the same plan generating one
+    token, the decode passes the rest."""
     job = plan.job
     assert isinstance(job, PredictJob) and plan.predicted is not None
     ov = dataclasses.replace(
@@ -245,9 +246,8 @@ def _predicted_phases(plan: Plan) -> tuple[float, float]:
     )  # fmt: skip
     one = make_plan(plan.model, plan.hardware, dataclasses.replace(job, new_tokens=1), overrides=ov)
     assert one.predicted is not None
-    batches = batches_of(job, plan.concurrent_seqs)
-    pre = one.predicted.total
-    return batches * pre, batches * (plan.predicted.total - pre)
+    pre = job.num_prompts / one.tokens_per_s  # one token per prompt: the job's prefill
+    return pre, job.num_prompts * job.new_tokens / plan.tokens_per_s - pre
 
 
 class _PageWaits(pl.Callback):

@@ -84,8 +84,9 @@ class PredictPrice(Generic[V]):
     every decode pass)."""
     seconds_per_token: V
     """Seconds per generated token over all the job's prompts: ``batch_seconds`` for each
-    of its :func:`batches_of` batches (a last, partial batch streams every block's weights
-    as a whole one does, and is priced as one)."""
+    of its :func:`batches_of` batches but a last, partial one, priced for its own prompts
+    (its passes stream every block's weights as a whole one's do and compute for fewer
+    rows)."""
     compute_seconds: V
     """Device compute of the batch, seconds (with a CPU device's NVMe CPU time)."""
     exposed_pass_seconds: V
@@ -381,6 +382,33 @@ def _host_attention_exposed(
     return exposed, host_s
 
 
+def _batch_seconds(
+    model: ModelProfile,
+    hw: HardwareProfile,
+    job: PredictJob,
+    c: int,
+    mem: PredictMemory,
+    host_attn: bool,
+) -> tuple[Arr, Arr, Arr, float, dict[Link, Arr], dict[Link, Arr]]:
+    """(compute, prefill exposed, exposed per decode pass, host attention per pass, prefill
+    link seconds, decode link seconds) of a batch of ``c`` prompts in memory ``mem``."""
+    c_pre, c_dec = _pass_compute_seconds(model, hw, job, c, host_attn)
+    steps = job.new_tokens - 1
+    pre_links = _pass_link_seconds(model, hw, job, c, mem, prefill=True)
+    dec_links = _pass_link_seconds(model, hw, job, c, mem, prefill=False)
+    # on a CPU device the CPU time of a pass's reads from NVMe comes out of its cores
+    per_byte = hw.nvme_cpu_seconds_per_byte if hw.device_type == "cpu" else 0.0
+    io_cpu = mem.nvme_weight_blocks * float(model.block_params * job.compute_bytes) * per_byte
+    c_dec_io = _kv_nvme_read_bytes(model, job, c, mem, False) * per_byte
+    c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu + c_dec_io
+    exp_pre = _exposed_seconds(c_pre_a, pre_links, mem)
+    exp_dec = _exposed_seconds(c_dec_a, dec_links, mem)
+    host_s = 0.0
+    if host_attn:
+        exp_dec, host_s = _host_attention_exposed(model, hw, job, c, c_dec_a, dec_links)
+    return c_pre_a + steps * c_dec_a, exp_pre, exp_dec, host_s, pre_links, dec_links
+
+
 def price(
     model: ModelProfile,
     hw: HardwareProfile,
@@ -397,32 +425,23 @@ def price(
     """Bytes per tier and seconds per batch of ``c`` prompts for every resident count
     (``host_attn``: decode attention on the host over a cache homed there)."""
     mem = predict_memory(model, hw, job, ov, budgets, depth, c, kv, kw, host_attn=host_attn)
-    c_pre, c_dec = _pass_compute_seconds(model, hw, job, c, host_attn)
     steps = job.new_tokens - 1
-    pre_links = _pass_link_seconds(model, hw, job, c, mem, prefill=True)
-    dec_links = _pass_link_seconds(model, hw, job, c, mem, prefill=False)
-    # on a CPU device the CPU time of a pass's reads from NVMe comes out of its cores
-    per_byte = hw.nvme_cpu_seconds_per_byte if hw.device_type == "cpu" else 0.0
-    io_cpu = mem.nvme_weight_blocks * float(model.block_params * job.compute_bytes) * per_byte
-    c_dec_io = _kv_nvme_read_bytes(model, job, c, mem, False) * per_byte
-    c_pre_a, c_dec_a = c_pre + io_cpu, c_dec + io_cpu + c_dec_io
-    exp_pre = _exposed_seconds(c_pre_a, pre_links, mem)
-    exp_dec = _exposed_seconds(c_dec_a, dec_links, mem)
-    host_s = 0.0
-    if host_attn:
-        exp_dec, host_s = _host_attention_exposed(model, hw, job, c, c_dec_a, dec_links)
-    compute = c_pre_a + steps * c_dec_a
+    t = _batch_seconds(model, hw, job, c, mem, host_attn)
+    compute, exp_pre, exp_dec, host_s, pre_links, dec_links = t
+    rest = job.num_prompts - (batches_of(job, c) - 1) * c  # the last batch's prompts
+    r = _batch_seconds(model, hw, job, rest, mem, host_attn) if 0 < rest < c else t
     spilled = mem.kv_nvme_blocks if mem.kv_nvme_blocks is not None else np.zeros_like(kw)
     prompt_cache = float(cost.kv_cache_bytes(model, c, job.prompt_len)) / model.num_blocks
     kv_write = cost.link_seconds(  # the prefill writes the spilled blocks' prompt cache
         spilled * prompt_cache, hw.nvme_write_bandwidth, hw.nvme_efficiency
     )
     total = compute + exp_pre + steps * exp_dec
+    job_seconds = total * (batches_of(job, c) - 1) + r[0] + r[1] + steps * r[2]
     busy = {link: pre_links[link] + steps * dec_links[link] for link in pre_links}
     return PredictPrice(
         feasible=mem.fits.astype(np.float64),
         batch_seconds=total,
-        seconds_per_token=total * batches_of(job, c) / (job.num_prompts * job.new_tokens),
+        seconds_per_token=job_seconds / (job.num_prompts * job.new_tokens),
         compute_seconds=compute,
         exposed_pass_seconds=exp_dec if steps > 0 else exp_pre,
         nvme_read_seconds=busy[Link.NVME_TO_HOST],

@@ -15,6 +15,8 @@ from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.planner.search import make_plan
 from storage.tiers import Tier
 
+from ..tiny import cpu_profile
+
 JOB = PredictJob(prompt_len=64, new_tokens=17, num_prompts=32)
 
 
@@ -192,3 +194,22 @@ def test_a_batch_that_does_not_divide_the_prompts_pays_for_its_last_partial_batc
     )
     assert whole.predicted.total == pytest.approx(plan.predicted.total, rel=1e-9)
     assert whole.tokens_per_s == pytest.approx(48 * 17 / (2 * whole.predicted.total), rel=1e-9)
+
+
+def test_a_last_partial_batch_on_a_cpu_pays_for_its_own_rows(small_model: ModelProfile) -> None:
+    # a CPU device computes for every row: 128 prompts in batches of 103 take one batch of
+    # 103 and one of 25, the second priced as a job of 25 prompts alone, not as a third of
+    # the first one's time or as a whole one
+    hw = cpu_profile()
+    job = dataclasses.replace(JOB, num_prompts=128)
+    ov = PlanOverrides(concurrent_seqs=103)
+    plan = make_plan(small_model, hw, job, overrides=ov)
+    full = make_plan(small_model, hw, dataclasses.replace(job, num_prompts=103), overrides=ov)
+    rest = make_plan(
+        small_model, hw, dataclasses.replace(job, num_prompts=25),
+        overrides=dataclasses.replace(ov, concurrent_seqs=25),
+    )  # fmt: skip
+    assert full.predicted.total == pytest.approx(plan.predicted.total, rel=1e-9)
+    assert rest.predicted.total < 0.5 * full.predicted.total  # compute for a quarter the rows
+    seconds = full.predicted.total + rest.predicted.total
+    assert plan.tokens_per_s == pytest.approx(128 * 17 / seconds, rel=1e-6)
