@@ -37,9 +37,11 @@ from torch import Tensor
 __all__ = ["NativeAttention", "kernel"]
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 """Compiler flags; ``-ffast-math`` holds because the kernel's inputs are finite (masks are
-clamped, see :meth:`NativeAttention.additive_mask`)."""
+clamped, see :meth:`NativeAttention.additive_mask`). The object is linked in a second step
+without them: linked with ``-ffast-math``, a library sets flush-to-zero for the whole process
+when loaded (subnormal floats read as zero in every other computation)."""
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Cache dtypes the kernel reads, with its code for each."""
 MASK_FLOOR = -1e30
@@ -154,15 +156,16 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-            check=True, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        for command in ([compiler, *FLAGS, "-c", "-o", obj, str(SOURCE)],
+                        [compiler, "-shared", "-o", tmp, obj, "-lm"]):  # fmt: skip
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

@@ -49,6 +49,14 @@ def test_the_kernel_equals_a_float64_reference(
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
+    # a library linked with -ffast-math sets flush-to-zero for the whole process on load
+    assert native.kernel() is not None
+    tiny = 5e-324  # the least subnormal double
+    assert tiny * 1.0 == tiny and tiny > 0.0
+    assert float(torch.tensor([1e-40]).mul(1.0)) > 0.0  # a subnormal float32
+
+
 def test_a_range_writes_only_its_sequences_and_heads() -> None:
     kern = native.kernel()
     assert kern is not None
