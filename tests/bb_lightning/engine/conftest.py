@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +11,22 @@ from typing import Any
 import pytest
 
 from bb_lightning.engine import attention, native
+
+
+def built_kernel() -> native.NativeAttention:
+    """The compiled decode attention kernel, which must build where the machine has a C
+    compiler; the test is skipped where it has none (torch's products serve it there)."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler on PATH: decode attention runs torch's products")
+    kern = native.kernel()
+    assert kern is not None, "the C kernel did not build (see the warning)"
+    return kern
+
+
+@pytest.fixture
+def kernel() -> native.NativeAttention:
+    """:func:`built_kernel` as a fixture."""
+    return built_kernel()
 
 
 @pytest.fixture
@@ -21,7 +39,7 @@ def record_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[str]]
         names: list[str] = []
         target: Any
         if path == "native":
-            assert native.kernel() is not None, "the C kernel did not build (see the warning)"
+            built_kernel()
             target, name = native.NativeAttention, "attend"
         else:
             monkeypatch.setattr(attention, "kernel", lambda: None)

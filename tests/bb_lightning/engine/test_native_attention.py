@@ -27,10 +27,9 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> T
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(("dim", "vdim"), [(64, 64), (72, 40), (80, 80), (128, 96)])
 def test_the_kernel_equals_a_float64_reference(
-    dtype: torch.dtype, group: int, dim: int, vdim: int
+    kernel: native.NativeAttention, dtype: torch.dtype, group: int, dim: int, vdim: int
 ) -> None:
-    kern = native.kernel()
-    assert kern is not None, "the C kernel did not build (see the warning)"
+    kern = kernel
     g = torch.Generator().manual_seed(group * dim)
     b, kv_heads, length = 3, 2, 40
     for kv_len in (1, 2, 17, 37):  # one position, a pair, past whole blocks with tails
@@ -49,17 +48,15 @@ def test_the_kernel_equals_a_float64_reference(
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
+def test_loading_the_kernel_leaves_subnormal_floats_alone(kernel: native.NativeAttention) -> None:
     # a library linked with -ffast-math sets flush-to-zero for the whole process on load
-    assert native.kernel() is not None
     tiny = 5e-324  # the least subnormal double
     assert tiny * 1.0 == tiny and tiny > 0.0
     assert float(torch.tensor([1e-40]).mul(1.0)) > 0.0  # a subnormal float32
 
 
-def test_a_range_writes_only_its_sequences_and_heads() -> None:
-    kern = native.kernel()
-    assert kern is not None
+def test_a_range_writes_only_its_sequences_and_heads(kernel: native.NativeAttention) -> None:
+    kern = kernel
     q = torch.randn(4, 3, 2, 64)
     k, v = torch.randn(4, 3, 9, 64), torch.randn(4, 3, 9, 64)
     out = torch.full((4, 3, 2, 64), math.nan)
@@ -99,8 +96,8 @@ def test_bb_native_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_a_broken_build_warns_with_the_compiler_s_message(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+    kernel: native.NativeAttention, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # the compiler the kernel builds with (skipped without one) rejects a broken source
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
     monkeypatch.setattr(native, "SOURCE", bad)
