@@ -16,7 +16,10 @@ read of host memory (:func:`bb_lightning.probe.host_memory.probe_host_read`) and
 attention probe (:func:`bb_lightning.probe.host_memory.probe_host_attention`, here over a
 cache of this layer's shape and ``--dtype``, 256 MiB at 512 positions), with measured /
 predicted: whether a rate measured at one size prices the others. The first size's output
-is checked against torch's ``scaled_dot_product_attention``.
+is checked against torch's ``scaled_dot_product_attention``. Before the sizes it prints the
+rate decode attention reaches with every byte in the CPU's caches (every sequence and head a
+view of the same rows): where that is near the plain read, the layer's products, not the
+memory, bound it.
 
 Sizes whose cache exceeds ``--max-gib`` are skipped (the issue's 1024 sequences x 2048
 positions of an 8 x 128 GQA layer in bf16 is 8 GiB).
@@ -100,6 +103,26 @@ def _host(bandwidth: float) -> HardwareProfile:
     )  # fmt: skip
 
 
+def _in_cache_rate(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seconds: float, positions: int = 512
+) -> tuple[float, int]:
+    """(bytes/s, bytes in memory) of decode attention over a cache of this layer's shape
+    whose every sequence and key/value head is a view of the same ``positions`` rows (stride
+    0), 256 MiB as counted: the rate the arithmetic allows when every byte comes from the
+    CPU's caches. A layer whose rate here is near a plain read of memory cannot stream its
+    cache at that read's rate: its products, not the memory, bound it."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    seqs = max(1, (256 << 20) // (2 * kv_heads * positions * dim * elem))
+    k = torch.randn(1, 1, positions, dim, dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(seqs, heads, 1, dim, dtype=dtype)
+    shape = (seqs, kv_heads, positions, dim)
+    run = partial(decode_attention, nn.Module(), q, k.expand(shape), v.expand(shape), None)
+    with torch.inference_mode():
+        best = _best_seconds({"attend": run}, seconds)
+    return 2 * seqs * kv_heads * positions * dim * elem / best["attend"], 2 * k.nbytes
+
+
 def _check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
     """Largest absolute difference of decode attention's output from torch's sdpa (fp32)."""
     ours, _ = decode_attention(nn.Module(), q, k, v, None)
@@ -143,6 +166,12 @@ def main() -> None:
         f"probe: host decode attention {attention / 1e9:.3f} GB/s ({probe_bytes >> 20} MiB "
         f"{args.dtype} cache, 512 positions); priced at {bandwidth / 1e9:.3f} GB/s (the lesser)"
     )
+    ceiling, small = _in_cache_rate(args.heads, args.kv_heads, args.head_dim, dtype, seconds)
+    print(
+        f"in the CPU's caches: decode attention {ceiling / 1e9:.3f} GB/s, every sequence and "
+        f"head of this layer reading the same {small / 2**10:.0f} KiB ({ceiling / read_rate:.2f} x the probe's "
+        f"read of memory): the rate its arithmetic allows, at most what it reaches from memory"
+    )
     profile, host = _profile(args.heads, args.kv_heads, args.head_dim), _host(bandwidth)
     elem = torch.empty((), dtype=dtype).element_size()
     checked = False
@@ -160,8 +189,10 @@ def main() -> None:
                 print(f"check: decode attention vs torch sdpa (fp32), max abs diff {err:.3g}")
                 checked = True
             module = nn.Module()
-            runs = {"attend": partial(decode_attention, module, q, k, v, None),
-                    "read": partial(_read, k, v)}  # fmt: skip
+            runs: dict[str, Callable[[], object]] = {
+                "attend": partial(decode_attention, module, q, k, v, None),
+                "read": partial(_read, k, v),
+            }
             if kernel is not None:
                 runs["torch"] = partial(_torch_products, module, q, k, v)
             with torch.inference_mode():  # as the engine decodes
