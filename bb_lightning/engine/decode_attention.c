@@ -63,6 +63,12 @@ static inline float hsum(vf v) {
 #define PREFETCH_ROWS 8
 static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 0); }
 static inline void prefetch_kept(const void *p) { __builtin_prefetch(p, 0, 3); }
+/* A row asked for a whole pass ahead, into the outer caches: with bf16 pair products the
+ * keys' pass asks for the head's values and the values' pass for the next head's keys, so
+ * that memory streams while the products run and a head's first rows do not wait (which
+ * costs most on a short head, or on the attended prefix of a longer cache, whose rows stop
+ * before the buffer's next head begins). */
+static inline void prefetch_next(const void *p) { __builtin_prefetch(p, 0, 2); }
 
 static inline uint16_t to_bf16(float f) {  /* rounded to nearest even */
     uint32_t u;
@@ -238,12 +244,16 @@ static inline __m512 reduce16(const __m512 a[16]) {
  * multiplied and added into fp32 (vdpbf16ps), 16 accumulators reduced together. */
 static inline void scores_dp(const int R, const int GB, int64_t dim, const uint16_t *qb,
                              int64_t g0, const uint16_t *key, int64_t ksp, int64_t kv_len,
-                             int64_t p0, float *scores) {
+                             int64_t p0, float *scores, const uint16_t *value, int64_t vsp,
+                             int64_t vdim) {
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
         if (p0 + r + PREFETCH_ROWS < kv_len)
             for (int64_t d = 0; d < dim; d += 32) prefetch(key + (p0 + r + PREFETCH_ROWS) * ksp + d);
+    if (value)  /* the same positions' values, for the values' pass */
+        for (int r = 0; r < R; ++r)
+            for (int64_t e = 0; e < vdim; e += 32) prefetch_next(value + (p0 + r) * vsp + e);
     for (int64_t d = 0; d < dim; d += 32) {
         __m512i qv[4];
         for (int j = 0; j < GB; ++j) qv[j] = _mm512_loadu_si512(qb + (g0 + j) * dim + d);
@@ -269,7 +279,8 @@ static inline void scores_dp(const int R, const int GB, int64_t dim, const uint1
  * back in order on the way out. */
 static inline void weighted_dp(const int GB, const int C, int64_t vdim, int64_t d0,
                                const uint16_t *wb, int64_t g0, const uint16_t *value,
-                               int64_t vsp, int64_t pairs_end, int64_t kv_len, float *out) {
+                               int64_t vsp, int64_t pairs_end, int64_t kv_len, float *out,
+                               const uint16_t *next_key, int64_t ksp, int64_t dim) {
     __m512 acc[4][8];
     for (int j = 0; j < GB; ++j)
         for (int c = 0; c < 2 * C; ++c) acc[j][c] = _mm512_setzero_ps();
@@ -279,6 +290,11 @@ static inline void weighted_dp(const int GB, const int C, int64_t vdim, int64_t 
             for (int64_t e = 0; e < vdim; e += 32) {
                 prefetch_kept(value + (p + PREFETCH_ROWS) * vsp + e);
                 prefetch_kept(value + (p + PREFETCH_ROWS + 1) * vsp + e);
+            }
+        if (next_key)  /* the next head's keys at these positions, for its keys' pass */
+            for (int64_t d = 0; d < dim; d += 32) {
+                prefetch_next(next_key + p * ksp + d);
+                prefetch_next(next_key + (p + 1) * ksp + d);
             }
         for (int c = 0; c < C; ++c) {
             __m512i x = _mm512_loadu_si512(value + p * vsp + d0 + 32 * c);
@@ -315,16 +331,18 @@ static inline void weighted_dp(const int GB, const int C, int64_t vdim, int64_t 
 static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
                          const float *q, const uint16_t *key, int64_t ksp,
                          const uint16_t *value, int64_t vsp, const float *bias, int64_t msg,
-                         float scale, float *scores, uint16_t *qb, uint16_t *wb, float *out) {
+                         float scale, float *scores, uint16_t *qb, uint16_t *wb, float *out,
+                         const uint16_t *next_key) {
     for (int64_t i = 0; i < group * dim; ++i) qb[i] = to_bf16(q[i]);
     int64_t g = 0;
     for (; g < group; ) {
         int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1, r = 16 / gb;
         int64_t p = 0;
+        const uint16_t *vpf = g == 0 ? value : NULL;
         for (; p + r <= kv_len; p += r) {
-            if (gb == 4) scores_dp(4, 4, dim, qb, g, key, ksp, kv_len, p, scores);
-            else if (gb == 2) scores_dp(8, 2, dim, qb, g, key, ksp, kv_len, p, scores);
-            else scores_dp(16, 1, dim, qb, g, key, ksp, kv_len, p, scores);
+            if (gb == 4) scores_dp(4, 4, dim, qb, g, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
+            else if (gb == 2) scores_dp(8, 2, dim, qb, g, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
+            else scores_dp(16, 1, dim, qb, g, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
         }
         for (; p < kv_len; ++p)
             for (int j = 0; j < gb; ++j) {
@@ -341,13 +359,16 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
         int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1;
         int64_t d = 0;
         for (; d + 64 <= vdim; d += 64) {
-            if (gb == 4) weighted_dp(4, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out);
-            else if (gb == 2) weighted_dp(2, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out);
-            else weighted_dp(1, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out);
+            const uint16_t *nk = g == 0 && d == 0 ? next_key : NULL;
+            if (gb == 4) weighted_dp(4, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
+            else if (gb == 2) weighted_dp(2, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
+            else weighted_dp(1, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
         }
         for (; d < vdim; d += 32)
-            for (int j = 0; j < gb; ++j)
-                weighted_dp(1, 1, vdim, d, wb, g + j, value, vsp, pairs_end, kv_len, out);
+            for (int j = 0; j < gb; ++j) {
+                const uint16_t *nk = g == 0 && d == 0 && j == 0 ? next_key : NULL;
+                weighted_dp(1, 1, vdim, d, wb, g + j, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
+            }
         if (pairs_end < kv_len)
             for (int j = 0; j < gb; ++j) {
                 float w = elem_bf16(wb + (g + j) * kv_len, kv_len - 1);
@@ -387,11 +408,14 @@ int bb_decode_attention(int dtype, int64_t b0, int64_t b1, int64_t h0, int64_t h
                          (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
                          out + qh * vdim);
 #ifdef HAVE_DPBF16
-            else if (dp)
+            else if (dp) {
+                int64_t nb = h + 1 < h1 ? b : b + 1, nh = h + 1 < h1 ? h + 1 : h0;
                 head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
                              (const uint16_t *)key + b * ksb + h * ksh, ksp,
                              (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
-                             scores, qb, wb, out + qh * vdim);
+                             scores, qb, wb, out + qh * vdim,
+                             nb < b1 ? (const uint16_t *)key + nb * ksb + nh * ksh : NULL);
+            }
 #endif
             else
                 head_bf16(group, kv_len, dim, vdim, q + qh * dim,
