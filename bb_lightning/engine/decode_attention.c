@@ -69,6 +69,12 @@ static inline void prefetch_kept(const void *p) { __builtin_prefetch(p, 0, 3); }
  * costs most on a short head, or on the attended prefix of a longer cache, whose rows stop
  * before the buffer's next head begins). */
 static inline void prefetch_next(const void *p) { __builtin_prefetch(p, 0, 2); }
+/* prefetch_next of rows [p0, p0 + n) of ``rows`` (``stride`` elements apart), ``width`` bytes
+ * of each from its start, one request per 64 bytes. */
+#define ask_rows(rows, stride, width, p0, n)                                                   \
+    for (int64_t r_ = (p0); r_ < (p0) + (n); ++r_)                                             \
+        for (int64_t b_ = 0; b_ < (width); b_ += 64)                                           \
+            prefetch_next((const char *)((rows) + r_ * (stride)) + b_)
 
 static inline uint16_t to_bf16(float f) {  /* rounded to nearest even */
     uint32_t u;
@@ -151,7 +157,8 @@ static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t ms
     }                                                                                          \
     static inline void weighted_##SUF(const int GB, const int C, int64_t vdim, int64_t d0,     \
                                       const float *w, int64_t g0, const T *value, int64_t vsp, \
-                                      int64_t kv_len, float *out) {                            \
+                                      int64_t kv_len, float *out, const T *next_key,           \
+                                      int64_t ksp, int64_t dim) {                              \
         vf acc[4][4];                                                                          \
         for (int j = 0; j < GB; ++j)                                                           \
             for (int c = 0; c < C; ++c) acc[j][c] = (vf){0};                                   \
@@ -160,7 +167,9 @@ static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t ms
             if (d0 == 0 && p + PREFETCH_ROWS < kv_len)                                         \
                 for (int64_t e = 0; e < vdim; e += LANES)                                      \
                     prefetch_kept(value + (p + PREFETCH_ROWS) * vsp + e);                      \
-            for (int c = 0; c < C; ++c) vv[c] = LOAD(value + p * vsp, d0 + c * LANES);        \
+            if (next_key)  /* the next head's keys at this position, for its keys' pass */     \
+                for (int64_t d = 0; d < dim; d += LANES) prefetch_next(next_key + p * ksp + d); \
+            for (int c = 0; c < C; ++c) vv[c] = LOAD(value + p * vsp, d0 + c * LANES);         \
             for (int j = 0; j < GB; ++j) {                                                     \
                 float wj = w[(g0 + j) * kv_len + p];                                           \
                 for (int c = 0; c < C; ++c) acc[j][c] += wj * vv[c];                           \
@@ -173,23 +182,32 @@ static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t ms
     static void head_##SUF(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,           \
                            const float *q, const T *key, int64_t ksp, const T *value,          \
                            int64_t vsp, const float *bias, int64_t msg, float scale,           \
-                           float *scores, float *out) {                                        \
+                           float *scores, float *out, const T *next_key) {                     \
         int64_t g = 0;                                                                         \
         for (; g + 4 <= group; g += 4) {                                                       \
             int64_t p = 0;                                                                     \
-            for (; p + 4 <= kv_len; p += 4) scores_##SUF(4, 4, dim, q, g, key, ksp, kv_len, p, scores); \
+            for (; p + 4 <= kv_len; p += 4) {                                                  \
+                if (g == 0) ask_rows(value, vsp, vdim * (int64_t)sizeof(T), p, 4);             \
+                scores_##SUF(4, 4, dim, q, g, key, ksp, kv_len, p, scores);                    \
+            }                                                                                  \
             for (; p < kv_len; ++p)                                                            \
                 for (int j = 0; j < 4; ++j) scores_##SUF(1, 1, dim, q, g + j, key, ksp, kv_len, p, scores); \
         }                                                                                      \
         for (; g + 2 <= group; g += 2) {                                                       \
             int64_t p = 0;                                                                     \
-            for (; p + 8 <= kv_len; p += 8) scores_##SUF(8, 2, dim, q, g, key, ksp, kv_len, p, scores); \
+            for (; p + 8 <= kv_len; p += 8) {                                                  \
+                if (g == 0) ask_rows(value, vsp, vdim * (int64_t)sizeof(T), p, 8);             \
+                scores_##SUF(8, 2, dim, q, g, key, ksp, kv_len, p, scores);                    \
+            }                                                                                  \
             for (; p < kv_len; ++p)                                                            \
                 for (int j = 0; j < 2; ++j) scores_##SUF(1, 1, dim, q, g + j, key, ksp, kv_len, p, scores); \
         }                                                                                      \
         for (; g < group; ++g) {                                                               \
             int64_t p = 0;                                                                     \
-            for (; p + 8 <= kv_len; p += 8) scores_##SUF(8, 1, dim, q, g, key, ksp, kv_len, p, scores); \
+            for (; p + 8 <= kv_len; p += 8) {                                                  \
+                if (g == 0) ask_rows(value, vsp, vdim * (int64_t)sizeof(T), p, 8);             \
+                scores_##SUF(8, 1, dim, q, g, key, ksp, kv_len, p, scores);                    \
+            }                                                                                  \
             for (; p < kv_len; ++p) scores_##SUF(1, 1, dim, q, g, key, ksp, kv_len, p, scores); \
         }                                                                                      \
         softmax(group, kv_len, bias, msg, scale, scores, NULL);                                \
@@ -198,14 +216,18 @@ static void softmax(int64_t group, int64_t kv_len, const float *bias, int64_t ms
             int gb = group - g < 4 ? (int)(group - g) : 4;                                     \
             int64_t d = 0;                                                                     \
             for (; d + 4 * LANES <= whole; d += 4 * LANES) {                                   \
-                if (gb == 4) weighted_##SUF(4, 4, vdim, d, scores, g, value, vsp, kv_len, out); \
+                const T *nk = g == 0 && d == 0 ? next_key : NULL;                              \
+                if (gb == 4)                                                                   \
+                    weighted_##SUF(4, 4, vdim, d, scores, g, value, vsp, kv_len, out, nk, ksp, dim); \
                 else                                                                           \
                     for (int j = 0; j < gb; ++j)                                               \
-                        weighted_##SUF(1, 4, vdim, d, scores, g + j, value, vsp, kv_len, out); \
+                        weighted_##SUF(1, 4, vdim, d, scores, g + j, value, vsp, kv_len, out,  \
+                                       j == 0 ? nk : NULL, ksp, dim);                          \
             }                                                                                  \
             for (; d < whole; d += LANES)                                                      \
                 for (int j = 0; j < gb; ++j)                                                   \
-                    weighted_##SUF(1, 1, vdim, d, scores, g + j, value, vsp, kv_len, out);     \
+                    weighted_##SUF(1, 1, vdim, d, scores, g + j, value, vsp, kv_len, out,      \
+                                   g == 0 && d == 0 && j == 0 ? next_key : NULL, ksp, dim);    \
             for (int j = 0; j < gb; ++j)                                                       \
                 for (int64_t e = whole; e < vdim; ++e) {                                       \
                     float s = 0.0f;                                                            \
@@ -402,26 +424,28 @@ int bb_decode_attention(int dtype, int64_t b0, int64_t b1, int64_t h0, int64_t h
         for (int64_t h = h0; h < h1; ++h) {
             int64_t qh = (b * kv_heads + h) * group;
             const float *m = bias ? bias + b * msb + h * msh : NULL;
+            /* the head after this one in the range, whose keys the values' pass asks for */
+            int64_t nb = h + 1 < h1 ? b : b + 1, nh = h + 1 < h1 ? h + 1 : h0;
+            int64_t next = nb < b1 ? nb * ksb + nh * ksh : -1;
             if (dtype == 0)
                 head_f32(group, kv_len, dim, vdim, q + qh * dim,
                          (const float *)key + b * ksb + h * ksh, ksp,
                          (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
-                         out + qh * vdim);
+                         out + qh * vdim, next < 0 ? NULL : (const float *)key + next);
 #ifdef HAVE_DPBF16
-            else if (dp) {
-                int64_t nb = h + 1 < h1 ? b : b + 1, nh = h + 1 < h1 ? h + 1 : h0;
+            else if (dp)
                 head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
                              (const uint16_t *)key + b * ksb + h * ksh, ksp,
                              (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
                              scores, qb, wb, out + qh * vdim,
-                             nb < b1 ? (const uint16_t *)key + nb * ksb + nh * ksh : NULL);
-            }
+                             next < 0 ? NULL : (const uint16_t *)key + next);
 #endif
             else
                 head_bf16(group, kv_len, dim, vdim, q + qh * dim,
                           (const uint16_t *)key + b * ksb + h * ksh, ksp,
                           (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
-                          scores, out + qh * vdim);
+                          scores, out + qh * vdim,
+                          next < 0 ? NULL : (const uint16_t *)key + next);
         }
     }
     free(scores);
