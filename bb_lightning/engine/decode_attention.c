@@ -402,6 +402,18 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
 }
 #endif
 
+/* Floats one of the machine's vector registers holds, as compiled: 16 with AVX-512; with
+ * fewer, each of the generic paths' 16-float vectors takes two registers or more. */
+int bb_decode_attention_lanes(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(__AVX__)
+    return 8;
+#else
+    return 4;
+#endif
+}
+
 /* Attention of sequences [b0, b1) x key/value heads [h0, h1); returns 0, or -1 where the
  * scratch buffer could not be allocated.
  * q: [batch, kv_heads, group, dim] float32, contiguous. out: the same with vdim, float32.

@@ -12,9 +12,10 @@ packages use (``$CC``, else ``cc``) for the host's own vector instructions
 (``-march=native``), into ``$BB_NATIVE_DIR`` (default ``~/.cache/balance_beam/native``),
 keyed by the source, the flags and the CPU's model and feature flags, and loaded with
 :mod:`ctypes` (whose calls release the GIL, so a pool of threads runs it side by side).
-Where it cannot be built (no compiler, an unsupported platform) or ``BB_NATIVE=0``,
-:func:`kernel` returns None and decode attention runs torch's products instead, with the
-same results to fp32 rounding.
+Where it cannot be built (no compiler, an unsupported platform), where the machine's
+vectors are narrower than :data:`MIN_LANES` floats, or with ``BB_NATIVE=0``, :func:`kernel`
+returns None and decode attention runs torch's products instead, with the same results to
+fp32 rounding.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 clamped, see :meth:`NativeAttention.additive_mask`). The object is linked in a second step
 without them: linked with ``-ffast-math``, a library sets flush-to-zero for the whole process
 when loaded (subnormal floats read as zero in every other computation)."""
+MIN_LANES = 16
+"""Floats a vector register of the machine must hold for :func:`kernel` to use the kernel
+(AVX-512's 16). Built for AVX2's 8, it read a cache 1.5-4 x slower than torch's products with
+both held to AVX2 on one machine (GQA layers slowest): there decode attention keeps torch's
+products."""
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Cache dtypes the kernel reads, with its code for each."""
 MASK_FLOOR = -1e30
@@ -170,8 +176,9 @@ def _build(compiler: str) -> Path:
 
 
 def kernel() -> NativeAttention | None:
-    """The compiled kernel, built on first call; None where ``BB_NATIVE=0`` or it cannot
-    be built (a warning says why, once per process)."""
+    """The compiled kernel, built on first call; None where ``BB_NATIVE=0``, where the
+    machine's vectors hold fewer than :data:`MIN_LANES` floats, or where it cannot be built
+    (a warning says why, once per process)."""
     if os.environ.get("BB_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CC", "cc")
@@ -182,7 +189,8 @@ def kernel() -> NativeAttention | None:
 
 
 def _load(compiler: str) -> NativeAttention | None:
-    """Build and load the kernel with ``compiler``, or None with a warning."""
+    """Build and load the kernel with ``compiler``; None where the machine's vectors are
+    narrower than :data:`MIN_LANES` floats, or with a warning where it cannot be built."""
     if shutil.which(compiler) is None:
         warnings.warn(
             f"decode attention runs torch's products: no C compiler {compiler!r} on PATH "
@@ -192,7 +200,9 @@ def _load(compiler: str) -> NativeAttention | None:
         )
         return None
     try:
-        return NativeAttention(ctypes.CDLL(str(_build(compiler))))
+        lib = ctypes.CDLL(str(_build(compiler)))
+        lib.bb_decode_attention_lanes.restype = ctypes.c_int
+        return NativeAttention(lib) if lib.bb_decode_attention_lanes() >= MIN_LANES else None
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         warnings.warn(

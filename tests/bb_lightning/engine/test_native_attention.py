@@ -6,7 +6,10 @@ fallback to torch's products where it cannot be built."""
 from __future__ import annotations
 
 import math
+import platform
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +91,38 @@ def test_without_a_compiler_decode_attention_runs_torch_products(
     keep = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     ref = _reference(q.reshape(2, 2, 2, 32), k, v, keep, 32**-0.5)
     torch.testing.assert_close(got.reshape(2, 2, 2, 32).double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="builds the kernel for x86-64 AVX2"
+)
+def test_a_kernel_built_for_avx2_vectors_leaves_decode_attention_to_torch_products(
+    kernel: native.NativeAttention, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # on an AVX-512 machine with a compiler: the same source built as for an AVX2 one
+    monkeypatch.setenv(native.NATIVE_DIR_ENV, str(tmp_path))
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native.FLAGS)
+    monkeypatch.setattr(native, "FLAGS", flags)
+    monkeypatch.setattr(native, "_loaded", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # narrow vectors are no failure: nothing to warn about
+        assert native.kernel() is None
+    assert len(list(tmp_path.glob("decode_attention-*.so"))) == 1  # it built, and is not used
+    calls: list[int] = []
+    attend = attention._attend
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attend", counted)
+    q = torch.randn(2, 8, 1, 64)
+    k, v = torch.randn(2, 2, 7, 64), torch.randn(2, 2, 7, 64)
+    with torch.inference_mode():
+        got, _ = decode_attention(nn.Module(), q, k, v, None)
+    assert calls == [1]  # torch's products ran it
+    keep = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    ref = _reference(q.reshape(2, 2, 4, 64), k, v, keep, 64**-0.5)
+    torch.testing.assert_close(got.reshape(2, 2, 4, 64).double(), ref, atol=2e-6, rtol=2e-6)
 
 
 def test_bb_native_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
