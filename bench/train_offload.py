@@ -232,8 +232,10 @@ def forced_plan(
 
     ``resident_blocks`` blocks stay on the device and the others are homed on the
     weights tier; the gradient accumulators go where the plan puts them, and the run
-    recomputes exactly the blocks the plan priced as recomputed (those paged in by copy;
-    on a CPU device the host-homed ones are used in place and keep their activations).
+    recomputes exactly the blocks the plan priced as recomputed and swaps those it priced
+    as swapped (on a CPU device the host-homed blocks are used in place and keep their
+    activations, and the NVMe-homed ones, paged in by copy, keep theirs while their
+    weights are paged out: swapped).
     """
     weights, master = offload_tiers(args)
     overrides = PlanOverrides(
@@ -258,6 +260,7 @@ def forced_plan(
         grads=plan.grads,
         read_ahead=plan.read_ahead,
         recomputed=plan.recomputed_blocks(),
+        swapped=plan.placement.swapped,
         hold_grads=plan.placement.hold_grads,
     )
     if plan.weights != placement.weights:
@@ -463,7 +466,9 @@ def main(argv: list[str] | None = None) -> None:
         f"offloaded placement: {args.resident} of {args.layers} blocks resident, the other "
         f"{args.layers - args.resident} on {weights.value}, master + moments on NVMe "
         f"(read ahead through {placement.read_ahead} host buffer sets), prefetch depth "
-        f"{args.prefetch}, {len(plan.recomputed_blocks())} blocks recomputed in backward",
+        f"{args.prefetch}, {len(plan.recomputed_blocks())} blocks recomputed in backward, "
+        f"{len(placement.swapped or ())} keeping their activations while their weights are "
+        "paged out (swapped)",
         flush=True,
     )
 

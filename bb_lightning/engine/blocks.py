@@ -108,7 +108,8 @@ class PagedBlocks:
         keeps in the store instead of recomputing them
         (:mod:`~bb_lightning.engine.swapped`)."""
         self.swap: Boundaries | None = None
-        """Where the swapped blocks' saved activations live from forward to backward."""
+        """Where the swapped blocks' saved activations live from forward to backward (None:
+        where the forward made them, on a CPU device whose host is its own memory)."""
         self.max_tokens: int | None = None
         """Tokens a forward without grad runs through a block at once: a larger batch runs
         in chunks of rows while the block stays paged in

@@ -23,7 +23,11 @@ its forward ends and fetched back one chunk ahead in backward, the weight gradie
 over the chunks on the device: the device holds one chunk's activations at a time.
 
 Nothing of the block runs twice: the compute of a recompute is traded for the saved
-activations' copies to the host and back.
+activations' copies to the host and back. On a CPU device (whose host is its own memory,
+not under the store's CPU double) there is nothing to copy: the runner's ``swap`` is None
+and every saved tensor but the weights' views stays where the forward made it, as a bound
+block's activations do, so the block keeps its activations while its weights are paged
+out between its forward and its backward.
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class SavedActivations:
     backward, :meth:`free` releases their device copies after it.
     """
 
-    def __init__(self, runner: PagedBlocks, i: int, swap: Boundaries) -> None:
+    def __init__(self, runner: PagedBlocks, i: int, swap: Boundaries | None) -> None:
         self.runner, self.i, self.swap = runner, i, swap
         self._held: list[Tensor] = []
         """Tensors to store, in order (held until :meth:`write`)."""
@@ -122,6 +126,8 @@ class SavedActivations:
         found = self._param_of(t)
         if found is not None:
             return "param", found
+        if self.swap is None:  # kept where it is: an alias, which outlives the inner leaves
+            return "keep", t.detach()
         expanded = any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True))
         if not t.is_floating_point() or not t.numel() or expanded:
             return "keep", t
@@ -171,23 +177,23 @@ class SavedActivations:
     def write(self) -> None:
         """Store the held tensors (written from the device while later blocks compute)."""
         held, self._held, self._index = self._held, [], {}
-        if held:
+        if held and self.swap is not None:
             self.names = self.swap.save(self.i, [t.detach() for t in held])
 
     def prefetch(self) -> None:
         """Start fetching the stored tensors back to the device."""
-        if self.names is not None:
+        if self.names is not None and self.swap is not None:
             self.swap.prefetch_names(self.names)
 
     def load(self) -> None:
         """Fetch the stored tensors back to the device (waiting for their page-in)."""
-        if self.names is not None and self._loaded is None:
+        if self.names is not None and self.swap is not None and self._loaded is None:
             self._loaded = self.swap.load(self.i, self.names)
 
     def free(self) -> None:
         """Release the fetched copies (their homes stay for the next forward to overwrite);
         copies not fetched yet are fetched first (a backward that read none of them)."""
-        if self.names is not None:
+        if self.names is not None and self.swap is not None:
             self.load()
             self.swap.free(self.i, self.names)
             self.names = None
@@ -239,7 +245,6 @@ class _SwappedBlockFunction(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         from bb_lightning.engine.blocks import _outputs
 
-        assert runner.swap is not None
         rows = hidden.shape[0] if len(calls) > 1 else -1
         cut = [row_factor(e, rows) if rows > 0 else 0 for e in extras]
         wants = [bool(w) for w in ctx.needs_input_grad[5:]]

@@ -167,7 +167,7 @@ def fit_reasons(
                 )
             ]
         ),
-        *_block_work_reasons(model, job, best, placement),
+        *_block_work_reasons(model, job, best, placement, hw.device_type == "cpu"),
         f"{kf + kw} of {n} blocks resident with leftover device memory ({kf} with gradients and "
         f"optimizer on the device); each resident block saves "
         f"{format_bytes(2 * block_bytes * ga)} of H2D per step",
@@ -248,12 +248,16 @@ def _chunk_reasons(
 
 
 def _block_work_reasons(
-    model: ModelProfile, job: FitJob, best: PricedFitCandidate, placement: Placement
+    model: ModelProfile,
+    job: FitJob,
+    best: PricedFitCandidate,
+    placement: Placement,
+    cpu: bool = False,
 ) -> list[str]:
     """Per block, with checkpointing: whether its backward recomputes its forward, keeps its
     activations (autograd), or, where swapping was priced, fetches its saved activations
     back from the host (the last of the blocks that would recompute: backward needs them
-    first)."""
+    first; on a ``cpu`` device they stay where the forward made them)."""
     if not best.checkpointing:
         return []
     n = model.num_blocks
@@ -272,8 +276,13 @@ def _block_work_reasons(
         "per block (keep: activations kept by autograd; recompute: forward again in "
         "backward"
         + (
-            "; swap: saved activations to the host in forward and back in "
-            f"backward, {format_bytes(swap_bytes)} per block and micro-batch"
+            (
+                "; swap: weights paged out between forward and backward, saved activations "
+                "kept in the CPU device's memory (its host) in place"
+                if cpu
+                else "; swap: saved activations to the host in forward and back in backward"
+            )
+            + f", {format_bytes(swap_bytes)} per block and micro-batch"
             if swaps
             else ""
         )

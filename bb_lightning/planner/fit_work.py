@@ -33,10 +33,10 @@ class PassWork:
     links: dict[Link, Arr]
     """Busy seconds per link of one micro-batch pass."""
     swap_host_bytes: Arr
-    """Host bytes the swapped activations of one micro-batch take."""
+    """Host bytes the swapped activations of one micro-batch take (0 on a CPU device)."""
     swap_device_bytes: Arr
     """Device bytes of the swapped blocks' chunks fetched back at once in backward (0
-    where nothing swaps)."""
+    where nothing swaps); on a CPU device every swapped block's saved activations."""
     boundary_bytes: Arr
     """Bytes of one recomputed block's boundary inputs on their home tier: the swapped
     blocks keep none (their inputs are among their saved activations)."""
@@ -66,14 +66,16 @@ def pass_work(
 
     Resident blocks (and blocks used in place) keep their activations: never recomputed.
     ``links``: the busy seconds per link of one pass, every recomputed block's boundary
-    inputs' copies included (:func:`chunks.boundary_link_bytes`). With ``swap`` (not on a
-    CPU device, whose host is its own memory, nor data parallel, where no run has checked
-    it), the recomputed blocks the links have headroom for keep their saved activations on
-    the host instead (:func:`chunks.swapped_blocks`: their recompute saved, their
-    activations on both links, their boundary inputs' copies not made), where the free
-    host memory holds them and the device ``device_budget`` the store's slots for their
-    chunks fetched back (:func:`swap_bytes`). Each chunk beyond the first launches the
-    block's kernels again (:func:`chunks.launch_seconds`).
+    inputs' copies included (:func:`chunks.boundary_link_bytes`). With ``swap`` (not data
+    parallel, where no run has checked it), the recomputed blocks the links have headroom
+    for keep their saved activations on the host instead (:func:`chunks.swapped_blocks`:
+    their recompute saved, their activations on both links, their boundary inputs' copies
+    not made), where the free host memory holds them and the device ``device_budget`` the
+    store's slots for their chunks fetched back (:func:`swap_bytes`). On a CPU device,
+    whose host is its own memory, a swapped block's activations move nowhere: every copied
+    block whose saved activations the device budget holds swaps, for no link time, its
+    activations counted on the device. Each chunk beyond the first launches the block's
+    kernels again (:func:`chunks.launch_seconds`).
     """
     n, ga, pass_tokens = sz.blocks, sz.grad_accum, sz.micro_batch * sz.seq_len
     tokens = float(sz.seqs_per_step * sz.seq_len)
@@ -84,10 +86,24 @@ def pass_work(
     moved = float(pass_tokens * model.swap_bytes_per_token)
     held, _ = swap_bytes(model, pass_tokens)
     _, slots = swap_bytes(model, sz.chunk_tokens)
-    if swap and ckpt and hw.device_type != "cpu" and not sz.data_parallel:
-        head = model.head_flops_per_token()
-        block_fwd = (cost.forward_flops_per_token(model, sz.seq_len) - head) / max(n, 1)
-        fwd_pass = cost.compute_seconds(pass_tokens * block_fwd, hw)
+    head = model.head_flops_per_token()
+    block_fwd = (cost.forward_flops_per_token(model, sz.seq_len) - head) / max(n, 1)
+    fwd_pass = cost.compute_seconds(pass_tokens * block_fwd, hw)
+    on_host, on_device = 0.0 * recomputed, 0.0 * recomputed
+    if swap and ckpt and hw.device_type == "cpu" and not sz.data_parallel:
+        # the host is the device's own memory: a copied block's saved activations stay where
+        # its forward made them (the engine's swap with nothing to move), so every copied
+        # block the memory holds them for keeps them instead of recomputing (a block used in
+        # place that checkpointing forced on recomputes keeps recomputing)
+        copied = np.minimum(recomputed, mem.paged_blocks - mem.in_place_blocks)
+        room = np.floor(np.maximum(device_budget - mem.device_bytes, 0.0) / max(held, 1.0))
+        swapped = np.minimum(copied, room)
+        on_device = swapped * held
+        compute = compute - ga * swapped * fwd_pass
+        bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
+        for link, (bw, eff) in _rates(hw).items():
+            links[link] = links[link] - cost.link_seconds(bound[link], bw, eff)
+    elif swap and ckpt and not sz.data_parallel:
         swap_link = max(
             cost.link_seconds(moved, hw.h2d_bandwidth, hw.h2d_efficiency),
             cost.link_seconds(moved, hw.d2h_bandwidth, hw.d2h_efficiency),
@@ -99,6 +115,7 @@ def pass_work(
         # only paged blocks swap (a resident block recomputed by force keeps its weights)
         swapped = np.minimum(swapped, mem.paged_blocks)
         swapped = np.where(mem.device_bytes + slots <= device_budget, swapped, 0.0)
+        on_host, on_device = swapped * held, np.where(swapped > 0, slots, 0.0)
         compute = compute - ga * swapped * fwd_pass
         bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
         for link, bw, eff in (
@@ -116,8 +133,8 @@ def pass_work(
         compute=compute + launch,
         launch=launch,
         links=links,
-        swap_host_bytes=swapped * held,
-        swap_device_bytes=np.where(swapped > 0, slots, 0.0),
+        swap_host_bytes=on_host,
+        swap_device_bytes=on_device,
         boundary_bytes=swapped * per_block,
     )
 

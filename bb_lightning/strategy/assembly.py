@@ -47,6 +47,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner import FitJob, Plan, PredictJob
 from bb_lightning.strategy.handback import HollowGuard, fits_host, hand_back, param_bytes, take_back
 from bb_lightning.strategy.session import hf_model
+from storage.deferred import double_requested
 from storage.external import FilePiece
 from storage.store import StoreConfig, TieredStore
 from storage.tiers import Tier
@@ -118,7 +119,10 @@ def build_engine(
         need = required_budgets(numels, rest, placement, frozen, shards=shards,
                                 shard_numels=parts[0], shard_rest=parts[1],
                                 shard_frozen=frozen_parts)  # fmt: skip
-        need = _with_boundaries(need, placement, plan, boundary_numel)
+        in_place = device.type == "cpu" and not double_requested(
+            None if store is None else store.cuda_double
+        )
+        need = _with_boundaries(need, placement, plan, boundary_numel, in_place)
         sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path,
                              (shards, parts))  # fmt: skip
     else:
@@ -288,7 +292,7 @@ def _replan_room(
 
 
 def _with_boundaries(
-    need: dict[Tier, int], placement: Placement, plan: Plan | None, numel: int
+    need: dict[Tier, int], placement: Placement, plan: Plan | None, numel: int, in_place: bool
 ) -> dict[Tier, int]:
     """``need`` plus the boundary inputs of one micro-batch kept off the device
     (:func:`~bb_lightning.engine.chunked.boundary_budgets`): ``numel`` elements per
@@ -296,7 +300,8 @@ def _with_boundaries(
     swapped blocks' saved activations (:func:`~bb_lightning.engine.swapped.swap_budgets`):
     :data:`~bb_lightning.engine.swapped.SWAP_BYTES_PER_ELEMENT` per ``numel`` element and
     dtype byte, or the plan's activation bytes per token (bf16, scaled to the dtype), in
-    the plan's row chunks."""
+    the plan's row chunks; none with ``in_place`` (a CPU device keeps them where its
+    forward made them)."""
     swap = chunk = numel * placement.compute_bytes * SWAP_BYTES_PER_ELEMENT
     if not numel and plan is not None and isinstance(plan.job, FitJob):
         numel = plan.micro_batch * plan.job.seq_len * plan.model.hidden_size
@@ -305,7 +310,7 @@ def _with_boundaries(
         swap = plan.micro_batch * per_seq
         chunk = min(placement.chunk_rows or plan.micro_batch, plan.micro_batch) * per_seq
     room = boundary_budgets(placement, numel)
-    saved = swap_budgets(placement, swap, chunk)
+    saved = swap_budgets(placement, 0 if in_place else swap, chunk)
     return {t: need[t] + room[t] + saved[t] for t in Tier}
 
 

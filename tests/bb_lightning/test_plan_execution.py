@@ -82,7 +82,12 @@ def test_engine_runs_what_the_plan_says(
         ran_twice |= {i for i, w in enumerate(plan.weights) if w is H}  # copy, as CUDA does
     # each block's forward ran once, and once more in backward where the plan recomputes
     assert calls == Counter({i: 2 if i in ran_twice else 1 for i in range(len(layers))})
-    assert plan.checkpointing == bool(recomputed)
+    # a CPU device keeps a copied block's activations while its weights are paged out
+    # (swapped) rather than recomputing it; only a forced checkpointing recomputes
+    swapped = set(plan.placement.swapped or ())
+    copied = {i for i, w in enumerate(plan.weights) if w is N}
+    assert swapped == copied and not recomputed & copied
+    assert plan.checkpointing == bool(recomputed | swapped)
     home = engine.store.home
     assert tuple(home(f"block.{i}.weight") for i in range(4)) == plan.weights
     assert tuple(home(f"block.{i}.master") for i in range(4)) == plan.master
@@ -90,7 +95,8 @@ def test_engine_runs_what_the_plan_says(
     assert (plan.micro_batch, plan.grad_accum) == (2, trainer.accumulate_grad_batches)
     assert engine.pager.placement.prefetch_depth == plan.prefetch_depth
     text = plan.explain()
-    assert f"({len(recomputed)} of 4 blocks recomputed;" in text
+    kept = f", {len(swapped)} swapped" if swapped else ""
+    assert f"({len(recomputed)} of 4 blocks recomputed{kept};" in text
     strategy.close()
 
 

@@ -1,12 +1,13 @@
 """Swapped blocks in training against plain Lightning, over a few model families.
 
 Each run gives ``BalanceBeamStrategy(placement=Placement(..., swapped=...))``: the swapped
-blocks run their forward once, with autograd, keeping their saved activations as store
-tensors on the host (``swap.<i>.<n>.<k>``) and their saved weights as references re-bound
-in backward; the other blocks recompute (some in row chunks). Losses and final weights
-(fp32) must equal plain Lightning's on the same ``save_pretrained`` directory, with
-gradient accumulation and norm clipping, and a swapped block's forward must run once per
-micro-batch (no recompute).
+blocks run their forward once, with autograd, keeping their saved weights as references
+re-bound in backward and their other saved activations, under the CPU double of CUDA's
+copies, as store tensors on the host (``swap.<i>.<n>.<k>``), or on the CPU device itself
+where its forward made them (no store tensor); the other blocks recompute (some in row
+chunks). Losses and final weights (fp32) must equal plain Lightning's on the same
+``save_pretrained`` directory, with gradient accumulation and norm clipping, and a swapped
+block's forward must run once per micro-batch (no recompute).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from bb_lightning.planner import FitJob, PlanOverrides, make_plan, preset
 from bb_lightning.planner.models import builtin_config
 from bb_lightning.probe import model_profile_from_config, model_profile_from_module
 from bb_lightning.strategy.dryrun import dry_fit, meta_model
+from storage.deferred import DOUBLE_ENV, double_requested
 from storage.tiers import PRICED_LINKS, Tier
 
 from .test_chunked_fit import ACCUM, ROWS, SEQ, STEPS, _fit, _OwnModule, _TwoForwards
 from .test_families import JAMBA
-from .tiny import VOCAB, saved
+from .tiny import VOCAB, cpu_profile, saved
 
-H = Tier.HOST
+H, N = Tier.HOST, Tier.NVME
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,8 +79,9 @@ def _same_as_plain(
     forwards: int = 1,
 ) -> BalanceBeamStrategy:
     """Fit ``make()`` under plain Lightning and under ``placement``: both agree, the swapped
-    blocks kept their saved activations in the store on the host, and (``count``) each
-    swapped block ran forward once per micro-batch, each recomputed one twice."""
+    blocks kept their saved activations in the store on the host under the double (on the
+    CPU device itself without it: no store tensor), and (``count``) each swapped block ran
+    forward once per micro-batch, each recomputed one twice."""
     want_losses, want = _fit(tiny, "auto", make())
     strategy = BalanceBeamStrategy(placement=placement, compute_dtype="fp32")
     module = make()
@@ -89,7 +92,8 @@ def _same_as_plain(
     assert store is not None
     swapped = placement.swapped or ()
     names = [n for n in store.names() if n.startswith("swap.")]
-    assert {int(n.split(".")[1]) for n in names} == set(swapped)
+    to_host = set(swapped) if double_requested(None) else set()
+    assert {int(n.split(".")[1]) for n in names} == to_host
     assert all(store.home(n) is H for n in names)
     if count:
         chunks = len(row_spans(ROWS, placement.chunk_rows))
@@ -113,23 +117,37 @@ def _placement(blocks: int, swapped: tuple[int, ...], chunk_rows: int | None = N
     )  # fmt: skip
 
 
-RUNS = [  # family, blocks swapped of 2, rows per chunk (of 5: 1, 2 + 2 + 1 uneven, 3 + 2)
-    ("llama", (1,), None),
-    ("llama", (0, 1), 1),
-    ("qwen2_tied", (0,), 2),
-    ("mixtral_aux_loss", (0, 1), None),  # the routers' logits recorded once, not recomputed
-    ("mixtral_aux_loss", (1,), 3),  # ... and joined by rows over the chunks
+@pytest.fixture
+def double(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every store under the CPU double of CUDA's copies: swapped activations go to the
+    store's host tier and back, as beside a GPU."""
+    monkeypatch.setenv(DOUBLE_ENV, "1")
+
+
+RUNS = [  # family, blocks swapped of 2, rows per chunk (of 5: 1, 2 + 2 + 1 uneven, 3 + 2),
+    # under the double (the store's host tier) or on the CPU device itself
+    ("llama", (1,), None, True),
+    ("llama", (0, 1), 1, True),
+    ("llama", (0, 1), None, False),
+    ("qwen2_tied", (0,), 2, True),
+    ("qwen2_tied", (0, 1), 2, False),
+    ("mixtral_aux_loss", (0, 1), None, True),  # the routers' logits recorded once, not redone
+    ("mixtral_aux_loss", (1,), 3, True),  # ... and joined by rows over the chunks
+    ("mixtral_aux_loss", (1,), 3, False),
 ]
 
 
-@pytest.mark.parametrize(("family", "swapped", "chunk_rows"), RUNS)
+@pytest.mark.parametrize(("family", "swapped", "chunk_rows", "to_store"), RUNS)
 def test_swapped_blocks_fit_like_plain_lightning(
     family: str,
     swapped: tuple[int, ...],
     chunk_rows: int | None,
+    to_store: bool,
     tiny: SimpleNamespace,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv(DOUBLE_ENV, "1" if to_store else "0")
     path = saved(family, tmp_path / "ckpt")
     strategy = _same_as_plain(
         tiny,
@@ -139,6 +157,7 @@ def test_swapped_blocks_fit_like_plain_lightning(
     strategy.close()
 
 
+@pytest.mark.usefixtures("double")
 def test_a_hybrid_recurrent_model_fits_with_swapped_blocks_like_plain_lightning(
     tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
@@ -156,6 +175,7 @@ def test_a_hybrid_recurrent_model_fits_with_swapped_blocks_like_plain_lightning(
     strategy.close()
 
 
+@pytest.mark.usefixtures("double")
 def test_lora_adapters_fit_with_swapped_blocks_like_plain_lightning(
     tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
@@ -176,6 +196,7 @@ def test_a_users_own_module_fits_with_swapped_blocks_in_row_chunks(tiny: SimpleN
     strategy.close()
 
 
+@pytest.mark.usefixtures("double")
 def test_two_forwards_before_one_backward_keep_two_sets_of_saved_activations(
     tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
@@ -185,6 +206,42 @@ def test_two_forwards_before_one_backward_keep_two_sets_of_saved_activations(
     strategy.close()
 
 
+def test_a_cpu_plan_keeps_the_activations_of_nvme_homed_blocks_and_fits_like_plain_lightning(
+    tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned for a CPU with the blocks' weights on NVMe (paged in by copy): every block
+    swaps instead of recomputing, its saved activations left where its forward made them
+    (no store tensor) and its weights paged in again for its backward (re-bound to the
+    copy paged in then); each block's forward runs once per micro-batch and the fit equals
+    plain Lightning's."""
+    monkeypatch.setenv(DOUBLE_ENV, "0")
+    path = saved("qwen2_tied", tmp_path / "ckpt")
+    job = FitJob(seq_len=SEQ, global_batch_seqs=ROWS * ACCUM)
+    overrides = PlanOverrides(weights_tier=N, micro_batch=ROWS, grad_accum=ACCUM)
+    make = lambda: CausalLMModule(str(path), learning_rate=1e-3, weight_decay=0.01)  # noqa: E731
+    want_losses, want = _fit(tiny, "auto", make())
+    strategy = BalanceBeamStrategy(
+        job=job, hardware=cpu_profile(nvme=8 << 30), overrides=overrides,
+        nvme_path=str(tmp_path / "nvme"), compute_dtype="fp32",
+    )  # fmt: skip
+    module = make()
+    calls, patch = _counted(module)
+    with patch:
+        losses, got = _fit(tiny, strategy, module)
+    plan, store = strategy.plan, strategy.store
+    assert plan is not None and store is not None
+    assert plan.weights == (N, N) and plan.placement.swapped == (0, 1)
+    assert plan.recomputed_blocks() == () and "blocks 0-1 swap" in plan.explain()
+    assert not [n for n in store.names() if n.startswith("swap.")]
+    assert store.home("block.0.weight") is N
+    assert calls == Counter({0: STEPS * ACCUM, 1: STEPS * ACCUM})
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=5e-5)
+    strategy.close()
+
+
+@pytest.mark.usefixtures("double")
 def test_a_plan_that_swaps_runs_end_to_end(tiny: SimpleNamespace, tmp_path: Path) -> None:
     """A plan priced with ``swap_activations`` for a GPU whose links have headroom over
     its compute swaps block 1 and recomputes block 0; the strategy runs that plan on the
@@ -223,6 +280,7 @@ def test_a_placement_refuses_a_block_both_recomputed_and_swapped() -> None:
     assert p.recomputed_blocks(frozenset((Tier.DEVICE,))) == (0,)
 
 
+@pytest.mark.usefixtures("double")
 def test_a_given_placement_sizes_the_store_for_its_swapped_activations(
     tiny: SimpleNamespace, tmp_path: Path
 ) -> None:

@@ -1,5 +1,5 @@
 """bench/train_offload.py prices the offloaded run it executes: the blocks its placement
-recomputes in backward are the ones its plan priced as recomputed."""
+recomputes in backward, and those it swaps, are the ones its plan priced so."""
 
 from __future__ import annotations
 
@@ -49,9 +49,11 @@ def test_the_forced_run_recomputes_what_its_plan_priced(
     plan, placement = bench.forced_plan(args, model, _cpu())
     assert placement.weights[:6] == (Tier.DEVICE,) * 6
     paged = tuple(range(6, 24))
-    if weights_on_nvme:  # blocks paged in by copy are recomputed, the resident ones are not
+    if weights_on_nvme:  # blocks paged in by copy keep their activations (swapped in place)
         assert placement.weights[6:] == (Tier.NVME,) * 18
-        assert plan.recomputed_blocks() == paged
+        assert plan.recomputed_blocks() == () and plan.checkpointing
+        assert plan.placement.swapped == placement.swapped == paged
+        assert "blocks 0-5 keep, blocks 6-23 swap" in plan.explain()
     else:  # on a CPU device host-homed blocks are used in place and keep their activations
         assert placement.weights[6:] == (Tier.HOST,) * 18
         assert plan.recomputed_blocks() == () and not plan.checkpointing
