@@ -33,10 +33,11 @@ class PassWork:
     links: dict[Link, Arr]
     """Busy seconds per link of one micro-batch pass."""
     swap_host_bytes: Arr
-    """Host bytes the swapped activations of one micro-batch take (0 on a CPU device)."""
+    """Host bytes the swapped activations of one micro-batch take (on a CPU device all of
+    them, in the RAM the device shares)."""
     swap_device_bytes: Arr
     """Device bytes of the swapped blocks' chunks fetched back at once in backward (0
-    where nothing swaps); on a CPU device every swapped block's saved activations."""
+    where nothing swaps or the device is a CPU)."""
     boundary_bytes: Arr
     """Bytes of one recomputed block's boundary inputs on their home tier: the swapped
     blocks keep none (their inputs are among their saved activations)."""
@@ -73,9 +74,9 @@ def pass_work(
     not made), where the free host memory holds them and the device ``device_budget`` the
     store's slots for their chunks fetched back (:func:`swap_bytes`). On a CPU device,
     whose host is its own memory, a swapped block's activations move nowhere: every copied
-    block whose saved activations the device budget holds swaps, for no link time, its
-    activations counted on the device. Each chunk beyond the first launches the block's
-    kernels again (:func:`chunks.launch_seconds`).
+    block whose saved activations the free memory holds swaps, for no link time. Each
+    chunk beyond the first launches the block's kernels again
+    (:func:`chunks.launch_seconds`).
     """
     n, ga, pass_tokens = sz.blocks, sz.grad_accum, sz.micro_batch * sz.seq_len
     tokens = float(sz.seqs_per_step * sz.seq_len)
@@ -93,12 +94,14 @@ def pass_work(
     if swap and ckpt and hw.device_type == "cpu" and not sz.data_parallel:
         # the host is the device's own memory: a copied block's saved activations stay where
         # its forward made them (the engine's swap with nothing to move), so every copied
-        # block the memory holds them for keeps them instead of recomputing (a block used in
-        # place that checkpointing forced on recomputes keeps recomputing)
+        # block whose activations the RAM pool's free bytes hold keeps them instead of
+        # recomputing (a block used in place that checkpointing forced on recomputes keeps
+        # recomputing); they are counted on the host side of the pool, as a block used in
+        # place counts its own
         copied = np.minimum(recomputed, mem.paged_blocks - mem.in_place_blocks)
-        room = np.floor(np.maximum(device_budget - mem.device_bytes, 0.0) / max(held, 1.0))
+        room = np.floor(np.maximum(mem.free_host_bytes, 0.0) / max(held, 1.0))
         swapped = np.minimum(copied, room)
-        on_device = swapped * held
+        on_host = swapped * held
         compute = compute - ga * swapped * fwd_pass
         bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
         for link, (bw, eff) in _rates(hw).items():
