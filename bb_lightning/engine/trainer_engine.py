@@ -302,9 +302,7 @@ class TrainingEngine:
             self.paged.autograd_blocks = planned_autograd_blocks(placement, in_place)
         self.paged.chunking = chunking_for(placement, self.store)
         self.paged.swapped_blocks = swapped
-        # on a CPU device the host is the device's own memory: the saved activations stay
-        # where the forward made them (nothing to copy), as a bound block's do
-        to_host = swapped and not host
+        to_host = swapped and not host  # a CPU device keeps them where the forward made them
         self.paged.swap = Boundaries(self.store, Tier.HOST, SWAP_PREFIX) if to_host else None
 
     def _reduce_order(self) -> list[int]:

@@ -119,10 +119,8 @@ def build_engine(
         need = required_budgets(numels, rest, placement, frozen, shards=shards,
                                 shard_numels=parts[0], shard_rest=parts[1],
                                 shard_frozen=frozen_parts)  # fmt: skip
-        in_place = device.type == "cpu" and not double_requested(
-            None if store is None else store.cuda_double
-        )
-        need = _with_boundaries(need, placement, plan, boundary_numel, in_place)
+        cpu = device.type == "cpu" and not double_requested(getattr(store, "cuda_double", None))
+        need = _with_boundaries(need, placement, plan, boundary_numel, cpu)
         sized = _replan_room(need, numels, rest, placement, frozen, plan, nvme_path,
                              (shards, parts))  # fmt: skip
     else:
@@ -300,8 +298,7 @@ def _with_boundaries(
     swapped blocks' saved activations (:func:`~bb_lightning.engine.swapped.swap_budgets`):
     :data:`~bb_lightning.engine.swapped.SWAP_BYTES_PER_ELEMENT` per ``numel`` element and
     dtype byte, or the plan's activation bytes per token (bf16, scaled to the dtype), in
-    the plan's row chunks; none with ``in_place`` (a CPU device keeps them where its
-    forward made them)."""
+    the plan's row chunks (``in_place``: none, a CPU device keeps them where made)."""
     swap = chunk = numel * placement.compute_bytes * SWAP_BYTES_PER_ELEMENT
     if not numel and plan is not None and isinstance(plan.job, FitJob):
         numel = plan.micro_batch * plan.job.seq_len * plan.model.hidden_size

@@ -54,7 +54,7 @@ def _packed_bytes(config: dict[str, Any]) -> int:
     params = [p for p in block.parameters() if p.requires_grad]
     frozen = [p for p in block.parameters() if not p.requires_grad]
     runner = SimpleNamespace(pager=SimpleNamespace(params=[params], frozen=[frozen]))
-    saved = SavedActivations(runner, 0, None)  # type: ignore[arg-type]
+    saved = SavedActivations(runner, 0, SimpleNamespace())  # type: ignore[arg-type]  # stored
     hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
     stored: list[int] = []
 
