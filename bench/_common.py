@@ -286,8 +286,8 @@ def summarize(records: list[StepRecord], tokens_per_step: int) -> tuple[float, f
 
 RSS_KINDS = ("RssAnon", "RssShmem", "RssFile")
 """The kinds of resident memory ``/proc/PID/status`` splits RSS into: anonymous (heap,
-private mappings), shared memory (shared anonymous mappings such as the store's host
-arena, tmpfs) and file-backed pages (code, mapped files)."""
+private mappings such as the store's arenas), shared memory (shared anonymous mappings,
+tmpfs) and file-backed pages (code, mapped files)."""
 
 
 def rss_by_kind() -> dict[str, int]:

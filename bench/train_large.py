@@ -149,9 +149,9 @@ def held_weights(module: CausalLMModule) -> str:
 
 ACCOUNTS = ("host arena", "device tier", "resident params", "RssAnon beyond", "heap free")
 """The store's own accounting sampled beside RSS: bytes in the host arena's slots, in the
-device arena's slots (host RAM on this CPU, so counted in RssAnon), in the module's
-parameters and buffers that hold storage (the resident ones outside the store), and the
-RssAnon beyond the last two: the runtime, activations, the engine's buffers outside the
+device arena's slots (host RAM on this CPU; both private mappings, so counted in RssAnon),
+in the module's parameters and buffers that hold storage (the resident ones outside the
+store), and the RssAnon beyond the first three: the runtime, activations, the engine's buffers outside the
 store and freed heap kept for reuse; of which ``heap free``: the bytes glibc's heaps hold
 free for reuse (``mallinfo2``'s ``fordblks``, all arenas)."""
 
@@ -195,7 +195,8 @@ def store_accounts(
             usage = store.usage()
             out["host arena"], out["device tier"] = usage[Tier.HOST][0], usage[Tier.DEVICE][0]
         anon = _common.rss_by_kind()["RssAnon"]
-        out["RssAnon beyond"] = max(0, anon - out["device tier"] - out["resident params"])
+        held = out["host arena"] + out["device tier"] + out["resident params"]
+        out["RssAnon beyond"] = max(0, anon - held)
         out["heap free"] = heap_free()
         return out
 
@@ -467,10 +468,11 @@ def main(argv: list[str] | None = None) -> None:
     limit = host_budget + 2 * _common.GIB
     grads = sum(4 * padded(n) for n in numels)  # fp32 block accumulators, in the store
     print(
-        f"expected host memory: RssShmem: store host arena {_common.gib(need[Tier.HOST])} "
-        f"(a shared mapping of the budget, {args.host_budget_gib:.1f} GiB, its slots touched: "
-        f"resident fp32 state and gradients, optimizer scratch); RssAnon: device tier (RAM "
-        f"on this CPU) {_common.gib(need[Tier.DEVICE])} + resident bf16 params "
+        f"expected host memory, all RssAnon: store host arena {_common.gib(need[Tier.HOST])} "
+        f"(a private mapping of the budget, {args.host_budget_gib:.1f} GiB, its slots touched "
+        f"in huge pages where the kernel gives them: resident fp32 state and gradients, "
+        f"optimizer scratch); device tier (RAM on this CPU) "
+        f"{_common.gib(need[Tier.DEVICE])} + resident bf16 params "
         f"{_common.gib(2 * rest)} + the runtime, activations and up to 1 GiB of freed heap "
         f"kept for reuse; after fit the weights in bf16 {_common.gib(2 * params)} only where "
         f"the fp32 ones ({_common.gib(4 * params)}) fit beside the arena within the budget; "

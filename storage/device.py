@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storage.io import ALIGNMENT, aligned_empty
+from storage.io import ALIGNMENT, mapped_empty
 from storage.tiers import format_bytes
 
 __all__ = ["Arena", "ArenaFullError", "DeviceArena", "Slot", "SlotAllocator", "resolve_device"]
@@ -209,8 +209,9 @@ class DeviceArena(Arena):
     """The arena in the compute device's memory.
 
     On CUDA the buffer is one ``torch.empty`` of ``capacity`` bytes on the
-    device; on the CPU it is a 4 KiB-aligned host buffer (pages are touched
-    only when slots are written), so NVMe reads can land in slots directly.
+    device; on the CPU it is a mapping of its own (:func:`storage.io.mapped_empty`: pages
+    touched only when slots are written, huge pages where the kernel gives them), so NVMe
+    reads can land in slots directly.
     """
 
     def __init__(self, capacity: int, device: torch.device) -> None:
@@ -222,7 +223,7 @@ class DeviceArena(Arena):
             skip = -whole.data_ptr() % ALIGNMENT
             buffer = whole[skip : skip + capacity]
         else:
-            buffer = aligned_empty(capacity)[:capacity]
+            buffer = mapped_empty(capacity)[:capacity]
         super().__init__(buffer, label="device")
         self.device = device
 

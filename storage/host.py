@@ -7,8 +7,9 @@ device can be asynchronous), carved by the same allocator as the device arena.
 reused, that carry NVMe transfers whose other end cannot take ``O_DIRECT``
 (CUDA memory with the POSIX backend, arbitrary caller tensors).
 
-Both are :class:`HostBuffer` s: an anonymous ``mmap`` of exactly the bytes asked
-for (page-aligned), registered with ``cudaHostRegister`` when it is to be pinned (``pin``:
+Both are :class:`HostBuffer` s: a private anonymous ``mmap`` of exactly the bytes asked
+for (page-aligned, in transparent huge pages where the kernel gives them:
+:func:`storage.io.anonymous_map`), registered with ``cudaHostRegister`` when it is to be pinned (``pin``:
 the store pins only for a CUDA device; a CPU device's buffers stay pageable even where
 CUDA is visible). Before registering, its pages are asked for on the GPU's NUMA node
 (``node``, :mod:`storage.numa`), since registering touches them. The
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from storage.device import Arena
-from storage.io import ALIGNMENT, padded
+from storage.io import ALIGNMENT, anonymous_map, padded
 from storage.numa import prefer_node
 
 __all__ = ["HostArena", "HostBuffer", "StagingPool", "mapped_bytes"]
@@ -72,7 +73,7 @@ class HostBuffer:
         if self.nbytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
             return
-        self._map = mmap.mmap(-1, self.nbytes)
+        self._map = anonymous_map(self.nbytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         """The whole buffer as a ``uint8`` tensor."""
         assert self.tensor.data_ptr() % ALIGNMENT == 0

@@ -217,12 +217,12 @@ def _probe_nvme(
     products loses beside reads and beside writes (:func:`_compute_lost_per_byte`), which
     includes the cores' time a hypervisor takes to emulate the disk: the larger of the two.
     ``cpu_clock``: the process's CPU seconds (user and system, every thread)."""
-    from storage.io import IOFuture, aligned_empty, open_backend
+    from storage.io import IOFuture, mapped_empty, open_backend
 
     total = int(min(_NVME_MAX_BYTES, max(_NVME_MIN_BYTES, seconds * _NVME_ASSUMED_RATE)))
     files = 4
     per_file = (total // files) >> 20 << 20 or 1 << 20
-    buffers = [aligned_empty(per_file) for _ in range(files)]
+    buffers = [mapped_empty(per_file) for _ in range(files)]  # as the store's arenas
     for i, buf in enumerate(buffers):
         buf.fill_(i + 1)
     with tempfile.TemporaryDirectory(prefix="bb-measure-", dir=nvme_path) as tmp:

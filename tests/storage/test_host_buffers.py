@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from storage.device import DeviceArena
 from storage.host import HostArena, HostBuffer, StagingPool, mapped_bytes
 from storage.io import IOConfig
 from storage.store import StoreConfig, TieredStore
@@ -94,3 +95,35 @@ def test_pinned_bytes_of_a_store_do_not_exceed_its_host_budget() -> None:
     finally:
         store.close()
     assert not store._host_arena.pinned
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    flags: list[str] | None = None
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            flags = line.split()[1:]
+    assert flags is not None, f"no mapping holds {address:#x}"
+    return flags
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+def test_the_arenas_on_a_cpu_are_private_mappings_that_ask_for_huge_pages() -> None:
+    """The host arena and a CPU device's arena: private mappings (a shared one is shmem,
+    which the kernel's default keeps out of transparent huge pages) advised
+    ``MADV_HUGEPAGE`` ("hg"), so ``O_DIRECT`` transfers pin huge pages; a buffer smaller
+    than a huge page is not advised."""
+    host, device = HostArena(8 * MiB, pin=False), DeviceArena(8 * MiB, torch.device("cpu"))
+    for arena in (host, device):
+        arena.buffer[:: 1 << 12] = 1  # touched
+        flags = _vm_flags(arena.buffer.data_ptr())
+        assert "hg" in flags and "sh" not in flags, (arena, flags)
+    small = HostBuffer(MiB, pin=False)
+    assert "hg" not in _vm_flags(small.tensor.data_ptr())
+    small.release()
+    host.release()
