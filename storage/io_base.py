@@ -60,12 +60,19 @@ def anonymous_map(nbytes: int) -> mmap.mmap:
     a shared mapping under the default ``shmem_enabled``). ``O_DIRECT`` transfers pin the
     pages they move: into huge pages that costs the kernel a small fraction of the CPU time
     of 4 KiB ones, time that on a CPU device comes out of the compute's cores, and the
-    reads run faster too."""
+    reads run faster too.
+
+    A forked child does not inherit the mapping (``MADV_DONTFORK``): a DataLoader worker
+    forked beside a store would otherwise keep the pages the parent rewrites after the
+    fork (copy-on-write), up to a second copy of the whole arena, and never reads them."""
     mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None and nbytes >= HUGE_PAGE:
-        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
-            mapped.madvise(advice)
+    advice = [getattr(mmap, "MADV_DONTFORK", None)]
+    if nbytes >= HUGE_PAGE:
+        advice.append(getattr(mmap, "MADV_HUGEPAGE", None))
+    for option in advice:
+        if option is not None:
+            with contextlib.suppress(OSError):  # a kernel without it: as without the advice
+                mapped.madvise(option)
     return mapped
 
 

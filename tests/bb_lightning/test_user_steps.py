@@ -7,12 +7,14 @@ weights), with the model's activation checkpointing on; AdamW param groups of th
 optimizer given only some of the parameters, torch ``Adam`` without weight decay.
 
 The checkpoint is written with ``save_pretrained`` and loaded by path in the module;
-both runs are seeded alike. Blocks paged from NVMe are recomputed in backward; blocks
-on the host run with ordinary autograd (a CPU uses their memory in place).
+both runs are seeded alike. Blocks paged from NVMe are recomputed in backward, or swapped
+(their activations kept while their weights are paged out); blocks on the host run with
+ordinary autograd (a CPU uses their memory in place).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -90,18 +92,22 @@ def _fit(
     return recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.parametrize("weights", [Tier.NVME, Tier.HOST], ids=lambda t: t.value)
+@pytest.mark.parametrize("weights", ["nvme", "host", "nvme-swapped"])
 @pytest.mark.parametrize(
     "kind", ["pair", "pair_lower_frozen", "reference_without_grad", "attentions"]
 )
 def test_a_users_training_step_trains_like_plain_lightning(
-    kind: str, weights: Tier, checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+    kind: str, weights: str, checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
 ) -> None:
+    """``nvme-swapped``: the NVMe blocks keep their activations (on the CPU where their
+    forward made them) while their weights are paged out, instead of recomputing."""
     want_losses, want = _fit("auto", checkpoint, kind, tiny)
+    home = Tier(weights.split("-")[0])
+    placement = Placement.uniform(3, weights=home, master=Tier.NVME, prefetch_depth=1)
+    if weights.endswith("swapped"):
+        placement = dataclasses.replace(placement, swapped=(0, 1, 2))
     strategy = BalanceBeamStrategy(
-        placement=Placement.uniform(3, weights=weights, master=Tier.NVME, prefetch_depth=1),
-        compute_dtype="fp32",
-        nvme_path=str(tmp_path / "nvme"),
+        placement=placement, compute_dtype="fp32", nvme_path=str(tmp_path / "nvme")
     )
     losses, got = _fit(strategy, checkpoint, kind, tiny)
     strategy.close()
