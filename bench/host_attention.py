@@ -44,6 +44,7 @@ from bb_lightning.engine.attention import decode_attention
 from bb_lightning.planner.host_attention import host_attention_seconds
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe.host_memory import probe_host_attention, probe_host_read
+from storage.io import mapped_zeros
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -182,7 +183,8 @@ def main() -> None:
             if nbytes > args.max_gib * (1 << 30):
                 print(f"{seqs} seqs x {pos} positions: skipped ({nbytes / 2**30:.2f} GiB cache)")
                 continue
-            k, v = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+            # allocated as the engine's host cache is (huge pages where the kernel gives them)
+            k, v = (mapped_zeros(shape, dtype).copy_(torch.randn(shape, dtype=dtype)) for _ in "kv")
             q = torch.randn(seqs, args.heads, 1, args.head_dim, dtype=dtype)
             if not checked:
                 err = _check_against_sdpa(q, k, v)

@@ -39,6 +39,7 @@ from storage.io_base import (
     check_offset,
     drop_cache,
     mapped_empty,
+    mapped_zeros,
     padded,
     short_file_error,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "drop_cache",
     "kvikio_status",
     "mapped_empty",
+    "mapped_zeros",
     "open_backend",
     "padded",
     "short_file_error",

@@ -86,6 +86,17 @@ def mapped_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(anonymous_map(size), dtype=torch.uint8)
 
 
+def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``shape`` and ``dtype`` over its own :func:`anonymous_map` (its
+    pages touched, in huge pages where the kernel gives them, as first written): a KV cache
+    on the host, which decode attention reads whole each step."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return mapped_empty(nbytes)[:nbytes].view(dtype).view(shape)
+
+
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A ``uint8`` CPU tensor of ``padded(nbytes)`` bytes whose address is ALIGNMENT-aligned.
 

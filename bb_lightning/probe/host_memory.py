@@ -15,6 +15,8 @@ at well under the rate a sum reads the same bytes at, in bf16 and in fp32 (the f
 ``docs/benchmarks.md``, host decode attention). :func:`probe_host_attention` therefore
 times that function itself over a cache of the same bytes, in inference mode as the
 engine decodes, and the probe prices host attention on the lesser of the two rates.
+Both read buffers allocated as the engine's host KV cache is
+(:func:`storage.io.mapped_zeros`: huge pages where the kernel gives them).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from bb_lightning.probe import contention
 from bb_lightning.probe.contention import Timing
+from storage.io import mapped_zeros
 
 __all__ = ["HOST_ATTENTION_LABEL", "HOST_READ_LABEL", "probe_host_attention", "probe_host_read"]
 
@@ -53,7 +56,7 @@ def probe_host_read(seconds: float, nbytes: int, timing: Timing = contention.SYS
     within ``seconds`` (at least two; the buffer's pages are faulted in first)."""
     if nbytes < 4:
         raise ValueError(f"nbytes = {nbytes} is below one fp32 element: pass >= 4 bytes")
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf = mapped_zeros((nbytes // 4,), torch.float32).fill_(1.0)  # as a host KV cache is
     return _best_rate(float(buf.numel() * 4), HOST_READ_LABEL, lambda: torch.sum(buf),
                       seconds, timing)  # fmt: skip
 
@@ -89,7 +92,8 @@ def probe_host_attention(
     seqs = max(1, nbytes // per_seq)
     # the values do not change the time (no branch on them, no subnormals): filled, not
     # drawn, as drawing hundreds of MiB of normals took longer than the probe's passes
-    k, v = (torch.full((seqs, kv_heads, positions, head_dim), 0.5, dtype=dtype) for _ in range(2))
+    shape = (seqs, kv_heads, positions, head_dim)
+    k, v = (mapped_zeros(shape, dtype).fill_(0.5) for _ in range(2))  # as the engine's cache
     q = torch.full((seqs, heads, 1, head_dim), 0.25, dtype=dtype)
     module = nn.Module()
 

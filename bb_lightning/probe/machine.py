@@ -45,8 +45,9 @@ order; 4: host AdamW on the calling thread's team, where a CPU device's training
 5: on a CPU device, the compute lost beside NVMe transfers; 6: NVMe writes over existing
 files without fsync, as the store writes its scratch tensors; 7: host memory bandwidth as
 the lesser of a plain read and the engine's decode attention; 8: NVMe transfers to and from
-buffers in huge pages, as the store's arenas are), so that profiles cached by the earlier
-probes are measured again."""
+buffers in huge pages, as the store's arenas are, and the host memory probes over buffers
+allocated as the host KV cache is), so that profiles cached by the earlier probes are
+measured again."""
 
 
 def cpu_model() -> str:

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
@@ -280,3 +281,29 @@ def test_hooks_that_clip_parameter_gradients_are_refused_or_warned(
     with pytest.warns(UserWarning, match=r"on_before_optimizer_step: .* no \.grad there"):
         trainer.fit(ReadsGradients(checkpoint, ""), tiny.loader(1))
     strategy.close()
+
+
+def test_a_dataloader_with_forked_workers_trains_like_plain_lightning(
+    checkpoint: Path, tiny: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The user's DataLoader forks two workers after the store opened its arenas (which
+    forked children do not inherit): the batches arrive as without workers, and the run
+    equals plain Lightning's."""
+    want_losses, want = _fit("auto", checkpoint, "reference_without_grad", tiny)
+    strategy = BalanceBeamStrategy(
+        placement=Placement.uniform(3, weights=Tier.NVME, master=Tier.HOST, prefetch_depth=1),
+        compute_dtype="fp32", nvme_path=str(tmp_path / "nvme"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = Steps(checkpoint, "reference_without_grad")
+    trainer, recorder = tiny.make_trainer(strategy, STEPS, accumulate_grad_batches=ACCUM)
+    loader = DataLoader(
+        tiny.batches(STEPS * ACCUM), batch_size=None, num_workers=2,
+        multiprocessing_context="fork",
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    strategy.close()
+    torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(want_losses))
+    for key, value in want.items():
+        got = module.state_dict()[key]
+        torch.testing.assert_close(got, value, rtol=1e-5, atol=2e-5, msg=key)

@@ -49,3 +49,22 @@ def test_compact_selects_rows_where_each_buffer_lies() -> None:
     assert layers[1].keys.is_meta
     kv.reset()  # every row back, at the buffers' full size
     assert all(layer.keys.shape[0] == 4 and layer.batch_size == 4 for layer in layers)
+
+
+def test_a_host_cache_lives_in_a_mapping_that_asks_for_huge_pages() -> None:
+    """With attention on the host, each layer's keys and values are allocated as
+    :func:`storage.io.mapped_zeros` allocates (a private mapping advised ``MADV_HUGEPAGE``,
+    "hg" in ``/proc/self/smaps``: decode attention reads it whole each step), zeroed, and
+    hold what the model wrote (the first five positions of every row)."""
+    from ...storage.test_host_buffers import _vm_flags
+
+    model = tiny_llama().eval()
+    kv = KVCache(model.config, rows=64, max_len=512, host_attention=True)
+    ids = torch.randint(0, 128, (64, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=kv.cache, use_cache=True)
+    for layer in kv.cache.layers:
+        for buf in (layer.keys, layer.values):
+            assert buf.device.type == "cpu" and buf.nbytes >= 2 << 20
+            assert "hg" in _vm_flags(buf.data_ptr())
+            assert buf[:, :, :5].abs().sum() > 0 and not buf[:, :, 5:].any()
