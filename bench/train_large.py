@@ -323,7 +323,7 @@ def train(
     print(f"  at the highest total: {_common.rss_line(sampler.at_peak)}")
     print(
         "the store's accounting, each figure's peak within the phase (GiB; RssAnon beyond: "
-        "the RssAnon not in the device tier or resident params):"
+        "the RssAnon not in the host arena, the device tier or resident params):"
     )
     for phase in ("setup", "forward", "backward", "optimizer", "teardown"):
         if phase in sampler.phases:
