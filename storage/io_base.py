@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import math
 import mmap
 import os
 import threading
@@ -90,10 +91,7 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor of ``shape`` and ``dtype`` over its own :func:`anonymous_map` (its
     pages touched, in huge pages where the kernel gives them, as first written): a KV cache
     on the host, which decode attention reads whole each step."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return mapped_empty(nbytes)[:nbytes].view(dtype).view(shape)
 
 

@@ -269,10 +269,10 @@ def _init_on_host(
         ("values", layer.v_head_dim, value_states.dtype),
     ):
         shape = (layer.batch_size, layer.num_heads, layer.max_cache_len, dim)
-        if directory is None:  # in huge pages where the kernel gives them; a dry run's
-            meta = key_states.device.type == "meta"  # accountant counts torch's allocation
-            buf = torch.zeros(shape, dtype=dtype, device="cpu") if meta else None
-            setattr(layer, name, mapped_zeros(shape, dtype) if buf is None else buf)
+        if directory is None:  # huge pages; a dry run's accountant counts torch's zeros
+            meta = key_states.device.type == "meta"
+            on_host = torch.zeros(shape, dtype=dtype, device="cpu") if meta else None
+            setattr(layer, name, mapped_zeros(shape, dtype) if on_host is None else on_host)
             continue
         path = directory / f"{id(layer)}.{name}"
         numel = math.prod(shape)

@@ -102,10 +102,6 @@ def pass_work(
         room = np.floor(np.maximum(mem.free_host_bytes, 0.0) / max(held, 1.0))
         swapped = np.minimum(copied, room)
         on_host = swapped * held
-        compute = compute - ga * swapped * fwd_pass
-        bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
-        for link, (bw, eff) in _rates(hw).items():
-            links[link] = links[link] - cost.link_seconds(bound[link], bw, eff)
     elif swap and ckpt and not sz.data_parallel:
         swap_link = max(
             cost.link_seconds(moved, hw.h2d_bandwidth, hw.h2d_efficiency),
@@ -119,15 +115,16 @@ def pass_work(
         swapped = np.minimum(swapped, mem.paged_blocks)
         swapped = np.where(mem.device_bytes + slots <= device_budget, swapped, 0.0)
         on_host, on_device = swapped * held, np.where(swapped > 0, slots, 0.0)
-        compute = compute - ga * swapped * fwd_pass
-        bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
         for link, bw, eff in (
             (Link.HOST_TO_DEVICE, hw.h2d_bandwidth, hw.h2d_efficiency),
             (Link.DEVICE_TO_HOST, hw.d2h_bandwidth, hw.d2h_efficiency),
         ):
             links[link] = links[link] + cost.link_seconds(swapped * moved, bw, eff)
-        for link, (bw, eff) in _rates(hw).items():
-            links[link] = links[link] - cost.link_seconds(bound[link], bw, eff)
+    # a swapped block's recompute is saved, and its boundary inputs are not copied
+    compute = compute - ga * swapped * fwd_pass
+    bound = chunks.boundary_link_bytes(model, pass_tokens, swapped, sz.boundaries)
+    for link, (bw, eff) in _rates(hw).items():
+        links[link] = links[link] - cost.link_seconds(bound[link], bw, eff)
     launch = chunks.launch_seconds(hw, ga, recomputed - swapped, sz.chunks)
     per_block = float(pass_tokens * model.act_bytes_per_token_checkpointed)
     return PassWork(
