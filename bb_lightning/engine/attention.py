@@ -32,7 +32,11 @@ chunk on one thread. The products are skinny, so one op's team spends much of it
 waiting at the op's end for its slowest thread, once per op of the step; chunks on
 single-threaded workers run their ops back to back, take the next chunk when done, and
 keep a chunk's keys and scores in the core's caches. Each chunk computes what the whole
-batch would, sequence by sequence.
+batch would, sequence by sequence. Where the compiled kernel shares torch's OpenMP runtime
+and the model runs on the CPU, one call runs the whole step on the calling thread's OpenMP
+team instead, torch's own intra-op threads: a pool's workers beside them would compete
+for the cores with the team's threads, which keep spinning for a while after each
+operation in wait for the next.
 
 :func:`decode_attention_for` installs it for the duration of a ``with`` block,
 only when the model runs transformers' ``sdpa`` implementation (an ``eager`` or
@@ -112,6 +116,22 @@ def decode_attention(
         scaling: factor on ``q·Kᵀ``; None is ``head_dim ** -0.5``.
         **kwargs: other arguments of the interface; the unsupported ones go to ``sdpa``.
     """
+    return _decode(module, query, key, value, attention_mask, dropout, scaling, True, kwargs)
+
+
+def _decode(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    team: bool,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, None]:
+    """:func:`decode_attention`; ``team``: the compiled kernel may run the step on the
+    calling thread's OpenMP team (the caller runs the model's own operations on the CPU)."""
     if attention_mask is not None:
         key, value, attention_mask = attended_prefix(key, value, attention_mask)
     if (
@@ -145,8 +165,11 @@ def decode_attention(
             None if mask is None else native.additive_mask(mask, (batch, kv_heads, group, kv_len))
         )
         out32 = torch.empty(batch, kv_heads, group, value.shape[-1], dtype=torch.float32)
-        _run(chunks, threads, lambda rows, cols: native.attend(
-            q32, key, value, bias, scale, out32, rows, cols))  # fmt: skip
+        if team and native.team and threads > 1:
+            native.attend_team(q32, key, value, bias, scale, out32, threads)
+        else:
+            _run(chunks, threads, lambda rows, cols: native.attend(
+                q32, key, value, bias, scale, out32, rows, cols))  # fmt: skip
         return out32.to(value.dtype).reshape(batch, 1, heads, -1), None
     out = value.new_empty(batch, kv_heads, group, value.shape[-1])
 
@@ -339,7 +362,9 @@ def host_attention(
         mask = None if attention_mask is None else attention_mask.to(host)
         query = query.to(host)  # waits for the device's rows outside the host's turn
         with host_turn():
-            out, _ = decode_attention(module, query, key, value, mask, dropout, scaling, **kwargs)
+            out, _ = _decode(
+                module, query, key, value, mask, dropout, scaling, here.type == "cpu", kwargs
+            )
         return out.to(here), None
     if attention_mask is not None:
         key, value, attention_mask = attended_prefix(key, value, attention_mask)

@@ -8,8 +8,10 @@
  * once, in registers across all positions.
  *
  * Compiled by bb_lightning.engine.native with the machine's own vector instructions; the
- * loops are plain C with the compiler's generic vectors (GCC's vector extensions). Masks
- * arrive additive and finite (the caller clamps them), so the fast-math flags hold.
+ * loops are plain C with the compiler's generic vectors (GCC's vector extensions), and bf16
+ * pair products (vdpbf16ps) where the CPU has them. Masks arrive additive and finite (the
+ * caller clamps them), so the fast-math flags hold. Built with OpenMP,
+ * bb_decode_attention_team spreads a step's heads over the calling thread's team.
  *
  * Element strides (not bytes); the last dimension of keys, values and the mask is
  * contiguous. dtype 0: float32 keys and values, 1: bfloat16.
@@ -296,6 +298,57 @@ static inline void scores_dp(const int R, const int GB, int64_t dim, const uint1
         memcpy(scores + (g0 + j) * kv_len + p0, lanes + j * R, (size_t)R * sizeof(float));
 }
 
+/* The scores of key rows [0, end) (end a multiple of 8) against four query heads g0 .. g0 + 3
+ * for a head of M * 8 elements: each 8-element slice of a key row is loaded into both 128-bit
+ * halves of a 256-bit vector (a load, no shuffle), and multiplied (vdpbf16ps) with two vectors
+ * whose halves hold that slice of query heads g0, g0 + 1 and of g0 + 2, g0 + 3, so each lane
+ * keeps a partial score of one head; a position's scores are then four sums of four lanes,
+ * done for four positions by 4 x 4 transposes within 128-bit blocks (9 operations per 16
+ * scores, where reducing a vector per score takes about 45 per 16). */
+static inline void scores_bc4(const int M, const uint16_t *qb, int64_t g0, int64_t dim,
+                              const uint16_t *key, int64_t ksp, int64_t kv_len, int64_t end,
+                              float *scores, const uint16_t *value, int64_t vsp, int64_t vdim) {
+    __m256i qv[32];  /* [slice m][heads 0-1 | heads 2-3] */
+    for (int m = 0; m < M; ++m)
+        for (int h = 0; h < 2; ++h)
+            qv[2 * m + h] = _mm256_loadu2_m128i(
+                (const __m128i *)(qb + (g0 + 2 * h + 1) * dim + 8 * m),
+                (const __m128i *)(qb + (g0 + 2 * h) * dim + 8 * m));
+    for (int64_t p0 = 0; p0 < end; p0 += 8) {
+        for (int r = 0; r < 8; ++r)
+            if (p0 + r + PREFETCH_ROWS < kv_len)
+                for (int64_t d = 0; d < dim; d += 32) prefetch(key + (p0 + r + PREFETCH_ROWS) * ksp + d);
+        if (value)  /* the same positions' values, for the values' pass */
+            for (int r = 0; r < 8; ++r)
+                for (int64_t e = 0; e < vdim; e += 32) prefetch_next(value + (p0 + r) * vsp + e);
+        __m256 lo[8], hi[8];
+        for (int r = 0; r < 8; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int m = 0; m < M; ++m) {
+            __m256i q01 = qv[2 * m], q23 = qv[2 * m + 1];
+            for (int r = 0; r < 8; ++r) {
+                __m256i k = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(key + (p0 + r) * ksp + 8 * m)));
+                lo[r] = _mm256_dpbf16_ps(lo[r], (__m256bh)k, (__m256bh)q01);
+                hi[r] = _mm256_dpbf16_ps(hi[r], (__m256bh)k, (__m256bh)q23);
+            }
+        }
+        for (int half = 0; half < 2; ++half) {
+            __m512 a[4];
+            for (int i = 0; i < 4; ++i)
+                a[i] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[4 * half + i]), hi[4 * half + i], 1);
+            __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+            __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+            /* block j: the four positions' scores of query head g0 + j */
+            __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+            float *out = scores + g0 * kv_len + p0 + 4 * half;
+            _mm_storeu_ps(out, _mm512_castps512_ps128(t));
+            _mm_storeu_ps(out + kv_len, _mm512_extractf32x4_ps(t, 1));
+            _mm_storeu_ps(out + 2 * kv_len, _mm512_extractf32x4_ps(t, 2));
+            _mm_storeu_ps(out + 3 * kv_len, _mm512_extractf32x4_ps(t, 3));
+        }
+    }
+}
+
 /* out[g0 + j][d0 .. d0 + 32 C) += sum over position pairs of the value rows' bf16 pairs times
  * the weights' (vdpbf16ps); the accumulators' lanes follow unpack's interleaving and are put
  * back in order on the way out. */
@@ -361,6 +414,11 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
         int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1, r = 16 / gb;
         int64_t p = 0;
         const uint16_t *vpf = g == 0 ? value : NULL;
+        if (gb == 4 && (dim == 128 || dim == 64)) {  /* four heads a vector (scores_bc4) */
+            p = kv_len - kv_len % 8;
+            if (dim == 128) scores_bc4(16, qb, g, dim, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
+            else scores_bc4(8, qb, g, dim, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
+        }
         for (; p + r <= kv_len; p += r) {
             if (gb == 4) scores_dp(4, 4, dim, qb, g, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
             else if (gb == 2) scores_dp(8, 2, dim, qb, g, key, ksp, kv_len, p, scores, vpf, vsp, vdim);
@@ -414,12 +472,13 @@ int bb_decode_attention_lanes(void) {
 #endif
 }
 
-/* Attention of sequences [b0, b1) x key/value heads [h0, h1); returns 0, or -1 where the
- * scratch buffer could not be allocated.
+/* Attention of items [i0, i1) of sequences [b0, b1) x key/value heads [h0, h1), item i the
+ * head h0 + i % (h1 - h0) of sequence b0 + i / (h1 - h0); returns 0, or -1 where the scratch
+ * buffer could not be allocated.
  * q: [batch, kv_heads, group, dim] float32, contiguous. out: the same with vdim, float32.
  * key, value: strides (sequence, head, position). bias: additive float32 mask with strides
  * (sequence, head, query head of the group), 0 where broadcast; NULL for none. */
-int bb_decode_attention(int dtype, int64_t b0, int64_t b1, int64_t h0, int64_t h1,
+static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i0, int64_t i1,
                         int64_t kv_heads, int64_t group, int64_t kv_len, int64_t dim,
                         int64_t vdim, const float *q, const void *key, int64_t ksb,
                         int64_t ksh, int64_t ksp, const void *value, int64_t vsb,
@@ -432,34 +491,81 @@ int bb_decode_attention(int dtype, int64_t b0, int64_t b1, int64_t h0, int64_t h
     uint16_t *wb = (uint16_t *)(scores + n), *qb = wb + n;
     int dp = dtype == 1 && dim % 32 == 0 && vdim % 32 == 0;
 #endif
-    for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t h = h0; h < h1; ++h) {
-            int64_t qh = (b * kv_heads + h) * group;
-            const float *m = bias ? bias + b * msb + h * msh : NULL;
-            /* the head after this one in the range, whose keys the values' pass asks for */
-            int64_t nb = h + 1 < h1 ? b : b + 1, nh = h + 1 < h1 ? h + 1 : h0;
-            int64_t next = nb < b1 ? nb * ksb + nh * ksh : -1;
-            if (dtype == 0)
-                head_f32(group, kv_len, dim, vdim, q + qh * dim,
-                         (const float *)key + b * ksb + h * ksh, ksp,
-                         (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
-                         out + qh * vdim, next < 0 ? NULL : (const float *)key + next);
+    int64_t heads = h1 - h0;
+    for (int64_t i = i0; i < i1; ++i) {
+        int64_t b = b0 + i / heads, h = h0 + i % heads;
+        int64_t qh = (b * kv_heads + h) * group;
+        const float *m = bias ? bias + b * msb + h * msh : NULL;
+        /* the next item's head, whose keys the values' pass asks for */
+        int64_t next = i + 1 < i1 ? (b0 + (i + 1) / heads) * ksb + (h0 + (i + 1) % heads) * ksh : -1;
+        if (dtype == 0)
+            head_f32(group, kv_len, dim, vdim, q + qh * dim,
+                     (const float *)key + b * ksb + h * ksh, ksp,
+                     (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
+                     out + qh * vdim, next < 0 ? NULL : (const float *)key + next);
 #ifdef HAVE_DPBF16
-            else if (dp)
-                head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
-                             (const uint16_t *)key + b * ksb + h * ksh, ksp,
-                             (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
-                             scores, qb, wb, out + qh * vdim,
-                             next < 0 ? NULL : (const uint16_t *)key + next);
+        else if (dp)
+            head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
+                         (const uint16_t *)key + b * ksb + h * ksh, ksp,
+                         (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
+                         scores, qb, wb, out + qh * vdim,
+                         next < 0 ? NULL : (const uint16_t *)key + next);
 #endif
-            else
-                head_bf16(group, kv_len, dim, vdim, q + qh * dim,
-                          (const uint16_t *)key + b * ksb + h * ksh, ksp,
-                          (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
-                          scores, out + qh * vdim,
-                          next < 0 ? NULL : (const uint16_t *)key + next);
-        }
+        else
+            head_bf16(group, kv_len, dim, vdim, q + qh * dim,
+                      (const uint16_t *)key + b * ksb + h * ksh, ksp,
+                      (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
+                      scores, out + qh * vdim,
+                      next < 0 ? NULL : (const uint16_t *)key + next);
     }
     free(scores);
     return 0;
+}
+
+#define ATTEND_ARGS                                                                            \
+    int dtype, int64_t b0, int64_t b1, int64_t h0, int64_t h1, int64_t kv_heads,               \
+        int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, const float *q,              \
+        const void *key, int64_t ksb, int64_t ksh, int64_t ksp, const void *value,             \
+        int64_t vsb, int64_t vsh, int64_t vsp, const float *bias, int64_t msb, int64_t msh,    \
+        int64_t msg, float scale, float *out
+#define ITEM_ARGS                                                                              \
+    kv_heads, group, kv_len, dim, vdim, q, key, ksb, ksh, ksp, value, vsb, vsh, vsp, bias,     \
+        msb, msh, msg, scale, out
+
+/* Attention of sequences [b0, b1) x key/value heads [h0, h1) on the calling thread (see
+ * attend_items); returns 0, or -1 where the scratch buffer could not be allocated. */
+int bb_decode_attention(ATTEND_ARGS) {
+    return attend_items(dtype, b0, h0, h1, 0, (b1 - b0) * (h1 - h0), ITEM_ARGS);
+}
+
+/* Whether bb_decode_attention_team runs on a team of threads (built with OpenMP). */
+int bb_decode_attention_team_threads(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* bb_decode_attention on the calling thread's OpenMP team of ``threads`` (the team that
+ * runs torch's own operations for a caller on the CPU, when torch runs on the same OpenMP
+ * runtime: its threads then take the attention's pieces instead of waiting for the next
+ * operation beside the caller's own workers): pieces of a few heads each, taken in turn. */
+int bb_decode_attention_team(int threads, ATTEND_ARGS) {
+    int64_t items = (b1 - b0) * (h1 - h0);
+#ifdef _OPENMP
+    int64_t piece = items / (8 * (int64_t)(threads > 0 ? threads : 1));
+    piece = piece > 0 ? piece : 1;
+    int64_t pieces = (items + piece - 1) / piece;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t k = 0; k < pieces; ++k) {
+        int64_t end = (k + 1) * piece < items ? (k + 1) * piece : items;
+        failed |= attend_items(dtype, b0, h0, h1, k * piece, end, ITEM_ARGS) != 0;
+    }
+    return failed ? -1 : 0;
+#else
+    (void)threads;
+    return attend_items(dtype, b0, h0, h1, 0, items, ITEM_ARGS);
+#endif
 }

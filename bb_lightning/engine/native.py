@@ -12,6 +12,10 @@ packages use (``$CC``, else ``cc``) for the host's own vector instructions
 (``-march=native``), into ``$BB_NATIVE_DIR`` (default ``~/.cache/balance_beam/native``),
 keyed by the source, the flags and the CPU's model and feature flags, and loaded with
 :mod:`ctypes` (whose calls release the GIL, so a pool of threads runs it side by side).
+It is built with OpenMP where the compiler has it: :meth:`NativeAttention.attend_team`
+then runs a whole step on the calling thread's OpenMP team, the threads that run torch's
+own operations for that thread, provided the process holds one OpenMP runtime (torch's;
+see :func:`_one_openmp_runtime`).
 Where it cannot be built (no compiler, an unsupported platform), where the machine's
 vectors are narrower than :data:`MIN_LANES` floats, or with ``BB_NATIVE=0``, :func:`kernel`
 returns None and decode attention runs torch's products instead, with the same results to
@@ -39,6 +43,8 @@ __all__ = ["NativeAttention", "kernel"]
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+OPENMP = "-fopenmp"
+"""Added to the compile and link steps where the compiler takes it (else built without)."""
 """Compiler flags; ``-ffast-math`` holds because the kernel's inputs are finite (masks are
 clamped, see :meth:`NativeAttention.additive_mask`). The object is linked in a second step
 without them: linked with ``-ffast-math``, a library sets flush-to-zero for the whole process
@@ -70,6 +76,12 @@ class NativeAttention:
         self._fn = lib.bb_decode_attention
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = ctypes.c_int
+        self._team = lib.bb_decode_attention_team
+        self._team.argtypes = [ctypes.c_int, *_ARGTYPES]
+        self._team.restype = ctypes.c_int
+        lib.bb_decode_attention_team_threads.restype = ctypes.c_int
+        self.team = bool(lib.bb_decode_attention_team_threads()) and _one_openmp_runtime()
+        """Whether :meth:`attend_team` runs on a team of threads (else on the caller's)."""
 
     @staticmethod
     def supports(key: Tensor, value: Tensor) -> bool:
@@ -114,17 +126,49 @@ class NativeAttention:
         fp32 and contiguous; ``key``/``value`` as :meth:`supports` accepts; ``bias`` from
         :meth:`additive_mask` or None; ``scale`` multiplies ``q·Kᵀ``.
         """
+        self._call(self._fn, (), q, key, value, bias, scale, out, rows, cols)
+
+    def attend_team(
+        self, q: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scale: float,
+        out: Tensor, threads: int,
+    ) -> None:  # fmt: skip
+        """:meth:`attend` of every sequence and head, on the calling thread's OpenMP team of
+        ``threads`` (where :attr:`team`; else on the calling thread alone)."""
+        whole = slice(None)
+        self._call(self._team, (threads,), q, key, value, bias, scale, out, whole, whole)
+
+    @staticmethod
+    def _call(
+        fn: Any, first: tuple[int, ...], q: Tensor, key: Tensor, value: Tensor,
+        bias: Tensor | None, scale: float, out: Tensor, rows: slice, cols: slice,
+    ) -> None:  # fmt: skip
         batch, kv_heads, group, dim = q.shape
         b0, b1, _ = rows.indices(batch)
         h0, h1, _ = cols.indices(kv_heads)
         mask = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
-        rc = self._fn(
-            DTYPES[key.dtype], b0, b1, h0, h1, kv_heads, group, key.shape[2], dim,
+        rc = fn(
+            *first, DTYPES[key.dtype], b0, b1, h0, h1, kv_heads, group, key.shape[2], dim,
             value.shape[-1], q.data_ptr(), key.data_ptr(), *key.stride()[:3],
             value.data_ptr(), *value.stride()[:3], *mask, scale, out.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError(f"decode attention: no memory for {group} x {key.shape[2]} scores")
+
+
+_OPENMP_LIBS = ("libgomp", "libiomp", "libomp")
+
+
+def _one_openmp_runtime() -> bool:
+    """Whether the process maps exactly one OpenMP runtime (read from ``/proc/self/maps``;
+    False where it cannot be read). The kernel, loaded after torch, then shares torch's
+    runtime (the loader resolves its ``libgomp.so.1`` to the one torch loaded), so a team
+    it starts is torch's own; with two runtimes their threads would compete for the cores."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return False
+    names = {ln.split()[-1] for ln in lines if len(ln.split()) >= 6}
+    return len({n for n in names if Path(n).name.startswith(_OPENMP_LIBS)}) == 1
 
 
 def _cpu_signature() -> str:
@@ -153,8 +197,9 @@ def _build(compiler: str) -> Path:
     """The compiled kernel's path, compiling it unless already cached (written under a
     temporary name and renamed, so concurrent processes never load half a file)."""
     source = SOURCE.read_bytes()
+    flags = " ".join((*FLAGS, OPENMP)).encode()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()])
+        b"\0".join([source, flags, compiler.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"decode_attention-{key}.so"
     if target.exists():
@@ -164,15 +209,25 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     obj = tmp[: -len(".so")] + ".o"
     try:
-        for command in ([compiler, *FLAGS, "-c", "-o", obj, str(SOURCE)],
-                        [compiler, "-shared", "-o", tmp, obj, "-lm"]):  # fmt: skip
-            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        try:
+            _compile(compiler, (*FLAGS, OPENMP), (OPENMP,), obj, tmp)
+        except subprocess.CalledProcessError:  # no OpenMP with this compiler: without it
+            _compile(compiler, FLAGS, (), obj, tmp)
         os.replace(tmp, target)
     finally:
         for path in (tmp, obj):
             if os.path.exists(path):
                 os.unlink(path)
     return target
+
+
+def _compile(
+    compiler: str, flags: tuple[str, ...], link: tuple[str, ...], obj: str, out: str
+) -> None:
+    """Compile the source with ``flags`` into ``obj``, then link ``out`` with ``link``."""
+    for command in ([compiler, *flags, "-c", "-o", obj, str(SOURCE)],
+                    [compiler, "-shared", *link, "-o", out, obj, "-lm"]):  # fmt: skip
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
 
 
 def kernel() -> NativeAttention | None:

@@ -35,14 +35,14 @@ def kernel() -> native.NativeAttention:
 @pytest.fixture
 def record_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[str]]:
     """``record(path)`` runs CPU decode attention's chunks on ``path`` ("native": the
-    compiled kernel, which must have built; "torch": torch's products) and returns the list
-    the names of the threads each chunk ran on go to."""
+    compiled kernel on the pool's workers, which must have built; "torch": torch's
+    products) and returns the list the names of the threads each chunk ran on go to."""
 
     def record(path: str) -> list[str]:
         names: list[str] = []
         target: Any
         if path == "native":
-            built_kernel()
+            monkeypatch.setattr(built_kernel(), "team", False)  # chunks, not torch's team
             target, name = native.NativeAttention, "attend"
         else:
             monkeypatch.setattr(attention, "kernel", lambda: None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import platform
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,61 @@ def test_a_broken_build_warns_with_the_compiler_s_message(
     with pytest.warns(RuntimeWarning, match="did not build"):
         assert native.kernel() is None
     assert list((tmp_path / "native").iterdir()) == []  # no half-written library
+
+
+def test_the_kernel_shares_torch_s_openmp_runtime(kernel: native.NativeAttention) -> None:
+    """Built with OpenMP, the kernel is loaded against the runtime torch already holds (one
+    runtime in the process, torch's own), so the team it starts is torch's intra-op team."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("needs /proc and torch on OpenMP")
+    assert kernel.team
+    runtimes = {ln.split()[-1] for ln in maps.read_text().splitlines() if "libgomp" in ln}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert len(runtimes) == 1, runtimes
+    if any(torch_lib.glob("libgomp*")):  # a wheel that bundles it: the kernel uses that one
+        assert Path(runtimes.pop()).parent == torch_lib
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "group"), [(1, 1), (3, 4), (37, 2)])
+def test_a_step_on_torch_s_thread_team_equals_a_float64_reference(
+    kernel: native.NativeAttention, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+    batch: int, group: int,
+) -> None:  # fmt: skip
+    """On two intra-op threads a decode step runs as one call of the kernel on the calling
+    thread's team (pieces of a few heads each, fewer heads than pieces or many more), over
+    ragged prompts in a cache cut after its written positions."""
+    if not kernel.team:
+        pytest.skip("the kernel was built without OpenMP")
+    calls: list[str] = []
+    team = native.NativeAttention.attend_team
+
+    def recorded(self: native.NativeAttention, *args: Any) -> None:
+        calls.append(threading.current_thread().name)
+        team(self, *args)
+
+    monkeypatch.setattr(native.NativeAttention, "attend_team", recorded)
+    g = torch.Generator().manual_seed(batch * group)
+    kv_heads, length, written, dim = 3, 40, 29, 64
+    q = torch.randn(batch, kv_heads * group, 1, dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, length, dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, length, dim, generator=g).to(dtype)
+    k[:, :, written:] = v[:, :, written:] = math.nan  # never to be read
+    keep = torch.arange(length).expand(batch, length) < written
+    for row in range(batch):
+        keep[row, : row % 7] = False  # ragged left padding
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            got, _ = decode_attention(nn.Module(), q, k, v, keep[:, None, None, :])
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [threading.current_thread().name]
+    grouped = q.float().reshape(batch, kv_heads, group, dim)
+    full = keep[:, None, None, :written].expand(batch, kv_heads, group, written)
+    ref = _reference(grouped, k[:, :, :written], v[:, :, :written], full, dim**-0.5)
+    tol = 2e-6 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(got.reshape(batch, kv_heads, group, dim).double(), ref,
+                               atol=tol, rtol=tol)  # fmt: skip
