@@ -38,7 +38,7 @@ CACHE_ENV = "BB_CACHE_DIR"
 """Environment variable naming the cache directory (default ``~/.cache/balance_beam``)."""
 
 
-PROBES_VERSION = "8"
+PROBES_VERSION = "9"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
 threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
 order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it;
@@ -46,8 +46,9 @@ order; 4: host AdamW on the calling thread's team, where a CPU device's training
 files without fsync, as the store writes its scratch tensors; 7: host memory bandwidth as
 the lesser of a plain read and the engine's decode attention; 8: NVMe transfers to and from
 buffers in huge pages, as the store's arenas are, and the host memory probes over buffers
-allocated as the host KV cache is), so that profiles cached by the earlier probes are
-measured again."""
+allocated as the host KV cache is; 9: the decode attention kernel on the calling thread's
+OpenMP team, its keys asked for into every cache level), so that profiles cached by the
+earlier probes are measured again."""
 
 
 def cpu_model() -> str:
