@@ -351,17 +351,27 @@ static inline void scores_bc4(const int M, const uint16_t *qb, int64_t g0, int64
     }
 }
 
-/* out[g0 + j][d0 .. d0 + 32 C) += sum over position pairs of the value rows' bf16 pairs times
- * the weights' (vdpbf16ps); the accumulators' lanes follow unpack's interleaving and are put
- * back in order on the way out. */
+/* Positions (even) per block of the values' pass: a block's rows of 128 bf16 (16 KiB) stay in
+ * the first-level cache from the output's first 64-element tile to its last, up to
+ * VALUE_TILES tiles (wider rows run whole heads per tile). */
+#define VALUE_BLOCK 64
+#define VALUE_TILES 8
+
+/* out[g0 + j][d0 .. d0 + 32 C) = sum over the position pairs of [0, p_end) of the value rows'
+ * bf16 pairs times the weights' (vdpbf16ps), this call summing [p_begin, p_end): from the raw
+ * accumulators in carry where p_begin > 0, and into carry where ``more`` positions follow
+ * (else into out); the accumulators' lanes follow unpack's interleaving and are put back in
+ * order on the way out. */
 static inline void weighted_dp(const int GB, const int C, int64_t vdim, int64_t d0,
                                const uint16_t *wb, int64_t g0, const uint16_t *value,
-                               int64_t vsp, int64_t pairs_end, int64_t kv_len, float *out,
-                               const uint16_t *next_key, int64_t ksp, int64_t dim) {
+                               int64_t vsp, int64_t p_begin, int64_t p_end, int64_t kv_len,
+                               float *out, float *carry, int more, const uint16_t *next_key,
+                               int64_t ksp, int64_t dim) {
     __m512 acc[4][8];
     for (int j = 0; j < GB; ++j)
-        for (int c = 0; c < 2 * C; ++c) acc[j][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs_end; p += 2) {
+        for (int c = 0; c < 2 * C; ++c)
+            acc[j][c] = p_begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(carry + 16 * (2 * C * j + c));
+    for (int64_t p = p_begin; p < p_end; p += 2) {
         __m512i lo[4], hi[4];
         if (d0 == 0 && p + PREFETCH_ROWS + 1 < kv_len)  /* whole rows: the next tiles reuse them */
             for (int64_t e = 0; e < vdim; e += 32) {
@@ -388,6 +398,11 @@ static inline void weighted_dp(const int GB, const int C, int64_t vdim, int64_t 
                 acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], (__m512bh)hi[c], (__m512bh)w);
             }
         }
+    }
+    if (more) {  /* positions after p_end to come: the raw accumulators wait in carry */
+        for (int j = 0; j < GB; ++j)
+            for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(carry + 16 * (2 * C * j + c), acc[j][c]);
+        return;
     }
     for (int j = 0; j < GB; ++j)
         for (int c = 0; c < C; ++c) {
@@ -437,19 +452,31 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
     }
     softmax(group, kv_len, bias, msg, scale, scores, wb);
     int64_t pairs_end = kv_len - kv_len % 2;
+    float carry[VALUE_TILES * 4 * 4 * 16];
     for (g = 0; g < group; ) {
         int gb = group - g >= 4 ? 4 : group - g >= 2 ? 2 : 1;
-        int64_t d = 0;
-        for (; d + 64 <= vdim; d += 64) {
-            const uint16_t *nk = g == 0 && d == 0 ? next_key : NULL;
-            if (gb == 4) weighted_dp(4, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
-            else if (gb == 2) weighted_dp(2, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
-            else weighted_dp(1, 2, vdim, d, wb, g, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
-        }
+        /* positions a block at a time, each 64-element tile of the output over the block (the
+         * tiles' raw accumulators kept between blocks), so that the tiles after the first read
+         * the block's values from the first-level cache */
+        int64_t tiles = vdim / 64, d = 64 * tiles;
+        int64_t block = tiles <= VALUE_TILES ? VALUE_BLOCK : pairs_end;
+        int64_t pb = 0, pe;
+        do {
+            pe = pb + block < pairs_end ? pb + block : pairs_end;
+            int more = pe < pairs_end;
+            for (int64_t t = 0; t < tiles; ++t) {
+                const uint16_t *nk = g == 0 && t == 0 ? next_key : NULL;
+                float *cy = carry + t * 4 * 4 * 16;
+                if (gb == 4) weighted_dp(4, 2, vdim, 64 * t, wb, g, value, vsp, pb, pe, kv_len, out, cy, more, nk, ksp, dim);
+                else if (gb == 2) weighted_dp(2, 2, vdim, 64 * t, wb, g, value, vsp, pb, pe, kv_len, out, cy, more, nk, ksp, dim);
+                else weighted_dp(1, 2, vdim, 64 * t, wb, g, value, vsp, pb, pe, kv_len, out, cy, more, nk, ksp, dim);
+            }
+            pb = pe;
+        } while (pb < pairs_end);
         for (; d < vdim; d += 32)
             for (int j = 0; j < gb; ++j) {
                 const uint16_t *nk = g == 0 && d == 0 && j == 0 ? next_key : NULL;
-                weighted_dp(1, 1, vdim, d, wb, g + j, value, vsp, pairs_end, kv_len, out, nk, ksp, dim);
+                weighted_dp(1, 1, vdim, d, wb, g + j, value, vsp, 0, pairs_end, kv_len, out, NULL, 0, nk, ksp, dim);
             }
         if (pairs_end < kv_len)
             for (int j = 0; j < gb; ++j) {

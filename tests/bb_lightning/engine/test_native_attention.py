@@ -35,8 +35,9 @@ def test_the_kernel_equals_a_float64_reference(
 ) -> None:
     kern = kernel
     g = torch.Generator().manual_seed(group * dim)
-    b, kv_heads, length = 3, 2, 40
-    for kv_len in (1, 2, 17, 37):  # one position, a pair, past whole blocks with tails
+    b, kv_heads, length = 3, 2, 160
+    # one position, a pair, past whole blocks with tails; past the values' blocks of positions
+    for kv_len in (1, 2, 17, 37, 157):
         q = torch.randn(b, kv_heads, group, dim, generator=g).to(dtype).float()
         # a cache with room beyond the written positions: rows apart by their stride
         k = torch.randn(b, kv_heads, length, dim, generator=g).to(dtype)[:, :, :kv_len]
