@@ -43,12 +43,12 @@ __all__ = ["NativeAttention", "kernel"]
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
-OPENMP = "-fopenmp"
-"""Added to the compile and link steps where the compiler takes it (else built without)."""
 """Compiler flags; ``-ffast-math`` holds because the kernel's inputs are finite (masks are
 clamped, see :meth:`NativeAttention.additive_mask`). The object is linked in a second step
 without them: linked with ``-ffast-math``, a library sets flush-to-zero for the whole process
 when loaded (subnormal floats read as zero in every other computation)."""
+OPENMP = "-fopenmp"
+"""Added to the compile and link steps where the compiler takes it (else built without)."""
 MIN_LANES = 16
 """Floats a vector register of the machine must hold for :func:`kernel` to use the kernel
 (AVX-512's 16). Built for AVX2's 8, it read a cache 1.5-4 x slower than torch's products with

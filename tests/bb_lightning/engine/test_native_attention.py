@@ -201,3 +201,20 @@ def test_a_step_on_torch_s_thread_team_equals_a_float64_reference(
     tol = 2e-6 if dtype == torch.float32 else 1.5e-2
     torch.testing.assert_close(got.reshape(batch, kv_heads, group, dim).double(), ref,
                                atol=tol, rtol=tol)  # fmt: skip
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_for_the_pool(
+    kernel: native.NativeAttention, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # the compiler rejects the OpenMP flag: the kernel builds without it
+    monkeypatch.setenv(native.NATIVE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "OPENMP", "-fbb-no-such-flag")
+    monkeypatch.setattr(native, "_loaded", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no OpenMP is no failure: nothing to warn about
+        kern = native.kernel()
+    assert kern is not None and not kern.team
+    q, k, v = torch.randn(5, 2, 4, 64), torch.randn(5, 2, 9, 64), torch.randn(5, 2, 9, 64)
+    out = torch.full((5, 2, 4, 64), math.nan)
+    kern.attend_team(q, k, v, None, 0.125, out, 2)  # on the calling thread alone
+    keep = torch.ones(5, 2, 4, 9, dtype=torch.bool)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, keep, 0.125), atol=2e-6, rtol=2e-6)
