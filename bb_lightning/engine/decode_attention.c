@@ -466,7 +466,7 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
             int more = pe < pairs_end;
             for (int64_t t = 0; t < tiles; ++t) {
                 const uint16_t *nk = g == 0 && t == 0 ? next_key : NULL;
-                float *cy = carry + t * 4 * 4 * 16;
+                float *cy = tiles <= VALUE_TILES ? carry + t * 4 * 4 * 16 : NULL;
                 if (gb == 4) weighted_dp(4, 2, vdim, 64 * t, wb, g, value, vsp, pb, pe, kv_len, out, cy, more, nk, ksp, dim);
                 else if (gb == 2) weighted_dp(2, 2, vdim, 64 * t, wb, g, value, vsp, pb, pe, kv_len, out, cy, more, nk, ksp, dim);
                 else weighted_dp(1, 2, vdim, 64 * t, wb, g, value, vsp, pb, pe, kv_len, out, cy, more, nk, ksp, dim);

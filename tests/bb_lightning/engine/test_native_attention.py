@@ -29,7 +29,7 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> T
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize(("dim", "vdim"), [(64, 64), (72, 40), (80, 80), (128, 96)])
+@pytest.mark.parametrize(("dim", "vdim"), [(64, 64), (72, 40), (80, 80), (128, 96), (64, 576)])
 def test_the_kernel_equals_a_float64_reference(
     kernel: native.NativeAttention, dtype: torch.dtype, group: int, dim: int, vdim: int
 ) -> None:
