@@ -157,7 +157,6 @@ def _decode(
         out = _attend(q, key, value, mask, scale, scratch=False)
         return out.reshape(batch, 1, heads, -1), None
     threads = torch.get_num_threads()
-    chunks = _chunks(key, value, threads)
     native = kernel() if NativeAttention.supports(key, value) else None
     if native is not None:
         q32 = q.to(torch.float32, memory_format=torch.contiguous_format)
@@ -168,7 +167,7 @@ def _decode(
         if team and native.team and threads > 1:
             native.attend_team(q32, key, value, bias, scale, out32, threads)
         else:
-            _run(chunks, threads, lambda rows, cols: native.attend(
+            _run(_chunks(key, value, threads), threads, lambda rows, cols: native.attend(
                 q32, key, value, bias, scale, out32, rows, cols))  # fmt: skip
         return out32.to(value.dtype).reshape(batch, 1, heads, -1), None
     out = value.new_empty(batch, kv_heads, group, value.shape[-1])
@@ -177,7 +176,7 @@ def _decode(
         out[rows, cols] = _attend(q[rows, cols], key[rows, cols], value[rows, cols],
                                   _mask_of(mask, rows, cols), scale)  # fmt: skip
 
-    _run(chunks, threads, chunk)
+    _run(_chunks(key, value, threads), threads, chunk)
     return out.reshape(batch, 1, heads, -1), None
 
 
