@@ -124,3 +124,39 @@ def test_the_placement_carries_the_blocks_of_kv_cache_on_nvme() -> None:
     assert Placement.from_dict(p.to_dict()) == p
     with pytest.raises(ValueError, match=r"kv_cache_nvme_blocks=1: .*decode_attention=Tier.HOST"):
         Placement(**base, kv_cache=H, kv_cache_nvme_blocks=1)
+
+
+@pytest.mark.parametrize("tier", [Tier.DEVICE, H])
+def test_two_threads_attend_on_torch_s_team_and_predict_like_hf_generate(
+    tier: Tier, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At two intra-op threads a CPU decode step attends through the compiled kernel on torch's
+    own OpenMP team (where the kernel built with OpenMP), the KV cache on the device or on
+    the host; the tokens are ``generate``'s."""
+    from bb_lightning.engine import native
+
+    kern = native.kernel()
+    if kern is None or not kern.team:
+        pytest.skip("the compiled kernel with OpenMP does not build here")
+    calls: list[int] = []
+    team = native.NativeAttention.attend_team
+    monkeypatch.setattr(native.NativeAttention, "attend_team",
+                        lambda self, *a: calls.append(1) or team(self, *a))  # fmt: skip
+    path = save_tiny(tmp_path / "ckpt", {**FAMILIES["qwen2_tied"], "initializer_range": 0.2})
+    module = CausalLMModule(str(path), max_new_tokens=NEW)
+    placement = dataclasses.replace(Placement.uniform(2, weights=H), kv_cache=tier,
+                                    decode_attention=tier)  # fmt: skip
+    strategy = BalanceBeamStrategy(
+        placement=placement, compute_dtype="fp32", nvme_path=str(tmp_path / "nvme")
+    )
+    trainer, _ = tiny.make_trainer(strategy, 1)
+    batches = [_prompts(8, (6, 2, 5, 7))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        records = trainer.predict(module, DataLoader(batches, batch_size=None))
+    finally:
+        torch.set_num_threads(threads)
+    strategy.close()
+    assert len(calls) >= NEW - 1  # every decode step of each attention layer
+    _check(path, module, batches, records)
