@@ -193,15 +193,17 @@ def _cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "balance_beam" / "native"
 
 
-def _build(compiler: str) -> Path:
-    """The compiled kernel's path, compiling it unless already cached (written under a
-    temporary name and renamed, so concurrent processes never load half a file)."""
-    source = SOURCE.read_bytes()
+def _build(compiler: str, source_path: Path | None = None) -> Path:
+    """The compiled library of ``source_path`` (default :data:`SOURCE`)'s path, compiling it
+    unless already cached (written under a temporary name and renamed, so concurrent
+    processes never load half a file)."""
+    path = SOURCE if source_path is None else source_path
+    source = path.read_bytes()
     flags = " ".join((*FLAGS, OPENMP)).encode()
     key = hashlib.sha256(
         b"\0".join([source, flags, compiler.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"{path.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -210,22 +212,23 @@ def _build(compiler: str) -> Path:
     obj = tmp[: -len(".so")] + ".o"
     try:
         try:
-            _compile(compiler, (*FLAGS, OPENMP), (OPENMP,), obj, tmp)
+            _compile(compiler, path, (*FLAGS, OPENMP), (OPENMP,), obj, tmp)
         except subprocess.CalledProcessError:  # no OpenMP with this compiler: without it
-            _compile(compiler, FLAGS, (), obj, tmp)
+            _compile(compiler, path, FLAGS, (), obj, tmp)
         os.replace(tmp, target)
     finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
+        for tmp_path in (tmp, obj):
+            if os.path.exists(tmp_path):
+                os.unlink(tmp_path)
     return target
 
 
 def _compile(
-    compiler: str, flags: tuple[str, ...], link: tuple[str, ...], obj: str, out: str
-) -> None:
-    """Compile the source with ``flags`` into ``obj``, then link ``out`` with ``link``."""
-    for command in ([compiler, *flags, "-c", "-o", obj, str(SOURCE)],
+    compiler: str, source: Path, flags: tuple[str, ...], link: tuple[str, ...], obj: str,
+    out: str,
+) -> None:  # fmt: skip
+    """Compile ``source`` with ``flags`` into ``obj``, then link ``out`` with ``link``."""
+    for command in ([compiler, *flags, "-c", "-o", obj, str(source)],
                     [compiler, "-shared", *link, "-o", out, obj, "-lm"]):  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
 

@@ -1,0 +1,176 @@
+"""Llama-family RMS norms of a forward without grad through a compiled kernel on the host.
+
+Hugging Face's ``LlamaRMSNorm`` (and the many classes that copy its ``forward``: Mistral,
+Qwen2, Qwen3, Phi-3, ...) runs as seven torch operations, each a pass over the
+activations, the first an fp32 copy of a bf16 input. In a CPU prefill these passes cost
+about as much as a block's attention products. ``host_norm.c`` does the same arithmetic in
+one pass over each row (its header says how the roundings match), built and cached like
+the decode attention kernel (:mod:`~bb_lightning.engine.native`).
+
+:func:`install` gives every module of a model whose class ``forward`` is
+:data:`PLAIN_RMS_NORM` word for word an instance ``forward`` that calls the kernel; any
+other norm (Gemma's ``1 + weight``, a norm that multiplies before its cast) keeps its own.
+The kernel serves a call only where it computes what the class would: a CPU tensor of
+fp32 or bf16 whose rows are contiguous, a weight of the same dtype, and no autograd graph
+to record; every other call runs the class ``forward``. The inference engine installs it
+on a CPU device and removes it when it closes (:class:`~bb_lightning.engine.inference.
+InferenceEngine`); training never runs it (its backward needs the class's operations).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import os
+import shutil
+import subprocess
+import textwrap
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from bb_lightning.engine import native
+
+__all__ = ["PLAIN_RMS_NORM", "install", "kernel", "plain_rms_norm"]
+
+SOURCE = Path(__file__).with_name("host_norm.c")
+PLAIN_RMS_NORM = (
+    "input_dtype = hidden_states.dtype",
+    "hidden_states = hidden_states.to(torch.float32)",
+    "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+    "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+    "return self.weight * hidden_states.to(input_dtype)",
+)
+"""The statements of the ``forward(self, hidden_states)`` the kernel computes."""
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Dtypes the kernel reads and writes, with its code for each."""
+
+_lock = threading.Lock()
+_plain: dict[type, bool] = {}
+_loaded: dict[str, _Kernel | None] = {}
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.bb_rms_norm
+        self._fn.argtypes = [ctypes.c_int, ctypes.c_int, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                             ctypes.c_float]  # fmt: skip
+        self._fn.restype = ctypes.c_int
+        lib.bb_rms_norm_team_threads.restype = ctypes.c_int
+        self.team = bool(lib.bb_rms_norm_team_threads()) and native._one_openmp_runtime()
+        """Whether a call shares its rows among the calling thread's OpenMP team."""
+
+    def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """The norm of contiguous ``x`` (rows of ``weight.numel()`` elements) into a new
+        tensor of its shape."""
+        dim = weight.numel()
+        rows = x.numel() // dim
+        y = torch.empty(x.shape, dtype=x.dtype)
+        threads = torch.get_num_threads() if self.team else 1
+        rc = self._fn(threads, DTYPES[x.dtype], rows, dim, x.data_ptr(), dim,
+                      weight.data_ptr(), y.data_ptr(), eps)  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"RMS norm kernel: dtype {x.dtype} unsupported")
+        return y
+
+
+def kernel() -> _Kernel | None:
+    """The compiled norm, built on first call; None where ``BB_NATIVE=0`` or where it cannot
+    be built (a warning says why, once per process)."""
+    if os.environ.get("BB_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC", "cc")
+    with _lock:
+        if compiler not in _loaded:
+            _loaded[compiler] = _load(compiler)
+        return _loaded[compiler]
+
+
+def _load(compiler: str) -> _Kernel | None:
+    if shutil.which(compiler) is None:
+        return None  # the decode attention kernel's loader says so once
+    try:
+        return _Kernel(ctypes.CDLL(str(native._build(compiler, SOURCE))))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        warnings.warn(
+            f"RMS norms run torch's operations: the C kernel did not build with "
+            f"{compiler!r}: {detail.strip()[:500]}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def plain_rms_norm(kind: type) -> bool:
+    """Whether ``kind.forward`` is ``forward(self, hidden_states)`` with the statements of
+    :data:`PLAIN_RMS_NORM` (comments and blank lines aside)."""
+    known = _plain.get(kind)
+    if known is None:
+        known = _plain[kind] = _reads_as_plain(kind)
+    return known
+
+
+def _reads_as_plain(kind: type) -> bool:
+    forward = getattr(kind, "forward", None)
+    if not callable(forward) or forward is nn.Module.forward:
+        return False
+    try:
+        lines = textwrap.dedent(inspect.getsource(forward)).splitlines()
+    except (OSError, TypeError):
+        return False
+    if not lines or not lines[0].startswith("def forward(self, hidden_states"):
+        return False
+    body = tuple(s for ln in lines[1:] if (s := ln.split("#")[0].strip()))
+    return body == PLAIN_RMS_NORM
+
+
+def _forward(kern: _Kernel, module: nn.Module, hidden_states: Tensor) -> Tensor:
+    x, w = hidden_states, getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if (
+        not isinstance(w, Tensor)
+        or type(x) is not Tensor
+        or type(w) not in (Tensor, nn.Parameter)
+        or x.device.type != "cpu"
+        or x.dtype not in DTYPES
+        or w.dtype != x.dtype
+        or w.ndim != 1
+        or x.ndim < 1
+        or x.shape[-1] != w.numel()
+        or not isinstance(eps, float)
+        or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        or not w.is_contiguous()
+        or not x.is_contiguous()
+    ):
+        return type(module).forward(module, hidden_states)  # type: ignore[no-any-return]
+    return kern(x, w, eps)
+
+
+def install(model: nn.Module) -> Callable[[], None]:
+    """Give each plain RMS norm of ``model`` (:func:`plain_rms_norm`) the kernel's
+    ``forward``; return the function that restores the class ``forward`` to all of them.
+    Nothing changes where the kernel is unavailable (:func:`kernel` is None)."""
+    kern = kernel()
+    if kern is None:
+        return lambda: None
+    swapped: list[nn.Module] = []
+    for module in model.modules():
+        if "forward" not in vars(module) and plain_rms_norm(type(module)):
+            module.forward = types.MethodType(functools.partial(_forward, kern), module)
+            swapped.append(module)
+
+    def restore() -> None:
+        for module in swapped:
+            vars(module).pop("forward", None)
+        swapped.clear()
+
+    return restore
