@@ -38,7 +38,7 @@ CACHE_ENV = "BB_CACHE_DIR"
 """Environment variable naming the cache directory (default ``~/.cache/balance_beam``)."""
 
 
-PROBES_VERSION = "9"
+PROBES_VERSION = "10"
 """Changes when a probe measures something else (2: host AdamW on the gradient worker's
 threads, and the CPU time of NVMe transfers; 3: matrix products in a linear layer's operand
 order; 4: host AdamW on the calling thread's team, where a CPU device's training steps it;

@@ -53,6 +53,30 @@ def test_the_kernel_equals_a_float64_reference(
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize(("group", "dim"), [(4, 64), (8, 128)])
+def test_four_head_key_products_of_either_width_equal_a_float64_reference(
+    kernel: native.NativeAttention, wide: bool, group: int, dim: int
+) -> None:
+    """The products of four query heads' keys in 256-bit or 512-bit vectors (each CPU maker
+    gets one at load), bf16, positions past whole blocks of eight and a tail."""
+    g = torch.Generator().manual_seed(group + dim)
+    b, kv_heads, kv_len = 2, 3, 45
+    q = torch.randn(b, kv_heads, group, dim, generator=g).bfloat16().float()
+    k = torch.randn(b, kv_heads, kv_len, dim, generator=g).bfloat16()
+    v = torch.randn(b, kv_heads, kv_len, dim, generator=g).bfloat16()
+    keep = torch.ones(b, kv_heads, group, kv_len, dtype=torch.bool)
+    out = torch.full((b, kv_heads, group, dim), math.nan)
+    if kernel.set_wide(wide) != wide:
+        pytest.skip("the kernel has no bf16 pair products on this CPU")
+    try:
+        kernel.attend(q, k, v, None, dim**-0.5, out, slice(None), slice(None))
+    finally:
+        kernel.set_wide(native._cpu_vendor() == "GenuineIntel")
+    ref = _reference(q, k, v, keep, dim**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=1.5e-2)
+
+
 def test_loading_the_kernel_leaves_subnormal_floats_alone(kernel: native.NativeAttention) -> None:
     # a library linked with -ffast-math sets flush-to-zero for the whole process on load
     tiny = 5e-324  # the least subnormal double
