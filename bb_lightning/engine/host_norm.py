@@ -141,6 +141,7 @@ def _forward(kern: _Kernel, module: nn.Module, hidden_states: Tensor) -> Tensor:
         or type(x) is not Tensor
         or type(w) not in (Tensor, nn.Parameter)
         or x.device.type != "cpu"
+        or w.device.type != "cpu"
         or x.dtype not in DTYPES
         or w.dtype != x.dtype
         or w.ndim != 1

@@ -106,6 +106,10 @@ def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_class
         torch.testing.assert_close(model[0](wide), LlamaRMSNorm.forward(model[0], wide),
                                    rtol=0, atol=0)  # fmt: skip
         torch.testing.assert_close(model[2](x), LlamaRMSNorm.forward(model[2], x), rtol=0, atol=0)
+        meta = _norm(64, torch.float32).to("meta")  # a weight not paged in: the class's error
+        host_norm.install(meta)
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            meta(x)
     assert calls == [1]
     restore()
     assert not any("forward" in vars(m) for m in model)
