@@ -300,6 +300,31 @@ static inline void scores_dp(const int R, const int GB, int64_t dim, const uint1
         memcpy(scores + (g0 + j) * kv_len + p0, lanes + j * R, (size_t)R * sizeof(float));
 }
 
+/* Asks for key rows p0 + PREFETCH_ROWS .. + 7 (those inside kv_len) and, where value is
+ * given, value rows p0 .. p0 + 7 for the values' pass. */
+static inline void ask_eight(const uint16_t *key, int64_t ksp, int64_t dim, int64_t kv_len,
+                             int64_t p0, const uint16_t *value, int64_t vsp, int64_t vdim) {
+    for (int r = 0; r < 8; ++r)
+        if (p0 + r + PREFETCH_ROWS < kv_len)
+            for (int64_t d = 0; d < dim; d += 32) prefetch(key + (p0 + r + PREFETCH_ROWS) * ksp + d);
+    if (value)
+        for (int r = 0; r < 8; ++r)
+            for (int64_t e = 0; e < vdim; e += 32) prefetch_next(value + (p0 + r) * vsp + e);
+}
+
+/* a[i] holds position i's partial scores, query head j's four in 128-bit block j: each
+ * head's four scores (sums of its block) go to out + j * kv_len (4 x 4 transposes within
+ * the blocks). */
+static inline void store_four(const __m512 a[4], float *out, int64_t kv_len) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(t));
+    _mm_storeu_ps(out + kv_len, _mm512_extractf32x4_ps(t, 1));
+    _mm_storeu_ps(out + 2 * kv_len, _mm512_extractf32x4_ps(t, 2));
+    _mm_storeu_ps(out + 3 * kv_len, _mm512_extractf32x4_ps(t, 3));
+}
+
 /* The scores of key rows [0, end) (end a multiple of 8) against four query heads g0 .. g0 + 3
  * for a head of M * 8 elements: each 8-element slice of a key row is loaded into both 128-bit
  * halves of a 256-bit vector (a load, no shuffle), and multiplied (vdpbf16ps) with two vectors
@@ -317,12 +342,7 @@ static inline void scores_bc4(const int M, const uint16_t *qb, int64_t g0, int64
                 (const __m128i *)(qb + (g0 + 2 * h + 1) * dim + 8 * m),
                 (const __m128i *)(qb + (g0 + 2 * h) * dim + 8 * m));
     for (int64_t p0 = 0; p0 < end; p0 += 8) {
-        for (int r = 0; r < 8; ++r)
-            if (p0 + r + PREFETCH_ROWS < kv_len)
-                for (int64_t d = 0; d < dim; d += 32) prefetch(key + (p0 + r + PREFETCH_ROWS) * ksp + d);
-        if (value)  /* the same positions' values, for the values' pass */
-            for (int r = 0; r < 8; ++r)
-                for (int64_t e = 0; e < vdim; e += 32) prefetch_next(value + (p0 + r) * vsp + e);
+        ask_eight(key, ksp, dim, kv_len, p0, value, vsp, vdim);
         __m256 lo[8], hi[8];
         for (int r = 0; r < 8; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
         for (int m = 0; m < M; ++m) {
@@ -338,15 +358,7 @@ static inline void scores_bc4(const int M, const uint16_t *qb, int64_t g0, int64
             __m512 a[4];
             for (int i = 0; i < 4; ++i)
                 a[i] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[4 * half + i]), hi[4 * half + i], 1);
-            __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-            __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-            /* block j: the four positions' scores of query head g0 + j */
-            __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-            float *out = scores + g0 * kv_len + p0 + 4 * half;
-            _mm_storeu_ps(out, _mm512_castps512_ps128(t));
-            _mm_storeu_ps(out + kv_len, _mm512_extractf32x4_ps(t, 1));
-            _mm_storeu_ps(out + 2 * kv_len, _mm512_extractf32x4_ps(t, 2));
-            _mm_storeu_ps(out + 3 * kv_len, _mm512_extractf32x4_ps(t, 3));
+            store_four(a, scores + g0 * kv_len + p0 + 4 * half, kv_len);
         }
     }
 }
@@ -369,12 +381,7 @@ static inline void scores_bc4z(const int M, const uint16_t *qb, int64_t g0, int6
             _mm256_loadu2_m128i((const __m128i *)(qb + (g0 + 3) * dim + 8 * m),
                                 (const __m128i *)(qb + (g0 + 2) * dim + 8 * m)), 1);
     for (int64_t p0 = 0; p0 < end; p0 += 8) {
-        for (int r = 0; r < 8; ++r)
-            if (p0 + r + PREFETCH_ROWS < kv_len)
-                for (int64_t d = 0; d < dim; d += 32) prefetch(key + (p0 + r + PREFETCH_ROWS) * ksp + d);
-        if (value)  /* the same positions' values, for the values' pass */
-            for (int r = 0; r < 8; ++r)
-                for (int64_t e = 0; e < vdim; e += 32) prefetch_next(value + (p0 + r) * vsp + e);
+        ask_eight(key, ksp, dim, kv_len, p0, value, vsp, vdim);
         __m512 a[8];
         for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
         for (int m = 0; m < M; ++m)
@@ -383,18 +390,8 @@ static inline void scores_bc4z(const int M, const uint16_t *qb, int64_t g0, int6
                     _mm_loadu_si128((const __m128i *)(key + (p0 + r) * ksp + 8 * m)));
                 a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)k, (__m512bh)qv[m]);
             }
-        for (int half = 0; half < 2; ++half) {
-            const __m512 *b = a + 4 * half;
-            __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-            __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-            /* block j: the four positions' scores of query head g0 + j */
-            __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-            float *out = scores + g0 * kv_len + p0 + 4 * half;
-            _mm_storeu_ps(out, _mm512_castps512_ps128(t));
-            _mm_storeu_ps(out + kv_len, _mm512_extractf32x4_ps(t, 1));
-            _mm_storeu_ps(out + 2 * kv_len, _mm512_extractf32x4_ps(t, 2));
-            _mm_storeu_ps(out + 3 * kv_len, _mm512_extractf32x4_ps(t, 3));
-        }
+        for (int half = 0; half < 2; ++half)
+            store_four(a + 4 * half, scores + g0 * kv_len + p0 + 4 * half, kv_len);
     }
 }
 

@@ -22,13 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
-import os
 import shutil
-import subprocess
 import textwrap
-import threading
 import types
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,7 +47,6 @@ PLAIN_RMS_NORM = (
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Dtypes the kernel reads and writes, with its code for each."""
 
-_lock = threading.Lock()
 _plain: dict[type, bool] = {}
 _loaded: dict[str, _Kernel | None] = {}
 _I64 = ctypes.c_int64
@@ -85,29 +80,14 @@ class _Kernel:
 def kernel() -> _Kernel | None:
     """The compiled norm, built on first call; None where ``BB_NATIVE=0`` or where it cannot
     be built (a warning says why, once per process)."""
-    if os.environ.get("BB_NATIVE", "1") == "0":
-        return None
-    compiler = os.environ.get("CC", "cc")
-    with _lock:
-        if compiler not in _loaded:
-            _loaded[compiler] = _load(compiler)
-        return _loaded[compiler]
+    return native.once(_loaded, _load)
 
 
 def _load(compiler: str) -> _Kernel | None:
     if shutil.which(compiler) is None:
         return None  # the decode attention kernel's loader says so once
-    try:
-        return _Kernel(ctypes.CDLL(str(native._build(compiler, SOURCE))))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        warnings.warn(
-            f"RMS norms run torch's operations: the C kernel did not build with "
-            f"{compiler!r}: {detail.strip()[:500]}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
+    lib = native.load_library(SOURCE, compiler, "RMS norms run torch's operations")
+    return None if lib is None else _Kernel(lib)
 
 
 def plain_rms_norm(kind: type) -> bool:

@@ -33,13 +33,16 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["NativeAttention", "kernel"]
+__all__ = ["NativeAttention", "kernel", "load_library", "once"]
+
+T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
@@ -60,7 +63,7 @@ MASK_FLOOR = -1e30
 """Where an additive mask is lower it is clamped to this (finite, and ``exp`` of a score
 this far below the row's largest is an exact 0 in fp32)."""
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _loaded: dict[str, NativeAttention | None] = {}
 
 _I64 = ctypes.c_int64
@@ -264,13 +267,34 @@ def kernel() -> NativeAttention | None:
     """The compiled kernel, built on first call; None where ``BB_NATIVE=0``, where the
     machine's vectors hold fewer than :data:`MIN_LANES` floats, or where it cannot be built
     (a warning says why, once per process)."""
+    return once(_loaded, _load)
+
+
+def once(cache: dict[str, T | None], make: Callable[[str], T | None]) -> T | None:
+    """``make(compiler)`` for the compiler ``$CC`` (else ``cc``), once per compiler and
+    process (kept in ``cache``); None where ``BB_NATIVE=0``."""
     if os.environ.get("BB_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CC", "cc")
     with _lock:
-        if compiler not in _loaded:
-            _loaded[compiler] = _load(compiler)
-        return _loaded[compiler]
+        if compiler not in cache:
+            cache[compiler] = make(compiler)
+        return cache[compiler]
+
+
+def load_library(source: Path, compiler: str, fallback: str) -> ctypes.CDLL | None:
+    """``source`` compiled (:func:`_build`) and loaded with ``compiler``; None, with a
+    warning that begins with ``fallback`` (what runs instead), where it does not build."""
+    try:
+        return ctypes.CDLL(str(_build(compiler, source)))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        warnings.warn(
+            f"{fallback}: the C kernel did not build with {compiler!r}: {detail.strip()[:500]}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return None
 
 
 def _load(compiler: str) -> NativeAttention | None:
@@ -281,19 +305,11 @@ def _load(compiler: str) -> NativeAttention | None:
             f"decode attention runs torch's products: no C compiler {compiler!r} on PATH "
             "(install gcc or set CC)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-        lib.bb_decode_attention_lanes.restype = ctypes.c_int
-        return NativeAttention(lib) if lib.bb_decode_attention_lanes() >= MIN_LANES else None
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        warnings.warn(
-            f"decode attention runs torch's products: the C kernel did not build with "
-            f"{compiler!r}: {detail.strip()[:500]}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    lib = load_library(SOURCE, compiler, "decode attention runs torch's products")
+    if lib is None:
         return None
+    lib.bb_decode_attention_lanes.restype = ctypes.c_int
+    return NativeAttention(lib) if lib.bb_decode_attention_lanes() >= MIN_LANES else None
