@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.module import CausalLMModule
@@ -20,7 +19,7 @@ from bb_lightning.placement import Placement
 from bb_lightning.planner.plan import PlanOverrides
 from storage.tiers import Tier
 
-from .tiny import FAMILIES, VOCAB, cpu_profile, save_tiny
+from .tiny import FAMILIES, VOCAB, check_like_generate, cpu_profile, save_tiny
 
 NEW = 6
 H, N = Tier.HOST, Tier.NVME
@@ -40,18 +39,7 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _check(path: Path, module: CausalLMModule, batches: list[Any], records: Any) -> None:
-    reference = AutoModelForCausalLM.from_pretrained(path).eval()
-    stop = set(module.generation_config().eos_token_ids)
-    for batch, got in zip(batches, records, strict=True):
-        for row, record in enumerate(got):
-            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
-            with torch.no_grad():
-                out = reference.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                    do_sample=False, pad_token_id=0, eos_token_id=sorted(stop) or None,
-                )[0, ids.shape[1] :].tolist()  # fmt: skip
-            cut = next((i for i, t in enumerate(out) if t in stop), len(out))
-            assert record["token_ids"] == out[:cut], record["id"]
+    check_like_generate(path, module, batches, records, NEW)
 
 
 @pytest.mark.parametrize("family", ["mistral_sliding", "lfm2_conv"])

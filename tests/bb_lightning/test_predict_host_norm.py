@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import host_norm
@@ -21,7 +20,7 @@ from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
-from .tiny import FAMILIES, VOCAB, save_tiny
+from .tiny import FAMILIES, VOCAB, check_like_generate, save_tiny
 
 NEW = 6
 
@@ -63,14 +62,4 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
     assert again == records and len(calls) == 2 * first
     strategy.close()
     assert [type(m).__name__ for m in module.modules() if "forward" in vars(m)] == []
-    reference = AutoModelForCausalLM.from_pretrained(path).eval()
-    stop = set(module.generation_config().eos_token_ids)
-    for row, record in enumerate(records[0]):  # type: ignore[arg-type]
-        prompt = ids[row][mask[row].bool()][None]
-        with torch.no_grad():
-            out = reference.generate(
-                input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
-                do_sample=False, pad_token_id=0, eos_token_id=sorted(stop) or None,
-            )[0, prompt.shape[1] :].tolist()  # fmt: skip
-        cut = next((i for i, t in enumerate(out) if t in stop), len(out))
-        assert record["token_ids"] == out[:cut], record["id"]
+    check_like_generate(path, module, [batch], records, NEW)

@@ -330,3 +330,24 @@ def saved(family: str, directory: Path, **save: Any) -> Path:
     """A seeded random model of ``family`` (a key of :data:`FAMILIES`) written with
     ``save_pretrained`` into ``directory``."""
     return save_tiny(directory, FAMILIES[family], **save)
+
+
+def check_like_generate(
+    path: Path, module: Any, batches: list[Any], records: Any, new_tokens: int
+) -> None:
+    """Each record's ``token_ids`` equal Hugging Face greedy ``generate`` (fp32) of the
+    ``save_pretrained`` model at ``path`` on the record's prompt (its padding dropped), cut at
+    the module's first stop token."""
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    stop = set(module.generation_config().eos_token_ids)
+    for batch, got in zip(batches, records, strict=True):
+        for row, record in enumerate(got):
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
+            with torch.no_grad():
+                out = reference.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                    eos_token_id=sorted(stop) or None,
+                )[0, ids.shape[1] :].tolist()  # fmt: skip
+            cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+            assert record["token_ids"] == out[:cut], record["id"]
