@@ -3,9 +3,10 @@
 Hugging Face's ``LlamaRMSNorm`` (and the many classes that copy its ``forward``: Mistral,
 Qwen2, Qwen3, Phi-3, ...) runs as seven torch operations, each a pass over the
 activations, the first an fp32 copy of a bf16 input. In a CPU prefill these passes cost
-about as much as a block's attention products. ``host_norm.c`` does the same arithmetic in
+about as much as a block's attention products. ``host_ops.c`` does the same arithmetic in
 one pass over each row (its header says how the roundings match), built and cached like
-the decode attention kernel (:mod:`~bb_lightning.engine.native`).
+the decode attention kernel (:mod:`~bb_lightning.engine.native`); the same library holds
+the rotary embedding that :mod:`~bb_lightning.engine.host_rope` serves.
 
 :func:`install` gives every module of a model whose class ``forward`` is
 :data:`PLAIN_RMS_NORM` word for word an instance ``forward`` that calls the kernel; any
@@ -35,7 +36,7 @@ from bb_lightning.engine import native
 
 __all__ = ["PLAIN_RMS_NORM", "install", "kernel", "plain_rms_norm"]
 
-SOURCE = Path(__file__).with_name("host_norm.c")
+SOURCE = Path(__file__).with_name("host_ops.c")
 PLAIN_RMS_NORM = (
     "input_dtype = hidden_states.dtype",
     "hidden_states = hidden_states.to(torch.float32)",
@@ -59,8 +60,13 @@ class _Kernel:
         self._fn.argtypes = [ctypes.c_int, ctypes.c_int, _I64, _I64, _PTR, _I64, _PTR, _PTR,
                              ctypes.c_float]  # fmt: skip
         self._fn.restype = ctypes.c_int
-        lib.bb_rms_norm_team_threads.restype = ctypes.c_int
-        self.team = bool(lib.bb_rms_norm_team_threads()) and native._one_openmp_runtime()
+        self._rope = lib.bb_rope
+        strides = ctypes.POINTER(_I64)
+        self._rope.argtypes = [ctypes.c_int, ctypes.c_int, _I64, _I64, _I64, _I64, _PTR, strides,
+                               _PTR, strides, _PTR, strides, _PTR, strides]  # fmt: skip
+        self._rope.restype = ctypes.c_int
+        lib.bb_host_ops_team_threads.restype = ctypes.c_int
+        self.team = bool(lib.bb_host_ops_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares its rows among the calling thread's OpenMP team."""
 
     def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -76,9 +82,25 @@ class _Kernel:
             raise ValueError(f"RMS norm kernel: dtype {x.dtype} unsupported")
         return y
 
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The rotary embedding of ``x`` ``[n0, n1, n2, dim]`` (rows contiguous) by ``cos``
+        and ``sin`` of its shape (broadcast views: a stride of 0 repeats a row), into a new
+        tensor of ``x``'s shape and layout (:func:`torch.empty_like`)."""
+        y = torch.empty_like(x)
+        order = (*sorted(range(3), key=lambda d: -x.stride()[d]), 3)  # rows in memory order
+        ts = [t.permute(order) for t in (x, cos, sin, y)]
+        strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in ts]
+        threads = torch.get_num_threads() if self.team else 1
+        rc = self._rope(threads, DTYPES[x.dtype], *ts[0].shape, x.data_ptr(), strides[0],
+                        cos.data_ptr(), strides[1], sin.data_ptr(), strides[2], y.data_ptr(),
+                        strides[3])  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"rotary kernel: dtype {x.dtype} or odd width {x.shape[-1]}")
+        return y
+
 
 def kernel() -> _Kernel | None:
-    """The compiled norm, built on first call; None where ``BB_NATIVE=0`` or where it cannot
+    """The compiled norm and rotary embedding, built on first call; None where ``BB_NATIVE=0`` or where it cannot
     be built (a warning says why, once per process)."""
     return native.once(_loaded, _load)
 
@@ -86,7 +108,9 @@ def kernel() -> _Kernel | None:
 def _load(compiler: str) -> _Kernel | None:
     if shutil.which(compiler) is None:
         return None  # the decode attention kernel's loader says so once
-    lib = native.load_library(SOURCE, compiler, "RMS norms run torch's operations")
+    lib = native.load_library(
+        SOURCE, compiler, "RMS norms and rotary embeddings run torch's operations"
+    )
     return None if lib is None else _Kernel(lib)
 
 

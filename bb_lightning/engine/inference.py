@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine import host_norm
+from bb_lightning.engine import host_norm, host_rope
 from bb_lightning.engine.blocks import PagedBlocks
 from bb_lightning.engine.flat import (
     ParamLoader,
@@ -159,8 +159,8 @@ class InferenceEngine:
         self.external = dict(external or {})
         """Blocks read in place from files the run does not own (never written)."""
         """Whether the weights were read from a checkpoint (the module's are on meta)."""
-        self._restore_norms: Callable[[], None] | None = None
-        self.norms_on()
+        self._restore_kernels: Callable[[], None] | None = None
+        self.kernels_on()
         if device.type == "cpu":
             keep_host_allocations()
         self.timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
@@ -191,18 +191,25 @@ class InferenceEngine:
         self.paged.max_tokens = placement.prefill_tokens  # prefill in planned chunks
         self.paged.install()
 
-    def norms_on(self) -> None:
-        """On a CPU device, run the model's Llama-family RMS norms through the compiled
-        kernel (:func:`~bb_lightning.engine.host_norm.install`) until :meth:`norms_off`."""
-        if self.device.type == "cpu" and self._restore_norms is None:
-            self._restore_norms = host_norm.install(self.model)
+    def kernels_on(self) -> None:
+        """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings
+        through the compiled kernels (:func:`~bb_lightning.engine.host_norm.install`,
+        :func:`~bb_lightning.engine.host_rope.install`) until :meth:`kernels_off`."""
+        if self.device.type == "cpu" and self._restore_kernels is None:
+            undo = (host_norm.install(self.model), host_rope.install(self.model))
 
-    def norms_off(self) -> None:
-        """Give the model's RMS norms their class ``forward`` back (the module handed back
-        runs as the user built it)."""
-        if self._restore_norms is not None:
-            self._restore_norms()
-            self._restore_norms = None
+            def restore() -> None:
+                for done in undo:
+                    done()
+
+            self._restore_kernels = restore
+
+    def kernels_off(self) -> None:
+        """Give the model's RMS norms their class ``forward`` and its model files their
+        ``apply_rotary_pos_emb`` back (the module handed back runs as the user built it)."""
+        if self._restore_kernels is not None:
+            self._restore_kernels()
+            self._restore_kernels = None
 
     def _block_names(self) -> list[list[str]]:
         first: dict[int, str] = {}
@@ -274,7 +281,7 @@ class InferenceEngine:
         The store stays open (its owner closes it).
         """
         state = None if self.streamed else self.state_dict()
-        self.norms_off()
+        self.kernels_off()
         self.paged.remove()
         self._grads.close()
         shapes: dict[int, tuple[int, ...]] = {}

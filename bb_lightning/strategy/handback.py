@@ -136,7 +136,7 @@ def hand_back(engine: Engine, dtype: torch.dtype = torch.float32) -> None:
     values = _values(engine, dtype)
     engine.paged.remove()
     if isinstance(engine, InferenceEngine):
-        engine.norms_off()
+        engine.kernels_off()
     for p in engine.model.parameters():  # each shared parameter once
         set_data(p, values.pop(id(p)))
     engine.pager.handed_back = True  # reads of the store no longer unbind them
@@ -195,7 +195,7 @@ def take_back(engine: Engine) -> None:
     buffers_to(engine.model, engine.device, engine.compute_dtype)
     engine.paged.install()
     if isinstance(engine, InferenceEngine):
-        engine.norms_on()
+        engine.kernels_on()
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*$", re.IGNORECASE)

@@ -1,18 +1,21 @@
 """``trainer.predict`` under balance_beam on a CPU device runs the Llama family's RMS norms
-through the compiled kernel (``engine.host_norm``) and predicts Hugging Face greedy
-``generate``'s tokens (fp32) from a ``save_pretrained`` directory; other norms keep their
-class ``forward``, and the module's norms get theirs back when the engine closes."""
+and rotary embeddings through the compiled kernels (``engine.host_norm``,
+``engine.host_rope``) and predicts Hugging Face greedy ``generate``'s tokens (fp32) from a
+``save_pretrained`` directory; other norms keep their class ``forward``, and the module's
+norms and its model file's rotary function come back when the engine hands it back."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import host_norm
@@ -27,17 +30,25 @@ NEW = 6
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize(("family", "served"), [("llama", True), ("gemma_tied", False)])
+@pytest.mark.parametrize(
+    ("family", "served", "rotated"),
+    [("llama", True, True), ("gemma_tied", False, True), ("phi3", True, False)],
+)  # Gemma scales by 1 + weight; Phi-3's rotary function rotates a part of each head
 def test_predict_norms_through_the_kernel_and_generates_like_hf(
-    family: str, served: bool, tiny: SimpleNamespace, tmp_path: Path,
+    family: str, served: bool, rotated: bool, tiny: SimpleNamespace, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler on PATH: RMS norms run torch's operations")
     calls: list[int] = []
-    call = host_norm._Kernel.__call__
+    ropes: list[int] = []
+    call, rope = host_norm._Kernel.__call__, host_norm._Kernel.rope
     monkeypatch.setattr(host_norm._Kernel, "__call__",
                         lambda self, *a: calls.append(1) or call(self, *a))  # fmt: skip
+    monkeypatch.setattr(host_norm._Kernel, "rope",
+                        lambda self, *a: ropes.append(1) or rope(self, *a))  # fmt: skip
+    kind = type(AutoModelForCausalLM.from_config(AutoConfig.for_model(**FAMILIES[family])))
+    plain = sys.modules[kind.__module__].apply_rotary_pos_emb
     path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
     module = CausalLMModule(str(path), max_new_tokens=NEW)
     strategy = BalanceBeamStrategy(
@@ -52,14 +63,18 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
     batch = {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
     records = trainer.predict(module, DataLoader([batch], batch_size=None))
     assert records is not None
-    first = len(calls)
-    # every block's two norms and the final one, at the prefill and each decode step
+    first, first_ropes = len(calls), len(ropes)
+    # every block's two norms and the final one, at the prefill and each decode step; each
+    # block's queries and keys
     steps = max(len(r["token_ids"]) for r in records[0])  # type: ignore[union-attr]
     assert (steps >= 1 and first >= 5 * steps) if served else not calls
-    # the module handed back runs its own norms; paged again, the kernel's
+    assert first_ropes >= 4 * steps if rotated else not ropes
+    # the module handed back runs its own norms and rotary function; paged again, the kernels
     assert [type(m).__name__ for m in module.modules() if "forward" in vars(m)] == []
+    assert sys.modules[kind.__module__].apply_rotary_pos_emb is plain
     again = trainer.predict(module, DataLoader([batch], batch_size=None))
-    assert again == records and len(calls) == 2 * first
+    assert again == records and len(calls) == 2 * first and len(ropes) == 2 * first_ropes
     strategy.close()
     assert [type(m).__name__ for m in module.modules() if "forward" in vars(m)] == []
+    assert sys.modules[kind.__module__].apply_rotary_pos_emb is plain
     check_like_generate(path, module, [batch], records, NEW)

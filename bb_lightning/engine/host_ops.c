@@ -1,0 +1,173 @@
+/* Row-wise operations of a Llama-family forward on the host, each in one pass over a row:
+ * the RMS norm before attention and MLP, and the rotary position embedding of the queries
+ * and keys. torch runs each as several operations, each a pass over the activations; these
+ * compute the same roundings in one.
+ *
+ * RMS norm:
+ *
+ *     y = w * bf16(x * rsqrt(mean(x^2) + eps))     (x, w, y bf16; x^2, the mean, x * r fp32)
+ *     y = w * (x * rsqrt(mean(x^2) + eps))         (x, w, y fp32)
+ *
+ * torch runs it as seven operations (the fp32 copy of a bf16 input among them); this reads
+ * each row once for its sum of squares and once more, from the CPU's cache, for the
+ * output. The roundings are those of the seven operations: the product x * r rounded to
+ * bf16, then multiplied by the weight in fp32 and rounded again (round to nearest even,
+ * NaN kept a NaN). The sum of squares runs in another order than torch's, so a product
+ * x * r that lies within an fp32 rounding of a bf16 midpoint may round the other way.
+ *
+ * Rotary embedding (Hugging Face's `apply_rotary_pos_emb` with its `rotate_half`), for a
+ * row x of `dim` elements, h = dim / 2, and the row's cos and sin:
+ *
+ *     y[i] = x[i] * cos[i] + (-x[i + h]) * sin[i]     (i < h)
+ *     y[i] = x[i] * cos[i] + x[i - h] * sin[i]        (i >= h)
+ *
+ * each product and the sum rounded as torch rounds them: in bf16 each of the three to
+ * bf16 (the products are exact in fp32 before that), in fp32 each to fp32 (no fused
+ * multiply-add): the results equal torch's bit for bit.
+ *
+ * The rows are shared among the calling thread's OpenMP team of `threads` (torch's own,
+ * when built with OpenMP); built without it, the caller runs them all.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* a NaN, as torch writes it */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float inverse_rms(float squares, int64_t dim, float eps) {
+    float variance = squares / (float)dim + eps;
+    return (float)(1.0 / sqrt((double)variance)); /* not the fast-math estimate of 1 / sqrtf */
+}
+
+static void row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t dim, float eps) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) {
+        float v = bf16_float(x[i]);
+        squares += v * v;
+    }
+    float r = inverse_rms(squares, dim, eps);
+    for (int64_t i = 0; i < dim; i++)
+        y[i] = float_bf16(bf16_float(w[i]) * bf16_float(float_bf16(bf16_float(x[i]) * r)));
+}
+
+static void row_f32(const float *x, const float *w, float *y, int64_t dim, float eps) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) squares += x[i] * x[i];
+    float r = inverse_rms(squares, dim, eps);
+    for (int64_t i = 0; i < dim; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* Whether the library was built with OpenMP (else `threads` is ignored). */
+int bb_host_ops_team_threads(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Normalise `rows` rows of `dim` elements: row i of x starts at x + i * x_stride
+ * (elements), row i of y at y + i * dim; `dtype` 0 is fp32, 1 bf16 (x, w and y alike). */
+int bb_rms_norm(int threads, int dtype, int64_t rows, int64_t dim, const void *x,
+                int64_t x_stride, const void *w, void *y, float eps) {
+    if (dtype != 0 && dtype != 1) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == 1)
+            row_bf16((const uint16_t *)x + r * x_stride, (const uint16_t *)w,
+                     (uint16_t *)y + r * dim, dim, eps);
+        else
+            row_f32((const float *)x + r * x_stride, (const float *)w, (float *)y + r * dim, dim,
+                    eps);
+    }
+    return 0;
+}
+
+/* One product or sum of the rotation rounded to bf16, returned as the float it is. */
+static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
+
+#define ROPE_BLOCK 16
+static void rope_bf16(const uint16_t *restrict x, const uint16_t *restrict c,
+                      const uint16_t *restrict s, uint16_t *restrict y, int64_t half) {
+    int64_t i = 0;
+    for (; i + ROPE_BLOCK <= half; i += ROPE_BLOCK) /* blocks of a fixed width vectorize */
+        for (int j = 0; j < ROPE_BLOCK; j++) {
+            int64_t lo = i + j, hi = lo + half;
+            float a = round_bf16(bf16_float(x[lo]) * bf16_float(c[lo]));
+            float b = round_bf16(-bf16_float(x[hi]) * bf16_float(s[lo]));
+            float d = round_bf16(bf16_float(x[hi]) * bf16_float(c[hi]));
+            float e = round_bf16(bf16_float(x[lo]) * bf16_float(s[hi]));
+            y[lo] = float_bf16(a + b);
+            y[hi] = float_bf16(d + e);
+        }
+    for (; i < half; i++) {
+        int64_t lo = i, hi = i + half;
+        float a = round_bf16(bf16_float(x[lo]) * bf16_float(c[lo]));
+        float b = round_bf16(-bf16_float(x[hi]) * bf16_float(s[lo]));
+        float d = round_bf16(bf16_float(x[hi]) * bf16_float(c[hi]));
+        float e = round_bf16(bf16_float(x[lo]) * bf16_float(s[hi]));
+        y[lo] = float_bf16(a + b);
+        y[hi] = float_bf16(d + e);
+    }
+}
+
+/* Each product rounded to fp32 before the sum, as torch's three operations round them. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+static void rope_f32(const float *restrict x, const float *restrict c, const float *restrict s,
+                     float *restrict y, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i] * c[i], b = -x[i + half] * s[i];
+        y[i] = a + b;
+    }
+    for (int64_t i = half; i < 2 * half; i++) {
+        float a = x[i] * c[i], b = x[i - half] * s[i];
+        y[i] = a + b;
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* The rotary embedding of the rows of a [n0, n1, n2, dim] tensor x into y: row (a, b, c)
+ * of x starts at x + a * xs[0] + b * xs[1] + c * xs[2] (elements), and likewise those of
+ * cos (cs), sin (ss) and y (ys); a stride of 0 repeats a row (cos and sin are the same for
+ * every head). `dtype` 0 is fp32, 1 bf16 (all four alike); `dim` is even. */
+int bb_rope(int threads, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t dim,
+            const void *x, const int64_t *xs, const void *cos, const int64_t *cs,
+            const void *sin, const int64_t *ss, void *y, const int64_t *ys) {
+    if ((dtype != 0 && dtype != 1) || dim % 2 != 0) return 1;
+    int64_t planes = n0 * n1, half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < planes; p++) {
+        int64_t a = p / n1, b = p % n1;
+        int64_t xo = a * xs[0] + b * xs[1], co = a * cs[0] + b * cs[1];
+        int64_t so = a * ss[0] + b * ss[1], yo = a * ys[0] + b * ys[1];
+        for (int64_t k = 0; k < n2; k++, xo += xs[2], co += cs[2], so += ss[2], yo += ys[2]) {
+            if (dtype == 1)
+                rope_bf16((const uint16_t *)x + xo, (const uint16_t *)cos + co,
+                          (const uint16_t *)sin + so, (uint16_t *)y + yo, half);
+            else
+                rope_f32((const float *)x + xo, (const float *)cos + co,
+                         (const float *)sin + so, (float *)y + yo, half);
+        }
+    }
+    return 0;
+}

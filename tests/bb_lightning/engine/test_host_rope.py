@@ -1,0 +1,145 @@
+"""The compiled rotary embedding (``host_rope``) against Hugging Face's
+``apply_rotary_pos_emb``, bit for bit; which model files it serves; the calls it leaves to
+the function; and the swap of the model file's global undone by the last restore."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers.models.cohere import modeling_cohere
+from transformers.models.gpt_neox import modeling_gpt_neox
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+
+from bb_lightning.engine import host_norm, host_rope
+
+APPLY = modeling_llama.apply_rotary_pos_emb
+_CONFIG = modeling_llama.LlamaConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2,
+                                     num_key_value_heads=2)  # fmt: skip
+
+
+@pytest.fixture
+def kern() -> host_norm._Kernel:
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler on PATH: rotary embeddings run torch's operations")
+    built = host_norm.kernel()
+    assert built is not None, "the C kernel did not build (see the warning)"
+    return built
+
+
+def _inputs(
+    batch: int, tokens: int, heads: int, kv_heads: int, dim: int, cos_rows: int,
+    dtype: torch.dtype, seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Queries and keys as an attention layer makes them (a projection's output viewed as
+    heads and transposed: strided), and the rotary ``cos`` / ``sin`` of real positions."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, tokens, heads * dim, generator=g) * 4).to(dtype)
+    k = (torch.randn(batch, tokens, kv_heads * dim, generator=g) * 4).to(dtype)
+    q = q.view(batch, tokens, heads, dim).transpose(1, 2)
+    k = k.view(batch, tokens, kv_heads, dim).transpose(1, 2)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    pos = torch.arange(tokens).float()[None] + torch.randint(0, 300, (cos_rows, 1), generator=g)
+    angles = torch.cat([pos[..., None] * inv] * 2, dim=-1)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def test_the_plain_rotary_is_the_llama_family_s() -> None:
+    for served in (modeling_llama, modeling_mistral, modeling_qwen2):
+        assert host_rope.plain_rotary(served), served.__name__
+    assert not host_rope.plain_rotary(modeling_cohere)  # rotate_half interleaves the pairs
+    assert not host_rope.plain_rotary(modeling_gpt_neox)  # rotates a part of each head
+    assert not host_rope.plain_rotary(torch)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("batch", "tokens", "heads", "kv_heads", "dim", "cos_rows"),
+    [(3, 17, 4, 2, 64, 3), (5, 1, 6, 6, 10, 5), (2, 9, 4, 1, 128, 1), (1, 33, 2, 2, 34, 1)],
+)
+def test_the_kernel_equals_apply_rotary_pos_emb_bit_for_bit(
+    kern: host_norm._Kernel, dtype: torch.dtype, threads: int, batch: int, tokens: int,
+    heads: int, kv_heads: int, dim: int, cos_rows: int,
+) -> None:  # fmt: skip
+    """Prefill and decode shapes, grouped keys, ``cos`` for each row or one for all, head
+    widths of 10 and 34 (not a multiple of a vector), strided and contiguous queries."""
+    q, k, cos, sin = _inputs(batch, tokens, heads, kv_heads, dim, cos_rows, dtype)
+    with torch.no_grad(), _threads(threads):
+        for qq in (q, q.contiguous()):
+            want = APPLY(qq, k, cos, sin)
+            got = host_rope._rotary(kern, APPLY, qq, k, cos, sin)
+            for g, w in zip(got, want, strict=True):
+                assert g.shape == w.shape  # and the layout (a dim of 1 has any stride)
+                wide = [n > 1 for n in g.shape]
+                assert [s for s, y in zip(g.stride(), wide, strict=True) if y] == [
+                    s for s, y in zip(w.stride(), wide, strict=True) if y
+                ]
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_function(
+    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    rope = host_norm._Kernel.rope
+    monkeypatch.setattr(host_norm._Kernel, "rope",
+                        lambda self, *a: calls.append(1) or rope(self, *a))  # fmt: skip
+    model = nn.Sequential(
+        modeling_llama.LlamaMLP(_CONFIG),
+        modeling_cohere.CohereLayerNorm(8),
+    )
+    first, second = host_rope.install(model), host_rope.install(model)
+    assert modeling_llama.apply_rotary_pos_emb is not APPLY
+    assert modeling_cohere.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"  # not plain
+    q, k, cos, sin = _inputs(2, 5, 4, 2, 16, 2, torch.float32)
+    with torch.no_grad():
+        got = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    assert len(calls) == 2  # queries and keys
+    for g, w in zip(got, APPLY(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # with grad, another dtype, another unsqueeze_dim, a head of odd width: the function's
+    q.requires_grad_()
+    out = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    out[0].sum().backward()
+    assert q.grad is not None
+    with torch.no_grad():
+        modeling_llama.apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+        torch.testing.assert_close(
+            modeling_llama.apply_rotary_pos_emb(qt, kt, cos, sin, unsqueeze_dim=2)[0],
+            APPLY(qt, kt, cos, sin, unsqueeze_dim=2)[0], rtol=0, atol=0,
+        )  # fmt: skip
+        odd = [t[..., :15] for t in (q, k, cos, sin)]
+        torch.testing.assert_close(modeling_llama.apply_rotary_pos_emb(*odd)[1], APPLY(*odd)[1],
+                                   rtol=0, atol=0)  # fmt: skip
+    assert len(calls) == 2
+    first()
+    assert modeling_llama.apply_rotary_pos_emb is not APPLY  # the second install holds it
+    second()
+    assert modeling_llama.apply_rotary_pos_emb is APPLY
+
+
+def test_bb_native_0_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BB_NATIVE", "0")
+    model = modeling_llama.LlamaMLP(_CONFIG)
+    restore = host_rope.install(model)
+    assert modeling_llama.apply_rotary_pos_emb is APPLY
+    restore()
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
