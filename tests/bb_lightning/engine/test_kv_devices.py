@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -68,3 +70,37 @@ def test_a_host_cache_lives_in_a_mapping_that_asks_for_huge_pages() -> None:
             assert buf.device.type == "cpu" and buf.nbytes >= 2 << 20
             assert "hg" in _vm_flags(buf.data_ptr())
             assert buf[:, :, :5].abs().sum() > 0 and not buf[:, :, 5:].any()
+
+
+def test_a_host_layer_writes_what_the_class_writes_and_leaves_the_rest_to_it() -> None:
+    """A layer on the host writes its new rows as slices: the same buffers and counter as
+    transformers' ``index_copy_`` update, over a prefill and two decode steps; a layer on
+    meta, or rows of another dtype, runs the class's update (and its error)."""
+    from transformers.cache_utils import StaticLayer
+
+    model = tiny_llama().eval()
+    ids = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(1))
+    ours = KVCache(model.config, rows=3, max_len=10, device=torch.device("cpu"))
+    theirs = KVCache(model.config, rows=3, max_len=10, device=torch.device("cpu"))
+    for layer in theirs.cache.layers:
+        del layer.update  # the class's own
+    with torch.no_grad():
+        for kv in (ours, theirs):
+            out = model(input_ids=ids, past_key_values=kv.cache, use_cache=True)
+            for _ in range(2):
+                step = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=step, past_key_values=kv.cache, use_cache=True)
+    for a, b in zip(ours.cache.layers, theirs.cache.layers, strict=True):
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 8
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+        assert a.keys[:, :, 8:].abs().sum() == 0
+    layer: Any = ours.cache.layers[0]
+    rows = torch.zeros(3, *layer.keys.shape[1:2], 1, layer.keys.shape[-1], dtype=torch.float64)
+    for update in (layer.update, partial(StaticLayer.update, layer)):
+        with pytest.raises(RuntimeError):  # index_copy_'s: rows of another dtype
+            update(rows, rows)
+    meta = KVCache(model.config, rows=3, max_len=10, device=torch.device("meta"))
+    with torch.no_grad():
+        model.to("meta")(input_ids=ids.to("meta"), past_key_values=meta.cache, use_cache=True)
+    assert all(layer.keys.is_meta for layer in meta.cache.layers)
