@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from bb_lightning.engine import native
 
-__all__ = ["PLAIN_RMS_NORM", "install", "kernel", "plain_rms_norm"]
+__all__ = ["PLAIN_RMS_NORM", "eager", "install", "kernel", "plain_rms_norm"]
 
 SOURCE = Path(__file__).with_name("host_ops.c")
 PLAIN_RMS_NORM = (
@@ -68,6 +68,10 @@ class _Kernel:
         lib.bb_host_ops_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_ops_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares its rows among the calling thread's OpenMP team."""
+        self.rope_dtypes = frozenset(d for d in DTYPES if self._rope_exact(d))
+        """Dtypes whose rotary embedding the build computes bit for bit as torch's operations
+        (checked at load: a compiler that fuses the fp32 products into multiply-adds despite
+        the source's pragma loses fp32)."""
 
     def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """The norm of contiguous ``x`` (rows of ``weight.numel()`` elements) into a new
@@ -81,6 +85,13 @@ class _Kernel:
         if rc != 0:
             raise ValueError(f"RMS norm kernel: dtype {x.dtype} unsupported")
         return y
+
+    def _rope_exact(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`rope` equals torch's operations bit for bit on a fixed input."""
+        g = torch.Generator().manual_seed(0)
+        x, c, s = (torch.randn(2, 3, 5, 40, generator=g).mul(4).to(dtype) for _ in range(3))
+        half = torch.cat((-x[..., 20:], x[..., :20]), dim=-1)
+        return torch.equal(self.rope(x, c, s), (x * c) + (half * s))
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """The rotary embedding of ``x`` ``[n0, n1, n2, dim]`` (rows contiguous) by ``cos``
@@ -137,11 +148,24 @@ def _reads_as_plain(kind: type) -> bool:
     return body == PLAIN_RMS_NORM
 
 
+def eager() -> bool:
+    """Whether torch runs operations as called: no tracing (``torch.jit.trace``), no function
+    transform (``vmap``, ``grad``), no forward-mode AD level and no dispatch mode (a fake or
+    counting mode) is active, any of which a kernel that reads data pointers would bypass."""
+    return not (
+        torch.jit.is_tracing()
+        or torch._C._are_functorch_transforms_active()
+        or torch.autograd.forward_ad._current_level >= 0
+        or torch._C._len_torch_dispatch_stack() > 0
+    )
+
+
 def _forward(kern: _Kernel, module: nn.Module, hidden_states: Tensor) -> Tensor:
     x, w = hidden_states, getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
     if (
-        not isinstance(w, Tensor)
+        not eager()
+        or not isinstance(w, Tensor)
         or type(x) is not Tensor
         or type(w) not in (Tensor, nn.Parameter)
         or x.device.type != "cpu"

@@ -12,10 +12,13 @@ The attention classes call the function by its name in their own module, so
 :func:`install` swaps that module global, in each model file whose two functions read as
 :data:`PLAIN_ROTARY` and :data:`PLAIN_ROTATE_HALF` (docstrings, comments and decorators
 aside), for one that calls the kernel where it computes what the function would (CPU
-tensors of fp32 or bf16 with contiguous rows, queries and keys ``[batch, heads, tokens,
-dim]``, ``cos`` and ``sin`` ``[batch or 1, tokens, dim]``, no autograd graph to record) and
-the function itself for every other call. The swap is counted per model file: the
-original returns when the last model that installed it restores it.
+tensors of fp32 or bf16 with contiguous rows, in a dtype the build computes bit for bit,
+queries and keys ``[batch, heads, tokens, dim]``, ``cos`` and ``sin`` ``[batch or 1, tokens,
+dim]``, no autograd graph to record, torch running eagerly:
+:func:`~bb_lightning.engine.host_norm.eager`) and the function itself for every other call.
+The swap is counted per model file: the original returns when the last model that installed
+it restores it, unless another has replaced the global since (that replacement stays); an
+install that fails midway undoes its swaps.
 """
 
 from __future__ import annotations
@@ -54,9 +57,17 @@ def rotate_half(x):
 """
 """The ``rotate_half`` beside it (an interleaved rotation, GPT-J's, is another function)."""
 
-_lock = threading.Lock()
-_swapped: dict[str, tuple[Callable[..., Any], int]] = {}
-"""Model files whose global is swapped: the original function and the installs holding it."""
+_lock = threading.RLock()
+_swapped: dict[int, _Swap] = {}
+"""Model files whose global is swapped, by ``id`` of the module object."""
+
+
+class _Swap:
+    """One model file's swap: its module, the function found there, the one put there, and
+    the installs holding it."""
+
+    def __init__(self, module: types.ModuleType, original: Any, ours: Any) -> None:
+        self.module, self.original, self.ours, self.count = module, original, ours, 1
 
 
 def _shape(source: str) -> str:
@@ -86,22 +97,25 @@ def _reads_as(fn: object, shape: str) -> bool:
 def plain_rotary(module: types.ModuleType) -> bool:
     """Whether model file ``module`` defines ``apply_rotary_pos_emb`` and ``rotate_half`` as
     :data:`PLAIN_ROTARY` and :data:`PLAIN_ROTATE_HALF` (and uses torch's ``cat``)."""
-    apply, half = (getattr(module, name, None) for name in ("apply_rotary_pos_emb", "rotate_half"))
-    return (
-        getattr(module, "torch", None) is torch
-        and _reads_as(apply, _PLAIN[0])
-        and _reads_as(half, _PLAIN[1])
-    )
+    try:
+        apply, half, uses = (
+            vars(module).get(name) for name in ("apply_rotary_pos_emb", "rotate_half", "torch")
+        )
+    except TypeError:  # no namespace of its own
+        return False
+    return uses is torch and _reads_as(apply, _PLAIN[0]) and _reads_as(half, _PLAIN[1])
 
 
-def _served(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: Any) -> bool:
+def _served(
+    kern: host_norm._Kernel, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: Any
+) -> bool:
     """Whether the kernel computes this call (else the function does)."""
     ts = (q, k, cos, sin)
-    if unsqueeze_dim != 1 or any(type(t) is not Tensor for t in ts):
+    if unsqueeze_dim != 1 or any(type(t) is not Tensor for t in ts) or not host_norm.eager():
         return False
     if any(t.device.type != "cpu" or t.dtype != q.dtype or t.stride(-1) != 1 for t in ts):
         return False
-    if q.dtype not in host_norm.DTYPES or q.ndim != 4 or k.ndim != 4:
+    if q.dtype not in kern.rope_dtypes or q.ndim != 4 or k.ndim != 4:
         return False
     if cos.ndim != 3 or cos.shape != sin.shape or q.shape[-1] % 2:
         return False
@@ -116,7 +130,7 @@ def _rotary(
     kern: host_norm._Kernel, original: Callable[..., Any], q: Tensor, k: Tensor, cos: Tensor,
     sin: Tensor, unsqueeze_dim: int = 1,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    if not _served(q, k, cos, sin, unsqueeze_dim):
+    if not _served(kern, q, k, cos, sin, unsqueeze_dim):
         return original(q, k, cos, sin, unsqueeze_dim)  # type: ignore[no-any-return]
     out = []
     for x in (q, k):
@@ -134,32 +148,36 @@ def install(model: nn.Module) -> Callable[[], None]:
     if kern is None:
         return lambda: None
     names = {type(m).__module__ for m in model.modules()}
-    held: list[str] = []
-    with _lock:
-        for name in sorted(names):
-            module = sys.modules.get(name)
-            if module is None:
-                continue
-            if name in _swapped:
-                original, count = _swapped[name]
-                _swapped[name] = (original, count + 1)
-            elif plain_rotary(module):
-                original = getattr(module, "apply_rotary_pos_emb")  # noqa: B009
-                setattr(module, "apply_rotary_pos_emb", functools.partial(_rotary, kern, original))  # noqa: B010
-                _swapped[name] = (original, 1)
-            else:
-                continue
-            held.append(name)
+    held: list[_Swap] = []
 
     def restore() -> None:
         with _lock:
-            for name in held:
-                original, count = _swapped[name]
-                if count > 1:
-                    _swapped[name] = (original, count - 1)
-                else:
-                    del _swapped[name]
-                    setattr(sys.modules[name], "apply_rotary_pos_emb", original)  # noqa: B010
-            held.clear()
+            for swap in held:
+                swap.count -= 1
+                if swap.count == 0:
+                    del _swapped[id(swap.module)]
+                    if vars(swap.module).get("apply_rotary_pos_emb") is swap.ours:
+                        setattr(swap.module, "apply_rotary_pos_emb", swap.original)  # noqa: B010
+            held.clear()  # a file patched by another since keeps that patch
 
+    with _lock:
+        try:
+            for name in sorted(names):
+                module = sys.modules.get(name)
+                if module is None:
+                    continue
+                swap = _swapped.get(id(module))
+                if swap is not None:
+                    swap.count += 1
+                elif plain_rotary(module):
+                    original = vars(module)["apply_rotary_pos_emb"]
+                    ours = functools.partial(_rotary, kern, original)
+                    swap = _swapped[id(module)] = _Swap(module, original, ours)
+                    setattr(module, "apply_rotary_pos_emb", ours)  # noqa: B010
+                else:
+                    continue
+                held.append(swap)
+        except BaseException:  # the files swapped so far go back
+            restore()
+            raise
     return restore

@@ -160,7 +160,6 @@ class InferenceEngine:
         """Blocks read in place from files the run does not own (never written)."""
         """Whether the weights were read from a checkpoint (the module's are on meta)."""
         self._restore_kernels: Callable[[], None] | None = None
-        self.kernels_on()
         if device.type == "cpu":
             keep_host_allocations()
         self.timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
@@ -190,13 +189,19 @@ class InferenceEngine:
         self.paged = PagedBlocks(blocks, self.pager, self._grads)
         self.paged.max_tokens = placement.prefill_tokens  # prefill in planned chunks
         self.paged.install()
+        self.kernels_on()
 
     def kernels_on(self) -> None:
         """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings
         through the compiled kernels (:func:`~bb_lightning.engine.host_norm.install`,
         :func:`~bb_lightning.engine.host_rope.install`) until :meth:`kernels_off`."""
         if self.device.type == "cpu" and self._restore_kernels is None:
-            undo = (host_norm.install(self.model), host_rope.install(self.model))
+            undo = [host_norm.install(self.model)]
+            try:
+                undo.append(host_rope.install(self.model))
+            except BaseException:
+                undo[0]()
+                raise
 
             def restore() -> None:
                 for done in undo:

@@ -122,3 +122,23 @@ def test_bb_native_0_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "forward" not in vars(model[0])
     host_norm.install(model)
     assert "forward" not in vars(model[0])
+
+
+def test_a_vmapped_or_traced_norm_runs_the_class(
+    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    call = host_norm._Kernel.__call__
+    monkeypatch.setattr(host_norm._Kernel, "__call__",
+                        lambda self, *a: calls.append(1) or call(self, *a))  # fmt: skip
+    norm = _norm(16, torch.float32)
+    restore = host_norm.install(nn.Sequential(norm))
+    x = torch.randn(3, 4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(norm)(x), LlamaRMSNorm.forward(norm, x),
+                                   rtol=0, atol=0)  # fmt: skip
+        traced = torch.jit.trace(norm, (x,), check_trace=False)  # its check runs eagerly
+        y = torch.randn(3, 4, 16)
+        torch.testing.assert_close(traced(y), LlamaRMSNorm.forward(norm, y), rtol=0, atol=0)
+    assert not calls
+    restore()

@@ -5,8 +5,10 @@ the function; and the swap of the model file's global undone by the last restore
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -71,6 +73,7 @@ def test_the_kernel_equals_apply_rotary_pos_emb_bit_for_bit(
 ) -> None:  # fmt: skip
     """Prefill and decode shapes, grouped keys, ``cos`` for each row or one for all, head
     widths of 10 and 34 (not a multiple of a vector), strided and contiguous queries."""
+    assert torch.bfloat16 in kern.rope_dtypes  # fp32 too, unless the build fused its products
     q, k, cos, sin = _inputs(batch, tokens, heads, kv_heads, dim, cos_rows, dtype)
     with torch.no_grad(), _threads(threads):
         for qq in (q, q.contiguous()):
@@ -125,6 +128,59 @@ def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_funct
     assert modeling_llama.apply_rotary_pos_emb is not APPLY  # the second install holds it
     second()
     assert modeling_llama.apply_rotary_pos_emb is APPLY
+
+
+def test_traced_transformed_or_dual_calls_run_the_function(kern: host_norm._Kernel) -> None:
+    """``jit.trace``, ``vmap`` and forward-mode AD see through the function's operations
+    only: the kernel leaves those calls to it, even without grad."""
+    import torch.autograd.forward_ad as fwad
+
+    q, k, cos, sin = _inputs(2, 5, 4, 2, 16, 2, torch.float32)
+    ours = functools.partial(host_rope._rotary, kern, APPLY)
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda a, b: ours(a, b, cos, sin)[0], (q, k))
+        q2 = torch.randn_like(q)
+        torch.testing.assert_close(traced(q2, k), APPLY(q2, k, cos, sin)[0], rtol=0, atol=0)
+        mapped = torch.func.vmap(lambda a, b: ours(a, b, cos, sin)[0], in_dims=(0, 0))
+        torch.testing.assert_close(mapped(q[None], k[None])[0], APPLY(q, k, cos, sin)[0],
+                                   rtol=0, atol=0)  # fmt: skip
+        with fwad.dual_level():
+            dual = fwad.make_dual(q, torch.ones_like(q))
+            tangent = fwad.unpack_dual(ours(dual, k, cos, sin)[0]).tangent
+        assert tangent is not None  # the function is linear in q: its tangent is itself
+        torch.testing.assert_close(tangent, APPLY(torch.ones_like(q), k, cos, sin)[0], rtol=0,
+                                   atol=0)  # fmt: skip
+
+
+def test_restore_keeps_a_patch_made_since_and_a_failed_install_undoes_itself(
+    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = nn.Sequential(modeling_llama.LlamaMLP(_CONFIG), modeling_mistral.MistralMLP(_CONFIG))
+    restore = host_rope.install(model)
+    assert not host_rope.plain_rotary(modeling_mistral)  # swapped
+    other = functools.partial(APPLY)
+    modeling_llama.apply_rotary_pos_emb = other  # type: ignore[assignment]  # another's, since
+    try:
+        restore()
+        assert modeling_llama.apply_rotary_pos_emb is other  # left as that other made it
+    finally:
+        modeling_llama.apply_rotary_pos_emb = APPLY
+    assert host_rope.plain_rotary(modeling_mistral)  # its own function again
+    seen: list[str] = []
+    plain = host_rope.plain_rotary
+
+    def fails_second(module: types.ModuleType) -> bool:
+        ok = plain(module)
+        if ok:
+            seen.append(module.__name__)
+            if len(seen) == 2:  # Llama's swapped first (in the order of names), then Mistral's
+                raise RuntimeError("a model file that cannot be read")
+        return ok
+
+    monkeypatch.setattr(host_rope, "plain_rotary", fails_second)
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        host_rope.install(model)
+    assert modeling_llama.apply_rotary_pos_emb is APPLY and not host_rope._swapped
 
 
 def test_bb_native_0_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

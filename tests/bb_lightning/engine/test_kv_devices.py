@@ -97,9 +97,11 @@ def test_a_host_layer_writes_what_the_class_writes_and_leaves_the_rest_to_it() -
         assert a.keys[:, :, 8:].abs().sum() == 0
     layer: Any = ours.cache.layers[0]
     rows = torch.zeros(3, *layer.keys.shape[1:2], 1, layer.keys.shape[-1], dtype=torch.float64)
+    one = torch.zeros(1, *layer.keys.shape[1:2], 1, layer.keys.shape[-1], dtype=layer.keys.dtype)
     for update in (layer.update, partial(StaticLayer.update, layer)):
-        with pytest.raises(RuntimeError):  # index_copy_'s: rows of another dtype
-            update(rows, rows)
+        for bad in (rows, one):  # index_copy_'s: rows of another dtype; one row, not three
+            with pytest.raises(RuntimeError):
+                update(bad, bad)
     meta = KVCache(model.config, rows=3, max_len=10, device=torch.device("meta"))
     with torch.no_grad():
         model.to("meta")(input_ids=ids.to("meta"), past_key_values=meta.cache, use_cache=True)
