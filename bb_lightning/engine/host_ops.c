@@ -99,29 +99,26 @@ int bb_rms_norm(int threads, int dtype, int64_t rows, int64_t dim, const void *x
 /* One product or sum of the rotation rounded to bf16, returned as the float it is. */
 static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
 
+/* Elements LO and LO + half of a row: each product and the sum rounded to bf16 (a macro: the
+ * loops below vectorize with it written in place). */
+#define ROPE_PAIR_BF16(LO)                                                                     \
+    do {                                                                                       \
+        int64_t lo = (LO), hi = lo + half;                                                     \
+        float a = round_bf16(bf16_float(x[lo]) * bf16_float(c[lo]));                           \
+        float b = round_bf16(-bf16_float(x[hi]) * bf16_float(s[lo]));                          \
+        float d = round_bf16(bf16_float(x[hi]) * bf16_float(c[hi]));                           \
+        float e = round_bf16(bf16_float(x[lo]) * bf16_float(s[hi]));                           \
+        y[lo] = float_bf16(a + b);                                                             \
+        y[hi] = float_bf16(d + e);                                                             \
+    } while (0)
+
 #define ROPE_BLOCK 16
 static void rope_bf16(const uint16_t *restrict x, const uint16_t *restrict c,
                       const uint16_t *restrict s, uint16_t *restrict y, int64_t half) {
     int64_t i = 0;
     for (; i + ROPE_BLOCK <= half; i += ROPE_BLOCK) /* blocks of a fixed width vectorize */
-        for (int j = 0; j < ROPE_BLOCK; j++) {
-            int64_t lo = i + j, hi = lo + half;
-            float a = round_bf16(bf16_float(x[lo]) * bf16_float(c[lo]));
-            float b = round_bf16(-bf16_float(x[hi]) * bf16_float(s[lo]));
-            float d = round_bf16(bf16_float(x[hi]) * bf16_float(c[hi]));
-            float e = round_bf16(bf16_float(x[lo]) * bf16_float(s[hi]));
-            y[lo] = float_bf16(a + b);
-            y[hi] = float_bf16(d + e);
-        }
-    for (; i < half; i++) {
-        int64_t lo = i, hi = i + half;
-        float a = round_bf16(bf16_float(x[lo]) * bf16_float(c[lo]));
-        float b = round_bf16(-bf16_float(x[hi]) * bf16_float(s[lo]));
-        float d = round_bf16(bf16_float(x[hi]) * bf16_float(c[hi]));
-        float e = round_bf16(bf16_float(x[lo]) * bf16_float(s[hi]));
-        y[lo] = float_bf16(a + b);
-        y[hi] = float_bf16(d + e);
-    }
+        for (int j = 0; j < ROPE_BLOCK; j++) ROPE_PAIR_BF16(i + j);
+    for (; i < half; i++) ROPE_PAIR_BF16(i);
 }
 
 /* Each product rounded to fp32 before the sum, as torch's three operations round them. */

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from bb_lightning.engine import host_norm
 from bb_lightning.module import CausalLMModule
 
 from .tiny import LLAMA_VOCAB, tiny_gpt2_config, tiny_llama_config
@@ -115,3 +118,29 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def host_kernel() -> host_norm._Kernel:
+    """The compiled RMS norm and rotary embedding (``host_ops.c``), which must build where the
+    machine has a C compiler; the test is skipped elsewhere (the model's own operations run)."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler on PATH: norms and rotary embeddings run torch's operations")
+    built = host_norm.kernel()
+    assert built is not None, "the C kernel did not build (see the warning)"
+    return built
+
+
+@pytest.fixture
+def count_host_kernel(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[int]]:
+    """``count(method)`` wraps the compiled kernel's ``method`` ("__call__": the norm, "rope")
+    and returns the list each of its calls appends to."""
+
+    def count(method: str) -> list[int]:
+        calls: list[int] = []
+        real = getattr(host_norm._Kernel, method)
+        monkeypatch.setattr(host_norm._Kernel, method,
+                            lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+        return calls
+
+    return count

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,6 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine import host_norm
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -36,17 +36,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 )  # Gemma scales by 1 + weight; Phi-3's rotary function rotates a part of each head
 def test_predict_norms_through_the_kernel_and_generates_like_hf(
     family: str, served: bool, rotated: bool, tiny: SimpleNamespace, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    count_host_kernel: Callable[[str], list[int]],
 ) -> None:  # fmt: skip
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler on PATH: RMS norms run torch's operations")
-    calls: list[int] = []
-    ropes: list[int] = []
-    call, rope = host_norm._Kernel.__call__, host_norm._Kernel.rope
-    monkeypatch.setattr(host_norm._Kernel, "__call__",
-                        lambda self, *a: calls.append(1) or call(self, *a))  # fmt: skip
-    monkeypatch.setattr(host_norm._Kernel, "rope",
-                        lambda self, *a: ropes.append(1) or rope(self, *a))  # fmt: skip
+    calls, ropes = count_host_kernel("__call__"), count_host_kernel("rope")
     kind = type(AutoModelForCausalLM.from_config(AutoConfig.for_model(**FAMILIES[family])))
     plain = sys.modules[kind.__module__].apply_rotary_pos_emb
     path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import os
-import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,15 +14,6 @@ from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from bb_lightning.engine import host_norm
-
-
-@pytest.fixture
-def kern() -> host_norm._Kernel:
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler on PATH: RMS norms run torch's operations")
-    built = host_norm.kernel()
-    assert built is not None, "the C kernel did not build (see the warning)"
-    return built
 
 
 def _norm(dim: int, dtype: torch.dtype, eps: float = 1e-5) -> LlamaRMSNorm:
@@ -54,7 +44,7 @@ def test_the_plain_norms_are_the_llama_family_s_and_not_gemma_s() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_equals_the_class_forward_to_its_rounding(
-    kern: host_norm._Kernel, dtype: torch.dtype, threads: int
+    host_kernel: host_norm._Kernel, dtype: torch.dtype, threads: int
 ) -> None:
     """Rows of an odd width, of magnitudes from 1e-3 to 1e3 (a row's scale must cancel)."""
     norm = _norm(1000, dtype)
@@ -64,7 +54,7 @@ def test_the_kernel_equals_the_class_forward_to_its_rounding(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kern(x, norm.weight.detach(), norm.variance_epsilon)
+        got = host_kernel(x, norm.weight.detach(), norm.variance_epsilon)
     finally:
         torch.set_num_threads(previous)
     with torch.no_grad():
@@ -81,12 +71,9 @@ def test_the_kernel_equals_the_class_forward_to_its_rounding(
 
 
 def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_class(
-    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+    host_kernel: host_norm._Kernel, count_host_kernel: Callable[[str], list[int]]
 ) -> None:
-    calls: list[int] = []
-    call = host_norm._Kernel.__call__
-    monkeypatch.setattr(host_norm._Kernel, "__call__",
-                        lambda self, *a: calls.append(1) or call(self, *a))  # fmt: skip
+    calls = count_host_kernel("__call__")
     model = nn.Sequential(_norm(64, torch.float32), GemmaRMSNorm(64), _norm(64, torch.bfloat16))
     restore = host_norm.install(model)
     assert ["forward" in vars(m) for m in model] == [True, False, True]
@@ -125,12 +112,9 @@ def test_bb_native_0_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_vmapped_or_traced_norm_runs_the_class(
-    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+    host_kernel: host_norm._Kernel, count_host_kernel: Callable[[str], list[int]]
 ) -> None:
-    calls: list[int] = []
-    call = host_norm._Kernel.__call__
-    monkeypatch.setattr(host_norm._Kernel, "__call__",
-                        lambda self, *a: calls.append(1) or call(self, *a))  # fmt: skip
+    calls = count_host_kernel("__call__")
     norm = _norm(16, torch.float32)
     restore = host_norm.install(nn.Sequential(norm))
     x = torch.randn(3, 4, 16)

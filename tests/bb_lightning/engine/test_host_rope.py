@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import shutil
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -25,15 +23,6 @@ from bb_lightning.engine import host_norm, host_rope
 APPLY = modeling_llama.apply_rotary_pos_emb
 _CONFIG = modeling_llama.LlamaConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2,
                                      num_key_value_heads=2)  # fmt: skip
-
-
-@pytest.fixture
-def kern() -> host_norm._Kernel:
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler on PATH: rotary embeddings run torch's operations")
-    built = host_norm.kernel()
-    assert built is not None, "the C kernel did not build (see the warning)"
-    return built
 
 
 def _inputs(
@@ -68,17 +57,19 @@ def test_the_plain_rotary_is_the_llama_family_s() -> None:
     [(3, 17, 4, 2, 64, 3), (5, 1, 6, 6, 10, 5), (2, 9, 4, 1, 128, 1), (1, 33, 2, 2, 34, 1)],
 )
 def test_the_kernel_equals_apply_rotary_pos_emb_bit_for_bit(
-    kern: host_norm._Kernel, dtype: torch.dtype, threads: int, batch: int, tokens: int,
+    host_kernel: host_norm._Kernel, dtype: torch.dtype, threads: int, batch: int, tokens: int,
     heads: int, kv_heads: int, dim: int, cos_rows: int,
 ) -> None:  # fmt: skip
     """Prefill and decode shapes, grouped keys, ``cos`` for each row or one for all, head
     widths of 10 and 34 (not a multiple of a vector), strided and contiguous queries."""
-    assert torch.bfloat16 in kern.rope_dtypes  # fp32 too, unless the build fused its products
+    assert (
+        torch.bfloat16 in host_kernel.rope_dtypes
+    )  # fp32 too, unless the build fused its products
     q, k, cos, sin = _inputs(batch, tokens, heads, kv_heads, dim, cos_rows, dtype)
     with torch.no_grad(), _threads(threads):
         for qq in (q, q.contiguous()):
             want = APPLY(qq, k, cos, sin)
-            got = host_rope._rotary(kern, APPLY, qq, k, cos, sin)
+            got = host_rope._rotary(host_kernel, APPLY, qq, k, cos, sin)
             for g, w in zip(got, want, strict=True):
                 assert g.shape == w.shape  # and the layout (a dim of 1 has any stride)
                 wide = [n > 1 for n in g.shape]
@@ -89,12 +80,9 @@ def test_the_kernel_equals_apply_rotary_pos_emb_bit_for_bit(
 
 
 def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_function(
-    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+    host_kernel: host_norm._Kernel, count_host_kernel: Callable[[str], list[int]]
 ) -> None:
-    calls: list[int] = []
-    rope = host_norm._Kernel.rope
-    monkeypatch.setattr(host_norm._Kernel, "rope",
-                        lambda self, *a: calls.append(1) or rope(self, *a))  # fmt: skip
+    calls = count_host_kernel("rope")
     model = nn.Sequential(
         modeling_llama.LlamaMLP(_CONFIG),
         modeling_cohere.CohereLayerNorm(8),
@@ -130,13 +118,13 @@ def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_funct
     assert modeling_llama.apply_rotary_pos_emb is APPLY
 
 
-def test_traced_transformed_or_dual_calls_run_the_function(kern: host_norm._Kernel) -> None:
+def test_traced_transformed_or_dual_calls_run_the_function(host_kernel: host_norm._Kernel) -> None:
     """``jit.trace``, ``vmap`` and forward-mode AD see through the function's operations
     only: the kernel leaves those calls to it, even without grad."""
     import torch.autograd.forward_ad as fwad
 
     q, k, cos, sin = _inputs(2, 5, 4, 2, 16, 2, torch.float32)
-    ours = functools.partial(host_rope._rotary, kern, APPLY)
+    ours = functools.partial(host_rope._rotary, host_kernel, APPLY)
     with torch.no_grad():
         traced = torch.jit.trace(lambda a, b: ours(a, b, cos, sin)[0], (q, k))
         q2 = torch.randn_like(q)
@@ -153,7 +141,7 @@ def test_traced_transformed_or_dual_calls_run_the_function(kern: host_norm._Kern
 
 
 def test_restore_keeps_a_patch_made_since_and_a_failed_install_undoes_itself(
-    kern: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
+    host_kernel: host_norm._Kernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = nn.Sequential(modeling_llama.LlamaMLP(_CONFIG), modeling_mistral.MistralMLP(_CONFIG))
     restore = host_rope.install(model)
