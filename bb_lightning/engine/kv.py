@@ -238,8 +238,8 @@ def _update_slices(
     layer: Any, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
     """``StaticLayer.update`` of a layer whose buffers are on the host: the new keys and
-    values written as one slice copy each at the layer's next positions, which on the host
-    runs about three times faster than the class's ``index_copy_`` of the same rows. Any
+    values written as one slice copy each at the layer's next positions (a strided copy,
+    where the class's ``index_copy_`` of the same rows indexes every row on its own). Any
     other layer (on a device, meta in a dry run, rows of another dtype or count, or past its
     length) runs the class's."""
     if not layer.is_initialized:
