@@ -8,8 +8,8 @@ one pass over each row (its header says how the roundings match), built and cach
 the decode attention kernel (:mod:`~bb_lightning.engine.native`); the same library holds
 the rotary embedding that :mod:`~bb_lightning.engine.host_rope` serves.
 
-:func:`install` gives every module of a model whose class ``forward`` is
-:data:`PLAIN_RMS_NORM` word for word an instance ``forward`` that calls the kernel; any
+:func:`install` gives every module of a model whose class ``forward`` reads as
+:data:`PLAIN_RMS_NORM` (:func:`reads_as`) an instance ``forward`` that calls the kernel; any
 other norm (Gemma's ``1 + weight``, a norm that multiplies before its cast) keeps its own.
 The kernel serves a call only where it computes what the class would: a CPU tensor of
 fp32 or bf16 whose rows are contiguous, a weight of the same dtype, and no autograd graph
@@ -20,6 +20,7 @@ InferenceEngine`); training never runs it (its backward needs the class's operat
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
 import inspect
@@ -34,17 +35,26 @@ from torch import Tensor, nn
 
 from bb_lightning.engine import native
 
-__all__ = ["PLAIN_RMS_NORM", "eager", "install", "kernel", "plain_rms_norm"]
+__all__ = [
+    "PLAIN_RMS_NORM",
+    "code_shape",
+    "eager",
+    "install",
+    "kernel",
+    "plain_rms_norm",
+    "reads_as",
+]
 
 SOURCE = Path(__file__).with_name("host_ops.c")
-PLAIN_RMS_NORM = (
-    "input_dtype = hidden_states.dtype",
-    "hidden_states = hidden_states.to(torch.float32)",
-    "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
-    "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
-    "return self.weight * hidden_states.to(input_dtype)",
-)
-"""The statements of the ``forward(self, hidden_states)`` the kernel computes."""
+PLAIN_RMS_NORM = """
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+"""
+"""The ``forward`` the kernel computes (:func:`reads_as`: annotations and comments aside)."""
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Dtypes the kernel reads and writes, with its code for each."""
 
@@ -111,8 +121,8 @@ class _Kernel:
 
 
 def kernel() -> _Kernel | None:
-    """The compiled norm and rotary embedding, built on first call; None where ``BB_NATIVE=0`` or where it cannot
-    be built (a warning says why, once per process)."""
+    """The compiled norm and rotary embedding, built on first call; None where
+    ``BB_NATIVE=0`` or where it cannot be built (a warning says why, once per process)."""
     return native.once(_loaded, _load)
 
 
@@ -125,27 +135,43 @@ def _load(compiler: str) -> _Kernel | None:
     return None if lib is None else _Kernel(lib)
 
 
-def plain_rms_norm(kind: type) -> bool:
-    """Whether ``kind.forward`` is ``forward(self, hidden_states)`` with the statements of
-    :data:`PLAIN_RMS_NORM` (comments and blank lines aside)."""
-    known = _plain.get(kind)
-    if known is None:
-        known = _plain[kind] = _reads_as_plain(kind)
-    return known
+def code_shape(source: str) -> str:
+    """The function ``source`` defines, as an AST dump without its docstring, decorators and
+    annotations ("" where ``source`` does not begin with a function): two functions of one
+    shape compute the same operations whatever their comments and layout."""
+    tree = ast.parse(textwrap.dedent(source))
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, ast.FunctionDef):
+        return ""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    args = fn.args
+    for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    return ast.dump(ast.FunctionDef(name=fn.name, args=args, body=body, decorator_list=[]))
 
 
-def _reads_as_plain(kind: type) -> bool:
-    forward = getattr(kind, "forward", None)
-    if not callable(forward) or forward is nn.Module.forward:
+def reads_as(fn: object, shape: str) -> bool:
+    """Whether Python function ``fn``'s source has :func:`code_shape` ``shape``."""
+    if not isinstance(fn, types.FunctionType):
         return False
     try:
-        lines = textwrap.dedent(inspect.getsource(forward)).splitlines()
-    except (OSError, TypeError):
+        return code_shape(inspect.getsource(fn)) == shape
+    except (OSError, TypeError, SyntaxError):
         return False
-    if not lines or not lines[0].startswith("def forward(self, hidden_states"):
-        return False
-    body = tuple(s for ln in lines[1:] if (s := ln.split("#")[0].strip()))
-    return body == PLAIN_RMS_NORM
+
+
+_NORM_SHAPE = code_shape(PLAIN_RMS_NORM)
+
+
+def plain_rms_norm(kind: type) -> bool:
+    """Whether ``kind.forward`` reads as :data:`PLAIN_RMS_NORM` (:func:`reads_as`)."""
+    known = _plain.get(kind)
+    if known is None:
+        known = _plain[kind] = reads_as(getattr(kind, "forward", None), _NORM_SHAPE)
+    return known
 
 
 def eager() -> bool:

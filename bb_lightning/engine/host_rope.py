@@ -10,12 +10,13 @@ same roundings: its results equal the function's bit for bit.
 
 The attention classes call the function by its name in their own module, so
 :func:`install` swaps that module global, in each model file whose two functions read as
-:data:`PLAIN_ROTARY` and :data:`PLAIN_ROTATE_HALF` (docstrings, comments and decorators
-aside), for one that calls the kernel where it computes what the function would (CPU
-tensors of fp32 or bf16 with contiguous rows, in a dtype the build computes bit for bit,
-queries and keys ``[batch, heads, tokens, dim]``, ``cos`` and ``sin`` ``[batch or 1, tokens,
-dim]``, no autograd graph to record, torch running eagerly:
-:func:`~bb_lightning.engine.host_norm.eager`) and the function itself for every other call.
+:data:`PLAIN_ROTARY` and :data:`PLAIN_ROTATE_HALF` (docstrings, comments, decorators and
+annotations aside: :func:`~bb_lightning.engine.host_norm.reads_as`), for one that calls the
+kernel where it computes what the function would (CPU tensors of fp32 or bf16 with
+contiguous rows, in a dtype the build computes bit for bit, queries and keys ``[batch,
+heads, tokens, dim]``, ``cos`` and ``sin`` ``[batch or 1, tokens, dim]``, no autograd graph
+to record, torch running eagerly: :func:`~bb_lightning.engine.host_norm.eager`) and the
+function itself for every other call.
 The swap is counted per model file: the original returns when the last model that installed
 it restores it, unless another has replaced the global since (that replacement stays); an
 install that fails midway undoes its swaps.
@@ -23,11 +24,8 @@ install that fails midway undoes its swaps.
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
 import sys
-import textwrap
 import threading
 import types
 from collections.abc import Callable
@@ -70,28 +68,7 @@ class _Swap:
         self.module, self.original, self.ours, self.count = module, original, ours, 1
 
 
-def _shape(source: str) -> str:
-    """The function defined by ``source``, without docstring and decorators, as an AST dump."""
-    tree = ast.parse(textwrap.dedent(source))
-    fn = tree.body[0]
-    if not isinstance(fn, ast.FunctionDef):
-        return ""
-    body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
-    return ast.dump(ast.FunctionDef(fn.name, fn.args, body, [], fn.returns, fn.type_comment))
-
-
-_PLAIN = (_shape(PLAIN_ROTARY), _shape(PLAIN_ROTATE_HALF))
-
-
-def _reads_as(fn: object, shape: str) -> bool:
-    if not isinstance(fn, types.FunctionType):
-        return False
-    try:
-        return _shape(inspect.getsource(fn)) == shape
-    except (OSError, TypeError, SyntaxError):
-        return False
+_PLAIN = (host_norm.code_shape(PLAIN_ROTARY), host_norm.code_shape(PLAIN_ROTATE_HALF))
 
 
 def plain_rotary(module: types.ModuleType) -> bool:
@@ -103,7 +80,11 @@ def plain_rotary(module: types.ModuleType) -> bool:
         )
     except TypeError:  # no namespace of its own
         return False
-    return uses is torch and _reads_as(apply, _PLAIN[0]) and _reads_as(half, _PLAIN[1])
+    return (
+        uses is torch
+        and host_norm.reads_as(apply, _PLAIN[0])
+        and host_norm.reads_as(half, _PLAIN[1])
+    )
 
 
 def _served(

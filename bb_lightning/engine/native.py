@@ -188,26 +188,27 @@ def _one_openmp_runtime() -> bool:
     return len({n for n in names if Path(n).name.startswith(_OPENMP_LIBS)}) == 1
 
 
-def _cpu_vendor() -> str:
-    """The CPU's maker as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``;
-    empty where it cannot be read)."""
+def _cpuinfo() -> list[tuple[str, str]] | None:
+    """The (field, value) lines of ``/proc/cpuinfo``, in order; None where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.split(":")[0].strip() == "vendor_id":
-            return line.split(":", 1)[1].strip()
-    return ""
+        return None
+    return [(k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in text.splitlines())]
+
+
+def _cpu_vendor() -> str:
+    """The CPU's maker as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``;
+    empty where it cannot be read)."""
+    return next((v for k, v in _cpuinfo() or () if k == "vendor_id"), "")
 
 
 def _cpu_signature() -> str:
     """The CPU's model and feature flags (what ``-march=native`` compiles for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    info = _cpuinfo()
+    if info is None:
         return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags")]
+    keep = [f"{k}: {v}" for k, v in info if k in ("model name", "flags")]
     return "\n".join(dict.fromkeys(keep))
 
 

@@ -48,8 +48,8 @@ the lesser of a plain read and the engine's decode attention; 8: NVMe transfers 
 buffers in huge pages, as the store's arenas are, and the host memory probes over buffers
 allocated as the host KV cache is; 9: the decode attention kernel on the calling thread's
 OpenMP team, its keys asked for into every cache level; 10: on Intel CPUs, four query heads'
-key products in 512-bit vectors, and cache rows read with one vector load each), so that profiles cached by the
-earlier probes are measured again."""
+key products in 512-bit vectors, and cache rows read with one vector load each), so that
+profiles cached by the earlier probes are measured again."""
 
 
 def cpu_model() -> str:
