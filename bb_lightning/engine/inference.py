@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine import host_norm, host_rope
+from bb_lightning.engine import host_linear, host_norm, host_rope
 from bb_lightning.engine.blocks import PagedBlocks
 from bb_lightning.engine.flat import (
     ParamLoader,
@@ -192,15 +192,19 @@ class InferenceEngine:
         self.kernels_on()
 
     def kernels_on(self) -> None:
-        """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings
-        through the compiled kernels (:func:`~bb_lightning.engine.host_norm.install`,
-        :func:`~bb_lightning.engine.host_rope.install`) until :meth:`kernels_off`."""
+        """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings and
+        its bf16 products of few rows through the compiled kernels
+        (:func:`~bb_lightning.engine.host_norm.install`,
+        :func:`~bb_lightning.engine.host_rope.install`,
+        :func:`~bb_lightning.engine.host_linear.install`) until :meth:`kernels_off`."""
         if self.device.type == "cpu" and self._restore_kernels is None:
-            undo = [host_norm.install(self.model)]
+            undo: list[Callable[[], None]] = []
             try:
-                undo.append(host_rope.install(self.model))
+                for install in (host_norm.install, host_rope.install, host_linear.install):
+                    undo.append(install(self.model))
             except BaseException:
-                undo[0]()
+                for done in reversed(undo):
+                    done()
                 raise
 
             def restore() -> None:
@@ -210,8 +214,9 @@ class InferenceEngine:
             self._restore_kernels = restore
 
     def kernels_off(self) -> None:
-        """Give the model's RMS norms their class ``forward`` and its model files their
-        ``apply_rotary_pos_emb`` back (the module handed back runs as the user built it)."""
+        """Give the model's RMS norms and linear layers their class ``forward`` and its model
+        files their ``apply_rotary_pos_emb`` back (the module handed back runs as the user
+        built it)."""
         if self._restore_kernels is not None:
             self._restore_kernels()
             self._restore_kernels = None

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine import host_linear
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -36,10 +37,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 )  # Gemma scales by 1 + weight; Phi-3's rotary function rotates a part of each head
 def test_predict_norms_through_the_kernel_and_generates_like_hf(
     family: str, served: bool, rotated: bool, tiny: SimpleNamespace, tmp_path: Path,
-    count_host_kernel: Callable[[str], list[int]],
+    host_kernel: object, count_host_kernel: Callable[[str], list[int]],
 ) -> None:  # fmt: skip
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler on PATH: RMS norms run torch's operations")
+    # the kernel loaded first: its load-time checks of the rotary embedding are not counted
     calls, ropes = count_host_kernel("__call__"), count_host_kernel("rope")
     kind = type(AutoModelForCausalLM.from_config(AutoConfig.for_model(**FAMILIES[family])))
     plain = sys.modules[kind.__module__].apply_rotary_pos_emb
@@ -72,3 +72,45 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
     assert [type(m).__name__ for m in module.modules() if "forward" in vars(m)] == []
     assert sys.modules[kind.__module__].apply_rotary_pos_emb is plain
     check_like_generate(path, module, [batch], records, NEW)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
+def test_predict_bf16_runs_its_products_on_the_matrix_tiles(
+    family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bf16 the model's linear layers of few rows run the matrix-tile product where the CPU
+    has one (``engine.host_linear``): the greedy tokens equal a run with torch's products, and
+    the module handed back runs its own ``forward``."""
+    if shutil.which(os.environ.get("CC", "cc")) is None or host_linear.kernel() is None:
+        pytest.skip("no C compiler or no bf16 matrix tiles: torch's products run")
+    calls: list[int] = []
+    real = host_linear._Kernel.__call__
+    monkeypatch.setattr(host_linear._Kernel, "__call__",
+                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+    path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :3] = mask[1, :3] = 0
+    batch = {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
+
+    def run(name: str) -> object:
+        module = CausalLMModule(str(path), max_new_tokens=NEW)
+        strategy = BalanceBeamStrategy(
+            placement=Placement.uniform(2, weights=Tier.HOST), compute_dtype="bf16",
+            nvme_path=str(tmp_path / name),
+        )  # fmt: skip
+        trainer, _ = tiny.make_trainer(strategy, 1)
+        records = trainer.predict(module, DataLoader([batch], batch_size=None))
+        strategy.close()
+        assert [m for m in module.modules() if "forward" in vars(m)] == []
+        return records
+
+    tiles = run("tiles")
+    steps = max(len(r["token_ids"]) for r in tiles[0])  # type: ignore[index]
+    # at least o, gate, up and down of each block (16 k and v columns, Qwen2's biased q, k, v
+    # run the class's), at the prefill and each step
+    assert steps >= 1 and len(calls) >= 2 * 4 * steps
+    monkeypatch.setattr(host_linear, "kernel", lambda: None)
+    before = len(calls)
+    assert run("torch") == tiles and len(calls) == before

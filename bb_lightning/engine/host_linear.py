@@ -1,0 +1,137 @@
+"""The products of a decode step's few rows with a bf16 weight on the CPU's matrix tiles.
+
+A decode step multiplies one row per sequence (a few dozen to a few hundred) by each weight
+of a block. torch's CPU products (oneDNN) first copy the weight into the layout of the
+tiles' right operand at every call, and with so few rows that copy costs more than the
+products; a weight paged in for one pass is used once, so no copy of it can be kept.
+``host_linear.c`` multiplies with the weight as it lies in memory, as the tiles' left
+operand (its header says how), on CPUs with bf16 matrix tiles (Intel AMX) that the
+operating system grants the process.
+
+Its results are torch's in all but the order of the fp32 sums: the products of bf16 pairs
+are exact in fp32 and summed in fp32 over k in blocks of 32, in order, then rounded once
+to bf16 as torch rounds; torch's products sum in another order at most shapes (and in
+another at another number of rows), so an output within an fp32 rounding of a bf16
+midpoint may round the other way.
+
+:func:`install` gives every ``nn.Linear`` of a model (the class itself, not a subclass) an
+instance ``forward`` that runs the kernel where it serves the call: bf16 CPU input whose
+rows are contiguous and at most :data:`MAX_ROWS` of them, a contiguous bf16 weight whose
+both sides are multiples of 32, no bias, no autograd graph to record, torch running
+operations as called (:func:`~bb_lightning.engine.host_norm.eager`); every other call runs
+the class's ``forward``. The inference engine installs it on a CPU device with the norm and
+rotary kernels and removes it with them; training never runs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from bb_lightning.engine import native
+from bb_lightning.engine.host_norm import eager
+
+__all__ = ["MAX_ROWS", "install", "kernel"]
+
+SOURCE = Path(__file__).with_name("host_linear.c")
+MAX_ROWS = 256
+"""Rows of input up to which the kernel serves a call (a decode step's sequences); with more,
+torch's products amortise their copy of the weight over the rows and run faster."""
+
+_loaded: dict[str, _Kernel | None] = {}
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.bb_linear_bf16
+        self._fn.argtypes = [ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+        self._fn.restype = ctypes.c_int
+        lib.bb_host_linear_team_threads.restype = ctypes.c_int
+        self.team = bool(lib.bb_host_linear_team_threads()) and native._one_openmp_runtime()
+        """Whether a call shares the weight's rows among the calling thread's OpenMP team."""
+
+    def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` of contiguous bf16 ``x`` (rows of ``weight.shape[1]``) into a new
+        tensor of ``x``'s shape with ``weight.shape[0]`` columns."""
+        n, k = weight.shape
+        rows = x.numel() // k
+        out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+        threads = torch.get_num_threads() if self.team else 1
+        rc = self._fn(threads, rows, n, k, x.data_ptr(), weight.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"bf16 matrix-tile product of {rows} x {k} by {n} failed ({rc})")
+        return out
+
+
+def kernel() -> _Kernel | None:
+    """The compiled product, built on first call; None where ``BB_NATIVE=0``, where it cannot
+    be built, or where the CPU or the operating system gives no bf16 matrix tiles."""
+    return native.once(_loaded, _load)
+
+
+def _load(compiler: str) -> _Kernel | None:
+    if shutil.which(compiler) is None:
+        return None  # the decode attention kernel's loader says so once
+    lib = native.load_library(SOURCE, compiler, "bf16 products with few rows run torch's")
+    if lib is None:
+        return None
+    lib.bb_linear_ready.restype = ctypes.c_int
+    return _Kernel(lib) if lib.bb_linear_ready() else None
+
+
+def _forward(kern: _Kernel, module: nn.Module, input: Tensor) -> Tensor:
+    x, w = input, getattr(module, "weight", None)
+    if (
+        not eager()
+        or not isinstance(w, Tensor)
+        or getattr(module, "bias", None) is not None
+        or type(x) is not Tensor
+        or type(w) not in (Tensor, nn.Parameter)
+        or x.device.type != "cpu"
+        or w.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or w.dtype != torch.bfloat16
+        or w.ndim != 2
+        or x.ndim < 1
+        or x.shape[-1] != w.shape[1]
+        or w.shape[0] % 32 != 0
+        or w.shape[1] % 32 != 0
+        or not 0 < x.numel() <= MAX_ROWS * w.shape[1]
+        or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        or not w.is_contiguous()
+        or not x.is_contiguous()
+    ):
+        return nn.Linear.forward(module, input)  # type: ignore[arg-type]
+    return kern(x, w)
+
+
+def install(model: nn.Module) -> Callable[[], None]:
+    """Give each ``nn.Linear`` of ``model`` (its class exactly) the kernel's ``forward``;
+    return the function that restores the class ``forward`` to all of them. Nothing changes
+    where the kernel is unavailable (:func:`kernel` is None)."""
+    kern = kernel()
+    if kern is None:
+        return lambda: None
+    swapped: list[nn.Module] = []
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in vars(module):
+            module.forward = types.MethodType(  # type: ignore[method-assign]
+                functools.partial(_forward, kern), module
+            )
+            swapped.append(module)
+
+    def restore() -> None:
+        for module in swapped:
+            vars(module).pop("forward", None)
+        swapped.clear()
+
+    return restore
