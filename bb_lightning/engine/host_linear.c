@@ -3,8 +3,9 @@
  *
  *     out[m][n] = bf16(sum_k x[m][k] * w[n][k])     (x [m, k], w [n, k], out [m, n] bf16)
  *
- * the products of bf16 pairs exact in fp32 and summed in fp32 by the tiles, k in blocks of
- * 32 in order, then rounded to bf16 (to nearest even, NaN kept a NaN).
+ * the products of bf16 pairs exact in fp32 and summed in fp32 by the tiles, the blocks of 32
+ * k in order (within a block in the tiles' own order), then rounded to bf16 to nearest even,
+ * a NaN to the quiet NaN 0x7fc0 (as torch converts a float).
  *
  * torch's products (oneDNN) first copy the weight into the tiles' layout for a right
  * operand (each pair of consecutive k of a column side by side) at every call. With few
@@ -60,7 +61,7 @@ int bb_linear_ready(void) {
     return ready;
 }
 
-/* 16 floats rounded to bf16 as torch rounds them: to nearest even, a NaN to 0x7fc0. */
+/* 16 floats rounded to bf16 as torch converts a float: to nearest even, a NaN to 0x7fc0. */
 static inline __m256i round16(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

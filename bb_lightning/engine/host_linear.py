@@ -15,12 +15,12 @@ another at another number of rows), so an output within an fp32 rounding of a bf
 midpoint may round the other way.
 
 :func:`install` gives every ``nn.Linear`` of a model (the class itself, not a subclass) an
-instance ``forward`` that runs the kernel where it serves the call: bf16 CPU input whose
-rows are contiguous and at most :data:`MAX_ROWS` of them, a contiguous bf16 weight whose
-both sides are multiples of 32, no bias, no autograd graph to record, torch running
+instance ``forward`` that runs the kernel where it serves the call: a contiguous bf16 CPU
+input of at most :data:`MAX_ROWS` rows, a contiguous bf16 weight whose both sides are
+multiples of 32, no bias, no autograd graph to record, no autocast, torch running
 operations as called (:func:`~bb_lightning.engine.host_norm.eager`); every other call runs
-the class's ``forward``. The inference engine installs it on a CPU device with the norm and
-rotary kernels and removes it with them; training never runs it.
+the class's ``forward``. The inference engine installs it on a CPU device that computes in
+bf16, with the norm and rotary kernels, and removes it with them; training never runs it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _Kernel:
         tensor of ``x``'s shape with ``weight.shape[0]`` columns."""
         n, k = weight.shape
         rows = x.numel() // k
-        out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+        out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device="cpu")
         threads = torch.get_num_threads() if self.team else 1
         rc = self._fn(threads, rows, n, k, x.data_ptr(), weight.data_ptr(), out.data_ptr())
         if rc != 0:
@@ -82,6 +82,10 @@ def kernel() -> _Kernel | None:
 def _load(compiler: str) -> _Kernel | None:
     if shutil.which(compiler) is None:
         return None  # the decode attention kernel's loader says so once
+    info = native._cpuinfo()
+    flags = next((v.split() for k, v in info or () if k == "flags"), [])
+    if "amx_bf16" not in flags or "amx_tile" not in flags:
+        return None  # no tiles to build for
     lib = native.load_library(SOURCE, compiler, "bf16 products with few rows run torch's")
     if lib is None:
         return None
@@ -93,10 +97,14 @@ def _forward(kern: _Kernel, module: nn.Module, input: Tensor) -> Tensor:
     x, w = input, getattr(module, "weight", None)
     if (
         not eager()
+        or torch.is_autocast_enabled("cpu")
         or not isinstance(w, Tensor)
         or getattr(module, "bias", None) is not None
         or type(x) is not Tensor
         or type(w) not in (Tensor, nn.Parameter)
+        or x.layout != torch.strided
+        or w.layout != torch.strided
+        or x.is_nested
         or x.device.type != "cpu"
         or w.device.type != "cpu"
         or x.dtype != torch.bfloat16
@@ -122,17 +130,17 @@ def install(model: nn.Module) -> Callable[[], None]:
     kern = kernel()
     if kern is None:
         return lambda: None
-    swapped: list[nn.Module] = []
+    swapped: list[tuple[nn.Module, object]] = []
     for module in model.modules():
         if type(module) is nn.Linear and "forward" not in vars(module):
-            module.forward = types.MethodType(  # type: ignore[method-assign]
-                functools.partial(_forward, kern), module
-            )
-            swapped.append(module)
+            ours = types.MethodType(functools.partial(_forward, kern), module)
+            module.forward = ours  # type: ignore[method-assign]
+            swapped.append((module, ours))
 
-    def restore() -> None:
-        for module in swapped:
-            vars(module).pop("forward", None)
+    def restore() -> None:  # a forward set over ours since stays
+        for module, ours in swapped:
+            if vars(module).get("forward") is ours:
+                del vars(module)["forward"]
         swapped.clear()
 
     return restore

@@ -88,7 +88,7 @@ class _Kernel:
         tensor of its shape."""
         dim = weight.numel()
         rows = x.numel() // dim
-        y = torch.empty(x.shape, dtype=x.dtype)
+        y = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         threads = torch.get_num_threads() if self.team else 1
         rc = self._fn(threads, DTYPES[x.dtype], rows, dim, x.data_ptr(), dim,
                       weight.data_ptr(), y.data_ptr(), eps)  # fmt: skip
@@ -175,11 +175,13 @@ def plain_rms_norm(kind: type) -> bool:
 
 
 def eager() -> bool:
-    """Whether torch runs operations as called: no tracing (``torch.jit.trace``), no function
-    transform (``vmap``, ``grad``), no forward-mode AD level and no dispatch mode (a fake or
-    counting mode) is active, any of which a kernel that reads data pointers would bypass."""
+    """Whether torch runs operations as called: no tracing (``torch.jit.trace``, a
+    ``torch.compile`` trace), no function transform (``vmap``, ``grad``), no forward-mode AD
+    level and no dispatch mode (a fake or counting mode) is active, any of which a kernel that
+    reads data pointers would bypass."""
     return not (
         torch.jit.is_tracing()
+        or torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or torch.autograd.forward_ad._current_level >= 0
         or torch._C._len_torch_dispatch_stack() > 0
@@ -194,6 +196,9 @@ def _forward(kern: _Kernel, module: nn.Module, hidden_states: Tensor) -> Tensor:
         or not isinstance(w, Tensor)
         or type(x) is not Tensor
         or type(w) not in (Tensor, nn.Parameter)
+        or x.layout != torch.strided
+        or w.layout != torch.strided
+        or x.is_nested
         or x.device.type != "cpu"
         or w.device.type != "cpu"
         or x.dtype not in DTYPES

@@ -192,15 +192,18 @@ class InferenceEngine:
         self.kernels_on()
 
     def kernels_on(self) -> None:
-        """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings and
-        its bf16 products of few rows through the compiled kernels
+        """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings (and,
+        computing in bf16, its products of few rows) through the compiled kernels
         (:func:`~bb_lightning.engine.host_norm.install`,
         :func:`~bb_lightning.engine.host_rope.install`,
         :func:`~bb_lightning.engine.host_linear.install`) until :meth:`kernels_off`."""
         if self.device.type == "cpu" and self._restore_kernels is None:
             undo: list[Callable[[], None]] = []
+            installs = [host_norm.install, host_rope.install]
+            if self.compute_dtype == torch.bfloat16:
+                installs.append(host_linear.install)
             try:
-                for install in (host_norm.install, host_rope.install, host_linear.install):
+                for install in installs:
                     undo.append(install(self.model))
             except BaseException:
                 for done in reversed(undo):

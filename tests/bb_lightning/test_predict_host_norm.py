@@ -2,7 +2,9 @@
 and rotary embeddings through the compiled kernels (``engine.host_norm``,
 ``engine.host_rope``) and predicts Hugging Face greedy ``generate``'s tokens (fp32) from a
 ``save_pretrained`` directory; other norms keep their class ``forward``, and the module's
-norms and its model file's rotary function come back when the engine hands it back."""
+norms and its model file's rotary function come back when the engine hands it back. In
+bf16, where the CPU has matrix tiles, its linear layers run ``engine.host_linear`` and
+predict the tokens torch's products do."""
 
 from __future__ import annotations
 

@@ -31,12 +31,12 @@ def test_host_linear_bench_prints_both_times_and_their_ratio(tmp_path: Path) -> 
     if host_linear.kernel() is None:
         assert "no bf16 matrix tiles here" in out and written["figures"]["kernel"] is False
         pytest.skip("no bf16 matrix tiles: the benchmark times nothing")
-    line = r"64 x 96, (\d+) rows: torch (\d+) us, kernel (\d+) us, torch / kernel = ([\d.]+)"
+    line = r"64 x 96, (\d+) rows: torch \d+ us, kernel \d+ us, torch / kernel = ([\d.]+)"
     found = re.findall(line, out)
     assert [int(m[0]) for m in found] == [1, 33], out
     products = written["figures"]["products"]
-    for m, t, o, ratio in found:
-        assert float(ratio) == pytest.approx(int(t) / max(int(o), 1), rel=0.5, abs=0.05)
+    for m, ratio in found:
         entry = products[f"64x96x{m}"]
         assert entry["speedup"] == pytest.approx(entry["torch_us"] / entry["kernel_us"])
+        assert float(ratio) == pytest.approx(entry["speedup"], abs=0.006)  # printed rounded
         assert entry["equal_share"] > 0.9  # 64-term sums: the two orders rarely round apart

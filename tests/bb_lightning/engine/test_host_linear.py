@@ -35,7 +35,8 @@ def _ulp(t: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, exp - 8)
 
 
-SHAPES = [(1, 32, 32), (7, 64, 96), (16, 1024, 64), (33, 256, 64), (100, 96, 128), (128, 2816, 96)]
+SHAPES = [(1, 32, 32), (7, 64, 96), (16, 1024, 64), (20, 64, 32), (33, 256, 64), (50, 96, 64),
+          (100, 96, 128), (128, 2816, 96), (192, 128, 64)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
@@ -76,7 +77,7 @@ def test_products_round_the_fp32_sum_like_torch(
     assert ((got - exact).abs() <= _ulp(exact) / 2 + slack).all()
     theirs = F.linear(x, w).double()
     differ = got != theirs
-    assert differ.double().mean() < 1e-3
+    assert int(differ.sum()) <= max(2, got.numel() // 1000)
     assert ((got - theirs).abs() <= torch.maximum(_ulp(theirs), 2 * slack)).all()
 
 
@@ -88,8 +89,20 @@ def test_the_output_has_the_input_shape_and_nan_stays_nan(
     w = torch.randn(32, 64).to(torch.bfloat16)
     got = tiles(x, w)
     assert got.shape == (2, 3, 32)
-    assert got[0, 1].isnan().all() and not got[1].isnan().any()
+    assert (got[0, 1].view(torch.int16) == 0x7FC0).all()  # the quiet NaN torch converts to
+    assert not got[1].isnan().any()
     assert torch.equal(got[1], F.linear(x[1], w))
+
+
+def test_a_weight_that_is_a_view_of_rows(tiles: Callable[..., torch.Tensor]) -> None:
+    """A weight cut out of a larger one (rows 32-95: a storage offset) is read from its own
+    first row."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randint(-4, 5, (160, 64), generator=g).to(torch.bfloat16)
+    x = torch.randint(-4, 5, (40, 64), generator=g).to(torch.bfloat16)
+    w = big[32:96]
+    assert w.storage_offset() > 0 and w.is_contiguous()
+    assert torch.equal(tiles(x, w), (x.double() @ w.double().T).to(torch.bfloat16))
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -134,6 +147,9 @@ def test_calls_outside_the_kernel_run_the_class_forward(
         assert torch.equal(traced(x.detach()), F.linear(x.detach(), lin.weight))
         torch.vmap(lin)(x.detach()[None])
     assert len(calls) == 2
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x.detach())  # under autocast: the class's
+    assert len(calls) == 2
     restore()
     assert "forward" not in vars(lin) and "forward" not in vars(biased)
 
@@ -149,6 +165,10 @@ def test_install_swaps_only_plain_linears_and_restores(
     assert [type(m).__name__ for m in model.modules() if "forward" in vars(m)] == ["Linear"]
     restore()
     assert [m for m in model.modules() if "forward" in vars(m)] == []
+    restore = host_linear.install(model)
+    later = model[0].forward = lambda x: x  # set over ours after the install: it stays
+    restore()
+    assert vars(model[0])["forward"] is later
 
 
 def test_no_kernel_no_swap(monkeypatch: pytest.MonkeyPatch) -> None:
