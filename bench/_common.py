@@ -118,6 +118,24 @@ def cpu_kind() -> str:
     return "no_bf16"
 
 
+def best_seconds(runs: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
+    """Least seconds of each of ``runs`` over repeats within ``seconds`` (at least three
+    each), taken in turns, one of each per round, so that a neighbour's load on this
+    shared machine slows each of them alike and their ratio holds."""
+    for run in runs.values():
+        run()  # warm-up
+    best = dict.fromkeys(runs, float("inf"))
+    rounds = 0
+    deadline = time.perf_counter() + seconds
+    while rounds < 3 or time.perf_counter() < deadline:
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        rounds += 1
+    return best
+
+
 def machine(nvme_dir: Path | None) -> str:
     """Lines describing this machine, the NVMe directory's filesystem and the versions."""
     mem = psutil.virtual_memory()

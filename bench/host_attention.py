@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -47,24 +46,6 @@ from bb_lightning.probe.host_memory import probe_host_attention, probe_host_read
 from storage.io import mapped_zeros
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _best_seconds(runs: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
-    """Least seconds of each of ``runs`` over repeats within ``seconds`` (at least three
-    each), taken in turns, one of each per round, so that a neighbour's load on this
-    shared machine slows each of them alike and their ratio holds."""
-    for run in runs.values():
-        run()  # warm-up
-    best = dict.fromkeys(runs, float("inf"))
-    rounds = 0
-    deadline = time.perf_counter() + seconds
-    while rounds < 3 or time.perf_counter() < deadline:
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-        rounds += 1
-    return best
 
 
 def _read(*tensors: torch.Tensor) -> None:
@@ -120,7 +101,7 @@ def _in_cache_rate(
     shape = (seqs, kv_heads, positions, dim)
     run = partial(decode_attention, nn.Module(), q, k.expand(shape), v.expand(shape), None)
     with torch.inference_mode():
-        best = _best_seconds({"attend": run}, seconds)
+        best = _common.best_seconds({"attend": run}, seconds)
     return 2 * seqs * kv_heads * positions * dim * elem / best["attend"], 2 * k.nbytes
 
 
@@ -198,7 +179,7 @@ def main() -> None:
             if kernel is not None:
                 runs["torch"] = partial(_torch_products, module, q, k, v)
             with torch.inference_mode():  # as the engine decodes
-                best = _best_seconds(runs, 2 * args.seconds)
+                best = _common.best_seconds(runs, 2 * args.seconds)
             attend, read = best["attend"], best["read"]
             beside = ""
             if kernel is not None:

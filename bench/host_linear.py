@@ -20,8 +20,6 @@ Run: ``.venv/bin/python bench/host_linear.py [--rows 1,16,64,128,256,512] [--jso
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import _common
 import torch
@@ -41,20 +39,6 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=2.0, help="timing per row count")
     parser.add_argument("--json", default=None, help="write the figures here as JSON")
     return parser.parse_args()
-
-
-def _best(runs: dict[str, Callable[[], None]], seconds: float) -> dict[str, float]:
-    """Fastest seconds of each run, the runs in turns for at least three rounds and
-    ``seconds``."""
-    best = dict.fromkeys(runs, float("inf"))
-    rounds, deadline = 0, time.perf_counter() + seconds
-    while rounds < 3 or time.perf_counter() < deadline:
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-        rounds += 1
-    return best
 
 
 def main() -> None:
@@ -85,7 +69,7 @@ def main() -> None:
                     kern(x, w)
 
             with torch.inference_mode():
-                best = _best({"torch": theirs, "kernel": ours}, args.seconds)
+                best = _common.best_seconds({"torch": theirs, "kernel": ours}, args.seconds)
                 same = float((kern(x, weights[0]) == F.linear(x, weights[0])).double().mean())
             t, o = best["torch"] / count, best["kernel"] / count
             print(

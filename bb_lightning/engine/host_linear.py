@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from bb_lightning.engine import native
-from bb_lightning.engine.host_norm import eager
+from bb_lightning.engine.host_norm import eager, plain_cpu
 
 __all__ = ["MAX_ROWS", "install", "kernel"]
 
@@ -47,14 +47,13 @@ torch's products spread their copy of the weight over enough rows to run as fast
 (``bench/host_linear.py`` measures both)."""
 
 _loaded: dict[str, _Kernel | None] = {}
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.bb_linear_bf16
-        self._fn.argtypes = [ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, ptr]
         self._fn.restype = ctypes.c_int
         lib.bb_host_linear_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_linear_team_threads()) and native._one_openmp_runtime()
@@ -98,15 +97,9 @@ def _forward(kern: _Kernel, module: nn.Module, input: Tensor) -> Tensor:
     if (
         not eager()
         or torch.is_autocast_enabled("cpu")
-        or not isinstance(w, Tensor)
         or getattr(module, "bias", None) is not None
-        or type(x) is not Tensor
-        or type(w) not in (Tensor, nn.Parameter)
-        or x.layout != torch.strided
-        or w.layout != torch.strided
-        or x.is_nested
-        or x.device.type != "cpu"
-        or w.device.type != "cpu"
+        or not isinstance(w, Tensor)
+        or not plain_cpu(x, w)
         or x.dtype != torch.bfloat16
         or w.dtype != torch.bfloat16
         or w.ndim != 2

@@ -41,6 +41,7 @@ __all__ = [
     "eager",
     "install",
     "kernel",
+    "plain_cpu",
     "plain_rms_norm",
     "reads_as",
 ]
@@ -188,19 +189,29 @@ def eager() -> bool:
     )
 
 
+def plain_cpu(x: object, w: object) -> bool:
+    """Whether ``x`` (a tensor) and ``w`` (a tensor or a parameter) are strided CPU tensors,
+    ``x`` not nested: what a kernel that reads their data pointers can take."""
+    return (
+        isinstance(x, Tensor)
+        and isinstance(w, Tensor)
+        and type(x) is Tensor
+        and type(w) in (Tensor, nn.Parameter)
+        and x.layout == torch.strided
+        and w.layout == torch.strided
+        and not x.is_nested
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+    )
+
+
 def _forward(kern: _Kernel, module: nn.Module, hidden_states: Tensor) -> Tensor:
     x, w = hidden_states, getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
     if (
         not eager()
         or not isinstance(w, Tensor)
-        or type(x) is not Tensor
-        or type(w) not in (Tensor, nn.Parameter)
-        or x.layout != torch.strided
-        or w.layout != torch.strided
-        or x.is_nested
-        or x.device.type != "cpu"
-        or w.device.type != "cpu"
+        or not plain_cpu(x, w)
         or x.dtype not in DTYPES
         or w.dtype != x.dtype
         or w.ndim != 1
