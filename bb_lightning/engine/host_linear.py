@@ -81,9 +81,7 @@ def kernel() -> _Kernel | None:
 def _load(compiler: str) -> _Kernel | None:
     if shutil.which(compiler) is None:
         return None  # the decode attention kernel's loader says so once
-    info = native._cpuinfo()
-    flags = next((v.split() for k, v in info or () if k == "flags"), [])
-    if "amx_bf16" not in flags or "amx_tile" not in flags:
+    if not {"amx_bf16", "amx_tile"} <= native._cpu_flags():
         return None  # no tiles to build for
     lib = native.load_library(SOURCE, compiler, "bf16 products with few rows run torch's")
     if lib is None:

@@ -197,10 +197,21 @@ def _cpuinfo() -> list[tuple[str, str]] | None:
     return [(k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in text.splitlines())]
 
 
+def _cpu_field(name: str) -> str:
+    """The first CPU's ``name`` line of ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    return next((v for k, v in _cpuinfo() or () if k == name), "")
+
+
 def _cpu_vendor() -> str:
     """The CPU's maker as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``;
     empty where it cannot be read)."""
-    return next((v for k, v in _cpuinfo() or () if k == "vendor_id"), "")
+    return _cpu_field("vendor_id")
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as ``/proc/cpuinfo`` lists them (``amx_bf16``, ``avx512f``,
+    ...; empty where it cannot be read)."""
+    return frozenset(_cpu_field("flags").split())
 
 
 def _cpu_signature() -> str:

@@ -132,14 +132,15 @@ def host_kernel() -> host_norm._Kernel:
 
 
 @pytest.fixture
-def count_host_kernel(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[int]]:
-    """``count(method)`` wraps the compiled kernel's ``method`` ("__call__": the norm, "rope")
-    and returns the list each of its calls appends to."""
+def count_host_kernel(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[int]]:
+    """``count(method, kind=host_norm._Kernel)`` wraps the compiled kernel class ``kind``'s
+    ``method`` ("__call__": the norm, "rope"; ``host_linear._Kernel``'s "__call__": the
+    product) and returns the list each of its calls appends to."""
 
-    def count(method: str) -> list[int]:
+    def count(method: str, kind: type = host_norm._Kernel) -> list[int]:
         calls: list[int] = []
-        real = getattr(host_norm._Kernel, method)
-        monkeypatch.setattr(host_norm._Kernel, method,
+        real = getattr(kind, method)
+        monkeypatch.setattr(kind, method,
                             lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
         return calls
 

@@ -78,17 +78,15 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
 def test_predict_bf16_runs_its_products_on_the_matrix_tiles(
-    family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    count_host_kernel: Callable[..., list[int]],
+) -> None:  # fmt: skip
     """In bf16 the model's linear layers of few rows run the matrix-tile product where the CPU
     has one (``engine.host_linear``): the greedy tokens equal a run with torch's products, and
     the module handed back runs its own ``forward``."""
     if shutil.which(os.environ.get("CC", "cc")) is None or host_linear.kernel() is None:
         pytest.skip("no C compiler or no bf16 matrix tiles: torch's products run")
-    calls: list[int] = []
-    real = host_linear._Kernel.__call__
-    monkeypatch.setattr(host_linear._Kernel, "__call__",
-                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+    calls = count_host_kernel("__call__", host_linear._Kernel)
     path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (3, 7), generator=g)

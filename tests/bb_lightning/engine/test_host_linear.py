@@ -105,18 +105,10 @@ def test_a_weight_that_is_a_view_of_rows(tiles: Callable[..., torch.Tensor]) -> 
     assert torch.equal(tiles(x, w), (x.double() @ w.double().T).to(torch.bfloat16))
 
 
-def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = host_linear._Kernel.__call__
-    monkeypatch.setattr(host_linear._Kernel, "__call__",
-                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
-    return calls
-
-
 def test_calls_outside_the_kernel_run_the_class_forward(
-    tiles: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    tiles: Callable[..., torch.Tensor], count_host_kernel: Callable[..., list[int]]
 ) -> None:
-    calls = _counted(monkeypatch)
+    calls = count_host_kernel("__call__", host_linear._Kernel)
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=True)).bfloat16()
     restore = host_linear.install(model)
     lin, biased = model[0], model[1]
