@@ -79,10 +79,18 @@ class _Kernel:
         lib.bb_host_ops_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_ops_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares its rows among the calling thread's OpenMP team."""
+        self._silu_mul = lib.bb_silu_mul
+        self._silu_mul.argtypes = [ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR]
+        self._silu_mul.restype = ctypes.c_int
+        self._silu_table = torch.nn.functional.silu(_every_bf16()).float()
+        """torch's bf16 ``F.silu`` of each bf16 bit pattern, as floats (the kernel's table)."""
         self.rope_dtypes = frozenset(d for d in DTYPES if self._rope_exact(d))
         """Dtypes whose rotary embedding the build computes bit for bit as torch's operations
         (checked at load: a compiler that fuses the fp32 products into multiply-adds despite
         the source's pragma loses fp32)."""
+        self.silu_mul_exact = self._silu_mul_exact()
+        """Whether :meth:`silu_mul` equals torch's ``F.silu(g) * u`` bit for bit (checked at
+        load on every bf16 ``g``)."""
 
     def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """The norm of contiguous ``x`` (rows of ``weight.numel()`` elements) into a new
@@ -96,6 +104,23 @@ class _Kernel:
         if rc != 0:
             raise ValueError(f"RMS norm kernel: dtype {x.dtype} unsupported")
         return y
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        """``F.silu(gate) * up`` of contiguous bf16 ``gate`` and ``up`` of one shape, in one
+        pass, into a new tensor of that shape (the SiLU looked up in torch's own results)."""
+        y = torch.empty(gate.shape, dtype=torch.bfloat16, device="cpu")
+        threads = torch.get_num_threads() if self.team else 1
+        self._silu_mul(threads, gate.numel(), gate.data_ptr(), up.data_ptr(),
+                       self._silu_table.data_ptr(), y.data_ptr())  # fmt: skip
+        return y
+
+    def _silu_mul_exact(self) -> bool:
+        g = torch.Generator().manual_seed(0)
+        gate, up = _every_bf16(), torch.randn(1 << 16, generator=g).mul(4).to(torch.bfloat16)
+        mine, torch_s = self.silu_mul(gate, up), torch.nn.functional.silu(gate) * up
+        return torch.equal(mine.isnan(), torch_s.isnan()) and torch.equal(
+            mine.nan_to_num(0.0), torch_s.nan_to_num(0.0)
+        )
 
     def _rope_exact(self, dtype: torch.dtype) -> bool:
         """Whether :meth:`rope` equals torch's operations bit for bit on a fixed input."""
@@ -119,6 +144,11 @@ class _Kernel:
         if rc != 0:
             raise ValueError(f"rotary kernel: dtype {x.dtype} or odd width {x.shape[-1]}")
         return y
+
+
+def _every_bf16() -> Tensor:
+    """Each of the 65,536 bf16 values, the one of bit pattern ``i`` at index ``i``."""
+    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).roll(1 << 15).view(torch.bfloat16)
 
 
 def kernel() -> _Kernel | None:

@@ -25,12 +25,25 @@
  * bf16 (the products are exact in fp32 before that), in fp32 each to fp32 (no fused
  * multiply-add): the results equal torch's bit for bit.
  *
+ * Gated MLP activation (Llama's `act_fn(gate_proj(x)) * up_proj(x)` with act_fn = SiLU), bf16:
+ *
+ *     y[i] = bf16(silu(g[i]) * u[i])     (silu(g) the bf16 torch's F.silu gives for g)
+ *
+ * torch runs it as two operations, two passes over the activations. Here silu is looked up
+ * in a table of torch's own results for each of the 65,536 bf16 values (as floats, built by
+ * the caller with F.silu), and the product is computed in fp32 and rounded to bf16 to
+ * nearest even as torch's product rounds it: the results equal torch's bit for bit, a NaN
+ * kept a NaN (its payload as the CPU's own conversion keeps it: sign and upper bits, quiet).
+ *
  * The rows are shared among the calling thread's OpenMP team of `threads` (torch's own,
  * when built with OpenMP); built without it, the caller runs them all.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -165,6 +178,58 @@ int bb_rope(int threads, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t 
                 rope_f32((const float *)x + xo, (const float *)cos + co,
                          (const float *)sin + so, (float *)y + yo, half);
         }
+    }
+    return 0;
+}
+
+/* A product rounded to bf16 to nearest even; a NaN stays a NaN with its sign and upper
+ * payload bits, made quiet. */
+static inline uint16_t product_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512F__)
+static inline __m256i product_bf16x16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(up, nan, quiet), 16));
+}
+#endif
+
+static void silu_mul_span(const uint16_t *restrict g, const uint16_t *restrict u,
+                          const float *restrict table, uint16_t *restrict y, int64_t i,
+                          int64_t end) {
+#if defined(__AVX512F__)
+    for (; i + 16 <= end; i += 16) {
+        __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i)));
+        __m512 s = _mm512_i32gather_ps(index, table, 4);
+        __m512i ubits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + i)));
+        __m512 uf = _mm512_castsi512_ps(_mm512_slli_epi32(ubits, 16));
+        _mm256_storeu_si256((__m256i *)(y + i), product_bf16x16(_mm512_mul_ps(s, uf)));
+    }
+#endif
+    for (; i < end; i++) y[i] = product_bf16(table[g[i]] * bf16_float(u[i]));
+}
+
+#define SILU_MUL_SPAN 8192
+/* y = bf16(table[g] * u) over `n` bf16 elements of contiguous g, u and y; `table` holds the
+ * 65,536 floats silu(v) for each bf16 bit pattern v. */
+int bb_silu_mul(int threads, int64_t n, const void *g, const void *u, const float *table,
+                void *y) {
+    int64_t spans = (n + SILU_MUL_SPAN - 1) / SILU_MUL_SPAN;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t s = 0; s < spans; s++) {
+        int64_t end = (s + 1) * SILU_MUL_SPAN < n ? (s + 1) * SILU_MUL_SPAN : n;
+        silu_mul_span((const uint16_t *)g, (const uint16_t *)u, table, (uint16_t *)y,
+                      s * SILU_MUL_SPAN, end);
     }
     return 0;
 }

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from bb_lightning.engine import host_linear, host_norm, host_rope
+from bb_lightning.engine import host_linear, host_mlp, host_norm, host_rope
 from bb_lightning.engine.blocks import PagedBlocks
 from bb_lightning.engine.flat import (
     ParamLoader,
@@ -193,15 +193,16 @@ class InferenceEngine:
 
     def kernels_on(self) -> None:
         """On a CPU device, run the model's Llama-family RMS norms and rotary embeddings (and,
-        computing in bf16, its products of few rows) through the compiled kernels
-        (:func:`~bb_lightning.engine.host_norm.install`,
+        computing in bf16, its gated MLPs' activation and product and its products of few
+        rows) through the compiled kernels (:func:`~bb_lightning.engine.host_norm.install`,
         :func:`~bb_lightning.engine.host_rope.install`,
+        :func:`~bb_lightning.engine.host_mlp.install`,
         :func:`~bb_lightning.engine.host_linear.install`) until :meth:`kernels_off`."""
         if self.device.type == "cpu" and self._restore_kernels is None:
             undo: list[Callable[[], None]] = []
             installs = [host_norm.install, host_rope.install]
             if self.compute_dtype == torch.bfloat16:
-                installs.append(host_linear.install)
+                installs += [host_mlp.install, host_linear.install]
             try:
                 for install in installs:
                     undo.append(install(self.model))
@@ -217,7 +218,7 @@ class InferenceEngine:
             self._restore_kernels = restore
 
     def kernels_off(self) -> None:
-        """Give the model's RMS norms and linear layers their class ``forward`` and its model
+        """Give the model's RMS norms, MLPs and linear layers their class ``forward`` and its model
         files their ``apply_rotary_pos_emb`` back (the module handed back runs as the user
         built it)."""
         if self._restore_kernels is not None:

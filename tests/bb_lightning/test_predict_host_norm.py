@@ -3,13 +3,11 @@ and rotary embeddings through the compiled kernels (``engine.host_norm``,
 ``engine.host_rope``) and predicts Hugging Face greedy ``generate``'s tokens (fp32) from a
 ``save_pretrained`` directory; other norms keep their class ``forward``, and the module's
 norms and its model file's rotary function come back when the engine hands it back. In
-bf16, where the CPU has matrix tiles, its linear layers run ``engine.host_linear`` and
-predict the tokens torch's products do."""
+bf16 its gated MLPs run ``engine.host_mlp`` and, where the CPU has matrix tiles, its linear
+layers ``engine.host_linear``, and it predicts the tokens torch's operations do."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine import host_linear
+from bb_lightning.engine import host_linear, host_mlp
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -77,16 +75,17 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
-def test_predict_bf16_runs_its_products_on_the_matrix_tiles(
+def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
     family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    count_host_kernel: Callable[..., list[int]],
+    host_kernel: object, count_host_kernel: Callable[..., list[int]],
 ) -> None:  # fmt: skip
-    """In bf16 the model's linear layers of few rows run the matrix-tile product where the CPU
-    has one (``engine.host_linear``): the greedy tokens equal a run with torch's products, and
-    the module handed back runs its own ``forward``."""
-    if shutil.which(os.environ.get("CC", "cc")) is None or host_linear.kernel() is None:
-        pytest.skip("no C compiler or no bf16 matrix tiles: torch's products run")
+    """In bf16 the model's gated MLPs run the one-pass SiLU and product
+    (``engine.host_mlp``), and its linear layers of few rows the matrix-tile product where the
+    CPU has one (``engine.host_linear``): the greedy tokens equal a run with torch's
+    operations, and the module handed back runs its own ``forward``."""
+    tiles = host_linear.kernel() is not None
     calls = count_host_kernel("__call__", host_linear._Kernel)
+    mlps = count_host_kernel("silu_mul")
     path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (3, 7), generator=g)
@@ -106,11 +105,13 @@ def test_predict_bf16_runs_its_products_on_the_matrix_tiles(
         assert [m for m in module.modules() if "forward" in vars(m)] == []
         return records
 
-    tiles = run("tiles")
-    steps = max(len(r["token_ids"]) for r in tiles[0])  # type: ignore[index]
-    # at least o, gate, up and down of each block (16 k and v columns, Qwen2's biased q, k, v
-    # run the class's), at the prefill and each step
-    assert steps >= 1 and len(calls) >= 2 * 4 * steps
+    kernels = run("kernels")
+    steps = max(len(r["token_ids"]) for r in kernels[0])  # type: ignore[index]
+    # each block's MLP at the prefill and each step; with the tiles, at least o, gate, up and
+    # down of each block (16 k and v columns, Qwen2's biased q, k, v run the class's)
+    assert steps >= 1 and len(mlps) >= 2 * steps
+    assert len(calls) >= 2 * 4 * steps if tiles else not calls
     monkeypatch.setattr(host_linear, "kernel", lambda: None)
-    before = len(calls)
-    assert run("torch") == tiles and len(calls) == before
+    monkeypatch.setattr(host_mlp, "install", lambda model: lambda: None)
+    before = len(calls), len(mlps)
+    assert run("torch") == kernels and (len(calls), len(mlps)) == before
