@@ -53,7 +53,7 @@ HUGE_PAGE = 2 << 20
 """Bytes of a transparent huge page on x86-64; a mapping at least this long asks for them."""
 
 
-def anonymous_map(nbytes: int) -> mmap.mmap:
+def anonymous_map(nbytes: int, *, huge: bool = True) -> mmap.mmap:
     """A private anonymous mapping of ``nbytes`` (> 0) bytes, page-aligned, its pages touched
     on first use, and asked to be backed by transparent huge pages where the kernel offers
     them (``MADV_HUGEPAGE``; the default ``madvise`` mode of
@@ -65,10 +65,14 @@ def anonymous_map(nbytes: int) -> mmap.mmap:
 
     A forked child does not inherit the mapping (``MADV_DONTFORK``): a DataLoader worker
     forked beside a store would otherwise keep the pages the parent rewrites after the
-    fork (copy-on-write), up to a second copy of the whole arena, and never reads them."""
+    fork (copy-on-write), up to a second copy of the whole arena, and never reads them.
+
+    ``huge=False`` asks for no huge pages: a buffer written once soon after it is mapped (a
+    KV cache a prefill fills), where a fresh huge page's first touch can cost more than its
+    reads save (in a virtual machine the host may back each 4 KiB of it on first touch)."""
     mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = [getattr(mmap, "MADV_DONTFORK", None)]
-    if nbytes >= HUGE_PAGE:
+    if huge and nbytes >= HUGE_PAGE:
         advice.append(getattr(mmap, "MADV_HUGEPAGE", None))
     for option in advice:
         if option is not None:
@@ -77,22 +81,23 @@ def anonymous_map(nbytes: int) -> mmap.mmap:
     return mapped
 
 
-def mapped_empty(nbytes: int) -> torch.Tensor:
+def mapped_empty(nbytes: int, *, huge: bool = True) -> torch.Tensor:
     """A ``uint8`` CPU tensor of ``padded(nbytes)`` bytes over its own :func:`anonymous_map`
     (page-aligned; the mapping lives as long as a view of it does): for large buffers that
     NVMe transfers land in."""
     size = padded(nbytes)
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(anonymous_map(size), dtype=torch.uint8)
+    return torch.frombuffer(anonymous_map(size, huge=huge), dtype=torch.uint8)
 
 
-def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, huge: bool = True) -> torch.Tensor:
     """A zeroed CPU tensor of ``shape`` and ``dtype`` over its own :func:`anonymous_map` (its
-    pages touched, in huge pages where the kernel gives them, as first written): a KV cache
-    on the host, which decode attention reads whole each step."""
+    pages zeroed by the kernel as first touched, in huge pages where the kernel gives them
+    unless ``huge=False``; nothing writes the zeros beforehand): a KV cache on the host, which
+    decode attention reads whole each step."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return mapped_empty(nbytes)[:nbytes].view(dtype).view(shape)
+    return mapped_empty(nbytes, huge=huge)[:nbytes].view(dtype).view(shape)
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:

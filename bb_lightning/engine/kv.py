@@ -121,9 +121,14 @@ class KVCache:
         self.cache = StaticCache(config=config, max_cache_len=max_len, offloading=offload)
         self.pager: KVPager | None = None
         """The paging of the layers homed in the store's host tier (None: not paged)."""
+        on_cpu = device is not None and device.type == "cpu"
         for layer in self.cache.layers if not paged else ():
             if type(layer) is StaticLayer:
                 layer.update = partial(_update_slices, layer)  # type: ignore[method-assign]
+                if on_cpu:  # zeroed as first written, in 4 KiB pages (see _init_on_host)
+                    layer.lazy_initialization = partial(  # type: ignore[method-assign]
+                        _init_on_host, layer, None, _own_init(layer), huge=False
+                    )
         if paged:
             assert store is not None
             self.pager = KVPager(store)
@@ -277,16 +282,22 @@ def _own_init(layer: Any) -> Any:
 
 
 def _init_on_host(
-    layer: Any, directory: Path | None, own: Any, *keys_values: Tensor, **states: Any
-) -> None:
+    layer: Any, directory: Path | None, own: Any, *keys_values: Tensor, huge: bool = True,
+    **states: Any,
+) -> None:  # fmt: skip
     """A static layer's first-update allocation (transformers' ``lazy_initialization``): its
     keys and values ``[batch, heads, max_cache_len, dim]`` zeroed in host memory
     (:func:`storage.io.mapped_zeros`: decode attention reads faster from huge pages), or with a
     ``directory`` as shared memory maps of zeroed files there (a dry run's accountant takes
     host allocations as host memory). A hybrid layer's convolution and recurrent states
     (called with them as keywords: Falcon-H1's mamba beside attention) go to ``own``, the
-    layer's own allocation, on the device beside the model's state layers."""
-    if states or len(keys_values) != 2:
+    layer's own allocation, on the device beside the model's state layers.
+
+    On a CPU device the cache's own layers (``huge=False``) are allocated here too, as
+    anonymous memory the kernel zeroes page by page as the prefill first writes it, where
+    torch's zeros write every byte once more before that; in 4 KiB pages, whose first touch
+    costs less than a fresh huge page's. A meta layer (a dry run's device cache) keeps its own."""
+    if states or len(keys_values) != 2 or (not huge and keys_values[0].device.type != "cpu"):
         own(*keys_values, **states)
         return
     key_states, value_states = keys_values
@@ -301,7 +312,8 @@ def _init_on_host(
         if directory is None:  # huge pages; a dry run's accountant counts torch's zeros
             meta = key_states.device.type == "meta"
             on_host = torch.zeros(shape, dtype=dtype, device="cpu") if meta else None
-            setattr(layer, name, mapped_zeros(shape, dtype) if on_host is None else on_host)
+            zeros = mapped_zeros(shape, dtype, huge=huge) if on_host is None else on_host
+            setattr(layer, name, zeros)
             continue
         path = directory / f"{id(layer)}.{name}"
         numel = math.prod(shape)

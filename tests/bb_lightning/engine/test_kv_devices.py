@@ -72,6 +72,25 @@ def test_a_host_cache_lives_in_a_mapping_that_asks_for_huge_pages() -> None:
             assert buf[:, :, :5].abs().sum() > 0 and not buf[:, :, 5:].any()
 
 
+def test_a_cpu_device_cache_is_zeroed_by_the_kernel_in_small_pages() -> None:
+    """On a CPU device each layer's keys and values are a private mapping of their own
+    (``MADV_DONTFORK``, "dc"), not advised huge pages: the kernel zeroes each page as the
+    prefill first writes it, and the positions not written read zero."""
+    from ...storage.test_host_buffers import _vm_flags
+
+    model = tiny_llama().eval()
+    kv = KVCache(model.config, rows=64, max_len=512, device=torch.device("cpu"))
+    ids = torch.randint(0, 128, (64, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=kv.cache, use_cache=True)
+    for layer in kv.cache.layers:
+        for buf in (layer.keys, layer.values):
+            assert buf.device.type == "cpu" and buf.nbytes >= 2 << 20
+            flags = _vm_flags(buf.data_ptr())
+            assert "dc" in flags and "hg" not in flags
+            assert buf[:, :, :5].abs().sum() > 0 and not buf[:, :, 5:].any()
+
+
 def test_a_host_layer_writes_what_the_class_writes_and_leaves_the_rest_to_it() -> None:
     """A layer on the host writes its new rows as slices: the same buffers and counter as
     transformers' ``index_copy_`` update, over a prefill and two decode steps; a layer on
@@ -83,7 +102,7 @@ def test_a_host_layer_writes_what_the_class_writes_and_leaves_the_rest_to_it() -
     ours = KVCache(model.config, rows=3, max_len=10, device=torch.device("cpu"))
     theirs = KVCache(model.config, rows=3, max_len=10, device=torch.device("cpu"))
     for layer in theirs.cache.layers:
-        del layer.update  # the class's own
+        del layer.update, layer.lazy_initialization  # the class's own (torch's zeros)
     with torch.no_grad():
         for kv in (ours, theirs):
             out = model(input_ids=ids, past_key_values=kv.cache, use_cache=True)
