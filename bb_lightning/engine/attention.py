@@ -9,7 +9,9 @@ products and a softmax). :func:`decode_attention` computes the same attention as
 batched products, the scores and then ``softmax·V``, with the softmax in fp32, grouping
 query heads over their key/value head (GQA: the heads of a group are rows of one product,
 so the cache is read once); every other call (prefill, training, softcapping, attention
-sinks, position bias, dropout) goes to transformers' ``sdpa`` function unchanged.
+sinks, position bias, dropout) goes to transformers' ``sdpa`` function unchanged, but for a
+bf16 prefill on a CPU with matrix tiles, which runs on the tiles where it computes what
+``sdpa`` would (:func:`_prefill_on_tiles`).
 
 The step reads every cached key and value once against a few FLOPs each, in products
 one row per query head of a group: on a host of few cores the products' arithmetic, not
@@ -70,7 +72,9 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from bb_lightning.engine import host_linear
 from bb_lightning.engine.groups import host_turn
+from bb_lightning.engine.host_norm import eager
 from bb_lightning.engine.native import NativeAttention, kernel
 from storage.threads import single_threaded
 
@@ -134,6 +138,10 @@ def _decode(
     calling thread's OpenMP team (the caller runs the model's own operations on the CPU)."""
     if attention_mask is not None:
         key, value, attention_mask = attended_prefix(key, value, attention_mask)
+    if query.shape[2] != 1:
+        out = _prefill_on_tiles(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if out is not None:
+            return out, None
     if (
         query.shape[2] != 1
         or dropout != 0.0
@@ -178,6 +186,84 @@ def _decode(
 
     _run(_chunks(key, value, threads), threads, chunk)
     return out.reshape(batch, 1, heads, -1), None
+
+
+def _prefill_on_tiles(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+    dropout: float, scaling: float | None, kwargs: dict[str, Any],
+) -> Tensor | None:  # fmt: skip
+    """A prefill's attention on the CPU's matrix tiles (:meth:`~bb_lightning.engine.
+    host_linear._Kernel.prefill_attention`) where it computes what transformers' ``sdpa``
+    function would: bf16 CPU tensors with contiguous rows, no autograd graph to record, torch
+    running eagerly, a head size that is a multiple of 32 up to 256, at most
+    :data:`PREFILL_SCORES` scores a head, no dropout or option the kernel lacks, and a mask
+    the kernel takes (:func:`_additive_mask`) or none (then causal as ``sdpa`` decides it,
+    over the first ``q_len`` keys as ``sdpa`` slices them); None for every other call."""
+    ts = (query, key, value)
+    if (
+        dropout != 0.0
+        or kwargs.get("output_attentions", False)
+        or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+        or any(type(t) is not Tensor or t.dim() != 4 for t in ts)
+        or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in ts)
+        or any(t.stride(-1) != 1 for t in ts)
+        or not eager()
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+    ):
+        return None
+    batch, heads, q_len, dim = query.shape
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3]:
+        return None
+    if key.shape[-1] != dim or value.shape[-1] != dim or dim % 32 or dim > 256:
+        return None
+    if heads % key.shape[1] or -(-q_len // 32) * -(-key.shape[2] // 32) * 1024 > PREFILL_SCORES:
+        return None
+    tiles = host_linear.kernel()
+    if tiles is None:
+        return None
+    causal, additive = False, None
+    if mask is None:
+        asked = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if asked is None else asked)
+        if causal:  # sdpa's upper-left causal mask over the first q_len keys
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+            if key.shape[2] != q_len:
+                return None
+    else:
+        additive = _additive_mask(mask, batch, heads, q_len, key.shape[2])
+        if additive is None:
+            return None
+    scale = dim**-0.5 if scaling is None else scaling
+    return tiles.prefill_attention(query, key, value, additive, causal, scale)
+
+
+PREFILL_SCORES = 1 << 19
+"""Most scores (queries x keys, each rounded up to 32) of one head the matrix-tile prefill
+attention serves: each thread keeps a head's scores and weights (6 bytes each) in its
+caches; a longer prompt runs ``sdpa``."""
+
+
+def _additive_mask(
+    mask: Tensor, batch: int, heads: int, q_len: int, kv_len: int
+) -> Tensor | None:  # fmt: skip
+    """``mask`` as the matrix-tile attention takes it, fp32, ``[1 or batch, 1 or heads, 1 or
+    q_len, kv_len]``, finite: a boolean's False and a float's -inf as fp32's lowest value,
+    which leaves a weight of exactly 0 beside any key attended (a query whose every key has
+    it, a left-padded prompt's padding, gets zeros, as ``sdpa`` gives). None for any other
+    shape or dtype."""
+    shape = tuple(mask.shape)
+    if len(shape) != 4 or shape[-1] != kv_len or shape[0] not in (1, batch):
+        return None
+    if shape[1] not in (1, heads) or shape[2] not in (1, q_len):
+        return None
+    lowest = torch.finfo(torch.float32).min
+    if mask.device.type != "cpu":
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(shape, dtype=torch.float32).masked_fill_(~mask, lowest)
+    if not mask.is_floating_point():
+        return None
+    return mask.float().clamp(min=lowest).contiguous()
 
 
 def _run(chunks: list[tuple[slice, slice]], threads: int,

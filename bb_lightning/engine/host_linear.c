@@ -21,10 +21,26 @@
  * the next strip's rows (a tile's rows lie a row of the weight apart, which the hardware's
  * stream prefetchers do not follow), so that reading memory and the products overlap.
  *
+ * A prefill's attention (bb_prefill_attention_bf16) runs on the tiles too. torch's fused CPU
+ * attention works through blocks of 32 queries, each a pair of small products with its own
+ * setup; a prefill of short prompts (16 prompts of 128 tokens, 16 heads of 64) spent most
+ * of its attention time there. Here each (sequence, key/value head) at a time: its keys
+ * copied once into the right operand's pair layout (gathered 16 keys a vector) and its
+ * values with each pair of consecutive positions side by side; for each query head of the
+ * group, the scores of 32 queries by 32 keys a block on the tiles (causal: the blocks past
+ * the diagonal left out), a softmax in fp32 along each query's row (e^x by a polynomial of
+ * relative error about 1e-7), the weights rounded to bf16 as torch's fused kernel rounds
+ * them, their product with the values on the tiles, divided by the weights' fp32 sum (as a
+ * product with its reciprocal) and rounded to bf16 into [batch, query, head, dim]. Not bit
+ * for bit torch's: its e^x and sums differ in the last bits, so an output may round to the
+ * neighbouring bf16 (a few in a hundred).
+ *
  * Linux grants the tiles' state to a process on request (arch_prctl); bb_linear_ready
  * asks once and says whether the tiles can run. Built without the tiles' instructions
- * (another CPU, another compiler), bb_linear_ready returns 0 and bb_linear_bf16 -1.
+ * (another CPU, another compiler), bb_linear_ready returns 0 and bb_linear_bf16 and
+ * bb_prefill_attention_bf16 -1.
  */
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +53,8 @@ int bb_host_linear_team_threads(void) {
 #endif
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512BF16__) \
+    && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -165,12 +182,208 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
     free(xp);
     return 0;
 }
+/* e^x for x <= 0 (x >= -87 meaningful; below, 0): 2^n e^r with |r| <= ln2/2, a degree-6
+ * polynomial for e^r (relative error near 1e-7). */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+/* Prefill attention of bf16 queries [batch, heads, q_len, dim], keys and values [batch,
+ * kv_heads, kv_len, dim] (element strides of batch, head, position; rows contiguous), an
+ * additive fp32 mask [.., q_len, kv_len] (strides of batch, head, query; 0 broadcasts) or
+ * none, `causal`: query i attends keys j <= i; a query whose every score the mask takes below
+ * -1e37 (no key attended) gets zeros, as torch gives it. Output bf16 [batch, q_len, heads,
+ * dim].
+ * Scores and softmax in fp32, the weights rounded to bf16 for their product with the values,
+ * which is divided by the weights' fp32 sum. dim a multiple of 32, at most 256. */
+int bb_prefill_attention_bf16(int threads, int64_t batch, int64_t heads, int64_t kv_heads,
+                              int64_t q_len, int64_t kv_len, int64_t dim,
+                              const uint16_t *q, const int64_t *qs, const uint16_t *k,
+                              const int64_t *ks, const uint16_t *v, const int64_t *vs,
+                              const float *mask, const int64_t *ms, int causal, float scale,
+                              uint16_t *out) {
+    if (!bb_linear_ready() || dim % 32 != 0 || dim > 256 || q_len < 1 || kv_len < 1 ||
+        heads % kv_heads != 0)
+        return -1;
+    const int64_t group = heads / kv_heads, lp = (q_len + 31) / 32 * 32, sp = (kv_len + 31) / 32 * 32;
+    const int64_t half = dim / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *qp = aligned_alloc(64, (size_t)(lp * dim * 2));
+        uint32_t *kp = aligned_alloc(64, (size_t)(half * sp * 4));
+        uint32_t *vp = aligned_alloc(64, (size_t)(sp / 2 * dim * 4));
+        float *sc = aligned_alloc(64, (size_t)(lp * sp * 4));
+        uint16_t *pw = aligned_alloc(64, (size_t)(lp * sp * 2));
+        float *total = aligned_alloc(64, (size_t)(lp * 4));
+        float c[32][32] __attribute__((aligned(64)));
+        int ok = qp && kp && vp && sc && pw && total;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        if (ok) _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < batch * kv_heads; ++item) {
+            if (!ok) continue;
+            const int64_t b = item / kv_heads, hk = item % kv_heads;
+            const uint16_t *kb = k + b * ks[0] + hk * ks[1], *vb = v + b * vs[0] + hk * vs[1];
+            /* keys: kp[p][s] = the pair (k[s][2p], k[s][2p + 1]), gathered 16 keys at a time;
+             * zero past kv_len */
+            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const __m512i krow = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(ks[2] / 2)));
+            for (int64_t s0 = 0; s0 < sp; s0 += 16) {
+                const int64_t live = kv_len - s0;
+                const __mmask16 in = live >= 16 ? 0xffff : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
+                const uint32_t *base = (const uint32_t *)(kb + s0 * ks[2]);
+                for (int64_t p = 0; p < half; ++p)
+                    _mm512_store_si512(kp + p * sp + s0, _mm512_mask_i32gather_epi32(
+                        _mm512_setzero_si512(), in, krow, base + p, 4));
+            }
+            /* values: vp[t][d] = the pair (v[2t][d], v[2t + 1][d]), 32 columns at a time */
+            uint16_t order[32];
+            for (int i = 0; i < 32; ++i) order[i] = (uint16_t)(i / 2 + (i % 2) * 32);
+            const __m512i lo = _mm512_loadu_si512(order);
+            const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+            for (int64_t t = 0; t < sp / 2; ++t) {
+                const uint16_t *r0 = vb + 2 * t * vs[2], *r1 = r0 + vs[2];
+                const int has0 = 2 * t < kv_len, has1 = 2 * t + 1 < kv_len;
+                for (int64_t d = 0; d < dim; d += 32) {
+                    __m512i a = has0 ? _mm512_loadu_si512(r0 + d) : _mm512_setzero_si512();
+                    __m512i c1 = has1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+                    _mm512_store_si512(vp + t * dim + d, _mm512_permutex2var_epi16(a, lo, c1));
+                    _mm512_store_si512(vp + t * dim + d + 16, _mm512_permutex2var_epi16(a, hi, c1));
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                const int64_t h = hk * group + g;
+                const uint16_t *qb = q + b * qs[0] + h * qs[1];
+                for (int64_t l = 0; l < lp; ++l) {
+                    if (l < q_len) memcpy(qp + l * dim, qb + l * qs[2], (size_t)dim * 2);
+                    else memset(qp + l * dim, 0, (size_t)dim * 2);
+                }
+                /* scores, 32 queries by 32 keys a block; causal: the blocks past the diagonal left out */
+                for (int64_t l0 = 0; l0 < lp; l0 += 32) {
+                    const int64_t keys = causal ? (l0 + 32 < sp ? l0 + 32 : sp) : sp;
+                    for (int64_t s0 = 0; s0 < keys; s0 += 32) {
+                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                        for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+                            _tile_loadd(4, qp + l0 * dim + d0, dim * 2);
+                            _tile_loadd(5, qp + (l0 + 16) * dim + d0, dim * 2);
+                            _tile_loadd(6, kp + (d0 / 2) * sp + s0, sp * 4);
+                            _tile_loadd(7, kp + (d0 / 2) * sp + s0 + 16, sp * 4);
+                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        }
+                        _tile_stored(0, sc + l0 * sp + s0, sp * 4);
+                        _tile_stored(1, sc + l0 * sp + s0 + 16, sp * 4);
+                        _tile_stored(2, sc + (l0 + 16) * sp + s0, sp * 4);
+                        _tile_stored(3, sc + (l0 + 16) * sp + s0 + 16, sp * 4);
+                    }
+                }
+                /* softmax of each query's scores over the keys it attends */
+                const float *mb = mask ? mask + b * ms[0] + h * ms[1] : NULL;
+                for (int64_t l = 0; l < lp; ++l) {
+                    float *s = sc + l * sp;
+                    uint16_t *w = pw + l * sp;
+                    int64_t n = l >= q_len ? 0 : causal ? (l + 1 < kv_len ? l + 1 : kv_len) : kv_len;
+                    const float *m = mb ? mb + l * ms[2] : NULL;
+                    __m512 top = _mm512_set1_ps(-FLT_MAX);
+                    int64_t j = 0;
+                    for (; j < n; j += 16) {
+                        __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+                        __m512 x = _mm512_maskz_loadu_ps(in, s + j);
+                        if (m) {
+                            x = _mm512_fmadd_ps(x, _mm512_set1_ps(scale), _mm512_maskz_loadu_ps(in, m + j));
+                            _mm512_mask_storeu_ps(s + j, in, x);
+                        }
+                        top = _mm512_mask_max_ps(top, in, top, x);
+                    }
+                    /* e^(x - max): x the scaled, masked score (with no mask, the raw score
+                     * scaled here) */
+                    const float mx = n ? _mm512_reduce_max_ps(top) : 0.0f;
+                    if (m && mx < -1e37f) n = 0; /* no key attended: zeros, as torch gives */
+                    const __m512 mul = _mm512_set1_ps(m ? 1.0f : scale);
+                    const __m512 sub = _mm512_set1_ps(m ? -mx : -mx * scale);
+                    __m512 sum = _mm512_setzero_ps();
+                    for (j = 0; j < n; j += 16) {
+                        __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+                        __m512 e = exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, s + j), mul, sub));
+                        e = _mm512_maskz_mov_ps(in, e);
+                        sum = _mm512_add_ps(sum, e);
+                        _mm256_storeu_si256((__m256i *)(w + j), (__m256i)_mm512_cvtneps_pbh(e));
+                    }
+                    for (j = (n + 15) / 16 * 16; j < sp; j += 16)
+                        _mm256_storeu_si256((__m256i *)(w + j), _mm256_setzero_si256());
+                    total[l] = n ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+                }
+                /* weighted values, 32 queries by 32 columns a block */
+                for (int64_t l0 = 0; l0 < lp; l0 += 32) {
+                    const int64_t keys = causal ? (l0 + 32 < sp ? l0 + 32 : sp) : sp;
+                    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                        for (int64_t s0 = 0; s0 < keys; s0 += 32) {
+                            _tile_loadd(4, pw + l0 * sp + s0, sp * 2);
+                            _tile_loadd(5, pw + (l0 + 16) * sp + s0, sp * 2);
+                            _tile_loadd(6, vp + (s0 / 2) * dim + d0, dim * 4);
+                            _tile_loadd(7, vp + (s0 / 2) * dim + d0 + 16, dim * 4);
+                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        }
+                        _tile_stored(0, &c[0][0], 128);
+                        _tile_stored(1, &c[0][16], 128);
+                        _tile_stored(2, &c[16][0], 128);
+                        _tile_stored(3, &c[16][16], 128);
+                        for (int64_t j = 0; j < 32 && l0 + j < q_len; ++j) {
+                            __m512 inv = _mm512_set1_ps(total[l0 + j]);
+                            uint16_t *o = out + ((b * q_len + l0 + j) * heads + h) * dim + d0;
+                            _mm256_storeu_si256((__m256i *)o, round16(_mm512_mul_ps(_mm512_load_ps(&c[j][0]), inv)));
+                            _mm256_storeu_si256((__m256i *)(o + 16), round16(_mm512_mul_ps(_mm512_load_ps(&c[j][16]), inv)));
+                        }
+                    }
+                }
+            }
+        }
+        if (ok) _tile_release();
+        free(qp); free(kp); free(vp); free(sc); free(pw); free(total);
+    }
+    return failed ? -2 : 0;
+}
 #else
 int bb_linear_ready(void) { return 0; }
 
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
     (void)threads, (void)m, (void)n, (void)k, (void)x, (void)w, (void)out;
+    return -1;
+}
+
+int bb_prefill_attention_bf16(int threads, int64_t batch, int64_t heads, int64_t kv_heads,
+                              int64_t q_len, int64_t kv_len, int64_t dim,
+                              const uint16_t *q, const int64_t *qs, const uint16_t *k,
+                              const int64_t *ks, const uint16_t *v, const int64_t *vs,
+                              const float *mask, const int64_t *ms, int causal, float scale,
+                              uint16_t *out) {
+    (void)threads, (void)batch, (void)heads, (void)kv_heads, (void)q_len, (void)kv_len;
+    (void)dim, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms;
+    (void)causal, (void)scale, (void)out;
     return -1;
 }
 #endif

@@ -55,6 +55,12 @@ class _Kernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, ptr]
         self._fn.restype = ctypes.c_int
+        strides = ctypes.c_int64 * 3
+        self._attend = lib.bb_prefill_attention_bf16
+        self._attend.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, ptr, strides, ptr,
+                                 strides, ptr, strides, ptr, strides, ctypes.c_int,
+                                 ctypes.c_float, ptr]  # fmt: skip
+        self._attend.restype = ctypes.c_int
         lib.bb_host_linear_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_linear_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares the weight's rows among the calling thread's OpenMP team."""
@@ -69,6 +75,37 @@ class _Kernel:
         rc = self._fn(threads, rows, n, k, x.data_ptr(), weight.data_ptr(), out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"bf16 matrix-tile product of {rows} x {k} by {n} failed ({rc})")
+        return out
+
+    def prefill_attention(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool,
+        scale: float,
+    ) -> Tensor:  # fmt: skip
+        """Attention of bf16 ``query`` ``[batch, heads, q_len, dim]`` over ``key`` and
+        ``value`` ``[batch, kv_heads, kv_len, dim]`` (``heads`` a multiple of ``kv_heads``;
+        each tensor's rows contiguous), with an additive fp32 ``mask`` broadcastable to
+        ``[batch, heads, q_len, kv_len]`` (finite, its rows contiguous) or, ``causal``, query
+        ``i`` attending keys ``j <= i``; into a new ``[batch, q_len, heads, dim]`` tensor.
+        ``dim`` is a multiple of 32, at most 256."""
+        batch, heads, q_len, dim = query.shape
+        kv_heads, kv_len = key.shape[1], key.shape[2]
+        out = torch.empty(batch, q_len, heads, dim, dtype=torch.bfloat16, device="cpu")
+        arrays = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, key, value)]
+        if mask is None:
+            m, mstride = None, (ctypes.c_int64 * 3)(0, 0, 0)
+        else:
+            m = mask.data_ptr()
+            mstride = (ctypes.c_int64 * 3)(*(
+                0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3)))  # fmt: skip
+        threads = torch.get_num_threads() if self.team else 1
+        rc = self._attend(threads, batch, heads, kv_heads, q_len, kv_len, dim,
+                          query.data_ptr(), arrays[0], key.data_ptr(), arrays[1],
+                          value.data_ptr(), arrays[2], m, mstride, int(causal), scale,
+                          out.data_ptr())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(
+                f"bf16 matrix-tile attention of {q_len} queries over {kv_len} keys failed ({rc})"
+            )
         return out
 
 

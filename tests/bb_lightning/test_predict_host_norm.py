@@ -74,19 +74,25 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
     check_like_generate(path, module, [batch], records, NEW)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
+@pytest.mark.parametrize(("family", "head_dim"), [("llama", 32), ("qwen2_tied", None)])
 def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
-    family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    host_kernel: object, count_host_kernel: Callable[..., list[int]],
+    family: str, head_dim: int | None, tiny: SimpleNamespace, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, host_kernel: object,
+    count_host_kernel: Callable[..., list[int]],
 ) -> None:  # fmt: skip
     """In bf16 the model's gated MLPs run the one-pass SiLU and product
-    (``engine.host_mlp``), and its linear layers of few rows the matrix-tile product where the
-    CPU has one (``engine.host_linear``): the greedy tokens equal a run with torch's
-    operations, and the module handed back runs its own ``forward``."""
+    (``engine.host_mlp``), and where the CPU has matrix tiles (``engine.host_linear``) its
+    linear layers of few rows the tiles' product and, with heads of 32, the prefill's
+    attention the tiles' attention: the greedy tokens equal a run with torch's operations,
+    and the module handed back runs its own ``forward``."""
     tiles = host_linear.kernel() is not None
     calls = count_host_kernel("__call__", host_linear._Kernel)
+    prefills = count_host_kernel("prefill_attention", host_linear._Kernel)
     mlps = count_host_kernel("silu_mul")
-    path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
+    config = {**FAMILIES[family], "initializer_range": 0.2}
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    path = save_tiny(tmp_path / "ckpt", config)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (3, 7), generator=g)
     mask = torch.ones_like(ids)
@@ -111,7 +117,9 @@ def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
     # down of each block (16 k and v columns, Qwen2's biased q, k, v run the class's)
     assert steps >= 1 and len(mlps) >= 2 * steps
     assert len(calls) >= 2 * 4 * steps if tiles else not calls
+    # each block's attention at the prefill (heads of 8 run sdpa)
+    assert len(prefills) >= 2 if tiles and head_dim == 32 else not prefills
     monkeypatch.setattr(host_linear, "kernel", lambda: None)
     monkeypatch.setattr(host_mlp, "install", lambda model: lambda: None)
-    before = len(calls), len(mlps)
-    assert run("torch") == kernels and (len(calls), len(mlps)) == before
+    before = len(calls), len(mlps), len(prefills)
+    assert run("torch") == kernels and (len(calls), len(mlps), len(prefills)) == before
