@@ -207,6 +207,7 @@ def _prefill_on_tiles(
         or any(type(t) is not Tensor or t.dim() != 4 for t in ts)
         or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in ts)
         or any(t.stride(-1) != 1 for t in ts)
+        or key.stride(2) % 2  # the kernel reads a key row as pairs
         or not eager()
         or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
     ):
