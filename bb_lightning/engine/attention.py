@@ -213,7 +213,9 @@ def _prefill_on_tiles(
     ):
         return None
     batch, heads, q_len, dim = query.shape
-    if key.shape[0] != batch or value.shape[:3] != key.shape[:3]:
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or 0 in (q_len, key.shape[2]):
+        return None
+    if batch * key.shape[1] < torch.get_num_threads():  # its work: one (row, key head) a thread
         return None
     if key.shape[-1] != dim or value.shape[-1] != dim or dim % 32 or dim > 256:
         return None
@@ -250,8 +252,11 @@ def _additive_mask(
     """``mask`` as the matrix-tile attention takes it, fp32, ``[1 or batch, 1 or heads, 1 or
     q_len, kv_len]``, finite: a boolean's False and a float's -inf as fp32's lowest value,
     which leaves a weight of exactly 0 beside any key attended (a query whose every key has
-    it, a left-padded prompt's padding, gets zeros, as ``sdpa`` gives). None for any other
-    shape or dtype."""
+    it, a left-padded prompt's padding, gets zeros, as ``sdpa`` gives); a float's finite
+    values no lower than -1e36, where a score lowered by the dtype's lowest value still
+    weighs 0 beside an attended key and a query whose every key is lowered so weighs them
+    alike (the mean of the values, as ``sdpa`` gives). None for any other shape or dtype,
+    and for a float mask holding NaN or +inf."""
     shape = tuple(mask.shape)
     if len(shape) != 4 or shape[-1] != kv_len or shape[0] not in (1, batch):
         return None
@@ -264,7 +269,11 @@ def _additive_mask(
         return torch.zeros(shape, dtype=torch.float32).masked_fill_(~mask, lowest)
     if not mask.is_floating_point():
         return None
-    return mask.float().clamp(min=lowest).contiguous()
+    additive = mask.float()
+    if bool(additive.isnan().any() or (additive == float("inf")).any()):
+        return None
+    none = additive == float("-inf")
+    return additive.clamp_(min=-1e36).masked_fill_(none, lowest).contiguous()
 
 
 def _run(chunks: list[tuple[slice, slice]], threads: int,

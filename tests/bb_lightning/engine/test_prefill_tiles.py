@@ -104,6 +104,28 @@ def test_a_prefill_on_the_tiles_is_sdpa_to_its_rounding(
         assert not got[0, : 4 - (kv_len - q_len)].any() and got[0, 4:].abs().sum() > 0
 
 
+@pytest.mark.parametrize("lowest", [float("-inf"), torch.finfo(torch.bfloat16).min])
+def test_a_query_masked_from_every_key_gets_what_sdpa_gives(
+    lowest: float, count_host_kernel: Callable[..., list[int]]
+) -> None:
+    """Zeros where its keys are masked with -inf; the values' mean where with a finite lowest
+    value (each score then lowered alike)."""
+    calls = count_host_kernel("prefill_attention", host_linear._Kernel)
+    q, k, v = _qkv(2, 4, 4, 12, 12, 32, seed=5)
+    keep = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    keep[1, :, 3] = False  # query 3 of row 1 attends no key
+    mask = torch.zeros(keep.shape).masked_fill(~keep, lowest).bfloat16()
+    module = _Attention(1)
+    with torch.no_grad():
+        got, _ = decode_attention(module, q, k, v, mask)
+        theirs, _ = sdpa_attention_forward(module, q, k, v, mask)
+    assert len(calls) == 1
+    want = torch.zeros(4, 32) if lowest == float("-inf") else v[1].double().mean(1)
+    torch.testing.assert_close(got[1, 3].double(), want.double(), rtol=0, atol=2**-7)
+    torch.testing.assert_close(got[1, 3], theirs[1, 3], rtol=0, atol=2**-7)
+    assert (got == theirs).float().mean().item() >= 0.9
+
+
 def test_calls_it_cannot_take_go_to_sdpa(count_host_kernel: Callable[..., list[int]]) -> None:
     calls = count_host_kernel("prefill_attention", host_linear._Kernel)
     q, k, v = _qkv(2, 4, 4, 24, 24, 64, seed=3)
