@@ -45,6 +45,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* bb_prefill_attention_bf16's parameters (below). */
+#define PREFILL_ATTENTION_ARGS                                                                 \
+    int threads, int64_t batch, int64_t heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,  \
+        int64_t dim, const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks, \
+        const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal, \
+        float scale, uint16_t *out
+
 int bb_host_linear_team_threads(void) {
 #ifdef _OPENMP
     return 1;
@@ -201,6 +208,28 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
+/* c (32 x 32 fp32, rows `c_stride` bytes apart) = a (32 rows of bf16, `a_stride` bytes apart)
+ * times b (pair rows of 16 32-bit pairs, `b_stride` bytes apart), over `steps` blocks of 32
+ * a's columns and 16 b's pair rows (b advancing `b_step` 32-bit elements a block), on the
+ * tiles: 0-3 the four 16 x 16 quarters of c, 4-5 a's two halves, 6-7 b's. */
+static inline void block32(const uint16_t *a, int64_t a_stride, const uint32_t *b,
+                           int64_t b_stride, int64_t b_step, int64_t steps, float *c,
+                           int64_t c_stride) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t i = 0; i < steps; ++i, a += 32, b += b_step) {
+        _tile_loadd(4, a, a_stride);
+        _tile_loadd(5, (const char *)a + 16 * a_stride, a_stride);
+        _tile_loadd(6, b, b_stride);
+        _tile_loadd(7, b + 16, b_stride);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, c_stride);
+    _tile_stored(1, c + 16, c_stride);
+    _tile_stored(2, (char *)c + 16 * c_stride, c_stride);
+    _tile_stored(3, (char *)c + 16 * c_stride + 64, c_stride);
+}
+
 /* Prefill attention of bf16 queries [batch, heads, q_len, dim], keys and values [batch,
  * kv_heads, kv_len, dim] (element strides of batch, head, position; rows contiguous), an
  * additive fp32 mask [.., q_len, kv_len] (strides of batch, head, query; 0 broadcasts) or
@@ -209,12 +238,7 @@ static inline __m512 exp16(__m512 x) {
  * dim].
  * Scores and softmax in fp32, the weights rounded to bf16 for their product with the values,
  * which is divided by the weights' fp32 sum. dim a multiple of 32, at most 256. */
-int bb_prefill_attention_bf16(int threads, int64_t batch, int64_t heads, int64_t kv_heads,
-                              int64_t q_len, int64_t kv_len, int64_t dim,
-                              const uint16_t *q, const int64_t *qs, const uint16_t *k,
-                              const int64_t *ks, const uint16_t *v, const int64_t *vs,
-                              const float *mask, const int64_t *ms, int causal, float scale,
-                              uint16_t *out) {
+int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
     if (!bb_linear_ready() || dim % 32 != 0 || dim > 256 || q_len < 1 || kv_len < 1 ||
         heads % kv_heads != 0)
         return -1;
@@ -283,19 +307,8 @@ int bb_prefill_attention_bf16(int threads, int64_t batch, int64_t heads, int64_t
                 for (int64_t l0 = 0; l0 < lp; l0 += 32) {
                     const int64_t keys = causal ? (l0 + 32 < sp ? l0 + 32 : sp) : sp;
                     for (int64_t s0 = 0; s0 < keys; s0 += 32) {
-                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                        for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-                            _tile_loadd(4, qp + l0 * dim + d0, dim * 2);
-                            _tile_loadd(5, qp + (l0 + 16) * dim + d0, dim * 2);
-                            _tile_loadd(6, kp + (d0 / 2) * sp + s0, sp * 4);
-                            _tile_loadd(7, kp + (d0 / 2) * sp + s0 + 16, sp * 4);
-                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-                        }
-                        _tile_stored(0, sc + l0 * sp + s0, sp * 4);
-                        _tile_stored(1, sc + l0 * sp + s0 + 16, sp * 4);
-                        _tile_stored(2, sc + (l0 + 16) * sp + s0, sp * 4);
-                        _tile_stored(3, sc + (l0 + 16) * sp + s0 + 16, sp * 4);
+                        block32(qp + l0 * dim, dim * 2, kp + s0, sp * 4, sp * 16, dim / 32,
+                                sc + l0 * sp + s0, sp * 4);
                     }
                 }
                 /* softmax of each query's scores over the keys it attends */
@@ -338,19 +351,8 @@ int bb_prefill_attention_bf16(int threads, int64_t batch, int64_t heads, int64_t
                 for (int64_t l0 = 0; l0 < lp; l0 += 32) {
                     const int64_t keys = causal ? (l0 + 32 < sp ? l0 + 32 : sp) : sp;
                     for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                        for (int64_t s0 = 0; s0 < keys; s0 += 32) {
-                            _tile_loadd(4, pw + l0 * sp + s0, sp * 2);
-                            _tile_loadd(5, pw + (l0 + 16) * sp + s0, sp * 2);
-                            _tile_loadd(6, vp + (s0 / 2) * dim + d0, dim * 4);
-                            _tile_loadd(7, vp + (s0 / 2) * dim + d0 + 16, dim * 4);
-                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-                        }
-                        _tile_stored(0, &c[0][0], 128);
-                        _tile_stored(1, &c[0][16], 128);
-                        _tile_stored(2, &c[16][0], 128);
-                        _tile_stored(3, &c[16][16], 128);
+                        block32(pw + l0 * sp, sp * 2, vp + d0, dim * 4, dim * 16,
+                                keys / 32, &c[0][0], 128);
                         for (int64_t j = 0; j < 32 && l0 + j < q_len; ++j) {
                             __m512 inv = _mm512_set1_ps(total[l0 + j]);
                             uint16_t *o = out + ((b * q_len + l0 + j) * heads + h) * dim + d0;
@@ -375,12 +377,7 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
     return -1;
 }
 
-int bb_prefill_attention_bf16(int threads, int64_t batch, int64_t heads, int64_t kv_heads,
-                              int64_t q_len, int64_t kv_len, int64_t dim,
-                              const uint16_t *q, const int64_t *qs, const uint16_t *k,
-                              const int64_t *ks, const uint16_t *v, const int64_t *vs,
-                              const float *mask, const int64_t *ms, int causal, float scale,
-                              uint16_t *out) {
+int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
     (void)threads, (void)batch, (void)heads, (void)kv_heads, (void)q_len, (void)kv_len;
     (void)dim, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms;
     (void)causal, (void)scale, (void)out;

@@ -24,7 +24,6 @@ expression. The inference engine installs it on a CPU device and removes it when
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from typing import cast
 
@@ -114,15 +113,4 @@ def install(model: nn.Module) -> Callable[[], None]:
     kern = host_norm.kernel()
     if kern is None or not kern.silu_mul_exact:
         return lambda: None
-    swapped: list[nn.Module] = []
-    for module in model.modules():
-        if "forward" not in vars(module) and plain_gated_mlp(type(module)):
-            module.forward = types.MethodType(functools.partial(_forward, kern), module)
-            swapped.append(module)
-
-    def restore() -> None:
-        for module in swapped:
-            vars(module).pop("forward", None)
-        swapped.clear()
-
-    return restore
+    return host_norm.swap_forwards(model, plain_gated_mlp, functools.partial(_forward, kern))

@@ -29,6 +29,7 @@ import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +45,7 @@ __all__ = [
     "plain_cpu",
     "plain_rms_norm",
     "reads_as",
+    "swap_forwards",
 ]
 
 SOURCE = Path(__file__).with_name("host_ops.c")
@@ -263,10 +265,19 @@ def install(model: nn.Module) -> Callable[[], None]:
     kern = kernel()
     if kern is None:
         return lambda: None
+    return swap_forwards(model, plain_rms_norm, functools.partial(_forward, kern))
+
+
+def swap_forwards(
+    model: nn.Module, plain: Callable[[type], bool], forward: Callable[..., Any]
+) -> Callable[[], None]:
+    """Give each module of ``model`` whose class ``plain`` accepts (and that has no
+    instance ``forward`` of its own) ``forward`` bound to it as its instance ``forward``;
+    return the function that takes those back (the class ``forward`` runs again)."""
     swapped: list[nn.Module] = []
     for module in model.modules():
-        if "forward" not in vars(module) and plain_rms_norm(type(module)):
-            module.forward = types.MethodType(functools.partial(_forward, kern), module)
+        if "forward" not in vars(module) and plain(type(module)):
+            module.forward = types.MethodType(forward, module)
             swapped.append(module)
 
     def restore() -> None:

@@ -53,33 +53,19 @@ def test_compact_selects_rows_where_each_buffer_lies() -> None:
     assert all(layer.keys.shape[0] == 4 and layer.batch_size == 4 for layer in layers)
 
 
-def test_a_host_cache_lives_in_a_mapping_that_asks_for_huge_pages() -> None:
-    """With attention on the host, each layer's keys and values are allocated as
-    :func:`storage.io.mapped_zeros` allocates (a private mapping advised ``MADV_HUGEPAGE``,
-    "hg" in ``/proc/self/smaps``: decode attention reads it whole each step), zeroed, and
-    hold what the model wrote (the first five positions of every row)."""
+@pytest.mark.parametrize("host_attention", [True, False])
+def test_a_host_cache_lives_in_a_mapping_of_its_own(host_attention: bool) -> None:
+    """Each layer's keys and values are allocated as :func:`storage.io.mapped_zeros`
+    allocates (a private mapping of their own, ``MADV_DONTFORK``: "dc" in
+    ``/proc/self/smaps``), zeroed, and hold what the model wrote (the first five positions of
+    every row). With attention on the host it asks for huge pages ("hg": decode attention
+    reads it whole each step); on a CPU device not (the kernel zeroes each 4 KiB page as the
+    prefill first writes it)."""
     from ...storage.test_host_buffers import _vm_flags
 
     model = tiny_llama().eval()
-    kv = KVCache(model.config, rows=64, max_len=512, host_attention=True)
-    ids = torch.randint(0, 128, (64, 5), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=kv.cache, use_cache=True)
-    for layer in kv.cache.layers:
-        for buf in (layer.keys, layer.values):
-            assert buf.device.type == "cpu" and buf.nbytes >= 2 << 20
-            assert "hg" in _vm_flags(buf.data_ptr())
-            assert buf[:, :, :5].abs().sum() > 0 and not buf[:, :, 5:].any()
-
-
-def test_a_cpu_device_cache_is_zeroed_by_the_kernel_in_small_pages() -> None:
-    """On a CPU device each layer's keys and values are a private mapping of their own
-    (``MADV_DONTFORK``, "dc"), not advised huge pages: the kernel zeroes each page as the
-    prefill first writes it, and the positions not written read zero."""
-    from ...storage.test_host_buffers import _vm_flags
-
-    model = tiny_llama().eval()
-    kv = KVCache(model.config, rows=64, max_len=512, device=torch.device("cpu"))
+    where = {"host_attention": True} if host_attention else {"device": torch.device("cpu")}
+    kv = KVCache(model.config, rows=64, max_len=512, **where)  # type: ignore[arg-type]
     ids = torch.randint(0, 128, (64, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(input_ids=ids, past_key_values=kv.cache, use_cache=True)
@@ -87,7 +73,7 @@ def test_a_cpu_device_cache_is_zeroed_by_the_kernel_in_small_pages() -> None:
         for buf in (layer.keys, layer.values):
             assert buf.device.type == "cpu" and buf.nbytes >= 2 << 20
             flags = _vm_flags(buf.data_ptr())
-            assert "dc" in flags and "hg" not in flags
+            assert "dc" in flags and ("hg" in flags) == host_attention
             assert buf[:, :, :5].abs().sum() > 0 and not buf[:, :, 5:].any()
 
 
