@@ -73,22 +73,14 @@ def main() -> None:
         return out[0] if isinstance(out, tuple) else out
 
     attn, mlp = block.self_attn, block.mlp
-    h = block.input_layernorm(x)
-    shape = (args.prompts, args.tokens, args.heads, args.hidden // args.heads)
-    q, k, v = (p(h).view(shape).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-    gate, up = mlp.gate_proj(h), mlp.up_proj(h)
     figures: dict[str, object] = {"kernels": True, "tiles": tiles}
     with torch.no_grad():
-        torch_out = run_block()
-        undo = [install(block) for install in (host_norm.install, host_rope.install,
-                                               host_mlp.install)]  # fmt: skip
-        attention = decode_attention_for(block)
-        attention.__enter__()
-        ours_out = run_block()
-        equal = (ours_out == torch_out).float().mean().item()
-        attention.__exit__(None, None, None)
-        for done in undo:
-            done()
+        h = block.input_layernorm(x)
+        shape = (args.prompts, args.tokens, args.heads, args.hidden // args.heads)
+        q, k, v = (
+            p(h).view(shape).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
+        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
 
         def kernels(
             *installs: Callable[[torch.nn.Module], Callable[[], None]], attend: bool = True
@@ -109,6 +101,7 @@ def main() -> None:
         def norms_rotary() -> torch.Tensor:
             return kernels(host_norm.install, host_rope.install, attend=False)
 
+        equal = (ours() == run_block()).float().mean().item()
         kern = host_norm.kernel()
         assert kern is not None
         rows: list[tuple[str, dict[str, Callable[[], object]]]] = [
