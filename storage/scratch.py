@@ -73,11 +73,20 @@ def prepare_dir(
     further top-level entries that are the caller's own. Writes nothing else.
     """
     where = Path(path).absolute()
-    if where.is_dir():
-        _check_writable(where, where, key)
-        _check_owned(where, key, owned)
-        return where
+    if not where.is_dir():
+        _create(where, key)
+    _check_writable(where, where, key)
+    _check_owned(where, key, owned)
+    return where
+
+
+def _create(where: Path, key: str) -> None:
+    """Make the directory ``where`` (absent at the caller's look), or refuse it in one line.
+    Several ranks prepare one shared directory at once: one that another process made since
+    that look is taken as it is."""
     if where.exists() or where.is_symlink():
+        if where.is_dir():  # made by another rank meanwhile
+            return
         raise ValueError(
             f"{key} {str(where)!r} is a file, not a directory: pass a directory for the NVMe "
             "tier (a new one under an existing directory is created)"
@@ -101,7 +110,6 @@ def prepare_dir(
             f"{key} {str(where)!r} cannot be created ({exc.strerror}): pass a directory you "
             "can write"
         ) from None
-    return where
 
 
 def _check_writable(where: Path, directory: Path, key: str) -> None:

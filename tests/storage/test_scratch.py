@@ -101,3 +101,28 @@ def test_a_locked_scratch_directory_is_not_cleared(
             NvmeTier(path, capacity=MIB, backend=posix_backend, scratch={"run": 2})
         assert tier.names() == ["w"] and (path / "w" / "zarr.json").is_file()
         assert read_marker(path)["built_for"] == {"run": 1}  # type: ignore[index]
+
+
+def test_a_directory_another_rank_makes_meanwhile_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks prepare one shared directory at once: absent at this process's first look, made
+    (and marked) by another before its next, it is taken, not refused as a file."""
+    where = tmp_path / "nvme"
+    real = Path.is_dir
+    looks: list[Path] = []
+
+    def is_dir(self: Path) -> bool:
+        present = real(self)
+        if self == where and not looks:  # the other rank makes it right after this look
+            looks.append(self)
+            where.mkdir()
+            (where / "rank1").mkdir()
+        return present
+
+    monkeypatch.setattr(Path, "is_dir", is_dir)
+    assert prepare_dir(where, owned=lambda name: name == "rank1") == where
+    assert looks and real(where / "rank1")
+    (tmp_path / "file").write_text("x")  # a file in its place is still refused
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        prepare_dir(tmp_path / "file")
