@@ -5,7 +5,8 @@ For each size (concurrent sequences x cached positions) it builds one layer's KV
 (``[seqs, kv_heads, positions, head_dim]`` keys and values, ``--dtype``) and times the
 engine's CPU decode attention (:func:`bb_lightning.engine.attention.decode_attention`, one
 query token per sequence, in inference mode as the engine decodes; the compiled kernel where
-it builds, and beside it torch's products, ``BB_NATIVE=0``) and a plain read of the
+it builds, and beside it torch's products, ``BB_NATIVE=0``, and where the kernel runs the
+layer on the CPU's matrix tiles, its vector products with the tiles off) and a plain read of the
 same keys and values (``torch.sum`` over each) in turns, one of each per round, best of
 each within twice ``--seconds``: a neighbour's load slows both alike, so their ratio holds
 on a shared machine. It prints the cache's bytes over each time (GB/s), their ratio, and
@@ -52,6 +53,18 @@ def _read(*tensors: torch.Tensor) -> None:
     """A plain read of ``tensors``: a sum over each."""
     for t in tensors:
         torch.sum(t)
+
+
+def _vector_products(
+    kernel: native.NativeAttention, module: nn.Module, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:  # fmt: skip
+    """Decode attention through the compiled kernel with the matrix tiles off."""
+    kernel.set_tiles(False)
+    try:
+        decode_attention(module, q, k, v, None)
+    finally:
+        kernel.set_tiles(True)
 
 
 def _torch_products(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -132,10 +145,15 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     print(_common.machine(None))
     kernel = native.kernel()
+    group = args.heads // args.kv_heads
+    tiles = kernel is not None and kernel.on_tiles(group, args.head_dim, args.head_dim, dtype)
     print(
-        "decode attention: the compiled kernel, beside torch's products"
-        if kernel is not None
-        else "decode attention: torch's products (the compiled kernel did not build)"
+        "decode attention: torch's products (the compiled kernel did not build)"
+        if kernel is None
+        else "decode attention: the compiled kernel on the matrix tiles, beside its vector "
+        "products (the tiles off) and torch's products"
+        if tiles
+        else "decode attention: the compiled kernel, beside torch's products"
     )
     probe_bytes = 256 << 20
     seconds = args.seconds  # best of repeats, as long as a size's: alike on a shared machine
@@ -178,12 +196,17 @@ def main() -> None:
             }
             if kernel is not None:
                 runs["torch"] = partial(_torch_products, module, q, k, v)
+            if tiles:
+                runs["vectors"] = partial(_vector_products, kernel, module, q, k, v)
             with torch.inference_mode():  # as the engine decodes
                 best = _common.best_seconds(runs, 2 * args.seconds)
             attend, read = best["attend"], best["read"]
             beside = ""
             if kernel is not None:
-                beside = f" (torch's products {nbytes / best['torch'] / 1e9:.3f} GB/s)"
+                beside = f"torch's products {nbytes / best['torch'] / 1e9:.3f} GB/s"
+                if tiles:
+                    beside = f"vector products {nbytes / best['vectors'] / 1e9:.3f} GB/s, {beside}"
+                beside = f" ({beside})"
             predicted = host_attention_seconds(profile, host, seqs, pos - 1, elem)
             print(
                 f"{seqs} seqs x {pos} positions ({nbytes / 2**20:.1f} MiB): attention "

@@ -537,6 +537,280 @@ static void head_bf16_dp(int64_t group, int64_t kv_len, int64_t dim, int64_t vdi
 }
 #endif
 
+#if defined(HAVE_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) \
+    && defined(__AVX512VL__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_TILES 1
+
+/* A key/value head's G query heads on the matrix tiles (Intel's AMX), in three passes:
+ * - the scores, 32 positions a step: the keys loaded straight from the cache into two tiles
+ *   of 16 rows, multiplied with tiles of the G queries' bf16 pairs (loaded once per head),
+ *   a row of G scores per position (bf16 products exact in fp32, summed in fp32);
+ * - a softmax in fp32, each vector holding 16 / G positions of all G heads;
+ * - the weights (rounded to bf16, as torch's products take them) times the values, 32
+ *   positions a step: the tiles want two positions' elements interleaved, so the next step's
+ *   value rows are paired while this step's pairs are multiplied.
+ * A tile product does the work of many vector products, which leaves a head's time to its
+ * reads of the cache from memory. */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int tiles_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ready;
+}
+
+/* Whether GQA heads run on the tiles: -1 until bb_decode_attention_tiles sets it. */
+static int use_tiles = -1;
+
+/* Bytes ahead of the row read that keys and values are asked for (prefetcht2). */
+#define TILE_AHEAD 8192
+
+/* Whether a head of this shape runs on the tiles: 4, 8 or 16 query heads a key/value head
+ * (fewer leave most of each product's rows empty, and the vector products are as fast),
+ * keys of 32-128 elements in steps of 32 (held in four tiles), values in steps of 32. */
+static int tiles_fit(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, int64_t msg) {
+    return use_tiles > 0 && (group == 4 || group == 8 || group == 16) && dim % 32 == 0 && dim <= 128
+        && vdim % 32 == 0 && kv_len > 0 && msg * group + kv_len < ((int64_t)1 << 31);
+}
+
+/* Bytes of scratch head_bf16_tiles takes (64-byte aligned pieces). */
+static size_t tiles_scratch(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim) {
+    size_t pp = (size_t)((kv_len + 31) & ~(int64_t)31);
+    return 4 * (pp * group + 16) + 2 * pp * group + 2 * (size_t)(group * dim) + 2 * 64 * vdim
+        + 4 * (size_t)(group * vdim) + 2 * 16 * dim + 2 * vdim + 7 * 64;
+}
+
+static inline char *carve(char **at, size_t bytes) {
+    char *p = *at;
+    *at += (bytes + 63) & ~(size_t)63;
+    return p;
+}
+
+/* exp(x) in fp32 for x <= 0 (a softmax's shifted scores): 2^n e^r, r within ln 2 / 2, a
+ * polynomial of degree 6 (relative error about 1e-7, below the bf16 rounding that follows). */
+static inline __m512 exp_le0(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A vector's lanes rotated by ``shift`` (lane i takes lane i + shift mod 16). */
+static inline __m512i rotation(int shift) {
+    int32_t ix[16];
+    for (int i = 0; i < 16; ++i) ix[i] = (i + shift) & 15;
+    return _mm512_loadu_si512(ix);
+}
+
+/* Pairs rows p, p + 1 of ``value`` (zeros past kv_len) for positions [s0, s0 + 32) into
+ * ``dst`` (16 rows of vdim pairs), in unpack's order: of each 32 elements, the first 16 pairs
+ * hold elements 0-3, 8-11, 16-19, 24-27 and the next 16 the others (the output puts them
+ * back). */
+static inline void pair_values(const uint16_t *value, int64_t vsp, int64_t kv_len, int64_t vdim,
+                               int64_t s0, const uint16_t *zeros, uint16_t *dst) {
+    for (int64_t p = s0; p < s0 + 32; p += 2, dst += 2 * vdim) {
+        const uint16_t *x = p < kv_len ? value + p * vsp : zeros;
+        const uint16_t *y = p + 1 < kv_len ? value + (p + 1) * vsp : zeros;
+        for (int64_t d = 0; d < vdim; d += 32) {
+            _mm_prefetch((const char *)(x + d) + TILE_AHEAD, _MM_HINT_T2);
+            _mm_prefetch((const char *)(y + d) + TILE_AHEAD, _MM_HINT_T2);
+            __m512i a = _mm512_loadu_si512(x + d), b = _mm512_loadu_si512(y + d);
+            _mm512_storeu_si512(dst + 2 * d, _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(a, b));
+        }
+    }
+}
+
+/* The scores of 32 key rows from k0 (row stride ks bytes) against the queries in tiles 2-5
+ * (tile 2 + c: elements 32 c .. 32 c + 31 of the head) into s (32 rows of qs bytes); the keys
+ * TILE_AHEAD bytes ahead are asked for on the way, a row's 64 bytes at a time, so that memory
+ * streams under the products. */
+static inline void keys32(const uint16_t *k0, int64_t ks, int64_t chunks, float *s, int64_t qs) {
+    const char *ahead = (const char *)k0 + TILE_AHEAD;
+    _tile_zero(6);
+    _tile_zero(7);
+#define KEYS(c, B)                                                                             \
+    if (chunks > c) {                                                                          \
+        for (int j = 0; j < 32; ++j) _mm_prefetch(ahead + (32 * c + j) * 64, _MM_HINT_T2);     \
+        _tile_loadd(0, (const char *)k0 + 64 * c, ks);                                         \
+        _tile_loadd(1, (const char *)k0 + 16 * ks + 64 * c, ks);                               \
+        _tile_dpbf16ps(6, 0, B);                                                               \
+        _tile_dpbf16ps(7, 1, B);                                                               \
+    }
+    KEYS(0, 2) KEYS(1, 3) KEYS(2, 4) KEYS(3, 5)
+#undef KEYS
+    _tile_stored(6, s, qs);
+    _tile_stored(7, (char *)s + 16 * qs, qs);
+}
+
+/* keys32 for 16 rows. */
+static inline void keys16(const uint16_t *k0, int64_t ks, int64_t chunks, float *s, int64_t qs) {
+    _tile_zero(6);
+#define KEYS(c, B)                                                                             \
+    if (chunks > c) {                                                                          \
+        _tile_loadd(0, (const char *)k0 + 64 * c, ks);                                         \
+        _tile_dpbf16ps(6, 0, B);                                                               \
+    }
+    KEYS(0, 2) KEYS(1, 3) KEYS(2, 4) KEYS(3, 5)
+#undef KEYS
+    _tile_stored(6, s, qs);
+}
+
+static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
+                            const float *q, const uint16_t *key, int64_t ksp,
+                            const uint16_t *value, int64_t vsp, const float *bias, int64_t msg,
+                            float scale, char *scratch, float *out) {
+    const int64_t G = group, pp = (kv_len + 31) & ~(int64_t)31, chunks = dim / 32;
+    const int R = 16 / (int)G;  /* positions a vector of scores */
+    char *at = scratch;
+    float *s = (float *)carve(&at, 4 * (size_t)(pp * G + 16));
+    uint16_t *wb = (uint16_t *)carve(&at, 2 * (size_t)(pp * G));
+    uint16_t *qt = (uint16_t *)carve(&at, 2 * (size_t)(G * dim));
+    uint16_t *vb = (uint16_t *)carve(&at, 2 * 64 * (size_t)vdim);
+    float *acc = (float *)carve(&at, 4 * (size_t)(G * vdim));
+    uint16_t *tail = (uint16_t *)carve(&at, 2 * 16 * (size_t)dim);
+    uint16_t *zeros = (uint16_t *)carve(&at, 2 * (size_t)vdim);
+    memset(zeros, 0, 2 * (size_t)vdim);
+    /* qt[c][r][g]: the pair q[g][32 c + 2 r], q[g][32 c + 2 r + 1] */
+    for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t r = 0; r < 16; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+                qt[((c * 16 + r) * G + g) * 2] = to_bf16(q[g * dim + 32 * c + 2 * r]);
+                qt[((c * 16 + r) * G + g) * 2 + 1] = to_bf16(q[g * dim + 32 * c + 2 * r + 1]);
+            }
+    /* the scores: s[p][g] */
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = t < 2 ? 64 : (uint16_t)(G * 4);
+    }
+    _tile_loadconfig(&cfg);
+    const int64_t ks = ksp * 2, qs = G * 4;
+    _tile_loadd(2, qt, qs);
+    if (chunks > 1) _tile_loadd(3, qt + 32 * G, qs);
+    if (chunks > 2) _tile_loadd(4, qt + 64 * G, qs);
+    if (chunks > 3) _tile_loadd(5, qt + 96 * G, qs);
+    int64_t p0 = 0;
+    for (; p0 + 32 <= kv_len; p0 += 32) keys32(key + p0 * ksp, ks, chunks, s + p0 * G, qs);
+    for (; p0 < kv_len; p0 += 16) {  /* 16 rows, or the last few copied into zeros */
+        if (kv_len - p0 >= 16) {
+            keys16(key + p0 * ksp, ks, chunks, s + p0 * G, qs);
+        } else {
+            memset(tail, 0, 2 * 16 * (size_t)dim);
+            for (int64_t r = 0; r < kv_len - p0; ++r)
+                memcpy(tail + r * dim, key + (p0 + r) * ksp, 2 * (size_t)dim);
+            keys16(tail, 2 * dim, chunks, s + p0 * G, qs);
+        }
+    }
+    /* the softmax over s[p][g] (n scores; a vector holds positions p .. p + R - 1, all heads):
+     * scaled and masked in place, each head's largest, the exponentials and their sum */
+    const int64_t n = kv_len * G;
+    __m512 top = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
+    int32_t lane_at[16], lane_head[16];
+    for (int l = 0; l < 16; ++l) {
+        lane_at[l] = l / (int)G;
+        lane_head[l] = (int32_t)((l % G) * msg + l / G);
+    }
+    const __m512i at_pos = _mm512_loadu_si512(lane_at), at_mask = _mm512_loadu_si512(lane_head);
+    for (int64_t i = 0, p = 0; i < n; i += 16, p += R) {
+        __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + i), vs);
+        if (bias) {
+            const float *m = bias + p;
+            int64_t here = kv_len - p < R ? kv_len - p : R;  /* positions in this vector */
+            __m512 b = msg == 0
+                ? _mm512_permutexvar_ps(at_pos, _mm512_maskz_loadu_ps((__mmask16)((1u << here) - 1), m))
+                : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at_mask, m, 4);
+            x = _mm512_add_ps(x, b);
+        }
+        _mm512_storeu_ps(s + i, x);
+        top = _mm512_mask_max_ps(top, live, top, x);
+    }
+    for (int shift = 8; shift >= (int)G; shift >>= 1)
+        top = _mm512_max_ps(top, _mm512_permutexvar_ps(rotation(shift), top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = exp_le0(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
+        _mm512_storeu_ps(s + i, e);
+        total = _mm512_mask_add_ps(total, live, total, e);
+    }
+    for (int shift = 8; shift >= (int)G; shift >>= 1)
+        total = _mm512_add_ps(total, _mm512_permutexvar_ps(rotation(shift), total));
+    /* the weights in bf16, head-major: wb[g][p], zero from kv_len to pp */
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
+    int16_t heads_first[16];
+    for (int g = 0; g < (int)G; ++g)
+        for (int j = 0; j < R; ++j) heads_first[g * R + j] = (int16_t)(j * G + g);
+    const __m256i order = _mm256_loadu_si256((const __m256i *)heads_first);
+    for (int64_t i = 0, p = 0; i < n; i += 16, p += R) {
+        __m256i w = _mm256_permutexvar_epi16(
+            order, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)));
+        for (int64_t g = 0; g < G; ++g)  /* lanes g R .. g R + R - 1 to wb[g][p ..] */
+            _mm256_mask_storeu_epi16(wb + g * pp + p - g * R, (__mmask16)(((1u << R) - 1) << (g * R)), w);
+    }
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = kv_len; p < pp; ++p) wb[g * pp + p] = 0;
+    /* the values: acc[g][tile columns] += wb[g][32 positions] x paired values, 32 positions
+     * a step; up to five tiles of 16 outputs at a time */
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = t == 1 || t == 2 ? 16 : (uint8_t)G;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    memset(acc, 0, 4 * (size_t)(G * vdim));
+    const int64_t ct = vdim / 16, bs = vdim * 4;
+    pair_values(value, vsp, kv_len, vdim, 0, zeros, vb);
+    for (int64_t s0 = 0; s0 < pp; s0 += 32) {
+        const uint16_t *cur = vb + ((s0 / 32) & 1) * 32 * vdim;
+        if (s0 + 32 < pp)  /* the next step's pairs, while these are multiplied */
+            pair_values(value, vsp, kv_len, vdim, s0 + 32, zeros, vb + ((s0 / 32 + 1) & 1) * 32 * vdim);
+        for (int64_t t0 = 0; t0 < ct; t0 += 5) {
+            const int64_t nt = ct - t0 < 5 ? ct - t0 : 5;
+            float *a = acc + 16 * t0;
+            const uint16_t *b = cur + 32 * t0;
+            _tile_loadd(0, wb + s0, pp * 2);
+#define VALUES(i, B, T)                                                                        \
+    if (nt > i) {                                                                              \
+        _tile_loadd(T, a + 16 * i, bs);                                                        \
+        _tile_loadd(B, b + 32 * i, bs);                                                        \
+        _tile_dpbf16ps(T, 0, B);                                                               \
+        _tile_stored(T, a + 16 * i, bs);                                                       \
+    }
+            VALUES(0, 1, 3) VALUES(1, 2, 4) VALUES(2, 1, 5) VALUES(3, 2, 6) VALUES(4, 1, 7)
+#undef VALUES
+        }
+    }
+    /* acc's columns in unpack's order back to the output's */
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < vdim; d += 32) {
+            __m512 l = _mm512_loadu_ps(acc + g * vdim + d), h = _mm512_loadu_ps(acc + g * vdim + d + 16);
+            _mm512_storeu_ps(out + g * vdim + d, _mm512_permutex2var_ps(l, lo, h));
+            _mm512_storeu_ps(out + g * vdim + d + 16, _mm512_permutex2var_ps(l, hi, h));
+        }
+}
+#endif
+
 /* Floats one of the machine's vector registers holds, as compiled: 16 with AVX-512; with
  * fewer, each of the generic paths' 16-float vectors takes two registers or more. */
 int bb_decode_attention_lanes(void) {
@@ -568,6 +842,16 @@ static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i
     uint16_t *wb = (uint16_t *)(scores + n), *qb = wb + n;
     int dp = dtype == 1 && dim % 32 == 0 && vdim % 32 == 0;
 #endif
+#ifdef HAVE_TILES
+    char *tile_scratch = NULL;
+    if (dtype == 1 && tiles_fit(group, kv_len, dim, vdim, msg)) {
+        tile_scratch = aligned_alloc(64, (tiles_scratch(group, kv_len, dim, vdim) + 63) & ~(size_t)63);
+        if (!tile_scratch) {
+            free(scores);
+            return -1;
+        }
+    }
+#endif
     int64_t heads = h1 - h0;
     for (int64_t i = i0; i < i1; ++i) {
         int64_t b = b0 + i / heads, h = h0 + i % heads;
@@ -580,6 +864,13 @@ static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i
                      (const float *)key + b * ksb + h * ksh, ksp,
                      (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
                      out + qh * vdim, next < 0 ? NULL : (const float *)key + next);
+#ifdef HAVE_TILES
+        else if (tile_scratch)
+            head_bf16_tiles(group, kv_len, dim, vdim, q + qh * dim,
+                            (const uint16_t *)key + b * ksb + h * ksh, ksp,
+                            (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
+                            tile_scratch, out + qh * vdim);
+#endif
 #ifdef HAVE_DPBF16
         else if (dp)
             head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
@@ -595,6 +886,12 @@ static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i
                       scores, out + qh * vdim,
                       next < 0 ? NULL : (const uint16_t *)key + next);
     }
+#ifdef HAVE_TILES
+    if (tile_scratch) {
+        _tile_release();
+        free(tile_scratch);
+    }
+#endif
     free(scores);
     return 0;
 }
@@ -656,6 +953,30 @@ int bb_decode_attention_wide(int wide) {
     return wide_bc4;
 #else
     (void)wide;
+    return 0;
+#endif
+}
+
+/* Whether a bf16 head of ``group`` query heads, keys of ``dim`` and values of ``vdim``
+ * elements runs on the matrix tiles with the setting as it is. */
+int bb_decode_attention_fits_tiles(int64_t group, int64_t dim, int64_t vdim) {
+#ifdef HAVE_TILES
+    return tiles_fit(group, 1, dim, vdim, 0);
+#else
+    (void)group, (void)dim, (void)vdim;
+    return 0;
+#endif
+}
+
+/* Sets whether GQA heads run on the matrix tiles (on 1, off 0; a negative value leaves it)
+ * and returns the setting (0 where the CPU or the kernel has no tiles, or the process may not
+ * use them). */
+int bb_decode_attention_tiles(int on) {
+#ifdef HAVE_TILES
+    if (on >= 0) use_tiles = on != 0 && tiles_ready();
+    return use_tiles > 0;
+#else
+    (void)on;
     return 0;
 #endif
 }

@@ -89,6 +89,13 @@ class NativeAttention:
         self._wide.argtypes = [ctypes.c_int]
         self._wide.restype = ctypes.c_int
         self.set_wide(_cpu_vendor() == "GenuineIntel")
+        self._tiles = lib.bb_decode_attention_tiles
+        self._tiles.argtypes = [ctypes.c_int]
+        self._tiles.restype = ctypes.c_int
+        self._fits_tiles = lib.bb_decode_attention_fits_tiles
+        self._fits_tiles.argtypes = [_I64, _I64, _I64]
+        self._fits_tiles.restype = ctypes.c_int
+        self.set_tiles(True)
 
     def set_wide(self, wide: bool) -> bool:
         """Take 512-bit vectors for the products of four query heads' keys (else 256-bit);
@@ -99,6 +106,23 @@ class NativeAttention:
         took 1.25 x as long with 256-bit vectors), AMD's Zen 4 runs two 256-bit ones a
         cycle and splits a 512-bit one in two."""
         return bool(self._wide(int(wide)))
+
+    def set_tiles(self, on: bool) -> bool:
+        """Run bf16 heads of 4, 8 or 16 query heads a key/value head (keys of 32-128
+        elements, values in steps of 32) on the CPU's matrix tiles (Intel's AMX); returns
+        whether the kernel now does (False where the CPU has no tiles or the kernel was not
+        built for them). On at load where it can be."""
+        return bool(self._tiles(int(on)))
+
+    @property
+    def tiles(self) -> bool:
+        """Whether GQA heads in bf16 run on the matrix tiles (see :meth:`set_tiles`)."""
+        return bool(self._tiles(-1))
+
+    def on_tiles(self, group: int, dim: int, vdim: int, dtype: torch.dtype) -> bool:
+        """Whether heads of ``group`` query heads a key/value head, keys of ``dim`` and
+        values of ``vdim`` elements in ``dtype`` run on the matrix tiles now."""
+        return dtype == torch.bfloat16 and bool(self._fits_tiles(group, dim, vdim))
 
     @staticmethod
     def supports(key: Tensor, value: Tensor) -> bool:

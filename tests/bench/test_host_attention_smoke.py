@@ -44,7 +44,7 @@ def test_host_attention_bench_prints_rates_and_the_price(tmp_path: Path) -> None
     assert diff < 1e-5
     rows = _numbers(
         r"(\d+) seqs x (\d+) positions \(([\d.]+) MiB\): attention ([\d.]+) GB/s "
-        r"\(torch's products [\d.]+ GB/s\), plain read "
+        r"\((?:vector products [\d.]+ GB/s, )?torch's products [\d.]+ GB/s\), plain read "
         r"([\d.]+) GB/s, attention / read = ([\d.]+); predicted ([\d.e+-]+) ms, "
         r"measured ([\d.e+-]+) ms, "
         r"measured / predicted = ([\d.]+)",

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import bb_lightning.engine.attention as attention
+from bb_lightning.engine import native
 from bb_lightning.engine.generate import GenerationConfig, LayerMajorGenerator
 from bb_lightning.engine.kv import KVCache
 from storage.tiers import Tier
@@ -155,6 +156,35 @@ def test_host_cache_and_host_attention_generate_like_hf(
     compacted = {id(kv) for kv in compactions}
     assert id(caches[1][0][0]) in compacted, f"{family}: EOS mid-way in half the rows compacts"
     assert any(id(kv) in compacted for kv in caches[2][0]), f"{family}: a group compacts alone"
+
+
+def test_bf16_gqa_heads_on_the_matrix_tiles_generate_as_torch_s_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 Llama with four query heads of 32 a key/value head, its cache and decode
+    attention on the host: on the CPU's matrix tiles (where it has them) the greedy tokens
+    equal those of the kernel's vector products and of torch's products (``BB_NATIVE=0``);
+    prompts of 9-40 tokens, so the cache passes blocks of 32 and 16 positions and a tail."""
+    kernel = native.kernel()
+    if kernel is None or not kernel.set_tiles(True):
+        pytest.skip("no matrix tiles on this CPU")
+    config = {**FAMILIES["llama"], "hidden_size": 256, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "initializer_range": 0.2}  # fmt: skip
+    model = tiny_model(config).to(torch.bfloat16).eval()
+    assert kernel.on_tiles(4, 32, 32, torch.bfloat16)
+    ids, mask = _prompts(3, (40, 9, 33, 17))
+    runs = []
+    for tiles, products in ((True, "1"), (False, "1"), (True, "0")):
+        kernel.set_tiles(tiles)
+        monkeypatch.setenv("BB_NATIVE", products)
+        gen = LayerMajorGenerator(model, kv_tier=Tier.HOST, attention_tier=Tier.HOST)
+        try:
+            out = gen.generate(ids, mask, GenerationConfig(max_new_tokens=NEW))
+        finally:
+            kernel.set_tiles(True)
+        runs.append([o.token_ids for o in out])
+    assert runs[0] == runs[1] == runs[2]
+    assert all(len(r) == NEW for r in runs[0])
 
 
 def test_host_attention_needs_the_cache_on_the_host_and_sdpa() -> None:

@@ -77,6 +77,53 @@ def test_four_head_key_products_of_either_width_equal_a_float64_reference(
     torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=1.5e-2)
 
 
+@pytest.mark.parametrize(
+    ("group", "dim", "vdim", "per_head_mask"),
+    [(4, 128, 128, False), (8, 64, 96, True), (16, 32, 64, False), (4, 96, 32, True)],
+)
+def test_gqa_heads_on_the_matrix_tiles_equal_a_float64_reference(
+    kernel: native.NativeAttention, group: int, dim: int, vdim: int, per_head_mask: bool
+) -> None:
+    """bf16 GQA heads on the matrix tiles (where the CPU has them): positions in blocks of 32,
+    of 16 and a tail of rows, one position, a padding mask shared by the group's query heads
+    or one of each head's own; against float64, and against the vector products' output
+    (the kernel with the tiles off) as close as two bf16 roundings of the weights allow."""
+    if not kernel.set_tiles(True):
+        pytest.skip("no matrix tiles on this CPU")
+    assert kernel.on_tiles(group, dim, vdim, torch.bfloat16)
+    assert not kernel.on_tiles(group, dim, vdim, torch.float32)
+    assert not kernel.on_tiles(2, dim, vdim, torch.bfloat16)  # two heads: the vector products
+    assert not kernel.on_tiles(group, dim + 8, vdim, torch.bfloat16)
+    g = torch.Generator().manual_seed(group * dim + vdim)
+    b, kv_heads = 2, 2
+    try:
+        for kv_len in (1, 15, 16, 47, 64, 81, 300):
+            q = torch.randn(b, kv_heads, group, dim, generator=g).bfloat16().float() * 2
+            # keys and values with room for more positions: rows apart by their stride
+            k = torch.randn(b, kv_heads, kv_len + 5, dim, generator=g).bfloat16()[:, :, :kv_len]
+            v = torch.randn(b, kv_heads, kv_len + 5, vdim, generator=g).bfloat16()[:, :, :kv_len]
+            keep = torch.ones(b, kv_heads if per_head_mask else 1, group if per_head_mask else 1,
+                              kv_len, dtype=torch.bool)  # fmt: skip
+            keep[1, ..., : kv_len // 3] = False  # a left-padded prompt
+            if per_head_mask and kv_len > 4:
+                keep[0, 1, 1::2, kv_len // 2 :] = False  # every other query head its own
+            bias = kernel.additive_mask(keep, (b, kv_heads, group, kv_len))
+            outs = []
+            for tiles in (True, False):
+                kernel.set_tiles(tiles)
+                out = torch.full((b, kv_heads, group, vdim), math.nan)
+                kernel.attend(q, k, v, bias, dim**-0.5, out, slice(None), slice(None))
+                outs.append(out)
+            ref = _reference(q, k, v, keep.expand(b, kv_heads, group, kv_len), dim**-0.5)
+            torch.testing.assert_close(outs[0].double(), ref, atol=1.5e-2, rtol=1.5e-2)
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
+            # the tiles' error against float64 no larger than the vector products' and a bit
+            err = [float((o.double() - ref).abs().max()) for o in outs]
+            assert err[0] <= 1.25 * err[1] + 1e-6, (kv_len, err)
+    finally:
+        kernel.set_tiles(True)
+
+
 def test_loading_the_kernel_leaves_subnormal_floats_alone(kernel: native.NativeAttention) -> None:
     # a library linked with -ffast-math sets flush-to-zero for the whole process on load
     tiny = 5e-324  # the least subnormal double
