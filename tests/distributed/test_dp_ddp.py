@@ -13,7 +13,8 @@ block from its shards in another rank order trains other weights from the first 
 The cases cover the samplers whose rows differ with the world size (a plain ``DataLoader``
 that Lightning shards, a user's seeded ``RandomSampler`` that Lightning wraps),
 accumulation, LoRA adapters over frozen (sharded) base weights, a head tied to the
-embedding, a mixture of experts with its routers' auxiliary loss, and 4 ranks. The strided
+embedding, a mixture of experts with its routers' auxiliary loss, and 4 ranks (with the
+user's sampler and the tied head). The strided
 ``DistributedSampler`` subclass of ``dp_run.py`` gives every world size the same rows per
 step, so that Lightning's DDP over it trains as one plain process: ``test_dp_fit.py``
 compares 2 ranks with one process and that one with plain Lightning (host and NVMe state,
@@ -32,8 +33,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 CASES: dict[str, tuple[int, int, tuple[str, ...]]] = {
     # name: (ranks, micro-batches per rank and step, arguments of both runs)
     "plain-loader-lora": (2, 2, ("--loader", "plain", "--lora", "4")),
-    "user-sampler-tied": (2, 2, ("--loader", "user", "--tied")),
-    "four-ranks": (4, 1, ("--loader", "plain")),
+    "four-ranks-user-sampler-tied": (4, 1, ("--loader", "user", "--tied")),
     "plain-loader-moe": (2, 2, ("--loader", "plain", "--moe")),
 }
 
