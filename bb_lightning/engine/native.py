@@ -108,7 +108,7 @@ class NativeAttention:
         return bool(self._wide(int(wide)))
 
     def set_tiles(self, on: bool) -> bool:
-        """Run bf16 heads of 4, 8 or 16 query heads a key/value head (keys of 32-128
+        """Run bf16 heads of 1, 2, 4, 8 or 16 query heads a key/value head (keys of 32-128
         elements, values in steps of 32) on the CPU's matrix tiles (Intel's AMX); returns
         whether the kernel now does (False where the CPU has no tiles or the kernel was not
         built for them). On at load where it can be."""
@@ -116,7 +116,7 @@ class NativeAttention:
 
     @property
     def tiles(self) -> bool:
-        """Whether GQA heads in bf16 run on the matrix tiles (see :meth:`set_tiles`)."""
+        """Whether bf16 heads run on the matrix tiles where they fit (:meth:`set_tiles`)."""
         return bool(self._tiles(-1))
 
     def on_tiles(self, group: int, dim: int, vdim: int, dtype: torch.dtype) -> bool:

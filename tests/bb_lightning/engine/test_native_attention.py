@@ -79,12 +79,15 @@ def test_four_head_key_products_of_either_width_equal_a_float64_reference(
 
 @pytest.mark.parametrize(
     ("group", "dim", "vdim", "per_head_mask"),
-    [(4, 128, 128, False), (8, 64, 96, True), (16, 32, 64, False), (4, 96, 32, True)],
-)
-def test_gqa_heads_on_the_matrix_tiles_equal_a_float64_reference(
+    [
+        (4, 128, 128, False), (8, 64, 96, True), (16, 32, 64, False), (4, 96, 32, True),
+        (1, 128, 128, False), (2, 64, 64, True),
+    ],
+)  # fmt: skip
+def test_heads_on_the_matrix_tiles_equal_a_float64_reference(
     kernel: native.NativeAttention, group: int, dim: int, vdim: int, per_head_mask: bool
 ) -> None:
-    """bf16 GQA heads on the matrix tiles (where the CPU has them): positions in blocks of 32,
+    """bf16 heads on the matrix tiles (where the CPU has them): positions in blocks of 32,
     of 16 and a tail of rows, one position, a padding mask shared by the group's query heads
     or one of each head's own; against float64, and against the vector products' output
     (the kernel with the tiles off) as close as two bf16 roundings of the weights allow."""
@@ -92,7 +95,7 @@ def test_gqa_heads_on_the_matrix_tiles_equal_a_float64_reference(
         pytest.skip("no matrix tiles on this CPU")
     assert kernel.on_tiles(group, dim, vdim, torch.bfloat16)
     assert not kernel.on_tiles(group, dim, vdim, torch.float32)
-    assert not kernel.on_tiles(2, dim, vdim, torch.bfloat16)  # two heads: the vector products
+    assert not kernel.on_tiles(3, dim, vdim, torch.bfloat16)  # 3 does not divide 16
     assert not kernel.on_tiles(group, dim + 8, vdim, torch.bfloat16)
     g = torch.Generator().manual_seed(group * dim + vdim)
     b, kv_heads = 2, 2
