@@ -146,14 +146,11 @@ def main() -> None:
     print(_common.machine(None))
     kernel = native.kernel()
     group = args.heads // args.kv_heads
-    tiles = kernel is not None and kernel.on_tiles(group, args.head_dim, args.head_dim, dtype)
     print(
-        "decode attention: torch's products (the compiled kernel did not build)"
-        if kernel is None
-        else "decode attention: the compiled kernel on the matrix tiles, beside its vector "
-        "products (the tiles off) and torch's products"
-        if tiles
-        else "decode attention: the compiled kernel, beside torch's products"
+        "decode attention: the compiled kernel, beside torch's products (and its vector "
+        "products, the matrix tiles off, at the sizes it runs on the tiles)"
+        if kernel is not None
+        else "decode attention: torch's products (the compiled kernel did not build)"
     )
     probe_bytes = 256 << 20
     seconds = args.seconds  # best of repeats, as long as a size's: alike on a shared machine
@@ -196,6 +193,9 @@ def main() -> None:
             }
             if kernel is not None:
                 runs["torch"] = partial(_torch_products, module, q, k, v)
+            tiles = kernel is not None and kernel.on_tiles(
+                group, pos, args.head_dim, args.head_dim, dtype
+            )
             if tiles:
                 runs["vectors"] = partial(_vector_products, kernel, module, q, k, v)
             with torch.inference_mode():  # as the engine decodes

@@ -574,21 +574,46 @@ static int use_tiles = -1;
 /* Bytes ahead of the row read that keys and values are asked for (prefetcht2). */
 #define TILE_AHEAD 8192
 
-/* Whether a head of this shape runs on the tiles: 1, 2, 4, 8 or 16 query heads a key/value
- * head (a vector of scores holds 16 / G positions of all of them), keys of 32-128 elements in
- * steps of 32 (held in four tiles), values in steps of 32. With one query head a tile product
- * fills one row of sixteen, yet the head still read its cache 1.0-1.3 x faster than with the
- * vector products (bench/host_attention.py on an Intel Xeon, OPT-30B's layer and one of 64). */
-static int tiles_fit(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, int64_t msg) {
-    return use_tiles > 0 && group >= 1 && group <= 16 && 16 % group == 0 && dim % 32 == 0
-        && dim <= 128 && vdim % 32 == 0 && kv_len > 0 && msg * group + kv_len < ((int64_t)1 << 31);
+/* Heads whose weights are computed under one tile configuration before their values under
+ * the other (each load of a configuration costs about as much as a few dozen positions). */
+#define TILE_BATCH 8
+
+/* Asks for the 64 bytes at ``p``, TILE_AHEAD or less past a row being read: where that is past
+ * the head's last row (``end``), the same distance into the next head's rows (``next``; none
+ * where NULL), as a cache's rows past kv_len are not read. */
+static inline void ask_ahead(const char *p, const char *end, const char *next) {
+    if (p < end) _mm_prefetch(p, _MM_HINT_T2);
+    else if (next) _mm_prefetch(next + (p - end), _MM_HINT_T2);
 }
 
-/* Bytes of scratch head_bf16_tiles takes (64-byte aligned pieces). */
+/* Positions from which heads of one or two query heads a key/value head run on the tiles. */
+#define TILE_FEW_HEADS_FROM 288
+
+/* Whether a head of this shape runs on the tiles: 1, 2, 4, 8 or 16 query heads a key/value
+ * head (a vector of scores holds 16 / G positions of all of them), keys of 32-128 elements in
+ * steps of 32 (held in four tiles), values in steps of 32. With one or two query heads a tile
+ * product fills one or two rows of sixteen: on an Intel Xeon such heads read their cache
+ * 1.1-1.3 x faster than with the vector products from 300 positions on, 5-15 % slower at
+ * 144-256 (bench/host_attention.py and a decode step's shapes), so they take the tiles from
+ * TILE_FEW_HEADS_FROM positions. */
+static int tiles_fit(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, int64_t msg) {
+    return use_tiles > 0 && group >= 1 && group <= 16 && 16 % group == 0 && dim % 32 == 0
+        && dim <= 128 && vdim % 32 == 0 && kv_len > 0 && (group >= 4 || kv_len >= TILE_FEW_HEADS_FROM)
+        && msg * group + kv_len < ((int64_t)1 << 31);
+}
+
+/* Bytes of scratch a call on the tiles takes (64-byte aligned pieces): make_tile_plan's, then
+ * the weights of TILE_BATCH heads. */
 static size_t tiles_scratch(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim) {
     size_t pp = (size_t)((kv_len + 31) & ~(int64_t)31);
-    return 4 * (pp * group + 16) + 2 * pp * group + 2 * (size_t)(group * dim) + 2 * 64 * vdim
-        + 4 * (size_t)(group * vdim) + 2 * 16 * dim + 2 * vdim + 7 * 64;
+    return 4 * (pp * group + 16) + 2 * (size_t)(group * dim) + 2 * 64 * vdim
+        + 4 * (size_t)(group * vdim) + 2 * 16 * dim + 2 * vdim + 6 * 64
+        + TILE_BATCH * ((2 * pp * group + 63) & ~(size_t)63);
+}
+
+/* Bytes of one head's weights in the scratch (64-byte aligned). */
+static size_t tile_weights_bytes(int64_t group, int64_t kv_len) {
+    return (2 * (size_t)((kv_len + 31) & ~(int64_t)31) * group + 63) & ~(size_t)63;
 }
 
 static inline char *carve(char **at, size_t bytes) {
@@ -615,11 +640,63 @@ static inline __m512 exp_le0(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* A vector's lanes rotated by ``shift`` (lane i takes lane i + shift mod 16). */
-static inline __m512i rotation(int shift) {
+/* What head_bf16_tiles's softmax needs for a group of G query heads, made once per call of
+ * the kernel: the lane rotations that bring lanes of one head together (by 8, 4, .. G), the
+ * position (at_pos) and mask element (at_mask, ``msg`` apart per head) of each lane, and the
+ * order that puts each head's lanes first (heads' R = 16 / G positions each). */
+typedef struct {
+    __m512i rotate[4], at_pos, at_mask;
+    __m256i order;
+    int rotations;
+} tile_tables;
+
+static void make_tile_tables(int64_t group, int64_t msg, tile_tables *tab) {
+    const int G = (int)group, R = 16 / G;
     int32_t ix[16];
-    for (int i = 0; i < 16; ++i) ix[i] = (i + shift) & 15;
-    return _mm512_loadu_si512(ix);
+    tab->rotations = 0;
+    for (int shift = 8; shift >= G; shift >>= 1) {
+        for (int i = 0; i < 16; ++i) ix[i] = (i + shift) & 15;
+        tab->rotate[tab->rotations++] = _mm512_loadu_si512(ix);
+    }
+    for (int l = 0; l < 16; ++l) ix[l] = l / G;
+    tab->at_pos = _mm512_loadu_si512(ix);
+    for (int l = 0; l < 16; ++l) ix[l] = (int32_t)((l % G) * msg + l / G);
+    tab->at_mask = _mm512_loadu_si512(ix);
+    int16_t first[16];
+    for (int g = 0; g < G; ++g)
+        for (int j = 0; j < R; ++j) first[g * R + j] = (int16_t)(j * G + g);
+    tab->order = _mm256_loadu_si256((const __m256i *)first);
+}
+
+/* One call's setting for the tiles: the two tile configurations (the scores' and the
+ * values'), the softmax's tables and the scratch of one head (the weights of a batch of heads
+ * apart). */
+typedef struct {
+    tile_config weights, values;
+    tile_tables tables;
+    float *s, *acc;
+    uint16_t *qt, *vb, *tail, *zeros;
+} tile_plan;
+
+static void make_tile_plan(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, int64_t msg,
+                           char *scratch, tile_plan *tp) {
+    const int64_t G = group, pp = (kv_len + 31) & ~(int64_t)31;
+    memset(tp, 0, sizeof *tp);
+    tp->weights.palette = tp->values.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        tp->weights.rows[t] = 16;
+        tp->weights.colsb[t] = t < 2 ? 64 : (uint16_t)(G * 4);
+        tp->values.rows[t] = t == 1 || t == 2 ? 16 : (uint8_t)G;
+        tp->values.colsb[t] = 64;
+    }
+    make_tile_tables(group, msg, &tp->tables);
+    char *at = scratch;
+    tp->s = (float *)carve(&at, 4 * (size_t)(pp * G + 16));
+    tp->qt = (uint16_t *)carve(&at, 2 * (size_t)(G * dim));
+    tp->vb = (uint16_t *)carve(&at, 2 * 64 * (size_t)vdim);
+    tp->acc = (float *)carve(&at, 4 * (size_t)(G * vdim));
+    tp->tail = (uint16_t *)carve(&at, 2 * 16 * (size_t)dim);
+    tp->zeros = (uint16_t *)carve(&at, 2 * (size_t)vdim);
 }
 
 /* Pairs rows p, p + 1 of ``value`` (zeros past kv_len) for positions [s0, s0 + 32) into
@@ -627,13 +704,16 @@ static inline __m512i rotation(int shift) {
  * hold elements 0-3, 8-11, 16-19, 24-27 and the next 16 the others (the output puts them
  * back). */
 static inline void pair_values(const uint16_t *value, int64_t vsp, int64_t kv_len, int64_t vdim,
-                               int64_t s0, const uint16_t *zeros, uint16_t *dst) {
+                               int64_t s0, const uint16_t *zeros, uint16_t *dst,
+                               const uint16_t *next) {
+    const char *end = (const char *)(value + kv_len * vsp);
     for (int64_t p = s0; p < s0 + 32; p += 2, dst += 2 * vdim) {
         const uint16_t *x = p < kv_len ? value + p * vsp : zeros;
         const uint16_t *y = p + 1 < kv_len ? value + (p + 1) * vsp : zeros;
+        const char *ahead = (const char *)(value + p * vsp) + TILE_AHEAD;
         for (int64_t d = 0; d < vdim; d += 32) {
-            _mm_prefetch((const char *)(x + d) + TILE_AHEAD, _MM_HINT_T2);
-            _mm_prefetch((const char *)(y + d) + TILE_AHEAD, _MM_HINT_T2);
+            ask_ahead(ahead + 2 * d, end, (const char *)next);
+            ask_ahead(ahead + 2 * (vsp + d), end, (const char *)next);
             __m512i a = _mm512_loadu_si512(x + d), b = _mm512_loadu_si512(y + d);
             _mm512_storeu_si512(dst + 2 * d, _mm512_unpacklo_epi16(a, b));
             _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(a, b));
@@ -645,13 +725,14 @@ static inline void pair_values(const uint16_t *value, int64_t vsp, int64_t kv_le
  * (tile 2 + c: elements 32 c .. 32 c + 31 of the head) into s (32 rows of qs bytes); the keys
  * TILE_AHEAD bytes ahead are asked for on the way, a row's 64 bytes at a time, so that memory
  * streams under the products. */
-static inline void keys32(const uint16_t *k0, int64_t ks, int64_t chunks, float *s, int64_t qs) {
+static inline void keys32(const uint16_t *k0, int64_t ks, int64_t chunks, float *s, int64_t qs,
+                          const char *end, const char *next) {
     const char *ahead = (const char *)k0 + TILE_AHEAD;
     _tile_zero(6);
     _tile_zero(7);
 #define KEYS(c, B)                                                                             \
     if (chunks > c) {                                                                          \
-        for (int j = 0; j < 32; ++j) _mm_prefetch(ahead + (32 * c + j) * 64, _MM_HINT_T2);     \
+        for (int j = 0; j < 32; ++j) ask_ahead(ahead + (32 * c + j) * 64, end, next);          \
         _tile_loadd(0, (const char *)k0 + 64 * c, ks);                                         \
         _tile_loadd(1, (const char *)k0 + 16 * ks + 64 * c, ks);                               \
         _tile_dpbf16ps(6, 0, B);                                                               \
@@ -676,21 +757,17 @@ static inline void keys16(const uint16_t *k0, int64_t ks, int64_t chunks, float 
     _tile_stored(6, s, qs);
 }
 
-static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
-                            const float *q, const uint16_t *key, int64_t ksp,
-                            const uint16_t *value, int64_t vsp, const float *bias, int64_t msg,
-                            float scale, char *scratch, float *out) {
+/* A head's softmax weights in bf16 into wb[g][0 .. pp) (zero from kv_len), under
+ * tiles->weights: the scores on the tiles, then the softmax. */
+static void tiles_weights(int64_t group, int64_t kv_len, int64_t dim, const float *q,
+                          const uint16_t *key, int64_t ksp, const float *bias, int64_t msg,
+                          float scale, const tile_plan *tp, uint16_t *wb,
+                          const uint16_t *next_key) {
     const int64_t G = group, pp = (kv_len + 31) & ~(int64_t)31, chunks = dim / 32;
     const int R = 16 / (int)G;  /* positions a vector of scores */
-    char *at = scratch;
-    float *s = (float *)carve(&at, 4 * (size_t)(pp * G + 16));
-    uint16_t *wb = (uint16_t *)carve(&at, 2 * (size_t)(pp * G));
-    uint16_t *qt = (uint16_t *)carve(&at, 2 * (size_t)(G * dim));
-    uint16_t *vb = (uint16_t *)carve(&at, 2 * 64 * (size_t)vdim);
-    float *acc = (float *)carve(&at, 4 * (size_t)(G * vdim));
-    uint16_t *tail = (uint16_t *)carve(&at, 2 * 16 * (size_t)dim);
-    uint16_t *zeros = (uint16_t *)carve(&at, 2 * (size_t)vdim);
-    memset(zeros, 0, 2 * (size_t)vdim);
+    const tile_tables *tab = &tp->tables;
+    float *s = tp->s;
+    uint16_t *qt = tp->qt, *tail = tp->tail;
     /* qt[c][r][g]: the pair q[g][32 c + 2 r], q[g][32 c + 2 r + 1] */
     for (int64_t c = 0; c < chunks; ++c)
         for (int64_t r = 0; r < 16; ++r)
@@ -699,21 +776,15 @@ static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t 
                 qt[((c * 16 + r) * G + g) * 2 + 1] = to_bf16(q[g * dim + 32 * c + 2 * r + 1]);
             }
     /* the scores: s[p][g] */
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = t < 2 ? 64 : (uint16_t)(G * 4);
-    }
-    _tile_loadconfig(&cfg);
     const int64_t ks = ksp * 2, qs = G * 4;
     _tile_loadd(2, qt, qs);
     if (chunks > 1) _tile_loadd(3, qt + 32 * G, qs);
     if (chunks > 2) _tile_loadd(4, qt + 64 * G, qs);
     if (chunks > 3) _tile_loadd(5, qt + 96 * G, qs);
     int64_t p0 = 0;
-    for (; p0 + 32 <= kv_len; p0 += 32) keys32(key + p0 * ksp, ks, chunks, s + p0 * G, qs);
+    const char *keys_end = (const char *)(key + kv_len * ksp);
+    for (; p0 + 32 <= kv_len; p0 += 32)
+        keys32(key + p0 * ksp, ks, chunks, s + p0 * G, qs, keys_end, (const char *)next_key);
     for (; p0 < kv_len; p0 += 16) {  /* 16 rows, or the last few copied into zeros */
         if (kv_len - p0 >= 16) {
             keys16(key + p0 * ksp, ks, chunks, s + p0 * G, qs);
@@ -728,12 +799,7 @@ static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t 
      * scaled and masked in place, each head's largest, the exponentials and their sum */
     const int64_t n = kv_len * G;
     __m512 top = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
-    int32_t lane_at[16], lane_head[16];
-    for (int l = 0; l < 16; ++l) {
-        lane_at[l] = l / (int)G;
-        lane_head[l] = (int32_t)((l % G) * msg + l / G);
-    }
-    const __m512i at_pos = _mm512_loadu_si512(lane_at), at_mask = _mm512_loadu_si512(lane_head);
+    const __m512i at_pos = tab->at_pos, at_mask = tab->at_mask;
     for (int64_t i = 0, p = 0; i < n; i += 16, p += R) {
         __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
         __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + i), vs);
@@ -748,8 +814,8 @@ static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t 
         _mm512_storeu_ps(s + i, x);
         top = _mm512_mask_max_ps(top, live, top, x);
     }
-    for (int shift = 8; shift >= (int)G; shift >>= 1)
-        top = _mm512_max_ps(top, _mm512_permutexvar_ps(rotation(shift), top));
+    for (int r = 0; r < tab->rotations; ++r)
+        top = _mm512_max_ps(top, _mm512_permutexvar_ps(tab->rotate[r], top));
     __m512 total = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
@@ -757,14 +823,11 @@ static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t 
         _mm512_storeu_ps(s + i, e);
         total = _mm512_mask_add_ps(total, live, total, e);
     }
-    for (int shift = 8; shift >= (int)G; shift >>= 1)
-        total = _mm512_add_ps(total, _mm512_permutexvar_ps(rotation(shift), total));
+    for (int r = 0; r < tab->rotations; ++r)
+        total = _mm512_add_ps(total, _mm512_permutexvar_ps(tab->rotate[r], total));
     /* the weights in bf16, head-major: wb[g][p], zero from kv_len to pp */
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
-    int16_t heads_first[16];
-    for (int g = 0; g < (int)G; ++g)
-        for (int j = 0; j < R; ++j) heads_first[g * R + j] = (int16_t)(j * G + g);
-    const __m256i order = _mm256_loadu_si256((const __m256i *)heads_first);
+    const __m256i order = tab->order;
     for (int64_t i = 0, p = 0; i < n; i += 16, p += R) {
         __m256i w = _mm256_permutexvar_epi16(
             order, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)));
@@ -773,20 +836,25 @@ static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t 
     }
     for (int64_t g = 0; g < G; ++g)
         for (int64_t p = kv_len; p < pp; ++p) wb[g * pp + p] = 0;
+}
+
+/* A head's output out[g][0 .. vdim) from its weights wb[g][0 .. pp), under tiles->values. */
+static void tiles_values(int64_t group, int64_t kv_len, int64_t vdim, const uint16_t *value,
+                         int64_t vsp, const uint16_t *wb, const tile_plan *tp, float *out,
+                         const uint16_t *next_value) {
+    const int64_t G = group, pp = (kv_len + 31) & ~(int64_t)31;
+    uint16_t *vb = tp->vb, *zeros = tp->zeros;
+    float *acc = tp->acc;
     /* the values: acc[g][tile columns] += wb[g][32 positions] x paired values, 32 positions
      * a step; up to five tiles of 16 outputs at a time */
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = t == 1 || t == 2 ? 16 : (uint8_t)G;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
     memset(acc, 0, 4 * (size_t)(G * vdim));
     const int64_t ct = vdim / 16, bs = vdim * 4;
-    pair_values(value, vsp, kv_len, vdim, 0, zeros, vb);
+    pair_values(value, vsp, kv_len, vdim, 0, zeros, vb, next_value);
     for (int64_t s0 = 0; s0 < pp; s0 += 32) {
         const uint16_t *cur = vb + ((s0 / 32) & 1) * 32 * vdim;
         if (s0 + 32 < pp)  /* the next step's pairs, while these are multiplied */
-            pair_values(value, vsp, kv_len, vdim, s0 + 32, zeros, vb + ((s0 / 32 + 1) & 1) * 32 * vdim);
+            pair_values(value, vsp, kv_len, vdim, s0 + 32, zeros,
+                        vb + ((s0 / 32 + 1) & 1) * 32 * vdim, next_value);
         for (int64_t t0 = 0; t0 < ct; t0 += 5) {
             const int64_t nt = ct - t0 < 5 ? ct - t0 : 5;
             float *a = acc + 16 * t0;
@@ -815,6 +883,52 @@ static void head_bf16_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t 
 }
 #endif
 
+#ifdef HAVE_TILES
+/* attend_items on the tiles (a bf16 cache whose heads tiles_fit): TILE_BATCH heads' weights
+ * under one configuration, then their values under the other. */
+static int attend_tiles(int64_t b0, int64_t h0, int64_t h1, int64_t i0, int64_t i1,
+                        int64_t kv_heads, int64_t group, int64_t kv_len, int64_t dim,
+                        int64_t vdim, const float *q, const void *key, int64_t ksb,
+                        int64_t ksh, int64_t ksp, const void *value, int64_t vsb,
+                        int64_t vsh, int64_t vsp, const float *bias, int64_t msb,
+                        int64_t msh, int64_t msg, float scale, float *out) {
+    size_t bytes = (tiles_scratch(group, kv_len, dim, vdim) + 63) & ~(size_t)63;
+    char *scratch = aligned_alloc(64, bytes);
+    if (!scratch) return -1;
+    memset(scratch, 0, bytes);  /* the row of zeros past kv_len among it */
+    tile_plan tp;
+    make_tile_plan(group, kv_len, dim, vdim, msg, scratch, &tp);
+    uint16_t *weights = (uint16_t *)(scratch + bytes - TILE_BATCH * tile_weights_bytes(group, kv_len));
+    const int64_t heads = h1 - h0, wstride = (int64_t)tile_weights_bytes(group, kv_len) / 2;
+    const uint16_t *k = (const uint16_t *)key, *v = (const uint16_t *)value;
+#define ITEM_B(i) (b0 + (i) / heads)
+#define ITEM_H(i) (h0 + (i) % heads)
+    for (int64_t i = i0; i < i1; i += TILE_BATCH) {
+        const int64_t n = i1 - i < TILE_BATCH ? i1 - i : TILE_BATCH;
+        _tile_loadconfig(&tp.weights);
+        for (int64_t j = i; j < i + n; ++j) {
+            int64_t b = ITEM_B(j), h = ITEM_H(j), qh = (b * kv_heads + h) * group;
+            const uint16_t *next = j + 1 < i1 ? k + ITEM_B(j + 1) * ksb + ITEM_H(j + 1) * ksh : NULL;
+            tiles_weights(group, kv_len, dim, q + qh * dim, k + b * ksb + h * ksh, ksp,
+                          bias ? bias + b * msb + h * msh : NULL, msg, scale, &tp,
+                          weights + (j - i) * wstride, next);
+        }
+        _tile_loadconfig(&tp.values);
+        for (int64_t j = i; j < i + n; ++j) {
+            int64_t b = ITEM_B(j), h = ITEM_H(j), qh = (b * kv_heads + h) * group;
+            const uint16_t *next = j + 1 < i1 ? v + ITEM_B(j + 1) * vsb + ITEM_H(j + 1) * vsh : NULL;
+            tiles_values(group, kv_len, vdim, v + b * vsb + h * vsh, vsp,
+                         weights + (j - i) * wstride, &tp, out + qh * vdim, next);
+        }
+    }
+#undef ITEM_B
+#undef ITEM_H
+    _tile_release();
+    free(scratch);
+    return 0;
+}
+#endif
+
 /* Floats one of the machine's vector registers holds, as compiled: 16 with AVX-512; with
  * fewer, each of the generic paths' 16-float vectors takes two registers or more. */
 int bb_decode_attention_lanes(void) {
@@ -839,22 +953,17 @@ static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i
                         int64_t ksh, int64_t ksp, const void *value, int64_t vsb,
                         int64_t vsh, int64_t vsp, const float *bias, int64_t msb,
                         int64_t msh, int64_t msg, float scale, float *out) {
+#ifdef HAVE_TILES
+    if (dtype == 1 && tiles_fit(group, kv_len, dim, vdim, msg))
+        return attend_tiles(b0, h0, h1, i0, i1, kv_heads, group, kv_len, dim, vdim, q, key, ksb,
+                            ksh, ksp, value, vsb, vsh, vsp, bias, msb, msh, msg, scale, out);
+#endif
     size_t n = (size_t)(group * (kv_len > 0 ? kv_len : 1));
     float *scores = (float *)malloc(n * sizeof(float) + (n + (size_t)(group * dim)) * 2 + 64);
     if (!scores) return -1;
 #ifdef HAVE_DPBF16
     uint16_t *wb = (uint16_t *)(scores + n), *qb = wb + n;
     int dp = dtype == 1 && dim % 32 == 0 && vdim % 32 == 0;
-#endif
-#ifdef HAVE_TILES
-    char *tile_scratch = NULL;
-    if (dtype == 1 && tiles_fit(group, kv_len, dim, vdim, msg)) {
-        tile_scratch = aligned_alloc(64, (tiles_scratch(group, kv_len, dim, vdim) + 63) & ~(size_t)63);
-        if (!tile_scratch) {
-            free(scores);
-            return -1;
-        }
-    }
 #endif
     int64_t heads = h1 - h0;
     for (int64_t i = i0; i < i1; ++i) {
@@ -868,13 +977,6 @@ static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i
                      (const float *)key + b * ksb + h * ksh, ksp,
                      (const float *)value + b * vsb + h * vsh, vsp, m, msg, scale, scores,
                      out + qh * vdim, next < 0 ? NULL : (const float *)key + next);
-#ifdef HAVE_TILES
-        else if (tile_scratch)
-            head_bf16_tiles(group, kv_len, dim, vdim, q + qh * dim,
-                            (const uint16_t *)key + b * ksb + h * ksh, ksp,
-                            (const uint16_t *)value + b * vsb + h * vsh, vsp, m, msg, scale,
-                            tile_scratch, out + qh * vdim);
-#endif
 #ifdef HAVE_DPBF16
         else if (dp)
             head_bf16_dp(group, kv_len, dim, vdim, q + qh * dim,
@@ -890,12 +992,6 @@ static int attend_items(int dtype, int64_t b0, int64_t h0, int64_t h1, int64_t i
                       scores, out + qh * vdim,
                       next < 0 ? NULL : (const uint16_t *)key + next);
     }
-#ifdef HAVE_TILES
-    if (tile_scratch) {
-        _tile_release();
-        free(tile_scratch);
-    }
-#endif
     free(scores);
     return 0;
 }
@@ -961,13 +1057,13 @@ int bb_decode_attention_wide(int wide) {
 #endif
 }
 
-/* Whether a bf16 head of ``group`` query heads, keys of ``dim`` and values of ``vdim``
- * elements runs on the matrix tiles with the setting as it is. */
-int bb_decode_attention_fits_tiles(int64_t group, int64_t dim, int64_t vdim) {
+/* Whether a bf16 head of ``group`` query heads, ``kv_len`` positions, keys of ``dim`` and
+ * values of ``vdim`` elements runs on the matrix tiles with the setting as it is. */
+int bb_decode_attention_fits_tiles(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim) {
 #ifdef HAVE_TILES
-    return tiles_fit(group, 1, dim, vdim, 0);
+    return tiles_fit(group, kv_len, dim, vdim, 0);
 #else
-    (void)group, (void)dim, (void)vdim;
+    (void)group, (void)kv_len, (void)dim, (void)vdim;
     return 0;
 #endif
 }

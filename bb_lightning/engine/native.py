@@ -93,7 +93,7 @@ class NativeAttention:
         self._tiles.argtypes = [ctypes.c_int]
         self._tiles.restype = ctypes.c_int
         self._fits_tiles = lib.bb_decode_attention_fits_tiles
-        self._fits_tiles.argtypes = [_I64, _I64, _I64]
+        self._fits_tiles.argtypes = [_I64, _I64, _I64, _I64]
         self._fits_tiles.restype = ctypes.c_int
         self.set_tiles(True)
 
@@ -108,10 +108,10 @@ class NativeAttention:
         return bool(self._wide(int(wide)))
 
     def set_tiles(self, on: bool) -> bool:
-        """Run bf16 heads of 1, 2, 4, 8 or 16 query heads a key/value head (keys of 32-128
-        elements, values in steps of 32) on the CPU's matrix tiles (Intel's AMX); returns
-        whether the kernel now does (False where the CPU has no tiles or the kernel was not
-        built for them). On at load where it can be."""
+        """Run bf16 heads of 4, 8 or 16 query heads a key/value head, and of 1 or 2 over 288
+        positions or more (keys of 32-128 elements, values in steps of 32), on the CPU's
+        matrix tiles (Intel's AMX); returns whether the kernel now does (False where the CPU
+        has no tiles or the kernel was not built for them). On at load where it can be."""
         return bool(self._tiles(int(on)))
 
     @property
@@ -119,10 +119,11 @@ class NativeAttention:
         """Whether bf16 heads run on the matrix tiles where they fit (:meth:`set_tiles`)."""
         return bool(self._tiles(-1))
 
-    def on_tiles(self, group: int, dim: int, vdim: int, dtype: torch.dtype) -> bool:
-        """Whether heads of ``group`` query heads a key/value head, keys of ``dim`` and
-        values of ``vdim`` elements in ``dtype`` run on the matrix tiles now."""
-        return dtype == torch.bfloat16 and bool(self._fits_tiles(group, dim, vdim))
+    def on_tiles(self, group: int, positions: int, dim: int, vdim: int, dtype: torch.dtype) -> bool:
+        """Whether heads of ``group`` query heads a key/value head over ``positions`` cached
+        positions, keys of ``dim`` and values of ``vdim`` elements in ``dtype`` run on the
+        matrix tiles now."""
+        return dtype == torch.bfloat16 and bool(self._fits_tiles(group, positions, dim, vdim))
 
     @staticmethod
     def supports(key: Tensor, value: Tensor) -> bool:

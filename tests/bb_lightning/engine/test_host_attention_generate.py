@@ -171,7 +171,7 @@ def test_bf16_gqa_heads_on_the_matrix_tiles_generate_as_torch_s_products(
     config = {**FAMILIES["llama"], "hidden_size": 256, "num_attention_heads": 8,
               "num_key_value_heads": 2, "initializer_range": 0.2}  # fmt: skip
     model = tiny_model(config).to(torch.bfloat16).eval()
-    assert kernel.on_tiles(4, 32, 32, torch.bfloat16)
+    assert kernel.on_tiles(4, 40, 32, 32, torch.bfloat16)
     ids, mask = _prompts(3, (40, 9, 33, 17))
     runs = []
     for tiles, products in ((True, "1"), (False, "1"), (True, "0")):
