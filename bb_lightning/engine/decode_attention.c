@@ -598,22 +598,24 @@ static inline void ask_ahead(const char *p, const char *end, const char *next) {
  * TILE_FEW_HEADS_FROM positions. */
 static int tiles_fit(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, int64_t msg) {
     return use_tiles > 0 && group >= 1 && group <= 16 && 16 % group == 0 && dim % 32 == 0
-        && dim <= 128 && vdim % 32 == 0 && kv_len > 0 && (group >= 4 || kv_len >= TILE_FEW_HEADS_FROM)
+        && dim >= 32 && dim <= 128 && vdim % 32 == 0 && vdim >= 32 && kv_len > 0
+        && (group >= 4 || kv_len >= TILE_FEW_HEADS_FROM)
         && msg * group + kv_len < ((int64_t)1 << 31);
-}
-
-/* Bytes of scratch a call on the tiles takes (64-byte aligned pieces): make_tile_plan's, then
- * the weights of TILE_BATCH heads. */
-static size_t tiles_scratch(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim) {
-    size_t pp = (size_t)((kv_len + 31) & ~(int64_t)31);
-    return 4 * (pp * group + 16) + 2 * (size_t)(group * dim) + 2 * 64 * vdim
-        + 4 * (size_t)(group * vdim) + 2 * 16 * dim + 2 * vdim + 6 * 64
-        + TILE_BATCH * ((2 * pp * group + 63) & ~(size_t)63);
 }
 
 /* Bytes of one head's weights in the scratch (64-byte aligned). */
 static size_t tile_weights_bytes(int64_t group, int64_t kv_len) {
     return (2 * (size_t)((kv_len + 31) & ~(int64_t)31) * group + 63) & ~(size_t)63;
+}
+
+/* Bytes of scratch a call on the tiles takes (a multiple of 64): make_tile_plan's pieces
+ * (64-byte aligned), then the weights of ``batch`` heads. */
+static size_t tiles_scratch(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
+                            int64_t batch) {
+    size_t pp = (size_t)((kv_len + 31) & ~(int64_t)31);
+    size_t plan = 4 * (pp * group + 16) + 2 * (size_t)(group * dim) + 2 * 64 * vdim
+        + 4 * (size_t)(group * vdim) + 2 * 16 * dim + 2 * vdim + 6 * 64;
+    return ((plan + 63) & ~(size_t)63) + (size_t)batch * tile_weights_bytes(group, kv_len);
 }
 
 static inline char *carve(char **at, size_t bytes) {
@@ -623,9 +625,11 @@ static inline char *carve(char **at, size_t bytes) {
 }
 
 /* exp(x) in fp32 for x <= 0 (a softmax's shifted scores): 2^n e^r, r within ln 2 / 2, a
- * polynomial of degree 6 (relative error about 1e-7, below the bf16 rounding that follows). */
+ * polynomial of degree 6 (relative error about 1e-7, below the bf16 rounding that follows);
+ * exactly 0 below -87 (a masked position, as expf gives for the mask's floor), NaN for NaN. */
 static inline __m512 exp_le0(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  /* a NaN stays (max returns its second) */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -637,10 +641,10 @@ static inline __m512 exp_le0(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(live, p, n);
 }
 
-/* What head_bf16_tiles's softmax needs for a group of G query heads, made once per call of
+/* What tiles_weights's softmax needs for a group of G query heads, made once per call of
  * the kernel: the lane rotations that bring lanes of one head together (by 8, 4, .. G), the
  * position (at_pos) and mask element (at_mask, ``msg`` apart per head) of each lane, and the
  * order that puts each head's lanes first (heads' R = 16 / G positions each). */
@@ -758,7 +762,7 @@ static inline void keys16(const uint16_t *k0, int64_t ks, int64_t chunks, float 
 }
 
 /* A head's softmax weights in bf16 into wb[g][0 .. pp) (zero from kv_len), under
- * tiles->weights: the scores on the tiles, then the softmax. */
+ * tp->weights: the scores on the tiles, then the softmax. */
 static void tiles_weights(int64_t group, int64_t kv_len, int64_t dim, const float *q,
                           const uint16_t *key, int64_t ksp, const float *bias, int64_t msg,
                           float scale, const tile_plan *tp, uint16_t *wb,
@@ -838,7 +842,7 @@ static void tiles_weights(int64_t group, int64_t kv_len, int64_t dim, const floa
         for (int64_t p = kv_len; p < pp; ++p) wb[g * pp + p] = 0;
 }
 
-/* A head's output out[g][0 .. vdim) from its weights wb[g][0 .. pp), under tiles->values. */
+/* A head's output out[g][0 .. vdim) from its weights wb[g][0 .. pp), under tp->values. */
 static void tiles_values(int64_t group, int64_t kv_len, int64_t vdim, const uint16_t *value,
                          int64_t vsp, const uint16_t *wb, const tile_plan *tp, float *out,
                          const uint16_t *next_value) {
@@ -892,23 +896,26 @@ static int attend_tiles(int64_t b0, int64_t h0, int64_t h1, int64_t i0, int64_t 
                         int64_t ksh, int64_t ksp, const void *value, int64_t vsb,
                         int64_t vsh, int64_t vsp, const float *bias, int64_t msb,
                         int64_t msh, int64_t msg, float scale, float *out) {
-    size_t bytes = (tiles_scratch(group, kv_len, dim, vdim) + 63) & ~(size_t)63;
+    const int64_t batch = i1 - i0 < TILE_BATCH ? i1 - i0 : TILE_BATCH;
+    size_t bytes = tiles_scratch(group, kv_len, dim, vdim, batch);
     char *scratch = aligned_alloc(64, bytes);
     if (!scratch) return -1;
-    memset(scratch, 0, bytes);  /* the row of zeros past kv_len among it */
     tile_plan tp;
     make_tile_plan(group, kv_len, dim, vdim, msg, scratch, &tp);
-    uint16_t *weights = (uint16_t *)(scratch + bytes - TILE_BATCH * tile_weights_bytes(group, kv_len));
+    memset(tp.zeros, 0, 2 * (size_t)vdim);
+    uint16_t *weights = (uint16_t *)(scratch + bytes - batch * tile_weights_bytes(group, kv_len));
     const int64_t heads = h1 - h0, wstride = (int64_t)tile_weights_bytes(group, kv_len) / 2;
     const uint16_t *k = (const uint16_t *)key, *v = (const uint16_t *)value;
 #define ITEM_B(i) (b0 + (i) / heads)
 #define ITEM_H(i) (h0 + (i) % heads)
-    for (int64_t i = i0; i < i1; i += TILE_BATCH) {
-        const int64_t n = i1 - i < TILE_BATCH ? i1 - i : TILE_BATCH;
+    for (int64_t i = i0; i < i1; i += batch) {
+        const int64_t n = i1 - i < batch ? i1 - i : batch;
         _tile_loadconfig(&tp.weights);
         for (int64_t j = i; j < i + n; ++j) {
             int64_t b = ITEM_B(j), h = ITEM_H(j), qh = (b * kv_heads + h) * group;
-            const uint16_t *next = j + 1 < i1 ? k + ITEM_B(j + 1) * ksb + ITEM_H(j + 1) * ksh : NULL;
+            /* what is read next: the next head's keys, after the batch's last its first values */
+            const uint16_t *next = j + 1 < i + n ? k + ITEM_B(j + 1) * ksb + ITEM_H(j + 1) * ksh
+                                                 : v + ITEM_B(i) * vsb + ITEM_H(i) * vsh;
             tiles_weights(group, kv_len, dim, q + qh * dim, k + b * ksb + h * ksh, ksp,
                           bias ? bias + b * msb + h * msh : NULL, msg, scale, &tp,
                           weights + (j - i) * wstride, next);
@@ -916,7 +923,10 @@ static int attend_tiles(int64_t b0, int64_t h0, int64_t h1, int64_t i0, int64_t 
         _tile_loadconfig(&tp.values);
         for (int64_t j = i; j < i + n; ++j) {
             int64_t b = ITEM_B(j), h = ITEM_H(j), qh = (b * kv_heads + h) * group;
-            const uint16_t *next = j + 1 < i1 ? v + ITEM_B(j + 1) * vsb + ITEM_H(j + 1) * vsh : NULL;
+            /* the next head's values, after the batch's last the next batch's first keys */
+            const uint16_t *next = j + 1 < i + n   ? v + ITEM_B(j + 1) * vsb + ITEM_H(j + 1) * vsh
+                                   : j + 1 < i1 ? k + ITEM_B(j + 1) * ksb + ITEM_H(j + 1) * ksh
+                                                : NULL;
             tiles_values(group, kv_len, vdim, v + b * vsb + h * vsh, vsp,
                          weights + (j - i) * wstride, &tp, out + qh * vdim, next);
         }

@@ -129,6 +129,42 @@ def test_heads_on_the_matrix_tiles_equal_a_float64_reference(
         kernel.set_tiles(True)
 
 
+@pytest.mark.parametrize("tiles", [True, False])
+def test_a_masked_position_weighs_nothing_and_a_nan_score_stays_nan(
+    kernel: native.NativeAttention, tiles: bool
+) -> None:
+    """bf16, four query heads over 64 positions, on the tiles and with the vector products:
+    values near bf16's largest at masked positions leave the output as the float64 reference
+    gives it (their weight is exactly 0), and a NaN in one query head's row makes that head's
+    output NaN and no other's."""
+    if kernel.set_tiles(tiles) != tiles:
+        pytest.skip("no matrix tiles on this CPU")
+    try:
+        g = torch.Generator().manual_seed(7)
+        b, kv_heads, group, dim, kv_len = 2, 2, 4, 64, 64
+        q = torch.randn(b, kv_heads, group, dim, generator=g).bfloat16().float()
+        k = torch.randn(b, kv_heads, kv_len, dim, generator=g).bfloat16()
+        v = torch.randn(b, kv_heads, kv_len, dim, generator=g).bfloat16()
+        keep = torch.ones(b, 1, 1, kv_len, dtype=torch.bool)
+        keep[1, ..., :40] = False
+        v[1, :, :40] = 3e38  # masked: a weight of 1e-38 would show
+        # one live position outweighs the rest (the weights' sum near 1, where a masked
+        # position's 1e-38 stays a normal bf16 and is not flushed as a subnormal)
+        q[1] = q[1, :, :1]
+        k[1, :, 63] = (q[1, :, 0] * 3).bfloat16()
+        bias = kernel.additive_mask(keep, (b, kv_heads, group, kv_len))
+        out = torch.full((b, kv_heads, group, dim), math.nan)
+        kernel.attend(q, k, v, bias, dim**-0.5, out, slice(None), slice(None))
+        ref = _reference(q, k, v, keep.expand(b, kv_heads, group, kv_len), dim**-0.5)
+        torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=1.5e-2)
+        q[0, 1, 2, 5] = math.nan
+        kernel.attend(q, k, v, None, dim**-0.5, out, slice(None), slice(None))
+        nan = out.isnan().all(-1)
+        assert nan[0, 1, 2] and nan.sum() == 1 and not out[~nan].isnan().any()
+    finally:
+        kernel.set_tiles(True)
+
+
 def test_loading_the_kernel_leaves_subnormal_floats_alone(kernel: native.NativeAttention) -> None:
     # a library linked with -ffast-math sets flush-to-zero for the whole process on load
     tiny = 5e-324  # the least subnormal double
