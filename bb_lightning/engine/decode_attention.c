@@ -603,25 +603,12 @@ static int tiles_fit(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, i
         && msg * group + kv_len < ((int64_t)1 << 31);
 }
 
-/* Bytes of one head's weights in the scratch (64-byte aligned). */
-static size_t tile_weights_bytes(int64_t group, int64_t kv_len) {
-    return (2 * (size_t)((kv_len + 31) & ~(int64_t)31) * group + 63) & ~(size_t)63;
-}
-
-/* Bytes of scratch a call on the tiles takes (a multiple of 64): make_tile_plan's pieces
- * (64-byte aligned), then the weights of ``batch`` heads. */
-static size_t tiles_scratch(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
-                            int64_t batch) {
-    size_t pp = (size_t)((kv_len + 31) & ~(int64_t)31);
-    size_t plan = 4 * (pp * group + 16) + 2 * (size_t)(group * dim) + 2 * 64 * vdim
-        + 4 * (size_t)(group * vdim) + 2 * 16 * dim + 2 * vdim + 6 * 64;
-    return ((plan + 63) & ~(size_t)63) + (size_t)batch * tile_weights_bytes(group, kv_len);
-}
-
-static inline char *carve(char **at, size_t bytes) {
-    char *p = *at;
+/* The offset of a piece of ``bytes`` in a scratch laid out up to ``*at`` (pieces 64-byte
+ * aligned), which then moves past it. */
+static inline size_t carve(size_t *at, size_t bytes) {
+    size_t offset = *at;
     *at += (bytes + 63) & ~(size_t)63;
-    return p;
+    return offset;
 }
 
 /* exp(x) in fp32 for x <= 0 (a softmax's shifted scores): 2^n e^r, r within ln 2 / 2, a
@@ -673,17 +660,20 @@ static void make_tile_tables(int64_t group, int64_t msg, tile_tables *tab) {
 }
 
 /* One call's setting for the tiles: the two tile configurations (the scores' and the
- * values'), the softmax's tables and the scratch of one head (the weights of a batch of heads
- * apart). */
+ * values'), the softmax's tables, the scratch of one head, and the weights of a batch of
+ * heads (wb, ``wstride`` elements apart). */
 typedef struct {
     tile_config weights, values;
     tile_tables tables;
     float *s, *acc;
-    uint16_t *qt, *vb, *tail, *zeros;
+    uint16_t *qt, *vb, *tail, *zeros, *wb;
+    int64_t wstride;
 } tile_plan;
 
-static void make_tile_plan(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim, int64_t msg,
-                           char *scratch, tile_plan *tp) {
+/* Sets ``tp`` up for ``batch`` heads at a time and returns the scratch it points into (to
+ * free), or NULL where it could not be allocated. */
+static char *make_tile_plan(int64_t group, int64_t kv_len, int64_t dim, int64_t vdim,
+                            int64_t msg, int64_t batch, tile_plan *tp) {
     const int64_t G = group, pp = (kv_len + 31) & ~(int64_t)31;
     memset(tp, 0, sizeof *tp);
     tp->weights.palette = tp->values.palette = 1;
@@ -694,13 +684,24 @@ static void make_tile_plan(int64_t group, int64_t kv_len, int64_t dim, int64_t v
         tp->values.colsb[t] = 64;
     }
     make_tile_tables(group, msg, &tp->tables);
-    char *at = scratch;
-    tp->s = (float *)carve(&at, 4 * (size_t)(pp * G + 16));
-    tp->qt = (uint16_t *)carve(&at, 2 * (size_t)(G * dim));
-    tp->vb = (uint16_t *)carve(&at, 2 * 64 * (size_t)vdim);
-    tp->acc = (float *)carve(&at, 4 * (size_t)(G * vdim));
-    tp->tail = (uint16_t *)carve(&at, 2 * 16 * (size_t)dim);
-    tp->zeros = (uint16_t *)carve(&at, 2 * (size_t)vdim);
+    const size_t head_weights = (2 * (size_t)(pp * G) + 63) & ~(size_t)63;
+    size_t at = 0;
+    const size_t s = carve(&at, 4 * (size_t)(pp * G + 16)), qt = carve(&at, 2 * (size_t)(G * dim));
+    const size_t vb = carve(&at, 2 * 64 * (size_t)vdim), acc = carve(&at, 4 * (size_t)(G * vdim));
+    const size_t tail = carve(&at, 2 * 16 * (size_t)dim), zeros = carve(&at, 2 * (size_t)vdim);
+    const size_t weights = carve(&at, (size_t)batch * head_weights);
+    char *scratch = aligned_alloc(64, at);  /* at: a multiple of 64 */
+    if (!scratch) return NULL;
+    tp->s = (float *)(scratch + s);
+    tp->qt = (uint16_t *)(scratch + qt);
+    tp->vb = (uint16_t *)(scratch + vb);
+    tp->acc = (float *)(scratch + acc);
+    tp->tail = (uint16_t *)(scratch + tail);
+    tp->zeros = (uint16_t *)(scratch + zeros);
+    tp->wb = (uint16_t *)(scratch + weights);
+    tp->wstride = (int64_t)head_weights / 2;
+    memset(tp->zeros, 0, 2 * (size_t)vdim);
+    return scratch;
 }
 
 /* Pairs rows p, p + 1 of ``value`` (zeros past kv_len) for positions [s0, s0 + 32) into
@@ -897,14 +898,11 @@ static int attend_tiles(int64_t b0, int64_t h0, int64_t h1, int64_t i0, int64_t 
                         int64_t vsh, int64_t vsp, const float *bias, int64_t msb,
                         int64_t msh, int64_t msg, float scale, float *out) {
     const int64_t batch = i1 - i0 < TILE_BATCH ? i1 - i0 : TILE_BATCH;
-    size_t bytes = tiles_scratch(group, kv_len, dim, vdim, batch);
-    char *scratch = aligned_alloc(64, bytes);
-    if (!scratch) return -1;
     tile_plan tp;
-    make_tile_plan(group, kv_len, dim, vdim, msg, scratch, &tp);
-    memset(tp.zeros, 0, 2 * (size_t)vdim);
-    uint16_t *weights = (uint16_t *)(scratch + bytes - batch * tile_weights_bytes(group, kv_len));
-    const int64_t heads = h1 - h0, wstride = (int64_t)tile_weights_bytes(group, kv_len) / 2;
+    char *scratch = make_tile_plan(group, kv_len, dim, vdim, msg, batch, &tp);
+    if (!scratch) return -1;
+    uint16_t *weights = tp.wb;
+    const int64_t heads = h1 - h0, wstride = tp.wstride;
     const uint16_t *k = (const uint16_t *)key, *v = (const uint16_t *)value;
 #define ITEM_B(i) (b0 + (i) / heads)
 #define ITEM_H(i) (h0 + (i) % heads)

@@ -114,11 +114,6 @@ class NativeAttention:
         has no tiles or the kernel was not built for them). On at load where it can be."""
         return bool(self._tiles(int(on)))
 
-    @property
-    def tiles(self) -> bool:
-        """Whether bf16 heads run on the matrix tiles where they fit (:meth:`set_tiles`)."""
-        return bool(self._tiles(-1))
-
     def on_tiles(self, group: int, positions: int, dim: int, vdim: int, dtype: torch.dtype) -> bool:
         """Whether heads of ``group`` query heads a key/value head over ``positions`` cached
         positions, keys of ``dim`` and values of ``vdim`` elements in ``dtype`` run on the

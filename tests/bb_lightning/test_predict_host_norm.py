@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine import host_linear, host_mlp
+from bb_lightning.engine import host_linear, host_mlp, native
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -74,17 +74,22 @@ def test_predict_norms_through_the_kernel_and_generates_like_hf(
     check_like_generate(path, module, [batch], records, NEW)
 
 
-@pytest.mark.parametrize(("family", "head_dim"), [("llama", 32), ("qwen2_tied", None)])
+@pytest.mark.parametrize(
+    ("family", "head_dim", "kv_groups"), [("llama", 32, 4), ("qwen2_tied", None, None)]
+)
 def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
-    family: str, head_dim: int | None, tiny: SimpleNamespace, tmp_path: Path,
+    family: str, head_dim: int | None, kv_groups: int | None, tiny: SimpleNamespace,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, host_kernel: object,
     count_host_kernel: Callable[..., list[int]],
 ) -> None:  # fmt: skip
     """In bf16 the model's gated MLPs run the one-pass SiLU and product
     (``engine.host_mlp``), and where the CPU has matrix tiles (``engine.host_linear``) its
     linear layers of few rows the tiles' product and, with heads of 32, the prefill's
-    attention the tiles' attention: the greedy tokens equal a run with torch's operations,
-    and the module handed back runs its own ``forward``."""
+    attention the tiles' attention, and with four query heads a key/value head the decode
+    steps' attention the tiles too: the greedy tokens equal a run with torch's operations
+    (and the decode attention's vector products), and the module handed back runs its own
+    ``forward``."""
     tiles = host_linear.kernel() is not None
     calls = count_host_kernel("__call__", host_linear._Kernel)
     prefills = count_host_kernel("prefill_attention", host_linear._Kernel)
@@ -92,6 +97,12 @@ def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
     config = {**FAMILIES[family], "initializer_range": 0.2}
     if head_dim is not None:
         config["head_dim"] = head_dim
+    if kv_groups is not None:
+        config["num_attention_heads"] = kv_groups * config["num_key_value_heads"]
+    decode = native.kernel()
+    if kv_groups is not None and decode is not None and decode.set_tiles(True):
+        # the decode steps' heads (7 prompt positions and up) run on the tiles
+        assert decode.on_tiles(kv_groups, 8, 32, 32, torch.bfloat16)
     path = save_tiny(tmp_path / "ckpt", config)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (3, 7), generator=g)
@@ -122,4 +133,10 @@ def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
     monkeypatch.setattr(host_linear, "kernel", lambda: None)
     monkeypatch.setattr(host_mlp, "install", lambda model: lambda: None)
     before = len(calls), len(mlps), len(prefills)
-    assert run("torch") == kernels and (len(calls), len(mlps), len(prefills)) == before
+    if decode is not None:
+        decode.set_tiles(False)
+    try:
+        assert run("torch") == kernels and (len(calls), len(mlps), len(prefills)) == before
+    finally:
+        if decode is not None:
+            decode.set_tiles(True)
