@@ -12,8 +12,10 @@
  * rows, as in a decode step (one row per sequence), that copy costs more than the products.
  * Here the weight is the tiles' left operand as it lies in memory (16 rows n by 32 k a
  * tile) and the activations are the right operand, copied once per call into the layout
- * (16 pairs of k of 16 rows m a tile row): the tiles compute out^T = w x^T, 32 rows n by
- * 32 rows m at a time, and each 32 x 32 block is written back transposed.
+ * (16 pairs of k of 16 rows m a tile row; each 16 rows by 32 k a 16 x 16 transpose of 32-bit
+ * pairs in vector registers): the tiles compute out^T = w x^T, 32 rows n by 32 rows m at a
+ * time, and each 32 x 32 block is written back transposed (16 x 16 at a time, the same
+ * transpose, then rounded to bf16 a row of 16).
  *
  * Each thread of the calling thread's OpenMP team of `threads` takes a contiguous range of
  * 32-row strips of the weight. A strip is read from memory once and from the second-level
@@ -96,6 +98,40 @@ static inline __m256i round16(__m512 f) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* The 16 x 16 transpose of 32-bit elements: r[j] lane c -> r[c] lane j. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int c = 0; c < 4; ++c) {
+            t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+            t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 8; ++c) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+    }
+}
+
+/* The right operand's tile of 16 rows of x (rows past `rows` zero) and 32 k from `x` (its
+ * rows k apart): dst[p][j] = the pair x[j][2 p], x[j][2 p + 1], 16 pairs of 16 rows. */
+static inline void pairs16(const uint16_t *x, int64_t k, int64_t rows, uint32_t *dst) {
+    __m512i r[16];
+    for (int64_t j = 0; j < 16; ++j)
+        r[j] = j < rows ? _mm512_loadu_si512(x + j * k) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + 16 * p, r[p]);
+}
+
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
     if (!bb_linear_ready() || m < 1 || n % 32 != 0 || k % 32 != 0 || k < 32) return -1;
@@ -107,21 +143,11 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t mb = 0; mb < mblocks; ++mb)
-            for (int64_t j = 0; j < 16; ++j) {
-                int64_t row = 16 * mb + j;
-                uint32_t *dst = xp + mb * pairs * 16 + j;
-                if (row < m) {
-                    const uint16_t *src = x + row * k;
-                    for (int64_t p = 0; p < pairs; ++p) {
-                        uint32_t pair;
-                        memcpy(&pair, src + 2 * p, sizeof pair);
-                        dst[p * 16] = pair;
-                    }
-                } else {
-                    for (int64_t p = 0; p < pairs; ++p) dst[p * 16] = 0;
-                }
-            }
+        for (int64_t mb = 0; mb < mblocks; ++mb) {
+            const int64_t rows = m - 16 * mb < 16 ? m - 16 * mb : 16;
+            for (int64_t kb = 0; kb < kblocks; ++kb)
+                pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256);
+        }
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
@@ -131,9 +157,6 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
         }
         _tile_loadconfig(&cfg);
         float c[32][32] __attribute__((aligned(64)));
-        const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                    10, 11, 12, 13, 14, 15),
-                                                  _mm512_set1_epi32(32));
         int first = 1;  /* this thread's first strip: its rows were not asked for ahead */
         const int64_t rows_per = (32 + mpairs - 1) / mpairs;
 #pragma omp for schedule(static)
@@ -175,13 +198,18 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
                 }
                 int64_t rows = m - 32 * mp < 32 ? m - 32 * mp : 32;
                 if (mp == mpairs - 1) first = 0;
-                for (int64_t j = 0; j < rows; ++j) {
-                    uint16_t *o = out + (32 * mp + j) * n + 32 * s;
-                    __m512 lo = _mm512_i32gather_ps(column, &c[0][j], 4);
-                    __m512 hi = _mm512_i32gather_ps(column, &c[16][j], 4);
-                    _mm256_storeu_si256((__m256i *)o, round16(lo));
-                    _mm256_storeu_si256((__m256i *)(o + 16), round16(hi));
-                }
+                /* each 16 x 16 quadrant of c transposed: r[j] lane i = c[16 q + i][16 h + j],
+                 * out row 32 mp + 16 h + j, column 32 s + 16 q + i */
+                for (int64_t h = 0; 16 * h < rows; ++h)
+                    for (int q = 0; q < 2; ++q) {
+                        __m512i r[16];
+                        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&c[16 * q + i][16 * h]);
+                        transpose16(r);
+                        const int64_t left = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                        for (int64_t j = 0; j < left; ++j)
+                            _mm256_storeu_si256((__m256i *)(out + (32 * mp + 16 * h + j) * n + 32 * s + 16 * q),
+                                                round16(_mm512_castsi512_ps(r[j])));
+                    }
             }
         }
         _tile_release();

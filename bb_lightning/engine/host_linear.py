@@ -41,7 +41,7 @@ from bb_lightning.engine.host_norm import eager, plain_cpu
 __all__ = ["MAX_ROWS", "install", "kernel"]
 
 SOURCE = Path(__file__).with_name("host_linear.c")
-MAX_ROWS = 192
+MAX_ROWS = 256
 """Rows of input up to which the kernel serves a call (a decode step's sequences); with more,
 torch's products spread their copy of the weight over enough rows to run as fast
 (``bench/host_linear.py`` measures both)."""
