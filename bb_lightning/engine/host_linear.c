@@ -27,7 +27,7 @@
  * attention works through blocks of 32 queries, each a pair of small products with its own
  * setup; a prefill of short prompts (16 prompts of 128 tokens, 16 heads of 64) spent most
  * of its attention time there. Here each (sequence, key/value head) at a time: its keys
- * copied once into the right operand's pair layout (gathered 16 keys a vector) and its
+ * copied once into the right operand's pair layout (16 keys by 16 pairs a transpose) and its
  * values with each pair of consecutive positions side by side; for each query head of the
  * group, the scores of 32 queries by 32 keys a block on the tiles (causal: the blocks past
  * the diagonal left out), a softmax in fp32 along each query's row (e^x by a polynomial of
@@ -122,14 +122,16 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* The right operand's tile of 16 rows of x (rows past `rows` zero) and 32 k from `x` (its
- * rows k apart): dst[p][j] = the pair x[j][2 p], x[j][2 p + 1], 16 pairs of 16 rows. */
-static inline void pairs16(const uint16_t *x, int64_t k, int64_t rows, uint32_t *dst) {
+/* A right operand's pairs of 16 rows of x (rows past `rows` zero) and 32 k from `x` (its
+ * rows k apart): dst[p * dstride + j] = the pair x[j][2 p], x[j][2 p + 1], 16 pairs of 16
+ * rows (dst and dstride a multiple of 64 bytes). */
+static inline void pairs16(const uint16_t *x, int64_t k, int64_t rows, uint32_t *dst,
+                           int64_t dstride) {
     __m512i r[16];
     for (int64_t j = 0; j < 16; ++j)
         r[j] = j < rows ? _mm512_loadu_si512(x + j * k) : _mm512_setzero_si512();
     transpose16(r);
-    for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + 16 * p, r[p]);
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + dstride * p, r[p]);
 }
 
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
@@ -146,7 +148,7 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
         for (int64_t mb = 0; mb < mblocks; ++mb) {
             const int64_t rows = m - 16 * mb < 16 ? m - 16 * mb : 16;
             for (int64_t kb = 0; kb < kblocks; ++kb)
-                pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256);
+                pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256, 16);
         }
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
@@ -297,18 +299,11 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
             if (!ok) continue;
             const int64_t b = item / kv_heads, hk = item % kv_heads;
             const uint16_t *kb = k + b * ks[0] + hk * ks[1], *vb = v + b * vs[0] + hk * vs[1];
-            /* keys: kp[p][s] = the pair (k[s][2p], k[s][2p + 1]), gathered 16 keys at a time;
-             * zero past kv_len */
-            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            const __m512i krow = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(ks[2] / 2)));
-            for (int64_t s0 = 0; s0 < sp; s0 += 16) {
-                const int64_t live = kv_len - s0;
-                const __mmask16 in = live >= 16 ? 0xffff : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
-                const uint32_t *base = (const uint32_t *)(kb + s0 * ks[2]);
-                for (int64_t p = 0; p < half; ++p)
-                    _mm512_store_si512(kp + p * sp + s0, _mm512_mask_i32gather_epi32(
-                        _mm512_setzero_si512(), in, krow, base + p, 4));
-            }
+            /* keys: kp[p][s] = the pair (k[s][2p], k[s][2p + 1]), 16 keys by 16 pairs at a
+             * time; zero past kv_len */
+            for (int64_t s0 = 0; s0 < sp; s0 += 16)
+                for (int64_t d = 0; d < dim; d += 32)
+                    pairs16(kb + s0 * ks[2] + d, ks[2], kv_len - s0, kp + d / 2 * sp + s0, sp);
             /* values: vp[t][d] = the pair (v[2t][d], v[2t + 1][d]), 32 columns at a time */
             uint16_t order[32];
             for (int i = 0; i < 32; ++i) order[i] = (uint16_t)(i / 2 + (i % 2) * 32);
