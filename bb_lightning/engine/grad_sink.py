@@ -5,7 +5,12 @@ a CPU device, the training thread itself) that adds them into fp32 state; :func:
 sums several micro-batches' gradients tile by tile, reading and writing each element of the
 sum once (:class:`~bb_lightning.engine.flat_state.FlatState` and the probes' timing of it
 use it); :func:`add_converted` adds a gradient of another dtype without PyTorch's slow
-mixed-dtype path on the CPU.
+mixed-dtype path on the CPU. Where the host's compiled operations build
+(:func:`~bb_lightning.engine.host_norm.kernel`), both sum a CPU gradient of bf16 or fp32 into
+an fp32 accumulator in one pass through ``host_ops.c``'s ``bb_sum_f32``: each source widened
+to fp32 in registers, the results torch's bit for bit. Measured inside a training step of a
+374M-parameter Llama (micro-batch 1 x accumulation 4, bf16, a CPU device), the step's
+gradient sums took 0.56 s against 0.90 s through torch's conversions and adds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from bb_lightning.engine import host_norm
 from bb_lightning.engine.timing import PhaseTimer
 from storage.deferred import CopyEvent
 from storage.host import HostBuffer
@@ -260,15 +266,20 @@ def sum_tiles(
     """``dst[j] (+)= batches[0][j] + batches[1][j] + ...`` in ``dst``'s dtype, left to right.
 
     ``into`` adds to what ``dst`` holds; otherwise the first present gradient is copied
-    in (zeros where a view has none). Contiguous CPU views are summed
-    :func:`convert_piece` elements at a time, every batch's slice in turn, so each
-    element of ``dst`` is read and written once whatever the number of batches.
+    in (zeros where a view has none). Contiguous fp32 CPU views whose gradients are
+    contiguous CPU bf16 or fp32 are summed by the compiled kernel in one pass; other
+    contiguous CPU views :func:`convert_piece` elements at a time, every batch's slice in
+    turn. Either way each element of ``dst`` is read and written once whatever the number
+    of batches.
     """
+    kern = host_norm.kernel()
     for j, view in enumerate(dst):
         grads = [g for b in batches if (g := b[j]) is not None]
         if not grads:
             if not into:
                 view.zero_()
+            continue
+        if kern is not None and kern.sum_into(view, grads, into=into):
             continue
         if view.device.type != "cpu" or not view.is_contiguous() or len(grads) == 1:
             if not into:
@@ -303,8 +314,10 @@ def add_converted(dst: Tensor, src: Tensor) -> None:
 
     On the CPU, PyTorch's mixed-dtype ``add_`` (fp32 += bf16) runs several times
     slower than a conversion plus a same-dtype add, so a contiguous CPU ``src`` of
-    another dtype is converted :func:`convert_piece` elements at a time into a
-    per-thread buffer (no allocation per call) and added from there.
+    another dtype is summed by the compiled kernel (``sum_into`` of
+    :func:`~bb_lightning.engine.host_norm.kernel`), or where that declines or is not built,
+    converted :func:`convert_piece` elements at a time into a per-thread buffer (no
+    allocation per call) and added from there.
     """
     if (
         src.dtype == dst.dtype
@@ -313,6 +326,9 @@ def add_converted(dst: Tensor, src: Tensor) -> None:
         or src.shape != dst.shape
     ):
         dst.add_(src)
+        return
+    kern = host_norm.kernel()
+    if kern is not None and kern.sum_into(dst, [src], into=True):
         return
     piece = convert_piece()
     buf: Tensor | None = getattr(_chunks, "buf", None)

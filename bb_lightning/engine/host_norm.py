@@ -6,7 +6,9 @@ activations, the first an fp32 copy of a bf16 input. In a CPU prefill these pass
 about as much as a block's attention products. ``host_ops.c`` does the same arithmetic in
 one pass over each row (its header says how the roundings match), built and cached like
 the decode attention kernel (:mod:`~bb_lightning.engine.native`); the same library holds
-the rotary embedding that :mod:`~bb_lightning.engine.host_rope` serves.
+the rotary embedding that :mod:`~bb_lightning.engine.host_rope` serves, the gated MLP's
+activation (:mod:`~bb_lightning.engine.host_mlp`) and training's fp32 gradient sums
+(:meth:`_Kernel.sum_into`, which :mod:`~bb_lightning.engine.grad_sink` calls).
 
 :func:`install` gives every module of a model whose class ``forward`` reads as
 :data:`PLAIN_RMS_NORM` (:func:`reads_as`) an instance ``forward`` that calls the kernel; any
@@ -27,7 +29,7 @@ import inspect
 import shutil
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,13 @@ class _Kernel:
         """Dtypes whose rotary embedding the build computes bit for bit as torch's operations
         (checked at load: a compiler that fuses the fp32 products into multiply-adds despite
         the source's pragma loses fp32)."""
+        self._sum = lib.bb_sum_f32
+        self._sum.argtypes = [ctypes.c_int, _I64, _PTR, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
+        self._sum.restype = ctypes.c_int
+        self.sum_exact = False
+        self.sum_exact = self._sum_exact()
+        """Whether :meth:`sum_into` equals torch's conversions and adds bit for bit (checked
+        at load; where not, :meth:`sum_into` declines every call)."""
         self.silu_mul_exact = self._silu_mul_exact()
         """Whether :meth:`silu_mul` equals torch's ``F.silu(g) * u`` bit for bit (checked at
         load on every bf16 ``g``)."""
@@ -115,6 +124,41 @@ class _Kernel:
         self._silu_mul(threads, gate.numel(), gate.data_ptr(), up.data_ptr(),
                        self._silu_table.data_ptr(), y.data_ptr())  # fmt: skip
         return y
+
+    def sum_into(self, dst: Tensor, srcs: Sequence[Tensor], *, into: bool) -> bool:
+        """``dst (+)= srcs[0] + srcs[1] + ...`` in fp32, left to right, in one pass (the
+        kernel's ``bb_sum_f32``): ``into`` adds to what ``dst`` holds, else ``srcs[0]`` is
+        copied in. Returns False, having done nothing, unless ``dst`` is a contiguous fp32
+        CPU tensor and every source a contiguous fp32 or bf16 CPU tensor of its ``numel``
+        (the caller then sums them itself)."""
+        n = dst.numel()
+        if not self.sum_exact or not srcs or dst.dtype != torch.float32 or not _flat_cpu(dst):
+            return False
+        for s in srcs:
+            if s.dtype not in DTYPES or s.numel() != n or not _flat_cpu(s):
+                return False
+        ptrs = (ctypes.c_void_p * len(srcs))(*(s.data_ptr() for s in srcs))
+        codes = (ctypes.c_int * len(srcs))(*(DTYPES[s.dtype] for s in srcs))
+        threads = torch.get_num_threads() if self.team else 1
+        return self._sum(threads, n, dst.data_ptr(), len(srcs), ptrs, codes, int(into)) == 0
+
+    def _sum_exact(self) -> bool:
+        g = torch.Generator().manual_seed(0)
+        a, b, c = (torch.randn(70_001, generator=g).mul(1e3) for _ in range(3))
+        srcs = [a.to(torch.bfloat16), b, c.to(torch.bfloat16)]
+        srcs[0][:7] = -0.0
+        self.sum_exact = True
+        dst = torch.full_like(a, float("nan"))
+        expect = srcs[0].float()
+        copied = self.sum_into(dst, srcs[:1], into=False)
+        ok = copied and torch.equal(dst, expect) and torch.equal(dst.signbit(), expect.signbit())
+        for s in srcs[1:]:
+            expect.add_(s.float())
+        ok = ok and self.sum_into(dst.fill_(float("nan")), srcs, into=False)
+        ok = ok and torch.equal(dst, expect)
+        expect.add_(srcs[0].float())
+        ok = ok and self.sum_into(dst, srcs[:1], into=True) and torch.equal(dst, expect)
+        return bool(ok)
 
     def _silu_mul_exact(self) -> bool:
         g = torch.Generator().manual_seed(0)
@@ -146,6 +190,16 @@ class _Kernel:
         if rc != 0:
             raise ValueError(f"rotary kernel: dtype {x.dtype} or odd width {x.shape[-1]}")
         return y
+
+
+def _flat_cpu(t: Tensor) -> bool:
+    return (
+        type(t) in (Tensor, nn.Parameter)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
 
 
 def _every_bf16() -> Tensor:

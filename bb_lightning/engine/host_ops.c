@@ -1,7 +1,7 @@
 /* Row-wise operations of a Llama-family forward on the host, each in one pass over a row:
  * the RMS norm before attention and MLP, and the rotary position embedding of the queries
- * and keys. torch runs each as several operations, each a pass over the activations; these
- * compute the same roundings in one.
+ * and keys; and training's gradient sums. torch runs each as several operations, each a
+ * pass over the activations; these compute the same roundings in one.
  *
  * RMS norm:
  *
@@ -34,6 +34,9 @@
  * the caller with F.silu), and the product is computed in fp32 and rounded to bf16 to
  * nearest even as torch's product rounds it: the results equal torch's bit for bit, a NaN
  * kept a NaN (its payload as the CPU's own conversion keeps it: sign and upper bits, quiet).
+ *
+ * Gradient sums (training's fp32 accumulators, `bb_sum_f32` below): a bf16 or fp32 gradient
+ * widened and added in one pass, the sums torch's bit for bit.
  *
  * The rows are shared among the calling thread's OpenMP team of `threads` (torch's own,
  * when built with OpenMP); built without it, the caller runs them all.
@@ -230,6 +233,50 @@ int bb_silu_mul(int threads, int64_t n, const void *g, const void *u, const floa
         int64_t end = (s + 1) * SILU_MUL_SPAN < n ? (s + 1) * SILU_MUL_SPAN : n;
         silu_mul_span((const uint16_t *)g, (const uint16_t *)u, table, (uint16_t *)y,
                       s * SILU_MUL_SPAN, end);
+    }
+    return 0;
+}
+
+/* Gradient sums in fp32 (training's accumulators): over `n` elements of contiguous fp32 dst
+ * and of `nsrc` contiguous sources (`dtypes[j]` 0 fp32, 1 bf16),
+ *
+ *     dst[i] = ((dst[i] + s0[i]) + s1[i]) + ...     (into)
+ *     dst[i] = (s0[i] + s1[i]) + ...                (not into: s0 copied in, -0.0 kept)
+ *
+ * each source widened to fp32 (exact) and each sum rounded to fp32, left to right: the
+ * results of torch's `dst.copy_(s0)` or `dst.add_(s0.float())` then `dst.add_(s1.float())`,
+ * bit for bit. torch converts a bf16 source in a pass of its own (or adds it several times
+ * slower through its mixed-dtype path); here each span of dst is summed while it stays in
+ * the core's cache, every source read once. */
+#define SUM_SPAN 4096
+
+static void add_span(float *restrict d, const void *src, int dtype, int64_t i, int64_t end,
+                     int copy) {
+    if (dtype == 1) {
+        const uint16_t *restrict s = (const uint16_t *)src;
+        if (copy)
+            for (int64_t k = i; k < end; k++) d[k] = bf16_float(s[k]);
+        else
+            for (int64_t k = i; k < end; k++) d[k] += bf16_float(s[k]);
+    } else {
+        const float *restrict s = (const float *)src;
+        if (copy)
+            for (int64_t k = i; k < end; k++) d[k] = s[k];
+        else
+            for (int64_t k = i; k < end; k++) d[k] += s[k];
+    }
+}
+
+int bb_sum_f32(int threads, int64_t n, float *dst, int nsrc, const void *const *srcs,
+               const int *dtypes, int into) {
+    for (int j = 0; j < nsrc; j++)
+        if (dtypes[j] != 0 && dtypes[j] != 1) return 1;
+    if (nsrc < 1) return into ? 0 : 1;
+    int64_t spans = (n + SUM_SPAN - 1) / SUM_SPAN;
+#pragma omp parallel for num_threads(spans > 16 ? threads : 1) schedule(static)
+    for (int64_t s = 0; s < spans; s++) {
+        int64_t i = s * SUM_SPAN, end = i + SUM_SPAN < n ? i + SUM_SPAN : n;
+        for (int j = 0; j < nsrc; j++) add_span(dst, srcs[j], dtypes[j], i, end, !into && j == 0);
     }
     return 0;
 }

@@ -134,14 +134,14 @@ def host_kernel() -> host_norm._Kernel:
 @pytest.fixture
 def count_host_kernel(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[int]]:
     """``count(method, kind=host_norm._Kernel)`` wraps the compiled kernel class ``kind``'s
-    ``method`` ("__call__": the norm, "rope"; ``host_linear._Kernel``'s "__call__": the
-    product) and returns the list each of its calls appends to."""
+    ``method`` ("__call__": the norm, "rope", "sum_into": gradient sums; ``host_linear._Kernel``'s
+    "__call__": the product) and returns the list each of its calls appends to."""
 
     def count(method: str, kind: type = host_norm._Kernel) -> list[int]:
         calls: list[int] = []
         real = getattr(kind, method)
         monkeypatch.setattr(kind, method,
-                            lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+                            lambda self, *a, **k: calls.append(1) or real(self, *a, **k))  # fmt: skip
         return calls
 
     return count

@@ -22,6 +22,7 @@ use weight decay 0.1 so that 3 steps of it show above bf16 noise).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine import host_norm
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -139,9 +141,11 @@ def test_bf16_blocks_with_fp32_masters_match_reference(
 
 @pytest.mark.slow
 def test_bf16_accumulation_and_clipping_on_every_tier_match_reference(
-    tiny: SimpleNamespace, tmp_path: Path
+    tiny: SimpleNamespace, tmp_path: Path, count_host_kernel: Callable[..., list[int]]
 ) -> None:
-    """bf16 with accumulation 2 and norm clipping, blocks on NVMe, host and device."""
+    """bf16 with accumulation 2 and norm clipping, blocks on NVMe, host and device; the
+    gradients summed by the compiled kernel where it builds."""
+    sums = count_host_kernel("sum_into")
     config, accumulate, clip = tiny.tiny_llama(), 2, 0.5
     batches = tiny.batches(STEPS * accumulate)
     losses_ref, initial, final_ref = _reference(config, batches, accumulate, clip)
@@ -161,6 +165,7 @@ def test_bf16_accumulation_and_clipping_on_every_tier_match_reference(
     )
     trainer.fit(module, tiny.loader(STEPS * accumulate))
     assert strategy.engine is not None and strategy.engine.step_count == STEPS
+    assert sums or host_norm.kernel() is None
     torch.testing.assert_close(
         torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
     )
