@@ -272,7 +272,7 @@ def sum_tiles(
     turn. Either way each element of ``dst`` is read and written once whatever the number
     of batches.
     """
-    kern = host_norm.kernel()
+    kern = _sum_kernel(dst[0]) if dst else None
     for j, view in enumerate(dst):
         grads = [g for b in batches if (g := b[j]) is not None]
         if not grads:
@@ -297,6 +297,15 @@ def sum_tiles(
                 tile.copy_(srcs[0][start:stop])
             for src in srcs if into else srcs[1:]:
                 add_converted(tile, src[start:stop])
+
+
+def _sum_kernel(dst: Tensor) -> host_norm._Kernel | None:
+    """The compiled sums for an accumulator ``dst`` in host memory, where torch runs
+    operations as called (:func:`~bb_lightning.engine.host_norm.eager`: a dry run's fake
+    tensors have no memory to read); else None."""
+    if dst.device.type != "cpu" or not host_norm.eager():
+        return None
+    return host_norm.kernel()
 
 
 def _run_now(work: Callable[[], object]) -> Future[object]:
@@ -327,7 +336,7 @@ def add_converted(dst: Tensor, src: Tensor) -> None:
     ):
         dst.add_(src)
         return
-    kern = host_norm.kernel()
+    kern = _sum_kernel(dst)
     if kern is not None and kern.sum_into(dst, [src], into=True):
         return
     piece = convert_piece()
