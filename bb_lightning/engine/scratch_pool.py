@@ -122,6 +122,8 @@ class ScratchPool:
         """Pieces whose state is being (or has been) read ahead, and the set it is read into."""
         self._queue: list[Piece] = []
         """Pieces still to step in this optimizer step, in step order, not yet read ahead."""
+        self._limit: int | None = None
+        """Read-ahead sets whose reads may run at once (:meth:`limit_reads`; None: all)."""
         self._lock = threading.Lock()
 
     def _scratch_set(self, k: int, entries: Mapping[str, StoredTensor]) -> Scratch:
@@ -168,9 +170,20 @@ class ScratchPool:
 
     def read_ahead(self) -> None:
         """Issue state reads of the next queued pieces into free read-ahead sets whose
-        earlier writes are done (never waits: a set still writing is taken later)."""
+        earlier writes are done (never waits: a set still writing is taken later); under
+        :meth:`limit_reads`' limit, no more sets than it in this call, and none beyond
+        those the sets still reading leave room for."""
         with self._lock:
-            while self._queue and self._free_ahead and self._free_ahead[0].idle():
+            issued = 0
+            while (
+                self._queue
+                and self._free_ahead
+                and self._free_ahead[0].idle()
+                and (
+                    self._limit is None or (issued < self._limit and self._reading() < self._limit)
+                )
+            ):
+                issued += 1
                 key = self._queue.pop(0)
                 if key in self._ahead:
                     continue
@@ -200,9 +213,24 @@ class ScratchPool:
             self._free_ahead.append(ahead)
         self.read_ahead()
 
+    def limit_reads(self, sets: int | None) -> None:
+        """Let at most ``sets`` read-ahead sets' reads run at once (0: none starts, those
+        running run on; None: no limit, the next ones issued now). Under a limit, each
+        :meth:`read_ahead` call issues at most ``sets`` sets, what the finished reads leave
+        room for (the caller calls it as work goes on). :meth:`end_reads` lifts the
+        limit."""
+        with self._lock:
+            self._limit = sets
+        self.read_ahead()
+
+    def _reading(self) -> int:
+        """Read-ahead sets whose reads still run (under the lock)."""
+        return sum(1 for buf in self._ahead.values() if not all(t.done() for t in buf.reads))
+
     def end_reads(self) -> None:
         """Drop what is left of this step's read-ahead (sets back to the free list)."""
         with self._lock:
+            self._limit = None
             self._queue = []
             for buf in self._ahead.values():
                 buf.wait_reads()

@@ -4,6 +4,7 @@ host buffers bounded by the piece rather than the block."""
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,14 @@ import torch
 
 from bb_lightning.engine.optim import AdamWConfig
 from bb_lightning.engine.optimizer_step import ClipConfig
-from bb_lightning.placement import SCRATCH_FP32, SCRATCH_PREFIX, SCRATCH_SETS, Placement
+from bb_lightning.placement import (
+    SCRATCH_FP32,
+    SCRATCH_PREFIX,
+    SCRATCH_SETS,
+    STATE_KINDS,
+    Placement,
+)
+from storage import TransferKind
 from storage.tiers import Tier
 
 from ..tiny import LAYERS, cpu_engine, tiny_llama
@@ -165,3 +173,42 @@ def test_scratch_and_read_ahead_buffers_hold_one_piece(tmp_path: Path) -> None:
     fp32 = 4  # the CPU engine computes in fp32: its cast buffers too
     assert len(scratch) == SCRATCH_SETS * (len(SCRATCH_FP32) + 1) + sets * 3
     assert held == (SCRATCH_SETS * (len(SCRATCH_FP32) + 1) + sets * 3) * PIECE * fp32
+
+
+class _StateReads:
+    """Counts the reads of optimizer state the store starts."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def transfer_started(self, kind: TransferKind, name: str) -> None:
+        state = name.rsplit(".", 1)[-1] in STATE_KINDS
+        if state and kind not in (TransferKind.PAGE_IN, TransferKind.WRITE_BACK):
+            with self._lock:
+                self.count += 1
+
+    def transfer_finished(self, kind: TransferKind, name: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("limit", "sets_read"), [(0, 0), (1, 1), (2, 2), (None, 3)])
+def test_a_limit_bounds_the_read_ahead_sets_reading_at_once(
+    tmp_path: Path, limit: int | None, sets_read: int
+) -> None:
+    """Under a limit of ``limit`` sets (0: hold), the read-ahead of a step's state issues
+    that many sets' reads (three tensors each) and no more until asked again; no limit
+    fills every set."""
+    sets = 3
+    placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME)
+    placement = Placement(**{**vars(placement), "read_ahead": sets, "state_piece": PIECE})
+    model = tiny_llama()
+    with _store(tmp_path, model, placement) as store:
+        engine = cpu_engine(model, store, placement)
+        reads = _StateReads()
+        store.add_observer(reads)
+        engine.limit_state_reads(limit)
+        engine.read_state_ahead()
+        engine.pool.settle()  # waits for the reads issued, drops the rest
+        engine.close()
+    assert reads.count == sets_read * len(STATE_KINDS)
