@@ -8,9 +8,9 @@ use it); :func:`add_converted` adds a gradient of another dtype without PyTorch'
 mixed-dtype path on the CPU. Where the host's compiled operations build
 (:func:`~bb_lightning.engine.host_norm.kernel`), both sum a CPU gradient of bf16 or fp32 into
 an fp32 accumulator in one pass through ``host_ops.c``'s ``bb_sum_f32``: each source widened
-to fp32 in registers, the results torch's bit for bit. Measured inside a training step of a
-374M-parameter Llama (micro-batch 1 x accumulation 4, bf16, a CPU device), the step's
-gradient sums took 0.56 s against 0.90 s through torch's conversions and adds.
+to fp32 in registers, the results torch's bit for bit, where torch converts a bf16 gradient
+in a pass of its own before it adds (the figures: docs/benchmarks.md, "Measurements behind
+design choices").
 """
 
 from __future__ import annotations

@@ -287,8 +287,8 @@ class BalanceBeamStrategy(RankedStrategy):
         has more micro-batches than one, in its backwards only (:meth:`pre_backward`,
         :meth:`post_backward`). A forward computes each paged block for a few
         milliseconds against its page-in, and state reads running beside it stretched
-        every page-in (measured: 35-40 ms of waiting per paged block of such a forward,
-        0.7 s a step); a backward computes each block for about twice as long."""
+        every page-in (figures: docs/benchmarks.md, "Measurements behind design choices");
+        a backward computes each block for about twice as long."""
         engine = self.engine
         if engine is not None and not engine.timer.in_step:
             self._adapt.begin_step(engine)
