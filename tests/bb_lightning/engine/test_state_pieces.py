@@ -157,13 +157,18 @@ def test_device_homes_step_in_pieces_under_the_cuda_double(clip: float | None) -
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=5e-6, msg=key)
 
 
+def _on_nvme(sets: int) -> Placement:
+    """Weights and optimizer state on NVMe, ``sets`` read-ahead sets, pieces of PIECE."""
+    placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME)
+    return Placement(**{**vars(placement), "read_ahead": sets, "state_piece": PIECE})
+
+
 def test_scratch_and_read_ahead_buffers_hold_one_piece(tmp_path: Path) -> None:
     """The optimizer's host buffers (scratch and read-ahead sets) the engine registers are
     sized by the piece, not by the largest block: 2 sets of four fp32 buffers and a cast,
     and 3 read-ahead sets of three fp32 buffers, of PIECE elements each."""
     sets = 3
-    placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME)
-    placement = Placement(**{**vars(placement), "read_ahead": sets, "state_piece": PIECE})
+    placement = _on_nvme(sets)
     model = tiny_llama()
     with _store(tmp_path, model, placement) as store:
         engine = cpu_engine(model, store, placement)
@@ -200,8 +205,7 @@ def test_a_limit_bounds_the_read_ahead_sets_reading_at_once(
     that many sets' reads (three tensors each) and no more until asked again; no limit
     fills every set."""
     sets = 3
-    placement = Placement.uniform(LAYERS, weights=Tier.NVME, master=Tier.NVME)
-    placement = Placement(**{**vars(placement), "read_ahead": sets, "state_piece": PIECE})
+    placement = _on_nvme(sets)
     model = tiny_llama()
     with _store(tmp_path, model, placement) as store:
         engine = cpu_engine(model, store, placement)
