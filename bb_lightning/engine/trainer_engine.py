@@ -46,11 +46,9 @@ The engine's parts live in modules of their own: the blocks' paging
 (:mod:`~bb_lightning.engine.state_io`). This module builds them and routes each
 block's gradients. Written weights reach their home while the next forward starts (the
 store orders each block's next page-in after its write); the reads of off-host state run
-ahead from the start of the accumulation window when the strategy announces an
-overlapped step (:meth:`TrainingEngine.read_state_ahead`; where blocks page their
-weights in from NVMe, in the window's backwards only, a read-ahead set at a time:
-:meth:`TrainingEngine.limit_state_reads`), else from the start of the window's last
-forward in an overlapped step, from the start of the step otherwise.
+ahead when the strategy announces an overlapped step (:meth:`TrainingEngine.read_state_ahead`;
+:mod:`bb_lightning.strategy.state_reads` says when), else from the start of the window's
+last forward in an overlapped step, from the start of the step otherwise.
 """
 
 from __future__ import annotations
@@ -360,17 +358,8 @@ class TrainingEngine:
         step: the first read-ahead sets fill during the window's earlier micro-batches
         instead of only its last forward. Reads are issued in the order the overlapped
         step takes the blocks (last block first) and are ordered after any write of the
-        same state still in flight; :meth:`begin_overlapped_step` keeps what was read.
-        """
+        same state still in flight; :meth:`begin_overlapped_step` keeps what was read."""
         self.pool.plan_reads(range(self.pager.num_blocks - 1, -1, -1))
-
-    def limit_state_reads(self, sets: int | None) -> None:
-        """Let at most ``sets`` read-ahead sets of off-host optimizer state read at once
-        (0: no new read starts; None: no limit). Under a limit, each block's gradients
-        arriving in backward issue what the finished reads leave room for. The strategy
-        holds them (0) through the forwards of a window whose blocks page their weights
-        in from NVMe and paces them (1) through its backwards but the last."""
-        self.pool.limit_reads(sets)
 
     def begin_overlapped_step(
         self, adamw: AdamWConfig | AdamWGroups, clip: ClipConfig | None = None
@@ -402,7 +391,7 @@ class TrainingEngine:
         parameters may depend on the data: experts no token of this rank chose), so they
         are dispatched in a fixed order, last block first; a block that comes early
         waits for the ones before it."""
-        self.pool.read_ahead()  # under a limit (limit_state_reads), the next set's reads
+        self.pool.read_ahead()  # under a limit (ScratchPool.limit_reads), the next set's
         if self.comm is None or self.pager.states[i].numel == 0:
             self._dispatch_grads(i, grads)
             return

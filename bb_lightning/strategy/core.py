@@ -41,9 +41,9 @@ from bb_lightning.strategy.ranks import RankedStrategy
 from bb_lightning.strategy.register import STRATEGY_NAME, add_to
 from bb_lightning.strategy.session import ComputeDtype, clip_config
 from bb_lightning.strategy.settings import HandBackConfig, PlanningConfig, grouped
+from bb_lightning.strategy.state_reads import StateReads
 from bb_lightning.strategy.summary import describe_placement, use_paged_summary
 from storage.store import StoreConfig, TieredStore
-from storage.tiers import Tier
 
 __all__ = ["BalanceBeamStrategy", "HandBackConfig", "PlanningConfig"]
 
@@ -133,11 +133,7 @@ class BalanceBeamStrategy(RankedStrategy):
             warmup_steps=plan.warmup_steps, tolerance=plan.adapt_tolerance
         )
         self.overlap_optimizer = plan.overlap_optimizer
-        self._read_in_backward = False
-        """Whether the overlapped step's state reads run only in this window's backwards
-        (:meth:`on_train_batch_start` says why)."""
-        self._reads_begun = False
-        """Whether this window's state reads have been planned (:meth:`pre_backward`)."""
+        self._reads = StateReads()
         self.compile_blocks = plan.compile_blocks
         if plan.compile_blocks is not None:
             check_backend(plan.compile_blocks)
@@ -245,7 +241,7 @@ class BalanceBeamStrategy(RankedStrategy):
             module, list(blocks), placement, training=training, device=self.root_device,
             loader=loader, store=store, nvme_path=nvme, plan=self.plan,
             comm=self.shard_comm() if ranks > 1 else None,  # one process: no collectives
-            boundary_numel=_boundary_numel(module, trainer, placement, plan, training),
+            boundary_numel=session.boundary_numel(module, trainer, placement, plan, training),
         )  # fmt: skip
         self._slot.hold(built, self)
         if self.compile_blocks is not None:
@@ -281,40 +277,18 @@ class BalanceBeamStrategy(RankedStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Start timing the optimizer step this micro-batch belongs to; in a window that
-        ends in an overlapped step, start reading its optimizer state ahead: from the
-        window's start, or where blocks page their weights in from NVMe and the window
-        has more micro-batches than one, in its backwards only (:meth:`pre_backward`,
-        :meth:`post_backward`). A forward computes each paged block for a few
-        milliseconds against its page-in, and state reads running beside it stretched
-        every page-in (figures: docs/benchmarks.md, "Measurements behind design choices");
-        a backward computes each block for about twice as long."""
+        """Start timing the optimizer step this micro-batch belongs to, and its state reads."""
         engine = self.engine
         if engine is not None and not engine.timer.in_step:
             self._adapt.begin_step(engine)
-            self._read_in_backward = self._reads_begun = False
-            if self.overlap_optimizer and clip_config(self._trainer()).value is None:
-                trainer = self._trainer()
-                window = 1 if trainer is None else trainer.accumulate_grad_batches
-                if window > 1 and Tier.NVME in engine.pager.placement.weights:
-                    self._read_in_backward = True
-                else:
-                    engine.read_state_ahead()  # this window ends in an overlapped step
+            overlapped = self.overlap_optimizer and clip_config(self._trainer()).value is None
+            self._reads.window_start(engine, self._trainer(), overlapped)
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """Let the state reads held through the forward run (planned at the window's
-        first backward): one read-ahead set at a time, so that no more than one set's
-        reads run on into the next forward; in the window's last backward, where each
-        block steps as its gradient comes, all at once."""
         super().pre_backward(closure_loss)
-        engine = self.engine
-        if self._read_in_backward and engine is not None:
-            last = engine.steps.overlap is not None
-            engine.limit_state_reads(None if last else 1)
-            if not self._reads_begun:
-                self._reads_begun = True
-                engine.read_state_ahead()
+        if self.engine is not None:
+            self._reads.before_backward(self.engine)
 
     def _after_step(self) -> None:
         engine = self.engine
@@ -332,12 +306,10 @@ class BalanceBeamStrategy(RankedStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        """Move this backward's gradients into the host accumulators; hold the state reads
-        through the next forward (:meth:`on_train_batch_start`)."""
+        """Move this backward's gradients into the host accumulators."""
         if self.engine is not None:
             self.engine.after_backward()
-            if self._read_in_backward and self.engine.steps.overlap is None:
-                self.engine.limit_state_reads(0)
+            self._reads.after_backward(self.engine)
 
     @override
     def on_train_start(self) -> None:
@@ -486,30 +458,3 @@ class BalanceBeamStrategy(RankedStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
-
-
-def _boundary_numel(
-    module: pl.LightningModule,
-    trainer: pl.Trainer,
-    placement: Placement,
-    plan: Plan | None,
-    training: bool,
-) -> int:
-    """Elements of one block's hidden states in a micro-batch (rows x tokens x width) for
-    the store to hold the boundary inputs a given placement keeps off the device and its
-    swapped blocks' saved activations; 0 when a plan sizes them, when they stay on the
-    device, or when the width or the batch cannot be read (a module of the user's own: the
-    store's slack holds them, else its budgets)."""
-    on_device = placement.boundaries in (None, Tier.DEVICE) and not placement.swapped
-    if not training or plan is not None or on_device:
-        return 0
-    config = getattr(session.hf_model(module), "config", None)
-    get_text = getattr(config, "get_text_config", None)
-    width = getattr(get_text() if callable(get_text) else config, "hidden_size", None)
-    if not isinstance(width, int):
-        return 0
-    try:
-        seq_len, rows = session.first_batch_shape(trainer)
-    except ValueError:
-        return 0
-    return rows * seq_len * width

@@ -80,6 +80,7 @@ __all__ = [
     "TrainShape",
     "TrainerJob",
     "attention_overrides",
+    "boundary_numel",
     "check_clipping",
     "check_settings",
     "clip_config",
@@ -534,3 +535,30 @@ def predict_job(trainer: pl.Trainer, module: pl.LightningModule) -> PredictJob:
     dataset = getattr(loader, "dataset", None)
     count = len(dataset) if hasattr(dataset, "__len__") else int(ids.shape[0])  # type: ignore[arg-type]
     return PredictJob(prompt_len=int(ids.shape[1]), new_tokens=new, num_prompts=max(1, count))
+
+
+def boundary_numel(
+    module: pl.LightningModule,
+    trainer: pl.Trainer,
+    placement: Placement,
+    plan: Plan | None,
+    training: bool,
+) -> int:
+    """Elements of one block's hidden states in a micro-batch (rows x tokens x width) for
+    the store to hold the boundary inputs a given placement keeps off the device and its
+    swapped blocks' saved activations; 0 when a plan sizes them, when they stay on the
+    device, or when the width or the batch cannot be read (a module of the user's own: the
+    store's slack holds them, else its budgets)."""
+    on_device = placement.boundaries in (None, Tier.DEVICE) and not placement.swapped
+    if not training or plan is not None or on_device:
+        return 0
+    config = getattr(hf_model(module), "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    width = getattr(get_text() if callable(get_text) else config, "hidden_size", None)
+    if not isinstance(width, int):
+        return 0
+    try:
+        seq_len, rows = first_batch_shape(trainer)
+    except ValueError:
+        return 0
+    return rows * seq_len * width

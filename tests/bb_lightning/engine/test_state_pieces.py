@@ -211,7 +211,7 @@ def test_a_limit_bounds_the_read_ahead_sets_reading_at_once(
         engine = cpu_engine(model, store, placement)
         reads = _StateReads()
         store.add_observer(reads)
-        engine.limit_state_reads(limit)
+        engine.pool.limit_reads(limit)
         engine.read_state_ahead()
         engine.pool.settle()  # waits for the reads issued, drops the rest
         engine.close()
