@@ -95,7 +95,6 @@ class _Kernel:
         self._sum = lib.bb_sum_f32
         self._sum.argtypes = [ctypes.c_int, _I64, _PTR, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
         self._sum.restype = ctypes.c_int
-        self.sum_exact = False
         self.sum_exact = self._sum_exact()
         """Whether :meth:`sum_into` equals torch's conversions and adds bit for bit (checked
         at load; where not, :meth:`sum_into` declines every call)."""
@@ -147,7 +146,7 @@ class _Kernel:
         a, b, c = (torch.randn(70_001, generator=g).mul(1e3) for _ in range(3))
         srcs = [a.to(torch.bfloat16), b, c.to(torch.bfloat16)]
         srcs[0][:7] = -0.0
-        self.sum_exact = True
+        self.sum_exact = True  # sum_into serves while it is checked
         dst = torch.full_like(a, float("nan"))
         expect = srcs[0].float()
         copied = self.sum_into(dst, srcs[:1], into=False)
@@ -193,13 +192,8 @@ class _Kernel:
 
 
 def _flat_cpu(t: Tensor) -> bool:
-    return (
-        type(t) in (Tensor, nn.Parameter)
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-        and not t.requires_grad
-    )
+    """A contiguous strided CPU tensor outside autograd (:func:`plain_cpu`)."""
+    return plain_cpu(t, t) and t.is_contiguous() and not t.requires_grad
 
 
 def _every_bf16() -> Tensor:

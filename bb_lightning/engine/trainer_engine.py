@@ -391,7 +391,7 @@ class TrainingEngine:
         parameters may depend on the data: experts no token of this rank chose), so they
         are dispatched in a fixed order, last block first; a block that comes early
         waits for the ones before it."""
-        self.pool.read_ahead()  # under a limit (ScratchPool.limit_reads), the next set's
+        self.pool.read_ahead()  # the next read-ahead set (ScratchPool.limit_reads)
         if self.comm is None or self.pager.states[i].numel == 0:
             self._dispatch_grads(i, grads)
             return
