@@ -75,6 +75,28 @@ def _write_zeros(store: TieredStore, name: str) -> None:
         store.write_range_async(name, buf, a, b - a).wait_host()
 
 
+def _piece_tiles(
+    shapes: Sequence[tuple[int, ...]],
+    batches: Sequence[Sequence[Tensor | None]],
+    a: int,
+    b: int,
+) -> list[tuple[int, int, list[Tensor | None]]]:
+    """``(lo, hi, slices)`` of each tensor that elements ``[a, b)`` of a flat buffer laid out
+    as ``shapes`` cover: its elements ``[lo, hi)`` of the piece, and each batch's flat slice
+    of its tensor there (None where a batch has none)."""
+    tiles: list[tuple[int, int, list[Tensor | None]]] = []
+    start = 0
+    for j, shape in enumerate(shapes):
+        end = start + math.prod(shape)
+        lo, hi = max(a, start), min(b, end)
+        if lo < hi:
+            slices = [None if (g := batch[j]) is None else g.reshape(-1)[lo - start : hi - start]
+                      for batch in batches]  # fmt: skip
+            tiles.append((lo - a, hi - a, slices))
+        start = end
+    return tiles
+
+
 def _piece_views(
     shapes: Sequence[tuple[int, ...]],
     batches: Sequence[Sequence[Tensor | None]],
@@ -84,19 +106,9 @@ def _piece_views(
 ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
     """The parts of ``out`` (elements ``[a, b)`` of a flat buffer laid out as ``shapes``)
     that each tensor covers, and the matching flat slices of each batch's tensors."""
-    views: list[Tensor] = []
-    sliced: list[list[Tensor | None]] = [[] for _ in batches]
-    start = 0
-    for j, shape in enumerate(shapes):
-        end = start + math.prod(shape)
-        lo, hi = max(a, start), min(b, end)
-        if lo < hi:
-            views.append(out[lo - a : hi - a])
-            for k, batch in enumerate(batches):
-                g = batch[j]
-                sliced[k].append(None if g is None else g.reshape(-1)[lo - start : hi - start])
-        start = end
-    return views, sliced
+    tiles = _piece_tiles(shapes, batches, a, b)
+    views = [out[lo:hi] for lo, hi, _ in tiles]
+    return views, [[slices[k] for _, _, slices in tiles] for k in range(len(batches))]
 
 
 class FlatState:
@@ -264,6 +276,26 @@ class FlatState:
             views, sliced = _piece_views(shapes, batches, a, b, dst)
             sum_tiles(views, sliced, into=self.grad_pending)
         return dst
+
+    def gradient_parts(
+        self, a: int, b: int, buf: Tensor, fresh: Sequence[Tensor | None] | None = None
+    ) -> tuple[Tensor | None, list[tuple[int, int, list[Tensor]]]]:
+        """What :meth:`gradient_piece` sums for elements ``[a, b)``, unsummed: the
+        accumulated gradient's piece (a HOST home's view, else read into ``buf``, fp32; None
+        when none is pending) and each tensor's ``(lo, hi, sources)`` in the piece, its held
+        gradients' and ``fresh``'s slices in order (a one-pass optimizer step sums them)."""
+        if fresh is not None:
+            self._check_reduced(fresh)
+        acc = None
+        if self.grad_pending and self.store.home(self.grad_name) is Tier.HOST:
+            acc = self.store.host_view(self.grad_name)[a:b]
+        elif self.grad_pending:
+            read_piece_now(self.store, self.grad_name, buf, a, b)
+            acc = buf[: b - a]
+        batches = [*self.held, *([] if fresh is None else [fresh])]
+        shapes = [(self.numel,)] if self.comm is not None else self.shapes
+        tiles = _piece_tiles(shapes, batches, a, b)
+        return acc, [(lo, hi, [g for g in srcs if g is not None]) for lo, hi, srcs in tiles]
 
     def accumulate_pieces(
         self,

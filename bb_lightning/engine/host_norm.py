@@ -7,8 +7,9 @@ about as much as a block's attention products. ``host_ops.c`` does the same arit
 one pass over each row (its header says how the roundings match), built and cached like
 the decode attention kernel (:mod:`~bb_lightning.engine.native`); the same library holds
 the rotary embedding that :mod:`~bb_lightning.engine.host_rope` serves, the gated MLP's
-activation (:mod:`~bb_lightning.engine.host_mlp`) and training's fp32 gradient sums
-(:meth:`_Kernel.sum_into`, which :mod:`~bb_lightning.engine.grad_sink` calls).
+activation (:mod:`~bb_lightning.engine.host_mlp`), training's fp32 gradient sums
+(:meth:`_Kernel.sum_into`, which :mod:`~bb_lightning.engine.grad_sink` calls) and its AdamW
+(:meth:`_Kernel.adamw`, which :mod:`~bb_lightning.engine.optim` calls).
 
 :func:`install` gives every module of a model whose class ``forward`` reads as
 :data:`PLAIN_RMS_NORM` (:func:`reads_as`) an instance ``forward`` that calls the kernel; any
@@ -98,6 +99,14 @@ class _Kernel:
         self.sum_exact = self._sum_exact()
         """Whether :meth:`sum_into` equals torch's conversions and adds bit for bit (checked
         at load; where not, :meth:`sum_into` declines every call)."""
+        self._adamw = lib.bb_adamw
+        self._adamw.argtypes = [ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR,
+                                _PTR, _PTR, ctypes.c_int, _PTR]  # fmt: skip
+        self._adamw.restype = ctypes.c_int
+        self.adamw_exact = self._adamw_exact()
+        """Whether :meth:`adamw` equals torch's ``_fused_adamw_`` bit for bit (checked at load
+        against torch's vector loop; where not, or where torch has no fused AdamW,
+        :meth:`adamw` declines every call)."""
         self.silu_mul_exact = self._silu_mul_exact()
         """Whether :meth:`silu_mul` equals torch's ``F.silu(g) * u`` bit for bit (checked at
         load on every bf16 ``g``)."""
@@ -157,6 +166,89 @@ class _Kernel:
         ok = ok and torch.equal(dst, expect)
         expect.add_(srcs[0].float())
         ok = ok and self.sum_into(dst, srcs[:1], into=True) and torch.equal(dst, expect)
+        return bool(ok)
+
+    def adamw(
+        self,
+        state: Sequence[Tensor],
+        acc: Tensor | None,
+        srcs: Sequence[Tensor],
+        out: Tensor | None,
+        scalars: Sequence[float],
+    ) -> bool:
+        """One AdamW update of ``state`` (contiguous fp32 master weights, first and second
+        moments, of one size, in place) by the gradient ``acc + srcs[0] + srcs[1] + ...``
+        (fp32 accumulator or None, then fp32 or bf16 sources, summed as :meth:`sum_into`
+        sums; no gradient at all: zeros), the updated weights also written to ``out`` (fp32
+        or bf16) when given, in one pass (the kernel's ``bb_adamw``). ``scalars``: the
+        kernel's ten, from :func:`~bb_lightning.engine.optim.adam_scalars`. Returns False,
+        having done nothing, unless every tensor is a contiguous CPU tensor of that size
+        and dtype (the caller then steps them itself)."""
+        n = state[0].numel()
+        if not self.adamw_serves(state, acc, srcs, out):
+            return False
+        if any(t.numel() != n for t in [*state, *srcs, *([] if acc is None else [acc])]):
+            return False
+        if out is not None and out.numel() != n:
+            return False
+        ptrs = (ctypes.c_void_p * max(len(srcs), 1))(*(s.data_ptr() for s in srcs))
+        codes = (ctypes.c_int * max(len(srcs), 1))(*(DTYPES[s.dtype] for s in srcs))
+        h = (ctypes.c_float * len(scalars))(*scalars)
+        threads = torch.get_num_threads() if self.team else 1
+        master, exp_avg, exp_avg_sq = (t.data_ptr() for t in state)
+        rc = self._adamw(threads, n, master, exp_avg, exp_avg_sq,
+                         None if acc is None else acc.data_ptr(), len(srcs), ptrs, codes,
+                         None if out is None else out.data_ptr(),
+                         0 if out is None else DTYPES[out.dtype], h)  # fmt: skip
+        return rc == 0
+
+    def adamw_serves(
+        self,
+        state: Sequence[Tensor],
+        acc: Tensor | None,
+        srcs: Sequence[Tensor],
+        out: Tensor | None,
+    ) -> bool:
+        """Whether :meth:`adamw` serves tensors of these dtypes and layouts (sizes aside):
+        fp32 state and accumulator, fp32 or bf16 sources and output, all contiguous on the
+        host, and the load check passed."""
+        fp32 = [*state, *([] if acc is None else [acc])]
+        other = [*srcs, *([] if out is None else [out])]
+        return (
+            self.adamw_exact
+            and len(state) == 3
+            and all(t.dtype == torch.float32 and _flat_cpu(t) for t in fp32)
+            and all(t.dtype in DTYPES and _flat_cpu(t) for t in other)
+        )
+
+    def _adamw_exact(self) -> bool:
+        if not hasattr(torch, "_fused_adamw_"):
+            return False
+        from bb_lightning.engine.optim import AdamWConfig, adam_scalars
+
+        self.adamw_exact = True  # adamw serves while it is checked
+        g = torch.Generator().manual_seed(0)
+        n = 16 * 801  # torch's vector loop only: it computes a call's last n % 16 another way
+        ok = True
+        for cfg, lr, step, scale in (
+            (AdamWConfig(betas=(0.9, 0.95), weight_decay=0.1), 3e-4, 3, 0.37),
+            (AdamWConfig(betas=(0.3, 0.999), eps=1e-6), 1e-2, 1, 1.0),
+        ):
+            state = [torch.randn(n, generator=g).mul(s) for s in (1.0, 1e-2, 1e-2)]
+            state[2].square_()
+            acc = torch.randn(n, generator=g).mul(1e-2)
+            src = torch.randn(n, generator=g).mul(1e-2).to(torch.bfloat16)
+            expect = [t.clone() for t in state]
+            torch._fused_adamw_(
+                [expect[0]], [acc + src.float()], [expect[1]], [expect[2]], [],
+                [torch.tensor(float(step))], lr=lr, beta1=cfg.betas[0], beta2=cfg.betas[1],
+                weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
+                grad_scale=None if scale == 1.0 else torch.tensor(1.0 / scale), found_inf=None,
+            )  # fmt: skip
+            out = torch.empty(n, dtype=torch.bfloat16)
+            ok = ok and self.adamw(state, acc, [src], out, adam_scalars(cfg, lr, step, scale))
+            ok = ok and all(torch.equal(a, b) for a, b in zip(state, expect, strict=True))
+            ok = ok and torch.equal(out, expect[0].to(torch.bfloat16))
         return bool(ok)
 
     def _silu_mul_exact(self) -> bool:

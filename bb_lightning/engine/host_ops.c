@@ -36,7 +36,8 @@
  * kept a NaN (its payload as the CPU's own conversion keeps it: sign and upper bits, quiet).
  *
  * Gradient sums (training's fp32 accumulators, `bb_sum_f32` below): a bf16 or fp32 gradient
- * widened and added in one pass, the sums torch's bit for bit.
+ * widened and added in one pass, the sums torch's bit for bit. AdamW (`bb_adamw`, at the
+ * end): those sums, the update of torch's `_fused_adamw_` and the weights' cast, in one pass.
  *
  * The rows are shared among the calling thread's OpenMP team of `threads` (torch's own,
  * when built with OpenMP); built without it, the caller runs them all.
@@ -277,6 +278,109 @@ int bb_sum_f32(int threads, int64_t n, float *dst, int nsrc, const void *const *
     for (int64_t s = 0; s < spans; s++) {
         int64_t i = s * SUM_SPAN, end = i + SUM_SPAN < n ? i + SUM_SPAN : n;
         for (int j = 0; j < nsrc; j++) add_span(dst, srcs[j], dtypes[j], i, end, !into && j == 0);
+    }
+    return 0;
+}
+
+/* AdamW on fp32 master weights and moments, its gradient summed in and its weights cast out
+ * in the same pass (training's optimizer step on the host). Over `n` contiguous elements:
+ *
+ *     g = ((acc + s0) + s1) + ...        (bb_sum_f32's sums; acc NULL: from s0; none: 0)
+ *     g = g / inv_scale                  (when `h[SCALED]` is set)
+ *     p = p * decay
+ *     m = fma(lerp, g - m, m)            (|lerp| < 0.5; else fma(lerp - 1, g - m, g))
+ *     v = fma(sq_coef * g, g, v * beta2)
+ *     p = p + (neg_step * m) / (sqrt(v) / bc2_sqrt + eps)
+ *     out = p                            (bf16 to nearest even, or fp32; `out` NULL: none)
+ *
+ * in fp32 with the scalars in `h` (rounded to fp32 by the caller as torch rounds them): the
+ * arithmetic of torch's `_fused_adamw_` vector loop, which the caller checks bit for bit
+ * when it loads the library. Every element is computed alike wherever it lies (torch's
+ * own loop computes the last n % 16 elements of a call another way). The gradient is summed
+ * into a buffer of one span on the stack and never written out. */
+enum { DECAY, LERP, LERP_SMALL, BETA2, SQ_COEF, BC2_SQRT, EPS, NEG_STEP, INV_SCALE, SCALED,
+       ADAM_SCALARS };
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "no-math-errno", "fp-contract=off")
+#endif
+static void adamw_span(float *restrict p, float *restrict m, float *restrict v,
+                       const float *restrict g, void *out, int odt, const float *h, int64_t len) {
+    uint16_t *ob = out != NULL && odt == 1 ? (uint16_t *)out : NULL;
+    float *of = out != NULL && odt == 0 ? (float *)out : NULL;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 decay = _mm512_set1_ps(h[DECAY]), beta2 = _mm512_set1_ps(h[BETA2]);
+    __m512 lerp = _mm512_set1_ps(h[LERP_SMALL] != 0.0f ? h[LERP] : h[LERP] - 1.0f);
+    __m512 sq = _mm512_set1_ps(h[SQ_COEF]), bc2 = _mm512_set1_ps(h[BC2_SQRT]);
+    __m512 eps = _mm512_set1_ps(h[EPS]), step = _mm512_set1_ps(h[NEG_STEP]);
+    __m512 inv = _mm512_set1_ps(h[INV_SCALE]);
+    for (; k + 16 <= len; k += 16) {
+        __m512 gv = _mm512_loadu_ps(g + k);
+        if (h[SCALED] != 0.0f) gv = _mm512_div_ps(gv, inv);
+        __m512 pv = _mm512_mul_ps(_mm512_loadu_ps(p + k), decay);
+        __m512 mo = _mm512_loadu_ps(m + k);
+        __m512 mv = _mm512_fmadd_ps(lerp, _mm512_sub_ps(gv, mo), h[LERP_SMALL] != 0.0f ? mo : gv);
+        __m512 vv = _mm512_fmadd_ps(_mm512_mul_ps(sq, gv), gv,
+                                    _mm512_mul_ps(_mm512_loadu_ps(v + k), beta2));
+        _mm512_storeu_ps(m + k, mv);
+        _mm512_storeu_ps(v + k, vv);
+        __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), bc2), eps);
+        pv = _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(step, mv), den));
+        _mm512_storeu_ps(p + k, pv);
+        if (ob != NULL) {
+            __m512i u = _mm512_castps_si512(pv);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(
+                _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+            up = _mm512_mask_mov_epi32(up, nan, _mm512_set1_epi32(0x7fc00000));
+            _mm256_storeu_si256((__m256i *)(ob + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+        }
+        if (of != NULL) _mm512_storeu_ps(of + k, pv);
+    }
+#endif
+    float lerp1 = h[LERP_SMALL] != 0.0f ? h[LERP] : h[LERP] - 1.0f;
+    for (; k < len; k++) {
+        float gv = h[SCALED] != 0.0f ? g[k] / h[INV_SCALE] : g[k];
+        float pv = p[k] * h[DECAY];
+        float mv = fmaf(lerp1, gv - m[k], h[LERP_SMALL] != 0.0f ? m[k] : gv);
+        float vv = fmaf(h[SQ_COEF] * gv, gv, v[k] * h[BETA2]);
+        m[k] = mv;
+        v[k] = vv;
+        pv = pv + (h[NEG_STEP] * mv) / (sqrtf(vv) / h[BC2_SQRT] + h[EPS]);
+        p[k] = pv;
+        if (ob != NULL) ob[k] = float_bf16(pv);
+        if (of != NULL) of[k] = pv;
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+static const void *element(const void *t, int dtype, int64_t i) {
+    return dtype == 1 ? (const void *)((const uint16_t *)t + i) : (const void *)((const float *)t + i);
+}
+
+int bb_adamw(int threads, int64_t n, float *p, float *m, float *v, const float *acc, int nsrc,
+             const void *const *srcs, const int *dtypes, void *out, int odt, const float *h) {
+    for (int j = 0; j < nsrc; j++)
+        if (dtypes[j] != 0 && dtypes[j] != 1) return 1;
+    if (out != NULL && odt != 0 && odt != 1) return 1;
+    int64_t spans = (n + SUM_SPAN - 1) / SUM_SPAN;
+#pragma omp parallel for num_threads(spans > 16 ? threads : 1) schedule(static)
+    for (int64_t s = 0; s < spans; s++) {
+        float g[SUM_SPAN];
+        int64_t i = s * SUM_SPAN, len = (i + SUM_SPAN < n ? i + SUM_SPAN : n) - i;
+        if (acc != NULL)
+            memcpy(g, acc + i, (size_t)len * sizeof(float));
+        else if (nsrc == 0)
+            memset(g, 0, (size_t)len * sizeof(float));
+        for (int j = 0; j < nsrc; j++)
+            add_span(g, element(srcs[j], dtypes[j], i), dtypes[j], 0, len, acc == NULL && j == 0);
+        adamw_span(p + i, m + i, v + i, g,
+                   out == NULL ? NULL : (void *)element(out, odt, i), odt, h, len);
     }
     return 0;
 }

@@ -16,6 +16,14 @@ Regularization", ICLR 2019, Algorithm 2, with PyTorch's bias corrections):
 Gradient clipping and averaging over accumulation steps fold into one scalar,
 ``grad_scale``, which multiplies the gradient before the update (see
 :func:`global_grad_norm` and :func:`clip_coefficient`).
+
+On the host, :meth:`HostAdamW.step_host` runs the same update through the compiled host
+library (``host_ops.c``'s ``bb_adamw``) in one pass: the gradient summed in from its fp32
+accumulator and bf16 or fp32 micro-batch gradients, the update, and the weights cast to the
+compute dtype. That saves the fp32 gradient's write and read-back and the cast's read of
+the weights: 28 bytes an element against 40 when the gradient comes as one bf16 tensor.
+Its results equal ``torch._fused_adamw_``'s bit for bit, which the library checks when it
+loads.
 """
 
 from __future__ import annotations
@@ -28,13 +36,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from bb_lightning.engine import host_norm
+
 __all__ = [
     "AdamWConfig",
     "AdamWGroups",
     "HostAdamW",
+    "adam_scalars",
     "clip_coefficient",
     "copy_bf16_",
     "global_grad_norm",
+    "host_step_serves",
 ]
 
 Kernel = Literal["auto", "fused", "foreach"]
@@ -174,6 +186,43 @@ class HostAdamW:
             grad_scale: factor applied to the gradient first (clip coefficient
                 times 1 / accumulation steps), finite and > 0.
         """
+        lr = self._checked_lr(step, lr, grad_scale)
+        _check_buffers(master, grad, exp_avg, exp_avg_sq)
+        if self.kernel == "fused":
+            self._step_fused(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
+        else:
+            self._step_foreach(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
+
+    def step_host(
+        self,
+        state: Sequence[Tensor],
+        acc: Tensor | None,
+        srcs: Sequence[Tensor],
+        out: Tensor | None,
+        *,
+        step: int,
+        lr: float | None = None,
+        grad_scale: float = 1.0,
+    ) -> bool:
+        """:meth:`step_block` with the gradient summed in and the weights cast out, in one
+        pass over host memory (the compiled library's AdamW, which equals
+        ``torch._fused_adamw_`` bit for bit, checked when it loads): ``state`` is the
+        master weights and two moments, the gradient ``acc + srcs[0] + srcs[1] + ...``
+        (``acc`` an fp32 accumulator or None, ``srcs`` fp32 or bf16; none at all: zeros),
+        and ``out`` (fp32 or bf16, or None) receives the updated weights. Nothing is
+        written to the gradient. Returns False, having done nothing, where the kernel does
+        not serve: not the ``"fused"`` kernel, not built, ``BB_NATIVE=0``, a dry run's fake
+        tensors, a device tensor or another dtype (the caller then sums, steps and casts).
+        """
+        lr = self._checked_lr(step, lr, grad_scale)
+        if self.kernel != "fused" or not host_norm.eager():
+            return False
+        kern = host_norm.kernel()
+        scalars = adam_scalars(self.config, lr, step, grad_scale)
+        return kern is not None and kern.adamw(state, acc, srcs, out, scalars)
+
+    def _checked_lr(self, step: int, lr: float | None, grad_scale: float) -> float:
+        """This update's learning rate (``config.lr`` when None), its arguments checked."""
         lr = self.config.lr if lr is None else float(lr)
         if step < 1:
             raise ValueError(f"step={step} must be >= 1 (the first update is step 1)")
@@ -184,11 +233,7 @@ class HostAdamW:
                 f"grad_scale={grad_scale!r} must be finite and > 0: "
                 "skip the step instead of scaling by 0"
             )
-        _check_buffers(master, grad, exp_avg, exp_avg_sq)
-        if self.kernel == "fused":
-            self._step_fused(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
-        else:
-            self._step_foreach(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
+        return lr
 
     def _step_fused(
         self,
@@ -251,6 +296,35 @@ class HostAdamW:
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, cfg.eps)
         torch._foreach_addcdiv_(params, avgs, denom, -lr / bias_correction1)
+
+
+def host_step_serves(
+    state: Sequence[Tensor], acc: Tensor | None, srcs: Sequence[Tensor], out: Tensor | None
+) -> bool:
+    """Whether :meth:`HostAdamW.step_host` serves these tensors (its slices of them alike),
+    the fused kernel aside."""
+    kern = host_norm.kernel() if host_norm.eager() else None
+    return kern is not None and kern.adamw_serves(state, acc, srcs, out)
+
+
+def adam_scalars(config: AdamWConfig, lr: float, step: int, grad_scale: float) -> list[float]:
+    """The ten scalars of the host library's AdamW (``bb_adamw`` in ``host_ops.c``) for one
+    update: those ``torch._fused_adamw_`` derives from its arguments, in double, each rounded
+    to fp32 where torch rounds it (ctypes rounds them as it passes them)."""
+    beta1, beta2 = config.betas
+    lerp = 1.0 - beta1
+    return [
+        1.0 - lr * config.weight_decay if config.weight_decay != 0.0 else 1.0,
+        lerp,
+        1.0 if abs(float(torch.tensor(lerp, dtype=torch.float32))) < 0.5 else 0.0,
+        beta2,
+        1.0 - beta2,
+        math.sqrt(1.0 - beta2**step),
+        config.eps,
+        -(lr / (1.0 - beta1**step)),
+        1.0 / grad_scale,
+        1.0 if grad_scale != 1.0 else 0.0,
+    ]
 
 
 def _check_buffers(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from bb_lightning.engine import host_norm
 from bb_lightning.engine.flat_state import FlatState, read_piece_now, write_piece
 from bb_lightning.engine.optim import (
     AdamWConfig,
@@ -36,6 +37,7 @@ from bb_lightning.engine.optim import (
     HostAdamW,
     adam_runs,
     clip_coefficient,
+    host_step_serves,
 )
 from bb_lightning.engine.pager import BlockPager
 from bb_lightning.engine.scratch_pool import Scratch, ScratchPool
@@ -341,39 +343,95 @@ class OptimizerStep:
         """
         start = time.perf_counter()
         state = self.pager.states[i]
-        host_grad = None
-        if self.store.home(state.grad_name) is Tier.HOST:
-            host_grad = state.gradient() if fresh is None else state.accumulate(fresh, None)
         runs = adam.runs(state, self.pager.params[i])
+        one_pass = clamp is None and self._one_pass(runs)
+        host_grad = None
+        if not one_pass and self.store.home(state.grad_name) is Tier.HOST:
+            host_grad = state.gradient() if fresh is None else state.accumulate(fresh, None)
         for k, (a, b) in enumerate(state.pieces(self.pool.piece)):
             scratch = self.pool.take()
             ahead = self.pool.take_ahead((i, k))  # the next pieces' reads run meanwhile
             if ahead is not None:
                 ahead.wait_reads()
-            if host_grad is not None:
-                grad = host_grad[a:b]
-            else:
-                grad = state.gradient_piece(a, b, scratch.fp32["grad"], fresh)
-            if clamp is not None:
-                grad.clamp_(-clamp, clamp)
             bufs = self._piece_bufs(state, a, b, scratch, ahead)
-            master, exp_avg, exp_avg_sq = bufs
-            for lo, hi, stepper in runs:
-                lo, hi = max(lo, a) - a, min(hi, b) - a
-                if lo < hi:
-                    stepper.step_block(
-                        master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
-                        step=step, grad_scale=scale,
-                    )  # fmt: skip
+            master = bufs[0]
+            cast = self.pager.cast_target(i, b - a, scratch.cast, a)
+            if one_pass:
+                one_pass = self._step_one_pass(state, a, b, scratch, bufs, runs, cast, fresh,
+                                               scale, step)  # fmt: skip
+            if not one_pass:  # summed, stepped and cast in turn
+                if host_grad is None and self.store.home(state.grad_name) is Tier.HOST:
+                    host_grad = state.gradient() if fresh is None else state.accumulate(fresh, None)
+                if host_grad is not None:
+                    grad = host_grad[a:b]
+                else:
+                    grad = state.gradient_piece(a, b, scratch.fp32["grad"], fresh)
+                if clamp is not None:
+                    grad.clamp_(-clamp, clamp)
+                for lo, hi, stepper in runs:
+                    lo, hi = max(lo, a) - a, min(hi, b) - a
+                    if lo < hi:
+                        stepper.step_block(
+                            master[lo:hi], grad[lo:hi], bufs[1][lo:hi], bufs[2][lo:hi],
+                            step=step, grad_scale=scale,
+                        )  # fmt: skip
+                cast.copy_(master[: b - a])
             held = ahead if ahead is not None else scratch
             for name, buf in zip(state.state_names, bufs, strict=True):
                 if self.store.home(name) is not Tier.HOST:
                     held.tickets.append(write_piece(self.store, name, buf, a, b))
-            self.write_weights(i, master[: b - a], scratch, a)
+            ticket = self.pager.write_cast(i, b - a, scratch.cast, a)
+            if ticket is not None:
+                scratch.tickets.append(ticket)
             if ahead is not None:  # the weights are cast from its master: reused once written
                 self.pool.give_back(ahead)
         state.clear_grad()
         self.busy_s += time.perf_counter() - start
+
+    def _one_pass(self, runs: Sequence[tuple[int, int, HostAdamW]]) -> bool:
+        """Whether a block's pieces may be stepped by :meth:`_step_one_pass` (each piece
+        still falls back where the kernel declines it before changing anything)."""
+        return all(stepper.kernel == "fused" for _, _, stepper in runs) and host_norm.eager()
+
+    def _step_one_pass(
+        self,
+        state: FlatState,
+        a: int,
+        b: int,
+        scratch: Scratch,
+        bufs: Sequence[Tensor],
+        runs: Sequence[tuple[int, int, HostAdamW]],
+        cast: Tensor,
+        fresh: Sequence[Tensor | None] | None,
+        scale: float,
+        step: int,
+    ) -> bool:
+        """Step elements ``[a, b)`` of ``state`` (``bufs``: their master weights and moments)
+        with the gradient summed in and the weights cast into ``cast``, one pass per tensor
+        and group (:meth:`HostAdamW.step_host`); False, having changed nothing, where the
+        kernel does not serve the piece's tensors."""
+        n = b - a
+        acc, tiles = state.gradient_parts(a, b, scratch.fp32["grad"], fresh)
+        bufs = [t[:n] for t in bufs]
+        if not host_step_serves(bufs, acc, [g for _, _, srcs in tiles for g in srcs], cast):
+            return False
+        done = 0  # elements before it are stepped or cast
+        for lo_r, hi_r, stepper in runs:
+            lo_r, hi_r = max(lo_r, a) - a, min(hi_r, b) - a
+            if lo_r >= hi_r:
+                continue
+            cast[done:lo_r].copy_(bufs[0][done:lo_r])  # in no group: cast as they are
+            for lo_t, hi_t, srcs in tiles:
+                lo, hi = max(lo_r, lo_t), min(hi_r, hi_t)
+                if lo < hi and not stepper.step_host(
+                    [t[lo:hi] for t in bufs], None if acc is None else acc[lo:hi],
+                    [g[lo - lo_t : hi - lo_t] for g in srcs], cast[lo:hi],
+                    step=step, grad_scale=scale,
+                ):  # fmt: skip
+                    raise RuntimeError(f"the host AdamW declined {state.name!r}'s piece")
+            done = hi_r
+        cast[done:n].copy_(bufs[0][done:n])
+        return True
 
     def _piece_bufs(
         self, state: FlatState, a: int, b: int, scratch: Scratch, ahead: Scratch | None

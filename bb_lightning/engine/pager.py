@@ -336,22 +336,35 @@ class BlockPager:
         block's next page-in after the write. A ``master`` larger than ``scratch`` is
         written one ``scratch`` at a time, each waited for (None returned).
         """
-        name = self.names[i]
-        assert not self._paged(i) or self.store.state(name) is Residency.RELEASED, (
-            f"block {i} must be released before its weights are rewritten"
-        )
         n = master.numel()
-        if self.store.home(name) is Tier.HOST:
-            self.store.host_view(name)[start : start + n].copy_(master)
-            return None
-        if n > scratch.numel():  # a whole state through a piece buffer (loading state)
+        if self.store.home(self.names[i]) is not Tier.HOST and n > scratch.numel():
+            # a whole state through a piece buffer (loading state)
             for a, b in state_pieces(n, scratch.numel()):
                 ticket = self.write_weights(i, master[a:b], scratch, start + a)
                 if ticket is not None:
                     ticket.wait_host()  # scratch takes the next piece
             return None
-        scratch[:n].copy_(master)
-        return write_piece(self.store, name, scratch, start, start + n)
+        self.cast_target(i, n, scratch, start).copy_(master)
+        return self.write_cast(i, n, scratch, start)
+
+    def cast_target(self, i: int, n: int, scratch: Tensor, start: int = 0) -> Tensor:
+        """Where elements ``[start, start + n)`` of block ``i``'s compute-dtype weights are
+        cast to (:meth:`write_weights` in two halves, for a caller that casts them itself):
+        their HOST home's view, else ``scratch[:n]`` (then :meth:`write_cast`)."""
+        name = self.names[i]
+        assert not self._paged(i) or self.store.state(name) is Residency.RELEASED, (
+            f"block {i} must be released before its weights are rewritten"
+        )
+        if self.store.home(name) is Tier.HOST:
+            return self.store.host_view(name)[start : start + n]
+        return scratch[:n]
+
+    def write_cast(self, i: int, n: int, scratch: Tensor, start: int = 0) -> Ticket | None:
+        """Write home what :meth:`cast_target` gave (None for a HOST home, cast in place),
+        as :meth:`write_weights` does."""
+        if self.store.home(self.names[i]) is Tier.HOST:
+            return None
+        return write_piece(self.store, self.names[i], scratch, start, start + n)
 
     def apply(self, placement: Placement) -> None:
         """Re-home every block's tensors as ``placement`` says (moves through the store).
