@@ -250,15 +250,6 @@ class OptimizerStep:
         self.overlap_starts.append((i, time.perf_counter()))
         self.step_block_state(i, overlap.adam, 1.0, overlap.step, grads)
 
-    def write_weights(self, i: int, master: Tensor, scratch: Scratch, start: int = 0) -> None:
-        """Write elements ``[start, start + master.numel())`` of block ``i``'s compute-dtype
-        weights from its stepped fp32 ``master`` (a piece) through ``scratch.cast`` (under
-        data parallelism this rank's shard: each rank writes home its own, the next page-in
-        assembles the block on the device); the write's ticket joins the set's."""
-        ticket = self.pager.write_weights(i, master, scratch.cast, start)
-        if ticket is not None:
-            scratch.tickets.append(ticket)
-
     def finish_overlapped(self, overlap: Overlap) -> None:
         """Step the blocks the backward did not (no gradient came), then the resident
         parameters, in the overlapped step ``overlap``."""
@@ -380,6 +371,8 @@ class OptimizerStep:
             for name, buf in zip(state.state_names, bufs, strict=True):
                 if self.store.home(name) is not Tier.HOST:
                     held.tickets.append(write_piece(self.store, name, buf, a, b))
+            # the weights written home (under data parallelism this rank's shard: each rank
+            # writes its own, the next page-in assembles the block on the device)
             ticket = self.pager.write_cast(i, b - a, scratch.cast, a)
             if ticket is not None:
                 scratch.tickets.append(ticket)
