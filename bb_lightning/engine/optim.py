@@ -28,6 +28,7 @@ loads.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -316,7 +317,7 @@ def adam_scalars(config: AdamWConfig, lr: float, step: int, grad_scale: float) -
     return [
         1.0 - lr * config.weight_decay if config.weight_decay != 0.0 else 1.0,
         lerp,
-        1.0 if abs(float(torch.tensor(lerp, dtype=torch.float32))) < 0.5 else 0.0,
+        1.0 if abs(ctypes.c_float(lerp).value) < 0.5 else 0.0,  # torch compares it in fp32
         beta2,
         1.0 - beta2,
         math.sqrt(1.0 - beta2**step),
