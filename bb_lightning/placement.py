@@ -143,6 +143,13 @@ class Placement:
     ``recomputed``; None or empty: no block swaps."""
 
     def __post_init__(self) -> None:
+        for name in ("weights", "master", "grads"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # a Tier is a str: its letters would pass for tiers
+                raise ValueError(
+                    f"{name}={value!r} is one tier, not one per block: give a tuple, e.g. "
+                    f"{name}=({value!r},) * num_blocks, or Placement.uniform(num_blocks, ...)"
+                )
         if self.master and len(self.weights) != len(self.master):
             raise ValueError(
                 f"placement has {len(self.weights)} weight tiers but {len(self.master)} master "

@@ -135,6 +135,10 @@ def test_placement_rejects_bad_input() -> None:
         Placement(weights=(Tier.HOST,), master=(Tier.NVME,), read_ahead=0)
     with pytest.raises(ValueError, match="2 weight tiers but 1 master"):
         Placement(weights=(Tier.HOST, Tier.HOST), master=(Tier.HOST,))
+    with pytest.raises(ValueError, match=r"master=<Tier.HOST: 'host'> is one tier.*\(<Tier"):
+        Placement(weights=(Tier.HOST,) * 4, master=Tier.HOST)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weights='nvme' is one tier"):
+        Placement(weights="nvme", master=())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
