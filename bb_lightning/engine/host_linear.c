@@ -37,10 +37,24 @@
  * for bit torch's: its e^x and sums differ in the last bits, so an output may round to the
  * neighbouring bf16 (a few in a hundred).
  *
+ * A training step's attention backward (bb_attention_backward_bf16) runs on the tiles too.
+ * torch's fused CPU attention recomputes and multiplies small blocks with a setup each, and its
+ * bf16 backward ran at a fifth of the tiles' rate at a Llama block's training shape. Here each
+ * (sequence, key/value head) at a time, laid out once: its keys and values as the right
+ * operand's pairs of the head dimension, and its keys also with consecutive positions paired;
+ * for each of its query heads, the queries and output gradients as rows and transposed (a 32 x
+ * 32 block of bf16 as pairs of rows side by side, then two 16 x 16 transposes). Per block of 32
+ * queries the scores and the output gradient's products with the values run on the tiles, the
+ * softmax weights are recomputed from the forward's log-sum-exp and the score gradients formed
+ * in fp32, and the queries' gradient is their product with the keys; the weights and score
+ * gradients, rounded to bf16 with consecutive queries paired, then give the values' and keys'
+ * gradients transposed, 32 keys by 32 columns a block over the queries that attend them,
+ * summed in fp32 over the heads of a group, transposed back and rounded once.
+ *
  * Linux grants the tiles' state to a process on request (arch_prctl); bb_linear_ready
  * asks once and says whether the tiles can run. Built without the tiles' instructions
- * (another CPU, another compiler), bb_linear_ready returns 0 and bb_linear_bf16 and
- * bb_prefill_attention_bf16 -1.
+ * (another CPU, another compiler), bb_linear_ready returns 0 and bb_linear_bf16,
+ * bb_prefill_attention_bf16 and bb_attention_backward_bf16 -1.
  */
 #include <float.h>
 #include <stdint.h>
@@ -53,6 +67,14 @@
         int64_t dim, const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks, \
         const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal, \
         float scale, uint16_t *out
+
+/* bb_attention_backward_bf16's parameters (below). */
+#define ATTENTION_BACKWARD_ARGS                                                                 \
+    int threads, int64_t batch, int64_t heads, int64_t kv_heads, int64_t len, int64_t dim,       \
+        const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks,             \
+        const uint16_t *v, const int64_t *vs, const uint16_t *o, const int64_t *os,             \
+        const uint16_t *dout, const int64_t *dos, const float *lse, const int64_t *ls,          \
+        int causal, float scale, uint16_t *dq, uint16_t *dk, uint16_t *dv
 
 int bb_host_linear_team_threads(void) {
 #ifdef _OPENMP
@@ -391,6 +413,220 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
     }
     return failed ? -2 : 0;
 }
+/* The 32 pairs (a[c], b[c]) of two rows of 32 bf16, c = 0..31, into dst (64-byte aligned). */
+static inline void interleave32(__m512i a, __m512i b, uint32_t *dst) {
+    static const uint16_t order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(order);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_store_si512(dst + 16, _mm512_permutex2var_epi16(a, hi, b));
+}
+
+/* t[c][r] = x[r][c] for x of `lp` rows of `dim` bf16 (rows `xs` elements apart; rows from `rows`
+ * on read as zeros) and t of `dim` rows of `lp` (both multiples of 32): each 32 x 32 block as
+ * pairs of consecutive rows side by side, then two 16 x 16 transposes of the pairs. */
+static void transpose_bf16(const uint16_t *x, int64_t xs, int64_t rows, int64_t dim, int64_t lp,
+                           uint16_t *t) {
+    uint32_t y[16][32] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < lp; r0 += 32)
+        for (int64_t c0 = 0; c0 < dim; c0 += 32) {
+            for (int w = 0; w < 16; ++w) {
+                const int64_t ra = r0 + 2 * w;
+                __m512i a = ra < rows ? _mm512_loadu_si512(x + ra * xs + c0) : _mm512_setzero_si512();
+                __m512i b = ra + 1 < rows ? _mm512_loadu_si512(x + (ra + 1) * xs + c0) : _mm512_setzero_si512();
+                interleave32(a, b, y[w]);
+            }
+            for (int h = 0; h < 2; ++h) {
+                __m512i r[16];
+                for (int w = 0; w < 16; ++w) r[w] = _mm512_load_si512(&y[w][16 * h]);
+                transpose16(r);
+                for (int c = 0; c < 16; ++c) _mm512_storeu_si512(t + (c0 + 16 * h + c) * lp + r0, r[c]);
+            }
+        }
+}
+
+/* out[r][c] = bf16(acc[c][r]) for the first `rows` rows: acc fp32 of `dim` rows of `lp`, out
+ * rows of `dim` contiguous. */
+static void transposed_out(const float *acc, int64_t dim, int64_t lp, int64_t rows, uint16_t *out) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        for (int64_t c0 = 0; c0 < dim; c0 += 16) {
+            __m512i r[16];
+            for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_si512(acc + (c0 + c) * lp + r0);
+            transpose16(r);
+            for (int j = 0; j < 16 && r0 + j < rows; ++j)
+                _mm256_storeu_si256((__m256i *)(out + (r0 + j) * dim + c0),
+                                    round16(_mm512_castsi512_ps(r[j])));
+        }
+}
+
+/* acc (32 x 32 fp32, rows `stride` floats apart) += c. */
+static inline void add32(float *acc, int64_t stride, float c[32][32]) {
+    for (int j = 0; j < 32; ++j)
+        for (int x = 0; x < 32; x += 16) {
+            float *a = acc + j * stride + x;
+            _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_load_ps(&c[j][x])));
+        }
+}
+
+/* The gradients of self-attention (queries and keys of one length `len`) with respect to its
+ * bf16 queries [batch, heads, len, dim], keys and values [batch, kv_heads, len, dim] (element
+ * strides of batch, head, position; rows contiguous), given its bf16 output `o` and output
+ * gradient `dout` [batch, heads, len, dim] and the fp32 log-sum-exp of each query's scaled
+ * scores `lse` [batch, heads, len] (strides of each), as torch's fused CPU attention leaves them;
+ * `causal`: query i attends keys j <= i. Into contiguous bf16 dq [batch, heads, len, dim], dk and
+ * dv [batch, kv_heads, len, dim] (a key/value head's gradients summed over its query heads).
+ * Per (sequence, key/value head), per query head of its group, per block of 32 queries: the
+ * scores S = Q K^T and dP = dO V^T on the tiles, P = e^(S scale - lse) in fp32, dS = P (dP - D)
+ * scale with D = the row sums of dO o, dQ = dS K on the tiles; then dV^T += dO^T P and dK^T +=
+ * Q^T dS, with P and dS rounded to bf16 for the tiles, over the queries that attend each block
+ * of 32 keys. fp32 sums throughout, each gradient rounded to bf16 once. dim a multiple of 32, at
+ * most 256. */
+int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
+    if (!bb_linear_ready() || dim % 32 != 0 || dim > 256 || len < 1 || heads % kv_heads != 0)
+        return -1;
+    const int64_t group = heads / kv_heads, lp = (len + 31) / 32 * 32, half = dim / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint32_t *kp = aligned_alloc(64, (size_t)(half * lp * 4));    /* K, pairs of d */
+        uint32_t *vp = aligned_alloc(64, (size_t)(half * lp * 4));    /* V, pairs of d */
+        uint32_t *kr = aligned_alloc(64, (size_t)(lp / 2 * dim * 4)); /* K, pairs of keys */
+        uint16_t *qr = aligned_alloc(64, (size_t)(lp * dim * 2));     /* Q rows */
+        uint16_t *gr = aligned_alloc(64, (size_t)(lp * dim * 2));     /* dO rows */
+        uint16_t *qt = aligned_alloc(64, (size_t)(dim * lp * 2));     /* Q^T */
+        uint16_t *gt = aligned_alloc(64, (size_t)(dim * lp * 2));     /* dO^T */
+        uint32_t *pp = aligned_alloc(64, (size_t)(lp / 2 * lp * 4));  /* P, pairs of queries */
+        uint32_t *dsp = aligned_alloc(64, (size_t)(lp / 2 * lp * 4)); /* dS, pairs of queries */
+        float *sb = aligned_alloc(64, (size_t)(32 * lp * 4));         /* a block's S, then P */
+        float *db = aligned_alloc(64, (size_t)(32 * lp * 4));         /* a block's dP */
+        uint16_t *dsw = aligned_alloc(64, (size_t)(32 * lp * 2));     /* a block's dS rows */
+        float *dkt = aligned_alloc(64, (size_t)(dim * lp * 4));       /* dK^T */
+        float *dvt = aligned_alloc(64, (size_t)(dim * lp * 4));       /* dV^T */
+        float *rowd = aligned_alloc(64, (size_t)(lp * 4));            /* D */
+        float c[32][32] __attribute__((aligned(64)));
+        int ok = kp && vp && kr && qr && gr && qt && gt && pp && dsp && sb && db && dsw && dkt &&
+                 dvt && rowd;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        if (ok) _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < batch * kv_heads; ++item) {
+            if (!ok) continue;
+            const int64_t b = item / kv_heads, hk = item % kv_heads;
+            const uint16_t *kb = k + b * ks[0] + hk * ks[1], *vb = v + b * vs[0] + hk * vs[1];
+            for (int64_t s0 = 0; s0 < lp; s0 += 16)
+                for (int64_t d = 0; d < dim; d += 32) {
+                    pairs16(kb + s0 * ks[2] + d, ks[2], len - s0, kp + d / 2 * lp + s0, lp);
+                    pairs16(vb + s0 * vs[2] + d, vs[2], len - s0, vp + d / 2 * lp + s0, lp);
+                }
+            for (int64_t t = 0; t < lp / 2; ++t)
+                for (int64_t d = 0; d < dim; d += 32) {
+                    __m512i a = 2 * t < len ? _mm512_loadu_si512(kb + 2 * t * ks[2] + d) : _mm512_setzero_si512();
+                    __m512i a1 = 2 * t + 1 < len ? _mm512_loadu_si512(kb + (2 * t + 1) * ks[2] + d) : _mm512_setzero_si512();
+                    interleave32(a, a1, kr + t * dim + d);
+                }
+            memset(dkt, 0, (size_t)(dim * lp * 4));
+            memset(dvt, 0, (size_t)(dim * lp * 4));
+            for (int64_t g = 0; g < group; ++g) {
+                const int64_t h = hk * group + g;
+                const uint16_t *qb = q + b * qs[0] + h * qs[1], *ob = o + b * os[0] + h * os[1];
+                const uint16_t *gb = dout + b * dos[0] + h * dos[1];
+                const float *lb = lse + b * ls[0] + h * ls[1];
+                for (int64_t l = 0; l < lp; ++l) {
+                    rowd[l] = 0.0f;
+                    if (l >= len) {
+                        memset(qr + l * dim, 0, (size_t)dim * 2);
+                        memset(gr + l * dim, 0, (size_t)dim * 2);
+                        continue;
+                    }
+                    memcpy(qr + l * dim, qb + l * qs[2], (size_t)dim * 2);
+                    memcpy(gr + l * dim, gb + l * dos[2], (size_t)dim * 2);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < dim; d += 16) {
+                        __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gb + l * dos[2] + d)));
+                        __m512i y = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ob + l * os[2] + d)));
+                        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                                              _mm512_castsi512_ps(_mm512_slli_epi32(y, 16)), acc);
+                    }
+                    rowd[l] = _mm512_reduce_add_ps(acc);
+                }
+                transpose_bf16(qr, dim, lp, dim, lp, qt);
+                transpose_bf16(gr, dim, lp, dim, lp, gt);
+                for (int64_t l0 = 0; l0 < lp; l0 += 32) {
+                    const int64_t keys = causal ? l0 + 32 : lp;
+                    for (int64_t s0 = 0; s0 < keys; s0 += 32) {
+                        block32(qr + l0 * dim, dim * 2, kp + s0, lp * 4, lp * 16, dim / 32, sb + s0, lp * 4);
+                        block32(gr + l0 * dim, dim * 2, vp + s0, lp * 4, lp * 16, dim / 32, db + s0, lp * 4);
+                    }
+                    /* P and dS; zero for queries past len and keys a query does not attend */
+                    const __m512 sc = _mm512_set1_ps(scale);
+                    for (int64_t j = 0; j < 32; ++j) {
+                        const int64_t l = l0 + j, n = l >= len ? 0 : causal ? l + 1 : len;
+                        float *s = sb + j * lp;
+                        const float *dp = db + j * lp;
+                        const __m512 sub = _mm512_set1_ps(l < len ? -lb[l * ls[2]] : 0.0f);
+                        const __m512 dl = _mm512_set1_ps(rowd[l]);
+                        for (int64_t x = 0; x < keys; x += 16) {
+                            __mmask16 in = x >= n ? 0 : n - x >= 16 ? 0xffff : (__mmask16)((1u << (n - x)) - 1);
+                            __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_fmadd_ps(_mm512_load_ps(s + x), sc, sub)));
+                            _mm512_store_ps(s + x, p);
+                            __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_load_ps(dp + x), dl)), sc);
+                            _mm256_store_si256((__m256i *)(dsw + j * lp + x), round16(ds));
+                        }
+                    }
+                    /* P and dS in pairs of consecutive queries, for the keys' products */
+                    for (int64_t t = 0; t < 16; ++t)
+                        for (int64_t x = 0; x < keys; x += 32) {
+                            const float *r0 = sb + 2 * t * lp + x, *r1 = r0 + lp;
+                            __m512i p0 = _mm512_inserti64x4(_mm512_castsi256_si512(round16(_mm512_load_ps(r0))),
+                                                            round16(_mm512_load_ps(r0 + 16)), 1);
+                            __m512i p1 = _mm512_inserti64x4(_mm512_castsi256_si512(round16(_mm512_load_ps(r1))),
+                                                            round16(_mm512_load_ps(r1 + 16)), 1);
+                            interleave32(p0, p1, pp + (l0 / 2 + t) * lp + x);
+                            interleave32(_mm512_load_si512(dsw + 2 * t * lp + x),
+                                         _mm512_load_si512(dsw + (2 * t + 1) * lp + x),
+                                         dsp + (l0 / 2 + t) * lp + x);
+                        }
+                    /* dQ of the block's queries = dS K */
+                    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+                        block32(dsw, lp * 2, kr + d0, dim * 4, dim * 16, keys / 32, &c[0][0], 128);
+                        for (int64_t j = 0; j < 32 && l0 + j < len; ++j) {
+                            uint16_t *dst = dq + ((b * heads + h) * len + l0 + j) * dim + d0;
+                            _mm256_storeu_si256((__m256i *)dst, round16(_mm512_load_ps(&c[j][0])));
+                            _mm256_storeu_si256((__m256i *)(dst + 16), round16(_mm512_load_ps(&c[j][16])));
+                        }
+                    }
+                }
+                /* dV^T += dO^T P and dK^T += Q^T dS, each block of 32 keys over the queries that
+                 * attend it */
+                for (int64_t s0 = 0; s0 < lp; s0 += 32) {
+                    const int64_t from = causal ? s0 : 0;
+                    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+                        block32(gt + d0 * lp + from, lp * 2, pp + from / 2 * lp + s0, lp * 4, lp * 16,
+                                (lp - from) / 32, &c[0][0], 128);
+                        add32(dvt + d0 * lp + s0, lp, c);
+                        block32(qt + d0 * lp + from, lp * 2, dsp + from / 2 * lp + s0, lp * 4, lp * 16,
+                                (lp - from) / 32, &c[0][0], 128);
+                        add32(dkt + d0 * lp + s0, lp, c);
+                    }
+                }
+            }
+            transposed_out(dkt, dim, lp, len, dk + (b * kv_heads + hk) * len * dim);
+            transposed_out(dvt, dim, lp, len, dv + (b * kv_heads + hk) * len * dim);
+        }
+        if (ok) _tile_release();
+        free(kp); free(vp); free(kr); free(qr); free(gr); free(qt); free(gt); free(pp); free(dsp);
+        free(sb); free(db); free(dsw); free(dkt); free(dvt); free(rowd);
+    }
+    return failed ? -2 : 0;
+}
 #else
 int bb_linear_ready(void) { return 0; }
 
@@ -404,6 +640,13 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
     (void)threads, (void)batch, (void)heads, (void)kv_heads, (void)q_len, (void)kv_len;
     (void)dim, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms;
     (void)causal, (void)scale, (void)out;
+    return -1;
+}
+
+int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
+    (void)threads, (void)batch, (void)heads, (void)kv_heads, (void)len, (void)dim, (void)q;
+    (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)o, (void)os, (void)dout, (void)dos;
+    (void)lse, (void)ls, (void)causal, (void)scale, (void)dq, (void)dk, (void)dv;
     return -1;
 }
 #endif

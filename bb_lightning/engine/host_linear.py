@@ -21,6 +21,9 @@ multiples of 32, no bias, no autograd graph to record, no autocast, torch runnin
 operations as called (:func:`~bb_lightning.engine.host_norm.eager`); every other call runs
 the class's ``forward``. The inference engine installs it on a CPU device that computes in
 bf16, with the norm and rotary kernels, and removes it with them; training never runs it.
+
+The same library computes a training step's bf16 attention backward on the tiles
+(:meth:`_Kernel.attention_backward`), which :mod:`~bb_lightning.engine.train_attention` runs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import shutil
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +65,11 @@ class _Kernel:
                                  strides, ptr, strides, ptr, strides, ctypes.c_int,
                                  ctypes.c_float, ptr]  # fmt: skip
         self._attend.restype = ctypes.c_int
+        self._grad = lib.bb_attention_backward_bf16
+        tensors: list[Any] = [ptr, strides] * 6  # query, key, value, out, grad_out, lse
+        self._grad.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, *tensors, ctypes.c_int,
+                               ctypes.c_float, ptr, ptr, ptr]  # fmt: skip
+        self._grad.restype = ctypes.c_int
         lib.bb_host_linear_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_linear_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares the weight's rows among the calling thread's OpenMP team."""
@@ -107,6 +116,35 @@ class _Kernel:
                 f"bf16 matrix-tile attention of {q_len} queries over {kv_len} keys failed ({rc})"
             )
         return out
+
+    def attention_backward(
+        self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, grad_out: Tensor,
+        lse: Tensor, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """The gradients of bf16 self-attention with respect to ``query`` ``[batch, heads,
+        len, dim]``, ``key`` and ``value`` ``[batch, kv_heads, len, dim]`` (``heads`` a
+        multiple of ``kv_heads``), given its bf16 output ``out`` and its gradient ``grad_out``
+        (``[batch, heads, len, dim]``) and the fp32 log-sum-exp of each query's scaled scores
+        ``lse`` ``[batch, heads, len]``, as torch's fused CPU attention returns them; every
+        bf16 tensor's rows contiguous. ``causal``: query ``i`` attends keys ``j <= i``; the
+        scores are scaled by ``scale``. Returns new contiguous bf16 tensors of the inputs'
+        shapes (a key/value head's gradients summed over its query heads). ``dim`` is a
+        multiple of 32, at most 256."""
+        batch, heads, length, dim = query.shape
+        kv_heads = key.shape[1]
+        dq = torch.empty(batch, heads, length, dim, dtype=torch.bfloat16, device="cpu")
+        dk = torch.empty(batch, kv_heads, length, dim, dtype=torch.bfloat16, device="cpu")
+        dv = torch.empty_like(dk)
+        tensors = (query, key, value, out, grad_out, lse)
+        pairs = [x for t in tensors for x in (t.data_ptr(), (ctypes.c_int64 * 3)(*t.stride()[:3]))]
+        threads = torch.get_num_threads() if self.team else 1
+        rc = self._grad(threads, batch, heads, kv_heads, length, dim, *pairs, int(causal), scale,
+                        dq.data_ptr(), dk.data_ptr(), dv.data_ptr())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(
+                f"bf16 matrix-tile attention backward of {length} positions failed ({rc})"
+            )
+        return dq, dk, dv
 
 
 def kernel() -> _Kernel | None:

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from bb_lightning.engine import checkpoint as ckpt
+from bb_lightning.engine import train_attention
 from bb_lightning.engine.compiled import check_backend, compile_blocks
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine, release_free_heap
@@ -141,6 +142,7 @@ class BalanceBeamStrategy(RankedStrategy):
         self._slot = assembly.EngineSlot()
         """The engine, its store, and where the module's weights are between calls."""
         self._checkpointing: list[torch.nn.Module] = []
+        self._attention_back = _nothing  # restores transformers' sdpa after a fit
         """Modules whose activation checkpointing is off during this ``trainer.*`` call."""
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
@@ -201,6 +203,7 @@ class BalanceBeamStrategy(RankedStrategy):
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
             session.check_clipping(trainer, module)  # fails before anything is built
+            self._attention_back = train_attention.install(self.root_device)
         self._slot.take_back(module)
         call = getattr(trainer.state.fn, "value", "fit")
         self._checkpointing = checkpointing_off(module, call)
@@ -414,6 +417,8 @@ class BalanceBeamStrategy(RankedStrategy):
         )  # fmt: skip
         activation_checkpointing_on(self._checkpointing)
         self._checkpointing = []
+        self._attention_back()
+        self._attention_back = _nothing
         self.teardown_ranks()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
@@ -458,3 +463,7 @@ class BalanceBeamStrategy(RankedStrategy):
 
 def _engine_clips(*args: Any, **kwargs: Any) -> None:
     """Lightning's clipping of the device parameters' ``.grad`` (none under the engine)."""
+
+
+def _nothing() -> None:
+    """What restores nothing."""

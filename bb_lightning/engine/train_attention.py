@@ -1,0 +1,152 @@
+"""A training step's bf16 attention with its backward on the CPU's matrix tiles.
+
+torch's fused CPU attention (the flash kernel behind ``scaled_dot_product_attention``)
+computes a bf16 forward near the tiles' rate but its backward several times slower than the
+forward's FLOPs allow: in a Llama block's training step on a 2-core Xeon with AMX it took as
+long as the block's seven products together (``bench/attention_grad.py`` times both).
+``host_linear.c``'s ``bb_attention_backward_bf16`` computes the same gradients on the tiles
+(its header says how), from what the forward leaves: the output and each query's
+log-sum-exp.
+
+:func:`install` maps transformers' ``sdpa`` attention, for the length of a ``fit`` on a CPU
+device, to :func:`training_attention`. Its forward is the kernel ``sdpa`` itself runs
+(``aten::_scaled_dot_product_flash_attention_for_cpu``): the same output, bit for bit, and
+the same loss. Its backward is the tiles' kernel: bf16 products summed in fp32 and each
+gradient rounded once, as torch's; not bit for bit torch's gradients (its exponentials and
+sums differ in the last bits), and no further from the exact ones (``tests`` compare both
+with fp64). Every call it does not serve runs transformers' ``sdpa`` unchanged: no gradient
+to record, a mask, dropout, a position bias, a query length other than the keys', another
+dtype or device, a head size that is not a multiple of 32 up to 256, more than
+:data:`MAX_LEN` positions, a trace or a dispatch mode (:func:`~bb_lightning.engine.host_norm.eager`),
+or no kernel (another CPU, no compiler, ``BB_NATIVE=0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from bb_lightning.engine import host_linear
+from bb_lightning.engine.host_norm import eager
+
+__all__ = ["MAX_LEN", "install", "training_attention"]
+
+MAX_LEN = 4096
+"""Positions up to which the kernel serves a call: each of its threads keeps a sequence's
+weights and score gradients in bf16, ``4 * MAX_LEN**2`` bytes (64 MiB at 4096)."""
+
+_calls = {"served": 0}
+"""Calls the tiles' backward has been recorded for (tests read it)."""
+
+
+class _TilesBackward(torch.autograd.Function):
+    """torch's fused CPU attention forward; the tiles' kernel as its backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float
+    ) -> Tensor:
+        group = query.shape[1] // key.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, repeat_kv(key, group), repeat_kv(value, group), 0.0, causal,
+            attn_mask=None, scale=scale,
+        )  # fmt: skip
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        query, key, value, out, lse = ctx.saved_tensors
+        kern = host_linear.kernel()
+        assert kern is not None  # the forward ran only where it loaded
+        if grad_out.dtype != torch.bfloat16 or grad_out.stride(-1) != 1:
+            grad_out = grad_out.to(torch.bfloat16).contiguous()
+        if out.stride(-1) != 1:
+            out = out.contiguous()
+        dq, dk, dv = kern.attention_backward(
+            query, key, value, out, grad_out, lse, ctx.causal, ctx.scale
+        )
+        return dq, dk, dv, None, None
+
+
+def _serves(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+    dropout: float, extra: dict[str, Any],
+) -> bool:  # fmt: skip
+    """Whether :func:`training_attention` computes this call (else ``sdpa`` does)."""
+    tensors = (query, key, value)
+    if not (
+        mask is None
+        and dropout == 0.0
+        and extra.get("position_bias") is None
+        and extra.get("softcap") is None
+        and not extra.get("output_attentions", False)
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in tensors)
+        and all(type(t) is Tensor or type(t) is nn.Parameter for t in tensors)
+        and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+        and all(t.layout == torch.strided and t.ndim == 4 and t.stride(-1) == 1 for t in tensors)
+        and eager()
+    ):
+        return False
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    if not (
+        key.shape == value.shape == (batch, kv_heads, length, dim)
+        and 1 < length <= MAX_LEN
+        and dim % 32 == 0
+        and dim <= 256
+        and heads % kv_heads == 0
+    ):
+        return False
+    # sdpa repeats the keys by the module's groups: a model that says none runs it as it is
+    return heads == kv_heads or getattr(module, "num_key_value_groups", 1) == heads // kv_heads
+
+
+def training_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface for ``sdpa`` (the same arguments and result: the
+    output ``[batch, len, heads, dim]`` and no weights) with the backward on the tiles where
+    it serves the call; transformers' ``sdpa`` for every other call."""
+    kern = host_linear.kernel()
+    if kern is None or not _serves(module, query, key, value, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = _TilesBackward.apply(query, key, value, causal, scale)
+    _calls["served"] += 1
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(device: torch.device) -> Callable[[], None]:
+    """Map transformers' ``sdpa`` to :func:`training_attention` (for every model of the
+    process) when ``device`` is the CPU and the kernel loads; return the function that
+    restores the mapping as it was. Nothing changes elsewhere."""
+    if device.type != "cpu" or host_linear.kernel() is None:
+        return lambda: None
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = training_attention
+
+    def restore() -> None:
+        if ALL_ATTENTION_FUNCTIONS["sdpa"] is training_attention:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]  # the local entry; the global one stays
+            if ALL_ATTENTION_FUNCTIONS["sdpa"] is not before:
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+
+    return restore
