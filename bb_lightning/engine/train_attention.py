@@ -123,8 +123,11 @@ def training_attention(
     """transformers' attention interface for ``sdpa`` (the same arguments and result: the
     output ``[batch, len, heads, dim]`` and no weights) with the backward on the tiles where
     it serves the call; transformers' ``sdpa`` for every other call."""
-    kern = host_linear.kernel()
-    if kern is None or not _serves(module, query, key, value, attention_mask, dropout, kwargs):
+    if (
+        torch.compiler.is_compiling()  # traced: sdpa as it is, nothing of ours in the graph
+        or not _serves(module, query, key, value, attention_mask, dropout, kwargs)
+        or host_linear.kernel() is None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
