@@ -16,7 +16,12 @@ instructions), sequence 512, with AdamW:
    same as 1 and 2), optimizer state on NVMe (and the blocks' weights, with
    ``--weights-on-nvme``).
 
-With ``--peer deepspeed`` a fourth run, last: DeepSpeed ZeRO-3 on the same
+In bf16 on a CPU with matrix tiles, one more plain run after 1 and 2 computes its attention
+backward as balance_beam does (:mod:`~bb_lightning.engine.train_attention`, faster than
+torch's): the step is printed against its forward + backward too, the floor with
+balance_beam's own kernels beside the one with plain Lightning's.
+
+With ``--peer deepspeed`` a further run, last: DeepSpeed ZeRO-3 on the same
 model, micro-batch, accumulation and data, parameters offloaded to the CPU (to NVMe
 with ``--weights-on-nvme``) and the optimizer state to NVMe (see ``bench/_deepspeed.py``;
 needs the ``bench`` extra and libaio; skipped with a line saying why where it cannot run),
@@ -66,6 +71,7 @@ import psutil
 import torch
 
 from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine import host_linear, train_attention
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
@@ -202,11 +208,22 @@ def _train_child(
     keep_host_allocations()
     _common.quiet()
     if placement is None:
-        return train(args, config, name, "auto", micro_batch, accumulate)
+        # plain Lightning; as SAME_KERNELS with the attention backward balance_beam runs
+        restore = train_attention.install(torch.device("cpu")) if name == SAME_KERNELS else None
+        try:
+            return train(args, config, name, "auto", micro_batch, accumulate)
+        finally:
+            if restore is not None:
+                restore()
     with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
         strategy = strategy_for(args, placement, Path(run_dir))
         return train(args, config, name, strategy, micro_batch, accumulate)
 
+
+SAME_KERNELS = "plain, tiles' attention backward"
+"""The name of the plain run whose attention backward is balance_beam's on the CPU's matrix
+tiles (:mod:`~bb_lightning.engine.train_attention`): its forward + backward is the floor of
+an offloading schedule with balance_beam's own kernels."""
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 """``--dtype`` choices and the compute dtype each names."""
@@ -480,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"alternating runs: pair {k + 1} of {args.repeat}", flush=True)
         plains.append(train_alone(args, config, "plain", None, base))
         bbs.append(train_alone(args, config, "balance_beam", placement, base))
+    same = None
+    if args.dtype == "bf16" and host_linear.kernel() is not None:
+        same = train_alone(args, config, SAME_KERNELS, None, base)
     # each side's least disturbed run: a busy neighbour only ever slows a run down
     plain = min(plains, key=lambda r: r.step_s)
     bb = min(bbs, key=lambda r: r.step_s)
@@ -540,13 +560,23 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"ratio balance_beam / plain of each alternating pair: {pairs}")
     # The compute floor: forward + backward of the in-memory run at the same shape, what an
-    # offloading schedule reaches at best with these kernels (no optimizer, no copies).
+    # offloading schedule reaches at best with these kernels (no optimizer, no copies); in bf16
+    # on matrix tiles balance_beam's attention backward is faster than torch's, and the floor
+    # with it is printed after.
     floor = min(r.forward_backward_s for r in plains)
     print(
         f"[floor] plain Lightning's in-memory forward + backward at micro-batch "
         f"{plain.micro_batch} x accumulation {plain.accumulate}: {floor:.4g} s/step; "
         f"balance_beam step {bb.step_s:.4g} s / floor = {bb.step_s / floor:.3f} (target <= 1.05)"
     )
+    if same is not None:
+        print(
+            f"[floor] with balance_beam's attention backward on the matrix tiles (plain "
+            f"Lightning otherwise): {same.forward_backward_s:.4g} s/step; balance_beam step / "
+            f"it = {bb.step_s / same.forward_backward_s:.3f}"
+        )
+        figures["same_kernels_floor_s"] = same.forward_backward_s
+        figures["step_over_same_kernels_floor"] = bb.step_s / same.forward_backward_s
     if "planned" in results:
         runs = f" (the fastest of {args.repeat} runs each)" if args.repeat > 1 else ""
         print(
