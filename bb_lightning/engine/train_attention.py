@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from bb_lightning.engine import host_linear
 from bb_lightning.engine.host_norm import eager
 
-__all__ = ["MAX_LEN", "install", "training_attention"]
+__all__ = ["MAX_LEN", "backward_kind", "install", "training_attention"]
 
 MAX_LEN = 4096
 """Positions up to which the kernel serves a call: each of its threads keeps a sequence's
@@ -135,6 +135,14 @@ def training_attention(
     out = _TilesBackward.apply(query, key, value, causal, scale)
     _calls["served"] += 1
     return out.transpose(1, 2).contiguous(), None
+
+
+def backward_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """Which backward a fit on ``device`` computing in ``dtype`` gives an attention that
+    :func:`training_attention` serves: ``"tiles"`` (the kernel) or ``"sdpa"`` (torch's). The
+    model-shaped probe keys its recorded rate by it."""
+    served = device.type == "cpu" and dtype == torch.bfloat16 and host_linear.kernel() is not None
+    return "tiles" if served else "sdpa"
 
 
 def install(device: torch.device) -> Callable[[], None]:

@@ -9,7 +9,9 @@ model's architecture from its config with one and with three blocks (random
 weights, the compute dtype, on the device), times a forward + backward of one
 micro-batch through each (alternating with a square matrix product, the fastest of a
 few passes each), and takes half the difference as one block's time and the
-rest as the embedding, final norm, head and loss. The full model's pass is then
+rest as the embedding, final norm, head and loss, with the attention a fit there runs
+(:func:`~bb_lightning.engine.train_attention.install`; its rate recorded apart). The full
+model's pass is then
 ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
 that time, divided by the probe's ``device_flops``, is the efficiency the
@@ -283,16 +285,22 @@ def probe_train_compute(
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
+    from bb_lightning.engine import train_attention
+
     record = rate_cache.key(
         "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type,
-        span=span,
+        span=span, attention=train_attention.backward_kind(dev, dtype),
     )  # fmt: skip
     known = (rate_cache.recall(record) or {}).get("train")
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        passes = _pass_seconds(
-            config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM,
-            known is not None, span,
-        )  # fmt: skip
+    restore = train_attention.install(dev)  # the attention a fit on this device runs
+    try:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            passes = _pass_seconds(
+                config, tokens, dtype, dev, hw, repeats, timing or contention.SYSTEM,
+                known is not None, span,
+            )  # fmt: skip
+    finally:
+        restore()
     one, more = passes.best["one"], passes.best["more"]
     block = max(more - one, 0.0) / span
     rest = max(one - block, 0.0)

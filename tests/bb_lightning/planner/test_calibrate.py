@@ -19,10 +19,13 @@ import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from bb_lightning.engine import host_linear, train_attention
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile
-from bb_lightning.probe import calibrate, contention, model_profile_from_config
+from bb_lightning.probe import calibrate, contention, model_profile_from_config, rate_cache
 from bb_lightning.probe.calibrate import probe_train_compute
 
 from .test_read_ahead import CPU
@@ -145,6 +148,27 @@ def test_probe_takes_a_three_block_copy_where_the_wider_one_does_not_fit(
     assert {blocks for blocks, _, _ in clock.passes} == {1, calibrate.SPAN + 1}
     block, rest = clock.prefill
     assert probe.block_s == pytest.approx(block) and probe.rest_s == pytest.approx(rest)
+
+
+def test_probe_times_the_attention_backward_a_fit_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 on a CPU with matrix tiles a fit's attention backward runs on the tiles, and
+    the probe times it so; the rate it records is kept apart from torch's attention's."""
+    if host_linear.kernel() is None:
+        pytest.skip("no bf16 matrix tiles on this CPU: a fit runs torch's attention backward")
+    calls: list[int] = []
+    real = host_linear._Kernel.attention_backward
+    monkeypatch.setattr(host_linear._Kernel, "attention_backward",
+                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+    cfg = config()
+    cfg.head_dim = 32
+    assert probe_train_compute(cfg, cpu(), seq_len=64, dtype=torch.bfloat16, repeats=1)
+    assert calls  # the wider copy's blocks on every timed pass
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # restored
+    model, dev = model_profile_from_config(cfg), torch.device("cpu")
+    assert {
+        rate_cache.key("train", model, attention=train_attention.backward_kind(dev, dtype))
+        for dtype in (torch.bfloat16, torch.float32)
+    } == {rate_cache.key("train", model, attention=a) for a in ("tiles", "sdpa")}
 
 
 def test_probe_leaves_the_global_rng_alone() -> None:
