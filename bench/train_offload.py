@@ -316,7 +316,8 @@ def recommended_plan(
 def calibrated(
     args: argparse.Namespace, model: ModelProfile, hw: HardwareProfile, plain: Result
 ) -> HardwareProfile:
-    """``hw`` with its compute efficiency taken from the plain run of this same process.
+    """``hw`` with its compute efficiency taken from the plain run of this same process
+    (the one with balance_beam's attention backward where there is one).
 
     The probe times bare matrix products; a training step also runs attention,
     norms, activations and the loss, and on a shared machine other processes take
@@ -331,7 +332,7 @@ def calibrated(
     seconds = plain.forward_backward_s or plain.step_s
     efficiency = flops / (hw.device_flops * seconds)
     print(
-        f"calibration: the plain run's forward + backward sustained "
+        f"calibration: the {plain.name} run's forward + backward sustained "
         f"{flops / seconds / 1e12:.3f} TFLOP/s = "
         f"{efficiency:.2f} x the probe's {hw.device_flops / 1e12:.3f} TFLOP/s"
     )
@@ -508,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     # model-shaped compute probe; then, as adapt() does after warm-up, from a measured run
     print(predicted_line("balance_beam", plan, bb))
     figures: dict[str, Any] = {"measured_over_predicted": bb.step_s / plan.predicted.total}
-    hw = calibrated(args, model, matmul_hw, plain)
+    hw = calibrated(args, model, matmul_hw, same or plain)  # with the kernels balance_beam runs
     plan, _ = forced_plan(args, model, hw)
     print(predicted_line("balance_beam, calibrated", plan, bb))
     figures["calibrated_measured_over_predicted"] = bb.step_s / plan.predicted.total

@@ -109,6 +109,18 @@ int bb_linear_ready(void) {
     return ready;
 }
 
+/* The calling thread's tiles as every kernel here uses them: eight of 16 rows of 64 bytes. */
+static inline void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* 16 floats rounded to bf16 as torch converts a float: to nearest even, a NaN to 0x7fc0. */
 static inline __m256i round16(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
@@ -172,14 +184,7 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
             for (int64_t kb = 0; kb < kblocks; ++kb)
                 pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256, 16);
         }
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        configure_tiles();
         float c[32][32] __attribute__((aligned(64)));
         int first = 1;  /* this thread's first strip: its rows were not asked for ahead */
         const int64_t rows_per = (32 + mpairs - 1) / mpairs;
@@ -311,11 +316,7 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
 #pragma omp atomic write
             failed = 1;
         }
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        if (ok) _tile_loadconfig(&cfg);
+        if (ok) configure_tiles();
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < batch * kv_heads; ++item) {
             if (!ok) continue;
@@ -511,11 +512,7 @@ int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
 #pragma omp atomic write
             failed = 1;
         }
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        if (ok) _tile_loadconfig(&cfg);
+        if (ok) configure_tiles();
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < batch * kv_heads; ++item) {
             if (!ok) continue;

@@ -1,9 +1,8 @@
 """A training step's bf16 attention with its backward on the CPU's matrix tiles.
 
 torch's fused CPU attention (the flash kernel behind ``scaled_dot_product_attention``)
-computes a bf16 forward near the tiles' rate but its backward several times slower than the
-forward's FLOPs allow: in a Llama block's training step on a 2-core Xeon with AMX it took as
-long as the block's seven products together (``bench/attention_grad.py`` times both).
+computes its bf16 backward in small blocks with a setup each, at a fraction of the rate of
+the CPU's matrix tiles (``bench/attention_grad.py`` times it against the kernel below).
 ``host_linear.c``'s ``bb_attention_backward_bf16`` computes the same gradients on the tiles
 (its header says how), from what the forward leaves: the output and each query's
 log-sum-exp.
@@ -17,12 +16,14 @@ sums differ in the last bits), and no further from the exact ones (``tests`` com
 with fp64). Every call it does not serve runs transformers' ``sdpa`` unchanged: no gradient
 to record, a mask, dropout, a position bias, a query length other than the keys', another
 dtype or device, a head size that is not a multiple of 32 up to 256, more than
-:data:`MAX_LEN` positions, a trace or a dispatch mode (:func:`~bb_lightning.engine.host_norm.eager`),
-or no kernel (another CPU, no compiler, ``BB_NATIVE=0``).
+:data:`MAX_LEN` positions, a trace or a dispatch mode
+(:func:`~bb_lightning.engine.host_norm.eager`), or no kernel (another CPU, no compiler,
+``BB_NATIVE=0``). Its backward cannot itself be differentiated (a second derivative raises).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +50,7 @@ class _TilesBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float | None
     ) -> Tensor:
         group = query.shape[1] // key.shape[1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -57,7 +58,9 @@ class _TilesBackward(torch.autograd.Function):
             attn_mask=None, scale=scale,
         )  # fmt: skip
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.causal, ctx.scale = causal, scale
+        # the scale the forward applied: the given one, else torch's 1 / sqrt(dim) (in fp32)
+        ctx.causal = causal
+        ctx.scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
         return out
 
     @staticmethod
@@ -65,14 +68,28 @@ class _TilesBackward(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         kern = host_linear.kernel()
         assert kern is not None  # the forward ran only where it loaded
-        if grad_out.dtype != torch.bfloat16 or grad_out.stride(-1) != 1:
-            grad_out = grad_out.to(torch.bfloat16).contiguous()
-        if out.stride(-1) != 1:
-            out = out.contiguous()
-        dq, dk, dv = kern.attention_backward(
-            query, key, value, out, grad_out, lse, ctx.causal, ctx.scale
-        )
-        return dq, dk, dv, None, None
+        with torch.no_grad():
+            if grad_out.dtype != torch.bfloat16 or grad_out.stride(-1) != 1:
+                grad_out = grad_out.to(torch.bfloat16).contiguous()
+            if out.stride(-1) != 1:
+                out = out.contiguous()
+            grads: tuple[Tensor, ...] = kern.attention_backward(
+                query, key, value, out, grad_out, lse, ctx.causal, ctx.scale
+            )
+        if torch.is_grad_enabled():  # create_graph: a derivative of these raises, as torch's
+            grads = _underivable(grads)  # fused backward's does, never a silent zero
+        return (*grads, None, None)
+
+
+def _underivable(grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``grads`` as tensors whose own derivative raises (the gradients of a graph built with
+    ``create_graph=True``)."""
+    raises = torch._C._functions.DelayedError(
+        b"the matrix tiles' attention backward has no derivative (a second derivative through "
+        b"balance_beam's CPU attention in bf16)",
+        len(grads),
+    )
+    return tuple(raises(*(g.detach().requires_grad_() for g in grads)))
 
 
 def _serves(
@@ -131,33 +148,46 @@ def training_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    scale = float(scaling) if scaling is not None else None  # passed on as sdpa passes it
     out = _TilesBackward.apply(query, key, value, causal, scale)
     _calls["served"] += 1
     return out.transpose(1, 2).contiguous(), None
 
 
-def backward_kind(device: torch.device, dtype: torch.dtype) -> str:
-    """Which backward a fit on ``device`` computing in ``dtype`` gives an attention that
-    :func:`training_attention` serves: ``"tiles"`` (the kernel) or ``"sdpa"`` (torch's). The
-    model-shaped probe keys its recorded rate by it."""
-    served = device.type == "cpu" and dtype == torch.bfloat16 and host_linear.kernel() is not None
+def backward_kind(device: torch.device, dtype: torch.dtype, head_dim: int, length: int) -> str:
+    """Which backward a fit on ``device`` computing in ``dtype`` gives the ``sdpa`` attention
+    of heads of ``head_dim`` over ``length`` positions: ``"tiles"`` (the kernel) or ``"sdpa"``
+    (torch's). The model-shaped probe keys its recorded rate by it."""
+    served = (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and 1 < length <= MAX_LEN
+        and host_linear.kernel() is not None
+    )
     return "tiles" if served else "sdpa"
 
 
 def install(device: torch.device) -> Callable[[], None]:
     """Map transformers' ``sdpa`` to :func:`training_attention` (for every model of the
-    process) when ``device`` is the CPU and the kernel loads; return the function that
-    restores the mapping as it was. Nothing changes elsewhere."""
-    if device.type != "cpu" or host_linear.kernel() is None:
+    process) when ``device`` is the CPU, the kernel loads and the name maps to transformers'
+    own function; return the function that restores the mapping. Nothing changes otherwise:
+    another device, no kernel, or the name already mapped elsewhere (by the user, by
+    :func:`~bb_lightning.engine.attention.decode_attention_for`, or by an outer ``install``,
+    whose mapping then serves)."""
+    if (
+        device.type != "cpu"
+        or ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
+        or host_linear.kernel() is None
+    ):
         return lambda: None
-    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ALL_ATTENTION_FUNCTIONS["sdpa"] = training_attention
 
     def restore() -> None:
         if ALL_ATTENTION_FUNCTIONS["sdpa"] is training_attention:
             del ALL_ATTENTION_FUNCTIONS["sdpa"]  # the local entry; the global one stays
-            if ALL_ATTENTION_FUNCTIONS["sdpa"] is not before:
-                ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+            if ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward:
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
 
     return restore

@@ -289,7 +289,7 @@ def probe_train_compute(
 
     record = rate_cache.key(
         "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type,
-        span=span, attention=train_attention.backward_kind(dev, dtype),
+        span=span, attention=train_attention.backward_kind(dev, dtype, model.head_dim, seq_len),
     )  # fmt: skip
     known = (rate_cache.recall(record) or {}).get("train")
     restore = train_attention.install(dev)  # the attention a fit on this device runs

@@ -142,8 +142,8 @@ class BalanceBeamStrategy(RankedStrategy):
         self._slot = assembly.EngineSlot()
         """The engine, its store, and where the module's weights are between calls."""
         self._checkpointing: list[torch.nn.Module] = []
-        self._attention_back = _nothing  # restores transformers' sdpa after a fit
         """Modules whose activation checkpointing is off during this ``trainer.*`` call."""
+        self._attention_back = _nothing  # restores transformers' sdpa after a fit
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
@@ -406,6 +406,8 @@ class BalanceBeamStrategy(RankedStrategy):
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
         module = self.lightning_module
+        self._attention_back()  # first: whatever fails below, the mapping is transformers' again
+        self._attention_back = _nothing
         end_call(
             self._slot, self, module.trainer if module is not None and module._trainer else None,
             ranks=self, ranks_per_node=self.num_processes,
@@ -417,8 +419,6 @@ class BalanceBeamStrategy(RankedStrategy):
         )  # fmt: skip
         activation_checkpointing_on(self._checkpointing)
         self._checkpointing = []
-        self._attention_back()
-        self._attention_back = _nothing
         self.teardown_ranks()
         self.precision_plugin.teardown()
         assert self.accelerator is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bb_lightning.engine import host_linear, train_attention
+from bb_lightning.engine.attention import decode_attention_for
 from bb_lightning.engine.train_attention import training_attention
 
 RATIO = 1.25
@@ -41,6 +43,9 @@ def tiles() -> None:
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    kern = host_linear.kernel()
+    if request.param > 1 and (kern is None or not kern.team):
+        pytest.skip("the kernel runs on one thread here (no shared OpenMP team)")
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
@@ -92,6 +97,8 @@ def _error(got: Tensor, want: Tensor) -> float:
         (2, 4, 2, 100, 64, True),  # GQA, a length off the blocks of 32
         (1, 4, 1, 37, 32, True),
         (2, 2, 2, 96, 128, False),
+        (1, 2, 1, 70, 64, False),  # keys past the length masked without the causal cut
+        (1, 2, 2, 64, 256, True),
         (1, 2, 2, 1, 64, False),  # one position (sdpa takes it in the engine)
         (3, 16, 16, 512, 64, True),  # a training step's shape
     ],
@@ -144,14 +151,21 @@ def _float64_scaled(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: float)
 
 
 @pytest.mark.parametrize(
-    "case", ["mask", "dropout", "fp32", "no-grad", "dim-48", "too-long", "bias", "meta", "groups"]
-)
+    "case",
+    ["mask", "dropout", "fp32", "no-grad", "dim-48", "too-long", "bias", "meta", "groups",
+     "longer-keys", "one-position", "attentions"],
+)  # fmt: skip
 def test_calls_it_does_not_serve_run_sdpa(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     dim = 48 if case == "dim-48" else 64
-    q, k, v, _ = _inputs(1, 4, 2, 40, dim, seed=5)
+    q, k, v, _ = _inputs(1, 4, 2, 1 if case == "one-position" else 40, dim, seed=5)
+    if case == "longer-keys":  # a cache's keys before the queries: sdpa cuts them if causal
+        k2, v2, _, _ = _inputs(1, 2, 2, 52, dim, seed=6)
+        k, v = k2, v2
     module = _Attention(1 if case == "groups" else 2)
     kwargs: dict[str, object] = {}
     mask = None
+    if case == "attentions":
+        kwargs["output_attentions"] = True
     if case == "mask":
         mask = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
     if case == "dropout":
@@ -165,7 +179,7 @@ def test_calls_it_does_not_serve_run_sdpa(case: str, monkeypatch: pytest.MonkeyP
     if case == "meta":
         q, k, v = (t.detach().to("meta").requires_grad_() for t in (q, k, v))
     if case == "groups":  # a module whose groups do not say so: sdpa's error, not ours
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match=r"size of tensor a .* must match"):
             training_attention(module, q, k, v, None)
         return
     before = train_attention._calls["served"]
@@ -177,6 +191,12 @@ def test_calls_it_does_not_serve_run_sdpa(case: str, monkeypatch: pytest.MonkeyP
     assert train_attention._calls["served"] == before
     if case != "meta":
         assert torch.equal(ours, theirs)
+
+
+def test_softcap_is_sdpas_error() -> None:
+    q, k, v, _ = _inputs(1, 2, 2, 40, 64, seed=8)
+    with pytest.raises(ValueError, match="does not support `softcap`"):
+        training_attention(_Attention(1), q, k, v, None, softcap=30.0)
 
 
 def test_install_maps_sdpa_for_the_cpu_and_restores_it() -> None:
@@ -191,4 +211,44 @@ def test_install_maps_sdpa_for_the_cpu_and_restores_it() -> None:
         restore()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     restore()  # twice: nothing more
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+def test_a_second_derivative_through_it_is_refused() -> None:
+    q, k, v, grad = _inputs(1, 2, 2, 40, 32, seed=7)
+    out, _ = training_attention(_Attention(1), q, k, v, None)
+    (first,) = torch.autograd.grad(out, (q,), grad, create_graph=True)
+    with pytest.raises(RuntimeError, match="attention backward has no derivative"):
+        first.float().sum().backward()
+
+
+def test_install_leaves_a_mapping_of_someone_elses_alone() -> None:
+    """Over a user's own ``sdpa``, or :func:`decode_attention_for`'s, or its own: nothing."""
+
+    def users(*args: object, **kwargs: object) -> object:
+        return sdpa_attention_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = users
+    try:
+        restore = train_attention.install(torch.device("cpu"))
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users
+        restore()
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = nn.Linear(2, 2)
+    model.config = SimpleNamespace(_attn_implementation="sdpa")  # type: ignore[assignment]
+    with decode_attention_for(model) as on:
+        assert on
+        decode = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        train_attention.install(torch.device("cpu"))()
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is decode
+    outer = train_attention.install(torch.device("cpu"))
+    inner = train_attention.install(torch.device("cpu"))  # the probe inside a fit's setup
+    inner()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is training_attention
+    with decode_attention_for(model):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not training_attention
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is training_attention
+    outer()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
