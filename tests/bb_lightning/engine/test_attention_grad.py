@@ -13,6 +13,7 @@ Skipped where the CPU or the operating system gives no bf16 matrix tiles."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -252,3 +254,52 @@ def test_install_leaves_a_mapping_of_someone_elses_alone() -> None:
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is training_attention
     outer()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+_FAMILIES = {
+    "llama": {"num_key_value_heads": 2},
+    "qwen2": {"num_key_value_heads": 2},
+    "qwen3": {"num_key_value_heads": 2, "head_dim": 32},
+    "gemma": {"num_key_value_heads": 1, "head_dim": 32},
+    "olmo2": {"num_key_value_heads": 2},
+    "starcoder2": {"num_key_value_heads": 2, "residual_dropout": 0.0, "embedding_dropout": 0.0},
+    "gpt2": {"n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
+             "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "opt": {"ffn_dim": 256, "word_embed_proj_dim": 128, "dropout": 0.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_families_train_as_close_to_float64_as_with_sdpa(family: str) -> None:
+    """A bf16 forward + backward of each family's model (heads of 32) with the mapping
+    installed: every call served, the loss bit for bit ``sdpa``'s, and each parameter's
+    gradient as close to the float64 model's as with ``sdpa`` (a parameter whose exact
+    gradient is zero, as a key bias's is, left out)."""
+    config = AutoConfig.for_model(
+        family, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, vocab_size=256, max_position_embeddings=64,
+        attention_dropout=0.0, **_FAMILIES[family],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    exact = AutoModelForCausalLM.from_config(config).double().train()
+    theirs, ours = (copy.deepcopy(exact).to(torch.bfloat16) for _ in range(2))
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    exact(input_ids=ids, labels=ids).loss.backward()
+    loss = theirs(input_ids=ids, labels=ids).loss
+    loss.backward()
+    before = train_attention._calls["served"]
+    restore = train_attention.install(torch.device("cpu"))
+    try:
+        ours_loss = ours(input_ids=ids, labels=ids).loss
+        ours_loss.backward()
+    finally:
+        restore()
+    assert train_attention._calls["served"] == before + 2  # both blocks
+    assert torch.equal(ours_loss, loss)
+    largest = max(float(p.grad.norm()) for p in exact.parameters() if p.grad is not None)
+    for (name, want), t, o in zip(exact.named_parameters(), theirs.parameters(), ours.parameters(),
+                                  strict=True):  # fmt: skip
+        if want.grad is None or float(want.grad.norm()) < 1e-9 * largest:
+            continue
+        err_o, err_t = _error(o.grad, want.grad), _error(t.grad, want.grad)
+        assert err_o <= RATIO * err_t + 1e-3, (name, err_o, err_t)
