@@ -33,16 +33,13 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bb_lightning.engine import host_linear
-from bb_lightning.engine.host_norm import eager
+from bb_lightning.engine.host_norm import eager, plain_cpu
 
 __all__ = ["MAX_LEN", "backward_kind", "install", "training_attention"]
 
 MAX_LEN = 4096
 """Positions up to which the kernel serves a call: each of its threads keeps a sequence's
 weights and score gradients in bf16, ``4 * MAX_LEN**2`` bytes (64 MiB at 4096)."""
-
-_calls = {"served": 0}
-"""Calls the tiles' backward has been recorded for (tests read it)."""
 
 
 class _TilesBackward(torch.autograd.Function):
@@ -106,9 +103,9 @@ def _serves(
         and not extra.get("output_attentions", False)
         and torch.is_grad_enabled()
         and any(t.requires_grad for t in tensors)
-        and all(type(t) is Tensor or type(t) is nn.Parameter for t in tensors)
-        and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
-        and all(t.layout == torch.strided and t.ndim == 4 and t.stride(-1) == 1 for t in tensors)
+        and plain_cpu(query, key)
+        and plain_cpu(value, value)
+        and all(t.dtype == torch.bfloat16 and t.ndim == 4 and t.stride(-1) == 1 for t in tensors)
         and eager()
     ):
         return False
@@ -150,7 +147,6 @@ def training_attention(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scale = float(scaling) if scaling is not None else None  # passed on as sdpa passes it
     out = _TilesBackward.apply(query, key, value, causal, scale)
-    _calls["served"] += 1
     return out.transpose(1, 2).contiguous(), None
 
 
