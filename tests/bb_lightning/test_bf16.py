@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -233,5 +234,59 @@ def test_attention_backward_on_the_tiles_trains_like_reference(
     )
     state = dict(strategy.lightning_module_state_dict())
     ours, bf16 = _distance(state, final_fp32, initial), _distance(final_ref, final_fp32, initial)
+    assert ours <= 1.5 * bf16, (ours, bf16)
+    strategy.close()
+
+
+class _UsersModule(pl.LightningModule):
+    """A user's own module around a ``save_pretrained`` checkpoint (``sdpa``, fp32 weights)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=WEIGHT_DECAY
+        )
+
+
+def test_a_users_module_trains_through_the_tiles_attention_backward(
+    tiny: SimpleNamespace, tmp_path: Path, count_host_kernel: Callable[..., list[int]]
+) -> None:
+    """The user's own LightningModule loading a ``save_pretrained`` Llama with heads of 32 by
+    path, ``bf16-mixed``: the attention's backward runs on the tiles where they exist, and the
+    module after ``fit`` holds masters as close to the fp32-compute run as the bf16 reference's
+    (the bound of the test above)."""
+    grads = count_host_kernel("attention_backward", host_linear._Kernel)
+    config = tiny.tiny_llama(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32,
+    )  # fmt: skip
+    losses_ref, initial, final_ref = _reference(config, tiny.batches(STEPS))
+    _, _, final_fp32 = _reference(config, tiny.batches(STEPS), compute_dtype=torch.float32)
+    cfg = dict(config)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the reference's initial weights
+        AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        ).save_pretrained(tmp_path / "llama")
+    module = _UsersModule(tmp_path / "llama")
+    placement = Placement(
+        weights=(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST), master=(Tier.HOST,) * 4,
+        prefetch_depth=1,
+    )  # fmt: skip
+    strategy = BalanceBeamStrategy(placement=placement, nvme_path=str(tmp_path / "nvme"))
+    trainer, recorder = tiny.make_trainer(strategy, STEPS, precision="bf16-mixed")
+    trainer.fit(module, tiny.loader(STEPS))
+    assert len(grads) == 4 * STEPS or host_linear.kernel() is None
+    torch.testing.assert_close(
+        torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
+    )
+    after = {k: v.detach().float() for k, v in module.net.state_dict().items()}
+    ours, bf16 = _distance(after, final_fp32, initial), _distance(final_ref, final_fp32, initial)
     assert ours <= 1.5 * bf16, (ours, bf16)
     strategy.close()
