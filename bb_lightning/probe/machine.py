@@ -1,7 +1,8 @@
 """What a measured hardware profile is valid for, and where it is cached: the machine's
 identity (:func:`machine_identity`: probes' version, host, CPU, GPU, the NVMe path's
 filesystem), the cache directory and file (:func:`cache_dir`, :func:`cache_path`) and
-reading a cached profile back (:func:`read_cache`); the CUDA memory this process can
+reading a cached profile back and writing one (:func:`read_cache`, :func:`write_cache`,
+:func:`nvme_rates_age`); the CUDA memory this process can
 still allocate (:func:`cuda_device_memory`)."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +129,28 @@ def read_cache(path: Path, identity: dict[str, str]) -> HardwareProfile | None:
         return HardwareProfile.from_dict(data["profile"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing, unreadable or from an older layout: measure again
+
+
+_NVME_AT = "nvme_measured_at"
+"""A cache entry's key for when its NVMe rates were measured (seconds since the epoch)."""
+
+
+def write_cache(path: Path, identity: dict[str, str], profile: HardwareProfile) -> None:
+    """Cache ``profile`` for ``identity`` at ``path`` (atomically), its NVMe rates as of now."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    entry = {"identity": identity, "profile": profile.to_dict(), _NVME_AT: time.time()}
+    tmp.write_text(json.dumps(entry, indent=2))
+    os.replace(tmp, path)
+
+
+def nvme_rates_age(path: Path) -> float:
+    """Seconds since the NVMe rates cached at ``path`` were measured; infinite when the
+    entry does not say (written before entries did) or cannot be read."""
+    try:
+        return time.time() - float(json.loads(path.read_text())[_NVME_AT])
+    except (OSError, ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def datasheet_peak(device: torch.device) -> float:

@@ -49,12 +49,14 @@ cached.
 The result is cached as JSON in ``$BB_CACHE_DIR`` (default
 ``~/.cache/balance_beam``) under a name derived from the machine identity
 (hostname, CPU model, GPU name, and the filesystem that holds the NVMe path: another
-directory on the same filesystem reuses the profile, its free space read afresh).
+directory on the same filesystem reuses the profile, its free space read afresh). Its
+NVMe read and write rates are measured again once older than :data:`NVME_MAX_AGE`
+seconds (the disk probe alone, :data:`ROUNDS` rounds of its share): a disk's rate drifts
+with its neighbours' load, a cloud volume's throttle and its fill.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -63,6 +65,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -82,7 +85,9 @@ from bb_lightning.probe.machine import (
     cuda_device_memory,
     datasheet_peak,
     machine_identity,
+    nvme_rates_age,
     read_cache,
+    write_cache,
 )
 from storage.io import drop_cache
 from storage.threads import limit_torch_threads
@@ -116,6 +121,9 @@ _NVME_MAX_BYTES = 384 << 20
 _NVME_MIN_BYTES = 16 << 20
 _NVME_ASSUMED_RATE = 100e6
 """Bytes/s assumed when sizing the NVMe probe to its time share (a slow disk)."""
+NVME_MAX_AGE = 600.0
+"""Seconds a cached profile's NVMe read and write rates are reused before measure() probes
+the disk again (the rest of the profile is kept)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -521,7 +529,8 @@ def measure(
 
     ``nvme_path`` is a directory on the disk that will hold the NVMe tier; ``None``
     leaves the NVMe fields at 0. With ``cache`` a profile measured before for the
-    same machine identity is returned without measuring; ``cache=False`` measures
+    same machine identity is returned without measuring (but for its NVMe rates once
+    older than :data:`NVME_MAX_AGE` seconds, probed again); ``cache=False`` measures
     afresh (and refreshes the cache). A measurement disturbed by other processes
     (see :func:`_probe_rounds`; up to 1.5 x ``max_seconds``) is returned with a
     warning and not cached. ``timing`` times the passes (default: the real clock,
@@ -539,6 +548,7 @@ def measure(
         cached = read_cache(path, identity)
         if cached is not None and nvme_path is not None:  # this directory's free space of now
             cached = cached.replace(nvme_capacity=shutil.disk_usage(nvme_path).free)
+            cached = _disk_of_now(cached, path, identity, nvme_path, max_seconds, timing)
         if cached is not None and cached.device_type == "cuda":  # the free memory of now
             device = torch.device("cuda", torch.cuda.current_device())
             return cached.replace(device_memory=int(cuda_device_memory(device) * CUDA_DEVICE_SHARE))
@@ -549,8 +559,28 @@ def measure(
     if notes:
         warnings.warn(notes[0], RuntimeWarning, stacklevel=2)
         return profile
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"identity": identity, "profile": profile.to_dict()}, indent=2))
-    os.replace(tmp, path)
+    write_cache(path, identity, profile)
     return profile
+
+
+def _disk_of_now(
+    cached: HardwareProfile,
+    path: Path,
+    identity: dict[str, str],
+    nvme_path: str,
+    max_seconds: float,
+    timing: Timing | None,
+) -> HardwareProfile:
+    """``cached`` with the NVMe read and write rates of now where the cache's are older than
+    :data:`NVME_MAX_AGE` (or of unknown age): the best of :data:`ROUNDS` disk probes, each
+    with a round's share of ``max_seconds``, cached again."""
+    if nvme_rates_age(path) <= NVME_MAX_AGE:
+        return cached
+    seconds = max_seconds * _SHARES["nvme"] / ROUNDS
+    timing = timing or contention.SYSTEM
+    rates = [_probe_nvme(nvme_path, seconds, timing)[:2] for _ in range(ROUNDS)]
+    fresh = cached.replace(
+        nvme_read_bandwidth=max(r for r, _ in rates), nvme_write_bandwidth=max(w for _, w in rates)
+    )
+    write_cache(path, identity, fresh)
+    return fresh

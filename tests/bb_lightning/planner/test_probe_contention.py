@@ -7,6 +7,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -352,6 +353,62 @@ def test_a_steady_profile_is_cached_with_its_fastest_rates(tmp_path: Path, cache
     cached = measure(nvme_path=str(disk), max_seconds=0.5, timing=again)
     assert not again.calls  # read from the cache, not measured
     assert cached.replace(nvme_capacity=first.nvme_capacity) == first  # free space read anew
+
+
+def test_a_cached_profiles_disk_rates_are_measured_again_once_old(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk's rates of now replace cached ones older than NVME_MAX_AGE (a disk drifts);
+    every other figure stays cached, and younger rates are used as cached."""
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    first = measure(nvme_path=str(disk), max_seconds=0.5, cache=False, timing=Scripted())
+    path = cache_path(machine_identity(str(disk)))
+
+    def aged(seconds: float) -> None:
+        entry = json.loads(path.read_text())
+        entry["nvme_measured_at"] -= seconds
+        path.write_text(json.dumps(entry))
+
+    aged(measure_module.NVME_MAX_AGE - 60)  # still young: no probe runs
+    young = Scripted()
+    assert measure(nvme_path=str(disk), max_seconds=0.5, timing=young) == first.replace(
+        nvme_capacity=shutil.disk_usage(disk).free
+    )
+    assert not young.calls
+    aged(120)  # now older than the limit: the disk's probe alone runs, ROUNDS times
+    # the disk now reads 4 x and writes 2 x slower than when the profile was measured
+    slower = Scripted(lambda label, i: {"nvme read": 0.04, "nvme write": 0.02}.get(label, 0.01))
+    again = measure(nvme_path=str(disk), max_seconds=0.5, timing=slower)
+    assert slower.calls == {"nvme read": ROUNDS, "nvme write": ROUNDS}
+    assert again.nvme_read_bandwidth == pytest.approx(first.nvme_read_bandwidth / 4)
+    assert again.nvme_write_bandwidth == pytest.approx(first.nvme_write_bandwidth / 2)
+    fields = {"nvme_read_bandwidth", "nvme_write_bandwidth", "nvme_capacity"}
+    kept = {k: v for k, v in first.to_dict().items() if k not in fields}
+    assert {k: v for k, v in again.to_dict().items() if k not in fields} == kept
+    assert list(disk.iterdir()) == []  # the probe's files removed
+    # cached with the rates of now, and their time: the next call probes nothing
+    later = Scripted()
+    assert measure(nvme_path=str(disk), max_seconds=0.5, timing=later) == again.replace(
+        nvme_capacity=shutil.disk_usage(disk).free
+    )
+    assert not later.calls
+    # an entry written before entries said when (no time): measured again
+    entry = json.loads(path.read_text())
+    del entry["nvme_measured_at"]
+    path.write_text(json.dumps(entry))
+    old = Scripted()
+    measure(nvme_path=str(disk), max_seconds=0.5, timing=old)
+    assert old.calls == {"nvme read": ROUNDS, "nvme write": ROUNDS}
+    # without an NVMe path nothing of the disk is probed
+    none = Scripted()
+    measure(max_seconds=0.5, cache=False, timing=Scripted())
+    aged_none = cache_path(machine_identity(None))
+    entry = json.loads(aged_none.read_text())
+    entry["nvme_measured_at"] = 0.0
+    aged_none.write_text(json.dumps(entry))
+    measure(max_seconds=0.5, timing=none)
+    assert not none.calls
 
 
 def test_a_busy_neighbour_warns_and_the_profile_is_not_cached(
