@@ -84,6 +84,10 @@ class _Kernel:
         lib.bb_host_ops_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_ops_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares its rows among the calling thread's OpenMP team."""
+        self._norm_back = lib.bb_rms_norm_backward
+        self._norm_back.argtypes = [ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                    ctypes.c_float]  # fmt: skip
+        self._norm_back.restype = ctypes.c_int
         self._silu_mul = lib.bb_silu_mul
         self._silu_mul.argtypes = [ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR]
         self._silu_mul.restype = ctypes.c_int
@@ -123,6 +127,21 @@ class _Kernel:
         if rc != 0:
             raise ValueError(f"RMS norm kernel: dtype {x.dtype} unsupported")
         return y
+
+    def norm_backward(
+        self, x: Tensor, weight: Tensor, grad: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """(the input's gradient, the weight's gradient in fp32) of the bf16 norm of
+        contiguous ``x`` (rows of ``weight.numel()`` elements) given the output's contiguous
+        bf16 gradient ``grad`` (the kernel's ``bb_rms_norm_backward``)."""
+        dim = weight.numel()
+        rows = x.numel() // dim
+        threads = max(1, min(torch.get_num_threads() if self.team else 1, rows))
+        dx = torch.empty(x.shape, dtype=torch.bfloat16, device="cpu")
+        parts = torch.empty(threads, dim, dtype=torch.float32, device="cpu")
+        self._norm_back(threads, rows, dim, x.data_ptr(), weight.data_ptr(), grad.data_ptr(),
+                        dx.data_ptr(), parts.data_ptr(), eps)  # fmt: skip
+        return dx, parts.sum(0)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         """``F.silu(gate) * up`` of contiguous bf16 ``gate`` and ``up`` of one shape, in one

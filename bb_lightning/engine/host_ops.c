@@ -35,6 +35,18 @@
  * nearest even as torch's product rounds it: the results equal torch's bit for bit, a NaN
  * kept a NaN (its payload as the CPU's own conversion keeps it: sign and upper bits, quiet).
  *
+ * RMS norm's backward (training, bf16; `bb_rms_norm_backward` below): for a row x, the
+ * weight w and the output's gradient dy, with r = rsqrt(mean(x^2) + eps) and the forward's
+ * n = bf16(x * r),
+ *
+ *     dw += dy * n                                  (fp32 sums, one row of them per thread)
+ *     g = dy * w
+ *     dx = bf16(r * g - x * r^3 * mean(g * x))
+ *
+ * all in fp32, rounded once at the end, where autograd through the seven operations rounds
+ * g and each product of dw to bf16 first: the results lie as close to the exact gradient or
+ * closer, not bit for bit torch's.
+ *
  * Gradient sums (training's fp32 accumulators, `bb_sum_f32` below): a bf16 or fp32 gradient
  * widened and added in one pass, the sums torch's bit for bit. AdamW (`bb_adamw`, at the
  * end): those sums, the update of torch's `_fused_adamw_` and the weights' cast, in one pass.
@@ -45,6 +57,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -109,6 +124,65 @@ int bb_rms_norm(int threads, int dtype, int64_t rows, int64_t dim, const void *x
         else
             row_f32((const float *)x + r * x_stride, (const float *)w, (float *)y + r * dim, dim,
                     eps);
+    }
+    return 0;
+}
+
+#define LANES 16
+
+/* The backward of one bf16 row (see the header), its weight gradient added to `dw`. */
+static void row_backward_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *dy,
+                              uint16_t *dx, float *restrict dw, int64_t dim, float eps) {
+    float sq[LANES] = {0}, dot[LANES] = {0};
+    int64_t body = dim - dim % LANES;
+    for (int64_t i = 0; i < body; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            float v = bf16_float(x[i + k]);
+            sq[k] += v * v;
+        }
+    float squares = 0.0f;
+    for (int k = 0; k < LANES; k++) squares += sq[k];
+    for (int64_t i = body; i < dim; i++) squares += bf16_float(x[i]) * bf16_float(x[i]);
+    float r = inverse_rms(squares, dim, eps);
+    for (int64_t i = 0; i < body; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            float v = bf16_float(x[i + k]), d = bf16_float(dy[i + k]);
+            dw[i + k] += d * bf16_float(float_bf16(v * r));
+            dot[k] += d * bf16_float(w[i + k]) * v;
+        }
+    float total = 0.0f;
+    for (int k = 0; k < LANES; k++) total += dot[k];
+    for (int64_t i = body; i < dim; i++) {
+        float v = bf16_float(x[i]), d = bf16_float(dy[i]);
+        dw[i] += d * bf16_float(float_bf16(v * r));
+        total += d * bf16_float(w[i]) * v;
+    }
+    float c = r * r * r * total / (float)dim;
+    for (int64_t i = 0; i < dim; i++) {
+        float v = bf16_float(x[i]);
+        dx[i] = float_bf16(r * (bf16_float(dy[i]) * bf16_float(w[i])) - v * c);
+    }
+}
+
+/* The backward of `rows` contiguous bf16 rows of `dim` elements (see the header): dx, and
+ * the weight's gradient as `threads` fp32 rows of `dim` partial sums in `dw` (zeroed here;
+ * the caller adds them up: thread t sums a contiguous share of the rows into row t). */
+int bb_rms_norm_backward(int threads, int64_t rows, int64_t dim, const void *x, const void *w,
+                         const void *dy, void *dx, float *dw, float eps) {
+    if (threads < 1) return 1;
+    memset(dw, 0, (size_t)threads * (size_t)dim * sizeof(float));
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        int t = 0, n = 1;
+#endif
+        int64_t lo = rows * t / n, hi = rows * (t + 1) / n;
+        for (int64_t r = lo; r < hi; r++)
+            row_backward_bf16((const uint16_t *)x + r * dim, (const uint16_t *)w,
+                              (const uint16_t *)dy + r * dim, (uint16_t *)dx + r * dim,
+                              dw + (int64_t)t * dim, dim, eps);
     }
     return 0;
 }

@@ -9,10 +9,9 @@ model's architecture from its config with one and with three blocks (random
 weights, the compute dtype, on the device), times a forward + backward of one
 micro-batch through each (alternating with a square matrix product, the fastest of a
 few passes each), and takes half the difference as one block's time and the
-rest as the embedding, final norm, head and loss, with the attention a fit there runs
-(:func:`~bb_lightning.engine.train_attention.install`; its rate recorded apart). The full
-model's pass is then
-``num_blocks * block + rest``, and its FLOPs
+rest as the embedding, final norm, head and loss, with the attention and norms a fit there
+runs (:func:`~bb_lightning.engine.train_norm.training_kernels`; their rates recorded apart).
+The full model's pass is then ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
 that time, divided by the probe's ``device_flops``, is the efficiency the
 planner multiplies ``device_flops`` by.
@@ -40,9 +39,8 @@ cores slowed the passes several fold, and on a first run the hardware profile wa
 beside it too, so the products beside the passes showed no drift; one thread's time counted
 at the thread count's worth credited the passes with a perfect division among the threads,
 faster than the engine ran); the model's rate relative to the matrix products timed beside
-it, which a busy neighbour slows alike; else the fastest passes. Measured
-steps re-plan after warm-up.
-The rounds, their checks and the timing on a quiet core are
+it, which a busy neighbour slows alike; else the fastest passes. Measured steps re-plan
+after warm-up. The rounds, their checks and the timing on a quiet core are
 :mod:`bb_lightning.probe.timed_passes`'s.
 """
 
@@ -57,6 +55,7 @@ from typing import Any
 import psutil
 import torch
 
+from bb_lightning.engine import train_attention, train_norm
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import contention, rate_cache
@@ -229,6 +228,8 @@ def _pass_seconds(
         ]
 
     def train_pass(net: Any) -> Callable[[], None]:
+        train_norm.install(device, net)  # the norms' backward a fit here runs (dropped with it)
+
         def run() -> None:
             sync(device)
             net(input_ids=tokens, labels=tokens).loss.backward()
@@ -239,10 +240,10 @@ def _pass_seconds(
 
     try:
         passes = [("one", train_pass(nets[0])), ("more", train_pass(nets[1]))]
-        what = "model-shaped compute probe"
         return timed_rounds(
-            passes, device, hw, repeats, timing, what, recorded, dtype, ceiling_of=dtype_ceiling
-        )
+            passes, device, hw, repeats, timing, "model-shaped compute probe", recorded, dtype,
+            ceiling_of=dtype_ceiling,
+        )  # fmt: skip
     finally:
         del nets
 
@@ -260,9 +261,9 @@ def probe_train_compute(
 ) -> TrainCompute | None:
     """Time the model's training pass at ``micro_batch`` sequences of ``seq_len`` tokens.
 
-    ``config`` is the model's Hugging Face config (or anything
-    :func:`bb_lightning.hf.structure.load_config` reads). Returns None when the
-    copies would not fit :data:`MEMORY_SHARE` of the free memory. Takes
+    ``config`` is the model's Hugging Face config (or anything :func:`bb_lightning.hf.
+    structure.load_config` reads). Returns None when the copies would not fit
+    :data:`MEMORY_SHARE` of the free memory. Takes
     ``2 * (repeats + 1)`` passes, alternating a one-block model and one of up to seven blocks
     (three where seven do not fit, :data:`TRAIN_SPANS`) and a matrix product (seconds on a
     small CPU for a model of a few hundred million parameters), and up to
@@ -285,11 +286,10 @@ def probe_train_compute(
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.vocab_size)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(dev)
-    from bb_lightning.engine import train_attention
-
     record = rate_cache.key(
         "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type,
         span=span, attention=train_attention.backward_kind(dev, dtype, model.head_dim, seq_len),
+        norm=train_norm.backward_kind(dev, dtype),
     )  # fmt: skip
     known = (rate_cache.recall(record) or {}).get("train")
     restore = train_attention.install(dev)  # the attention a fit on this device runs

@@ -205,12 +205,14 @@ def test_attention_backward_on_the_tiles_trains_like_reference(
     run ends as close to the fp32-compute reference as the bf16 reference with torch's
     attention does (its gradients round differently, and AdamW scales what is noise in the
     smallest ones alike, so the per-tensor bound of the tests above does not apply); after
-    fit, transformers' ``sdpa`` is its own again.
+    fit, transformers' ``sdpa`` is its own again. The RMS norms' backward runs through the
+    host kernel (``train_norm``) too.
 
     Measured: the engine 1.0 x the bf16 reference's distance (0.0669 against 0.0672); with a
     kernel that drops the softmax gradient's row sums 6.4 x, without the scores' scale in
     the gradient it fails too."""
     grads = count_host_kernel("attention_backward", host_linear._Kernel)
+    norms = count_host_kernel("norm_backward")
     config = tiny.tiny_llama(
         hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32,
@@ -228,6 +230,8 @@ def test_attention_backward_on_the_tiles_trains_like_reference(
     trainer.fit(module, tiny.loader(STEPS))
     # four blocks' backwards a step, the NVMe ones' after their recomputed forward
     assert len(grads) == 4 * STEPS or host_linear.kernel() is None
+    # the RMS norms' backward through the host kernel: two a block and the final norm's
+    assert len(norms) == (2 * 4 + 1) * STEPS or host_norm.kernel() is None
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     torch.testing.assert_close(
         torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
@@ -262,6 +266,7 @@ def test_a_users_module_trains_through_the_tiles_attention_backward(
     module after ``fit`` holds masters as close to the fp32-compute run as the bf16 reference's
     (the bound of the test above)."""
     grads = count_host_kernel("attention_backward", host_linear._Kernel)
+    norms = count_host_kernel("norm_backward")
     config = tiny.tiny_llama(
         hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32,
@@ -283,6 +288,8 @@ def test_a_users_module_trains_through_the_tiles_attention_backward(
     trainer, recorder = tiny.make_trainer(strategy, STEPS, precision="bf16-mixed")
     trainer.fit(module, tiny.loader(STEPS))
     assert len(grads) == 4 * STEPS or host_linear.kernel() is None
+    assert len(norms) == (2 * 4 + 1) * STEPS or host_norm.kernel() is None
+    assert not any("forward" in vars(m) for m in module.modules())  # the class's forwards again
     torch.testing.assert_close(
         torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
     )
