@@ -16,10 +16,10 @@ instructions), sequence 512, with AdamW:
    same as 1 and 2), optimizer state on NVMe (and the blocks' weights, with
    ``--weights-on-nvme``).
 
-In bf16 on a CPU with matrix tiles, one more plain run after 1 and 2 computes its attention
-backward as balance_beam does (:mod:`~bb_lightning.engine.train_attention`, faster than
-torch's): the step is printed against its forward + backward too, the floor with
-balance_beam's own kernels beside the one with plain Lightning's.
+In bf16 on a CPU with matrix tiles, one more plain run after 1 and 2 computes its attention's
+and RMS norms' backward as balance_beam does (:func:`~bb_lightning.engine.train_norm.
+training_kernels`, faster than torch's): the step is printed against its forward + backward
+too, the floor with balance_beam's own kernels beside the one with plain Lightning's.
 
 With ``--peer deepspeed`` a further run, last: DeepSpeed ZeRO-3 on the same
 model, micro-batch, accumulation and data, parameters offloaded to the CPU (to NVMe
@@ -67,11 +67,12 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import lightning.pytorch as pl
 import psutil
 import torch
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine import host_linear, train_attention
+from bb_lightning.engine import host_linear, train_norm
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
@@ -119,7 +120,8 @@ def train(
     micro_batch: int,
     accumulate: int,
 ) -> Result:
-    """Fit ``--warmup + --steps`` optimizer steps; time the last ``--steps``."""
+    """Fit ``--warmup + --steps`` optimizer steps; time the last ``--steps`` (as
+    :data:`SAME_KERNELS`, plain, with balance_beam's host kernels over the module)."""
     torch.manual_seed(SEED)
     module = CausalLMModule(config, learning_rate=1e-4, seed=SEED)
     timer = _common.StepTimer()
@@ -128,7 +130,7 @@ def train(
         strategy,
         steps=steps,
         accumulate=accumulate,
-        callbacks=[timer],
+        callbacks=[timer, _HostKernels()] if name == SAME_KERNELS else [timer],
         precision=PRECISION[args.dtype],
     )
     data = _common.token_loader(micro_batch, steps * accumulate, args.seq, args.vocab)
@@ -207,23 +209,29 @@ def _train_child(
 ) -> Result:
     keep_host_allocations()
     _common.quiet()
-    if placement is None:
-        # plain Lightning; as SAME_KERNELS with the attention backward balance_beam runs
-        restore = train_attention.install(torch.device("cpu")) if name == SAME_KERNELS else None
-        try:
-            return train(args, config, name, "auto", micro_batch, accumulate)
-        finally:
-            if restore is not None:
-                restore()
+    if placement is None:  # plain Lightning
+        return train(args, config, name, "auto", micro_batch, accumulate)
     with tempfile.TemporaryDirectory(prefix="run-", dir=base) as run_dir:
         strategy = strategy_for(args, placement, Path(run_dir))
         return train(args, config, name, strategy, micro_batch, accumulate)
 
 
-SAME_KERNELS = "plain, tiles' attention backward"
-"""The name of the plain run whose attention backward is balance_beam's on the CPU's matrix
-tiles (:mod:`~bb_lightning.engine.train_attention`): its forward + backward is the floor of
-an offloading schedule with balance_beam's own kernels."""
+SAME_KERNELS = "plain, balance_beam's backward kernels"
+"""The name of the plain run whose attention's and RMS norms' backward are balance_beam's
+(:func:`~bb_lightning.engine.train_norm.training_kernels`): its forward + backward is the
+floor of an offloading schedule with balance_beam's own kernels."""
+
+
+class _HostKernels(pl.Callback):
+    """balance_beam's kernels with their own backward over a plain run's module, from the
+    start of its fit (the model built) to the end."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.restore = train_norm.training_kernels(torch.device("cpu"), pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.restore()
+
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 """``--dtype`` choices and the compute dtype each names."""
@@ -317,7 +325,7 @@ def calibrated(
     args: argparse.Namespace, model: ModelProfile, hw: HardwareProfile, plain: Result
 ) -> HardwareProfile:
     """``hw`` with its compute efficiency taken from the plain run of this same process
-    (the one with balance_beam's attention backward where there is one).
+    (the one with balance_beam's backward kernels where there is one).
 
     The probe times bare matrix products; a training step also runs attention,
     norms, activations and the loss, and on a shared machine other processes take
@@ -562,8 +570,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ratio balance_beam / plain of each alternating pair: {pairs}")
     # The compute floor: forward + backward of the in-memory run at the same shape, what an
     # offloading schedule reaches at best with these kernels (no optimizer, no copies); in bf16
-    # on matrix tiles balance_beam's attention backward is faster than torch's, and the floor
-    # with it is printed after.
+    # on matrix tiles balance_beam's attention and norm backward kernels are faster than
+    # torch's, and the floor with them is printed after.
     floor = min(r.forward_backward_s for r in plains)
     print(
         f"[floor] plain Lightning's in-memory forward + backward at micro-batch "
@@ -572,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if same is not None:
         print(
-            f"[floor] with balance_beam's attention backward on the matrix tiles (plain "
+            f"[floor] with balance_beam's attention and norm backward kernels (plain "
             f"Lightning otherwise): {same.forward_backward_s:.4g} s/step; balance_beam step / "
             f"it = {bb.step_s / same.forward_backward_s:.3f}"
         )
