@@ -17,8 +17,8 @@ instructions), sequence 512, with AdamW:
    ``--weights-on-nvme``).
 
 In bf16 on a CPU with matrix tiles, one more plain run after 1 and 2 computes its attention's
-and RMS norms' backward as balance_beam does (:func:`~bb_lightning.engine.train_norm.
-training_kernels`, faster than torch's): the step is printed against its forward + backward
+and RMS norms' backward as balance_beam does (:func:`~bb_lightning.engine.train_kernels.
+install`, faster than torch's): the step is printed against its forward + backward
 too, the floor with balance_beam's own kernels beside the one with plain Lightning's.
 
 With ``--peer deepspeed`` a further run, last: DeepSpeed ZeRO-3 on the same
@@ -72,7 +72,7 @@ import psutil
 import torch
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine import host_linear, train_norm
+from bb_lightning.engine import host_linear, train_kernels
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
@@ -218,7 +218,7 @@ def _train_child(
 
 SAME_KERNELS = "plain, balance_beam's backward kernels"
 """The name of the plain run whose attention's and RMS norms' backward are balance_beam's
-(:func:`~bb_lightning.engine.train_norm.training_kernels`): its forward + backward is the
+(:func:`~bb_lightning.engine.train_kernels.install`): its forward + backward is the
 floor of an offloading schedule with balance_beam's own kernels."""
 
 
@@ -227,7 +227,7 @@ class _HostKernels(pl.Callback):
     start of its fit (the model built) to the end."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.restore = train_norm.training_kernels(torch.device("cpu"), pl_module)
+        self.restore = train_kernels.install(torch.device("cpu"), pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.restore()
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ratio balance_beam / plain of each alternating pair: {pairs}")
     # The compute floor: forward + backward of the in-memory run at the same shape, what an
     # offloading schedule reaches at best with these kernels (no optimizer, no copies); in bf16
-    # on matrix tiles balance_beam's attention and norm backward kernels are faster than
+    # on matrix tiles balance_beam's backward kernels are faster than
     # torch's, and the floor with them is printed after.
     floor = min(r.forward_backward_s for r in plains)
     print(
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if same is not None:
         print(
-            f"[floor] with balance_beam's attention and norm backward kernels (plain "
+            f"[floor] with balance_beam's backward kernels (plain "
             f"Lightning otherwise): {same.forward_backward_s:.4g} s/step; balance_beam step / "
             f"it = {bb.step_s / same.forward_backward_s:.3f}"
         )

@@ -28,10 +28,10 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from bb_lightning.engine import host_norm, train_attention
+from bb_lightning.engine import host_norm
 from bb_lightning.engine.host_norm import eager, plain_cpu, plain_rms_norm
 
-__all__ = ["backward_kind", "install", "training_kernels"]
+__all__ = ["install"]
 
 
 class _NormBackward(torch.autograd.Function):
@@ -63,7 +63,9 @@ def _serves(module: nn.Module, x: Tensor) -> bool:
     """Whether the kernel's backward serves this call of ``module`` (else its class does)."""
     w, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     return (
-        isinstance(w, Tensor)
+        not torch.compiler.is_compiling()
+        and eager()  # first: a trace reads the checks below as constants
+        and isinstance(w, Tensor)
         and isinstance(eps, float)
         and torch.is_grad_enabled()
         and (x.requires_grad or w.requires_grad)
@@ -75,8 +77,6 @@ def _serves(module: nn.Module, x: Tensor) -> bool:
         and x.shape[-1] == w.numel()
         and x.is_contiguous()
         and w.is_contiguous()
-        and not torch.compiler.is_compiling()
-        and eager()
     )
 
 
@@ -87,13 +87,6 @@ def _forward(module: nn.Module, hidden_states: Tensor) -> Tensor:
     return _NormBackward.apply(hidden_states, module.weight, module, eps)  # type: ignore[no-any-return]
 
 
-def backward_kind(device: torch.device, dtype: torch.dtype) -> str:
-    """Which backward a fit on ``device`` computing in ``dtype`` gives a plain RMS norm:
-    ``"kernel"`` or ``"autograd"`` (the model-shaped probe keys its recorded rate by it)."""
-    served = device.type == "cpu" and dtype == torch.bfloat16 and host_norm.kernel() is not None
-    return "kernel" if served else "autograd"
-
-
 def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
     """Give each plain RMS norm of ``model`` (:func:`~bb_lightning.engine.host_norm.
     plain_rms_norm`, with no instance ``forward`` of its own) the serving ``forward`` when
@@ -102,19 +95,3 @@ def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
     if device.type != "cpu" or host_norm.kernel() is None:
         return lambda: None
     return host_norm.swap_forwards(model, plain_rms_norm, _forward)
-
-
-def training_kernels(device: torch.device, model: nn.Module | None) -> Callable[[], None]:
-    """Both of a fit's host kernels with their own backward: the attention's
-    (:func:`~bb_lightning.engine.train_attention.install`) and, over ``model``, the RMS
-    norms' (:func:`install`); return the function that restores both, the norms first."""
-    attention = train_attention.install(device)
-    norms = install(device, model) if model is not None else (lambda: None)
-
-    def restore() -> None:
-        try:
-            norms()
-        finally:
-            attention()
-
-    return restore

@@ -10,7 +10,7 @@ weights, the compute dtype, on the device), times a forward + backward of one
 micro-batch through each (alternating with a square matrix product, the fastest of a
 few passes each), and takes half the difference as one block's time and the
 rest as the embedding, final norm, head and loss, with the attention and norms a fit there
-runs (:func:`~bb_lightning.engine.train_norm.training_kernels`; their rates recorded apart).
+runs (:func:`~bb_lightning.engine.train_kernels.install`; their rates recorded apart).
 The full model's pass is then ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
 that time, divided by the probe's ``device_flops``, is the efficiency the
@@ -55,7 +55,7 @@ from typing import Any
 import psutil
 import torch
 
-from bb_lightning.engine import train_attention, train_norm
+from bb_lightning.engine import train_attention, train_kernels
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import contention, rate_cache
@@ -228,7 +228,7 @@ def _pass_seconds(
         ]
 
     def train_pass(net: Any) -> Callable[[], None]:
-        train_norm.install(device, net)  # the norms' backward a fit here runs (dropped with it)
+        train_kernels.install_modules(device, net)  # the backward a fit here runs
 
         def run() -> None:
             sync(device)
@@ -289,7 +289,7 @@ def probe_train_compute(
     record = rate_cache.key(
         "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type,
         span=span, attention=train_attention.backward_kind(dev, dtype, model.head_dim, seq_len),
-        norm=train_norm.backward_kind(dev, dtype),
+        modules=train_kernels.backward_kind(dev, dtype),
     )  # fmt: skip
     known = (rate_cache.recall(record) or {}).get("train")
     restore = train_attention.install(dev)  # the attention a fit on this device runs

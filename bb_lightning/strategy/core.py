@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from bb_lightning.engine import checkpoint as ckpt
-from bb_lightning.engine import train_norm
+from bb_lightning.engine import train_kernels
 from bb_lightning.engine.compiled import check_backend, compile_blocks
 from bb_lightning.engine.hf_quirks import activation_checkpointing_on
 from bb_lightning.engine.inference import InferenceEngine, release_free_heap
@@ -143,7 +143,7 @@ class BalanceBeamStrategy(RankedStrategy):
         """The engine, its store, and where the module's weights are between calls."""
         self._checkpointing: list[torch.nn.Module] = []
         """Modules whose activation checkpointing is off during this ``trainer.*`` call."""
-        self._kernels_back = _nothing  # restores transformers' sdpa and the norms after a fit
+        self._kernels_back = _nothing  # restores sdpa and the norms after a fit
         self.plan: Plan | None = None
         """The plan in force (None when the placement was given or no plan could be made)."""
         self.plan_history: list[Plan] = []
@@ -203,7 +203,7 @@ class BalanceBeamStrategy(RankedStrategy):
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
             session.check_clipping(trainer, module)  # fails before anything is built
-            self._kernels_back = train_norm.training_kernels(self.root_device, module)
+            self._kernels_back = train_kernels.install(self.root_device, module)
         self._slot.take_back(module)
         call = getattr(trainer.state.fn, "value", "fit")
         self._checkpointing = checkpointing_off(module, call)
@@ -406,7 +406,7 @@ class BalanceBeamStrategy(RankedStrategy):
     def teardown(self) -> None:
         """Release paged blocks and give the module its weights back (see ``gather_on_teardown``)."""
         module = self.lightning_module
-        self._kernels_back()  # first: whatever fails below, sdpa and the norms are as they were
+        self._kernels_back()  # first: whatever fails below, sdpa and the modules are as they were
         self._kernels_back = _nothing
         end_call(
             self._slot, self, module.trainer if module is not None and module._trainer else None,

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from bb_lightning.engine import host_norm, train_attention, train_norm
+from bb_lightning.engine import host_norm, train_attention, train_kernels, train_norm
 
 RATIO = 1.25
 """Error norm against float64 over autograd's own error norm."""
@@ -170,12 +170,12 @@ def test_install_swaps_only_plain_norms_on_the_cpu_and_restores_them() -> None:
     assert not any("forward" in vars(m) for m in model)
 
 
-def test_training_kernels_install_both_and_restore_both() -> None:
+def test_the_fits_kernels_install_together_and_restore_together() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     model = nn.Sequential(_norm(32))
-    restore = train_norm.training_kernels(CPU, model)
+    restore = train_kernels.install(CPU, model)
     try:
         assert "forward" in vars(model[0])
         tiles = train_attention.backward_kind(CPU, torch.bfloat16, 64, 128) == "tiles"
@@ -184,6 +184,8 @@ def test_training_kernels_install_both_and_restore_both() -> None:
         restore()
     assert "forward" not in vars(model[0])
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert train_kernels.backward_kind(CPU, torch.bfloat16) == "kernel"
+    assert train_kernels.backward_kind(CPU, torch.float32) == "autograd"
 
 
 def test_a_second_derivative_through_it_is_refused() -> None:
