@@ -13,36 +13,23 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from bb_lightning.engine import host_norm, train_attention, train_norm
+from bb_lightning.engine import train_attention, train_norm
 
-__all__ = ["backward_kind", "install", "install_modules"]
-
-
-def install_modules(device: torch.device, model: nn.Module) -> Callable[[], None]:
-    """The kernels over ``model``'s own modules (its RMS norms); return their restore."""
-    return train_norm.install(device, model)
+__all__ = ["install"]
 
 
-def install(device: torch.device, model: nn.Module | None) -> Callable[[], None]:
+def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
     """The attention's backward (:func:`~bb_lightning.engine.train_attention.install`) and,
-    over ``model`` when given, :func:`install_modules`; return the function that restores
-    all of them, the modules first (the attention's mapping even where that raises)."""
+    over ``model``, its RMS norms' (:func:`~bb_lightning.engine.train_norm.
+    install`); return the function that restores both, the norms first (the attention's
+    mapping even where that raises)."""
     attention = train_attention.install(device)
-    if model is None:
-        return attention
-    modules = install_modules(device, model)
+    norms = train_norm.install(device, model)
 
     def restore() -> None:
         try:
-            modules()
+            norms()
         finally:
             attention()
 
     return restore
-
-
-def backward_kind(device: torch.device, dtype: torch.dtype) -> str:
-    """Which backward a fit on ``device`` computing in ``dtype`` gives the RMS norms:
-    ``"kernel"`` or ``"autograd"`` (the model-shaped probe keys its recorded rate by it)."""
-    served = device.type == "cpu" and dtype == torch.bfloat16 and host_norm.kernel() is not None
-    return "kernel" if served else "autograd"

@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from bb_lightning.engine import host_norm
 from bb_lightning.engine.host_norm import eager, plain_cpu, plain_rms_norm
 
-__all__ = ["install"]
+__all__ = ["backward_kind", "install"]
 
 
 class _NormBackward(torch.autograd.Function):
@@ -85,6 +85,13 @@ def _forward(module: nn.Module, hidden_states: Tensor) -> Tensor:
         return type(module).forward(module, hidden_states)  # type: ignore[no-any-return]
     eps = float(module.variance_epsilon)  # type: ignore[arg-type]
     return _NormBackward.apply(hidden_states, module.weight, module, eps)  # type: ignore[no-any-return]
+
+
+def backward_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """Which backward a fit on ``device`` computing in ``dtype`` gives a plain RMS norm:
+    ``"kernel"`` or ``"autograd"`` (the model-shaped probe keys its recorded rate by it)."""
+    served = device.type == "cpu" and dtype == torch.bfloat16 and host_norm.kernel() is not None
+    return "kernel" if served else "autograd"
 
 
 def install(device: torch.device, model: nn.Module) -> Callable[[], None]:

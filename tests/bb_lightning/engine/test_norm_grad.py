@@ -184,8 +184,8 @@ def test_the_fits_kernels_install_together_and_restore_together() -> None:
         restore()
     assert "forward" not in vars(model[0])
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
-    assert train_kernels.backward_kind(CPU, torch.bfloat16) == "kernel"
-    assert train_kernels.backward_kind(CPU, torch.float32) == "autograd"
+    assert train_norm.backward_kind(CPU, torch.bfloat16) == "kernel"
+    assert train_norm.backward_kind(CPU, torch.float32) == "autograd"
 
 
 def test_a_second_derivative_through_it_is_refused() -> None:
