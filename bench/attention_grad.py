@@ -1,17 +1,19 @@
-"""A training step's bf16 attention backward: the matrix-tile kernel against torch's.
+"""A training step's bf16 attention forward and backward: the compiled kernel against torch's.
 
 For each shape (``--shapes``, ``batch x heads x length x dim``; causal self-attention, a
 Llama block's in a training step), it times torch's fused CPU attention (the flash kernel
-that transformers' ``sdpa`` runs) forward and backward, its forward alone, and the forward
-with the engine's backward on the tiles (:mod:`bb_lightning.engine.train_attention`), in
+that transformers' ``sdpa`` runs) forward and backward and its forward alone, and the
+engine's compiled attention (:mod:`bb_lightning.engine.train_attention`: on the matrix tiles,
+or without them on AVX-512's bf16 pair products; it prints which) the same two ways, in
 turns, best of each within ``--seconds``: a neighbour's load slows them alike, so their
-ratio holds on a shared machine. It prints the machine, milliseconds of each, the two
-backwards (fused forward + backward less the forward) and their ratio, and each backward's
-TFLOP/s over its causal FLOPs (five products of ``length**2 * dim`` a head, half of them
-past the diagonal); and each gradient's error against float64, the kernel's and torch's.
+ratio holds on a shared machine. It prints the machine, milliseconds of each, torch's / the
+kernel's for the whole and for the forwards, the two backwards (forward + backward less the
+forward) and their ratio, and each backward's TFLOP/s over its causal FLOPs (five products
+of ``length**2 * dim`` a head, half of them past the diagonal); and the output's and each
+gradient's error against float64, the kernel's and torch's.
 
-Where the CPU has no bf16 matrix tiles (or the operating system does not grant them) it says
-so and times nothing: training then runs torch's backward.
+Where the CPU has neither bf16 matrix tiles (or the operating system does not grant them) nor
+AVX-512's bf16 products, it says so and times nothing: training then runs torch's backward.
 
 Run: ``.venv/bin/python bench/attention_grad.py [--shapes 4x16x512x64,1x16x512x64] [--json PATH]``
 """
@@ -39,18 +41,19 @@ def _args() -> argparse.Namespace:
 
 
 def _errors(q: Tensor, k: Tensor, v: Tensor, grad: Tensor) -> dict[str, list[float]]:
-    """Each gradient's error norm over the float64 gradient's norm: the kernel's, torch's."""
+    """The output's and each gradient's error norm over the float64 one's norm: the kernel's,
+    torch's."""
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*exact, is_causal=True)
-    want = torch.autograd.grad(out, exact, grad.double())
-    theirs = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                 (q, k, v), grad)  # fmt: skip
-    ours = torch.autograd.grad(
-        train_attention._TilesBackward.apply(q, k, v, True, q.shape[-1] ** -0.5), (q, k, v), grad
-    )
+    want = [out.detach(), *torch.autograd.grad(out, exact, grad.double())]
+    out_t = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    theirs = [out_t.detach(), *torch.autograd.grad(out_t, (q, k, v), grad)]
+    out_o = train_attention._KernelAttention.apply(q, k, v, True, q.shape[-1] ** -0.5)
+    ours = [out_o.detach().transpose(1, 2),
+            *torch.autograd.grad(out_o, (q, k, v), grad.transpose(1, 2))]  # fmt: skip
     return {
         name: [float((o.double() - w).norm() / w.norm()), float((t.double() - w).norm() / w.norm())]
-        for name, o, t, w in zip(("dq", "dk", "dv"), ours, theirs, want, strict=True)
+        for name, o, t, w in zip(("out", "dq", "dk", "dv"), ours, theirs, want, strict=True)
     }
 
 
@@ -60,6 +63,7 @@ def _shape(shape: str, seconds: float, g: torch.Generator) -> dict[str, object]:
     q, k, v = (torch.randn(batch, heads, length, dim, generator=g).bfloat16().requires_grad_()
                for _ in range(3))  # fmt: skip
     grad = torch.randn(batch, heads, length, dim, generator=g).bfloat16()
+    grad_t = grad.transpose(1, 2)  # the kernel's output is [batch, len, heads, dim]
     scale = dim**-0.5
 
     def fused() -> None:
@@ -70,34 +74,49 @@ def _shape(shape: str, seconds: float, g: torch.Generator) -> dict[str, object]:
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    def tiles() -> None:
-        out = train_attention._TilesBackward.apply(q, k, v, True, scale)
-        torch.autograd.grad(out, (q, k, v), grad)
+    def kernel() -> None:
+        out = train_attention._KernelAttention.apply(q, k, v, True, scale)
+        torch.autograd.grad(out, (q, k, v), grad_t)
 
-    best = _common.best_seconds({"fused": fused, "forward": forward, "tiles": tiles}, seconds)
-    theirs, ours = best["fused"] - best["forward"], best["tiles"] - best["forward"]
+    def kernel_forward() -> None:
+        with torch.no_grad():
+            train_attention._KernelAttention.apply(q, k, v, True, scale)
+
+    best = _common.best_seconds({"fused": fused, "forward": forward, "kernel": kernel,
+                                 "kernel_forward": kernel_forward}, seconds)  # fmt: skip
+    theirs, ours = best["fused"] - best["forward"], best["kernel"] - best["kernel_forward"]
     flops = 5 * 2 * batch * heads * length * length * dim / 2
     errors = _errors(q, k, v, grad)
     print(
-        f"{shape}: torch forward + backward {best['fused'] * 1e3:.2f} ms, forward "
-        f"{best['forward'] * 1e3:.2f} ms, with the tiles' backward {best['tiles'] * 1e3:.2f} "
-        f"ms; backward torch {theirs * 1e3:.2f} ms ({flops / theirs / 1e12:.2f} TFLOP/s), "
-        f"tiles {ours * 1e3:.2f} ms ({flops / ours / 1e12:.2f} TFLOP/s), torch / tiles = "
-        f"{theirs / ours:.2f}; error against float64 (tiles, torch): "
+        f"{shape}: torch forward + backward {best['fused'] * 1e3:.2f} ms (forward "
+        f"{best['forward'] * 1e3:.2f} ms), the kernel's {best['kernel'] * 1e3:.2f} ms (forward "
+        f"{best['kernel_forward'] * 1e3:.2f} ms), torch / kernel = "
+        f"{best['fused'] / best['kernel']:.2f}, forwards {best['forward'] / best['kernel_forward']:.2f}; "
+        f"backward torch {theirs * 1e3:.2f} ms ({flops / theirs / 1e12:.2f} TFLOP/s), "
+        f"kernel {ours * 1e3:.2f} ms ({flops / ours / 1e12:.2f} TFLOP/s), backwards torch / kernel "
+        f"= {theirs / ours:.2f}; error against float64 (kernel, torch): "
         + ", ".join(f"{n} {e[0]:.2e} {e[1]:.2e}" for n, e in errors.items()),
         flush=True,
     )
     return {"fused_ms": best["fused"] * 1e3, "forward_ms": best["forward"] * 1e3,
-            "tiles_ms": best["tiles"] * 1e3, "speedup": theirs / ours, "errors": errors}  # fmt: skip
+            "kernel_ms": best["kernel"] * 1e3, "kernel_forward_ms": best["kernel_forward"] * 1e3,
+            "speedup": best["fused"] / best["kernel"], "backward_speedup": theirs / ours,
+            "forward_speedup": best["forward"] / best["kernel_forward"],
+            "errors": errors}  # fmt: skip
 
 
 def main() -> None:
     args = _args()
     print(_common.machine(None), flush=True)
-    if host_linear.kernel() is None:
-        print("no bf16 matrix tiles here (or not granted, or BB_NATIVE=0): torch's backward runs")
+    kern = host_linear.attention_kernel()
+    if kern is None:
+        print(
+            "neither bf16 matrix tiles nor AVX-512's bf16 products here (or not granted, or "
+            "BB_NATIVE=0): torch's backward runs"
+        )
         _common.write_figures(args.json, "attention_grad", {"kernel": False})
         return
+    print(f"the kernel's products run on the {'matrix tiles' if kern.tiles else 'vectors'}")
     g = torch.Generator().manual_seed(0)
     figures = {shape: _shape(shape, args.seconds, g) for shape in args.shapes.split(",")}
     _common.write_figures(args.json, "attention_grad", {"kernel": True, "shapes": figures})

@@ -8,14 +8,14 @@ both alike, so their ratio holds on a shared machine):
 
 - the whole block, as transformers runs it (torch's operations, ``sdpa``'s fused attention)
   and as the inference engine runs it on a CPU device (the one-pass RMS norms, rotary
-  embedding and gated MLP of ``host_ops.c``; the prefill's attention on the matrix tiles of
-  ``host_linear.c`` where the CPU has them);
-- its attention alone: ``sdpa`` against the matrix tiles (causal, as a prompt without
-  padding runs);
+  embedding and gated MLP of ``host_ops.c``; the prefill's attention of ``host_linear.c``
+  on the matrix tiles, or on AVX-512's bf16 products, where the CPU has either);
+- its attention alone: ``sdpa`` against that kernel (causal, as a prompt without padding
+  runs);
 - its MLP alone: ``act_fn(gate) * up`` as two operations against the one pass.
 
 It prints the machine, milliseconds of each and torch's / the kernels', and how many of the
-block's outputs equal torch's (the tiles' attention rounds its sums otherwise).
+block's outputs equal torch's (the compiled attention rounds its sums otherwise).
 
 Run: ``.venv/bin/python bench/prefill_block.py [--prompts 16 --tokens 128] [--json PATH]``
 """
@@ -56,7 +56,7 @@ def main() -> None:
         print("the host kernels did not build here (or BB_NATIVE=0): torch's operations run")
         _common.write_figures(args.json, "prefill_block", {"kernels": False})
         return
-    tiles = host_linear.kernel() is not None
+    tiles = host_linear.attention_kernel() is not None
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
         num_key_value_heads=args.heads, attn_implementation="sdpa",
@@ -109,7 +109,7 @@ def main() -> None:
             ("MLP's SiLU and product", {"torch": lambda: mlp.act_fn(gate) * up,
                                         "kernels": lambda: kern.silu_mul(gate, up)}),
         ]  # fmt: skip
-        tiles_kernel = host_linear.kernel()
+        tiles_kernel = host_linear.attention_kernel()
         if tiles_kernel is not None:
             scale = q.shape[-1] ** -0.5
             rows.append(("attention", {
@@ -131,7 +131,7 @@ def main() -> None:
                       f"that / kernels = {part / best['kernels']:.2f}")  # fmt: skip
                 figures[name] |= {"norms_rotary_ms": part * 1e3}  # type: ignore[operator]
     print(f"block outputs equal to torch's: {equal:.1%}"
-          + ("" if tiles else " (no matrix tiles here: the attention is sdpa's)"))  # fmt: skip
+          + ("" if tiles else " (no compiled attention here: the attention is sdpa's)"))  # fmt: skip
     figures["equal"] = equal
     _common.write_figures(args.json, "prefill_block", figures)
 

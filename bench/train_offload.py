@@ -16,7 +16,7 @@ instructions), sequence 512, with AdamW:
    same as 1 and 2), optimizer state on NVMe (and the blocks' weights, with
    ``--weights-on-nvme``).
 
-In bf16 on a CPU with matrix tiles, one more plain run after 1 and 2 computes its attention's
+In bf16 on a CPU with matrix tiles or AVX-512's bf16 products, one more plain run after 1 and 2 computes its attention's
 and RMS norms' backward as balance_beam does (:func:`~bb_lightning.engine.train_kernels.
 install`, faster than torch's): the step is printed against its forward + backward
 too, the floor with balance_beam's own kernels beside the one with plain Lightning's.
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         plains.append(train_alone(args, config, "plain", None, base))
         bbs.append(train_alone(args, config, "balance_beam", placement, base))
     same = None
-    if args.dtype == "bf16" and host_linear.kernel() is not None:
+    if args.dtype == "bf16" and host_linear.attention_kernel() is not None:
         same = train_alone(args, config, SAME_KERNELS, None, base)
     # each side's least disturbed run: a busy neighbour only ever slows a run down
     plain = min(plains, key=lambda r: r.step_s)
@@ -570,8 +570,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ratio balance_beam / plain of each alternating pair: {pairs}")
     # The compute floor: forward + backward of the in-memory run at the same shape, what an
     # offloading schedule reaches at best with these kernels (no optimizer, no copies); in bf16
-    # on matrix tiles balance_beam's backward kernels are faster than
-    # torch's, and the floor with them is printed after.
+    # on matrix tiles or AVX-512's bf16 products balance_beam's backward kernels are faster
+    # than torch's, and the floor with them is printed after.
     floor = min(r.forward_backward_s for r in plains)
     print(
         f"[floor] plain Lightning's in-memory forward + backward at micro-batch "

@@ -10,8 +10,8 @@ batched products, the scores and then ``softmax·V``, with the softmax in fp32, 
 query heads over their key/value head (GQA: the heads of a group are rows of one product,
 so the cache is read once); every other call (prefill, training, softcapping, attention
 sinks, position bias, dropout) goes to transformers' ``sdpa`` function unchanged, but for a
-bf16 prefill on a CPU with matrix tiles, which runs on the tiles where it computes what
-``sdpa`` would (:func:`_prefill_on_tiles`).
+bf16 prefill on a CPU with matrix tiles or AVX-512's bf16 pair products, which runs there
+where it computes what ``sdpa`` would (:func:`_prefill_on_tiles`).
 
 The step reads every cached key and value once against a few FLOPs each, in products
 one row per query head of a group: on a host of few cores the products' arithmetic, not
@@ -192,8 +192,8 @@ def _prefill_on_tiles(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
     dropout: float, scaling: float | None, kwargs: dict[str, Any],
 ) -> Tensor | None:  # fmt: skip
-    """A prefill's attention on the CPU's matrix tiles (:meth:`~bb_lightning.engine.
-    host_linear._Kernel.prefill_attention`) where it computes what transformers' ``sdpa``
+    """A prefill's attention on the CPU's matrix tiles, or without them on its vectors' bf16
+    pair products (:meth:`~bb_lightning.engine.host_linear._Kernel.prefill_attention`), where it computes what transformers' ``sdpa``
     function would: bf16 CPU tensors with contiguous rows, no autograd graph to record, torch
     running eagerly, a head size that is a multiple of 32 up to 256, at most
     :data:`PREFILL_SCORES` scores a head, no dropout or option the kernel lacks, and a mask
@@ -221,7 +221,7 @@ def _prefill_on_tiles(
         return None
     if heads % key.shape[1] or -(-q_len // 32) * -(-key.shape[2] // 32) * 1024 > PREFILL_SCORES:
         return None
-    tiles = host_linear.kernel()
+    tiles = host_linear.attention_kernel()
     if tiles is None:
         return None
     causal, additive = False, None

@@ -52,11 +52,17 @@
  * summed in fp32 over the heads of a group, transposed back and rounded once.
  *
  * Linux grants the tiles' state to a process on request (arch_prctl); bb_linear_ready
- * asks once and says whether the tiles can run. Built without the tiles' instructions
- * (another CPU, another compiler), bb_linear_ready returns 0 and bb_linear_bf16,
- * bb_prefill_attention_bf16 and bb_attention_backward_bf16 -1.
+ * asks once and says whether the tiles can run. Built without the tiles' instructions but with
+ * AVX-512's bf16 pair products (vdpbf16ps; AMD's Zen 4, for one), the two attention kernels
+ * run the same schedule with each 32 x 32 block's products on the 512-bit vectors instead
+ * (block32 below: 8 rows of a block at a time, each pair of a row broadcast to every lane
+ * against a pair row of the right operand's 32 columns), bb_linear_ready returns 0 and
+ * bb_linear_bf16 -1. bb_attention_ready says whether the attention kernels run; without
+ * either instruction set, or where the tiles are not granted, it returns 0 and every kernel
+ * here -1.
  */
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,7 +72,7 @@
     int threads, int64_t batch, int64_t heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,  \
         int64_t dim, const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks, \
         const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal, \
-        float scale, uint16_t *out
+        float scale, uint16_t *out, float *lse
 
 /* bb_attention_backward_bf16's parameters (below). */
 #define ATTENTION_BACKWARD_ARGS                                                                 \
@@ -84,9 +90,10 @@ int bb_host_linear_team_threads(void) {
 #endif
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512BF16__) \
-    && defined(__linux__)
+#if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define BB_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -120,6 +127,18 @@ static inline void configure_tiles(void) {
     }
     _tile_loadconfig(&cfg);
 }
+#define ATTENTION_READY() bb_linear_ready()
+#define TILES_BEGIN() configure_tiles()
+#define TILES_END() _tile_release()
+#else
+/* No tiles: the attention kernels' products run on the 512-bit vectors (vdpbf16ps). */
+int bb_linear_ready(void) { return 0; }
+#define ATTENTION_READY() 1
+#define TILES_BEGIN() ((void)0)
+#define TILES_END() ((void)0)
+#endif
+
+int bb_attention_ready(void) { return ATTENTION_READY(); }
 
 /* 16 floats rounded to bf16 as torch converts a float: to nearest even, a NaN to 0x7fc0. */
 static inline __m256i round16(__m512 f) {
@@ -168,6 +187,7 @@ static inline void pairs16(const uint16_t *x, int64_t k, int64_t rows, uint32_t 
     for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + dstride * p, r[p]);
 }
 
+#ifdef BB_TILES
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
     if (!bb_linear_ready() || m < 1 || n % 32 != 0 || k % 32 != 0 || k < 32) return -1;
@@ -246,6 +266,14 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
     free(xp);
     return 0;
 }
+#else
+int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
+                   const uint16_t *w, uint16_t *out) {
+    (void)threads, (void)m, (void)n, (void)k, (void)x, (void)w, (void)out;
+    return -1;
+}
+#endif
+
 /* e^x for x <= 0 (x >= -87 meaningful; below, 0): 2^n e^r with |r| <= ln2/2, a degree-6
  * polynomial for e^r (relative error near 1e-7). */
 static inline __m512 exp16(__m512 x) {
@@ -269,6 +297,7 @@ static inline __m512 exp16(__m512 x) {
  * times b (pair rows of 16 32-bit pairs, `b_stride` bytes apart), over `steps` blocks of 32
  * a's columns and 16 b's pair rows (b advancing `b_step` 32-bit elements a block), on the
  * tiles: 0-3 the four 16 x 16 quarters of c, 4-5 a's two halves, 6-7 b's. */
+#ifdef BB_TILES
 static inline void block32(const uint16_t *a, int64_t a_stride, const uint32_t *b,
                            int64_t b_stride, int64_t b_step, int64_t steps, float *c,
                            int64_t c_stride) {
@@ -286,17 +315,51 @@ static inline void block32(const uint16_t *a, int64_t a_stride, const uint32_t *
     _tile_stored(2, (char *)c + 16 * c_stride, c_stride);
     _tile_stored(3, (char *)c + 16 * c_stride + 64, c_stride);
 }
+#else
+static inline void block32(const uint16_t *a, int64_t a_stride, const uint32_t *b,
+                           int64_t b_stride, int64_t b_step, int64_t steps, float *c,
+                           int64_t c_stride) {
+    /* 8 rows of c at a time in 16 accumulators: each pair of a's row broadcast to every
+     * lane, times a pair row of b's 32 columns (two registers) */
+    for (int r0 = 0; r0 < 32; r0 += 8) {
+        __m512 acc[8][2];
+        for (int m = 0; m < 8; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        const char *ar = (const char *)a + r0 * a_stride;
+        const uint32_t *bs = b;
+        for (int64_t i = 0; i < steps; ++i, ar += 64, bs += b_step)
+            for (int kk = 0; kk < 16; ++kk) {
+                const uint32_t *brow = (const uint32_t *)((const char *)bs + kk * b_stride);
+                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(brow);
+                const __m512bh b1 = (__m512bh)_mm512_loadu_si512(brow + 16);
+                for (int m = 0; m < 8; ++m) {
+                    int32_t pair;
+                    memcpy(&pair, ar + m * a_stride + kk * 4, 4);
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, b0);
+                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, b1);
+                }
+            }
+        for (int m = 0; m < 8; ++m) {
+            float *row = (float *)((char *)c + (r0 + m) * c_stride);
+            _mm512_storeu_ps(row, acc[m][0]);
+            _mm512_storeu_ps(row + 16, acc[m][1]);
+        }
+    }
+}
+#endif
 
 /* Prefill attention of bf16 queries [batch, heads, q_len, dim], keys and values [batch,
  * kv_heads, kv_len, dim] (element strides of batch, head, position; rows contiguous), an
  * additive fp32 mask [.., q_len, kv_len] (strides of batch, head, query; 0 broadcasts) or
  * none, `causal`: query i attends keys j <= i; a query whose every score the mask takes below
  * -1e37 (no key attended) gets zeros, as torch gives it. Output bf16 [batch, q_len, heads,
- * dim].
+ * dim]; and, where `lse` is not NULL, each query's log-sum-exp of its scaled, masked scores
+ * into fp32 lse [batch, heads, q_len] (what the backward below takes; -FLT_MAX where no key is
+ * attended).
  * Scores and softmax in fp32, the weights rounded to bf16 for their product with the values,
  * which is divided by the weights' fp32 sum. dim a multiple of 32, at most 256. */
 int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
-    if (!bb_linear_ready() || dim % 32 != 0 || dim > 256 || q_len < 1 || kv_len < 1 ||
+    if (!ATTENTION_READY() || dim % 32 != 0 || dim > 256 || q_len < 1 || kv_len < 1 ||
         heads % kv_heads != 0)
         return -1;
     const int64_t group = heads / kv_heads, lp = (q_len + 31) / 32 * 32, sp = (kv_len + 31) / 32 * 32;
@@ -316,7 +379,7 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (ok) configure_tiles();
+        if (ok) TILES_BEGIN();
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < batch * kv_heads; ++item) {
             if (!ok) continue;
@@ -391,7 +454,10 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
                     }
                     for (j = (n + 15) / 16 * 16; j < sp; j += 16)
                         _mm256_storeu_si256((__m256i *)(w + j), _mm256_setzero_si256());
-                    total[l] = n ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+                    const float all = n ? _mm512_reduce_add_ps(sum) : 0.0f;
+                    total[l] = n ? 1.0f / all : 0.0f;
+                    if (lse && l < q_len) /* log of the sum of e^(scaled score), as torch's */
+                        lse[(b * heads + h) * q_len + l] = n ? (m ? mx : mx * scale) + logf(all) : -FLT_MAX;
                 }
                 /* weighted values, 32 queries by 32 columns a block */
                 for (int64_t l0 = 0; l0 < lp; l0 += 32) {
@@ -409,7 +475,7 @@ int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
                 }
             }
         }
-        if (ok) _tile_release();
+        if (ok) TILES_END();
         free(qp); free(kp); free(vp); free(sc); free(pw); free(total);
     }
     return failed ? -2 : 0;
@@ -479,12 +545,13 @@ static inline void add32(float *acc, int64_t stride, float c[32][32]) {
  * dv [batch, kv_heads, len, dim] (a key/value head's gradients summed over its query heads).
  * Per (sequence, key/value head), per query head of its group, per block of 32 queries: the
  * scores S = Q K^T and dP = dO V^T on the tiles, P = e^(S scale - lse) in fp32, dS = P (dP - D)
- * scale with D = the row sums of dO o, dQ = dS K on the tiles; then dV^T += dO^T P and dK^T +=
+ * scale with D = the row sums of dO o (zero for a query that attends one key: its weight is
+ * constant, whatever the sums' roundings), dQ = dS K on the tiles; then dV^T += dO^T P and dK^T +=
  * Q^T dS, with P and dS rounded to bf16 for the tiles, over the queries that attend each block
  * of 32 keys. fp32 sums throughout, each gradient rounded to bf16 once. dim a multiple of 32, at
  * most 256. */
 int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
-    if (!bb_linear_ready() || dim % 32 != 0 || dim > 256 || len < 1 || heads % kv_heads != 0)
+    if (!ATTENTION_READY() || dim % 32 != 0 || dim > 256 || len < 1 || heads % kv_heads != 0)
         return -1;
     const int64_t group = heads / kv_heads, lp = (len + 31) / 32 * 32, half = dim / 2;
     int failed = 0;
@@ -512,7 +579,7 @@ int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (ok) configure_tiles();
+        if (ok) TILES_BEGIN();
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < batch * kv_heads; ++item) {
             if (!ok) continue;
@@ -575,6 +642,7 @@ int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
                             __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_fmadd_ps(_mm512_load_ps(s + x), sc, sub)));
                             _mm512_store_ps(s + x, p);
                             __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_load_ps(dp + x), dl)), sc);
+                            if (n == 1) ds = _mm512_setzero_ps(); /* one key: a constant weight */
                             _mm256_store_si256((__m256i *)(dsw + j * lp + x), round16(ds));
                         }
                     }
@@ -618,7 +686,7 @@ int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
             transposed_out(dkt, dim, lp, len, dk + (b * kv_heads + hk) * len * dim);
             transposed_out(dvt, dim, lp, len, dv + (b * kv_heads + hk) * len * dim);
         }
-        if (ok) _tile_release();
+        if (ok) TILES_END();
         free(kp); free(vp); free(kr); free(qr); free(gr); free(qt); free(gt); free(pp); free(dsp);
         free(sb); free(db); free(dsw); free(dkt); free(dvt); free(rowd);
     }
@@ -626,6 +694,8 @@ int bb_attention_backward_bf16(ATTENTION_BACKWARD_ARGS) {
 }
 #else
 int bb_linear_ready(void) { return 0; }
+
+int bb_attention_ready(void) { return 0; }
 
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
@@ -636,7 +706,7 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
 int bb_prefill_attention_bf16(PREFILL_ATTENTION_ARGS) {
     (void)threads, (void)batch, (void)heads, (void)kv_heads, (void)q_len, (void)kv_len;
     (void)dim, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms;
-    (void)causal, (void)scale, (void)out;
+    (void)causal, (void)scale, (void)out, (void)lse;
     return -1;
 }
 

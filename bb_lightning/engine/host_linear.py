@@ -22,8 +22,12 @@ operations as called (:func:`~bb_lightning.engine.host_norm.eager`); every other
 the class's ``forward``. The inference engine installs it on a CPU device that computes in
 bf16, with the norm and rotary kernels, and removes it with them; training never runs it.
 
-The same library computes a training step's bf16 attention backward on the tiles
-(:meth:`_Kernel.attention_backward`), which :mod:`~bb_lightning.engine.train_attention` runs.
+The same library computes a prefill's bf16 attention, and a training step's attention forward
+and backward (:meth:`_Kernel.prefill_attention`, :meth:`_Kernel.attention_forward`,
+:meth:`_Kernel.attention_backward`, which :mod:`~bb_lightning.engine.attention` and
+:mod:`~bb_lightning.engine.train_attention` run), on the tiles or, on a CPU without them that
+has AVX-512's bf16 pair products (AMD's Zen 4, for one), on its vectors
+(:func:`attention_kernel`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class _Kernel:
         self._attend = lib.bb_prefill_attention_bf16
         self._attend.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, ptr, strides, ptr,
                                  strides, ptr, strides, ptr, strides, ctypes.c_int,
-                                 ctypes.c_float, ptr]  # fmt: skip
+                                 ctypes.c_float, ptr, ptr]  # fmt: skip
         self._attend.restype = ctypes.c_int
         self._grad = lib.bb_attention_backward_bf16
         tensors: list[Any] = [ptr, strides] * 6  # query, key, value, out, grad_out, lse
@@ -73,6 +77,11 @@ class _Kernel:
         lib.bb_host_linear_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_linear_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares the weight's rows among the calling thread's OpenMP team."""
+        self.tiles = False
+        """Whether the products run on the matrix tiles (else :meth:`__call__` cannot run)."""
+        self.kind = "none"
+        """Where the attention kernels' products run: ``"tiles"``, ``"vectors"`` (AVX-512's
+        bf16 pair products) or ``"none"``."""
 
     def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` of contiguous bf16 ``x`` (rows of ``weight.shape[1]``) into a new
@@ -88,14 +97,15 @@ class _Kernel:
 
     def prefill_attention(
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool,
-        scale: float,
+        scale: float, lse: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         """Attention of bf16 ``query`` ``[batch, heads, q_len, dim]`` over ``key`` and
         ``value`` ``[batch, kv_heads, kv_len, dim]`` (``heads`` a multiple of ``kv_heads``;
         each tensor's rows contiguous), with an additive fp32 ``mask`` broadcastable to
         ``[batch, heads, q_len, kv_len]`` (finite, its rows contiguous) or, ``causal``, query
-        ``i`` attending keys ``j <= i``; into a new ``[batch, q_len, heads, dim]`` tensor.
-        ``dim`` is a multiple of 32, at most 256."""
+        ``i`` attending keys ``j <= i``; into a new ``[batch, q_len, heads, dim]`` tensor, and
+        each query's log-sum-exp of its scaled, masked scores into a contiguous fp32 ``lse``
+        ``[batch, heads, q_len]`` where given. ``dim`` is a multiple of 32, at most 256."""
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len = key.shape[1], key.shape[2]
         out = torch.empty(batch, q_len, heads, dim, dtype=torch.bfloat16, device="cpu")
@@ -110,12 +120,22 @@ class _Kernel:
         rc = self._attend(threads, batch, heads, kv_heads, q_len, kv_len, dim,
                           query.data_ptr(), arrays[0], key.data_ptr(), arrays[1],
                           value.data_ptr(), arrays[2], m, mstride, int(causal), scale,
-                          out.data_ptr())  # fmt: skip
+                          out.data_ptr(), None if lse is None else lse.data_ptr())  # fmt: skip
         if rc != 0:
             raise RuntimeError(
-                f"bf16 matrix-tile attention of {q_len} queries over {kv_len} keys failed ({rc})"
+                f"bf16 compiled attention of {q_len} queries over {kv_len} keys failed ({rc})"
             )
         return out
+
+    def attention_forward(
+        self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`prefill_attention` without a mask, and each query's fp32 log-sum-exp of its
+        scaled scores: the output ``[batch, len, heads, dim]`` and ``lse`` ``[batch, heads,
+        len]``, what :meth:`attention_backward` takes."""
+        batch, heads, length, _ = query.shape
+        lse = torch.empty(batch, heads, length, dtype=torch.float32, device="cpu")
+        return self.prefill_attention(query, key, value, None, causal, scale, lse), lse
 
     def attention_backward(
         self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, grad_out: Tensor,
@@ -142,27 +162,42 @@ class _Kernel:
                         dq.data_ptr(), dk.data_ptr(), dv.data_ptr())  # fmt: skip
         if rc != 0:
             raise RuntimeError(
-                f"bf16 matrix-tile attention backward of {length} positions failed ({rc})"
+                f"bf16 compiled attention backward of {length} positions failed ({rc})"
             )
         return dq, dk, dv
 
 
 def kernel() -> _Kernel | None:
-    """The compiled product, built on first call; None where ``BB_NATIVE=0``, where it cannot
-    be built, or where the CPU or the operating system gives no bf16 matrix tiles."""
-    return native.once(_loaded, _load)
+    """The compiled product on the matrix tiles, built on first call; None where
+    ``BB_NATIVE=0``, where it cannot be built, or where the CPU or the operating system gives
+    no bf16 matrix tiles."""
+    kern = native.once(_loaded, _load)
+    return kern if kern is not None and kern.tiles else None
+
+
+def attention_kernel() -> _Kernel | None:
+    """The compiled library whose attention kernels (:meth:`_Kernel.prefill_attention`,
+    :meth:`_Kernel.attention_backward`) run here, on the matrix tiles or, without them, on
+    AVX-512's bf16 pair products (:attr:`_Kernel.kind`); None where ``BB_NATIVE=0``, where it
+    cannot be built, or where the CPU has neither."""
+    kern = native.once(_loaded, _load)
+    return kern if kern is not None and kern.kind != "none" else None
 
 
 def _load(compiler: str) -> _Kernel | None:
     if shutil.which(compiler) is None:
         return None  # the decode attention kernel's loader says so once
-    if not {"amx_bf16", "amx_tile"} <= native._cpu_flags():
-        return None  # no tiles to build for
+    if not {"avx512bw", "avx512_bf16"} <= native._cpu_flags():
+        return None  # neither the tiles nor the vectors' bf16 pair products to build for
     lib = native.load_library(SOURCE, compiler, "bf16 products with few rows run torch's")
     if lib is None:
         return None
     lib.bb_linear_ready.restype = ctypes.c_int
-    return _Kernel(lib) if lib.bb_linear_ready() else None
+    lib.bb_attention_ready.restype = ctypes.c_int
+    kern = _Kernel(lib)
+    kern.tiles = bool(lib.bb_linear_ready())
+    kern.kind = "tiles" if kern.tiles else "vectors" if lib.bb_attention_ready() else "none"
+    return kern if kern.kind != "none" else None
 
 
 def _forward(kern: _Kernel, module: nn.Module, input: Tensor) -> Tensor:

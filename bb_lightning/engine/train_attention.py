@@ -1,25 +1,27 @@
-"""A training step's bf16 attention with its backward on the CPU's matrix tiles.
+"""A training step's bf16 attention with its backward on the CPU's matrix tiles or vectors.
 
 torch's fused CPU attention (the flash kernel behind ``scaled_dot_product_attention``)
 computes its bf16 backward in small blocks with a setup each, at a fraction of the rate of
-the CPU's matrix tiles (``bench/attention_grad.py`` times it against the kernel below).
-``host_linear.c``'s ``bb_attention_backward_bf16`` computes the same gradients on the tiles
-(its header says how), from what the forward leaves: the output and each query's
-log-sum-exp.
+the CPU's bf16 products (``bench/attention_grad.py`` times it against the kernel below).
+``host_linear.c``'s ``bb_attention_backward_bf16`` computes the same gradients in blocks of
+32 x 32 on the matrix tiles (Intel AMX), or without them on AVX-512's bf16 pair products (its
+header says how), from what the forward leaves: the output and each query's log-sum-exp.
 
 :func:`install` maps transformers' ``sdpa`` attention, for the length of a ``fit`` on a CPU
-device, to :func:`training_attention`. Its forward is the kernel ``sdpa`` itself runs
-(``aten::_scaled_dot_product_flash_attention_for_cpu``): the same output, bit for bit, and
-the same loss. Its backward is the tiles' kernel: bf16 products summed in fp32 and each
-gradient rounded once, as torch's; not bit for bit torch's gradients (its exponentials and
-sums differ in the last bits), and no further from the exact ones (``tests`` compare both
-with fp64). Every call it does not serve runs transformers' ``sdpa`` unchanged: no gradient
+device, to :func:`training_attention`. Its forward is the same library's prefill attention,
+which also gives each query's log-sum-exp (torch's fused forward ran 3.6-3.7 x slower on a
+CPU without matrix tiles, ``bench/attention_grad.py``): bf16 products summed in fp32, the
+softmax in fp32 with its weights rounded to bf16 as torch's fused kernel rounds them, so the
+output and the loss agree with ``sdpa``'s but for the last bits of e^x and the sums, and are
+as close to float64. Its backward is the compiled kernel: bf16 products summed in fp32 and
+each gradient rounded once, as torch's; not bit for bit torch's gradients, and no further
+from the exact ones (``tests`` compare both with fp64). Every call it does not serve runs transformers' ``sdpa`` unchanged: no gradient
 to record, a mask, dropout, a position bias, a query length other than the keys', another
 dtype or device, a head size that is not a multiple of 32 up to 256, more than
 :data:`MAX_LEN` positions, a trace or a dispatch mode
-(:func:`~bb_lightning.engine.host_norm.eager`), or no kernel (another CPU, no compiler,
-``BB_NATIVE=0``). Its backward cannot itself be differentiated (a second derivative raises).
-"""
+(:func:`~bb_lightning.engine.host_norm.eager`), or no kernel (a CPU with neither the tiles
+nor AVX-512's bf16 products, no compiler, ``BB_NATIVE=0``). Its backward cannot itself be
+differentiated (a second derivative raises)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bb_lightning.engine import host_linear
@@ -39,40 +41,39 @@ __all__ = ["MAX_LEN", "backward_kind", "install", "training_attention"]
 
 MAX_LEN = 4096
 """Positions up to which the kernel serves a call: each of its threads keeps a sequence's
-weights and score gradients in bf16, ``4 * MAX_LEN**2`` bytes (64 MiB at 4096)."""
+scores and weights (forward, ``6 * MAX_LEN**2`` bytes: 96 MiB at 4096) and its weights and
+score gradients (backward, ``4 * MAX_LEN**2`` bytes)."""
 
 
-class _TilesBackward(torch.autograd.Function):
-    """torch's fused CPU attention forward; the tiles' kernel as its backward."""
+class _KernelAttention(torch.autograd.Function):
+    """The compiled attention forward (output ``[batch, len, heads, dim]``) and backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float | None
     ) -> Tensor:
-        group = query.shape[1] // key.shape[1]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, repeat_kv(key, group), repeat_kv(value, group), 0.0, causal,
-            attn_mask=None, scale=scale,
-        )  # fmt: skip
-        ctx.save_for_backward(query, key, value, out, lse)
-        # the scale the forward applied: the given one, else torch's 1 / sqrt(dim) (in fp32)
+        kern = host_linear.attention_kernel()
+        assert kern is not None  # called only where it loaded
+        # the given scale, else torch's 1 / sqrt(dim)
         ctx.causal = causal
         ctx.scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
+        out, lse = kern.attention_forward(query, key, value, causal, ctx.scale)
+        ctx.save_for_backward(query, key, value, out, lse)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
-        kern = host_linear.kernel()
+        kern = host_linear.attention_kernel()
         assert kern is not None  # the forward ran only where it loaded
         with torch.no_grad():
             if grad_out.dtype != torch.bfloat16 or grad_out.stride(-1) != 1:
                 grad_out = grad_out.to(torch.bfloat16).contiguous()
-            if out.stride(-1) != 1:
-                out = out.contiguous()
+            # both [batch, len, heads, dim]: the kernel takes them as [batch, heads, len, dim]
             grads: tuple[Tensor, ...] = kern.attention_backward(
-                query, key, value, out, grad_out, lse, ctx.causal, ctx.scale
-            )
+                query, key, value, out.transpose(1, 2), grad_out.transpose(1, 2), lse,
+                ctx.causal, ctx.scale,
+            )  # fmt: skip
         if torch.is_grad_enabled():  # create_graph: a derivative of these raises, as torch's
             grads = _underivable(grads)  # fused backward's does, never a silent zero
         return (*grads, None, None)
@@ -82,7 +83,7 @@ def _underivable(grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """``grads`` as tensors whose own derivative raises (the gradients of a graph built with
     ``create_graph=True``)."""
     raises = torch._C._functions.DelayedError(
-        b"the matrix tiles' attention backward has no derivative (a second derivative through "
+        b"the compiled attention backward has no derivative (a second derivative through "
         b"balance_beam's CPU attention in bf16)",
         len(grads),
     )
@@ -135,34 +136,35 @@ def training_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention interface for ``sdpa`` (the same arguments and result: the
-    output ``[batch, len, heads, dim]`` and no weights) with the backward on the tiles where
+    output ``[batch, len, heads, dim]`` and no weights) with the compiled backward where
     it serves the call; transformers' ``sdpa`` for every other call."""
     if (
         torch.compiler.is_compiling()  # traced: sdpa as it is, nothing of ours in the graph
         or not _serves(module, query, key, value, attention_mask, dropout, kwargs)
-        or host_linear.kernel() is None
+        or host_linear.attention_kernel() is None
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scale = float(scaling) if scaling is not None else None  # passed on as sdpa passes it
-    out = _TilesBackward.apply(query, key, value, causal, scale)
-    return out.transpose(1, 2).contiguous(), None
+    return _KernelAttention.apply(query, key, value, causal, scale), None
 
 
 def backward_kind(device: torch.device, dtype: torch.dtype, head_dim: int, length: int) -> str:
     """Which backward a fit on ``device`` computing in ``dtype`` gives the ``sdpa`` attention
-    of heads of ``head_dim`` over ``length`` positions: ``"tiles"`` (the kernel) or ``"sdpa"``
-    (torch's). The model-shaped probe keys its recorded rate by it."""
+    of heads of ``head_dim`` over ``length`` positions: ``"tiles"`` or ``"vectors"`` (the
+    kernel, on the matrix tiles or on AVX-512's bf16 pair products) or ``"sdpa"`` (torch's).
+    The model-shaped probe keys its recorded rate by it."""
+    kern = host_linear.attention_kernel()
     served = (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and head_dim % 32 == 0
         and head_dim <= 256
         and 1 < length <= MAX_LEN
-        and host_linear.kernel() is not None
+        and kern is not None
     )
-    return "tiles" if served else "sdpa"
+    return kern.kind if served and kern is not None else "sdpa"
 
 
 def install(device: torch.device) -> Callable[[], None]:
@@ -175,7 +177,7 @@ def install(device: torch.device) -> Callable[[], None]:
     if (
         device.type != "cpu"
         or ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
-        or host_linear.kernel() is None
+        or host_linear.attention_kernel() is None
     ):
         return lambda: None
     ALL_ATTENTION_FUNCTIONS["sdpa"] = training_attention

@@ -1,10 +1,11 @@
 """The host kernels a ``fit`` on a CPU device runs with their own backward, installed and
-taken back together: the attention's on the matrix tiles
+taken back together: the attention's on the matrix tiles or vectors
 (:mod:`~bb_lightning.engine.train_attention`, a mapping of transformers' ``sdpa`` for every
 model of the process) and, over the fitted model, the Llama family's RMS norms'
-(:mod:`~bb_lightning.engine.train_norm`). Each keeps the forward torch computes (the loss bit
-for bit plain Lightning's) and serves only the calls it computes as the class would; the
-strategy installs them at its setup for a fit and takes them back first at its teardown."""
+(:mod:`~bb_lightning.engine.train_norm`). The norms keep the forward torch computes; the
+attention computes its own, as close to float64 as torch's. Each serves only the calls it
+computes as the class would; the strategy installs them at its setup for a fit and takes
+them back first at its teardown."""
 
 from __future__ import annotations
 

@@ -28,12 +28,22 @@ def test_attention_grad_bench_prints_both_backwards_and_their_ratio(tmp_path: Pa
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "machine: CPU" in out
     written = json.loads(figures.read_text())
-    if host_linear.kernel() is None:
-        assert "no bf16 matrix tiles here" in out and written["figures"]["kernel"] is False
-        pytest.skip("no bf16 matrix tiles: the benchmark times nothing")
-    found = re.findall(r"1x2x40x32: .* torch / tiles = ([\d.]+); error against float64", out)
+    kern = host_linear.attention_kernel()
+    if kern is None:
+        assert "neither bf16 matrix tiles" in out and written["figures"]["kernel"] is False
+        pytest.skip("no compiled attention backward: the benchmark times nothing")
+    assert f"products run on the {'matrix tiles' if kern.tiles else 'vectors'}" in out
+    found = re.findall(
+        r"1x2x40x32: .* torch / kernel = ([\d.]+), forwards ([\d.]+); .* "
+        r"backwards torch / kernel = ([\d.]+); error against float64",
+        out,
+    )
     assert len(found) == 1, out
     entry = written["figures"]["shapes"]["1x2x40x32"]
-    assert float(found[0]) == pytest.approx(entry["speedup"], abs=0.006)
+    for shown, key in zip(
+        found[0], ("speedup", "forward_speedup", "backward_speedup"), strict=True
+    ):
+        assert float(shown) == pytest.approx(entry[key], abs=0.006)
+    assert set(entry["errors"]) == {"out", "dq", "dk", "dv"}
     for ours, theirs in entry["errors"].values():
-        assert ours <= 1.25 * theirs  # as close to float64 as torch's backward
+        assert ours <= 1.25 * theirs  # as close to float64 as torch's

@@ -31,7 +31,7 @@ def test_prefill_block_bench_prints_each_time_and_their_ratio(tmp_path: Path) ->
     if host_norm.kernel() is None:
         assert "did not build" in out and written["kernels"] is False
         pytest.skip("no host kernels: the benchmark times nothing")
-    tiles = host_linear.kernel() is not None
+    tiles = host_linear.attention_kernel() is not None
     names = ["block", "MLP's SiLU and product"] + (["attention"] if tiles else [])
     for name in names:
         found = re.search(

@@ -1,7 +1,7 @@
-"""A training step's bf16 attention with its backward on the CPU's matrix tiles
-(``train_attention``, ``host_linear``'s ``attention_backward``) against float64 and torch's
-own fused attention backward, its forward against transformers' ``sdpa`` bit for bit, the
-calls it leaves to ``sdpa``, and its mapping installed and restored.
+"""A training step's bf16 attention forward and backward on the CPU's matrix tiles or vectors
+(``train_attention``, ``host_linear``'s ``attention_forward`` and ``attention_backward``)
+against float64 and torch's own fused attention, the calls it leaves to ``sdpa``, and its
+mapping installed and restored.
 
 Bound on the gradients: the norm of each gradient's error against float64 within 1.25 x the
 error of torch's own bf16 backward on the same inputs (measured: the same for the queries,
@@ -9,7 +9,10 @@ error of torch's own bf16 backward on the same inputs (measured: the same for th
 (the row sums of dO o), the causal cut, the scale, a query head of a group or the last
 block of keys lands at least 20 x off.
 
-Skipped where the CPU or the operating system gives no bf16 matrix tiles."""
+Bound on the output and the loss: as close to float64 as ``sdpa``'s within the same ratio (a
+forward without the scale, or that attends past the causal cut, lands far off).
+
+Skipped where the CPU has neither bf16 matrix tiles (granted) nor AVX-512's bf16 products."""
 
 from __future__ import annotations
 
@@ -34,21 +37,29 @@ from bb_lightning.engine.train_attention import training_attention
 
 RATIO = 1.25
 """Error norm against float64 over torch's own error norm: measured 1.0 (dq), 0.5-0.8 (dk, dv)."""
+MODEL_RATIO = 2.0
+"""The same for each parameter of a whole model, whose gradients also carry the forward's
+roundings (which differ from ``sdpa``'s in the last bits): measured up to 1.6 (OPT's, whose
+bf16 gradients are 3-4 % off float64's); the mean over the parameters is held to
+:data:`RATIO`."""
 
 
 @pytest.fixture(autouse=True)
 def tiles() -> None:
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler on PATH")
-    if host_linear.kernel() is None:
-        pytest.skip("no bf16 matrix tiles on this CPU (or not granted): sdpa runs the backward")
+    if host_linear.attention_kernel() is None:
+        pytest.skip(
+            "neither bf16 matrix tiles (granted) nor AVX-512's bf16 products on this "
+            "CPU: sdpa runs the backward"
+        )
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The calls whose backward the tiles will compute (one entry each, at the forward)."""
     calls: list[int] = []
-    tiles = train_attention._TilesBackward
+    tiles = train_attention._KernelAttention
 
     class Counted(tiles):  # type: ignore[misc,valid-type]
         @staticmethod
@@ -56,13 +67,13 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(1)
             return tiles.forward(ctx, *args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(train_attention, "_TilesBackward", Counted)
+    monkeypatch.setattr(train_attention, "_KernelAttention", Counted)
     return calls
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    kern = host_linear.kernel()
+    kern = host_linear.attention_kernel()
     if request.param > 1 and (kern is None or not kern.team):
         pytest.skip("the kernel runs on one thread here (no shared OpenMP team)")
     before = torch.get_num_threads()
@@ -106,7 +117,10 @@ def _float64(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, causal: bool) -> lis
 
 
 def _error(got: Tensor, want: Tensor) -> float:
-    return float((got.double() - want).norm() / want.norm())
+    """The error's norm relative to ``want``'s; absolute where ``want`` is zero (a query that
+    attends one key has zero score gradients)."""
+    size = want.norm()
+    return float((got.double() - want).norm() / (size if size > 0 else 1.0))
 
 
 @pytest.mark.parametrize(
@@ -138,20 +152,25 @@ def test_gradients_are_as_close_to_float64_as_torchs(
 
 
 def _tiles_call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
-    """The output of ``q, k, v`` through the tiles' backward directly (the attention function
-    itself declines one position)."""
-    out = train_attention._TilesBackward.apply(q, k, v, causal, q.shape[-1] ** -0.5)
-    return out.transpose(1, 2)
+    """The output of ``q, k, v`` (``[batch, len, heads, dim]``) through the compiled attention
+    directly (the attention function itself declines one position)."""
+    return train_attention._KernelAttention.apply(q, k, v, causal, q.shape[-1] ** -0.5)
 
 
-def test_a_call_is_served_with_sdpas_output_bit_for_bit(served: list[int]) -> None:
+def test_a_call_is_served_as_close_to_float64_as_sdpa(served: list[int]) -> None:
     q, k, v, grad = _inputs(2, 8, 2, 77, 64, seed=3)
     module = _Attention(4)
     ours, weights = training_attention(module, q, k, v, None, scaling=0.11)
     theirs, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.11)
     assert len(served) == 1 and weights is None
-    assert ours.shape == theirs.shape and ours.is_contiguous()
-    assert torch.equal(ours, theirs)
+    assert ours.shape == theirs.shape and ours.is_contiguous() and ours.dtype == torch.bfloat16
+    groups = q.shape[1] // k.shape[1]
+    exact = F.scaled_dot_product_attention(
+        q.double(), repeat_kv(k.double(), groups), repeat_kv(v.double(), groups),
+        is_causal=True, scale=0.11,
+    ).transpose(1, 2)  # fmt: skip
+    assert _error(ours, exact) <= RATIO * _error(theirs, exact)
+    assert (ours != theirs).float().mean() < 0.05  # the rest one rounding of a sum apart
     want = _float64_scaled(q, k, v, grad, 0.11)
     theirs_g = _grads(theirs, grad, (q, k, v))
     for o, t, w in zip(_grads(ours, grad, (q, k, v)), theirs_g, want, strict=True):
@@ -289,8 +308,10 @@ _FAMILIES = {
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
 def test_families_train_as_close_to_float64_as_with_sdpa(family: str, served: list[int]) -> None:
     """A bf16 forward + backward of each family's model (heads of 32) with the mapping
-    installed: every call served, the loss bit for bit ``sdpa``'s, and each parameter's
-    gradient as close to the float64 model's as with ``sdpa`` (a parameter whose exact
+    installed: every call served, the loss as close to the float64 model's as with ``sdpa``
+    (within 1.25 x its distance and 1e-4 of the loss), and each parameter's
+    gradient as close to the float64 model's as with ``sdpa`` (within :data:`MODEL_RATIO`, and
+    their mean within :data:`RATIO`) (a parameter whose exact
     gradient is zero, as a key bias's is, left out)."""
     config = AutoConfig.for_model(
         family, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -301,7 +322,8 @@ def test_families_train_as_close_to_float64_as_with_sdpa(family: str, served: li
     exact = AutoModelForCausalLM.from_config(config).double().train()
     theirs, ours = (copy.deepcopy(exact).to(torch.bfloat16) for _ in range(2))
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
-    exact(input_ids=ids, labels=ids).loss.backward()
+    exact_loss = exact(input_ids=ids, labels=ids).loss
+    exact_loss.backward()
     loss = theirs(input_ids=ids, labels=ids).loss
     loss.backward()
     restore = train_attention.install(torch.device("cpu"))
@@ -311,11 +333,16 @@ def test_families_train_as_close_to_float64_as_with_sdpa(family: str, served: li
     finally:
         restore()
     assert len(served) == 2  # both blocks
-    assert torch.equal(ours_loss, loss)
+    far, near = (abs(float(x) - float(exact_loss)) for x in (ours_loss, loss))
+    assert far <= RATIO * near + 1e-4 * float(exact_loss), (far, near)
     largest = max(float(p.grad.norm()) for p in exact.parameters() if p.grad is not None)
+    errors: list[tuple[float, float]] = []
     for (name, want), t, o in zip(exact.named_parameters(), theirs.parameters(), ours.parameters(),
                                   strict=True):  # fmt: skip
         if want.grad is None or float(want.grad.norm()) < 1e-9 * largest:
             continue
         err_o, err_t = _error(o.grad, want.grad), _error(t.grad, want.grad)
-        assert err_o <= RATIO * err_t + 1e-3, (name, err_o, err_t)
+        assert err_o <= MODEL_RATIO * err_t + 1e-3, (name, err_o, err_t)
+        errors.append((err_o, err_t))
+    mean_o, mean_t = (sum(e[i] for e in errors) / len(errors) for i in (0, 1))
+    assert mean_o <= RATIO * mean_t, (mean_o, mean_t)

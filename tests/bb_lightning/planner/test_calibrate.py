@@ -151,10 +151,15 @@ def test_probe_takes_a_three_block_copy_where_the_wider_one_does_not_fit(
 
 
 def test_probe_times_the_attention_backward_a_fit_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In bf16 on a CPU with matrix tiles a fit's attention backward runs on the tiles, and
-    the probe times it so; the rate it records is kept apart from torch's attention's."""
-    if host_linear.kernel() is None:
-        pytest.skip("no bf16 matrix tiles on this CPU: a fit runs torch's attention backward")
+    """In bf16 on a CPU with matrix tiles or AVX-512's bf16 products a fit's attention
+    backward runs the compiled kernel, and the probe times it so; the rate it records is kept
+    apart from torch's attention's, under the kernel's kind."""
+    kern = host_linear.attention_kernel()
+    if kern is None:
+        pytest.skip(
+            "neither bf16 matrix tiles nor AVX-512's bf16 products on this CPU: a fit "
+            "runs torch's attention backward"
+        )
     calls: list[int] = []
     real = host_linear._Kernel.attention_backward
     monkeypatch.setattr(host_linear._Kernel, "attention_backward",
@@ -168,7 +173,7 @@ def test_probe_times_the_attention_backward_a_fit_runs(monkeypatch: pytest.Monke
     for dtype in (torch.bfloat16, torch.float32):
         assert probe_train_compute(cfg, cpu(), seq_len=64, dtype=dtype, repeats=1)
     assert calls  # in bf16, the wider copy's blocks on every timed pass
-    assert keys == ["tiles", "sdpa"]
+    assert keys == [kern.kind, "sdpa"] and kern.kind in ("tiles", "vectors")
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # restored
 
 
