@@ -124,9 +124,14 @@ def _check_owned(where: Path, key: str, owned: Owned | None) -> None:
     """Refuse ``where`` unless it is a scratch directory or holds only a run's leftovers."""
     if read_marker(where, key=key) is not None:
         return
+    names = os.listdir(where)
+    # several ranks prepare one shared directory at once: another may have marked it since
+    # the look above, and its marker is then a run's, not a user's file
+    if MARKER_NAME in names and read_marker(where, key=key) is not None:
+        return
     foreign = sorted(
         name
-        for name in os.listdir(where)
+        for name in names
         if name != LOCK_NAME and PARTIAL not in name and not (owned is not None and owned(name))
     )
     if foreign:

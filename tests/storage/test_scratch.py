@@ -12,6 +12,7 @@ import pytest
 import torch
 import zarr
 
+from storage import scratch
 from storage.io import IOBackend, aligned_empty
 from storage.nvme import NvmeTier, StoreLockedError
 from storage.scratch import MARKER_NAME, SCRATCH_ATTR, prepare_dir, read_marker
@@ -126,3 +127,32 @@ def test_a_directory_another_rank_makes_meanwhile_is_taken(
     (tmp_path / "file").write_text("x")  # a file in its place is still refused
     with pytest.raises(ValueError, match="is a file, not a directory"):
         prepare_dir(tmp_path / "file")
+
+
+def test_a_directory_another_rank_marks_meanwhile_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks prepare and mark one shared directory at once: unmarked at this process's look
+    for the marker, marked by another rank before it lists the directory, it is taken (the
+    marker is not a user's file); a user's file beside no marker is still refused."""
+    where = tmp_path / "nvme"
+    where.mkdir()
+    real = scratch.read_marker
+    looks: list[Path] = []
+
+    def read_once_late(path: Path, *, key: str = "nvme_path") -> dict[str, object] | None:
+        if not looks:  # this rank's first look; the other rank marks it right after
+            looks.append(Path(path))
+            found = real(path, key=key)
+            scratch.write_marker(where, {"world_size": 2})
+            return found
+        return real(path, key=key)
+
+    monkeypatch.setattr(scratch, "read_marker", read_once_late)
+    assert prepare_dir(where, owned=lambda name: name == "rank1") == where
+    assert looks == [where] and read_marker(where) is not None
+    other = tmp_path / "users"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="holds 1 entries"):
+        prepare_dir(other)
