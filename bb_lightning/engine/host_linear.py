@@ -77,9 +77,11 @@ class _Kernel:
         lib.bb_host_linear_team_threads.restype = ctypes.c_int
         self.team = bool(lib.bb_host_linear_team_threads()) and native._one_openmp_runtime()
         """Whether a call shares the weight's rows among the calling thread's OpenMP team."""
-        self.tiles = False
+        lib.bb_linear_ready.restype = ctypes.c_int
+        lib.bb_attention_ready.restype = ctypes.c_int
+        self.tiles = bool(lib.bb_linear_ready())
         """Whether the products run on the matrix tiles (else :meth:`__call__` cannot run)."""
-        self.kind = "none"
+        self.kind = "tiles" if self.tiles else "vectors" if lib.bb_attention_ready() else "none"
         """Where the attention kernels' products run: ``"tiles"``, ``"vectors"`` (AVX-512's
         bf16 pair products) or ``"none"``."""
 
@@ -180,8 +182,7 @@ def attention_kernel() -> _Kernel | None:
     :meth:`_Kernel.attention_backward`) run here, on the matrix tiles or, without them, on
     AVX-512's bf16 pair products (:attr:`_Kernel.kind`); None where ``BB_NATIVE=0``, where it
     cannot be built, or where the CPU has neither."""
-    kern = native.once(_loaded, _load)
-    return kern if kern is not None and kern.kind != "none" else None
+    return native.once(_loaded, _load)  # loaded only where its attention runs
 
 
 def _load(compiler: str) -> _Kernel | None:
@@ -192,11 +193,7 @@ def _load(compiler: str) -> _Kernel | None:
     lib = native.load_library(SOURCE, compiler, "bf16 products with few rows run torch's")
     if lib is None:
         return None
-    lib.bb_linear_ready.restype = ctypes.c_int
-    lib.bb_attention_ready.restype = ctypes.c_int
     kern = _Kernel(lib)
-    kern.tiles = bool(lib.bb_linear_ready())
-    kern.kind = "tiles" if kern.tiles else "vectors" if lib.bb_attention_ready() else "none"
     return kern if kern.kind != "none" else None
 
 
