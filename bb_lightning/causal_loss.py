@@ -6,8 +6,11 @@ fp32 logits, and the loss's backward three buffers of that size
 (:func:`bb_lightning.planner.cost.logits_bytes`). :func:`causal_lm_loss` runs the model
 with its head skipped (the hidden states the head would see are kept), then the head,
 the family's transform of its output (:func:`~bb_lightning.engine.hf_quirks.head_logits_of`)
-and the summed cross-entropy of ``chunk_tokens`` positions at a time, each chunk under
-activation checkpointing: one chunk's logits live at a time, in forward and in backward.
+and the summed cross-entropy of ``chunk_tokens`` positions at a time, each chunk but the
+last under activation checkpointing: one chunk's logits live at a time, in forward and in
+backward. The last chunk's backward is the first to run, so the log-softmax it keeps from
+its forward is what a recompute would rebuild at that moment: it is kept, and the head's
+product and the cross-entropy of a pass that fits in one chunk run once.
 The result is transformers' loss (labels shifted one to the left, ``-100`` ignored, the
 mean over the labels kept, an MoE's load-balancing loss added as its forward adds it),
 with the same gradients.
@@ -99,11 +102,14 @@ def causal_lm_loss(
     shifted = shifted.to(flat.device)
     grad = torch.is_grad_enabled()
     total: Tensor | None = None
-    for start in range(0, flat.shape[0], chunk_tokens):
+    positions = flat.shape[0]
+    for start in range(0, positions, chunk_tokens):
         h, y = flat[start : start + chunk_tokens], shifted[start : start + chunk_tokens]
+        # The last chunk's backward runs first, right after this forward: what it keeps
+        # (its log-softmax) is what a recompute would rebuild there, so it keeps it.
         part = (
             checkpoint(_chunk_loss, head, config, h, y, use_reentrant=False)
-            if grad
+            if grad and start + chunk_tokens < positions
             else _chunk_loss(head, config, h, y)
         )
         total = part if total is None else total + part

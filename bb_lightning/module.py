@@ -207,8 +207,8 @@ class CausalLMModule(pl.LightningModule):
                 (see :class:`~bb_lightning.hf.lora.LoraOptions`;
                 needs ``pip install 'balance-beam[peft]'``); None: full fine-tuning.
             loss_chunk_tokens: tokens whose logits the training loss holds at once: the
-                head and the cross-entropy run over chunks of that many positions, each
-                recomputed in backward (:func:`~bb_lightning.causal_loss.causal_lm_loss`);
+                head and the cross-entropy run over chunks of that many positions, each but
+                the last recomputed in backward (:func:`~bb_lightning.causal_loss.causal_lm_loss`);
                 None: as many as keep one chunk's fp32 logits and their gradients within
                 1 GiB (697 tokens at a 128k vocabulary); 0: the whole pass at once,
                 through the model's own ``labels`` loss.
