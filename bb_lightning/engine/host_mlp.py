@@ -18,7 +18,8 @@ would: an ``act_fn`` that is a plain SiLU (``nn.SiLU`` or a module whose ``forwa
 autograd graph to record, torch running eagerly
 (:func:`~bb_lightning.engine.host_norm.eager`). Every other call computes the class's
 expression. The inference engine installs it on a CPU device and removes it when it closes
-(:class:`~bb_lightning.engine.inference.InferenceEngine`); training never runs it.
+(:class:`~bb_lightning.engine.inference.InferenceEngine`); a fit runs the same kernel with
+its backward (:mod:`~bb_lightning.engine.train_mlp`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.nn.modules import module as nn_module
 
 from bb_lightning.engine import host_norm
 
-__all__ = ["PLAIN_GATED_MLP", "install", "plain_gated_mlp"]
+__all__ = ["PLAIN_GATED_MLP", "install", "plain_gated_mlp", "plain_silu"]
 
 PLAIN_GATED_MLP = """
 def forward(self, x):
@@ -64,7 +65,7 @@ def _reads(kind: type, which: int) -> bool:
     return known
 
 
-def _plain_silu(act: object) -> bool:
+def plain_silu(act: object) -> bool:
     """Whether calling module ``act`` computes ``F.silu`` of its input and nothing else (no
     hooks of its own or global ones, no instance ``forward``)."""
     if not isinstance(act, nn.Module) or "forward" in vars(act):
@@ -99,7 +100,7 @@ def _forward(kern: host_norm._Kernel, module: nn.Module, x: Tensor) -> Tensor:
         for name in ("act_fn", "gate_proj", "up_proj", "down_proj")
     )
     gate = gate_proj(x)
-    if not _plain_silu(act):
+    if not plain_silu(act):
         return down_proj(act(gate) * up_proj(x))
     up = up_proj(x)
     return down_proj(kern.silu_mul(gate, up) if _served(gate, up) else act(gate) * up)

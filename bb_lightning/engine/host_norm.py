@@ -93,6 +93,11 @@ class _Kernel:
         self._silu_mul.restype = ctypes.c_int
         self._silu_table = torch.nn.functional.silu(_every_bf16()).float()
         """torch's bf16 ``F.silu`` of each bf16 bit pattern, as floats (the kernel's table)."""
+        self._silu_back = lib.bb_silu_mul_backward
+        self._silu_back.argtypes = [ctypes.c_int, _I64, *[_PTR] * 7]
+        self._silu_back.restype = ctypes.c_int
+        self._dsilu_table = _silu_derivative(_every_bf16())
+        """The SiLU's derivative at each bf16 bit pattern, in float64 rounded to fp32."""
         self.rope_dtypes = frozenset(d for d in DTYPES if self._rope_exact(d))
         """Dtypes whose rotary embedding the build computes bit for bit as torch's operations
         (checked at load: a compiler that fuses the fp32 products into multiply-adds despite
@@ -151,6 +156,19 @@ class _Kernel:
         self._silu_mul(threads, gate.numel(), gate.data_ptr(), up.data_ptr(),
                        self._silu_table.data_ptr(), y.data_ptr())  # fmt: skip
         return y
+
+    def silu_mul_backward(self, gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The gradients (of ``gate``, of ``up``) of :meth:`silu_mul` given its output's
+        gradient ``grad``: contiguous bf16 tensors of one shape, in one pass (the kernel's
+        ``bb_silu_mul_backward``; ``up``'s gradient is torch's bit for bit, ``gate``'s computed
+        in fp32 and rounded once)."""
+        dg = torch.empty(gate.shape, dtype=torch.bfloat16, device="cpu")
+        du = torch.empty(gate.shape, dtype=torch.bfloat16, device="cpu")
+        threads = torch.get_num_threads() if self.team else 1
+        self._silu_back(threads, gate.numel(), gate.data_ptr(), up.data_ptr(), grad.data_ptr(),
+                        self._silu_table.data_ptr(), self._dsilu_table.data_ptr(),
+                        dg.data_ptr(), du.data_ptr())  # fmt: skip
+        return dg, du
 
     def sum_into(self, dst: Tensor, srcs: Sequence[Tensor], *, into: bool) -> bool:
         """``dst (+)= srcs[0] + srcs[1] + ...`` in fp32, left to right, in one pass (the
@@ -305,6 +323,16 @@ class _Kernel:
 def _flat_cpu(t: Tensor) -> bool:
     """A contiguous strided CPU tensor outside autograd (:func:`plain_cpu`)."""
     return plain_cpu(t, t) and t.is_contiguous() and not t.requires_grad
+
+
+def _silu_derivative(x: Tensor) -> Tensor:
+    """``d silu(v) / dv = sigmoid(v) * (1 + v * (1 - sigmoid(v)))`` at each of ``x``, in
+    float64 rounded to fp32 (1 at +inf, 0 at -inf, NaN at NaN)."""
+    v = x.double()
+    s = torch.sigmoid(v)
+    d = s * (1 + v * (1 - s))
+    d = torch.where(v == float("inf"), 1.0, torch.where(v == float("-inf"), 0.0, d))
+    return d.float()
 
 
 def _every_bf16() -> Tensor:

@@ -34,6 +34,8 @@
  * the caller with F.silu), and the product is computed in fp32 and rounded to bf16 to
  * nearest even as torch's product rounds it: the results equal torch's bit for bit, a NaN
  * kept a NaN (its payload as the CPU's own conversion keeps it: sign and upper bits, quiet).
+ * Its backward (training; `bb_silu_mul_backward` below) computes both gradients in one pass
+ * from g, u and the output's gradient, the SiLU's derivative looked up in a second table.
  *
  * RMS norm's backward (training, bf16; `bb_rms_norm_backward` below): for a row x, the
  * weight w and the output's gradient dy, with r = rsqrt(mean(x^2) + eps) and the forward's
@@ -308,6 +310,54 @@ int bb_silu_mul(int threads, int64_t n, const void *g, const void *u, const floa
         int64_t end = (s + 1) * SILU_MUL_SPAN < n ? (s + 1) * SILU_MUL_SPAN : n;
         silu_mul_span((const uint16_t *)g, (const uint16_t *)u, table, (uint16_t *)y,
                       s * SILU_MUL_SPAN, end);
+    }
+    return 0;
+}
+
+static void silu_mul_backward_span(const uint16_t *restrict g, const uint16_t *restrict u,
+                                   const uint16_t *restrict dy, const float *restrict silu,
+                                   const float *restrict dsilu, uint16_t *restrict dg,
+                                   uint16_t *restrict du, int64_t i, int64_t end) {
+#if defined(__AVX512F__)
+    for (; i + 16 <= end; i += 16) {
+        __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i)));
+        __m512 s = _mm512_i32gather_ps(index, silu, 4);
+        __m512 d = _mm512_i32gather_ps(index, dsilu, 4);
+        __m512i ubits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + i)));
+        __m512i ybits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(dy + i)));
+        __m512 uf = _mm512_castsi512_ps(_mm512_slli_epi32(ubits, 16));
+        __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(ybits, 16));
+        _mm256_storeu_si256((__m256i *)(du + i), product_bf16x16(_mm512_mul_ps(yf, s)));
+        __m512 gy = _mm512_mul_ps(_mm512_mul_ps(yf, uf), d);
+        _mm256_storeu_si256((__m256i *)(dg + i), product_bf16x16(gy));
+    }
+#endif
+    for (; i < end; i++) {
+        float y = bf16_float(dy[i]);
+        du[i] = product_bf16(y * silu[g[i]]);
+        dg[i] = product_bf16(y * bf16_float(u[i]) * dsilu[g[i]]);
+    }
+}
+
+/* The gated MLP activation's backward (training, bf16): over `n` elements of contiguous g,
+ * u, the output's gradient dy, and the gradients dg, du written,
+ *
+ *     du = bf16(dy * silu[g])                 (silu[g]: the forward's table; torch's bit for bit)
+ *     dg = bf16((dy * u) * dsilu[g])           (fp32, rounded once)
+ *
+ * `dsilu` holds silu'(v) = sigmoid(v) * (1 + v * (1 - sigmoid(v))) for each bf16 bit pattern
+ * v, computed by the caller in float64 and rounded to fp32. autograd rounds dy * u to bf16
+ * before its SiLU backward: dg lies as close to the exact gradient or closer, not bit for
+ * bit torch's. */
+int bb_silu_mul_backward(int threads, int64_t n, const void *g, const void *u, const void *dy,
+                         const float *silu, const float *dsilu, void *dg, void *du) {
+    int64_t spans = (n + SILU_MUL_SPAN - 1) / SILU_MUL_SPAN;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t s = 0; s < spans; s++) {
+        int64_t end = (s + 1) * SILU_MUL_SPAN < n ? (s + 1) * SILU_MUL_SPAN : n;
+        silu_mul_backward_span((const uint16_t *)g, (const uint16_t *)u, (const uint16_t *)dy,
+                               silu, dsilu, (uint16_t *)dg, (uint16_t *)du, s * SILU_MUL_SPAN,
+                               end);
     }
     return 0;
 }

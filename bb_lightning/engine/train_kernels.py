@@ -2,10 +2,11 @@
 taken back together: the attention's on the matrix tiles or vectors
 (:mod:`~bb_lightning.engine.train_attention`, a mapping of transformers' ``sdpa`` for every
 model of the process) and, over the fitted model, the Llama family's RMS norms'
-(:mod:`~bb_lightning.engine.train_norm`). The norms keep the forward torch computes; the
-attention computes its own, as close to float64 as torch's. Each serves only the calls it
-computes as the class would; the strategy installs them at its setup for a fit and takes
-them back first at its teardown."""
+(:mod:`~bb_lightning.engine.train_norm`) and gated MLP activations'
+(:mod:`~bb_lightning.engine.train_mlp`). The norms and the activations keep the forward
+torch computes; the attention computes its own, as close to float64 as torch's. Each serves
+only the calls it computes as the class would; the strategy installs them at its setup for
+a fit and takes them back first at its teardown."""
 
 from __future__ import annotations
 
@@ -14,23 +15,49 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from bb_lightning.engine import train_attention, train_norm
+from bb_lightning.engine import train_attention, train_mlp, train_norm
 
-__all__ = ["install"]
+__all__ = ["backward_kinds", "install", "install_model"]
 
 
 def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
     """The attention's backward (:func:`~bb_lightning.engine.train_attention.install`) and,
-    over ``model``, its RMS norms' (:func:`~bb_lightning.engine.train_norm.
-    install`); return the function that restores both, the norms first (the attention's
-    mapping even where that raises)."""
+    over ``model``, :func:`install_model`'s; return the function that restores both, the
+    model's first (the attention's mapping even where that raises)."""
     attention = train_attention.install(device)
-    norms = train_norm.install(device, model)
+    try:
+        others = install_model(device, model)
+    except BaseException:
+        attention()
+        raise
 
     def restore() -> None:
         try:
-            norms()
+            others()
         finally:
             attention()
 
     return restore
+
+
+def install_model(device: torch.device, model: nn.Module) -> Callable[[], None]:
+    """Over ``model``, the RMS norms' backward (:func:`~bb_lightning.engine.train_norm.
+    install`) and the gated MLP activations' (:func:`~bb_lightning.engine.train_mlp.install`);
+    return the function that restores both, the activations first (the norms even where
+    that raises)."""
+    norms = train_norm.install(device, model)
+    mlps = train_mlp.install(device, model)
+
+    def restore() -> None:
+        try:
+            mlps()
+        finally:
+            norms()
+
+    return restore
+
+
+def backward_kinds(device: torch.device, dtype: torch.dtype) -> str:
+    """The backwards :func:`install_model` gives a fit on ``device`` in ``dtype``: the norms'
+    and the activations' kinds (the model-shaped probe keys its recorded rate by them)."""
+    return f"{train_norm.backward_kind(device, dtype)}/{train_mlp.backward_kind(device, dtype)}"

@@ -55,7 +55,7 @@ from typing import Any
 import psutil
 import torch
 
-from bb_lightning.engine import train_attention, train_norm
+from bb_lightning.engine import train_attention, train_kernels
 from bb_lightning.planner import cost
 from bb_lightning.planner.profile import HardwareProfile, ModelProfile
 from bb_lightning.probe import contention, rate_cache
@@ -228,7 +228,7 @@ def _pass_seconds(
         ]
 
     def train_pass(net: Any) -> Callable[[], None]:
-        train_norm.install(device, net)  # the norms' backward a fit here runs
+        train_kernels.install_model(device, net)  # the norms' and MLPs' a fit here runs
 
         def run() -> None:
             sync(device)
@@ -289,7 +289,7 @@ def probe_train_compute(
     record = rate_cache.key(
         "train", model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=dev.type,
         span=span, attention=train_attention.backward_kind(dev, dtype, model.head_dim, seq_len),
-        norm=train_norm.backward_kind(dev, dtype),
+        norm=train_kernels.backward_kinds(dev, dtype),
     )  # fmt: skip
     known = (rate_cache.recall(record) or {}).get("train")
     restore = train_attention.install(dev)  # the attention a fit on this device runs

@@ -2,21 +2,26 @@
 
 Plain Lightning ``"bf16-true"`` keeps bf16 weights without fp32 masters, so its
 updates round away (lr x update < bf16 spacing) and it is no reference. The
-reference here runs the Hugging Face model in bf16, sums each micro-batch's bf16
-gradient into fp32 (as the engine's fp32 accumulators do) and steps fp32 master
-weights with ``torch.optim.AdamW``. Both sides round the same products to bf16, in a
-somewhat different order (recomputed blocks, the loss outside the blocks), so they
-agree to the last bf16 bits, not exactly.
+reference here runs the Hugging Face model in bf16 with the host kernels a fit on a CPU
+installs (``train_kernels``; each checked against float64 in its own tests), sums each
+micro-batch's bf16 gradient into fp32 (as the engine's fp32 accumulators do) and steps fp32
+master weights with ``torch.optim.AdamW``. Without clipping both sides then compute the
+same: the masters agree to 1e-7 of the reference's movement (seeds 0-7).
 
-Bounds, measured (model and data seeds 0, 1 and 2, one and two threads): the engine's
-losses are within 3e-5 relative of the reference's, its masters within 0.3 % of the
-reference's movement (the norm of the difference over the norm of ``final - initial``,
-over all tensors) and 1 % for any one tensor. The wrong engines these bounds reject
-(reference variants, same seeds): no step (losses 1.4e-3 off, masters 100 %), lr x2
-or x0.5 (losses 1.1e-3, masters 50 %), a dropped micro-batch gradient (losses 9.6e-4,
-masters 90 %), clipping ignored (masters 2.0 % over all, 2.3 % for one tensor), a
-clip twice as loose (0.76 %, 1.9 %) and weight decay ignored (1.3 %, 16 %; the tests
-use weight decay 0.1 so that 3 steps of it show above bf16 noise).
+With norm clipping the two sum the gradients' norm in other groupings (the engine block by
+block), so their clip coefficients can differ in the last bit; a master then lands on the
+other side of a bf16 rounding, the next step's bf16 weights differ by one spacing, and the
+runs part at bf16 noise. Measured over data seeds 0-7 (AMD EPYC, 2 threads): half the
+seeds agree to 1e-6, the others' masters differ by up to 0.56 % of the reference's movement
+(the norm of the difference over the norm of ``final - initial``, over all tensors) and up
+to 2.05 % for one tensor (the embedding, whose rarely seen rows move least). The wrong
+engines these bounds reject (reference variants, seed 0): no step (losses 1.4e-3 off,
+masters 100 %), lr x2 or x0.5 (losses 1.1e-3, masters 50 %), a dropped micro-batch gradient
+(losses 9.6e-4, masters 90 %), clipping ignored (masters 2.0 % over all) and weight decay
+ignored (1.3 % over all, 16 % for one tensor; the tests use weight decay 0.1 so that 3 steps
+of it show above bf16 noise). A clip twice as loose (0.76 %, 1.9 %) lies within that noise:
+the clip's arithmetic is checked in fp32 against plain Lightning
+(``tests/bb_lightning/strategy/test_strategy.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bb_lightning import BalanceBeamStrategy
-from bb_lightning.engine import host_linear, host_norm
+from bb_lightning.engine import host_linear, host_norm, train_kernels
 from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
@@ -44,10 +49,11 @@ STEPS = 3
 WEIGHT_DECAY = 0.1
 LOSS_RTOL = 2e-4
 """Relative loss bound: measured 3e-5, a wrong step at least 9.6e-4 (module docstring)."""
-MASTERS_RTOL = 6e-3
-"""Bound on |masters - reference| / |reference's movement| over all tensors: measured 0.3 %."""
-TENSOR_RTOL = 2e-2
-"""The same bound for each tensor: measured 1 %."""
+MASTERS_RTOL = 1e-2
+"""Bound on |masters - reference| / |reference's movement| over all tensors: measured up to
+0.56 % (module docstring)."""
+TENSOR_RTOL = 4e-2
+"""The same bound for each tensor: measured up to 2.05 %."""
 
 
 def _reference(
@@ -56,10 +62,13 @@ def _reference(
     accumulate: int = 1,
     clip: float | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
+    kernels: bool = False,
 ) -> Any:
     """Per-micro-batch losses (divided by ``accumulate``, as Lightning reports them), initial
     and final fp32 masters of ``compute_dtype`` compute with ``torch.optim.AdamW`` on fp32
-    masters."""
+    masters; with ``kernels`` the model runs the host kernels a fit on a CPU device installs
+    (:func:`~bb_lightning.engine.train_kernels.install`, each checked against float64 in its
+    own tests), so that its gradients round as the engine's do."""
     cfg = dict(config)
     with torch.random.fork_rng():
         torch.manual_seed(0)  # CausalLMModule(seed=0) initialises the same way
@@ -72,6 +81,26 @@ def _reference(
         master.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=WEIGHT_DECAY
     )
     losses = []
+    restore = train_kernels.install(torch.device("cpu"), compute) if kernels else None
+    try:
+        _steps(compute, master, optimizer, batches, accumulate, clip, losses)
+    finally:
+        if restore is not None:
+            restore()
+    final = {k: v.detach().clone() for k, v in master.state_dict().items()}
+    return losses, initial, final
+
+
+def _steps(
+    compute: torch.nn.Module,
+    master: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[dict[str, torch.Tensor]],
+    accumulate: int,
+    clip: float | None,
+    losses: list[float],
+) -> None:
+    """:func:`_reference`'s steps: ``losses`` gets each micro-batch's."""
     for k, batch in enumerate(batches):
         if k % accumulate == 0:
             with torch.no_grad():
@@ -90,8 +119,6 @@ def _reference(
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    final = {k: v.detach().clone() for k, v in master.state_dict().items()}
-    return losses, initial, final
 
 
 def _module(config: dict[str, Any]) -> CausalLMModule:
@@ -122,7 +149,7 @@ def test_bf16_blocks_with_fp32_masters_match_reference(
     tiny: SimpleNamespace, precision: str
 ) -> None:
     config = tiny.tiny_llama()
-    losses_ref, initial, final_ref = _reference(config, tiny.batches(STEPS))
+    losses_ref, initial, final_ref = _reference(config, tiny.batches(STEPS), kernels=True)
     module = _module(config)
     placement = Placement.uniform(4, weights=Tier.HOST, master=Tier.HOST, prefetch_depth=1)
     strategy = BalanceBeamStrategy(placement=placement)
@@ -154,7 +181,7 @@ def test_bf16_accumulation_and_clipping_on_every_tier_match_reference(
     sums, one_pass = count_host_kernel("sum_into"), count_host_kernel("adamw")
     config, accumulate, clip = tiny.tiny_llama(), 2, 0.5
     batches = tiny.batches(STEPS * accumulate)
-    losses_ref, initial, final_ref = _reference(config, batches, accumulate, clip)
+    losses_ref, initial, final_ref = _reference(config, batches, accumulate, clip, kernels=True)
     module = _module(config)
     placement = Placement(
         weights=(Tier.NVME, Tier.HOST, Tier.DEVICE, Tier.HOST),
@@ -262,11 +289,13 @@ def test_a_users_module_trains_through_the_tiles_attention_backward(
     tiny: SimpleNamespace, tmp_path: Path, count_host_kernel: Callable[..., list[int]]
 ) -> None:
     """The user's own LightningModule loading a ``save_pretrained`` Llama with heads of 32 by
-    path, ``bf16-mixed``: the attention's backward runs on the tiles where they exist, and the
+    path, ``bf16-mixed``: the attention's backward runs on the tiles where they exist, the RMS
+    norms' and the gated MLPs' through the host kernels, and the
     module after ``fit`` holds masters as close to the fp32-compute run as the bf16 reference's
     (the bound of the test above)."""
     grads = count_host_kernel("attention_backward", host_linear._Kernel)
     norms = count_host_kernel("norm_backward")
+    mlps = count_host_kernel("silu_mul_backward")
     config = tiny.tiny_llama(
         hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32,
@@ -289,6 +318,7 @@ def test_a_users_module_trains_through_the_tiles_attention_backward(
     trainer.fit(module, tiny.loader(STEPS))
     assert len(grads) == 4 * STEPS or host_linear.attention_kernel() is None
     assert len(norms) == (2 * 4 + 1) * STEPS or host_norm.kernel() is None
+    assert len(mlps) == 4 * STEPS or host_norm.kernel() is None  # each block's MLP backward
     assert not any("forward" in vars(m) for m in module.modules())  # the class's forwards again
     torch.testing.assert_close(
         torch.tensor(recorder.losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0

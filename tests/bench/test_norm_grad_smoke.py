@@ -1,4 +1,5 @@
-"""The RMS norm backward benchmark runs as a script at a tiny size and prints its lines."""
+"""The RMS norm and gated-MLP backward benchmark runs as a script at a tiny size and prints
+its lines."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def test_norm_grad_bench_prints_both_backwards_and_their_ratio(tmp_path: Path) -
     env = dict(os.environ, OMP_NUM_THREADS="1")
     figures = tmp_path / "figures.json"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--shapes", "40x96", "--seconds", "0.01",
-         "--json", str(figures)],
+        [sys.executable, str(BENCH), "--shapes", "40x96", "--mlp-shapes", "40x100",
+         "--seconds", "0.01", "--json", str(figures)],
         capture_output=True, text=True, env=env, timeout=120, check=False,
     )  # fmt: skip
     out = done.stdout
@@ -37,3 +38,9 @@ def test_norm_grad_bench_prints_both_backwards_and_their_ratio(tmp_path: Path) -
     assert float(found[0]) == pytest.approx(entry["speedup"], abs=0.006)
     for ours, theirs in entry["errors"].values():
         assert ours <= 1.25 * theirs  # as close to float64 as autograd's backward
+    found = re.findall(r"mlp 40x100: .* autograd / kernels = ([\d.]+); error against", out)
+    assert len(found) == 1, out
+    entry = written["figures"]["mlp"]["40x100"]
+    assert float(found[0]) == pytest.approx(entry["speedup"], abs=0.006)
+    (dgate, dgate_autograd), (dup, dup_autograd) = entry["errors"].values()
+    assert dgate <= dgate_autograd and dup == dup_autograd  # the up projection's is torch's
