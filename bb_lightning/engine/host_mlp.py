@@ -34,7 +34,7 @@ from torch.nn.modules import module as nn_module
 
 from bb_lightning.engine import host_norm
 
-__all__ = ["PLAIN_GATED_MLP", "install", "plain_gated_mlp", "plain_silu"]
+__all__ = ["PLAIN_GATED_MLP", "install", "kernel_operands", "plain_gated_mlp", "plain_silu"]
 
 PLAIN_GATED_MLP = """
 def forward(self, x):
@@ -80,8 +80,10 @@ def plain_silu(act: object) -> bool:
     )
 
 
-def _served(gate: Tensor, up: Tensor) -> bool:
-    """Whether the kernel computes ``silu(gate) * up`` (else torch does)."""
+def kernel_operands(gate: Tensor, up: Tensor) -> bool:
+    """Whether the kernel reads ``gate`` and ``up`` as torch's ``silu(gate) * up`` does:
+    contiguous bf16 CPU tensors of one shape, torch running eagerly (recorded by autograd
+    or not)."""
     return (
         host_norm.eager()
         and host_norm.plain_cpu(gate, up)
@@ -90,7 +92,13 @@ def _served(gate: Tensor, up: Tensor) -> bool:
         and gate.shape == up.shape
         and gate.is_contiguous()
         and up.is_contiguous()
-        and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))
+    )
+
+
+def _served(gate: Tensor, up: Tensor) -> bool:
+    """Whether the kernel computes ``silu(gate) * up`` (else torch does)."""
+    return kernel_operands(gate, up) and not (
+        torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     )
 
 

@@ -63,15 +63,9 @@ def _serves(gate: Tensor, up: Tensor) -> bool:
     """Whether the kernels compute ``silu(gate) * up`` and its backward (else torch does)."""
     return (
         not torch.compiler.is_compiling()
-        and host_norm.eager()  # first: a trace reads the checks below as constants
+        and host_mlp.kernel_operands(gate, up)  # first: a trace reads the rest as constants
         and torch.is_grad_enabled()
         and (gate.requires_grad or up.requires_grad)
-        and host_norm.plain_cpu(gate, up)
-        and type(up) is Tensor
-        and gate.dtype == up.dtype == torch.bfloat16
-        and gate.shape == up.shape
-        and gate.is_contiguous()
-        and up.is_contiguous()
     )
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from bb_lightning.engine import attention, native
 
@@ -57,3 +58,32 @@ def record_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[str]]
         return names
 
     return record
+
+
+def count_function_calls(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, method: str
+) -> list[int]:
+    """Replace the autograd ``Function`` ``owner.name`` with a subclass whose ``method``
+    (``"forward"`` or ``"backward"``) appends to the list returned, then runs the class's."""
+    calls: list[int] = []
+    kind = getattr(owner, name)
+
+    def counted(ctx: Any, *args: Any) -> Any:
+        calls.append(1)
+        return getattr(kind, method)(ctx, *args)
+
+    monkeypatch.setattr(
+        owner, name, type(f"Counted{name}", (kind,), {method: staticmethod(counted)})
+    )
+    return calls
+
+
+def thread_count(request: pytest.FixtureRequest, team: bool) -> Iterator[int]:
+    """Run the test at ``request.param`` torch threads, put back after it; skipped above one
+    where the kernel under test runs on one thread (``team`` false: no shared OpenMP team)."""
+    if request.param > 1 and not team:
+        pytest.skip("the kernel runs on one thread here (no shared OpenMP team)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -21,7 +21,6 @@ import os
 import shutil
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from bb_lightning.engine import host_linear, train_attention
 from bb_lightning.engine.attention import decode_attention_for
 from bb_lightning.engine.train_attention import training_attention
+from tests.bb_lightning.engine.conftest import count_function_calls, thread_count
 
 RATIO = 1.25
 """Error norm against float64 over torch's own error norm: measured 1.0 (dq), 0.5-0.8 (dk, dv)."""
@@ -58,28 +58,13 @@ def tiles() -> None:
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The calls whose backward the tiles will compute (one entry each, at the forward)."""
-    calls: list[int] = []
-    tiles = train_attention._KernelAttention
-
-    class Counted(tiles):  # type: ignore[misc,valid-type]
-        @staticmethod
-        def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
-            calls.append(1)
-            return tiles.forward(ctx, *args)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(train_attention, "_KernelAttention", Counted)
-    return calls
+    return count_function_calls(monkeypatch, train_attention, "_KernelAttention", "forward")
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     kern = host_linear.attention_kernel()
-    if request.param > 1 and (kern is None or not kern.team):
-        pytest.skip("the kernel runs on one thread here (no shared OpenMP team)")
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    yield from thread_count(request, kern is not None and kern.team)
 
 
 class _Attention(nn.Module):

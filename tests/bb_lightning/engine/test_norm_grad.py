@@ -26,6 +26,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from bb_lightning.engine import host_norm, train_attention, train_kernels, train_norm
+from tests.bb_lightning.engine.conftest import count_function_calls, thread_count
 
 RATIO = 1.25
 """Error norm against float64 over autograd's own error norm."""
@@ -43,28 +44,13 @@ def built() -> None:
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The calls whose backward the kernel computes (one entry each, at the backward)."""
-    calls: list[int] = []
-    kind = train_norm._NormBackward
-
-    class Counted(kind):  # type: ignore[misc,valid-type]
-        @staticmethod
-        def backward(ctx: Any, *grads: Tensor) -> Any:
-            calls.append(1)
-            return kind.backward(ctx, *grads)
-
-    monkeypatch.setattr(train_norm, "_NormBackward", Counted)
-    return calls
+    return count_function_calls(monkeypatch, train_norm, "_NormBackward", "backward")
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     kern = host_norm.kernel()
-    if request.param > 1 and (kern is None or not kern.team):
-        pytest.skip("the kernel runs on one thread here (no shared OpenMP team)")
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    yield from thread_count(request, kern is not None and kern.team)
 
 
 def _norm(dim: int, seed: int = 0) -> LlamaRMSNorm:
