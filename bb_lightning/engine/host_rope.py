@@ -14,9 +14,14 @@ The attention classes call the function by its name in their own module, so
 annotations aside: :func:`~bb_lightning.engine.host_norm.reads_as`), for one that calls the
 kernel where it computes what the function would (CPU tensors of fp32 or bf16 with
 contiguous rows, in a dtype the build computes bit for bit, queries and keys ``[batch,
-heads, tokens, dim]``, ``cos`` and ``sin`` ``[batch or 1, tokens, dim]``, no autograd graph
-to record, torch running eagerly: :func:`~bb_lightning.engine.host_norm.eager`) and the
-function itself for every other call.
+heads, tokens, dim]``, ``cos`` and ``sin`` ``[batch or 1, tokens, dim]``, torch running
+eagerly: :func:`~bb_lightning.engine.host_norm.eager`) and the function itself for every
+other call. Where autograd records the call (a ``fit`` on a CPU device installs it too,
+:mod:`~bb_lightning.engine.train_kernels`), the kernel's embedding keeps only ``cos`` and
+``sin``, and its backward is the same kernel rotating the outputs' gradients back by
+``-sin``: autograd's gradients bit for bit, where ``sin``'s two halves are equal (as every
+rotary embedding of transformers builds them; checked at each call, else the function
+runs).
 The swap is counted per model file: the original returns when the last model that installed
 it restores it, unless another has replaced the global since (that replacement stays); an
 install that fails midway undoes its swaps.
@@ -33,10 +38,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from bb_lightning.engine import host_norm
 
-__all__ = ["PLAIN_ROTARY", "PLAIN_ROTATE_HALF", "install", "plain_rotary"]
+__all__ = ["PLAIN_ROTARY", "PLAIN_ROTATE_HALF", "backward_kind", "install", "plain_rotary"]
 
 PLAIN_ROTARY = """
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -100,11 +106,60 @@ def _served(
         return False
     if cos.ndim != 3 or cos.shape != sin.shape or q.shape[-1] % 2:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+    if (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in ts)
+        and not _differentiable(q, k, cos, sin)
+    ):
         return False
     rows, tokens, width = cos.shape
     return all(rows in (1, x.shape[0]) and tokens in (1, x.shape[2]) and width == x.shape[3]
                for x in (q, k))  # fmt: skip
+
+
+def _differentiable(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether :class:`_Rotary` records this call for autograd: only the queries and keys
+    need a gradient, and ``sin``'s two halves are equal (as ``cat((freqs, freqs))`` makes
+    them), so that the rotation back by ``-sin`` rounds as autograd through the function's
+    operations does."""
+    if cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling():
+        return False
+    half = sin.shape[-1] // 2
+    return bool(torch.equal(sin[..., :half], sin[..., half:]))
+
+
+def _rope(kern: host_norm._Kernel, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The kernel's rotary embedding of ``x`` ``[rows, heads, tokens, dim]`` by ``cos`` and
+    ``sin`` ``[rows or 1, tokens or 1, dim]``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    c, s = (t.unsqueeze(1).expand(x.shape) for t in (cos, sin))
+    return kern.rope(x, c, s)
+
+
+class _Rotary(torch.autograd.Function):
+    """The kernel's rotary embedding under autograd: the gradient of a rotation by ``sin``
+    is the rotation of the output's gradient by ``-sin``, the same kernel (its roundings
+    autograd's through the function's products, cat and sum, where ``sin``'s halves are
+    equal: :func:`_differentiable`)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, kern: host_norm._Kernel, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        ctx.kern = kern
+        ctx.save_for_backward(cos, sin)
+        return _rope(kern, q, cos, sin), _rope(kern, k, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dq: Tensor | None, dk: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        back = -sin
+        wants_q, wants_k = ctx.needs_input_grad[1:3]
+        gq = _rope(ctx.kern, dq, cos, back) if wants_q and dq is not None else None
+        gk = _rope(ctx.kern, dk, cos, back) if wants_k and dk is not None else None
+        return None, gq, gk, None, None
 
 
 def _rotary(
@@ -113,11 +168,18 @@ def _rotary(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     if not _served(kern, q, k, cos, sin, unsqueeze_dim):
         return original(q, k, cos, sin, unsqueeze_dim)  # type: ignore[no-any-return]
-    out = []
-    for x in (q, k):
-        c, s = (t.unsqueeze(1).expand(x.shape) for t in (cos, sin))
-        out.append(kern.rope(x, c, s))
-    return out[0], out[1]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _Rotary.apply(kern, q, k, cos, sin)  # type: ignore[no-any-return]
+    return _rope(kern, q, cos, sin), _rope(kern, k, cos, sin)
+
+
+def backward_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """Which backward a fit on ``device`` computing in ``dtype`` gives a plain rotary
+    embedding: ``"kernel"`` or ``"autograd"`` (the model-shaped probe keys its recorded rate
+    by it)."""
+    kern = host_norm.kernel()
+    served = device.type == "cpu" and kern is not None and dtype in kern.rope_dtypes
+    return "kernel" if served else "autograd"
 
 
 def install(model: nn.Module) -> Callable[[], None]:

@@ -3,19 +3,21 @@ taken back together: the attention's on the matrix tiles or vectors
 (:mod:`~bb_lightning.engine.train_attention`, a mapping of transformers' ``sdpa`` for every
 model of the process) and, over the fitted model, the Llama family's RMS norms'
 (:mod:`~bb_lightning.engine.train_norm`) and gated MLP activations'
-(:mod:`~bb_lightning.engine.train_mlp`). The norms and the activations keep the forward
-torch computes; the attention computes its own, as close to float64 as torch's. Each serves
-only the calls it computes as the class would; the strategy installs them at its setup for
-a fit and takes them back first at its teardown."""
+(:mod:`~bb_lightning.engine.train_mlp`), and its rotary embeddings'
+(:mod:`~bb_lightning.engine.host_rope`). The norms, the activations and the rotary
+embeddings keep the forward torch computes; the attention computes its own, as close to
+float64 as torch's. Each serves only the calls it computes as the class would; the strategy
+installs them at its setup for a fit and takes them back first at its teardown."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from bb_lightning.engine import train_attention, train_mlp, train_norm
+from bb_lightning.engine import host_rope, train_attention, train_mlp, train_norm
 
 __all__ = ["backward_kinds", "install", "install_model"]
 
@@ -42,22 +44,36 @@ def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
 
 def install_model(device: torch.device, model: nn.Module) -> Callable[[], None]:
     """Over ``model``, the RMS norms' backward (:func:`~bb_lightning.engine.train_norm.
-    install`) and the gated MLP activations' (:func:`~bb_lightning.engine.train_mlp.install`);
-    return the function that restores both, the activations first (the norms even where
-    that raises)."""
-    norms = train_norm.install(device, model)
-    mlps = train_mlp.install(device, model)
+    install`), the gated MLP activations' (:func:`~bb_lightning.engine.train_mlp.install`)
+    and, on a CPU device, the rotary embeddings'
+    (:func:`~bb_lightning.engine.host_rope.install`); return the function that restores them, in the reverse order (each even where
+    a later one raises)."""
+    undo = [train_norm.install(device, model)]
+    try:
+        undo.append(train_mlp.install(device, model))
+        if device.type == "cpu":
+            undo.append(host_rope.install(model))
+    except BaseException:
+        _undo(undo)
+        raise
+    return functools.partial(_undo, undo)
 
-    def restore() -> None:
+
+def _undo(undo: list[Callable[[], None]]) -> None:
+    """Call each of ``undo`` from the last, each even where a later one raised."""
+    if undo:
+        last = undo.pop()
         try:
-            mlps()
+            last()
         finally:
-            norms()
-
-    return restore
+            _undo(undo)
 
 
 def backward_kinds(device: torch.device, dtype: torch.dtype) -> str:
-    """The backwards :func:`install_model` gives a fit on ``device`` in ``dtype``: the norms'
-    and the activations' kinds (the model-shaped probe keys its recorded rate by them)."""
-    return f"{train_norm.backward_kind(device, dtype)}/{train_mlp.backward_kind(device, dtype)}"
+    """The backwards :func:`install_model` gives a fit on ``device`` in ``dtype``: the norms',
+    the activations' and the rotary embeddings' kinds (the model-shaped probe keys its
+    recorded rate by them)."""
+    rope = host_rope.backward_kind(device, dtype)
+    return (
+        f"{train_norm.backward_kind(device, dtype)}/{train_mlp.backward_kind(device, dtype)}/{rope}"
+    )

@@ -79,7 +79,7 @@ def test_the_kernel_equals_apply_rotary_pos_emb_bit_for_bit(
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_function(
+def test_installed_it_serves_calls_with_or_without_grad_and_leaves_the_rest_to_the_function(
     host_kernel: host_norm._Kernel, count_host_kernel: Callable[[str], list[int]]
 ) -> None:
     calls = count_host_kernel("rope")
@@ -96,11 +96,15 @@ def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_funct
     assert len(calls) == 2  # queries and keys
     for g, w in zip(got, APPLY(q, k, cos, sin), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    # with grad, another dtype, another unsqueeze_dim, a head of odd width: the function's
+    # with grad: the kernel's forward for both, its backward for the queries only
     q.requires_grad_()
     out = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     out[0].sum().backward()
-    assert q.grad is not None
+    assert q.grad is not None and len(calls) == 5
+    want = q.detach().clone().requires_grad_()
+    APPLY(want, k, cos, sin)[0].sum().backward()
+    torch.testing.assert_close(q.grad, want.grad, rtol=0, atol=0)
+    # another dtype, another unsqueeze_dim, a head of odd width: the function's
     with torch.no_grad():
         modeling_llama.apply_rotary_pos_emb(q, k, cos.double(), sin.double())
         qt, kt = q.transpose(1, 2), k.transpose(1, 2)
@@ -111,11 +115,62 @@ def test_installed_it_serves_calls_without_grad_and_leaves_the_rest_to_the_funct
         odd = [t[..., :15] for t in (q, k, cos, sin)]
         torch.testing.assert_close(modeling_llama.apply_rotary_pos_emb(*odd)[1], APPLY(*odd)[1],
                                    rtol=0, atol=0)  # fmt: skip
-    assert len(calls) == 2
+    assert len(calls) == 5
     first()
     assert modeling_llama.apply_rotary_pos_emb is not APPLY  # the second install holds it
     second()
     assert modeling_llama.apply_rotary_pos_emb is APPLY
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("batch", "tokens", "heads", "kv_heads", "dim", "cos_rows"),
+    [(3, 17, 4, 2, 64, 3), (2, 9, 4, 1, 128, 1), (1, 33, 2, 2, 34, 1)],
+)
+def test_its_gradients_equal_autograds_through_the_function_bit_for_bit(
+    host_kernel: host_norm._Kernel, dtype: torch.dtype, threads: int, batch: int, tokens: int,
+    heads: int, kv_heads: int, dim: int, cos_rows: int,
+) -> None:  # fmt: skip
+    """A training step's call (queries and keys needing gradients, the outputs' gradients
+    strided as the attention's backward gives them): the outputs and both gradients equal
+    autograd's through the function's own operations."""
+    if dtype not in host_kernel.rope_dtypes:
+        pytest.skip(f"this build does not compute {dtype} bit for bit")
+    q, k, cos, sin = _inputs(batch, tokens, heads, kv_heads, dim, cos_rows, dtype)
+    g = torch.Generator().manual_seed(5)
+    grads = [(torch.randn(x.transpose(1, 2).shape, generator=g) * 3).to(dtype).transpose(1, 2)
+             for x in (q, k)]  # fmt: skip
+    results = []
+    with _threads(threads):
+        for fn in (APPLY, functools.partial(host_rope._rotary, host_kernel, APPLY)):
+            qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+            out = fn(qq, kk, cos, sin)
+            torch.autograd.backward(out, grads)
+            results.append((*out, qq.grad, kk.grad))
+    for got, want in zip(*results, strict=True):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_sin_whose_halves_differ_or_a_second_derivative(host_kernel: host_norm._Kernel) -> None:
+    """The rotation back by ``-sin`` is autograd's only where ``sin``'s halves are equal:
+    otherwise the function runs (its own gradients); the kernel's backward cannot itself be
+    differentiated."""
+    q, k, cos, sin = _inputs(2, 5, 4, 2, 16, 2, torch.float32)
+    ours = functools.partial(host_rope._rotary, host_kernel, APPLY)
+    odd_sin = sin.clone()
+    odd_sin[..., -1] += 0.5
+    results = []
+    for fn in (APPLY, ours):
+        qq = q.detach().clone().requires_grad_()
+        fn(qq, k, cos, odd_sin)[0].square().sum().backward()
+        results.append(qq.grad)
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    qq = q.detach().clone().requires_grad_()
+    (dq,) = torch.autograd.grad(ours(qq, k, cos, sin)[0].square().sum(), qq, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate"):
+        dq.sum().backward()
 
 
 def test_traced_transformed_or_dual_calls_run_the_function(host_kernel: host_norm._Kernel) -> None:
@@ -187,3 +242,44 @@ def _threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(was)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_models_training_step_through_it_equals_autograds_bit_for_bit(
+    host_kernel: host_norm._Kernel,
+    count_host_kernel: Callable[[str], list[int]],
+    dtype: torch.dtype,
+    family: str,
+) -> None:
+    """A forward + backward of a whole model with the swap installed (as a fit on a CPU
+    device installs it): the loss and every parameter's gradient equal the function's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype not in host_kernel.rope_dtypes:
+        pytest.skip(f"this build does not compute {dtype} bit for bit")
+    config = AutoConfig.for_model(
+        family, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).train()
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    calls = count_host_kernel("rope")
+    grads = []
+    for install in (False, True):
+        model.zero_grad(set_to_none=True)
+        restore = host_rope.install(model) if install else None
+        try:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+        finally:
+            if restore is not None:
+                restore()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert len(calls) == 2 * 2 * 2  # each layer's queries and keys, forward and backward
+    (want, theirs), (got, ours) = grads
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=0, atol=0, msg=name)

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
 
 from bb_lightning.engine import host_mlp, host_norm, train_kernels, train_mlp
+from tests.bb_lightning.engine.conftest import count_function_calls, thread_count
 
 RATIO = 1.0
 """Error norm of the gate's gradient against float64 over autograd's own error norm."""
@@ -44,28 +45,13 @@ def built() -> None:
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The calls whose backward the kernel computes (one entry each, at the backward)."""
-    calls: list[int] = []
-    kind = train_mlp._SiluMul
-
-    class Counted(kind):  # type: ignore[misc,valid-type]
-        @staticmethod
-        def backward(ctx: Any, *grads: Tensor) -> Any:
-            calls.append(1)
-            return kind.backward(ctx, *grads)
-
-    monkeypatch.setattr(train_mlp, "_SiluMul", Counted)
-    return calls
+    return count_function_calls(monkeypatch, train_mlp, "_SiluMul", "backward")
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     kern = host_norm.kernel()
-    if request.param > 1 and (kern is None or not kern.team):
-        pytest.skip("the kernel runs on one thread here (no shared OpenMP team)")
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    yield from thread_count(request, kern is not None and kern.team)
 
 
 def _mlp(hidden: int, inner: int, act: str = "silu") -> LlamaMLP:
@@ -177,7 +163,7 @@ def test_install_swaps_only_plain_mlps_on_the_cpu_and_restores_them() -> None:
     assert not any("forward" in vars(m) for m in model)
     assert train_mlp.backward_kind(CPU, torch.bfloat16) == "kernel"
     assert train_mlp.backward_kind(CPU, torch.float32) == "autograd"
-    assert train_kernels.backward_kinds(CPU, torch.bfloat16) == "kernel/kernel"
+    assert train_kernels.backward_kinds(CPU, torch.bfloat16) == "kernel/kernel/kernel"
     restore = train_kernels.install(CPU, model)  # a fit's kernels install it too
     try:
         assert "forward" in vars(model[0])
