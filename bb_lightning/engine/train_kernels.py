@@ -19,7 +19,7 @@ from torch import nn
 
 from bb_lightning.engine import host_rope, train_attention, train_mlp, train_norm
 
-__all__ = ["backward_kinds", "install", "install_model"]
+__all__ = ["backward_kinds", "install", "install_model", "undo_all"]
 
 
 def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
@@ -45,28 +45,29 @@ def install(device: torch.device, model: nn.Module) -> Callable[[], None]:
 def install_model(device: torch.device, model: nn.Module) -> Callable[[], None]:
     """Over ``model``, the RMS norms' backward (:func:`~bb_lightning.engine.train_norm.
     install`), the gated MLP activations' (:func:`~bb_lightning.engine.train_mlp.install`)
-    and, on a CPU device, the rotary embeddings'
-    (:func:`~bb_lightning.engine.host_rope.install`); return the function that restores them, in the reverse order (each even where
-    a later one raises)."""
-    undo = [train_norm.install(device, model)]
+    and, on a CPU device, the rotary embeddings' (swapped in the model files,
+    :func:`~bb_lightning.engine.host_rope.install`: the process's until restored); return the
+    function that restores them, in the reverse order (:func:`undo_all`)."""
+    restores = [train_norm.install(device, model)]
     try:
-        undo.append(train_mlp.install(device, model))
+        restores.append(train_mlp.install(device, model))
         if device.type == "cpu":
-            undo.append(host_rope.install(model))
+            restores.append(host_rope.install(model))
     except BaseException:
-        _undo(undo)
+        undo_all(restores)
         raise
-    return functools.partial(_undo, undo)
+    return functools.partial(undo_all, restores)
 
 
-def _undo(undo: list[Callable[[], None]]) -> None:
-    """Call each of ``undo`` from the last, each even where a later one raised."""
-    if undo:
-        last = undo.pop()
+def undo_all(restores: list[Callable[[], None]]) -> None:
+    """Call each of ``restores`` from the last (emptying it), each even where a later one
+    raised."""
+    if restores:
+        last = restores.pop()
         try:
             last()
         finally:
-            _undo(undo)
+            undo_all(restores)
 
 
 def backward_kinds(device: torch.device, dtype: torch.dtype) -> str:

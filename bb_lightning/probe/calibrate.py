@@ -1,20 +1,18 @@
 """Time the model's own training pass on the device: a compute efficiency for the planner.
 
-The hardware probe (:mod:`bb_lightning.probe.measure`) times bare square matrix
-products. A training step of a real model also runs norms, activations, rotary
-embeddings, attention and the loss, and its matrix products have the model's
-(often smaller) shapes; on a CPU that step sustains well under the probe's rate.
-:func:`probe_train_compute` measures it before the first step: it builds the
-model's architecture from its config with one and with three blocks (random
-weights, the compute dtype, on the device), times a forward + backward of one
-micro-batch through each (alternating with a square matrix product, the fastest of a
-few passes each), and takes half the difference as one block's time and the
-rest as the embedding, final norm, head and loss, with the attention and norms a fit there
-runs (:func:`~bb_lightning.engine.train_kernels.install`; their rates recorded apart).
-The full model's pass is then ``num_blocks * block + rest``, and its FLOPs
-(:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over
-that time, divided by the probe's ``device_flops``, is the efficiency the
-planner multiplies ``device_flops`` by.
+The hardware probe (:mod:`bb_lightning.probe.measure`) times bare square matrix products. A
+training step of a real model also runs norms, activations, rotary embeddings, attention and the
+loss, and its matrix products have the model's (often smaller) shapes; on a CPU that step
+sustains well under the probe's rate. :func:`probe_train_compute` measures it before the first
+step: it builds the model's architecture from its config with one and with three blocks (random
+weights, the compute dtype, on the device), times a forward + backward of one micro-batch
+through each (alternating with a square matrix product, the fastest of a few passes each), and
+takes half the difference as one block's time and the rest as the embedding, final norm, head
+and loss, with the host kernels a fit there runs
+(:func:`~bb_lightning.engine.train_kernels.install`; their rates recorded apart). The full
+model's pass is then ``num_blocks * block + rest``, and its FLOPs
+(:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over that time, divided
+by the probe's ``device_flops``, is the efficiency the planner multiplies ``device_flops`` by.
 
 :func:`probe_predict_compute` does the same for generation, forward only: a
 prefill of whole prompts (the last token's logits only, as the generator asks)
@@ -216,9 +214,9 @@ def _pass_seconds(
     recorded: bool = False,
     span: int = SPAN,
 ) -> Passes:
-    """Fastest seconds of a forward + backward pass through the one- and the
-    ``1 + span``-block model (labels ``"one"``, ``"more"``), timed alternately with a
-    matrix product so that a disturbance on the machine falls on all."""
+    """Fastest seconds of a forward + backward pass through the one- and the ``1 + span``-block
+    model (``"one"``, ``"more"``), timed alternately with a matrix product so that a
+    disturbance on the machine falls on all; the kernels a fit there runs installed meanwhile."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
@@ -226,9 +224,10 @@ def _pass_seconds(
             AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype).train()
             for layers in (1, span + 1)
         ]
+    undo: list[Callable[[], None]] = []
 
     def train_pass(net: Any) -> Callable[[], None]:
-        train_kernels.install_model(device, net)  # the norms' and MLPs' a fit here runs
+        undo.append(train_kernels.install_model(device, net))
 
         def run() -> None:
             sync(device)
@@ -245,6 +244,7 @@ def _pass_seconds(
             ceiling_of=dtype_ceiling,
         )  # fmt: skip
     finally:
+        train_kernels.undo_all(undo)  # a model file's rotary swap holds the process
         del nets
 
 

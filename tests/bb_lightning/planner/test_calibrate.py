@@ -177,6 +177,34 @@ def test_probe_times_the_attention_backward_a_fit_runs(monkeypatch: pytest.Monke
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # restored
 
 
+def test_probe_times_a_fits_host_kernels_and_takes_them_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In bf16 on a CPU the probe's passes run the norms', MLPs' and rotary embeddings'
+    kernels a fit runs (the rate keyed by their kinds), and the model file's rotary
+    function, swapped meanwhile, is its own again after."""
+    from transformers.models.llama import modeling_llama
+
+    from bb_lightning.engine import host_norm, train_kernels
+
+    kern = host_norm.kernel()
+    if kern is None:
+        pytest.skip("the host kernels did not build (BB_NATIVE=0?): a fit runs autograd's")
+    rope = modeling_llama.apply_rotary_pos_emb
+    calls: list[int] = []
+    real = host_norm._Kernel.silu_mul_backward
+    monkeypatch.setattr(host_norm._Kernel, "silu_mul_backward",
+                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+    keys: list[object] = []
+    key = rate_cache.key
+    monkeypatch.setattr(rate_cache, "key",
+                        lambda *a, **k: keys.append(k.get("norm")) or key(*a, **k))  # fmt: skip
+    assert probe_train_compute(config(), cpu(), seq_len=16, repeats=1)
+    assert calls and keys == [train_kernels.backward_kinds(torch.device("cpu"), torch.bfloat16)]
+    assert keys[0].startswith("kernel/kernel/")  # type: ignore[union-attr]
+    assert modeling_llama.apply_rotary_pos_emb is rope
+
+
 def test_probe_leaves_the_global_rng_alone() -> None:
     torch.manual_seed(3)
     expected = torch.rand(4)
