@@ -122,7 +122,7 @@ def _differentiable(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
     need a gradient, and ``sin``'s two halves are equal (as ``cat((freqs, freqs))`` makes
     them), so that the rotation back by ``-sin`` rounds as autograd through the function's
     operations does."""
-    if cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling():
+    if cos.requires_grad or sin.requires_grad:  # (torch runs eagerly: _served)
         return False
     half = sin.shape[-1] // 2
     return bool(torch.equal(sin[..., :half], sin[..., half:]))

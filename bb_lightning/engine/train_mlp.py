@@ -61,9 +61,9 @@ class _SiluMul(torch.autograd.Function):
 
 def _serves(gate: Tensor, up: Tensor) -> bool:
     """Whether the kernels compute ``silu(gate) * up`` and its backward (else torch does)."""
+    # the operands first (torch running eagerly): a trace reads the rest as constants
     return (
-        not torch.compiler.is_compiling()
-        and host_mlp.kernel_operands(gate, up)  # first: a trace reads the rest as constants
+        host_mlp.kernel_operands(gate, up)
         and torch.is_grad_enabled()
         and (gate.requires_grad or up.requires_grad)
     )
