@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bb_lightning.engine import host_packed
 from bb_lightning.engine.chunked import Boundaries, Chunking, run_chunked
 from bb_lightning.engine.flat_state import FlatState
 from bb_lightning.engine.grad_sink import GradSink
@@ -311,7 +312,10 @@ class PagedBlocks:
         def run() -> Any:
             if self.max_tokens is None:
                 return original(*args, **kwargs)
-            return call_in_row_chunks(original, args, kwargs, self.max_tokens)
+            if host_packed.chunks_of(args, kwargs, self.max_tokens) < 2:
+                return call_in_row_chunks(original, args, kwargs, self.max_tokens)
+            with host_packed.packed_linears(self.blocks[i], self.max_tokens):
+                return call_in_row_chunks(original, args, kwargs, self.max_tokens)
 
         step = current_step()
         if step is not None:  # groups of sequences in flight: one page-in for them all

@@ -1,0 +1,132 @@
+"""A block's bf16 linear layers on prepacked weights while a prefill runs it in row chunks.
+
+Each call of ``nn.Linear`` on the CPU hands its weight to oneDNN, which lays the weight out
+in the blocks its matrix kernel reads before it multiplies. A prefill that runs a paged block
+in row chunks (:attr:`~bb_lightning.engine.blocks.PagedBlocks.max_tokens`: 16 prompts of 128
+tokens a chunk, eight chunks for 128 prompts) calls each of the block's projections once a
+chunk on the same weight, so that layout is rebuilt once a chunk. :func:`packed_linears` lays
+each weight out once for the whole call (``torch.ops.mkldnn._reorder_linear_weight``) and
+multiplies every chunk on it (``torch.ops.mkldnn._linear_pointwise``): the same kernel on the
+same blocks of the weight, without the rebuild.
+
+Where it applies: ``nn.Linear`` modules of the class's own ``forward`` without hooks (their
+own or global), whose bf16 weight (and bias, if any) are strided CPU tensors, called without
+an autograd graph to record, torch running eagerly
+(:func:`~bb_lightning.engine.host_norm.eager`), with a bf16 CPU input; every other call runs
+the class's ``forward``. The first call of each shape (rows, in, out, bias) in a process also
+computes ``F.linear`` and keeps the packed product for that shape only if the two are equal
+bit for bit; a shape whose products differ runs ``F.linear`` from then on. ``BB_NATIVE=0``
+turns it off with the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as nn_module
+
+from bb_lightning.engine import host_norm
+
+__all__ = ["available", "chunks_of", "packed_linears"]
+
+_exact: dict[tuple[int, int, int, bool], bool] = {}
+"""Per product shape (rows, in, out, bias): whether the packed product equals ``F.linear``."""
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's packed linear on the CPU and ``BB_NATIVE`` is not 0."""
+    if os.environ.get("BB_NATIVE", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+def chunks_of(args: tuple[Any, ...], kwargs: dict[str, Any], max_tokens: int) -> int:
+    """Row chunks :func:`~bb_lightning.engine.rows.call_in_row_chunks` cuts a block call's
+    hidden states (``args[0]`` or ``hidden_states``, ``[rows, tokens, ...]``) into at most
+    ``max_tokens`` tokens each: 1 where it runs whole."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, Tensor) or hidden.ndim < 3:
+        return 1
+    step = max(1, max_tokens // max(hidden.shape[1], 1))
+    return -(-hidden.shape[0] // step)
+
+
+def _pack(weight: Tensor, tokens: int) -> Tensor:
+    """``weight`` (``[out, in]``) laid out for oneDNN's products of ``tokens`` rows."""
+    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, tokens)
+    return packed
+
+
+def _product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` on ``weight`` laid out by :func:`_pack`."""
+    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
+def _plain_linear(kind: type) -> bool:
+    return kind is nn.Linear
+
+
+def _served(module: nn.Linear, x: Tensor) -> bool:
+    weight, bias = module.weight, module.bias
+    return (
+        not torch.is_grad_enabled()
+        and host_norm.eager()
+        and host_norm.plain_cpu(x, weight)
+        and x.dtype == weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and (bias is None or (host_norm.plain_cpu(x, bias) and bias.dtype == torch.bfloat16))
+        and not (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or nn_module._global_forward_hooks
+            or nn_module._global_forward_pre_hooks
+        )
+    )
+
+
+@contextlib.contextmanager
+def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
+    """Within the ``with`` block, ``block``'s plain ``nn.Linear`` modules multiply on their
+    weights laid out once, on first use, for products of ``tokens`` rows (see the module
+    docstring); the class ``forward`` runs again after it. Nothing changes where
+    :func:`available` is False."""
+    if not available():
+        yield
+        return
+    packed: dict[int, Tensor] = {}
+
+    def forward(module: nn.Linear, x: Tensor) -> Tensor:
+        weight, bias = module.weight, module.bias
+        if not _served(module, x):
+            return F.linear(x, weight, bias)
+        key = (x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], bias is not None)
+        exact = _exact.get(key)
+        if exact is False:
+            return F.linear(x, weight, bias)
+        w = packed.get(id(module))
+        if w is None:
+            w = packed[id(module)] = _pack(weight, tokens)
+        out = _product(x, w, bias)
+        if exact is None:
+            plain = F.linear(x, weight, bias)
+            with _lock:
+                _exact[key] = torch.equal(out, plain)
+            return plain
+        return out
+
+    restore = host_norm.swap_forwards(block, _plain_linear, forward)
+    try:
+        yield
+    finally:
+        restore()
+        packed.clear()

@@ -1,0 +1,78 @@
+"""``trainer.predict`` in bf16 on a CPU device runs a prefill cut in row chunks
+(``Placement.prefill_tokens``) on each block's linear layers laid out once a block
+(``engine.host_packed``): the greedy tokens equal a run with torch's ``F.linear`` on every
+chunk, from a ``save_pretrained`` directory, and the module handed back runs its own
+``forward``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+from bb_lightning import BalanceBeamStrategy
+from bb_lightning.engine import host_linear, host_packed
+from bb_lightning.module import CausalLMModule
+from bb_lightning.placement import Placement
+from storage.tiers import Tier
+
+from .tiny import FAMILIES, VOCAB, save_tiny
+
+NEW = 5
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not host_packed.available(), reason="no oneDNN packed linear here"),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied"])  # Qwen2's q, k, v with biases
+def test_predict_prefill_chunks_on_packed_weights_predict_torch_s_tokens(
+    family: str, tiny: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_tiny(tmp_path / "ckpt", {**FAMILIES[family], "initializer_range": 0.2})
+    model = AutoModelForCausalLM.from_pretrained(path)
+    per_block = sum(type(m) is nn.Linear for m in model.model.layers[0].modules())
+    blocks = len(model.model.layers)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    ids[2, :3] = mask[2, :3] = 0  # a shorter prompt, padded on the left
+    batch = {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
+    packs: list[tuple[int, ...]] = []
+    pack = host_packed._pack
+
+    def counted(weight: Tensor, tokens: int) -> Tensor:
+        packs.append(tuple(weight.shape))
+        return pack(weight, tokens)
+
+    monkeypatch.setattr(host_packed, "_pack", counted)
+
+    def run(name: str) -> object:
+        module = CausalLMModule(str(path), max_new_tokens=NEW)
+        placement = Placement.uniform(blocks, weights=Tier.HOST)
+        strategy = BalanceBeamStrategy(
+            placement=dataclasses.replace(placement, prefill_tokens=7),  # a prompt a chunk
+            compute_dtype="bf16", nvme_path=str(tmp_path / name),
+        )  # fmt: skip
+        trainer, _ = tiny.make_trainer(strategy, 1)
+        records = trainer.predict(module, DataLoader([batch], batch_size=None))
+        strategy.close()
+        assert [m for m in module.modules() if "forward" in vars(m)] == []
+        return records
+
+    packed = run("packed")
+    # every linear layer of every block laid out once, at the prefill (three chunks); the
+    # decode steps (three rows of one token) run whole; where the CPU has matrix tiles, their
+    # kernel keeps the layers
+    tiles = host_linear.kernel() is not None
+    assert len(packs) == (0 if tiles else blocks * per_block)
+    monkeypatch.setattr(host_packed, "available", lambda: False)
+    assert run("torch") == packed
+    assert len(packs) == (0 if tiles else blocks * per_block)
