@@ -368,6 +368,8 @@ def main() -> None:
                 figures[f"over_accelerate_{'cold' if cold else 'warm'}"] = ours / acc[best_acc]
         floor = _floor(args, config, matmul_hw, ours, best_cold)
         figures.update(floor_tokens_per_s=floor, floor_share=ours / floor)
+        rows = ((plan.micro_batch or 1) * args.prompt_len, batch)
+        figures["shape_bound_share"] = _shape_bound(args, config, matmul_hw, rows, ours, floor)
         figures["floor_over_accelerate_cold"] = floor / best_cold if best_cold else None
         write_figures(args.json, "predict_offload", figures)
     finally:
@@ -439,6 +441,59 @@ def _floor(
         print(f"[floor] = {best / acc:.2f} x Accelerate's best (cold page cache); "
               f"3 x would need {3 * acc:.1f} tokens/s")  # fmt: skip
     return best
+
+
+def _shape_bound(
+    args: argparse.Namespace, config: LlamaConfig, hw: HardwareProfile, rows: tuple[int, int],
+    ours: float, floor: float,
+) -> float:  # fmt: skip
+    """The share of the ``floor`` (tokens/s) a run can reach whose blocks take no time beyond
+    their projections' products at the rates of the model's own shapes, printed beside
+    ``ours``: each block's products (``[rows, in] x [in, out]``, ``F.linear`` in the compute
+    dtype) timed at the prefill chunk's rows and at the decode pass's (``rows``), best of
+    three, on four weights of each shape in turn; a decode pass takes at least its reads of
+    the weights at the NVMe probe's rate, as in :func:`_floor`. The floor prices every FLOP
+    at the fastest square product's rate; the model's shapes run below it, the decode's few
+    rows most."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    h, f = config.hidden_size, config.intermediate_size
+    shapes = [(h, heads * head_dim), (h, kv * head_dim), (h, kv * head_dim),
+              (heads * head_dim, h), (h, f), (h, f), (f, h)]  # fmt: skip
+    dtype = DTYPES[args.dtype]
+    seconds, rates = [], []
+    for n in rows:
+        per_row = 0.0
+        for k, m in shapes:
+            x = torch.randn(n, k, dtype=dtype)
+            ws = [torch.randn(m, k, dtype=dtype) for _ in range(4)]
+            for w in ws:
+                torch.nn.functional.linear(x, w)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for w in ws:
+                    torch.nn.functional.linear(x, w)
+                best = min(best, (time.perf_counter() - start) / len(ws))
+            per_row += best / n
+        flops = 2 * sum(k * m for k, m in shapes)
+        rates.append(flops / per_row)
+        seconds.append(per_row * config.num_hidden_layers)
+    prefill = seconds[0] * args.prompts * args.prompt_len
+    model = model_profile_from_config(config)
+    reads = model.num_blocks * model.block_params * 2 / hw.nvme_read_bandwidth
+    passes = args.new_tokens - 1  # every prompt's products; the last batch's reads
+    decode = max(passes * seconds[1] * args.prompts, passes * reads)
+    share = args.prompts * args.new_tokens / (prefill + decode) / floor
+    print(
+        f"[bound] the blocks' products alone at the model's shapes: prefill {prefill:.1f} s "
+        f"({rates[0] / 1e12:.3g} TFLOP/s at {rows[0]} rows) + decode {decode:.1f} s "
+        f"({rates[1] / 1e12:.3g} TFLOP/s at {rows[1]} rows; a pass >= its {reads:.3f} s of "
+        f"reads) = {prefill + decode:.3g} s: "
+        f"{share:.0%} of the floor with nothing else in the blocks; ours "
+        f"{args.prompts * args.new_tokens / ours:.1f} s"
+    )
+    return share
 
 
 def _product_rate(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 4096)) -> float:

@@ -50,6 +50,11 @@ def test_predict_offload_prints_ratios(tmp_path: Path) -> None:
     reached = _number(r"ours reaches (\d+)% of it", out)
     assert reached == pytest.approx(100 * ours / floor, abs=1)
     _number(r"prefill ([\d.]+) s \+ decode", out)
+    # the products-alone bound: 4 prompts x 3 tokens over its seconds, as a share of the floor
+    bound = re.search(r"\[bound\] .* = ([\d.e+-]+) s: (\d+)% of the floor", out)
+    assert bound is not None, out
+    seconds, share = float(bound.group(1)), int(bound.group(2))
+    assert seconds > 0 and share == pytest.approx(100 * 4 * 3 / seconds / floor, rel=0.01, abs=1)
     # greedy fp32 tokens equal in-memory generate's on the same batch shape
     assert _number(r"\(fp32\): ([\d.]+)% of 2", out) == 100.0
 
