@@ -53,6 +53,7 @@ import os
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ from _common import (
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from bb_lightning.engine import host_packed
 from bb_lightning.engine.inference import keep_host_allocations
 from bb_lightning.module import CausalLMModule
 from bb_lightning.planner import (
@@ -449,9 +451,11 @@ def _shape_bound(
 ) -> float:  # fmt: skip
     """The share of the ``floor`` (tokens/s) a run can reach whose blocks take no time beyond
     their projections' products at the rates of the model's own shapes, printed beside
-    ``ours``: each block's products (``[rows, in] x [in, out]``, ``F.linear`` in the compute
-    dtype) timed at the prefill chunk's rows and at the decode pass's (``rows``), best of
-    three, on four weights of each shape in turn; a decode pass takes at least its reads of
+    ``ours``: each block's products (``[rows, in] x [in, out]`` in the compute dtype) timed at
+    the prefill chunk's rows and at the decode pass's (``rows``), best of six, on four
+    weights of each shape in turn, as the engine runs them (a bf16 prefill in more than one
+    chunk on weights laid out once, :mod:`~bb_lightning.engine.host_packed`; else
+    ``F.linear``); a decode pass takes at least its reads of
     the weights at the NVMe probe's rate, as in :func:`_floor`. The floor prices every FLOP
     at the fastest square product's rate; the model's shapes run below it, the decode's few
     rows most."""
@@ -461,20 +465,28 @@ def _shape_bound(
     shapes = [(h, heads * head_dim), (h, kv * head_dim), (h, kv * head_dim),
               (heads * head_dim, h), (h, f), (h, f), (f, h)]  # fmt: skip
     dtype = DTYPES[args.dtype]
+    chunked = args.prompts * args.prompt_len > rows[0]  # the prefill's weights laid out once
+    packed = chunked and dtype == torch.bfloat16 and host_packed.available()
     seconds, rates = [], []
-    for n in rows:
+    for n, pack in ((rows[0], packed), (rows[1], False)):
         per_row = 0.0
         for k, m in shapes:
             x = torch.randn(n, k, dtype=dtype)
             ws = [torch.randn(m, k, dtype=dtype) for _ in range(4)]
-            for w in ws:
-                torch.nn.functional.linear(x, w)
+            calls = [
+                partial(host_packed.packed_product, x, host_packed.pack_weight(w, n), None)
+                if pack
+                else partial(torch.nn.functional.linear, x, w)
+                for w in ws
+            ]
+            for call in calls:
+                call()
             best = float("inf")
-            for _ in range(3):
+            for _ in range(6):
                 start = time.perf_counter()
-                for w in ws:
-                    torch.nn.functional.linear(x, w)
-                best = min(best, (time.perf_counter() - start) / len(ws))
+                for call in calls:
+                    call()
+                best = min(best, (time.perf_counter() - start) / len(calls))
             per_row += best / n
         flops = 2 * sum(k * m for k, m in shapes)
         rates.append(flops / per_row)
@@ -487,7 +499,8 @@ def _shape_bound(
     share = args.prompts * args.new_tokens / (prefill + decode) / floor
     print(
         f"[bound] the blocks' products alone at the model's shapes: prefill {prefill:.1f} s "
-        f"({rates[0] / 1e12:.3g} TFLOP/s at {rows[0]} rows) + decode {decode:.1f} s "
+        f"({rates[0] / 1e12:.3g} TFLOP/s at {rows[0]} rows{', packed' if packed else ''}) + "
+        f"decode {decode:.1f} s "
         f"({rates[1] / 1e12:.3g} TFLOP/s at {rows[1]} rows; a pass >= its {reads:.3f} s of "
         f"reads) = {prefill + decode:.3g} s: "
         f"{share:.0%} of the floor with nothing else in the blocks; ours "

@@ -34,7 +34,7 @@ from torch.nn.modules import module as nn_module
 
 from bb_lightning.engine import host_norm
 
-__all__ = ["available", "chunks_of", "packed_linears"]
+__all__ = ["available", "chunks_of", "pack_weight", "packed_linears", "packed_product"]
 
 _exact: dict[tuple[int, int, int, bool], bool] = {}
 """Per product shape (rows, in, out, bias): whether the packed product equals ``F.linear``."""
@@ -60,14 +60,14 @@ def chunks_of(args: tuple[Any, ...], kwargs: dict[str, Any], max_tokens: int) ->
     return -(-hidden.shape[0] // step)
 
 
-def _pack(weight: Tensor, tokens: int) -> Tensor:
+def pack_weight(weight: Tensor, tokens: int) -> Tensor:
     """``weight`` (``[out, in]``) laid out for oneDNN's products of ``tokens`` rows."""
     packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, tokens)
     return packed
 
 
-def _product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)`` on ``weight`` laid out by :func:`_pack`."""
+def packed_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` on ``weight`` laid out by :func:`pack_weight`."""
     out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
 
@@ -115,8 +115,8 @@ def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
             return F.linear(x, weight, bias)
         w = packed.get(id(module))
         if w is None:
-            w = packed[id(module)] = _pack(weight, tokens)
-        out = _product(x, w, bias)
+            w = packed[id(module)] = pack_weight(weight, tokens)
+        out = packed_product(x, w, bias)
         if exact is None:
             plain = F.linear(x, weight, bias)
             with _lock:

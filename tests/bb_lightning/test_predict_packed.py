@@ -46,13 +46,13 @@ def test_predict_prefill_chunks_on_packed_weights_predict_torch_s_tokens(
     ids[2, :3] = mask[2, :3] = 0  # a shorter prompt, padded on the left
     batch = {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
     packs: list[tuple[int, ...]] = []
-    pack = host_packed._pack
+    pack = host_packed.pack_weight
 
     def counted(weight: Tensor, tokens: int) -> Tensor:
         packs.append(tuple(weight.shape))
         return pack(weight, tokens)
 
-    monkeypatch.setattr(host_packed, "_pack", counted)
+    monkeypatch.setattr(host_packed, "pack_weight", counted)
 
     def run(name: str) -> object:
         module = CausalLMModule(str(path), max_new_tokens=NEW)

@@ -34,7 +34,7 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Calls of the layout (``pack``: the weight's shape) and the packed product
     (``product``: the input's rows)."""
     seen: dict[str, list[Any]] = {"pack": [], "product": []}
-    pack, product = host_packed._pack, host_packed._product
+    pack, product = host_packed.pack_weight, host_packed.packed_product
 
     def counted_pack(weight: Tensor, tokens: int) -> Tensor:
         seen["pack"].append(tuple(weight.shape))
@@ -44,8 +44,8 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["product"].append(x.numel() // x.shape[-1])
         return product(x, packed, bias)
 
-    monkeypatch.setattr(host_packed, "_pack", counted_pack)
-    monkeypatch.setattr(host_packed, "_product", counted_product)
+    monkeypatch.setattr(host_packed, "pack_weight", counted_pack)
+    monkeypatch.setattr(host_packed, "packed_product", counted_product)
     return seen
 
 
@@ -103,8 +103,8 @@ def test_row_chunks_on_packed_weights_equal_torch_bit_for_bit(
 def test_a_shape_whose_packed_product_differs_runs_f_linear(
     monkeypatch: pytest.MonkeyPatch, fresh_checks: dict[tuple[int, int, int, bool], bool]
 ) -> None:
-    product = host_packed._product
-    monkeypatch.setattr(host_packed, "_product", lambda x, w, b: product(x, w, b) * 1.01)
+    product = host_packed.packed_product
+    monkeypatch.setattr(host_packed, "packed_product", lambda x, w, b: product(x, w, b) * 1.01)
     block = _Block()
     x = torch.randn(6, 5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
