@@ -33,7 +33,8 @@ decode passes from :func:`~bb_lightning.probe.calibrate.probe_predict_compute`),
 and the floor of any schedule that reads the weights from NVMe on every pass
 (prefill FLOPs at the matrix-product rate, then the decode passes' reads of the
 checkpoint's bf16 weights at the NVMe rate; never below all FLOPs at that rate)
-beside Accelerate's best. With ``--busy-probe`` a process spins on one core
+beside Accelerate's best, and the share of that floor the blocks' products alone reach at
+the model's own shapes (:func:`_shape_bound`). With ``--busy-probe`` a process spins on one core
 while the probes run and the plan is made, and stops before the runs (measured /
 predicted then checks the plan made beside a busy neighbour).
 With ``--decode-attention host`` the KV cache lives on the host and decode attention runs

@@ -7,7 +7,9 @@ tokens a chunk, eight chunks for 128 prompts) calls each of the block's projecti
 chunk on the same weight, so that layout is rebuilt once a chunk. :func:`packed_linears` lays
 each weight out once for the whole call (``torch.ops.mkldnn._reorder_linear_weight``) and
 multiplies every chunk on it (``torch.ops.mkldnn._linear_pointwise``): the same kernel on the
-same blocks of the weight, without the rebuild.
+same blocks of the weight, without the rebuild. Only a call cut into two chunks or more
+takes it (:func:`chunks_of`): laying a weight out and multiplying once is no faster than
+``F.linear``, and slower at a decode pass's few rows, whose weights arrive fresh each pass.
 
 Where it applies: ``nn.Linear`` modules of the class's own ``forward`` without hooks (their
 own or global), whose bf16 weight (and bias, if any) are strided CPU tensors, called without
