@@ -59,7 +59,7 @@ from bb_lightning.engine.grad_sink import GradSink
 from bb_lightning.engine.groups import current_step
 from bb_lightning.engine.hf_quirks import CACHE_KWARGS, CapturedOutputs, recording
 from bb_lightning.engine.pager import BlockPager
-from bb_lightning.engine.rows import call_in_row_chunks
+from bb_lightning.engine.rows import call_in_row_chunks, chunk_count
 from bb_lightning.engine.swapped import run_swapped
 
 __all__ = ["PagedBlocks"]
@@ -312,7 +312,7 @@ class PagedBlocks:
         def run() -> Any:
             if self.max_tokens is None:
                 return original(*args, **kwargs)
-            if host_packed.chunks_of(args, kwargs, self.max_tokens) < 2:
+            if chunk_count(args, kwargs, self.max_tokens) < 2:
                 return call_in_row_chunks(original, args, kwargs, self.max_tokens)
             with host_packed.packed_linears(self.blocks[i], self.max_tokens):
                 return call_in_row_chunks(original, args, kwargs, self.max_tokens)

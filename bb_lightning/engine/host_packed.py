@@ -8,7 +8,7 @@ chunk on the same weight, so that layout is rebuilt once a chunk. :func:`packed_
 each weight out once for the whole call (``torch.ops.mkldnn._reorder_linear_weight``) and
 multiplies every chunk on it (``torch.ops.mkldnn._linear_pointwise``): the same kernel on the
 same blocks of the weight, without the rebuild. Only a call cut into two chunks or more
-takes it (:func:`chunks_of`): laying a weight out and multiplying once is no faster than
+takes it (:func:`~bb_lightning.engine.rows.chunk_count`): laying a weight out and multiplying once is no faster than
 ``F.linear``, and slower at a decode pass's few rows, whose weights arrive fresh each pass.
 
 Where it applies: ``nn.Linear`` modules of the class's own ``forward`` without hooks (their
@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +34,10 @@ from torch.nn.modules import module as nn_module
 
 from bb_lightning.engine import host_norm
 
-__all__ = ["available", "chunks_of", "pack_weight", "packed_linears", "packed_product"]
+__all__ = ["available", "pack_weight", "packed_linears", "packed_product"]
 
 _exact: dict[tuple[int, int, int, bool], bool] = {}
 """Per product shape (rows, in, out, bias): whether the packed product equals ``F.linear``."""
-_lock = threading.Lock()
 
 
 def available() -> bool:
@@ -49,17 +46,6 @@ def available() -> bool:
         return False
     ops = torch.ops.mkldnn
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-
-
-def chunks_of(args: tuple[Any, ...], kwargs: dict[str, Any], max_tokens: int) -> int:
-    """Row chunks :func:`~bb_lightning.engine.rows.call_in_row_chunks` cuts a block call's
-    hidden states (``args[0]`` or ``hidden_states``, ``[rows, tokens, ...]``) into at most
-    ``max_tokens`` tokens each: 1 where it runs whole."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, Tensor) or hidden.ndim < 3:
-        return 1
-    step = max(1, max_tokens // max(hidden.shape[1], 1))
-    return -(-hidden.shape[0] // step)
 
 
 def pack_weight(weight: Tensor, tokens: int) -> Tensor:
@@ -121,8 +107,7 @@ def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
         out = packed_product(x, w, bias)
         if exact is None:
             plain = F.linear(x, weight, bias)
-            with _lock:
-                _exact[key] = torch.equal(out, plain)
+            _exact[key] = torch.equal(out, plain)  # two threads may both check: the same answer
             return plain
         return out
 

@@ -34,7 +34,25 @@ from torch import Tensor
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-__all__ = ["call_in_row_chunks", "cut_rows"]
+__all__ = ["call_in_row_chunks", "chunk_count", "cut_rows"]
+
+
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any], max_tokens: int) -> tuple[int, int, int]:
+    """(rows and tokens of a block call's hidden states, rows a chunk of at most
+    ``max_tokens`` tokens); (0, 0, 1) where they are not a ``[rows, tokens, ...]`` tensor."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, Tensor) or hidden.ndim < 3:
+        return 0, 0, 1
+    rows, tokens = hidden.shape[:2]
+    return rows, tokens, max(1, max_tokens // max(tokens, 1))
+
+
+def chunk_count(args: tuple[Any, ...], kwargs: dict[str, Any], max_tokens: int) -> int:
+    """Chunks :func:`call_in_row_chunks` cuts a call's rows into at ``max_tokens`` tokens a
+    chunk (1 where the call runs whole for its shape; a cache that cannot be shared by row
+    runs it whole too)."""
+    rows, _, step = _rows(args, kwargs, max_tokens)
+    return max(1, -(-rows // step))
 
 
 def call_in_row_chunks(
@@ -49,12 +67,7 @@ def call_in_row_chunks(
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1 (tokens per chunk)")
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, Tensor) or hidden.ndim < 3:
-        return forward(*args, **kwargs)
-    rows = hidden.shape[0]
-    per_row = hidden.shape[1]
-    step = max(1, max_tokens // max(per_row, 1))
+    rows, per_row, step = _rows(args, kwargs, max_tokens)
     if rows <= step:
         return forward(*args, **kwargs)
     found = [x for x in (*args, *kwargs.values()) if _is_cache(x)]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bb_lightning.engine import host_packed
-from bb_lightning.engine.rows import call_in_row_chunks
+from bb_lightning.engine.rows import call_in_row_chunks, chunk_count
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -141,10 +141,13 @@ def test_calls_it_does_not_serve_run_the_class_forward(
         assert out.requires_grad
 
 
-def test_chunks_of_counts_the_chunks_call_in_row_chunks_cuts() -> None:
+def test_chunk_count_counts_the_chunks_call_in_row_chunks_cuts() -> None:
     x = torch.zeros(7, 5, 8)
-    assert host_packed.chunks_of((x,), {}, 10) == 4  # 2 rows a chunk
-    assert host_packed.chunks_of((), {"hidden_states": x}, 35) == 1
-    assert host_packed.chunks_of((x,), {}, 3) == 7  # a row is never split
-    assert host_packed.chunks_of((torch.zeros(7, 8),), {}, 3) == 1  # not [rows, tokens, ...]
-    assert host_packed.chunks_of(("text",), {}, 3) == 1
+    assert chunk_count((x,), {}, 10) == 4  # 2 rows a chunk
+    assert chunk_count((), {"hidden_states": x}, 35) == 1
+    assert chunk_count((x,), {}, 3) == 7  # a row is never split
+    assert chunk_count((torch.zeros(7, 8),), {}, 3) == 1  # not [rows, tokens, ...]
+    assert chunk_count(("text",), {}, 3) == 1
+    seen: list[int] = []
+    call_in_row_chunks(lambda h: seen.append(h.shape[0]) or h, (x,), {}, 10)
+    assert len(seen) == chunk_count((x,), {}, 10)
