@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -97,6 +98,18 @@ def reference_run() -> RunFn:
     return run
 
 
+def predict(checkpoint: Path, batch: dict[str, Any], strategy: Any, new_tokens: int) -> Any:
+    """``trainer.predict`` of a ``CausalLMModule`` of ``checkpoint`` on one ``batch`` under
+    ``strategy`` (closed after); the module handed back runs its own ``forward``
+    everywhere."""
+    module = CausalLMModule(str(checkpoint), max_new_tokens=new_tokens)
+    trainer, _ = make_trainer(strategy, 1)
+    records = trainer.predict(module, DataLoader([batch], batch_size=None))
+    strategy.close()
+    assert [m for m in module.modules() if "forward" in vars(m)] == []
+    return records
+
+
 @pytest.fixture(scope="session")
 def tiny() -> SimpleNamespace:
     """The helpers above, for test modules (a conftest is not importable by name)."""
@@ -107,6 +120,7 @@ def tiny() -> SimpleNamespace:
         loader=loader,
         make_trainer=make_trainer,
         make_module=make_module,
+        predict=predict,
     )
 
 

@@ -112,16 +112,11 @@ def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
     batch = {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
 
     def run(name: str) -> object:
-        module = CausalLMModule(str(path), max_new_tokens=NEW)
         strategy = BalanceBeamStrategy(
             placement=Placement.uniform(2, weights=Tier.HOST), compute_dtype="bf16",
             nvme_path=str(tmp_path / name),
         )  # fmt: skip
-        trainer, _ = tiny.make_trainer(strategy, 1)
-        records = trainer.predict(module, DataLoader([batch], batch_size=None))
-        strategy.close()
-        assert [m for m in module.modules() if "forward" in vars(m)] == []
-        return records
+        return tiny.predict(path, batch, strategy, NEW)
 
     kernels = run("kernels")
     steps = max(len(r["token_ids"]) for r in kernels[0])  # type: ignore[index]

@@ -13,12 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from bb_lightning import BalanceBeamStrategy
 from bb_lightning.engine import host_linear, host_packed
-from bb_lightning.module import CausalLMModule
 from bb_lightning.placement import Placement
 from storage.tiers import Tier
 
@@ -55,17 +53,12 @@ def test_predict_prefill_chunks_on_packed_weights_predict_torch_s_tokens(
     monkeypatch.setattr(host_packed, "pack_weight", counted)
 
     def run(name: str) -> object:
-        module = CausalLMModule(str(path), max_new_tokens=NEW)
         placement = Placement.uniform(blocks, weights=Tier.HOST)
         strategy = BalanceBeamStrategy(
             placement=dataclasses.replace(placement, prefill_tokens=7),  # a prompt a chunk
             compute_dtype="bf16", nvme_path=str(tmp_path / name),
         )  # fmt: skip
-        trainer, _ = tiny.make_trainer(strategy, 1)
-        records = trainer.predict(module, DataLoader([batch], batch_size=None))
-        strategy.close()
-        assert [m for m in module.modules() if "forward" in vars(m)] == []
-        return records
+        return tiny.predict(path, batch, strategy, NEW)
 
     packed = run("packed")
     # every linear layer of every block laid out once, at the prefill (three chunks); the
