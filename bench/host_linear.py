@@ -1,4 +1,4 @@
-"""A decode step's bf16 products with few rows: the matrix-tile kernel against torch's.
+"""A decode step's bf16 products with few rows: the compiled kernel against torch's.
 
 For each weight shape (``--shapes``, ``in x out`` of a block's linear layers and the head of
 the 374M Llama that ``bench/predict_offload.py`` runs) and each number of rows (``--rows``,
@@ -11,8 +11,9 @@ machine. It prints the machine, microseconds per product of each, their ratio, a
 kernel's TFLOP/s and weight bytes per second; and the share of outputs that equal torch's
 (the kernel sums in another order, see the module).
 
-Where the CPU has no bf16 matrix tiles (or the operating system does not grant them) it says
-so and times nothing: the engine then runs torch's products.
+The kernel runs on the CPU's bf16 matrix tiles, or without them on AVX-512's bf16 pair
+products (it prints which). Where the CPU has neither it says so and times nothing: the
+engine then runs torch's products.
 
 Run: ``.venv/bin/python bench/host_linear.py [--rows 1,16,64,128,256,512] [--json PATH]``
 """
@@ -47,9 +48,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     kern = host_linear.kernel()
     if kern is None:
-        print("no bf16 matrix tiles here (or not granted, or BB_NATIVE=0): torch's products run")
+        print("no bf16 matrix tiles or vector pair products here (or BB_NATIVE=0): torch's "
+              "products run")  # fmt: skip
         _common.write_figures(args.json, "host_linear", {"kernel": False})
         return
+    print(f"kernel: products on the {'matrix tiles' if kern.tiles else 'vectors'}", flush=True)
     rows = [int(r) for r in args.rows.split(",")]
     figures: dict[str, dict[str, float]] = {}
     g = torch.Generator().manual_seed(0)

@@ -267,10 +267,82 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
     return 0;
 }
 #else
+/* Rows of w a vector tile takes (each pair of a row broadcast to every lane), and blocks of 16
+ * rows of x (their pairs a vector) it multiplies them by: 16 fp32 accumulators. */
+#define VEC_N 8
+#define VEC_M 2
+
+/* VEC_N rows of w (w, rows k apart) times `blocks` (at most VEC_M) blocks of 16 rows of x's
+ * pairs (xp, blocks pairs * 16 apart) over all k, into c[r][16 j + i] (rows cs apart): out^T
+ * of these rows and columns, each pair of k in order. `ahead`: also ask for the next strip's
+ * rows of w (16 rows on) into the second-level cache, a line of each row every 16 pairs. */
+static inline void vec_tile(const uint16_t *w, int64_t k, const uint32_t *xp, int64_t pairs,
+                            int blocks, int ahead, float *c, int64_t cs) {
+    __m512 acc[VEC_N][VEC_M];
+    const uint32_t *wr[VEC_N];
+    for (int r = 0; r < VEC_N; ++r) {
+        wr[r] = (const uint32_t *)(w + r * k);
+        for (int j = 0; j < VEC_M; ++j) acc[r][j] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+        if (ahead && (p & 15) == 0)
+            for (int r = 0; r < VEC_N; ++r)
+                _mm_prefetch((const char *)(wr[r] + 8 * k + p), _MM_HINT_T1);
+        __m512i xv[VEC_M];
+        for (int j = 0; j < VEC_M; ++j)
+            if (j < blocks) xv[j] = _mm512_load_si512(xp + j * pairs * 16 + p * 16);
+        for (int r = 0; r < VEC_N; ++r) {
+            const __m512i b = _mm512_set1_epi32((int)wr[r][p]);
+            for (int j = 0; j < VEC_M; ++j)
+                if (j < blocks) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv[j], (__m512bh)b);
+        }
+    }
+    for (int r = 0; r < VEC_N; ++r)
+        for (int j = 0; j < blocks; ++j) _mm512_store_ps(c + r * cs + 16 * j, acc[r][j]);
+}
+
+/* Without the tiles: the same product on the 512-bit vectors, x's pairs laid out as for the
+ * tiles (pairs16), each thread a contiguous range of 16-row strips of the weight; a strip's
+ * out^T gathered in fp32 (c) 256 rows of x at a time, then written back transposed 16 x 16
+ * and rounded. */
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
-    (void)threads, (void)m, (void)n, (void)k, (void)x, (void)w, (void)out;
-    return -1;
+    if (m < 1 || n % 16 != 0 || k % 32 != 0 || k < 32) return -1;
+    const int64_t mblocks = (m + 15) / 16, pairs = k / 2, kblocks = k / 32, strips = n / 16;
+    uint32_t *xp = aligned_alloc(64, (size_t)(mblocks * pairs * 16 * 4));
+    if (xp == NULL) return -2;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < mblocks; ++mb) {
+            const int64_t rows = m - 16 * mb < 16 ? m - 16 * mb : 16;
+            for (int64_t kb = 0; kb < kblocks; ++kb)
+                pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256, 16);
+        }
+        float c[16][256] __attribute__((aligned(64)));  /* c[n][m] of a strip, 256 rows m */
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < strips; ++s)
+            for (int64_t m0 = 0; m0 < mblocks; m0 += 16) {  /* 16 blocks of 16 rows at a time */
+                const int64_t m1 = m0 + 16 < mblocks ? m0 + 16 : mblocks;
+                for (int r0 = 0; r0 < 16; r0 += VEC_N)
+                    for (int64_t mb = m0; mb < m1; mb += VEC_M) {
+                        const int blocks = m1 - mb < VEC_M ? (int)(m1 - mb) : VEC_M;
+                        vec_tile(w + (16 * s + r0) * k, k, xp + mb * pairs * 16, pairs, blocks,
+                                 mb == 0 && s + 1 < strips, &c[r0][16 * (mb - m0)], 256);
+                    }
+                for (int64_t h = m0; h < m1; ++h) {
+                    __m512i r[16];
+                    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&c[i][16 * (h - m0)]);
+                    transpose16(r);
+                    const int64_t left = m - 16 * h < 16 ? m - 16 * h : 16;
+                    for (int64_t j = 0; j < left; ++j)
+                        _mm256_storeu_si256((__m256i *)(out + (16 * h + j) * n + 16 * s),
+                                            round16(_mm512_castsi512_ps(r[j])));
+                }
+            }
+    }
+    free(xp);
+    return 0;
 }
 #endif
 

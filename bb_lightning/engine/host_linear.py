@@ -1,18 +1,21 @@
-"""The products of a decode step's few rows with a bf16 weight on the CPU's matrix tiles.
+"""The products of a decode step's few rows with a bf16 weight, on the CPU's matrix tiles or
+its AVX-512 bf16 pair products.
 
 A decode step multiplies one row per sequence (a few dozen to a few hundred) by each weight
 of a block. torch's CPU products (oneDNN) first copy the weight into the layout of the
-tiles' right operand at every call, and with so few rows that copy costs more than the
-products; a weight paged in for one pass is used once, so no copy of it can be kept.
-``host_linear.c`` multiplies with the weight as it lies in memory, as the tiles' left
-operand (its header says how), on CPUs with bf16 matrix tiles (Intel AMX) that the
-operating system grants the process.
+kernel's right operand at every call, and with so few rows that copy costs a large share of
+the products; a weight paged in for one pass is used once, so no copy of it can be kept.
+``host_linear.c`` multiplies with the weight as it lies in memory (its header says how): on
+CPUs with bf16 matrix tiles (Intel AMX) that the operating system grants the process, as the
+tiles' left operand; without them, on CPUs with AVX-512's bf16 pair products (AMD's Zen 4,
+for one), each pair of a weight row's consecutive elements broadcast to every lane against
+16 rows of the activations (laid out once per call, as for the tiles).
 
 Its results are torch's in all but the order of the fp32 sums: the products of bf16 pairs
-are exact in fp32 and summed in fp32 over k in blocks of 32, in order, then rounded once
-to bf16 as torch rounds; torch's products sum in another order at most shapes (and in
-another at another number of rows), so an output within an fp32 rounding of a bf16
-midpoint may round the other way.
+are exact in fp32 and summed in fp32 over k (on the tiles in blocks of 32, in order; on the
+vectors a pair at a time, in order), then rounded once to bf16 as torch rounds; where
+torch's products sum in another order (it depends on the CPU, the shape and the number of
+rows), an output within an fp32 rounding of a bf16 midpoint may round the other way.
 
 :func:`install` gives every ``nn.Linear`` of a model (the class itself, not a subclass) an
 instance ``forward`` that runs the kernel where it serves the call: a contiguous bf16 CPU
@@ -46,7 +49,7 @@ from torch import Tensor, nn
 from bb_lightning.engine import native
 from bb_lightning.engine.host_norm import eager, plain_cpu
 
-__all__ = ["MAX_ROWS", "install", "kernel"]
+__all__ = ["MAX_ROWS", "install", "installed", "kernel"]
 
 SOURCE = Path(__file__).with_name("host_linear.c")
 MAX_ROWS = 256
@@ -80,7 +83,7 @@ class _Kernel:
         lib.bb_linear_ready.restype = ctypes.c_int
         lib.bb_attention_ready.restype = ctypes.c_int
         self.tiles = bool(lib.bb_linear_ready())
-        """Whether the products run on the matrix tiles (else :meth:`__call__` cannot run)."""
+        """Whether the products run on the matrix tiles (else on the vectors)."""
         self.kind = "tiles" if self.tiles else "vectors" if lib.bb_attention_ready() else "none"
         """Where the attention kernels' products run: ``"tiles"``, ``"vectors"`` (AVX-512's
         bf16 pair products) or ``"none"``."""
@@ -94,7 +97,7 @@ class _Kernel:
         threads = torch.get_num_threads() if self.team else 1
         rc = self._fn(threads, rows, n, k, x.data_ptr(), weight.data_ptr(), out.data_ptr())
         if rc != 0:
-            raise RuntimeError(f"bf16 matrix-tile product of {rows} x {k} by {n} failed ({rc})")
+            raise RuntimeError(f"bf16 compiled product of {rows} x {k} by {n} failed ({rc})")
         return out
 
     def prefill_attention(
@@ -170,11 +173,10 @@ class _Kernel:
 
 
 def kernel() -> _Kernel | None:
-    """The compiled product on the matrix tiles, built on first call; None where
-    ``BB_NATIVE=0``, where it cannot be built, or where the CPU or the operating system gives
-    no bf16 matrix tiles."""
-    kern = native.once(_loaded, _load)
-    return kern if kern is not None and kern.tiles else None
+    """The compiled product of few rows, built on first call: on the matrix tiles, or without
+    them on AVX-512's bf16 pair products (:attr:`_Kernel.kind`); None where ``BB_NATIVE=0``,
+    where it cannot be built, or where the CPU has neither."""
+    return native.once(_loaded, _load)
 
 
 def attention_kernel() -> _Kernel | None:
@@ -219,6 +221,12 @@ def _forward(kern: _Kernel, module: nn.Module, input: Tensor) -> Tensor:
     ):
         return nn.Linear.forward(module, input)  # type: ignore[arg-type]
     return kern(x, w)
+
+
+def installed(forward: object) -> bool:
+    """Whether ``forward`` (a module's instance ``forward``) is one :func:`install` gave."""
+    func = getattr(forward, "__func__", None)
+    return isinstance(func, functools.partial) and func.func is _forward
 
 
 def install(model: nn.Module) -> Callable[[], None]:

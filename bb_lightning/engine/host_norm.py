@@ -456,20 +456,28 @@ def install(model: nn.Module) -> Callable[[], None]:
 
 
 def swap_forwards(
-    model: nn.Module, plain: Callable[[type], bool], forward: Callable[..., Any]
+    model: nn.Module,
+    plain: Callable[[type], bool],
+    forward: Callable[..., Any],
+    over: Callable[[object], bool] | None = None,
 ) -> Callable[[], None]:
     """Give each module of ``model`` whose class ``plain`` accepts (and that has no
-    instance ``forward`` of its own) ``forward`` bound to it as its instance ``forward``;
-    return the function that takes those back (the class ``forward`` runs again)."""
-    swapped: list[nn.Module] = []
+    instance ``forward`` of its own, or one that ``over`` accepts) ``forward`` bound to it as
+    its instance ``forward``; return the function that takes those back (the class
+    ``forward``, or the instance ``forward`` it had, runs again)."""
+    swapped: list[tuple[nn.Module, object]] = []
     for module in model.modules():
-        if "forward" not in vars(module) and plain(type(module)):
+        before = vars(module).get("forward")
+        if plain(type(module)) and (before is None or (over is not None and over(before))):
             module.forward = types.MethodType(forward, module)
-            swapped.append(module)
+            swapped.append((module, before))
 
     def restore() -> None:
-        for module in swapped:
-            vars(module).pop("forward", None)
+        for module, before in swapped:
+            if before is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = before  # type: ignore[assignment]
         swapped.clear()
 
     return restore

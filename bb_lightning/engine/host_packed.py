@@ -11,8 +11,10 @@ same blocks of the weight, without the rebuild. Only a call cut into two chunks 
 takes it (:func:`~bb_lightning.engine.rows.chunk_count`): laying a weight out and multiplying once is no faster than
 ``F.linear``, and slower at a decode pass's few rows, whose weights arrive fresh each pass.
 
-Where it applies: ``nn.Linear`` modules of the class's own ``forward`` without hooks (their
-own or global), whose bf16 weight (and bias, if any) are strided CPU tensors, called without
+Where it applies: ``nn.Linear`` modules of the class's own ``forward`` or
+:mod:`~bb_lightning.engine.host_linear`'s (whose kernel keeps the calls of at most
+:data:`~bb_lightning.engine.host_linear.MAX_ROWS` rows: it needs no layout at all), without
+hooks (their own or global), whose bf16 weight (and bias, if any) are strided CPU tensors, called without
 an autograd graph to record, torch running eagerly
 (:func:`~bb_lightning.engine.host_norm.eager`), with a bf16 CPU input; every other call runs
 the class's ``forward``. The first call of each shape (rows, in, out, bias) in a process also
@@ -25,14 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as nn_module
 
-from bb_lightning.engine import host_norm
+from bb_lightning.engine import host_linear, host_norm
 
 __all__ = ["available", "pack_weight", "packed_linears", "packed_product"]
 
@@ -92,12 +94,17 @@ def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
         yield
         return
     packed: dict[int, Tensor] = {}
+    few: dict[int, Callable[[Tensor], Tensor]] = {}
 
     def forward(module: nn.Linear, x: Tensor) -> Tensor:
         weight, bias = module.weight, module.bias
+        rows = x.numel() // max(x.shape[-1], 1)
+        kept = few.get(id(module))
+        if kept is not None and rows <= host_linear.MAX_ROWS:
+            return kept(x)  # host_linear's kernel serves it, or the class's forward
         if not _served(module, x):
             return F.linear(x, weight, bias)
-        key = (x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], bias is not None)
+        key = (rows, weight.shape[1], weight.shape[0], bias is not None)
         exact = _exact.get(key)
         if exact is False:
             return F.linear(x, weight, bias)
@@ -111,9 +118,14 @@ def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
             return plain
         return out
 
-    restore = host_norm.swap_forwards(block, _plain_linear, forward)
+    for module in block.modules():
+        before = vars(module).get("forward")
+        if type(module) is nn.Linear and before is not None and host_linear.installed(before):
+            few[id(module)] = before
+    restore = host_norm.swap_forwards(block, _plain_linear, forward, over=host_linear.installed)
     try:
         yield
     finally:
         restore()
         packed.clear()
+        few.clear()

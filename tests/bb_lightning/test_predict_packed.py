@@ -1,8 +1,8 @@
 """``trainer.predict`` in bf16 on a CPU device runs a prefill cut in row chunks
 (``Placement.prefill_tokens``) on each block's linear layers laid out once a block
-(``engine.host_packed``): the greedy tokens equal a run with torch's ``F.linear`` on every
-chunk, from a ``save_pretrained`` directory, and the module handed back runs its own
-``forward``."""
+(``engine.host_packed``, over ``engine.host_linear``'s kernel where it holds them): the
+greedy tokens equal a run with torch's ``F.linear`` on every chunk, from a
+``save_pretrained`` directory, and the module handed back runs its own ``forward``."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ def test_predict_prefill_chunks_on_packed_weights_predict_torch_s_tokens(
     per_block = sum(type(m) is nn.Linear for m in model.model.layers[0].modules())
     blocks = len(model.model.layers)
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    ids = torch.randint(3, VOCAB, (12, 50), generator=g)
     mask = torch.ones_like(ids)
     ids[2, :3] = mask[2, :3] = 0  # a shorter prompt, padded on the left
-    batch = {"id": ["a", "b", "c"], "input_ids": ids, "attention_mask": mask}
+    batch = {"id": [str(i) for i in range(12)], "input_ids": ids, "attention_mask": mask}
     packs: list[tuple[int, ...]] = []
     pack = host_packed.pack_weight
 
@@ -55,17 +55,18 @@ def test_predict_prefill_chunks_on_packed_weights_predict_torch_s_tokens(
     def run(name: str) -> object:
         placement = Placement.uniform(blocks, weights=Tier.HOST)
         strategy = BalanceBeamStrategy(
-            placement=dataclasses.replace(placement, prefill_tokens=7),  # a prompt a chunk
+            # six prompts a chunk: 300 rows, past what host_linear's kernel keeps
+            placement=dataclasses.replace(placement, prefill_tokens=300),
             compute_dtype="bf16", nvme_path=str(tmp_path / name),
         )  # fmt: skip
         return tiny.predict(path, batch, strategy, NEW)
 
+    assert 300 > host_linear.MAX_ROWS
     packed = run("packed")
-    # every linear layer of every block laid out once, at the prefill (three chunks); the
-    # decode steps (three rows of one token) run whole; where the CPU has matrix tiles, their
-    # kernel keeps the layers
-    tiles = host_linear.kernel() is not None
-    assert len(packs) == (0 if tiles else blocks * per_block)
+    # every linear layer of every block laid out once, at the prefill (two chunks), whether
+    # host_linear's kernel holds the layers or not; the decode steps (12 rows of one token)
+    # run whole
+    assert len(packs) == blocks * per_block
     monkeypatch.setattr(host_packed, "available", lambda: False)
     assert run("torch") == packed
-    assert len(packs) == (0 if tiles else blocks * per_block)
+    assert len(packs) == blocks * per_block

@@ -1,8 +1,9 @@
-"""The bf16 matrix-tile product (``engine.host_linear``) against exact integer arithmetic,
-float64 and ``F.linear``, its fallbacks to the class ``forward``, and its install / restore.
+"""The bf16 product of few rows (``engine.host_linear``, on the matrix tiles or on AVX-512's
+bf16 pair products) against exact integer arithmetic, float64 and ``F.linear``, its
+fallbacks to the class ``forward``, and its install / restore.
 
-Skipped where the CPU or the operating system gives no bf16 matrix tiles (the kernel is then
-never installed, which the last test checks)."""
+Skipped where the CPU has neither (the kernel is then never installed, which the last test
+checks)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def tiles() -> Callable[..., torch.Tensor]:
         pytest.skip("no C compiler on PATH")
     kern = host_linear.kernel()
     if kern is None:
-        pytest.skip("no bf16 matrix tiles on this CPU (or not granted): torch's products run")
+        pytest.skip("no bf16 matrix tiles or vector pair products here: torch's products run")
     return kern
 
 
@@ -61,7 +62,9 @@ def test_integer_products_are_exact(
     assert torch.equal(got, F.linear(x, w))
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (128, 1024, 2816), (256, 2816, 1024)])
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [*SHAPES, (128, 1024, 2816), (256, 2816, 1024), (600, 64, 96)]
+)
 def test_products_round_the_fp32_sum_like_torch(
     tiles: Callable[..., torch.Tensor], m: int, k: int, n: int
 ) -> None:

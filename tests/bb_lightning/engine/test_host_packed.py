@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bb_lightning.engine import host_packed
+from bb_lightning.engine import host_linear, host_packed
 from bb_lightning.engine.rows import call_in_row_chunks, chunk_count
 
 pytestmark = [
@@ -139,6 +139,33 @@ def test_calls_it_does_not_serve_run_the_class_forward(
         assert spied == {"pack": [], "product": []}
     if case == "grad":
         assert out.requires_grad
+
+
+def test_over_host_linear_s_kernel_chunks_of_few_rows_stay_the_kernel_s(
+    spied: dict[str, list[Any]], count_host_kernel: Callable[..., list[int]]
+) -> None:
+    """Layers that host_linear's kernel holds: a chunk of more rows than it serves multiplies
+    on the packed weights, a chunk of at most :data:`host_linear.MAX_ROWS` rows runs the
+    kernel, and the kernel's ``forward`` comes back after the call."""
+    if host_linear.kernel() is None:
+        pytest.skip("no compiled bf16 product of few rows on this CPU")
+    calls = count_host_kernel("__call__", host_linear._Kernel)
+    block = _Block()
+    block.up.bias = None  # the kernel serves no bias
+    restore = host_linear.install(block)
+    x = torch.randn(12, 30, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = _run(block, x, tokens=300)  # 10 rows a chunk: 300 and 60 rows
+        assert len(calls) == 2
+        few = block(x[10:])  # the kernel's
+        assert len(calls) == 4
+    assert 60 <= host_linear.MAX_ROWS < 300
+    assert sorted(spied["pack"]) == [(64, 96), (96, 64)] and spied["product"] == [300, 300]
+    assert torch.equal(out[:10], _reference(block, x[:10]))
+    assert torch.equal(out[10:], few)
+    assert all(host_linear.installed(vars(m)["forward"]) for m in (block.up, block.down))
+    restore()
+    assert [m for m in block.modules() if "forward" in vars(m)] == []
 
 
 def test_chunk_count_counts_the_chunks_call_in_row_chunks_cuts() -> None:
