@@ -90,6 +90,33 @@ def keep_host_allocations(max_bytes: int = 1 << 30) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, max_bytes)) & bool(mallopt(_M_TRIM_THRESHOLD, max_bytes))
 
 
+def host_kernels(model: nn.Module, compute_dtype: torch.dtype) -> Callable[[], None]:
+    """Give ``model`` (on a CPU device) the compiled kernels a generation runs: its
+    Llama-family RMS norms and rotary embeddings (:func:`~bb_lightning.engine.host_norm.install`,
+    :func:`~bb_lightning.engine.host_rope.install`) and, computing in bf16, its gated MLPs'
+    activation and product and its products of few rows
+    (:func:`~bb_lightning.engine.host_mlp.install`,
+    :func:`~bb_lightning.engine.host_linear.install`); return the function that takes them
+    all back (nothing is left installed if one install raises)."""
+    undo: list[Callable[[], None]] = []
+    installs = [host_norm.install, host_rope.install]
+    if compute_dtype == torch.bfloat16:
+        installs += [host_mlp.install, host_linear.install]
+    try:
+        for install in installs:
+            undo.append(install(model))
+    except BaseException:
+        for done in reversed(undo):
+            done()
+        raise
+
+    def restore() -> None:
+        for done in undo:
+            done()
+
+    return restore
+
+
 def release_free_heap() -> bool:
     """Give the free memory of glibc's heaps back to the system (``malloc_trim(0)``).
 
@@ -199,23 +226,7 @@ class InferenceEngine:
         :func:`~bb_lightning.engine.host_mlp.install`,
         :func:`~bb_lightning.engine.host_linear.install`) until :meth:`kernels_off`."""
         if self.device.type == "cpu" and self._restore_kernels is None:
-            undo: list[Callable[[], None]] = []
-            installs = [host_norm.install, host_rope.install]
-            if self.compute_dtype == torch.bfloat16:
-                installs += [host_mlp.install, host_linear.install]
-            try:
-                for install in installs:
-                    undo.append(install(self.model))
-            except BaseException:
-                for done in reversed(undo):
-                    done()
-                raise
-
-            def restore() -> None:
-                for done in undo:
-                    done()
-
-            self._restore_kernels = restore
+            self._restore_kernels = host_kernels(self.model, self.compute_dtype)
 
     def kernels_off(self) -> None:
         """Give the model's RMS norms, MLPs and linear layers their class ``forward`` and its model

@@ -14,14 +14,13 @@ model's pass is then ``num_blocks * block + rest``, and its FLOPs
 (:func:`~bb_lightning.planner.cost.train_flops_per_token`, no recompute) over that time, divided
 by the probe's ``device_flops``, is the efficiency the planner multiplies ``device_flops`` by.
 
-:func:`probe_predict_compute` does the same for generation, forward only: a
-prefill of whole prompts (the last token's logits only, as the generator asks)
-and a decode pass of one token per sequence over a static KV cache of the
-generator's length, through the attention the generator uses
-(:func:`~bb_lightning.engine.attention.decode_attention` on the CPU, ``sdpa`` on CUDA).
-The prefill's rate gives ``compute_efficiency``; the decode pass's rate over the
-prefill's gives ``decode_efficiency`` (thin matrix products and cache reads run
-well below the prefill's rate on a CPU).
+:func:`probe_predict_compute` does the same for generation, forward only: a prefill of whole
+prompts (the last token's logits only, as the generator asks) and a decode pass of one token
+per sequence over a static KV cache of the generator's length, through the attention the
+generator uses (:func:`~bb_lightning.engine.attention.decode_attention` on the CPU, ``sdpa``
+on CUDA) and, on a CPU device, the compiled kernels it gives the model
+(:func:`~bb_lightning.engine.inference.host_kernels`). The prefill's rate gives
+``compute_efficiency``; the decode pass's over the prefill's ``decode_efficiency``.
 
 Both probes check their passes (:mod:`bb_lightning.probe.contention`): the fastest
 pass of each series must be matched by another within ``SPREAD``, and the matrix
@@ -343,8 +342,7 @@ class PredictCompute:
     prefill_rows: int
     """Prompts in the probed prefill pass."""
     prefill_s: float
-    """The whole model's prefill of ``prefill_rows`` prompts,
-    ``num_blocks * prefill_block_s + prefill_rest_s``, seconds."""
+    """The whole model's prefill, ``num_blocks * prefill_block_s + prefill_rest_s``, seconds."""
     decode_block_s: float
     """One decode pass of ``decode_rows`` sequences through one block, seconds."""
     decode_rest_s: float
@@ -394,10 +392,7 @@ def _predict_fits(
     need += scale * rows * prompt_len * model.act_bytes_per_token_full
     need += scale * (SPAN + 2) * dec_rows * cache_len * model.kv_bytes_per_token
     need += 4 * max(rows, dec_rows) * model.vocab_size
-    if dev.type == "cuda":
-        free = cuda_device_memory(dev)
-    else:
-        free = psutil.virtual_memory().available
+    free = cuda_device_memory(dev) if dev.type == "cuda" else psutil.virtual_memory().available
     return need <= MEMORY_SHARE * free
 
 
@@ -414,20 +409,21 @@ def _predict_seconds(
     timing: Timing,
     recorded: bool = False,
 ) -> Passes:
-    """Fastest seconds of a prefill and of a decode pass through the one- and the
-    three-block model (labels ``"prefill one"``, ``"prefill more"``, ``"decode one"``,
-    ``"decode more"``), timed alternately with a matrix product; the decode token sits at
-    position ``last``."""
+    """Fastest seconds of a prefill and of a decode pass through the one- and the three-block
+    model (labels ``"prefill one"``, ``"prefill more"``, ``"decode one"``, ``"decode
+    more"``), timed alternately with a matrix product; the decode token sits at ``last``."""
     from transformers import AutoModelForCausalLM, StaticCache
 
     from bb_lightning.engine.attention import decode_attention_for
     from bb_lightning.engine.hf_quirks import forward_options, unread_outputs_off
+    from bb_lightning.engine.inference import host_kernels
 
     with torch.device(device):
         nets = [
             AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype).eval()
             for layers in (1, SPAN + 1)
         ]
+    undo = [host_kernels(net, dtype) for net in nets] if device.type == "cpu" else []
     token = prompts[:1, :1].expand(decode_rows, 1).contiguous()
     step = {
         "input_ids": token,
@@ -446,7 +442,8 @@ def _predict_seconds(
             def prefill(net: Any) -> Callable[[], None]:
                 def run() -> None:
                     sync(device)
-                    net(input_ids=prompts, use_cache=False, **last_only)
+                    with decode_attention_for(net):
+                        net(input_ids=prompts, use_cache=False, **last_only)
                     sync(device)
 
                 return run
@@ -474,6 +471,8 @@ def _predict_seconds(
                 passes, device, hw, repeats, timing, what, recorded, dtype, ceiling_of=dtype_ceiling
             )
     finally:
+        for restore in undo:  # the kernels a generation gives the model on a CPU device
+            restore()
         del nets
 
 
@@ -555,7 +554,7 @@ def probe_predict_compute(
     record = rate_cache.key(
         "predict", model, prompt_len=prompt_len, rows=rows, concurrent=concurrent,
         cache_len=cache_len, context=context, decode_position=last, dtype=dtype,
-        device=dev.type,
+        device=dev.type, host_kernels=dev.type == "cpu",  # inference.host_kernels on a CPU
     )  # fmt: skip
     known = rate_cache.recall(record)
     if known is not None and not {"prefill", "decode"} <= known.keys():

@@ -261,6 +261,31 @@ def test_predict_probe_times_prefill_and_decode_passes_and_splits_their_times(
     assert "decode at" in probe.describe(hw)
 
 
+def test_predict_probe_runs_the_kernels_a_generation_runs_on_a_cpu(
+    count_host_kernel: Callable[..., list[int]],
+) -> None:
+    """In bf16 on a CPU the probe's passes run what the engine's generation gives the model
+    there: the norms' kernel, the prefill's compiled attention and the decode pass's
+    products of few rows (where the CPU has them); the model file's attention functions are
+    transformers' again after."""
+    from bb_lightning.engine import host_norm
+
+    if host_norm.kernel() is None:
+        pytest.skip("the host kernels did not build (BB_NATIVE=0?): a generation runs torch's")
+    norms = count_host_kernel("__call__")
+    products = count_host_kernel("__call__", host_linear._Kernel)
+    prefills = count_host_kernel("prefill_attention", host_linear._Kernel)
+    cfg = config()
+    cfg.head_dim = 32  # heads of 32: the compiled prefill attention's
+    probe = calibrate.probe_predict_compute(
+        cfg, cpu(), prompt_len=32, concurrent=8, cache_len=64, repeats=1
+    )
+    assert probe is not None and norms
+    assert bool(products) == (host_linear.kernel() is not None)
+    assert bool(prefills) == (host_linear.attention_kernel() is not None)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
 def test_predict_probe_caps_the_prefill_and_skips_what_does_not_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
