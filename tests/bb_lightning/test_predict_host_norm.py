@@ -3,8 +3,9 @@ and rotary embeddings through the compiled kernels (``engine.host_norm``,
 ``engine.host_rope``) and predicts Hugging Face greedy ``generate``'s tokens (fp32) from a
 ``save_pretrained`` directory; other norms keep their class ``forward``, and the module's
 norms and its model file's rotary function come back when the engine hands it back. In
-bf16 its gated MLPs run ``engine.host_mlp`` and, where the CPU has matrix tiles, its linear
-layers ``engine.host_linear``, and it predicts the tokens torch's operations do."""
+bf16 its gated MLPs run ``engine.host_mlp`` and, where the CPU has matrix tiles or AVX-512's
+bf16 products, its linear layers ``engine.host_linear``, and it predicts the tokens torch's
+operations do."""
 
 from __future__ import annotations
 
@@ -84,13 +85,13 @@ def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
     count_host_kernel: Callable[..., list[int]],
 ) -> None:  # fmt: skip
     """In bf16 the model's gated MLPs run the one-pass SiLU and product
-    (``engine.host_mlp``), and where the CPU has matrix tiles (``engine.host_linear``) its
-    linear layers of few rows the tiles' product, with heads of 32 the prefill's attention the
+    (``engine.host_mlp``), and where the CPU has matrix tiles or AVX-512's bf16 products
+    (``engine.host_linear``) its linear layers of few rows the compiled product, with heads of 32 the prefill's attention the
     compiled attention (on the tiles, or on AVX-512's bf16 products without them), and with four query heads a key/value head the decode
     steps' attention the tiles too: the greedy tokens equal a run with torch's operations
     (and the decode attention's vector products), and the module handed back runs its own
     ``forward``."""
-    tiles = host_linear.kernel() is not None
+    products = host_linear.kernel() is not None  # on the tiles or the vectors
     attend = host_linear.attention_kernel() is not None  # on the tiles or the vectors
     calls = count_host_kernel("__call__", host_linear._Kernel)
     prefills = count_host_kernel("prefill_attention", host_linear._Kernel)
@@ -120,10 +121,10 @@ def test_predict_bf16_runs_its_mlps_and_products_through_the_kernels(
 
     kernels = run("kernels")
     steps = max(len(r["token_ids"]) for r in kernels[0])  # type: ignore[index]
-    # each block's MLP at the prefill and each step; with the tiles, at least o, gate, up and
-    # down of each block (16 k and v columns, Qwen2's biased q, k, v run the class's)
+    # each block's MLP at the prefill and each step; with the compiled product, at least o,
+    # gate, up and down of each block (16 k and v columns, Qwen2's biased q, k, v run the class's)
     assert steps >= 1 and len(mlps) >= 2 * steps
-    assert len(calls) >= 2 * 4 * steps if tiles else not calls
+    assert len(calls) >= 2 * 4 * steps if products else not calls
     # each block's attention at the prefill (heads of 8 run sdpa)
     assert len(prefills) >= 2 if attend and head_dim == 32 else not prefills
     monkeypatch.setattr(host_linear, "kernel", lambda: None)
