@@ -56,8 +56,10 @@
  * AVX-512's bf16 pair products (vdpbf16ps; AMD's Zen 4, for one), the two attention kernels
  * run the same schedule with each 32 x 32 block's products on the 512-bit vectors instead
  * (block32 below: 8 rows of a block at a time, each pair of a row broadcast to every lane
- * against a pair row of the right operand's 32 columns), bb_linear_ready returns 0 and
- * bb_linear_bf16 -1. bb_attention_ready says whether the attention kernels run; without
+ * against a pair row of the right operand's 32 columns), and bb_linear_bf16 multiplies on
+ * them too: x's pairs laid out as for the tiles, each pair of a weight row broadcast to every
+ * lane against the pairs of 16 rows of x (vec_tile below); bb_linear_ready returns 0 (no
+ * tiles). bb_attention_ready says whether the attention kernels run; without
  * either instruction set, or where the tiles are not granted, it returns 0 and every kernel
  * here -1.
  */
@@ -187,6 +189,18 @@ static inline void pairs16(const uint16_t *x, int64_t k, int64_t rows, uint32_t 
     for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + dstride * p, r[p]);
 }
 
+/* Both products' right operand: xp[mb][p][j] = the pair x[16 mb + j][2 p], x[16 mb + j][2 p
+ * + 1] of x ([m, k], zero past m), shared by the calling thread's OpenMP team. */
+static void pairs_of(const uint16_t *x, int64_t m, int64_t k, uint32_t *xp) {
+    const int64_t mblocks = (m + 15) / 16, kblocks = k / 32;
+#pragma omp for schedule(static)
+    for (int64_t mb = 0; mb < mblocks; ++mb) {
+        const int64_t rows = m - 16 * mb < 16 ? m - 16 * mb : 16;
+        for (int64_t kb = 0; kb < kblocks; ++kb)
+            pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256, 16);
+    }
+}
+
 #ifdef BB_TILES
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
@@ -198,12 +212,7 @@ int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t 
     if (xp == NULL) return -2;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t mb = 0; mb < mblocks; ++mb) {
-            const int64_t rows = m - 16 * mb < 16 ? m - 16 * mb : 16;
-            for (int64_t kb = 0; kb < kblocks; ++kb)
-                pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256, 16);
-        }
+        pairs_of(x, m, k, xp);
         configure_tiles();
         float c[32][32] __attribute__((aligned(64)));
         int first = 1;  /* this thread's first strip: its rows were not asked for ahead */
@@ -308,17 +317,12 @@ static inline void vec_tile(const uint16_t *w, int64_t k, const uint32_t *xp, in
 int bb_linear_bf16(int threads, int64_t m, int64_t n, int64_t k, const uint16_t *x,
                    const uint16_t *w, uint16_t *out) {
     if (m < 1 || n % 16 != 0 || k % 32 != 0 || k < 32) return -1;
-    const int64_t mblocks = (m + 15) / 16, pairs = k / 2, kblocks = k / 32, strips = n / 16;
+    const int64_t mblocks = (m + 15) / 16, pairs = k / 2, strips = n / 16;
     uint32_t *xp = aligned_alloc(64, (size_t)(mblocks * pairs * 16 * 4));
     if (xp == NULL) return -2;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t mb = 0; mb < mblocks; ++mb) {
-            const int64_t rows = m - 16 * mb < 16 ? m - 16 * mb : 16;
-            for (int64_t kb = 0; kb < kblocks; ++kb)
-                pairs16(x + 16 * mb * k + 32 * kb, k, rows, xp + (mb * kblocks + kb) * 256, 16);
-        }
+        pairs_of(x, m, k, xp);
         float c[16][256] __attribute__((aligned(64)));  /* c[n][m] of a strip, 256 rows m */
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < strips; ++s)
