@@ -94,7 +94,11 @@ def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
         yield
         return
     packed: dict[int, Tensor] = {}
-    few: dict[int, Callable[[Tensor], Tensor]] = {}
+    few: dict[int, Callable[[Tensor], Tensor]] = {  # layers host_linear's kernel holds
+        id(m): vars(m)["forward"]
+        for m in block.modules()
+        if type(m) is nn.Linear and host_linear.installed(vars(m).get("forward"))
+    }
 
     def forward(module: nn.Linear, x: Tensor) -> Tensor:
         weight, bias = module.weight, module.bias
@@ -118,10 +122,6 @@ def packed_linears(block: nn.Module, tokens: int) -> Iterator[None]:
             return plain
         return out
 
-    for module in block.modules():
-        before = vars(module).get("forward")
-        if type(module) is nn.Linear and before is not None and host_linear.installed(before):
-            few[id(module)] = before
     restore = host_norm.swap_forwards(block, _plain_linear, forward, over=host_linear.installed)
     try:
         yield
