@@ -65,7 +65,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -79,7 +79,7 @@ from bb_lightning.engine.native import NativeAttention, kernel
 from storage.threads import single_threaded
 
 __all__ = ["CHUNK_BYTES", "attended_prefix", "decode_attention", "decode_attention_for"]
-__all__ += ["host_attention", "uses_sdpa"]
+__all__ += ["host_attention", "one_forward", "uses_sdpa"]
 
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -95,6 +95,42 @@ _pool: tuple[int, int, ThreadPoolExecutor] | None = None
 
 _scratch = threading.local()
 """Each thread's buffer a chunk's keys or values are made dense in (see :func:`_dense`)."""
+
+_memo = threading.local()
+"""The masks of this thread's current forward and what its layers derived from them
+(see :func:`one_forward`)."""
+
+_T = TypeVar("_T")
+
+
+@contextmanager
+def one_forward() -> Iterator[None]:
+    """Within the block (one forward of the model on this thread), the attention here derives
+    what it takes from a mask tensor once, at the first layer given it (the attended prefix's
+    length, which waits for the mask's values, and the additive mask the kernels read), and
+    the later layers reuse it. transformers builds a forward's masks before its layers and
+    hands every layer of a kind the same tensor, unchanged until the forward ends; a block
+    inside another starts afresh and the outer one's masks come back after it."""
+    outer = getattr(_memo, "masks", None)
+    _memo.masks = {}
+    try:
+        yield
+    finally:
+        _memo.masks = outer
+
+
+def _per_mask(mask: Tensor, what: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+    """``make()``, once per ``mask`` tensor and ``what`` inside :func:`one_forward` (each
+    call outside one)."""
+    masks: dict[int, tuple[Tensor, dict[tuple[Any, ...], Any]]] | None
+    masks = getattr(_memo, "masks", None)
+    if masks is None:
+        return make()
+    derived = masks.setdefault(id(mask), (mask, {}))[1]  # the mask held: its id stays its own
+    if what not in derived:
+        derived[what] = make()
+    found: _T = derived[what]
+    return found
 
 
 def decode_attention(
@@ -136,10 +172,15 @@ def _decode(
 ) -> tuple[Tensor, None]:
     """:func:`decode_attention`; ``team``: the compiled kernel may run the step on the
     calling thread's OpenMP team (the caller runs the model's own operations on the CPU)."""
-    if attention_mask is not None:
-        key, value, attention_mask = attended_prefix(key, value, attention_mask)
+    source = attention_mask
+    if attention_mask is not None and attention_mask.shape[-1] >= key.shape[2]:
+        given, kv_len = attention_mask, key.shape[2]
+        used = _per_mask(given, ("used", kv_len), lambda: _attended(given, kv_len))
+        key, value, attention_mask = _cut(key, value, given, used)
     if query.shape[2] != 1:
-        out = _prefill_on_tiles(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        out = _prefill_on_tiles(
+            module, query, key, value, attention_mask, dropout, scaling, kwargs, source
+        )
         if out is not None:
             return out, None
     if (
@@ -168,9 +209,11 @@ def _decode(
     native = kernel() if NativeAttention.supports(key, value) else None
     if native is not None:
         q32 = q.to(torch.float32, memory_format=torch.contiguous_format)
-        bias = (
-            None if mask is None else native.additive_mask(mask, (batch, kv_heads, group, kv_len))
-        )
+        shape = (batch, kv_heads, group, kv_len)
+        bias = None
+        if mask is not None and source is not None:
+            grouped = mask
+            bias = _per_mask(source, ("bias", shape), lambda: native.additive_mask(grouped, shape))
         out32 = torch.empty(batch, kv_heads, group, value.shape[-1], dtype=torch.float32)
         if team and native.team and threads > 1:
             native.attend_team(q32, key, value, bias, scale, out32, threads)
@@ -190,7 +233,7 @@ def _decode(
 
 def _prefill_on_tiles(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-    dropout: float, scaling: float | None, kwargs: dict[str, Any],
+    dropout: float, scaling: float | None, kwargs: dict[str, Any], source: Tensor | None = None,
 ) -> Tensor | None:  # fmt: skip
     """A prefill's attention on the CPU's matrix tiles, or without them on its vectors' bf16
     pair products (:meth:`~bb_lightning.engine.host_linear._Kernel.prefill_attention`), where it computes what transformers' ``sdpa``
@@ -198,7 +241,9 @@ def _prefill_on_tiles(
     running eagerly, a head size that is a multiple of 32 up to 256, at most
     :data:`PREFILL_SCORES` scores a head, no dropout or option the kernel lacks, and a mask
     the kernel takes (:func:`_additive_mask`) or none (then causal as ``sdpa`` decides it,
-    over the first ``q_len`` keys as ``sdpa`` slices them); None for every other call."""
+    over the first ``q_len`` keys as ``sdpa`` slices them); None for every other call.
+    ``source``: the mask ``mask`` was cut from, under which its additive form is kept for
+    the forward's later layers (:func:`one_forward`)."""
     ts = (query, key, value)
     if (
         dropout != 0.0
@@ -233,7 +278,9 @@ def _prefill_on_tiles(
             if key.shape[2] != q_len:
                 return None
     else:
-        additive = _additive_mask(mask, batch, heads, q_len, key.shape[2])
+        kv_len, given = key.shape[2], mask
+        additive = _per_mask(mask if source is None else source, ("additive", batch, heads, q_len, kv_len),
+                             lambda: _additive_mask(given, batch, heads, q_len, kv_len))  # fmt: skip
         if additive is None:
             return None
     scale = dim**-0.5 if scaling is None else scaling
@@ -403,14 +450,23 @@ def attended_prefix(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, T
     kv_len = key.shape[2]
     if mask.shape[-1] < kv_len:
         return key, value, mask
+    return _cut(key, value, mask, _attended(mask, kv_len))
+
+
+def _attended(mask: Tensor, kv_len: int) -> int:
+    """Key positions up to and with the last of the first ``kv_len`` that any query of
+    ``mask`` (as :func:`attended_prefix` takes it) attends to; ``kv_len`` where none is."""
     mask = mask[..., :kv_len]
     attended = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     last = attended.reshape(-1, kv_len).any(0).nonzero()
-    if last.numel() == 0:
-        return key, value, mask
-    used = int(last[-1]) + 1
-    if used == kv_len:
-        return key, value, mask
+    return kv_len if last.numel() == 0 else int(last[-1]) + 1
+
+
+def _cut(key: Tensor, value: Tensor, mask: Tensor, used: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``key`` and ``value`` cut to their first ``used`` positions and ``mask`` to as many
+    (views; unchanged but ``mask`` cut to the keys' length where ``used`` is all of them)."""
+    if used == key.shape[2]:
+        return key, value, mask[..., :used]
     return key[:, :, :used], value[:, :, :used], mask[..., :used]
 
 

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from bb_lightning.engine.attention import decode_attention_for, uses_sdpa
+from bb_lightning.engine.attention import decode_attention_for, one_forward, uses_sdpa
 from bb_lightning.engine.groups import group_spans, run_groups
 from bb_lightning.engine.hf_quirks import (
     forward_options,
@@ -299,7 +299,8 @@ class LayerMajorGenerator:
             kwargs["logits_to_keep"] = 1
         self.steps += count
         try:
-            logits: Tensor = self.model(**kwargs).logits
+            with one_forward():  # the layers share what their attention derives from a mask
+                logits: Tensor = self.model(**kwargs).logits
         except (RuntimeError, AssertionError, IndexError) as err:
             broken = isinstance(err, threading.BrokenBarrierError)  # another group failed
             if broken or isinstance(err, torch.OutOfMemoryError) or not _from_model_code(err):

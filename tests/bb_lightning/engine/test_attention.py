@@ -100,6 +100,50 @@ def test_attended_prefix_keeps_every_row_s_last_position_and_the_padding() -> No
     assert attended_prefix(k, k, nothing)[0] is k
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_forward_derives_each_mask_once_and_keeps_masks_apart(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside one forward, the layers given the same mask tensor share what the first one
+    derived from it (one scan for its attended prefix); another mask tensor gets its own,
+    and a mask changed in place between two forwards is read again. Every call's output is
+    the reference's for its own mask: decode steps and bf16 prefill chunks (the compiled
+    kernels' path where the CPU has one) alike."""
+    scans: list[int] = []
+    real = attention._attended
+    monkeypatch.setattr(attention, "_attended", lambda m, n: scans.append(n) or real(m, n))
+    g = torch.Generator().manual_seed(rows)
+    b, heads, kv_heads, d, length = 3, 4, 2, 32, 40
+    at = torch.arange(length)[None, :] <= 8 + torch.arange(rows)[:, None]  # query i at 8 + i
+    short = at[None, None].repeat(b, 1, 1, 1)
+    short[0, ..., :2] = False  # left padding
+    long = short.clone()
+    long[..., 9 + rows : 21] = True
+    module = nn.Module()
+    module.num_key_value_groups = heads // kv_heads  # type: ignore[assignment]
+
+    def check(keep: Tensor) -> None:
+        q = torch.randn(b, heads, rows, d, generator=g).bfloat16()
+        k, v = (torch.randn(b, kv_heads, length, d, generator=g).bfloat16() for _ in "kv")
+        out, _ = decode_attention(module, q, k, v, keep, scaling=0.3)
+        ref = torch.cat([_reference(q[:, :, i : i + 1], k, v, keep[..., i : i + 1, :], 0.3)
+                         for i in range(rows)], dim=1)  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+    with attention.one_forward():
+        for _layer in range(3):
+            for keep in (short, long):
+                check(keep)
+    assert len(scans) == 2
+    short[..., 9 + rows : 30] = True  # the same tensor, more positions written
+    with attention.one_forward():
+        check(short)
+        check(short)
+    assert len(scans) == 3
+    check(short)  # outside a forward: each call scans
+    assert len(scans) == 4
+
+
 def test_decode_attention_bf16_close_to_reference() -> None:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, n, 64, generator=g).bfloat16() for n in (1, 40, 40))
