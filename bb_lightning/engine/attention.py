@@ -210,9 +210,8 @@ def _decode(
     if native is not None:
         q32 = q.to(torch.float32, memory_format=torch.contiguous_format)
         shape = (batch, kv_heads, group, kv_len)
-        bias = None
-        if mask is not None and source is not None:
-            grouped = mask
+        bias, grouped = None, mask
+        if grouped is not None and source is not None:  # mask is cut from source
             bias = _per_mask(source, ("bias", shape), lambda: native.additive_mask(grouped, shape))
         out32 = torch.empty(batch, kv_heads, group, value.shape[-1], dtype=torch.float32)
         if team and native.team and threads > 1:
@@ -279,7 +278,8 @@ def _prefill_on_tiles(
                 return None
     else:
         kv_len, given = key.shape[2], mask
-        additive = _per_mask(mask if source is None else source, ("additive", batch, heads, q_len, kv_len),
+        what = ("additive", batch, heads, q_len, kv_len)
+        additive = _per_mask(mask if source is None else source, what,
                              lambda: _additive_mask(given, batch, heads, q_len, kv_len))  # fmt: skip
         if additive is None:
             return None
